@@ -1,0 +1,1 @@
+"""The gRPC API (proto/kvindex/v1/kvindex.proto): servicer and server."""

@@ -1,0 +1,250 @@
+"""gRPC KvIndex service: argument checking, key computation, and response building.
+
+Runs on the same asyncio loop as ingestion, so every call sees a consistent index without locks.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from functools import lru_cache
+from typing import Any, NoReturn
+
+import grpc
+import numpy as np
+
+from kvindex.fleet.registry import InstanceState, Registry
+from kvindex.index.base import KvBlockIndex
+from kvindex.keys import keys_from_le_bytes, model_seed
+from kvindex.observability.counters import IngestCounters, Metrics
+from kvindex.scoring.overlap import COST_UNIT, OverlapCost
+from kvindex.v1 import kvindex_pb2 as pb
+from kvindex.v1 import kvindex_pb2_grpc as pb_grpc
+from kvindex.wire.codec import MAX_MODEL_LEN
+from kvindex.wire.subjects import WORKER_ID_RE
+
+MAX_PROMPT_TOKENS = 4_000_000
+MAX_BLOCK_KEYS = 1_000_000
+MAX_CANDIDATES = 100_000
+
+_seed = lru_cache(maxsize=4096)(model_seed)
+
+
+class BadRequest(ValueError):
+    """An argument error; becomes INVALID_ARGUMENT with this message."""
+
+
+def _check_candidates(candidates: Sequence[str]) -> list[str] | None:
+    if not candidates:
+        return None
+    if len(candidates) > MAX_CANDIDATES:
+        raise BadRequest(f"at most {MAX_CANDIDATES} candidates are allowed, got {len(candidates)}")
+    out = list(candidates)
+    for cand in out:
+        worker, sep, rank = cand.partition("/")
+        if not WORKER_ID_RE.fullmatch(worker) or (sep and not (rank.isdigit() and rank.isascii())):
+            raise BadRequest(
+                f"candidate {cand!r} is not an instance id: expected 'worker' or 'worker/dp_rank' "
+                "with worker matching [A-Za-z0-9_-]{1,128}"
+            )
+    return out
+
+
+def _tier_blocks(t: Sequence[int]) -> pb.TierBlocks:
+    return pb.TierBlocks(gpu=t[0], cpu=t[1], disk=t[2], shared=t[3])
+
+
+def _load(state: InstanceState, now: float) -> pb.Load:
+    load = state.load
+    age = state.status_age(now)
+    return pb.Load(
+        running=load.running,
+        waiting=load.waiting,
+        waiting_prefill_tokens=load.waiting_prefill_tokens,
+        kv_usage=load.kv_usage,
+        status_age_s=-1.0 if age is None else age,
+    )
+
+
+class KvIndexServicer(pb_grpc.KvIndexServicer):
+    def __init__(
+        self,
+        index: KvBlockIndex,
+        registry: Registry,
+        counters: IngestCounters,
+        metrics: Metrics | None = None,
+        cost: OverlapCost | None = None,
+    ) -> None:
+        self.index = index
+        self.registry = registry
+        self.counters = counters
+        self.metrics = metrics
+        self.cost = cost or OverlapCost()
+        self._latency = {
+            name: metrics.rpc_latency.labels(name) if metrics else None
+            for name in ("Score", "Lookup", "ListInstances", "Stats")
+        }
+
+    # -- request decoding ----------------------------------------------------------------------
+
+    def prompt_keys(self, request: Any) -> tuple[int, list[int]]:
+        """(block_size, block keys) of the request's prompt; block_size 0 when the model is unknown."""
+        model = request.model
+        if not model:
+            raise BadRequest("model is required")
+        if len(model) > MAX_MODEL_LEN:
+            raise BadRequest(f"model name is longer than {MAX_MODEL_LEN} characters")
+        n_tokens = len(request.token_ids)
+        n_keys = len(request.block_keys)
+        if n_tokens and n_keys:
+            raise BadRequest("set exactly one of token_ids and block_keys, not both")
+        if not n_tokens and not n_keys:
+            raise BadRequest("one of token_ids or block_keys is required (the prompt is empty)")
+        block_size = self.registry.block_size(model) or 0
+        if n_keys:
+            if request.lora or request.salt:
+                raise BadRequest("lora and salt apply to token_ids only; block_keys already include them")
+            if n_keys > MAX_BLOCK_KEYS:
+                raise BadRequest(f"at most {MAX_BLOCK_KEYS} block_keys are allowed, got {n_keys}")
+            return block_size, list(request.block_keys)
+        if n_tokens > MAX_PROMPT_TOKENS:
+            raise BadRequest(f"at most {MAX_PROMPT_TOKENS} token_ids are allowed, got {n_tokens}")
+        if not block_size:
+            return 0, []
+        # Protobuf repeated fields expose __array__: numpy copies them without a Python int per token.
+        raw = np.array(request.token_ids, dtype=np.uint32).tobytes()
+        return block_size, keys_from_le_bytes(raw, block_size, _seed(model, request.lora, request.salt))
+
+    async def _abort(self, context: grpc.aio.ServicerContext, exc: BadRequest) -> NoReturn:
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        raise AssertionError("unreachable")  # context.abort raises
+
+    def _observe(self, method: str, started: float) -> None:
+        hist = self._latency[method]
+        if hist is not None:
+            hist.observe(time.perf_counter() - started)
+
+    # -- RPCs ----------------------------------------------------------------------------------
+
+    async def Score(self, request: pb.ScoreRequest, context: grpc.aio.ServicerContext) -> pb.ScoreResponse:
+        started = time.perf_counter()
+        try:
+            block_size, keys = self.prompt_keys(request)
+            candidates = _check_candidates(request.candidates)
+        except BadRequest as exc:
+            await self._abort(context, exc)
+        response = self.score(request.model, block_size, keys, candidates, request.top_k)
+        self._observe("Score", started)
+        return response
+
+    def score(
+        self, model: str, block_size: int, keys: list[int], candidates: list[str] | None, top_k: int
+    ) -> pb.ScoreResponse:
+        response = pb.ScoreResponse(
+            model=model, block_size=block_size, total_blocks=len(keys), cost_unit=COST_UNIT
+        )
+        if not block_size:
+            return response  # unknown model: empty ranking, not an error
+        states = self.registry.routable(model, candidates)
+        matches = self.index.match(model, keys, [s.key for s in states]) if keys else {}
+        ranked = self.cost.rank(states, matches, len(keys))
+        if top_k:
+            ranked = ranked[:top_k]
+        now = self.registry.clock()
+        add = response.ranked.add
+        for cost, state, match in ranked:
+            add(
+                instance_id=state.instance_id,
+                worker=state.worker,
+                dp_rank=state.dp_rank,
+                cost=cost,
+                matched_blocks=match.length,
+                matched=_tier_blocks(match.tiers),
+                matched_tokens=match.length * block_size,
+                load=_load(state, now),
+            )
+        return response
+
+    async def Lookup(self, request: pb.LookupRequest, context: grpc.aio.ServicerContext) -> pb.LookupResponse:
+        started = time.perf_counter()
+        try:
+            block_size, keys = self.prompt_keys(request)
+            candidates = _check_candidates(request.candidates)
+        except BadRequest as exc:
+            await self._abort(context, exc)
+        response = pb.LookupResponse(
+            model=request.model, block_size=block_size, total_blocks=len(keys), block_keys=keys
+        )
+        states = self.registry.of_model(request.model)
+        if candidates is not None:
+            wanted = set(candidates)
+            states = [s for s in states if s.worker in wanted or s.instance_id in wanted]
+        matches = self.index.match(request.model, keys, [s.key for s in states]) if keys else {}
+        by_key = {s.key: s for s in states}
+        order = sorted(matches.items(), key=lambda kv: (-kv[1].length, kv[0]))
+        for key, match in order:
+            state = by_key[key]
+            response.matches.add(
+                instance_id=state.instance_id,
+                worker=state.worker,
+                dp_rank=state.dp_rank,
+                matched_blocks=match.length,
+                matched=_tier_blocks(match.tiers),
+            )
+        self._observe("Lookup", started)
+        return response
+
+    async def ListInstances(
+        self, request: pb.ListInstancesRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ListInstancesResponse:
+        started = time.perf_counter()
+        states = self.registry.of_model(request.model) if request.model else self.registry.all()
+        now = self.registry.clock()
+        response = pb.ListInstancesResponse()
+        for state in sorted(states, key=lambda s: (s.model, s.key)):
+            cap = state.capacity
+            response.instances.add(
+                instance_id=state.instance_id,
+                worker=state.worker,
+                dp_rank=state.dp_rank,
+                model=state.model,
+                block_size=state.block_size,
+                epoch=state.epoch,
+                last_seq=state.last_seq,
+                load=_load(state, now),
+                blocks=_tier_blocks(self.index.block_counts(state.key)),
+                capacity=_tier_blocks([cap.get(t, 0) for t in range(4)]),
+                batches=state.batches,
+                gaps=state.gaps,
+                missing_batches=state.missing_batches,
+                restarts=state.restarts,
+                pool=state.is_pool,
+            )
+        self._observe("ListInstances", started)
+        return response
+
+    async def Stats(self, request: pb.StatsRequest, context: grpc.aio.ServicerContext) -> pb.StatsResponse:
+        started = time.perf_counter()
+        s = self.index.stats()
+        c = self.counters
+        response = pb.StatsResponse(
+            models=s.models,
+            instances=s.instances,
+            distinct_blocks=_tier_blocks(s.distinct_blocks),
+            entries=_tier_blocks(s.entries),
+            batches_received=c.batches_received,
+            batches_applied=c.batches_applied,
+            batches_duplicate=c.duplicates,
+            batches_stale_epoch=c.stale_epochs,
+            gaps=c.gaps,
+            missing_batches=c.missing_batches,
+            restarts=c.restarts,
+            status_received=c.status_received,
+            events_stored=c.events_applied[0],
+            events_removed=c.events_applied[1],
+            events_cleared=c.events_applied[2],
+            rejects_total=c.rejects_total,
+            rejects_by_reason=dict(c.rejects),
+        )
+        self._observe("Stats", started)
+        return response

@@ -1,0 +1,118 @@
+"""Command line: ``kvindex serve`` runs the service; score, lookup, stats and instances query it."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from kvindex.observability.logs import configure_logging
+
+
+def _add_serve(sub: Any) -> None:
+    p = sub.add_parser("serve", help="run the index service")
+    p.add_argument("--nats", default=None, help="NATS URL; without it an embedded nats-server is started")
+    p.add_argument("--grpc-host", default="0.0.0.0")
+    p.add_argument("--grpc-port", type=int, default=50051)
+    p.add_argument("--subject-prefix", default="kvindex")
+    p.add_argument("--metrics-port", type=int, default=9400, help="Prometheus /metrics port; -1 disables")
+    p.add_argument("--metrics-host", default="0.0.0.0")
+    p.add_argument("--log-format", choices=("auto", "json", "console"), default="auto")
+    p.add_argument("--log-level", default="info")
+
+
+def _add_query(sub: Any, name: str, help_text: str, prompt: bool) -> None:
+    p = sub.add_parser(name, help=help_text)
+    p.add_argument("--server", default="127.0.0.1:50051", help="gRPC address of a running kvindex")
+    p.add_argument("--timeout", type=float, default=5.0)
+    if prompt:
+        p.add_argument("--model", required=True)
+        p.add_argument("--lora", default="")
+        p.add_argument("--salt", default="")
+        g = p.add_mutually_exclusive_group(required=True)
+        g.add_argument("--tokens", help="comma-separated token ids, or @FILE with a JSON list")
+        g.add_argument("--keys", help="comma-separated block keys, or @FILE with a JSON list")
+        p.add_argument("--candidates", default="", help="comma-separated instance ids")
+        if name == "score":
+            p.add_argument("--top-k", type=int, default=0)
+    elif name == "instances":
+        p.add_argument("--model", default="")
+
+
+def _int_list(spec: str) -> list[int]:
+    if spec.startswith("@"):
+        data = json.loads(Path(spec[1:]).read_text())
+        if not isinstance(data, list):
+            raise SystemExit(f"{spec[1:]}: expected a JSON list of integers")
+        return [int(x) for x in data]
+    return [int(x) for x in spec.replace(" ", "").split(",") if x]
+
+
+def _query(args: argparse.Namespace) -> int:
+    import grpc
+    from google.protobuf.json_format import MessageToDict
+
+    from kvindex.v1 import kvindex_pb2 as pb
+    from kvindex.v1 import kvindex_pb2_grpc as pb_grpc
+
+    with grpc.insecure_channel(args.server) as channel:
+        stub = pb_grpc.KvIndexStub(channel)
+        try:
+            if args.command in ("score", "lookup"):
+                fields: dict[str, Any] = {"model": args.model, "lora": args.lora, "salt": args.salt}
+                if args.tokens is not None:
+                    fields["token_ids"] = _int_list(args.tokens)
+                else:
+                    fields["block_keys"] = _int_list(args.keys)
+                if args.candidates:
+                    fields["candidates"] = [c for c in args.candidates.split(",") if c]
+                if args.command == "score":
+                    reply = stub.Score(pb.ScoreRequest(top_k=args.top_k, **fields), timeout=args.timeout)
+                else:
+                    reply = stub.Lookup(pb.LookupRequest(**fields), timeout=args.timeout)
+            elif args.command == "stats":
+                reply = stub.Stats(pb.StatsRequest(), timeout=args.timeout)
+            else:
+                reply = stub.ListInstances(pb.ListInstancesRequest(model=args.model), timeout=args.timeout)
+        except grpc.RpcError as exc:
+            print(f"error: {exc.code().name}: {exc.details()}", file=sys.stderr)
+            return 1
+    print(json.dumps(MessageToDict(reply, always_print_fields_with_no_presence=True), indent=2))
+    return 0
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from kvindex.service.app import IndexService, ServiceConfig, serve_until_signalled
+
+    configure_logging(args.log_format, args.log_level)
+    config = ServiceConfig(
+        nats_url=args.nats,
+        grpc_host=args.grpc_host,
+        grpc_port=args.grpc_port,
+        subject_prefix=args.subject_prefix,
+        metrics_port=None if args.metrics_port < 0 else args.metrics_port,
+        metrics_host=args.metrics_host,
+    )
+    asyncio.run(serve_until_signalled(IndexService(config)))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="kvindex", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_serve(sub)
+    _add_query(sub, "score", "rank instances for a prompt", prompt=True)
+    _add_query(sub, "lookup", "per-instance, per-tier matched blocks for a prompt", prompt=True)
+    _add_query(sub, "stats", "index size and ingest counters", prompt=False)
+    _add_query(sub, "instances", "list known instances", prompt=False)
+    args = parser.parse_args(argv)
+    if args.command == "serve":
+        return _serve(args)
+    return _query(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,118 @@
+"""What the index knows about each instance besides its blocks: model, ordering, load, health."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+from kvindex.index.base import InstanceKey
+from kvindex.wire.schema import LOCAL_TIERS, SHARED, Load
+
+
+def instance_id(instance: InstanceKey) -> str:
+    """The id the API reports: ``worker/dp_rank`` ('/' never occurs in a worker id)."""
+    return f"{instance[0]}/{instance[1]}"
+
+
+@dataclass(slots=True)
+class InstanceState:
+    key: InstanceKey
+    model: str
+    block_size: int
+    epoch: int = 0
+    last_seq: int = 0
+    last_event_ts: float = 0.0
+    first_seen: float = 0.0
+    last_status_at: float | None = None  # local monotonic time of the last heartbeat
+    last_status_ts: float = 0.0  # worker's own timestamp in that heartbeat
+    load: Load = field(default_factory=Load)
+    capacity: dict[int, int] = field(default_factory=dict)
+    reported_digest: dict[int, tuple[int, int]] = field(default_factory=dict)
+    reported_seq: int = 0
+    batches: int = 0
+    gaps: int = 0
+    missing_batches: int = 0
+    restarts: int = 0
+    local_blocks_seen: bool = False
+
+    @property
+    def instance_id(self) -> str:
+        return instance_id(self.key)
+
+    @property
+    def worker(self) -> str:
+        return self.key[0]
+
+    @property
+    def dp_rank(self) -> int:
+        return self.key[1]
+
+    @property
+    def is_pool(self) -> bool:
+        """A shared-pool publisher (e.g. a bridge in front of Mooncake Store): not routable."""
+        if self.capacity:
+            return SHARED in self.capacity and not any(self.capacity.get(t) for t in LOCAL_TIERS)
+        return not self.local_blocks_seen and self.batches > 0
+
+    def status_age(self, now: float) -> float | None:
+        return None if self.last_status_at is None else max(0.0, now - self.last_status_at)
+
+
+class Registry:
+    """Instances by key and by model, and each model's block size (announced by its workers)."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self.clock = clock
+        self._states: dict[InstanceKey, InstanceState] = {}
+        self._by_model: dict[str, dict[InstanceKey, InstanceState]] = {}
+
+    def __len__(self) -> int:
+        return len(self._states)
+
+    def get(self, instance: InstanceKey) -> InstanceState | None:
+        return self._states.get(instance)
+
+    def all(self) -> list[InstanceState]:
+        return list(self._states.values())
+
+    def models(self) -> list[str]:
+        return list(self._by_model)
+
+    def block_size(self, model: str) -> int | None:
+        members = self._by_model.get(model)
+        if not members:
+            return None
+        return next(iter(members.values())).block_size
+
+    def add(self, instance: InstanceKey, model: str, block_size: int) -> InstanceState:
+        state = InstanceState(instance, model, block_size, first_seen=self.clock())
+        self._states[instance] = state
+        self._by_model.setdefault(model, {})[instance] = state
+        return state
+
+    def remove(self, instance: InstanceKey) -> InstanceState | None:
+        state = self._states.pop(instance, None)
+        if state is not None:
+            members = self._by_model[state.model]
+            del members[instance]
+            if not members:
+                del self._by_model[state.model]
+        return state
+
+    def of_model(self, model: str) -> list[InstanceState]:
+        return list(self._by_model.get(model, {}).values())
+
+    def routable(self, model: str, candidates: Iterable[str] | None = None) -> list[InstanceState]:
+        """Instances of ``model`` a request may go to, optionally limited to ``candidates``.
+
+        A candidate is an instance id (``worker/rank``) or a bare worker id (all of its ranks).
+        """
+        members = self._by_model.get(model)
+        if not members:
+            return []
+        states = [s for s in members.values() if not s.is_pool]
+        if candidates is None:
+            return states
+        wanted = set(candidates)
+        return [s for s in states if s.worker in wanted or s.instance_id in wanted]

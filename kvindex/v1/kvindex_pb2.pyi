@@ -1,0 +1,224 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class TierBlocks(_message.Message):
+    __slots__ = ("gpu", "cpu", "disk", "shared")
+    GPU_FIELD_NUMBER: _ClassVar[int]
+    CPU_FIELD_NUMBER: _ClassVar[int]
+    DISK_FIELD_NUMBER: _ClassVar[int]
+    SHARED_FIELD_NUMBER: _ClassVar[int]
+    gpu: int
+    cpu: int
+    disk: int
+    shared: int
+    def __init__(self, gpu: _Optional[int] = ..., cpu: _Optional[int] = ..., disk: _Optional[int] = ..., shared: _Optional[int] = ...) -> None: ...
+
+class Load(_message.Message):
+    __slots__ = ("running", "waiting", "waiting_prefill_tokens", "kv_usage", "status_age_s")
+    RUNNING_FIELD_NUMBER: _ClassVar[int]
+    WAITING_FIELD_NUMBER: _ClassVar[int]
+    WAITING_PREFILL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    KV_USAGE_FIELD_NUMBER: _ClassVar[int]
+    STATUS_AGE_S_FIELD_NUMBER: _ClassVar[int]
+    running: int
+    waiting: int
+    waiting_prefill_tokens: int
+    kv_usage: float
+    status_age_s: float
+    def __init__(self, running: _Optional[int] = ..., waiting: _Optional[int] = ..., waiting_prefill_tokens: _Optional[int] = ..., kv_usage: _Optional[float] = ..., status_age_s: _Optional[float] = ...) -> None: ...
+
+class ScoreRequest(_message.Message):
+    __slots__ = ("model", "lora", "salt", "token_ids", "block_keys", "candidates", "top_k")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    LORA_FIELD_NUMBER: _ClassVar[int]
+    SALT_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_KEYS_FIELD_NUMBER: _ClassVar[int]
+    CANDIDATES_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    lora: str
+    salt: str
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    block_keys: _containers.RepeatedScalarFieldContainer[int]
+    candidates: _containers.RepeatedScalarFieldContainer[str]
+    top_k: int
+    def __init__(self, model: _Optional[str] = ..., lora: _Optional[str] = ..., salt: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., block_keys: _Optional[_Iterable[int]] = ..., candidates: _Optional[_Iterable[str]] = ..., top_k: _Optional[int] = ...) -> None: ...
+
+class RankedInstance(_message.Message):
+    __slots__ = ("instance_id", "worker", "dp_rank", "cost", "matched_blocks", "matched", "matched_tokens", "load")
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    WORKER_FIELD_NUMBER: _ClassVar[int]
+    DP_RANK_FIELD_NUMBER: _ClassVar[int]
+    COST_FIELD_NUMBER: _ClassVar[int]
+    MATCHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    MATCHED_FIELD_NUMBER: _ClassVar[int]
+    MATCHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    LOAD_FIELD_NUMBER: _ClassVar[int]
+    instance_id: str
+    worker: str
+    dp_rank: int
+    cost: float
+    matched_blocks: int
+    matched: TierBlocks
+    matched_tokens: int
+    load: Load
+    def __init__(self, instance_id: _Optional[str] = ..., worker: _Optional[str] = ..., dp_rank: _Optional[int] = ..., cost: _Optional[float] = ..., matched_blocks: _Optional[int] = ..., matched: _Optional[_Union[TierBlocks, _Mapping]] = ..., matched_tokens: _Optional[int] = ..., load: _Optional[_Union[Load, _Mapping]] = ...) -> None: ...
+
+class ScoreResponse(_message.Message):
+    __slots__ = ("model", "block_size", "total_blocks", "ranked", "cost_unit")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    RANKED_FIELD_NUMBER: _ClassVar[int]
+    COST_UNIT_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    block_size: int
+    total_blocks: int
+    ranked: _containers.RepeatedCompositeFieldContainer[RankedInstance]
+    cost_unit: str
+    def __init__(self, model: _Optional[str] = ..., block_size: _Optional[int] = ..., total_blocks: _Optional[int] = ..., ranked: _Optional[_Iterable[_Union[RankedInstance, _Mapping]]] = ..., cost_unit: _Optional[str] = ...) -> None: ...
+
+class LookupRequest(_message.Message):
+    __slots__ = ("model", "lora", "salt", "token_ids", "block_keys", "candidates")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    LORA_FIELD_NUMBER: _ClassVar[int]
+    SALT_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_KEYS_FIELD_NUMBER: _ClassVar[int]
+    CANDIDATES_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    lora: str
+    salt: str
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    block_keys: _containers.RepeatedScalarFieldContainer[int]
+    candidates: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, model: _Optional[str] = ..., lora: _Optional[str] = ..., salt: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., block_keys: _Optional[_Iterable[int]] = ..., candidates: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class InstanceMatch(_message.Message):
+    __slots__ = ("instance_id", "worker", "dp_rank", "matched_blocks", "matched")
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    WORKER_FIELD_NUMBER: _ClassVar[int]
+    DP_RANK_FIELD_NUMBER: _ClassVar[int]
+    MATCHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    MATCHED_FIELD_NUMBER: _ClassVar[int]
+    instance_id: str
+    worker: str
+    dp_rank: int
+    matched_blocks: int
+    matched: TierBlocks
+    def __init__(self, instance_id: _Optional[str] = ..., worker: _Optional[str] = ..., dp_rank: _Optional[int] = ..., matched_blocks: _Optional[int] = ..., matched: _Optional[_Union[TierBlocks, _Mapping]] = ...) -> None: ...
+
+class LookupResponse(_message.Message):
+    __slots__ = ("model", "block_size", "total_blocks", "block_keys", "matches")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_KEYS_FIELD_NUMBER: _ClassVar[int]
+    MATCHES_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    block_size: int
+    total_blocks: int
+    block_keys: _containers.RepeatedScalarFieldContainer[int]
+    matches: _containers.RepeatedCompositeFieldContainer[InstanceMatch]
+    def __init__(self, model: _Optional[str] = ..., block_size: _Optional[int] = ..., total_blocks: _Optional[int] = ..., block_keys: _Optional[_Iterable[int]] = ..., matches: _Optional[_Iterable[_Union[InstanceMatch, _Mapping]]] = ...) -> None: ...
+
+class ListInstancesRequest(_message.Message):
+    __slots__ = ("model",)
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    def __init__(self, model: _Optional[str] = ...) -> None: ...
+
+class InstanceInfo(_message.Message):
+    __slots__ = ("instance_id", "worker", "dp_rank", "model", "block_size", "epoch", "last_seq", "load", "blocks", "capacity", "batches", "gaps", "missing_batches", "restarts", "pool")
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    WORKER_FIELD_NUMBER: _ClassVar[int]
+    DP_RANK_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    LAST_SEQ_FIELD_NUMBER: _ClassVar[int]
+    LOAD_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    CAPACITY_FIELD_NUMBER: _ClassVar[int]
+    BATCHES_FIELD_NUMBER: _ClassVar[int]
+    GAPS_FIELD_NUMBER: _ClassVar[int]
+    MISSING_BATCHES_FIELD_NUMBER: _ClassVar[int]
+    RESTARTS_FIELD_NUMBER: _ClassVar[int]
+    POOL_FIELD_NUMBER: _ClassVar[int]
+    instance_id: str
+    worker: str
+    dp_rank: int
+    model: str
+    block_size: int
+    epoch: int
+    last_seq: int
+    load: Load
+    blocks: TierBlocks
+    capacity: TierBlocks
+    batches: int
+    gaps: int
+    missing_batches: int
+    restarts: int
+    pool: bool
+    def __init__(self, instance_id: _Optional[str] = ..., worker: _Optional[str] = ..., dp_rank: _Optional[int] = ..., model: _Optional[str] = ..., block_size: _Optional[int] = ..., epoch: _Optional[int] = ..., last_seq: _Optional[int] = ..., load: _Optional[_Union[Load, _Mapping]] = ..., blocks: _Optional[_Union[TierBlocks, _Mapping]] = ..., capacity: _Optional[_Union[TierBlocks, _Mapping]] = ..., batches: _Optional[int] = ..., gaps: _Optional[int] = ..., missing_batches: _Optional[int] = ..., restarts: _Optional[int] = ..., pool: _Optional[bool] = ...) -> None: ...
+
+class ListInstancesResponse(_message.Message):
+    __slots__ = ("instances",)
+    INSTANCES_FIELD_NUMBER: _ClassVar[int]
+    instances: _containers.RepeatedCompositeFieldContainer[InstanceInfo]
+    def __init__(self, instances: _Optional[_Iterable[_Union[InstanceInfo, _Mapping]]] = ...) -> None: ...
+
+class StatsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class StatsResponse(_message.Message):
+    __slots__ = ("models", "instances", "distinct_blocks", "entries", "batches_received", "batches_applied", "batches_duplicate", "batches_stale_epoch", "gaps", "missing_batches", "restarts", "status_received", "events_stored", "events_removed", "events_cleared", "rejects_total", "rejects_by_reason")
+    class RejectsByReasonEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    MODELS_FIELD_NUMBER: _ClassVar[int]
+    INSTANCES_FIELD_NUMBER: _ClassVar[int]
+    DISTINCT_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    BATCHES_RECEIVED_FIELD_NUMBER: _ClassVar[int]
+    BATCHES_APPLIED_FIELD_NUMBER: _ClassVar[int]
+    BATCHES_DUPLICATE_FIELD_NUMBER: _ClassVar[int]
+    BATCHES_STALE_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    GAPS_FIELD_NUMBER: _ClassVar[int]
+    MISSING_BATCHES_FIELD_NUMBER: _ClassVar[int]
+    RESTARTS_FIELD_NUMBER: _ClassVar[int]
+    STATUS_RECEIVED_FIELD_NUMBER: _ClassVar[int]
+    EVENTS_STORED_FIELD_NUMBER: _ClassVar[int]
+    EVENTS_REMOVED_FIELD_NUMBER: _ClassVar[int]
+    EVENTS_CLEARED_FIELD_NUMBER: _ClassVar[int]
+    REJECTS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    REJECTS_BY_REASON_FIELD_NUMBER: _ClassVar[int]
+    models: int
+    instances: int
+    distinct_blocks: TierBlocks
+    entries: TierBlocks
+    batches_received: int
+    batches_applied: int
+    batches_duplicate: int
+    batches_stale_epoch: int
+    gaps: int
+    missing_batches: int
+    restarts: int
+    status_received: int
+    events_stored: int
+    events_removed: int
+    events_cleared: int
+    rejects_total: int
+    rejects_by_reason: _containers.ScalarMap[str, int]
+    def __init__(self, models: _Optional[int] = ..., instances: _Optional[int] = ..., distinct_blocks: _Optional[_Union[TierBlocks, _Mapping]] = ..., entries: _Optional[_Union[TierBlocks, _Mapping]] = ..., batches_received: _Optional[int] = ..., batches_applied: _Optional[int] = ..., batches_duplicate: _Optional[int] = ..., batches_stale_epoch: _Optional[int] = ..., gaps: _Optional[int] = ..., missing_batches: _Optional[int] = ..., restarts: _Optional[int] = ..., status_received: _Optional[int] = ..., events_stored: _Optional[int] = ..., events_removed: _Optional[int] = ..., events_cleared: _Optional[int] = ..., rejects_total: _Optional[int] = ..., rejects_by_reason: _Optional[_Mapping[str, int]] = ...) -> None: ...

@@ -1,0 +1,43 @@
+"""Why a message from the wire was rejected; each reason is a metric label."""
+
+from __future__ import annotations
+
+from typing import Final
+
+MALFORMED: Final = "malformed_msgpack"
+NOT_A_MAP: Final = "not_a_map"
+MISSING_FIELD: Final = "missing_field"
+BAD_TYPE: Final = "bad_type"
+BAD_VALUE: Final = "bad_value"
+UNSUPPORTED_VERSION: Final = "unsupported_version"
+SUBJECT_MISMATCH: Final = "subject_mismatch"
+BAD_SUBJECT: Final = "bad_subject"
+OVERSIZE: Final = "oversize"
+BLOCK_SIZE_MISMATCH: Final = "block_size_mismatch"
+MODEL_MISMATCH: Final = "model_mismatch"
+
+REASONS: Final = (
+    MALFORMED,
+    NOT_A_MAP,
+    MISSING_FIELD,
+    BAD_TYPE,
+    BAD_VALUE,
+    UNSUPPORTED_VERSION,
+    SUBJECT_MISMATCH,
+    BAD_SUBJECT,
+    OVERSIZE,
+    BLOCK_SIZE_MISMATCH,
+    MODEL_MISMATCH,
+)
+
+
+class WireError(ValueError):
+    """A message that breaks the wire contract. ``reason`` is one of REASONS."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+        self.message = message
+
+    def __str__(self) -> str:
+        return f"{self.reason}: {self.message}"

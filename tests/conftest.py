@@ -1,0 +1,73 @@
+"""Shared fixtures: a real nats-server, a real kvindex service and a real gRPC client over a socket."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+
+import grpc
+import nats
+import pytest
+
+from kvindex.service.app import IndexService, ServiceConfig
+from kvindex.service.natsd import EmbeddedNats
+from kvindex.v1 import kvindex_pb2_grpc as pb_grpc
+from workers_shim.publisher import Publisher
+
+ROOT = Path(__file__).resolve().parents[1]
+SHARED = ROOT.parent / "shared"
+
+
+@pytest.fixture
+async def nats_server() -> AsyncIterator[EmbeddedNats]:
+    server = EmbeddedNats()
+    await server.start()
+    try:
+        yield server
+    finally:
+        await server.stop()
+
+
+@pytest.fixture
+async def service(nats_server: EmbeddedNats) -> AsyncIterator[IndexService]:
+    svc = IndexService(ServiceConfig(nats_url=nats_server.url, grpc_host="127.0.0.1", grpc_port=0))
+    await svc.start()
+    try:
+        yield svc
+    finally:
+        await svc.stop()
+
+
+@pytest.fixture
+async def stub(service: IndexService) -> AsyncIterator[pb_grpc.KvIndexStub]:
+    async with grpc.aio.insecure_channel(service.grpc.address) as channel:
+        yield pb_grpc.KvIndexStub(channel)
+
+
+@pytest.fixture
+async def make_publisher(nats_server: EmbeddedNats) -> AsyncIterator[Callable[..., Awaitable[Publisher]]]:
+    """Factory of started publishers, each on its own NATS connection, closed at teardown."""
+    made: list[Publisher] = []
+
+    async def make(**kwargs: object) -> Publisher:
+        nc = await nats.connect(nats_server.url)
+        kwargs.setdefault("heartbeat_interval", 0.2)
+        pub = Publisher(nc, **kwargs)  # type: ignore[arg-type]
+        pub._owns_nc = True
+        await pub.start()
+        made.append(pub)
+        return pub
+
+    yield make
+    for pub in made:
+        await pub.close()
+
+
+async def wait_until(predicate: Callable[[], bool], timeout: float = 5.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        await asyncio.sleep(0.01)

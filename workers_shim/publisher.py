@@ -1,0 +1,293 @@
+"""Worker-side publisher: engines and bridges report stored/removed/cleared blocks per tier; this
+library numbers, batches and publishes them on NATS and sends status heartbeats (docs/wire.md).
+
+It keeps the worker's block set per tier, so that it
+- publishes only real changes (engines re-announce blocks on prefix hits; offload connectors repeat),
+- maintains the per-tier ``[count, xor]`` digest the index uses to detect drift,
+- can answer snapshot requests later (reconciliation).
+
+Sealing a batch and building a heartbeat happen in one synchronous step, so the digest in a
+heartbeat always describes exactly the batches up to the heartbeat's ``seq``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections import deque
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+import nats
+import structlog
+from nats.aio.client import Client
+
+from kvindex.wire.codec import encode_batch, encode_status
+from kvindex.wire.schema import TIER_NAMES
+from kvindex.wire.subjects import Subjects, valid_worker_id
+
+LoadFn = Callable[[], Mapping[str, float]]
+
+
+class Publisher:
+    def __init__(
+        self,
+        nc: Client,
+        *,
+        worker: str,
+        model: str,
+        block_size: int,
+        dp_rank: int = 0,
+        subject_prefix: str = "kvindex",
+        epoch: int | None = None,
+        flush_interval: float = 0.005,
+        max_batch_keys: int = 4096,
+        max_batch_events: int = 1024,
+        heartbeat_interval: float = 0.5,
+        history: int = 1024,
+        capacity: Mapping[str, int] | None = None,
+        load_fn: LoadFn | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        if not valid_worker_id(worker):
+            raise ValueError(f"worker id {worker!r} must match [A-Za-z0-9_-]{{1,128}}")
+        if block_size <= 0:
+            raise ValueError("block_size must be positive")
+        self.nc = nc
+        self.worker = worker
+        self.model = model
+        self.block_size = block_size
+        self.dp_rank = dp_rank
+        self.subjects = Subjects(subject_prefix)
+        # Microseconds since the Unix epoch: differs on every start and usually increases.
+        self.epoch = epoch if epoch is not None else time.time_ns() // 1000
+        self.seq = 0
+        self.flush_interval = flush_interval
+        self.max_batch_keys = max_batch_keys
+        self.max_batch_events = max_batch_events
+        self.heartbeat_interval = heartbeat_interval
+        self.capacity: dict[str, int] = dict(capacity or {})
+        self.load: dict[str, float] = {}
+        self.load_fn = load_fn
+        self.clock = clock
+        self.blocks: dict[str, set[int]] = {t: set() for t in TIER_NAMES}
+        self._xor: dict[str, int] = dict.fromkeys(TIER_NAMES, 0)
+        # Sealed batches kept for replay requests: (seq, encoded bytes).
+        self.history: deque[tuple[int, bytes]] = deque(maxlen=history)
+        self._pending: list[dict[str, Any]] = []
+        self._pending_keys = 0
+        self._dirty = asyncio.Event()
+        self._full = asyncio.Event()
+        self._tasks: list[asyncio.Task[None]] = []
+        self._events_subject = self.subjects.events(worker)
+        self._status_subject = self.subjects.status(worker)
+        self._closed = False
+        self.log = structlog.get_logger("workers_shim.publisher").bind(worker=worker, dp_rank=dp_rank)
+
+    @classmethod
+    async def connect(cls, url: str, **kwargs: Any) -> Publisher:
+        """Connect to NATS and start a publisher that owns the connection."""
+        nc = await nats.connect(url, name=f"kvshim-{kwargs.get('worker', '')}", max_reconnect_attempts=-1)
+        pub = cls(nc, **kwargs)
+        pub._owns_nc = True
+        await pub.start()
+        return pub
+
+    _owns_nc = False
+
+    # -- block changes (call from the event loop thread) --------------------------------------
+
+    def stored(self, keys: Iterable[int], tier: str = "gpu", parent: int | None = None) -> int:
+        """The worker now holds ``keys`` (a chain, in order) on ``tier``; returns how many were new."""
+        held = self.blocks[self._tier(tier)]
+        new = [k for k in keys if k not in held]
+        if not new:
+            return 0
+        held.update(new)
+        x = self._xor[tier]
+        for k in new:
+            x ^= k
+        self._xor[tier] = x
+        for start in range(0, len(new), self.max_batch_keys):
+            chunk = new[start : start + self.max_batch_keys]
+            self._queue({"type": "stored", "tier": tier, "keys": chunk, "parent": parent}, len(chunk))
+            parent = chunk[-1]
+        return len(new)
+
+    def removed(self, keys: Iterable[int], tier: str = "gpu") -> int:
+        """The worker no longer holds ``keys`` on ``tier``; returns how many it held."""
+        held = self.blocks[self._tier(tier)]
+        gone = [k for k in keys if k in held]
+        if not gone:
+            return 0
+        held.difference_update(gone)
+        x = self._xor[tier]
+        for k in gone:
+            x ^= k
+        self._xor[tier] = x
+        for start in range(0, len(gone), self.max_batch_keys):
+            chunk = gone[start : start + self.max_batch_keys]
+            self._queue({"type": "removed", "tier": tier, "keys": chunk}, len(chunk))
+        return len(gone)
+
+    def cleared(self, tier: str | None = None) -> int:
+        """The worker dropped every block on ``tier`` (every tier when None)."""
+        tiers = TIER_NAMES if tier is None else (self._tier(tier),)
+        dropped = 0
+        for t in tiers:
+            dropped += len(self.blocks[t])
+            self.blocks[t] = set()
+            self._xor[t] = 0
+        self._queue({"type": "cleared", "tier": tier}, 0)
+        return dropped
+
+    def set_load(
+        self,
+        *,
+        running: int = 0,
+        waiting: int = 0,
+        waiting_prefill_tokens: int = 0,
+        kv_usage: float = 0.0,
+        **extra: float,
+    ) -> None:
+        self.load = {
+            "running": running,
+            "waiting": waiting,
+            "waiting_prefill_tokens": waiting_prefill_tokens,
+            "kv_usage": kv_usage,
+            **extra,
+        }
+
+    def digest(self, tier: str) -> tuple[int, int]:
+        return (len(self.blocks[tier]), self._xor[tier])
+
+    # -- batching and publishing --------------------------------------------------------------
+
+    def _tier(self, tier: str) -> str:
+        if tier not in self.blocks:
+            raise ValueError(f"tier must be one of {list(TIER_NAMES)}, got {tier!r}")
+        return tier
+
+    def _queue(self, event: dict[str, Any], n_keys: int) -> None:
+        if self._closed:
+            raise RuntimeError("publisher is closed")
+        self._pending.append(event)
+        self._pending_keys += n_keys
+        self._dirty.set()
+        if self._pending_keys >= self.max_batch_keys or len(self._pending) >= self.max_batch_events:
+            self._full.set()
+
+    def _seal(self) -> list[tuple[str, bytes]]:
+        """Turn pending events into numbered batches (synchronously) ready to publish."""
+        out: list[tuple[str, bytes]] = []
+        pending, self._pending = self._pending, []
+        self._pending_keys = 0
+        self._dirty.clear()
+        self._full.clear()
+        batch: list[dict[str, Any]] = []
+        keys = 0
+        for event in pending:
+            n = len(event.get("keys", ()))
+            if batch and (keys + n > self.max_batch_keys or len(batch) >= self.max_batch_events):
+                out.append(self._encode(batch))
+                batch, keys = [], 0
+            batch.append(event)
+            keys += n
+        if batch:
+            out.append(self._encode(batch))
+        return out
+
+    def _encode(self, events: list[dict[str, Any]]) -> tuple[str, bytes]:
+        self.seq += 1
+        data = encode_batch(
+            worker=self.worker,
+            model=self.model,
+            epoch=self.epoch,
+            seq=self.seq,
+            ts=self.clock(),
+            block_size=self.block_size,
+            dp_rank=self.dp_rank,
+            events=events,
+        )
+        self.history.append((self.seq, data))
+        return (self._events_subject, data)
+
+    def status_payload(self) -> bytes:
+        load = dict(self.load_fn()) if self.load_fn is not None else self.load
+        return encode_status(
+            worker=self.worker,
+            model=self.model,
+            epoch=self.epoch,
+            seq=self.seq,
+            ts=self.clock(),
+            block_size=self.block_size,
+            dp_rank=self.dp_rank,
+            load=load,
+            capacity=self.capacity,
+            digest={t: self.digest(t) for t in TIER_NAMES if self.blocks[t] or t in self.capacity},
+        )
+
+    async def _publish(self, messages: list[tuple[str, bytes]]) -> None:
+        for subject, data in messages:
+            await self.nc.publish(subject, data)
+
+    async def flush(self) -> None:
+        """Publish everything pending now."""
+        await self._publish(self._seal())
+
+    async def heartbeat(self) -> None:
+        """Publish pending batches and then a status heartbeat consistent with them."""
+        messages = self._seal()
+        messages.append((self._status_subject, self.status_payload()))
+        await self._publish(messages)
+
+    async def start(self) -> None:
+        self._tasks = [
+            asyncio.create_task(self._flush_loop(), name=f"kvshim-flush-{self.worker}"),
+            asyncio.create_task(self._heartbeat_loop(), name=f"kvshim-heartbeat-{self.worker}"),
+        ]
+        await self.heartbeat()
+
+    async def _flush_loop(self) -> None:
+        while True:
+            await self._dirty.wait()
+            # Linger briefly so that events of one engine step share a batch, unless it is full.
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._full.wait(), self.flush_interval)
+            try:
+                await self.flush()
+            except Exception as exc:  # keep publishing after transient NATS errors
+                self.log.warning("flush_failed", error=str(exc))
+                await asyncio.sleep(self.flush_interval)
+
+    async def _heartbeat_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.heartbeat_interval)
+            try:
+                await self.heartbeat()
+            except Exception as exc:
+                self.log.warning("heartbeat_failed", error=str(exc))
+
+    async def close(self) -> None:
+        """Flush, send a last heartbeat and stop (closing the NATS connection if we opened it)."""
+        if self._closed:
+            return
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        self._tasks = []
+        if not self.nc.is_closed:
+            await self.heartbeat()
+            await self.nc.flush()
+        self._closed = True
+        if self._owns_nc and not self.nc.is_closed:
+            await self.nc.drain()
+
+    async def __aenter__(self) -> Publisher:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
