@@ -25,6 +25,17 @@ def nats_server_binary() -> str:
     )
 
 
+def _die_with_parent() -> None:
+    """Linux: the child gets SIGTERM when its parent dies, so a killed service leaves no orphan server."""
+    try:
+        import ctypes
+        import signal
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG = 1
+    except Exception:  # not Linux, or no libc: nothing to do
+        pass
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
@@ -53,7 +64,10 @@ class EmbeddedNats:
                 self._store = tempfile.TemporaryDirectory(prefix="kvindex-js-")
                 args += ["-js", "-sd", self._store.name]
             proc = await asyncio.create_subprocess_exec(
-                *args, stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE
+                *args,
+                stdout=asyncio.subprocess.DEVNULL,
+                stderr=asyncio.subprocess.PIPE,
+                preexec_fn=_die_with_parent if sys.platform == "linux" else None,
             )
             if await self._wait_ready(proc, port, timeout):
                 self._proc, self.port = proc, port

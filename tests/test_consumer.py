@@ -1,0 +1,128 @@
+"""Consumer: wire bytes in, index state out; bad input is rejected whole, counted, and changes nothing."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgpack
+import pytest
+
+from kvindex.fleet.registry import Registry
+from kvindex.index import InvertedIndex
+from kvindex.ingest.consumer import Consumer
+from kvindex.wire import encode_batch, encode_status
+from kvindex.wire import errors as E
+from kvindex.wire.codec import Limits
+
+
+def make() -> Consumer:
+    return Consumer(InvertedIndex(), Registry(), limits=Limits(max_events=100, max_keys=1000))
+
+
+def ev_batch(seq: int, events: list[dict], worker: str = "w1", epoch: int = 1, **kw: Any) -> bytes:
+    fields: dict[str, Any] = {"model": "m", "block_size": 4, "ts": 0.0, "dp_rank": 0}
+    fields.update(kw)
+    return encode_batch(worker=worker, epoch=epoch, seq=seq, events=events, **fields)
+
+
+def stored(*keys: int, tier: str = "gpu") -> dict:
+    return {"type": "stored", "tier": tier, "keys": list(keys), "parent": None}
+
+
+def snapshot(c: Consumer) -> Any:
+    ix = c.index
+    return (
+        ix.stats(),
+        {i: ix.block_counts(i) for i in ix.instances()},
+        {i: ix.digest(i, 0) for i in ix.instances()},
+    )
+
+
+def test_apply_in_order_and_drop_duplicates() -> None:
+    c = make()
+    assert c.on_events("kvindex.events.w1", ev_batch(1, [stored(1, 2, 3)]))
+    assert c.on_events("kvindex.events.w1", ev_batch(2, [{"type": "removed", "tier": "gpu", "keys": [3]}]))
+    assert not c.on_events("kvindex.events.w1", ev_batch(2, [stored(9)]))  # duplicate seq: ignored
+    assert c.index.block_counts(("w1", 0)) == (2, 0, 0, 0)
+    assert c.counters.duplicates == 1 and c.counters.batches_applied == 2
+
+
+def test_gap_detected_counted_and_applied() -> None:
+    c = make()
+    c.on_events("kvindex.events.w1", ev_batch(1, [stored(1)]))
+    c.on_events("kvindex.events.w1", ev_batch(5, [stored(2)]))
+    state = c.registry.get(("w1", 0))
+    assert c.counters.gaps == 1 and c.counters.missing_batches == 3
+    assert state is not None and state.gaps == 1 and state.last_seq == 5
+
+
+def test_restart_drops_old_blocks() -> None:
+    c = make()
+    c.on_events("kvindex.events.w1", ev_batch(1, [stored(1, 2)], epoch=1))
+    c.on_events("kvindex.events.w1", ev_batch(1, [stored(7)], epoch=2))
+    assert sorted(c.index.keys_of(("w1", 0), 0)) == [7]
+    assert c.counters.restarts == 1
+    # A late batch of the old epoch must not resurrect anything.
+    assert not c.on_events("kvindex.events.w1", ev_batch(2, [stored(1)], epoch=1))
+    assert sorted(c.index.keys_of(("w1", 0), 0)) == [7]
+
+
+def test_status_with_new_epoch_clears_and_tail_loss_is_a_gap() -> None:
+    c = make()
+    c.on_events("kvindex.events.w1", ev_batch(1, [stored(1)], epoch=1))
+    st = {"model": "m", "block_size": 4, "ts": 0.0, "load": {}, "capacity": {"gpu": 10}, "digest": {}}
+    assert c.on_status("kvindex.status.w1", encode_status(worker="w1", epoch=1, seq=3, **st))
+    assert c.counters.gaps == 1 and c.counters.missing_batches == 2
+    assert c.on_status("kvindex.status.w1", encode_status(worker="w1", epoch=9, seq=0, **st))
+    assert c.index.block_counts(("w1", 0)) == (0, 0, 0, 0) and c.counters.restarts == 1
+
+
+BAD: list[tuple[str, str, bytes, str]] = [
+    ("garbage", "kvindex.events.w1", b"\x93\x01", E.MALFORMED),
+    ("not a map", "kvindex.events.w1", msgpack.packb([1]), E.NOT_A_MAP),
+    ("subject mismatch", "kvindex.events.w2", ev_batch(2, [stored(5)]), E.SUBJECT_MISMATCH),
+    ("bad subject", "kvindex.events.a b", ev_batch(2, [stored(5)]), E.BAD_SUBJECT),
+    ("wrong types", "kvindex.events.w1", ev_batch(2, [stored(5)], block_size="4"), E.BAD_TYPE),
+    ("oversize", "kvindex.events.w1", ev_batch(2, [stored(*range(1001))]), E.OVERSIZE),
+    (
+        "block size of model",
+        "kvindex.events.w9",
+        ev_batch(1, [stored(5)], worker="w9", block_size=8),
+        E.BLOCK_SIZE_MISMATCH,
+    ),
+    ("model in same epoch", "kvindex.events.w1", ev_batch(2, [stored(5)], model="other"), E.MODEL_MISMATCH),
+    ("bad event in good batch", "kvindex.events.w1", ev_batch(2, [stored(5), {"type": "x"}]), E.BAD_VALUE),
+]
+
+
+@pytest.mark.parametrize(("name", "subject", "payload", "reason"), BAD, ids=[b[0] for b in BAD])
+def test_bad_input_rejected_counted_and_harmless(
+    name: str, subject: str, payload: bytes, reason: str
+) -> None:
+    c = make()
+    assert c.on_events("kvindex.events.w1", ev_batch(1, [stored(1, 2)]))
+    before = snapshot(c)
+    assert c.on_events(subject, payload) is False
+    assert snapshot(c) == before
+    assert c.counters.rejects[reason] == 1
+    # The consumer keeps going: the next good batch applies.
+    assert c.on_events("kvindex.events.w1", ev_batch(2, [stored(3)]))
+    assert c.index.block_counts(("w1", 0)) == (3, 0, 0, 0)
+
+
+def test_bad_status_rejected() -> None:
+    c = make()
+    assert not c.on_status("kvindex.status.w1", msgpack.packb({"v": 1, "worker": "w1"}))
+    assert c.counters.rejects[E.MISSING_FIELD] == 1
+    assert c.counters.rejects_by_worker["w1"] == 1
+    assert len(c.registry) == 0
+
+
+def test_worker_restarting_with_other_model_is_reregistered() -> None:
+    c = make()
+    c.on_events("kvindex.events.w1", ev_batch(1, [stored(1)], epoch=1))
+    assert c.on_events("kvindex.events.w1", ev_batch(1, [stored(2)], epoch=2, model="m2", block_size=16))
+    state = c.registry.get(("w1", 0))
+    assert state is not None and state.model == "m2" and state.block_size == 16
+    assert c.index.model_of(("w1", 0)) == "m2"
+    assert sorted(c.index.keys_of(("w1", 0), 0)) == [2]

@@ -1,0 +1,141 @@
+"""The inverted index against a brute-force model: random event sequences, then every query compared."""
+
+from __future__ import annotations
+
+from functools import reduce
+from operator import xor
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvindex.index import KEY_MASK, NO_MATCH, InstanceMatch, InvertedIndex
+
+# Distinct in their low 60 bits (the index's key form); several use the top bits a u64 key can have.
+POOL = [1, 2, 3, 4, 5, 6, 2**63 + 7, 2**64 - 1, 2**60 + 9, 11, 12, 13]
+assert len({k & KEY_MASK for k in POOL}) == len(POOL)
+
+INSTANCES = [("a", 0), ("a", 1), ("b", 0), ("pool", 0)]
+MODEL_OF = {("a", 0): "m1", ("a", 1): "m1", ("b", 0): "m2", ("pool", 0): "m1"}
+N_TIERS = 4
+SHARED = 3
+
+keys_st = st.lists(st.sampled_from(POOL), max_size=8)
+inst_st = st.sampled_from(INSTANCES)
+tier_st = st.integers(0, N_TIERS - 1)
+op_st = st.one_of(
+    st.tuples(st.just("store"), inst_st, tier_st, keys_st),
+    st.tuples(st.just("remove"), inst_st, tier_st, keys_st),
+    st.tuples(st.just("clear"), inst_st, st.none() | tier_st, st.just([])),
+    st.tuples(st.just("drop"), inst_st, st.none(), st.just([])),
+)
+
+
+class Brute:
+    def __init__(self) -> None:
+        self.held: dict[tuple[str, int], list[set[int]]] = {}
+
+    def ensure(self, inst: tuple[str, int]) -> None:
+        self.held.setdefault(inst, [set() for _ in range(N_TIERS)])
+
+    def match(self, model: str, keys: list[int], insts: list[tuple[str, int]]) -> dict:
+        keys = [k & KEY_MASK for k in keys]
+        shared: set[int] = set()
+        for inst, tiers in self.held.items():
+            if MODEL_OF[inst] == model:
+                shared |= tiers[SHARED]
+        out = {}
+        for inst in insts:
+            if inst not in self.held or MODEL_OF[inst] != model:
+                continue
+            tiers = self.held[inst]
+            counts = [0, 0, 0, 0]
+            n = 0
+            for k in keys:
+                tier = next((t for t in range(3) if k in tiers[t]), None)
+                if tier is None and k in shared:
+                    tier = SHARED
+                if tier is None:
+                    break
+                counts[tier] += 1
+                n += 1
+            out[inst] = InstanceMatch(n, tuple(counts)) if n else NO_MATCH
+        return out
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    ops=st.lists(op_st, max_size=40),
+    queries=st.lists(
+        st.tuples(st.sampled_from(["m1", "m2"]), keys_st, st.none() | st.lists(inst_st)), max_size=6
+    ),
+)
+def test_index_agrees_with_brute_force(ops: list, queries: list) -> None:
+    ix = InvertedIndex()
+    ref = Brute()
+    for op, inst, tier, keys in ops:
+        if op == "drop":
+            expected = sum(len(s) for s in ref.held.pop(inst, []))
+            assert ix.drop_instance(inst) == expected
+            continue
+        ix.add_instance(inst, MODEL_OF[inst])
+        ref.ensure(inst)
+        sets = ref.held[inst]
+        folded = [k & KEY_MASK for k in keys]
+        if op == "store":
+            new = len(set(folded) - sets[tier])
+            assert ix.store(inst, tier, keys) == new
+            sets[tier] |= set(folded)
+        elif op == "remove":
+            gone = len(set(folded) & sets[tier])
+            assert ix.remove(inst, tier, keys) == gone
+            sets[tier] -= set(folded)
+        else:
+            tiers = range(N_TIERS) if tier is None else [tier]
+            assert ix.clear(inst, tier) == sum(len(sets[t]) for t in tiers)
+            for t in tiers:
+                sets[t] = set()
+
+    for inst in INSTANCES:
+        assert ix.has_instance(inst) == (inst in ref.held)
+        sets = ref.held.get(inst, [set()] * N_TIERS)
+        assert ix.block_counts(inst) == tuple(len(s) for s in sets)
+        for t in range(N_TIERS):
+            assert sorted(ix.keys_of(inst, t)) == sorted(sets[t])
+            assert ix.digest(inst, t) == (len(sets[t]), reduce(xor, sets[t], 0))
+
+    stats = ix.stats()
+    for t in range(N_TIERS):
+        assert stats.entries[t] == sum(len(s[t]) for s in ref.held.values())
+        assert stats.distinct_blocks[t] == len({(MODEL_OF[i], k) for i, s in ref.held.items() for k in s[t]})
+
+    for model, keys, subset in queries:
+        insts = INSTANCES if subset is None else subset
+        got = ix.match(model, keys, None if subset is None else subset)
+        assert got == ref.match(model, keys, insts)
+
+
+def test_clear_costs_only_own_blocks_and_log_compacts() -> None:
+    ix = InvertedIndex()
+    ix.add_instance(("w", 0), "m")
+    ix.add_instance(("x", 0), "m")
+    ix.store(("x", 0), 0, range(10_000, 20_000))
+    for round_ in range(20):
+        ix.store(("w", 0), 0, range(round_ * 1000, round_ * 1000 + 1000))
+        ix.remove(("w", 0), 0, range(round_ * 1000, round_ * 1000 + 1000))
+    # Churned keys do not pile up: the key log is compacted as removals accumulate.
+    assert len(ix._holders[("w", 0)].logs[0]) <= 2 * 0 + 1024 + 1000
+    assert ix.clear(("w", 0)) == 0
+    assert ix.block_counts(("x", 0)) == (10_000, 0, 0, 0)
+
+
+def test_slots_are_reused_and_bits_do_not_leak() -> None:
+    ix = InvertedIndex()
+    for i in range(5):
+        ix.add_instance((f"w{i}", 0), "m")
+        ix.store((f"w{i}", 0), 0, [1, 2, 3])
+    ix.drop_instance(("w1", 0))
+    ix.add_instance(("new", 0), "m")
+    # The new instance reuses the freed slot but inherits none of its blocks.
+    assert ix.match("m", [1, 2, 3], [("new", 0)]) == {("new", 0): NO_MATCH}
+    assert ix.match("m", [1, 2, 3], [("w2", 0)])[("w2", 0)].length == 3
+    assert ix.match("unknown", [1]) == {}

@@ -1,0 +1,116 @@
+"""Block keys: published vectors, an independent re-derivation from the spec text, and input forms."""
+
+from __future__ import annotations
+
+import json
+import struct
+from array import array
+
+import numpy as np
+import pytest
+import xxhash
+from hypothesis import given
+from hypothesis import strategies as st
+
+from kvindex.keys import block_keys, keys_from_le_bytes, model_seed, tokens_to_le_bytes
+from tests.conftest import ROOT
+
+VECTORS = json.loads((ROOT / "proto" / "vectors" / "block_keys.json").read_text())["vectors"]
+
+
+def spec_keys(
+    tokens: list[int], block_size: int, model: str, lora: str | None, salt: str | None
+) -> list[int]:
+    """The key definition of docs/wire.md, written out directly (no shared code with kvindex.keys)."""
+    seed = xxhash.xxh3_64_intdigest(
+        model.encode("utf-8") + b"\0" + (lora or "").encode("utf-8") + b"\0" + (salt or "").encode("utf-8")
+    )
+    keys, prev = [], seed
+    for start in range(0, len(tokens) - block_size + 1, block_size):
+        block = tokens[start : start + block_size]
+        prev = xxhash.xxh3_64_intdigest(struct.pack(f"<{block_size}I", *block), seed=prev)
+        keys.append(prev)
+    return keys
+
+
+def test_at_least_three_published_vectors() -> None:
+    assert len([v for v in VECTORS if v["keys"]]) >= 3
+
+
+@pytest.mark.parametrize("vector", VECTORS, ids=[v["name"] for v in VECTORS])
+def test_published_vectors(vector: dict) -> None:
+    assert model_seed(vector["model"], vector["lora"], vector["salt"]) == vector["seed"]
+    got = block_keys(vector["tokens"], vector["block_size"], vector["model"], vector["lora"], vector["salt"])
+    assert got == vector["keys"]
+    assert (
+        spec_keys(vector["tokens"], vector["block_size"], vector["model"], vector["lora"], vector["salt"])
+        == got
+    )
+    assert len(got) == len(vector["tokens"]) // vector["block_size"]
+
+
+@given(
+    tokens=st.lists(st.integers(0, 2**32 - 1), max_size=80),
+    block_size=st.integers(1, 9),
+    lora=st.none() | st.text(max_size=5),
+    salt=st.none() | st.text(max_size=5),
+)
+def test_matches_spec_for_any_prompt(
+    tokens: list[int], block_size: int, lora: str | None, salt: str | None
+) -> None:
+    assert block_keys(tokens, block_size, "model-x", lora, salt) == spec_keys(
+        tokens, block_size, "model-x", lora, salt
+    )
+
+
+@given(tokens=st.lists(st.integers(0, 2**32 - 1), min_size=8, max_size=64), cut=st.integers(1, 7))
+def test_parent_continues_the_chain(tokens: list[int], cut: int) -> None:
+    bs = 4
+    whole = block_keys(tokens, bs, "m")
+    head = block_keys(tokens[: cut * bs], bs, "m")
+    if len(head) < cut:
+        return
+    tail = block_keys(tokens[cut * bs :], bs, "m", parent=head[-1])
+    assert head + tail == whole
+
+
+def test_namespaces_are_separate() -> None:
+    toks = list(range(32))
+    base = block_keys(toks, 16, "m")
+    assert block_keys(toks, 16, "m", lora="a") != base
+    assert block_keys(toks, 16, "m", salt="s") != base
+    assert block_keys(toks, 16, "m2") != base
+    # The NUL separator keeps ("ab", "") and ("a", "b") apart.
+    assert model_seed("ab", "") != model_seed("a", "b")
+
+
+def test_equal_keys_imply_equal_prefixes() -> None:
+    a = block_keys([1, 2, 3, 4, 5, 6, 7, 8], 4, "m")
+    b = block_keys([9, 9, 9, 9, 5, 6, 7, 8], 4, "m")
+    assert a[0] != b[0] and a[1] != b[1]  # same second block content, different prefix
+
+
+def test_input_forms_agree() -> None:
+    toks = [7, 0, 2**32 - 1, 12345, 99, 100, 101, 102]
+    expected = block_keys(toks, 4, "m")
+    assert block_keys(tuple(toks), 4, "m") == expected
+    assert block_keys(np.array(toks, dtype=np.int64), 4, "m") == expected
+    assert block_keys(np.array(toks, dtype=np.uint32), 4, "m") == expected
+    assert block_keys(array("I", toks), 4, "m") == expected
+    assert block_keys(struct.pack("<8I", *toks), 4, "m") == expected
+    assert keys_from_le_bytes(tokens_to_le_bytes(toks), 4, model_seed("m")) == expected
+
+
+@pytest.mark.parametrize("bad", [[-1], [2**32], [1.5], ["x"]])
+def test_bad_tokens_raise_value_error(bad: list) -> None:
+    with pytest.raises(ValueError):
+        block_keys(bad, 1, "m")
+    with pytest.raises(ValueError):
+        block_keys(np.array(bad) if not isinstance(bad[0], str) else bad, 1, "m")
+
+
+def test_bad_block_size_and_byte_length() -> None:
+    with pytest.raises(ValueError):
+        block_keys([1, 2], 0, "m")
+    with pytest.raises(ValueError):
+        tokens_to_le_bytes(b"\x00\x01\x02")

@@ -1,0 +1,268 @@
+"""Wire codec: round trips, published message vectors, and a precise rejection for each contract breach."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import msgpack
+import pytest
+
+from kvindex.wire import (
+    CLEARED,
+    CPU,
+    DISK,
+    GPU,
+    REMOVED,
+    SHARED,
+    STORED,
+    Limits,
+    Subjects,
+    WireError,
+    decode_batch,
+    decode_status,
+    encode_batch,
+    encode_status,
+)
+from kvindex.wire import errors as E
+from tests.conftest import ROOT
+
+MESSAGES = json.loads((ROOT / "proto" / "vectors" / "messages.json").read_text())
+
+
+def batch(**over: Any) -> dict[str, Any]:
+    msg: dict[str, Any] = {
+        "v": 1,
+        "worker": "w1",
+        "model": "m",
+        "epoch": 5,
+        "seq": 1,
+        "ts": 1.5,
+        "block_size": 16,
+        "dp_rank": 0,
+        "events": [{"type": "stored", "tier": "gpu", "keys": [1, 2**64 - 1], "parent": None}],
+    }
+    msg.update(over)
+    return {k: v for k, v in msg.items() if v is not DROP}
+
+
+DROP = object()
+
+
+def pack(msg: Any) -> bytes:
+    return msgpack.packb(msg, use_bin_type=True)
+
+
+def test_published_batch_vector_decodes() -> None:
+    vec = MESSAGES["event_batch"]
+    b = decode_batch(bytes.fromhex(vec["hex"]), "gpu-node-3")
+    assert (b.worker, b.model, b.epoch, b.seq, b.block_size, b.dp_rank) == (
+        "gpu-node-3",
+        "meta-llama/Llama-3.1-8B-Instruct",
+        1764470000000000,
+        7,
+        4,
+        0,
+    )
+    assert [(e.op, e.tier, e.keys, e.parent) for e in b.events] == [
+        (STORED, GPU, [1054398093816422409, 1522510627976988810], None),
+        (REMOVED, CPU, [18348074344553213496], None),
+        (CLEARED, DISK, [], None),
+    ]
+    # The hex is exactly what the encoder produces for the decoded JSON form.
+    d = vec["decoded"]
+    assert encode_batch(
+        **{k: d[k] for k in ("worker", "model", "epoch", "seq", "ts", "block_size", "dp_rank", "events")}
+    ) == bytes.fromhex(vec["hex"])
+
+
+def test_published_status_vector_decodes() -> None:
+    s = decode_status(bytes.fromhex(MESSAGES["status"]["hex"]), "gpu-node-3")
+    assert s.seq == 7 and s.load.running == 3 and s.load.waiting_prefill_tokens == 2048
+    assert s.load.kv_usage == pytest.approx(0.42)
+    assert s.capacity == {GPU: 24000, CPU: 100000}
+    assert s.digest[GPU] == (2, 1054398093816422409 ^ 1522510627976988810)
+
+
+def test_round_trip_all_event_types_and_unknown_fields_ignored() -> None:
+    msg = batch(
+        events=[
+            {"type": "stored", "tier": "shared", "keys": [3], "parent": 7, "future_field": [1, 2]},
+            {"type": "removed", "tier": "disk", "keys": []},
+            {"type": "cleared", "tier": None},
+            {"type": "cleared"},
+        ],
+        dp_rank=3,
+        something_new={"x": 1},
+    )
+    b = decode_batch(pack(msg), "w1")
+    assert b.instance == ("w1", 3)
+    assert [(e.op, e.tier, e.keys, e.parent) for e in b.events] == [
+        (STORED, SHARED, [3], 7),
+        (REMOVED, DISK, [], None),
+        (CLEARED, None, [], None),
+        (CLEARED, None, [], None),
+    ]
+
+
+def test_dp_rank_defaults_to_zero() -> None:
+    assert decode_batch(pack(batch(dp_rank=DROP)), "w1").dp_rank == 0
+
+
+BAD_BATCHES: list[tuple[str, bytes, str, str]] = [
+    ("garbage", b"\xc1\xff\x00", E.MALFORMED, "not valid msgpack"),
+    ("truncated", pack(batch())[:-3], E.MALFORMED, "not valid msgpack"),
+    ("array", pack([1, 2, 3]), E.NOT_A_MAP, "must be a msgpack map"),
+    ("version", pack(batch(v=2)), E.UNSUPPORTED_VERSION, "wire version 2"),
+    ("no version", pack(batch(v=DROP)), E.MISSING_FIELD, "'v'"),
+    ("no seq", pack(batch(seq=DROP)), E.MISSING_FIELD, "'seq'"),
+    ("no events", pack(batch(events=DROP)), E.MISSING_FIELD, "'events'"),
+    ("seq zero", pack(batch(seq=0)), E.BAD_VALUE, "'seq'=0"),
+    ("seq str", pack(batch(seq="1")), E.BAD_TYPE, "'seq' must be an integer"),
+    ("seq bool", pack(batch(seq=True)), E.BAD_TYPE, "'seq' must be an integer"),
+    ("epoch negative", pack(batch(epoch=-1)), E.BAD_VALUE, "'epoch'=-1"),
+    ("ts str", pack(batch(ts="now")), E.BAD_TYPE, "'ts' must be a number"),
+    ("block size 0", pack(batch(block_size=0)), E.BAD_VALUE, "'block_size'=0"),
+    ("model empty", pack(batch(model="")), E.BAD_VALUE, "'model'"),
+    ("model int", pack(batch(model=3)), E.BAD_TYPE, "'model' must be a string"),
+    ("worker bad chars", pack(batch(worker="w 1")), E.BAD_VALUE, "'worker'"),
+    ("subject mismatch", pack(batch(worker="w2")), E.SUBJECT_MISMATCH, "differs from subject worker 'w1'"),
+    ("events not list", pack(batch(events={"a": 1})), E.BAD_TYPE, "'events' must be a list"),
+    ("event not map", pack(batch(events=[["stored"]])), E.NOT_A_MAP, "events[0] must be a map"),
+    (
+        "event type",
+        pack(batch(events=[{"type": "evicted", "tier": "gpu", "keys": []}])),
+        E.BAD_VALUE,
+        "'type'",
+    ),
+    ("tier", pack(batch(events=[{"type": "stored", "tier": "hbm", "keys": [1]}])), E.BAD_VALUE, "'tier'"),
+    ("no tier", pack(batch(events=[{"type": "removed", "keys": [1]}])), E.MISSING_FIELD, "'tier'"),
+    ("no keys", pack(batch(events=[{"type": "removed", "tier": "gpu"}])), E.MISSING_FIELD, "'keys'"),
+    (
+        "keys str",
+        pack(batch(events=[{"type": "stored", "tier": "gpu", "keys": "abc"}])),
+        E.BAD_TYPE,
+        "'keys' must be a list",
+    ),
+    (
+        "key float",
+        pack(batch(events=[{"type": "stored", "tier": "gpu", "keys": [1, 2.0]}])),
+        E.BAD_TYPE,
+        "unsigned 64-bit",
+    ),
+    (
+        "key neg",
+        pack(batch(events=[{"type": "stored", "tier": "gpu", "keys": [1, -2]}])),
+        E.BAD_VALUE,
+        "unsigned 64-bit",
+    ),
+    (
+        "key none",
+        pack(batch(events=[{"type": "removed", "tier": "gpu", "keys": [None]}])),
+        E.BAD_TYPE,
+        "unsigned 64-bit",
+    ),
+    (
+        "parent str",
+        pack(batch(events=[{"type": "stored", "tier": "gpu", "keys": [1], "parent": "p"}])),
+        E.BAD_TYPE,
+        "parent",
+    ),
+]
+
+
+@pytest.mark.parametrize(("name", "payload", "reason", "text"), BAD_BATCHES, ids=[b[0] for b in BAD_BATCHES])
+def test_bad_batches_rejected_with_reason(name: str, payload: bytes, reason: str, text: str) -> None:
+    with pytest.raises(WireError) as info:
+        decode_batch(payload, "w1")
+    assert info.value.reason == reason
+    assert text in str(info.value)
+
+
+def test_oversize_batches() -> None:
+    limits = Limits(max_events=2, max_keys=5)
+    ev = {"type": "stored", "tier": "gpu", "keys": [1, 2, 3], "parent": None}
+    with pytest.raises(WireError) as info:
+        decode_batch(pack(batch(events=[ev, ev, ev])), "w1", limits)
+    assert info.value.reason == E.OVERSIZE and "3 events" in info.value.message
+    with pytest.raises(WireError) as info:
+        decode_batch(pack(batch(events=[ev, ev])), "w1", limits)
+    assert info.value.reason == E.OVERSIZE and "6 keys" in info.value.message
+    assert len(decode_batch(pack(batch(events=[ev])), "w1", limits).events) == 1
+
+
+def status(**over: Any) -> bytes:
+    msg: dict[str, Any] = {
+        "v": 1,
+        "worker": "w1",
+        "model": "m",
+        "epoch": 5,
+        "seq": 0,
+        "ts": 2.0,
+        "block_size": 16,
+        "load": {"running": 1, "waiting": 2, "waiting_prefill_tokens": 300, "kv_usage": 0.5, "gpu_util": 0.9},
+        "capacity": {"gpu": 100},
+        "digest": {"gpu": [0, 0]},
+    }
+    msg.update(over)
+    return pack({k: v for k, v in msg.items() if v is not DROP})
+
+
+def test_status_decodes_and_keeps_extra_load() -> None:
+    s = decode_status(status(), "w1")
+    assert s.load.extra == {"gpu_util": 0.9}
+    assert s.capacity == {GPU: 100} and s.digest == {GPU: (0, 0)}
+    assert decode_status(status(load=DROP, capacity=DROP, digest=DROP), "w1").load.running == 0
+
+
+@pytest.mark.parametrize(
+    ("over", "reason"),
+    [
+        ({"load": {"kv_usage": 1.5}}, E.BAD_VALUE),
+        ({"load": {"running": -1}}, E.BAD_VALUE),
+        ({"load": [1]}, E.BAD_TYPE),
+        ({"digest": {"gpu": [1]}}, E.BAD_TYPE),
+        ({"digest": {"vram": [1, 1]}}, E.BAD_VALUE),
+        ({"capacity": {"gpu": "lots"}}, E.BAD_TYPE),
+        ({"seq": DROP}, E.MISSING_FIELD),
+        ({"worker": "other"}, E.SUBJECT_MISMATCH),
+    ],
+)
+def test_bad_status_rejected(over: dict, reason: str) -> None:
+    with pytest.raises(WireError) as info:
+        decode_status(status(**over), "w1")
+    assert info.value.reason == reason
+
+
+def test_subjects() -> None:
+    s = Subjects("prod.kv")
+    assert s.events("w-1") == "prod.kv.events.w-1"
+    assert s.status("w_1") == "prod.kv.status.w_1"
+    assert s.snapshot("w") == "prod.kv.snapshot.w" and s.replay("w") == "prod.kv.replay.w"
+    assert s.worker_of("prod.kv.events.w-1", "events") == "w-1"
+    for bad in ("prod.kv.events.", "prod.kv.events.a.b", "prod.kv.status.w1", "other.events.w1"):
+        with pytest.raises(WireError):
+            s.worker_of(bad, "events")
+    with pytest.raises(ValueError):
+        s.events("bad id")
+    with pytest.raises(ValueError):
+        s.events("x" * 129)
+    with pytest.raises(ValueError):
+        Subjects("bad prefix")
+
+
+def test_encode_status_round_trip() -> None:
+    data = encode_status(
+        worker="w1",
+        model="m",
+        epoch=1,
+        seq=3,
+        ts=0.0,
+        block_size=8,
+        load={"running": 2},
+        capacity={"cpu": 10},
+        digest={"cpu": (1, 99)},
+        dp_rank=2,
+    )
+    s = decode_status(data, "w1")
+    assert (s.dp_rank, s.seq, s.digest, s.capacity) == (2, 3, {CPU: (1, 99)}, {CPU: 10})
