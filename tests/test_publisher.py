@@ -48,8 +48,13 @@ async def test_batches_numbered_deduplicated_and_digest_consistent(nats_server: 
     statuses = [decode_status(d, "w1") for s, d in got if s == "kvindex.status.w1"]
     assert [b.seq for b in batches] == list(range(1, len(batches) + 1))
     assert {b.epoch for b in batches} == {pub.epoch}
-    events = [(e.op, e.tier, e.keys) for b in batches for e in b.events]
-    assert events == [(STORED, GPU, [1, 2, 3]), (STORED, GPU, [4]), (REMOVED, GPU, [1]), (CLEARED, None, [])]
+    events = [(e.op, e.tier, list(e.keys)) for b in batches for e in b.events]
+    assert events == [
+        (STORED, "gpu", [1, 2, 3]),
+        (STORED, "gpu", [4]),
+        (REMOVED, "gpu", [1]),
+        (CLEARED, None, []),
+    ]
     first, mid, last = statuses[0], statuses[1], statuses[-1]
     assert first.seq == 0
     assert mid.seq == 1 and mid.digest[GPU] == (3, reduce(xor, [2, 3, 4]))

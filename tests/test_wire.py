@@ -11,10 +11,8 @@ import pytest
 from kvindex.wire import (
     CLEARED,
     CPU,
-    DISK,
     GPU,
     REMOVED,
-    SHARED,
     STORED,
     Limits,
     Subjects,
@@ -64,10 +62,10 @@ def test_published_batch_vector_decodes() -> None:
         4,
         0,
     )
-    assert [(e.op, e.tier, e.keys, e.parent) for e in b.events] == [
-        (STORED, GPU, [1054398093816422409, 1522510627976988810], None),
-        (REMOVED, CPU, [18348074344553213496], None),
-        (CLEARED, DISK, [], None),
+    assert [(e.op, e.tier, list(e.keys), e.parent) for e in b.events] == [
+        (STORED, "gpu", [1054398093816422409, 1522510627976988810], None),
+        (REMOVED, "cpu", [18348074344553213496], None),
+        (CLEARED, "disk", [], None),
     ]
     # The hex is exactly what the encoder produces for the decoded JSON form.
     d = vec["decoded"]
@@ -97,9 +95,9 @@ def test_round_trip_all_event_types_and_unknown_fields_ignored() -> None:
     )
     b = decode_batch(pack(msg), "w1")
     assert b.instance == ("w1", 3)
-    assert [(e.op, e.tier, e.keys, e.parent) for e in b.events] == [
-        (STORED, SHARED, [3], 7),
-        (REMOVED, DISK, [], None),
+    assert [(e.op, e.tier, list(e.keys), e.parent) for e in b.events] == [
+        (STORED, "shared", [3], 7),
+        (REMOVED, "disk", [], None),
         (CLEARED, None, [], None),
         (CLEARED, None, [], None),
     ]
@@ -112,61 +110,82 @@ def test_dp_rank_defaults_to_zero() -> None:
 BAD_BATCHES: list[tuple[str, bytes, str, str]] = [
     ("garbage", b"\xc1\xff\x00", E.MALFORMED, "not valid msgpack"),
     ("truncated", pack(batch())[:-3], E.MALFORMED, "not valid msgpack"),
-    ("array", pack([1, 2, 3]), E.NOT_A_MAP, "must be a msgpack map"),
+    ("array", pack([1, 2, 3]), E.NOT_A_MAP, "Expected `object`, got `array`"),
     ("version", pack(batch(v=2)), E.UNSUPPORTED_VERSION, "wire version 2"),
-    ("no version", pack(batch(v=DROP)), E.MISSING_FIELD, "'v'"),
-    ("no seq", pack(batch(seq=DROP)), E.MISSING_FIELD, "'seq'"),
-    ("no events", pack(batch(events=DROP)), E.MISSING_FIELD, "'events'"),
-    ("seq zero", pack(batch(seq=0)), E.BAD_VALUE, "'seq'=0"),
-    ("seq str", pack(batch(seq="1")), E.BAD_TYPE, "'seq' must be an integer"),
-    ("seq bool", pack(batch(seq=True)), E.BAD_TYPE, "'seq' must be an integer"),
-    ("epoch negative", pack(batch(epoch=-1)), E.BAD_VALUE, "'epoch'=-1"),
-    ("ts str", pack(batch(ts="now")), E.BAD_TYPE, "'ts' must be a number"),
-    ("block size 0", pack(batch(block_size=0)), E.BAD_VALUE, "'block_size'=0"),
-    ("model empty", pack(batch(model="")), E.BAD_VALUE, "'model'"),
-    ("model int", pack(batch(model=3)), E.BAD_TYPE, "'model' must be a string"),
-    ("worker bad chars", pack(batch(worker="w 1")), E.BAD_VALUE, "'worker'"),
+    ("future version with other fields", pack({"v": 2, "seq": "x"}), E.UNSUPPORTED_VERSION, "wire version 2"),
+    ("no version", pack(batch(v=DROP)), E.MISSING_FIELD, "missing required field `v`"),
+    ("no seq", pack(batch(seq=DROP)), E.MISSING_FIELD, "missing required field `seq`"),
+    ("no events", pack(batch(events=DROP)), E.MISSING_FIELD, "missing required field `events`"),
+    ("seq zero", pack(batch(seq=0)), E.BAD_VALUE, "`int` >= 1 - at `$.seq`"),
+    ("seq str", pack(batch(seq="1")), E.BAD_TYPE, "Expected `int`, got `str` - at `$.seq`"),
+    ("seq bool", pack(batch(seq=True)), E.BAD_TYPE, "Expected `int`, got `bool` - at `$.seq`"),
+    ("epoch negative", pack(batch(epoch=-1)), E.BAD_VALUE, "`int` >= 0 - at `$.epoch`"),
+    ("ts str", pack(batch(ts="now")), E.BAD_TYPE, "got `str` - at `$.ts`"),
+    ("block size 0", pack(batch(block_size=0)), E.BAD_VALUE, "at `$.block_size`"),
+    ("model empty", pack(batch(model="")), E.BAD_VALUE, "length >= 1 - at `$.model`"),
+    ("model int", pack(batch(model=3)), E.BAD_TYPE, "Expected `str`, got `int` - at `$.model`"),
+    ("worker bad chars", pack(batch(worker="w 1")), E.BAD_VALUE, "at `$.worker`"),
     ("subject mismatch", pack(batch(worker="w2")), E.SUBJECT_MISMATCH, "differs from subject worker 'w1'"),
-    ("events not list", pack(batch(events={"a": 1})), E.BAD_TYPE, "'events' must be a list"),
-    ("event not map", pack(batch(events=[["stored"]])), E.NOT_A_MAP, "events[0] must be a map"),
+    (
+        "events not list",
+        pack(batch(events={"a": 1})),
+        E.BAD_TYPE,
+        "Expected `array`, got `object` - at `$.events`",
+    ),
+    ("event not map", pack(batch(events=[["stored"]])), E.NOT_A_MAP, "at `$.events[0]`"),
     (
         "event type",
         pack(batch(events=[{"type": "evicted", "tier": "gpu", "keys": []}])),
         E.BAD_VALUE,
-        "'type'",
+        "'evicted' - at `$.events[0].type`",
     ),
-    ("tier", pack(batch(events=[{"type": "stored", "tier": "hbm", "keys": [1]}])), E.BAD_VALUE, "'tier'"),
-    ("no tier", pack(batch(events=[{"type": "removed", "keys": [1]}])), E.MISSING_FIELD, "'tier'"),
-    ("no keys", pack(batch(events=[{"type": "removed", "tier": "gpu"}])), E.MISSING_FIELD, "'keys'"),
+    (
+        "tier",
+        pack(batch(events=[{"type": "stored", "tier": "hbm", "keys": [1]}])),
+        E.BAD_VALUE,
+        "'hbm' - at `$.events[0].tier`",
+    ),
+    (
+        "no tier",
+        pack(batch(events=[{"type": "removed", "keys": [1]}])),
+        E.MISSING_FIELD,
+        "field `tier` - at `$.events[0]`",
+    ),
+    (
+        "no keys",
+        pack(batch(events=[{"type": "removed", "tier": "gpu"}])),
+        E.MISSING_FIELD,
+        "field `keys` - at `$.events[0]`",
+    ),
     (
         "keys str",
         pack(batch(events=[{"type": "stored", "tier": "gpu", "keys": "abc"}])),
         E.BAD_TYPE,
-        "'keys' must be a list",
+        "at `$.events[0].keys`",
     ),
     (
         "key float",
         pack(batch(events=[{"type": "stored", "tier": "gpu", "keys": [1, 2.0]}])),
         E.BAD_TYPE,
-        "unsigned 64-bit",
+        "got `float` - at `$.events[0].keys[1]`",
     ),
     (
-        "key neg",
+        "key negative",
         pack(batch(events=[{"type": "stored", "tier": "gpu", "keys": [1, -2]}])),
         E.BAD_VALUE,
-        "unsigned 64-bit",
+        ">= 0 - at `$.events[0].keys[1]`",
     ),
     (
-        "key none",
+        "key null",
         pack(batch(events=[{"type": "removed", "tier": "gpu", "keys": [None]}])),
         E.BAD_TYPE,
-        "unsigned 64-bit",
+        "got `None` - at `$.events[0].keys[0]`",
     ),
     (
         "parent str",
         pack(batch(events=[{"type": "stored", "tier": "gpu", "keys": [1], "parent": "p"}])),
         E.BAD_TYPE,
-        "parent",
+        "at `$.events[0].parent`",
     ),
 ]
 
@@ -220,17 +239,22 @@ def test_status_decodes_and_keeps_extra_load() -> None:
     [
         ({"load": {"kv_usage": 1.5}}, E.BAD_VALUE),
         ({"load": {"running": -1}}, E.BAD_VALUE),
-        ({"load": [1]}, E.BAD_TYPE),
-        ({"digest": {"gpu": [1]}}, E.BAD_TYPE),
+        ({"load": [1]}, E.NOT_A_MAP),
+        ({"load": {"running": 1.5}}, E.BAD_TYPE),
+        ({"digest": {"gpu": [1]}}, E.BAD_VALUE),
+        ({"digest": {"gpu": [1, "x"]}}, E.BAD_TYPE),
+        ({"v": 3}, E.UNSUPPORTED_VERSION),
+        (b"not msgpack", E.MALFORMED),
         ({"digest": {"vram": [1, 1]}}, E.BAD_VALUE),
         ({"capacity": {"gpu": "lots"}}, E.BAD_TYPE),
         ({"seq": DROP}, E.MISSING_FIELD),
         ({"worker": "other"}, E.SUBJECT_MISMATCH),
     ],
 )
-def test_bad_status_rejected(over: dict, reason: str) -> None:
+def test_bad_status_rejected(over: dict | bytes, reason: str) -> None:
+    payload = over if isinstance(over, bytes) else status(**over)
     with pytest.raises(WireError) as info:
-        decode_status(status(**over), "w1")
+        decode_status(payload, "w1")
     assert info.value.reason == reason
 
 

@@ -20,7 +20,7 @@ from kvindex.observability.counters import IngestCounters, Metrics
 from kvindex.scoring.overlap import COST_UNIT, OverlapCost
 from kvindex.v1 import kvindex_pb2 as pb
 from kvindex.v1 import kvindex_pb2_grpc as pb_grpc
-from kvindex.wire.codec import MAX_MODEL_LEN
+from kvindex.wire.schema import MAX_MODEL_LEN
 from kvindex.wire.subjects import WORKER_ID_RE
 
 MAX_PROMPT_TOKENS = 4_000_000

@@ -20,7 +20,7 @@ from kvindex.sequencer.cursor import Admission, Sequencer, Verdict
 from kvindex.wire import errors
 from kvindex.wire.codec import DEFAULT_LIMITS, Limits, decode_batch, decode_status
 from kvindex.wire.errors import WireError
-from kvindex.wire.schema import CLEARED, LOCAL_TIERS, STORED, EventBatch, StatusReport
+from kvindex.wire.schema import CLEARED, SHARED, STORED, TIER_BY_NAME, EventBatch, StatusReport
 from kvindex.wire.subjects import EVENTS, STATUS, Subjects
 
 
@@ -76,15 +76,18 @@ class Consumer:
         index = self.index
         key = state.key
         applied = c.events_applied
-        for op, tier, keys, _parent in batch.events:
+        tiers = TIER_BY_NAME
+        for ev in batch.events:
+            op = ev.op
             if op == STORED:
-                c.blocks_stored += index.store(key, tier, keys)  # type: ignore[arg-type]
-                if tier in LOCAL_TIERS:
+                tier = tiers[ev.tier]
+                c.blocks_stored += index.store(key, tier, ev.keys)
+                if tier != SHARED:
                     state.local_blocks_seen = True
             elif op == CLEARED:
-                c.blocks_cleared += index.clear(key, tier)
+                c.blocks_cleared += index.clear(key, None if ev.tier is None else tiers[ev.tier])
             else:
-                c.blocks_removed += index.remove(key, tier, keys)  # type: ignore[arg-type]
+                c.blocks_removed += index.remove(key, tiers[ev.tier], ev.keys)
             applied[op] += 1
         state.epoch = batch.epoch
         state.last_seq = batch.seq

@@ -21,10 +21,13 @@ from kvindex.wire.schema import (
     STORED,
     TIER_BY_NAME,
     TIER_NAMES,
+    Cleared,
     Event,
     EventBatch,
     Load,
+    Removed,
     StatusReport,
+    Stored,
 )
 from kvindex.wire.subjects import Subjects, valid_worker_id
 
@@ -40,11 +43,14 @@ __all__ = [
     "STORED",
     "TIER_BY_NAME",
     "TIER_NAMES",
+    "Cleared",
     "Event",
     "EventBatch",
     "Limits",
     "Load",
+    "Removed",
     "StatusReport",
+    "Stored",
     "Subjects",
     "WireError",
     "decode_batch",
