@@ -5,14 +5,22 @@ from __future__ import annotations
 from functools import reduce
 from operator import xor
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvindex.index import KEY_MASK, NO_MATCH, InstanceMatch, InvertedIndex
+from kvindex.index import NATIVE, InstanceMatch, InvertedIndex, _pytable
 
-# Distinct in their low 60 bits (the index's key form); several use the top bits a u64 key can have.
-POOL = [1, 2, 3, 4, 5, 6, 2**63 + 7, 2**64 - 1, 2**60 + 9, 11, 12, 13]
-assert len({k & KEY_MASK for k in POOL}) == len(POOL)
+# Small keys (they cluster in a table without mixing), zero, and the top of the u64 range.
+POOL = [0, 1, 2, 3, 4, 5, 6, 2**63 + 7, 2**64 - 1, 2**60 + 9, 11, 12]
+
+# Both table implementations must behave identically; the native one must be built here.
+BACKENDS = {"native": None, "python": _pytable}
+
+
+def test_native_extension_is_built() -> None:
+    assert NATIVE, "kvindex/index/_native.pyx was not compiled (is a C compiler installed?)"
+
 
 INSTANCES = [("a", 0), ("a", 1), ("b", 0), ("pool", 0)]
 MODEL_OF = {("a", 0): "m1", ("a", 1): "m1", ("b", 0): "m2", ("pool", 0): "m1"}
@@ -38,7 +46,6 @@ class Brute:
         self.held.setdefault(inst, [set() for _ in range(N_TIERS)])
 
     def match(self, model: str, keys: list[int], insts: list[tuple[str, int]]) -> dict:
-        keys = [k & KEY_MASK for k in keys]
         shared: set[int] = set()
         for inst, tiers in self.held.items():
             if MODEL_OF[inst] == model:
@@ -58,10 +65,12 @@ class Brute:
                     break
                 counts[tier] += 1
                 n += 1
-            out[inst] = InstanceMatch(n, tuple(counts)) if n else NO_MATCH
+            if n:
+                out[inst] = InstanceMatch(n, tuple(counts))
         return out
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @settings(max_examples=300, deadline=None)
 @given(
     ops=st.lists(op_st, max_size=40),
@@ -69,8 +78,8 @@ class Brute:
         st.tuples(st.sampled_from(["m1", "m2"]), keys_st, st.none() | st.lists(inst_st)), max_size=6
     ),
 )
-def test_index_agrees_with_brute_force(ops: list, queries: list) -> None:
-    ix = InvertedIndex()
+def test_index_agrees_with_brute_force(backend: str, ops: list, queries: list) -> None:
+    ix = InvertedIndex(BACKENDS[backend])
     ref = Brute()
     for op, inst, tier, keys in ops:
         if op == "drop":
@@ -80,15 +89,14 @@ def test_index_agrees_with_brute_force(ops: list, queries: list) -> None:
         ix.add_instance(inst, MODEL_OF[inst])
         ref.ensure(inst)
         sets = ref.held[inst]
-        folded = [k & KEY_MASK for k in keys]
         if op == "store":
-            new = len(set(folded) - sets[tier])
+            new = len(set(keys) - sets[tier])
             assert ix.store(inst, tier, keys) == new
-            sets[tier] |= set(folded)
+            sets[tier] |= set(keys)
         elif op == "remove":
-            gone = len(set(folded) & sets[tier])
+            gone = len(set(keys) & sets[tier])
             assert ix.remove(inst, tier, keys) == gone
-            sets[tier] -= set(folded)
+            sets[tier] -= set(keys)
         else:
             tiers = range(N_TIERS) if tier is None else [tier]
             assert ix.clear(inst, tier) == sum(len(sets[t]) for t in tiers)
@@ -114,8 +122,9 @@ def test_index_agrees_with_brute_force(ops: list, queries: list) -> None:
         assert got == ref.match(model, keys, insts)
 
 
-def test_clear_costs_only_own_blocks_and_log_compacts() -> None:
-    ix = InvertedIndex()
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_clear_costs_only_own_blocks_and_log_compacts(backend: str) -> None:
+    ix = InvertedIndex(BACKENDS[backend])
     ix.add_instance(("w", 0), "m")
     ix.add_instance(("x", 0), "m")
     ix.store(("x", 0), 0, range(10_000, 20_000))
@@ -128,14 +137,84 @@ def test_clear_costs_only_own_blocks_and_log_compacts() -> None:
     assert ix.block_counts(("x", 0)) == (10_000, 0, 0, 0)
 
 
-def test_slots_are_reused_and_bits_do_not_leak() -> None:
-    ix = InvertedIndex()
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_slots_are_reused_and_bits_do_not_leak(backend: str) -> None:
+    ix = InvertedIndex(BACKENDS[backend])
     for i in range(5):
         ix.add_instance((f"w{i}", 0), "m")
         ix.store((f"w{i}", 0), 0, [1, 2, 3])
     ix.drop_instance(("w1", 0))
     ix.add_instance(("new", 0), "m")
     # The new instance reuses the freed slot but inherits none of its blocks.
-    assert ix.match("m", [1, 2, 3], [("new", 0)]) == {("new", 0): NO_MATCH}
+    assert ix.match("m", [1, 2, 3], [("new", 0)]) == {}
     assert ix.match("m", [1, 2, 3], [("w2", 0)])[("w2", 0)].length == 3
     assert ix.match("unknown", [1]) == {}
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_table_under_heavy_churn(backend: str) -> None:
+    """Many keys, clustered and random, stored and removed in waves: growth, shrink, and deletions
+    that shift probe runs must never lose or invent a key."""
+    import random
+
+    rng = random.Random(7)
+    impl = BACKENDS[backend] or __import__("kvindex.index._native", fromlist=["x"])
+    table = impl.BlockTable()
+    log = impl.KeyLog()
+    truth: dict[int, int] = {}
+    universe = list(range(20_000)) + [rng.getrandbits(64) for _ in range(20_000)]
+    for wave in range(6):
+        bit = 1 << (wave % 3)
+        add = rng.sample(universe, 15_000)
+        n, x = table.add_bit(add, bit, log)
+        newly = [k for k in dict.fromkeys(add) if not truth.get(k, 0) & bit]
+        assert (n, x) == (len(newly), _xor(newly))
+        for k in add:
+            truth[k] = truth.get(k, 0) | bit
+        gone = rng.sample(universe, 20_000)
+        expected = [k for k in dict.fromkeys(gone) if truth.get(k, 0) & bit]
+        assert table.remove_bit(gone, bit) == (len(expected), _xor(expected))
+        for k in expected:
+            truth[k] ^= bit
+            if not truth[k]:
+                del truth[k]
+        assert len(table) == len(truth)
+        assert all(table.get_mask(k) == v for k, v in truth.items())
+        assert sorted(table.items()) == sorted(truth.items())
+    # Clearing bit 1 everywhere through the log, then the table holds only other bits.
+    live = table.compact_log(log, 1)
+    assert live == sum(1 for v in truth.values() if v & 1)
+    assert table.clear_logged(log, 1) == live
+    assert all(not v & 1 for _k, v in table.items())
+
+
+def _xor(keys: list[int]) -> int:
+    out = 0
+    for k in keys:
+        out ^= k
+    return out
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_many_instances_span_banks(backend: str) -> None:
+    import random
+
+    rng = random.Random(3)
+    ix = InvertedIndex(BACKENDS[backend])
+    chain = [rng.getrandbits(64) for _ in range(40)]
+    want = {}
+    for i in range(150):
+        inst = (f"w{i}", 0)
+        ix.add_instance(inst, "m")
+        n = rng.randrange(0, 41)
+        ix.store(inst, rng.randrange(0, 3), chain[:n])
+        want[inst] = n
+    pool = ("pool", 0)
+    ix.add_instance(pool, "m")  # slot 150: bank 2
+    got = ix.match("m", chain)
+    assert {i: m.length for i, m in got.items() if i != pool} == {i: n for i, n in want.items() if n}
+    ix.store(pool, 3, chain[:40])
+    got = ix.match("m", chain)
+    assert all(m.length == 40 for m in got.values())
+    assert got[("w0", 0)].tiers[3] == 40 - want[("w0", 0)]
+    assert ix.match("m", chain, [("w149", 0)])[("w149", 0)].length == 40

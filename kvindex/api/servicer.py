@@ -14,7 +14,7 @@ import grpc
 import numpy as np
 
 from kvindex.fleet.registry import InstanceState, Registry
-from kvindex.index.base import KvBlockIndex
+from kvindex.index.base import NO_MATCH, KvBlockIndex
 from kvindex.keys import keys_from_le_bytes, model_seed
 from kvindex.observability.counters import IngestCounters, Metrics
 from kvindex.scoring.overlap import COST_UNIT, OverlapCost
@@ -180,10 +180,9 @@ class KvIndexServicer(pb_grpc.KvIndexServicer):
             wanted = set(candidates)
             states = [s for s in states if s.worker in wanted or s.instance_id in wanted]
         matches = self.index.match(request.model, keys, [s.key for s in states]) if keys else {}
-        by_key = {s.key: s for s in states}
-        order = sorted(matches.items(), key=lambda kv: (-kv[1].length, kv[0]))
-        for key, match in order:
-            state = by_key[key]
+        ordered = sorted(states, key=lambda s: (-matches.get(s.key, NO_MATCH).length, s.key))
+        for state in ordered:
+            match = matches.get(state.key, NO_MATCH)
             response.matches.add(
                 instance_id=state.instance_id,
                 worker=state.worker,

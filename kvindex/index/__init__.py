@@ -1,15 +1,14 @@
 """blockKey -> instances per tier: the interface (base) and the default backend (inverted)."""
 
 from kvindex.index.base import NO_MATCH, IndexStats, InstanceKey, InstanceMatch, KvBlockIndex
-from kvindex.index.inverted import KEY_MASK, InvertedIndex, index_key
+from kvindex.index.inverted import NATIVE, InvertedIndex
 
 __all__ = [
-    "KEY_MASK",
+    "NATIVE",
     "NO_MATCH",
     "IndexStats",
     "InstanceKey",
     "InstanceMatch",
     "InvertedIndex",
     "KvBlockIndex",
-    "index_key",
 ]

@@ -31,6 +31,7 @@ class IndexStats:
     instances: int
     distinct_blocks: tuple[int, int, int, int]  # distinct keys per tier
     entries: tuple[int, int, int, int]  # (key, instance) pairs per tier
+    nbytes: int = 0  # memory held by native tables and key logs (0 for the pure-Python fallback)
 
 
 class KvBlockIndex(Protocol):
@@ -60,17 +61,17 @@ class KvBlockIndex(Protocol):
     ) -> dict[InstanceKey, InstanceMatch]:
         """Per instance of ``model`` (all, or those given), the consecutive prefix of ``keys`` it holds.
 
-        Every requested instance known to the index appears in the result, unmatched ones with
-        NO_MATCH.
+        Only instances that matched at least one block appear; look others up with NO_MATCH as the
+        default.
         """
 
     def block_counts(self, instance: InstanceKey) -> tuple[int, int, int, int]:
         """Blocks the instance holds per tier."""
 
     def digest(self, instance: InstanceKey, tier: int) -> tuple[int, int]:
-        """(count, xor of keys) of the instance's blocks on ``tier``, keys reduced as the index holds them."""
+        """(count, xor of keys) of the instance's blocks on ``tier``: comparable to a heartbeat's digest."""
 
     def keys_of(self, instance: InstanceKey, tier: int) -> Iterator[int]:
-        """The keys the instance holds on ``tier`` (as the index holds them), each once."""
+        """The keys the instance holds on ``tier``, each once."""
 
     def stats(self) -> IndexStats: ...

@@ -1,104 +1,109 @@
-"""Inverted block index: per model and tier, a dict ``key -> bitmask of instance slots``.
+"""Inverted block index: per model, tier and 64-instance bank, a table ``key -> bitmask of holders``.
 
-Why this shape (see README.md in this folder for the measurements):
-- Block keys are chained hashes, so a key already names its whole prefix: no tree is needed, a
-  prefix match is one dict probe per request block, and a bitmask AND tracks which instances are
-  still matching.
-- Keys are kept as their low 60 bits. CPython stores such ints in 32 bytes instead of 48, which is
-  the difference between ~82 and ~98 bytes per distinct block; the chance that two distinct blocks
-  of one model collide is about n^2 / 2^61 (1e-6 at 1.5 M blocks).
-- Each instance gets a slot in its model's shard; its bit is one shared int object, so the common
-  case "block held by exactly one instance" costs no memory for the value.
-- Each (instance, tier) keeps an append-only log of the keys it added (8 bytes each) instead of a
-  set (~30 bytes each), so clearing an instance costs O(its blocks), not O(index). Removed keys stay
-  in the log until it is compacted; readers re-check the bitmask, so stale log entries are harmless.
+Why this shape (README.md in this folder has the measurements):
+- Block keys are chained hashes, so a key already names its whole prefix: no tree is needed. A prefix
+  match is one table probe per request block, ANDing bitmasks; an instance whose bit drops out at
+  block i matched i blocks.
+- Instances of a model get slots; slot s lives in bank s // 64 with bit 1 << (s % 64), so a value is
+  one machine word. Most fleets have one bank per model; larger ones pay one more probe per bank.
+- Each (instance, tier) keeps an append-only log of the keys it added, so clearing an instance costs
+  O(its blocks), not O(index). Removed keys stay in the log until it is compacted; readers re-check
+  the table, so stale log entries are harmless.
+- The tables and loops are native (_native.pyx); _pytable.py is a pure-Python twin used when the
+  extension is not built (``NATIVE`` tells which one runs).
 """
 
 from __future__ import annotations
 
-from array import array
 from collections.abc import Iterable, Iterator
-from functools import reduce
-from operator import xor
+from typing import Any
 
-from kvindex.index.base import NO_MATCH, IndexStats, InstanceKey, InstanceMatch
+from kvindex.index import _pytable
+from kvindex.index.base import IndexStats, InstanceKey, InstanceMatch
 
-KEY_BITS = 60
-KEY_MASK = (1 << KEY_BITS) - 1
+try:
+    from kvindex.index import _native as tables  # type: ignore[attr-defined]
+
+    NATIVE = True
+except ImportError:  # no compiler at install time: same API, pure Python
+    tables = _pytable
+    NATIVE = False
+
+BANK_SLOTS = 64
 _N_TIERS = 4
+_SHARED = 3
 _COMPACT_SLACK = 1024
 
-# Canonical single-bit ints so that a bitmask value with one holder is one shared object.
-_SINGLE_BITS: dict[int, int] = {}
 
+class _Bank:
+    """Tables of one 64-slot bank of a model, one per tier."""
 
-def index_key(key: int) -> int:
-    """The form in which the index holds a wire key (and in which digests are compared)."""
-    return key & KEY_MASK
+    __slots__ = ("tiers",)
 
-
-def _single_bit(slot: int) -> int:
-    bit = 1 << slot
-    return _SINGLE_BITS.setdefault(bit, bit)
-
-
-def _bits(mask: int) -> Iterator[int]:
-    """Slot numbers set in ``mask``."""
-    while mask:
-        low = mask & -mask
-        yield low.bit_length() - 1
-        mask ^= low
+    def __init__(self, impl: Any) -> None:
+        self.tiers = [impl.BlockTable() for _ in range(_N_TIERS)]
 
 
 class _Shard:
-    """All instances of one model: slot allocation and the per-tier inverted maps."""
+    """All instances of one model: slot allocation and the banks."""
 
-    __slots__ = ("all_mask", "free_slots", "next_slot", "slot_owner", "tiers")
+    __slots__ = ("bank_masks", "banks", "free_slots", "impl", "next_slot", "slot_owner")
 
-    def __init__(self) -> None:
-        self.tiers: list[dict[int, int]] = [{} for _ in range(_N_TIERS)]
+    def __init__(self, impl: Any) -> None:
+        self.impl = impl
+        self.banks: list[_Bank] = []
+        self.bank_masks: list[int] = []  # occupied slots per bank
         self.slot_owner: dict[int, InstanceKey] = {}
         self.free_slots: list[int] = []
         self.next_slot = 0
-        self.all_mask = 0
 
     def allocate(self, instance: InstanceKey) -> int:
-        # Reuse the lowest free slot so bitmasks stay short in long-running fleets with churn.
+        # Reuse the lowest free slot so that instances stay packed in few banks under churn.
         if self.free_slots:
             self.free_slots.sort(reverse=True)
             slot = self.free_slots.pop()
         else:
             slot = self.next_slot
             self.next_slot += 1
+        while len(self.banks) <= slot // BANK_SLOTS:
+            self.banks.append(_Bank(self.impl))
+            self.bank_masks.append(0)
         self.slot_owner[slot] = instance
-        self.all_mask |= 1 << slot
+        self.bank_masks[slot // BANK_SLOTS] |= 1 << (slot % BANK_SLOTS)
         return slot
 
     def release(self, slot: int) -> None:
         del self.slot_owner[slot]
-        self.all_mask &= ~(1 << slot)
+        self.bank_masks[slot // BANK_SLOTS] &= ~(1 << (slot % BANK_SLOTS))
         self.free_slots.append(slot)
 
 
 class _Holder:
     """Per-instance bookkeeping: slot, per-tier counts, xor digests and key logs."""
 
-    __slots__ = ("bit", "counts", "logs", "model", "shard", "slot", "xors")
+    __slots__ = ("bank", "bit", "counts", "logs", "model", "shard", "slot", "xors")
 
     def __init__(self, model: str, shard: _Shard, slot: int) -> None:
         self.model = model
         self.shard = shard
         self.slot = slot
-        self.bit = _single_bit(slot)
+        self.bank = shard.banks[slot // BANK_SLOTS]
+        self.bit = 1 << (slot % BANK_SLOTS)
         self.counts = [0] * _N_TIERS
         self.xors = [0] * _N_TIERS
-        self.logs = [array("Q") for _ in range(_N_TIERS)]
+        self.logs = [shard.impl.KeyLog() for _ in range(_N_TIERS)]
 
 
 class InvertedIndex:
-    """The default KvBlockIndex backend (single-threaded; the service runs it on one event loop)."""
+    """The default KvBlockIndex backend (single-threaded: the service runs it on one event loop).
 
-    def __init__(self) -> None:
+    Keys must be unsigned 64-bit integers; the wire decoder and the API guarantee it.
+    """
+
+    def __init__(self, impl: Any = None) -> None:
+        # ``impl`` selects the table module (tests pass _pytable to check the twin); default native.
+        self.impl = impl or tables
+        self.native = self.impl is not _pytable
         self._shards: dict[str, _Shard] = {}
         self._holders: dict[InstanceKey, _Holder] = {}
 
@@ -112,7 +117,7 @@ class InvertedIndex:
             return
         shard = self._shards.get(model)
         if shard is None:
-            shard = self._shards[model] = _Shard()
+            shard = self._shards[model] = _Shard(self.impl)
         self._holders[instance] = _Holder(model, shard, shard.allocate(instance))
 
     def drop_instance(self, instance: InstanceKey) -> int:
@@ -146,50 +151,22 @@ class InvertedIndex:
 
     def store(self, instance: InstanceKey, tier: int, keys: Iterable[int]) -> int:
         holder = self._holders[instance]
-        table = holder.shard.tiers[tier]
-        get = table.get
-        bit = holder.bit
-        added: list[int] = []
-        add = added.append
-        for key in keys:
-            key &= KEY_MASK
-            held = get(key)
-            if held is None:
-                table[key] = bit
-                add(key)
-            elif not held & bit:
-                table[key] = held | bit
-                add(key)
+        added, x = holder.bank.tiers[tier].add_bit(keys, holder.bit, holder.logs[tier])
         if added:
-            holder.counts[tier] += len(added)
-            holder.xors[tier] = reduce(xor, added, holder.xors[tier])
-            holder.logs[tier].extend(added)
-        return len(added)
+            holder.counts[tier] += added
+            holder.xors[tier] ^= x
+        return added
 
     def remove(self, instance: InstanceKey, tier: int, keys: Iterable[int]) -> int:
         holder = self._holders[instance]
-        table = holder.shard.tiers[tier]
-        get = table.get
-        bit = holder.bit
-        removed = 0
-        digest = holder.xors[tier]
-        for key in keys:
-            key &= KEY_MASK
-            held = get(key)
-            if held is not None and held & bit:
-                rest = held ^ bit
-                if rest:
-                    table[key] = _SINGLE_BITS.get(rest, rest)
-                else:
-                    del table[key]
-                digest ^= key
-                removed += 1
+        table = holder.bank.tiers[tier]
+        removed, x = table.remove_bit(keys, holder.bit)
         if removed:
-            holder.xors[tier] = digest
             holder.counts[tier] -= removed
+            holder.xors[tier] ^= x
             log = holder.logs[tier]
             if len(log) > 2 * holder.counts[tier] + _COMPACT_SLACK:
-                holder.logs[tier] = array("Q", self._live_keys(holder, tier))
+                table.compact_log(log, holder.bit)
         return removed
 
     def clear(self, instance: InstanceKey, tier: int | None = None) -> int:
@@ -198,24 +175,12 @@ class InvertedIndex:
             return 0
         cleared = 0
         for t in range(_N_TIERS) if tier is None else (tier,):
-            if not holder.counts[t]:
-                holder.logs[t] = array("Q")
-                continue
-            table = holder.shard.tiers[t]
-            get = table.get
-            bit = holder.bit
-            for key in holder.logs[t]:
-                held = get(key)
-                if held is not None and held & bit:
-                    rest = held ^ bit
-                    if rest:
-                        table[key] = _SINGLE_BITS.get(rest, rest)
-                    else:
-                        del table[key]
-            cleared += holder.counts[t]
+            if holder.counts[t]:
+                holder.bank.tiers[t].clear_logged(holder.logs[t], holder.bit)
+                cleared += holder.counts[t]
             holder.counts[t] = 0
             holder.xors[t] = 0
-            holder.logs[t] = array("Q")
+            holder.logs[t].reset()
         return cleared
 
     # -- queries --------------------------------------------------------------------------------
@@ -224,25 +189,33 @@ class InvertedIndex:
         self, model: str, keys: list[int], instances: Iterable[InstanceKey] | None = None
     ) -> dict[InstanceKey, InstanceMatch]:
         shard = self._shards.get(model)
-        if shard is None:
+        if shard is None or not keys:
             return {}
-        owner = shard.slot_owner
         if instances is None:
-            start = shard.all_mask
+            alive = shard.bank_masks
         else:
-            start = 0
+            alive = [0] * len(shard.banks)
+            holders = self._holders
             for inst in instances:
-                holder = self._holders.get(inst)
+                holder = holders.get(inst)
                 if holder is not None and holder.shard is shard:
-                    start |= holder.bit
-        if not start:
-            return {}
-        gpu, cpu, disk, shared = shard.tiers
-        if cpu or disk or shared:
-            found = _match_tiered(keys, start, gpu, cpu, disk, shared)
-        else:
-            found = {slot: InstanceMatch(n, (n, 0, 0, 0)) for slot, n in _match_gpu(keys, start, gpu)}
-        return {owner[slot]: found.get(slot, NO_MATCH) for slot in _bits(start)}
+                    alive[holder.slot // BANK_SLOTS] |= holder.bit
+        pools = [bank.tiers[_SHARED] for bank in shard.banks if len(bank.tiers[_SHARED])]
+        owner = shard.slot_owner
+        out: dict[InstanceKey, InstanceMatch] = {}
+        new = tuple.__new__  # skips the namedtuple's Python-level __new__ on this hot path
+        for b, mask in enumerate(alive):
+            if not mask:
+                continue
+            base = b * BANK_SLOTS
+            gpu, cpu, disk, _pool = shard.banks[b].tiers
+            if pools or len(cpu) or len(disk):
+                for slot, n, g, c, d, s in self.impl.match_tiered(gpu, cpu, disk, pools, keys, mask):
+                    out[owner[base + slot]] = new(InstanceMatch, (n, (g, c, d, s)))
+            else:
+                for slot, n in self.impl.match_gpu(gpu, keys, mask):
+                    out[owner[base + slot]] = new(InstanceMatch, (n, (n, 0, 0, 0)))
+        return out
 
     def block_counts(self, instance: InstanceKey) -> tuple[int, int, int, int]:
         holder = self._holders.get(instance)
@@ -261,121 +234,31 @@ class InvertedIndex:
         holder = self._holders.get(instance)
         if holder is None:
             return iter(())
-        return iter(self._live_keys(holder, tier))
+        log = holder.logs[tier]
+        holder.bank.tiers[tier].compact_log(log, holder.bit)  # now each live key exactly once
+        return iter(list(log))
 
     def stats(self) -> IndexStats:
+        # Distinct keys are counted per bank: exact for models with up to 64 instances.
         distinct = [0] * _N_TIERS
+        nbytes = 0
         for shard in self._shards.values():
-            for t, table in enumerate(shard.tiers):
-                distinct[t] += len(table)
+            for bank in shard.banks:
+                for t, table in enumerate(bank.tiers):
+                    distinct[t] += len(table)
+                    nbytes += table.nbytes()
         entries = [0] * _N_TIERS
         for holder in self._holders.values():
             for t in range(_N_TIERS):
                 entries[t] += holder.counts[t]
+                nbytes += holder.logs[t].nbytes()
         return IndexStats(
             models=len(self._shards),
             instances=len(self._holders),
             distinct_blocks=tuple(distinct),  # type: ignore[arg-type]
             entries=tuple(entries),  # type: ignore[arg-type]
+            nbytes=nbytes,
         )
 
-    @staticmethod
-    def _live_keys(holder: _Holder, tier: int) -> list[int]:
-        table = holder.shard.tiers[tier]
-        bit = holder.bit
-        seen: set[int] = set()
-        live = []
-        for key in holder.logs[tier]:
-            if key not in seen and table.get(key, 0) & bit:
-                seen.add(key)
-                live.append(key)
-        return live
 
-
-def _match_gpu(keys: list[int], alive: int, gpu: dict[int, int]) -> Iterator[tuple[int, int]]:
-    """Fast path when the model has only GPU-tier blocks: yields (slot, matched length)."""
-    get = gpu.get
-    i = 0
-    for i, key in enumerate(keys):
-        held = get(key & KEY_MASK)
-        if held is None:
-            break
-        still = alive & held
-        if still != alive:
-            for slot in _bits(alive ^ still):
-                if i:
-                    yield slot, i
-            alive = still
-            if not alive:
-                return
-    else:
-        i = len(keys)
-    if i:
-        for slot in _bits(alive):
-            yield slot, i
-
-
-def _match_tiered(
-    keys: list[int],
-    alive: int,
-    gpu: dict[int, int],
-    cpu: dict[int, int],
-    disk: dict[int, int],
-    shared: dict[int, int],
-) -> dict[int, InstanceMatch]:
-    """General path: a block counts for an instance if it is on any of its tiers or in the pool.
-
-    Per-tier counts are accumulated over runs of identical (gpu, cpu, disk, shared) holder patterns,
-    so the per-instance work happens only where the pattern changes, not per block.
-    """
-    lengths: dict[int, int] = {}
-    per_tier: dict[int, list[int]] = {}
-    run = 0
-    prev = (0, 0, 0, 0)
-
-    def flush(pattern: tuple[int, int, int, int], count: int) -> None:
-        for tier, mask in enumerate(pattern):
-            for slot in _bits(mask):
-                counts = per_tier.get(slot)
-                if counts is None:
-                    counts = per_tier[slot] = [0, 0, 0, 0]
-                counts[tier] += count
-
-    i = 0
-    for i, key in enumerate(keys):
-        key &= KEY_MASK
-        on_gpu = alive & gpu.get(key, 0)
-        rest = alive ^ on_gpu
-        on_cpu = rest & cpu.get(key, 0) if rest and cpu else 0
-        rest ^= on_cpu
-        on_disk = rest & disk.get(key, 0) if rest and disk else 0
-        rest ^= on_disk
-        in_pool = rest if rest and key in shared else 0
-        still = alive ^ rest ^ in_pool
-        pattern = (on_gpu, on_cpu, on_disk, in_pool)
-        if pattern != prev:
-            if run:
-                flush(prev, run)
-            prev, run = pattern, 0
-        run += 1
-        if still != alive:
-            for slot in _bits(alive ^ still):
-                lengths[slot] = i
-            alive = still
-            if not alive:
-                break
-    else:
-        i = len(keys)
-    if run:
-        flush(prev, run)
-    for slot in _bits(alive):
-        lengths[slot] = i
-    out = {}
-    for slot, n in lengths.items():
-        if n:
-            c = per_tier[slot]
-            out[slot] = InstanceMatch(n, (c[0], c[1], c[2], c[3]))
-    return out
-
-
-__all__ = ["KEY_MASK", "InvertedIndex", "index_key"]
+__all__ = ["BANK_SLOTS", "NATIVE", "InvertedIndex"]

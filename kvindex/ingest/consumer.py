@@ -21,7 +21,7 @@ from kvindex.wire import errors
 from kvindex.wire.codec import DEFAULT_LIMITS, Limits, decode_batch, decode_status
 from kvindex.wire.errors import WireError
 from kvindex.wire.schema import CLEARED, SHARED, STORED, TIER_BY_NAME, EventBatch, StatusReport
-from kvindex.wire.subjects import EVENTS, STATUS, Subjects
+from kvindex.wire.subjects import EVENTS, STATUS, Subjects, valid_worker_id
 
 
 class Consumer:
@@ -44,6 +44,7 @@ class Consumer:
         self.limits = limits
         self.log = log or structlog.get_logger("kvindex.ingest")
         self._reject_log = RateLimitedLog(self.log)
+        self._events_head = f"{self.subjects.prefix}.{EVENTS}."
 
     # -- event batches ---------------------------------------------------------------------------
 
@@ -51,22 +52,31 @@ class Consumer:
         """Handle one event batch; True when it changed (or was applied to) the index."""
         c = self.counters
         c.batches_received += 1
-        worker = None
+        head = self._events_head
+        # The subject's worker needs no validation of its own: it must equal the envelope's, which
+        # the decoder validates.
+        worker = subject[len(head) :] if subject.startswith(head) else None
         try:
-            worker = self.subjects.worker_of(subject, EVENTS)
+            if not worker:
+                raise WireError(errors.BAD_SUBJECT, f"subject {subject!r} is not under {head!r}")
             batch = decode_batch(payload, worker, self.limits)
-            state = self._state_for(batch.worker, batch.dp_rank, batch.model, batch.block_size, batch.epoch)
+            state = self.registry.get((worker, batch.dp_rank))
+            if state is None or state.model != batch.model or state.block_size != batch.block_size:
+                state = self._state_for(worker, batch.dp_rank, batch.model, batch.block_size, batch.epoch)
         except WireError as exc:
+            if exc.reason == errors.SUBJECT_MISMATCH and not valid_worker_id(worker):
+                exc = WireError(errors.BAD_SUBJECT, f"subject {subject!r} does not end in a valid worker id")
             self._reject(worker, subject, exc)
             return False
         admission = self.sequencer.admit(state.key, batch.epoch, batch.seq)
-        if not admission.applies:
-            if admission.verdict is Verdict.DUPLICATE:
+        verdict = admission.verdict
+        if verdict is not Verdict.APPLY:
+            if verdict is Verdict.DUPLICATE:
                 c.duplicates += 1
-            else:
+                return False
+            if verdict is Verdict.STALE_EPOCH:
                 c.stale_epochs += 1
-            return False
-        if admission.verdict is not Verdict.APPLY:
+                return False
             self._note_admission(state, batch, admission)
         self._apply(state, batch)
         return True

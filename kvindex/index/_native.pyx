@@ -1,0 +1,405 @@
+# cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True, initializedcheck=False
+"""Native hot path of the index: a u64 -> u64 open-addressing table and the loops over it.
+
+Why not a library table: the index sees constant churn (blocks evicted, new ones stored). preshed
+(spaCy's pre-hashed map) never reclaims tombstones and doubles on every resize, so a long-running
+index would grow without bound; CPython dicts cost ~80 bytes per key and a Python-level loop per
+block. This table stores 16 bytes per cell, uses linear probing with backward-shift deletion (no
+tombstones, so lookups never slow down with churn) and shrinks when mostly empty.
+
+A cell's value is a bitmask of instance slots (one 64-slot bank per table); value 0 marks an empty
+cell, so any u64 key (0 included) can be stored and an entry disappears when its last holder does.
+The pure-Python twin with the same API is _pytable.py; tests run both against a brute-force model.
+"""
+
+from cpython.long cimport PyLong_AsUnsignedLongLong
+from libc.stdint cimport uint64_t
+from libc.stdlib cimport calloc, free, malloc, realloc
+
+cdef extern from *:
+    int __builtin_ctzll(unsigned long long) nogil
+    void __builtin_prefetch(const void*) nogil
+
+# How many blocks ahead a match prefetches table cells. The walk's probes are independent of each
+# other, so issuing them early overlaps cache misses (a large table does not fit in cache).
+DEF PREFETCH = 16
+
+
+cdef struct Cell:
+    uint64_t key
+    uint64_t val
+
+
+cdef inline uint64_t _mix(uint64_t k) noexcept nogil:
+    # Keys are usually xxh3 outputs, but callers may send any u64 (tests use 1, 2, 3...):
+    # a murmur3 finalizer keeps clustered keys from clustering in the table.
+    k ^= k >> 33
+    k *= 0xff51afd7ed558ccdULL
+    k ^= k >> 33
+    k *= 0xc4ceb9fe1a85ec53ULL
+    k ^= k >> 33
+    return k
+
+
+cdef class KeyLog:
+    """Append-only u64 buffer: the keys one (instance, tier) added, for O(own blocks) clearing."""
+
+    cdef uint64_t* data
+    cdef Py_ssize_t size
+    cdef Py_ssize_t cap
+
+    def __cinit__(self):
+        self.data = NULL
+        self.size = 0
+        self.cap = 0
+
+    def __dealloc__(self):
+        free(self.data)
+
+    cdef int push(self, uint64_t key) except -1:
+        cdef uint64_t* grown
+        if self.size == self.cap:
+            self.cap = 16 if self.cap == 0 else self.cap * 2
+            grown = <uint64_t*>realloc(self.data, self.cap * sizeof(uint64_t))
+            if grown == NULL:
+                raise MemoryError()
+            self.data = grown
+        self.data[self.size] = key
+        self.size += 1
+        return 0
+
+    def __len__(self):
+        return self.size
+
+    def __iter__(self):
+        cdef Py_ssize_t i
+        for i in range(self.size):
+            yield self.data[i]
+
+    def nbytes(self):
+        return self.cap * sizeof(uint64_t)
+
+    def reset(self):
+        free(self.data)
+        self.data = NULL
+        self.size = 0
+        self.cap = 0
+
+
+cdef class BlockTable:
+    """u64 key -> u64 bitmask of holders (nonzero), open addressing with linear probing."""
+
+    cdef Cell* cells
+    cdef uint64_t mask
+    cdef Py_ssize_t count
+
+    def __cinit__(self, Py_ssize_t capacity=16):
+        cdef uint64_t cap = 16
+        while cap < <uint64_t>capacity:
+            cap <<= 1
+        self.cells = <Cell*>calloc(cap, sizeof(Cell))
+        if self.cells == NULL:
+            raise MemoryError()
+        self.mask = cap - 1
+        self.count = 0
+
+    def __dealloc__(self):
+        free(self.cells)
+
+    # -- C level -------------------------------------------------------------------------------
+
+    cdef inline uint64_t _slot(self, uint64_t key) noexcept nogil:
+        """Index of the cell holding key, or of the empty cell where it would go."""
+        cdef uint64_t i = _mix(key) & self.mask
+        cdef Cell* cells = self.cells
+        while cells[i].val != 0 and cells[i].key != key:
+            i = (i + 1) & self.mask
+        return i
+
+    cdef inline uint64_t get(self, uint64_t key) noexcept nogil:
+        return self.cells[self._slot(key)].val
+
+    cdef int _rehash(self, uint64_t cap) except -1:
+        cdef Cell* old = self.cells
+        cdef uint64_t old_cap = self.mask + 1
+        cdef Cell* cells = <Cell*>calloc(cap, sizeof(Cell))
+        cdef uint64_t i, j, m = cap - 1
+        if cells == NULL:
+            raise MemoryError()
+        for i in range(old_cap):
+            if old[i].val != 0:
+                j = _mix(old[i].key) & m
+                while cells[j].val != 0:
+                    j = (j + 1) & m
+                cells[j] = old[i]
+        self.cells = cells
+        self.mask = m
+        free(old)
+        return 0
+
+    cdef inline int _reserve_one(self) except -1:
+        # Grow at 70 % load: linear probing stays short (~1.7 probes per hit).
+        if (self.count + 1) * 10 > (self.mask + 1) * 7:
+            self._rehash((self.mask + 1) * 2)
+        return 0
+
+    cdef void _delete_at(self, uint64_t i) noexcept nogil:
+        """Backward-shift deletion: later cells of the probe run move up, leaving no tombstone."""
+        cdef Cell* cells = self.cells
+        cdef uint64_t m = self.mask
+        cdef uint64_t j = i, home
+        while True:
+            j = (j + 1) & m
+            if cells[j].val == 0:
+                break
+            home = _mix(cells[j].key) & m
+            # Move cell j into the hole at i unless its home lies cyclically in (i, j].
+            if (i <= j and (home <= i or home > j)) or (i > j and home <= i and home > j):
+                cells[i] = cells[j]
+                i = j
+        cells[i].val = 0
+        cells[i].key = 0
+        self.count -= 1
+
+    cdef int _maybe_shrink(self) except -1:
+        # Halve when under 1/8 full so that a fleet that shrinks gives memory back.
+        cdef uint64_t cap = self.mask + 1
+        if cap > 1024 and <uint64_t>self.count * 8 < cap:
+            while cap > 1024 and <uint64_t>self.count * 4 < cap:
+                cap >>= 1
+            self._rehash(cap)
+        return 0
+
+    # -- bulk operations (the ingest hot path) --------------------------------------------------
+
+    def add_bit(self, object keys, uint64_t bit, KeyLog log):
+        """Set ``bit`` on every key; returns (newly set count, xor of those keys). Logs new keys."""
+        cdef Py_ssize_t added = 0
+        cdef uint64_t x = 0, key, i
+        cdef Cell* cell
+        for obj in keys:
+            key = PyLong_AsUnsignedLongLong(obj)
+            self._reserve_one()
+            i = self._slot(key)
+            cell = &self.cells[i]
+            if cell.val == 0:
+                cell.key = key
+                cell.val = bit
+                self.count += 1
+            elif cell.val & bit:
+                continue
+            else:
+                cell.val |= bit
+            added += 1
+            x ^= key
+            log.push(key)
+        return added, x
+
+    def remove_bit(self, object keys, uint64_t bit):
+        """Clear ``bit`` on every key; returns (cleared count, xor of those keys)."""
+        cdef Py_ssize_t removed = 0
+        cdef uint64_t x = 0, key, i
+        for obj in keys:
+            key = PyLong_AsUnsignedLongLong(obj)
+            i = self._slot(key)
+            if self.cells[i].val & bit:
+                self.cells[i].val ^= bit
+                if self.cells[i].val == 0:
+                    self._delete_at(i)
+                removed += 1
+                x ^= key
+        if removed:
+            self._maybe_shrink()
+        return removed, x
+
+    def clear_logged(self, KeyLog log, uint64_t bit):
+        """Clear ``bit`` on every key in ``log``; returns how many had it."""
+        cdef Py_ssize_t n, cleared = 0
+        cdef uint64_t i
+        for n in range(log.size):
+            i = self._slot(log.data[n])
+            if self.cells[i].val & bit:
+                self.cells[i].val ^= bit
+                if self.cells[i].val == 0:
+                    self._delete_at(i)
+                cleared += 1
+        self._maybe_shrink()
+        return cleared
+
+    def compact_log(self, KeyLog log, uint64_t bit):
+        """Rewrite ``log`` to hold each key that still has ``bit`` exactly once; returns its length."""
+        cdef BlockTable seen = BlockTable(log.size * 2)
+        cdef Py_ssize_t n, kept = 0
+        cdef uint64_t key, i
+        for n in range(log.size):
+            key = log.data[n]
+            if self.get(key) & bit:
+                seen._reserve_one()
+                i = seen._slot(key)
+                if seen.cells[i].val == 0:
+                    seen.cells[i].key = key
+                    seen.cells[i].val = 1
+                    seen.count += 1
+                    log.data[kept] = key
+                    kept += 1
+        log.size = kept
+        return kept
+
+    # -- Python-level access (tests, snapshots, debugging) --------------------------------------
+
+    def get_mask(self, uint64_t key):
+        return self.get(key)
+
+    def __len__(self):
+        return self.count
+
+    def __contains__(self, object key):
+        return self.get(PyLong_AsUnsignedLongLong(key)) != 0
+
+    def capacity(self):
+        return self.mask + 1
+
+    def nbytes(self):
+        return (self.mask + 1) * sizeof(Cell)
+
+    def items(self):
+        cdef uint64_t i
+        return [(self.cells[i].key, self.cells[i].val) for i in range(self.mask + 1) if self.cells[i].val]
+
+
+cdef uint64_t* _key_array(list keys) except NULL:
+    cdef Py_ssize_t n = len(keys), i
+    cdef uint64_t* out = <uint64_t*>malloc((n if n else 1) * sizeof(uint64_t))
+    if out == NULL:
+        raise MemoryError()
+    try:
+        for i in range(n):
+            out[i] = PyLong_AsUnsignedLongLong(keys[i])
+    except BaseException:
+        free(out)
+        raise
+    return out
+
+
+cdef inline void _prefetch(BlockTable table, uint64_t key) noexcept nogil:
+    __builtin_prefetch(&table.cells[_mix(key) & table.mask])
+
+
+def match_gpu(BlockTable gpu, list keys, uint64_t alive):
+    """Longest consecutive prefix of ``keys`` per slot in ``alive``, one table (a 64-slot bank).
+
+    Returns a list of (slot, matched blocks) for slots that matched at least one block.
+    """
+    cdef Py_ssize_t n = len(keys), i
+    cdef uint64_t still, dropped
+    cdef int slot
+    cdef uint64_t* karr = _key_array(keys)
+    out = []
+    try:
+        for i in range(min(n, PREFETCH)):
+            _prefetch(gpu, karr[i])
+        for i in range(n):
+            if i + PREFETCH < n:
+                _prefetch(gpu, karr[i + PREFETCH])
+            still = alive & gpu.get(karr[i])
+            if still != alive:
+                dropped = alive ^ still
+                if i:
+                    while dropped:
+                        slot = __builtin_ctzll(dropped)
+                        out.append((slot, i))
+                        dropped &= dropped - 1
+                alive = still
+                if not alive:
+                    return out
+        while alive:
+            slot = __builtin_ctzll(alive)
+            out.append((slot, n))
+            alive &= alive - 1
+        return out
+    finally:
+        free(karr)
+
+
+cdef inline void _add_run(long long* counts, uint64_t mask, int tier, long long run) noexcept nogil:
+    cdef int slot
+    while mask:
+        slot = __builtin_ctzll(mask)
+        counts[slot * 4 + tier] += run
+        mask &= mask - 1
+
+
+cdef inline bint _in_pool(list pools, uint64_t key):
+    cdef BlockTable table
+    for table in pools:
+        if table.count and table.get(key):
+            return True
+    return False
+
+
+def match_tiered(BlockTable gpu, BlockTable cpu, BlockTable disk, list pools, list keys, uint64_t alive):
+    """Like match_gpu, but a block counts if it is on any local tier of the slot or in the pool.
+
+    ``pools`` are the model's shared-tier tables (one per bank): any holder there makes the block
+    loadable by every instance. Returns (slot, matched, gpu, cpu, disk, shared) per matched slot, each block
+    attributed to the fastest tier holding it. Per-tier counts are accumulated over runs of equal
+    holder patterns, so per-slot work happens only where the pattern changes.
+    """
+    cdef Py_ssize_t n = len(keys), i, run = 0
+    cdef long long counts[256]
+    cdef long long lengths[64]
+    cdef uint64_t key, on_gpu, on_cpu, on_disk, in_pool, rest, still
+    cdef uint64_t p_gpu = 0, p_cpu = 0, p_disk = 0, p_pool = 0, dropped
+    cdef int slot
+    cdef uint64_t* karr = _key_array(keys)
+    for i in range(256):
+        counts[i] = 0
+    for i in range(64):
+        lengths[i] = 0
+    for i in range(min(n, PREFETCH)):
+        _prefetch(gpu, karr[i])
+    for i in range(n):
+        key = karr[i]
+        if i + PREFETCH < n:
+            _prefetch(gpu, karr[i + PREFETCH])
+        on_gpu = alive & gpu.get(key)
+        rest = alive ^ on_gpu
+        on_cpu = rest & cpu.get(key) if rest and cpu.count else 0
+        rest ^= on_cpu
+        on_disk = rest & disk.get(key) if rest and disk.count else 0
+        rest ^= on_disk
+        in_pool = rest if rest and pools and _in_pool(pools, key) else 0
+        still = alive ^ rest ^ in_pool
+        if on_gpu != p_gpu or on_cpu != p_cpu or on_disk != p_disk or in_pool != p_pool:
+            if run:
+                _add_run(counts, p_gpu, 0, run)
+                _add_run(counts, p_cpu, 1, run)
+                _add_run(counts, p_disk, 2, run)
+                _add_run(counts, p_pool, 3, run)
+            p_gpu, p_cpu, p_disk, p_pool, run = on_gpu, on_cpu, on_disk, in_pool, 0
+        run += 1
+        if still != alive:
+            dropped = alive ^ still
+            while dropped:
+                slot = __builtin_ctzll(dropped)
+                lengths[slot] = i
+                dropped &= dropped - 1
+            alive = still
+            if not alive:
+                break
+    free(karr)
+    if run:
+        _add_run(counts, p_gpu, 0, run)
+        _add_run(counts, p_cpu, 1, run)
+        _add_run(counts, p_disk, 2, run)
+        _add_run(counts, p_pool, 3, run)
+    while alive:
+        slot = __builtin_ctzll(alive)
+        lengths[slot] = n
+        alive &= alive - 1
+    out = []
+    for slot in range(64):
+        if lengths[slot]:
+            out.append((slot, lengths[slot], counts[slot * 4], counts[slot * 4 + 1],
+                        counts[slot * 4 + 2], counts[slot * 4 + 3]))
+    return out

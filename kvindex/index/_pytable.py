@@ -1,0 +1,144 @@
+"""Pure-Python twin of _native.pyx (same API), used where the extension could not be built.
+
+It is the readable statement of what the native loops do, and the property tests run it against the
+same brute-force model as the native table. It is several times slower and uses ~5x the memory.
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections.abc import Iterable, Iterator
+
+
+class KeyLog:
+    __slots__ = ("data",)
+
+    def __init__(self) -> None:
+        self.data = array("Q")
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.data)
+
+    def nbytes(self) -> int:
+        return self.data.buffer_info()[1] * self.data.itemsize
+
+    def reset(self) -> None:
+        self.data = array("Q")
+
+
+def _bits(mask: int) -> Iterator[int]:
+    while mask:
+        low = mask & -mask
+        yield low.bit_length() - 1
+        mask ^= low
+
+
+class BlockTable:
+    __slots__ = ("_d",)
+
+    def __init__(self, capacity: int = 16) -> None:
+        self._d: dict[int, int] = {}
+
+    def add_bit(self, keys: Iterable[int], bit: int, log: KeyLog) -> tuple[int, int]:
+        d = self._d
+        added = 0
+        x = 0
+        push = log.data.append
+        for key in keys:
+            if not 0 <= key < 1 << 64:
+                raise OverflowError("keys are unsigned 64-bit integers")
+            held = d.get(key, 0)
+            if held & bit:
+                continue
+            d[key] = held | bit
+            added += 1
+            x ^= key
+            push(key)
+        return added, x
+
+    def remove_bit(self, keys: Iterable[int], bit: int) -> tuple[int, int]:
+        d = self._d
+        removed = 0
+        x = 0
+        for key in keys:
+            held = d.get(key, 0)
+            if held & bit:
+                if held == bit:
+                    del d[key]
+                else:
+                    d[key] = held ^ bit
+                removed += 1
+                x ^= key
+        return removed, x
+
+    def clear_logged(self, log: KeyLog, bit: int) -> int:
+        return self.remove_bit(log.data, bit)[0]
+
+    def compact_log(self, log: KeyLog, bit: int) -> int:
+        d = self._d
+        live = [k for k in dict.fromkeys(log.data) if d.get(k, 0) & bit]
+        log.data = array("Q", live)
+        return len(live)
+
+    def get_mask(self, key: int) -> int:
+        return self._d.get(key, 0)
+
+    def __len__(self) -> int:
+        return len(self._d)
+
+    def __contains__(self, key: int) -> bool:
+        return key in self._d
+
+    def capacity(self) -> int:
+        return len(self._d)
+
+    def nbytes(self) -> int:
+        return 0
+
+    def items(self) -> list[tuple[int, int]]:
+        return list(self._d.items())
+
+
+def match_gpu(gpu: BlockTable, keys: list[int], alive: int) -> list[tuple[int, int]]:
+    get = gpu._d.get
+    out = []
+    for i, key in enumerate(keys):
+        still = alive & get(key, 0)
+        if still != alive:
+            if i:
+                out += [(slot, i) for slot in _bits(alive ^ still)]
+            alive = still
+            if not alive:
+                return out
+    return out + [(slot, len(keys)) for slot in _bits(alive)]
+
+
+def match_tiered(
+    gpu: BlockTable, cpu: BlockTable, disk: BlockTable, pools: list[BlockTable], keys: list[int], alive: int
+) -> list[tuple[int, int, int, int, int, int]]:
+    lengths: dict[int, int] = {}
+    counts: dict[int, list[int]] = {}
+    n = len(keys)
+    for i, key in enumerate(keys):
+        on_gpu = alive & gpu._d.get(key, 0)
+        rest = alive ^ on_gpu
+        on_cpu = rest & cpu._d.get(key, 0)
+        rest ^= on_cpu
+        on_disk = rest & disk._d.get(key, 0)
+        rest ^= on_disk
+        in_pool = rest if any(key in p._d for p in pools) else 0
+        for tier, mask in enumerate((on_gpu, on_cpu, on_disk, in_pool)):
+            for slot in _bits(mask):
+                counts.setdefault(slot, [0, 0, 0, 0])[tier] += 1
+        still = alive ^ rest ^ in_pool
+        for slot in _bits(alive ^ still):
+            lengths[slot] = i
+        alive = still
+        if not alive:
+            break
+    for slot in _bits(alive):
+        lengths[slot] = n
+    return [(slot, m, *counts[slot]) for slot, m in sorted(lengths.items()) if m]
