@@ -126,3 +126,16 @@ def test_worker_restarting_with_other_model_is_reregistered() -> None:
     assert state is not None and state.model == "m2" and state.block_size == 16
     assert c.index.model_of(("w1", 0)) == "m2"
     assert sorted(c.index.keys_of(("w1", 0), 0)) == [2]
+
+
+def test_mixed_event_order_within_a_batch_is_respected() -> None:
+    c = make()
+    removed = {"type": "removed", "tier": "gpu", "keys": [1]}
+    events = [stored(1, 2), stored(3), removed, stored(1), stored(4, tier="cpu"), stored(5, tier="cpu")]
+    assert c.on_events("kvindex.events.w1", ev_batch(1, events))
+    assert sorted(c.index.keys_of(("w1", 0), 0)) == [1, 2, 3]
+    assert sorted(c.index.keys_of(("w1", 0), 1)) == [4, 5]
+    assert c.counters.events_applied == [5, 1, 0]
+    events = [stored(9), {"type": "cleared", "tier": "gpu"}, stored(8), removed]
+    assert c.on_events("kvindex.events.w1", ev_batch(2, events))
+    assert sorted(c.index.keys_of(("w1", 0), 0)) == [8]

@@ -213,8 +213,13 @@ class InvertedIndex:
                 for slot, n, g, c, d, s in self.impl.match_tiered(gpu, cpu, disk, pools, keys, mask):
                     out[owner[base + slot]] = new(InstanceMatch, (n, (g, c, d, s)))
             else:
+                # Matches of one length are equal and immutable: build each once.
+                same: dict[int, InstanceMatch] = {}
                 for slot, n in self.impl.match_gpu(gpu, keys, mask):
-                    out[owner[base + slot]] = new(InstanceMatch, (n, (n, 0, 0, 0)))
+                    m = same.get(n)
+                    if m is None:
+                        m = same[n] = new(InstanceMatch, (n, (n, 0, 0, 0)))
+                    out[owner[base + slot]] = m
         return out
 
     def block_counts(self, instance: InstanceKey) -> tuple[int, int, int, int]:

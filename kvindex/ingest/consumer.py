@@ -87,18 +87,35 @@ class Consumer:
         key = state.key
         applied = c.events_applied
         tiers = TIER_BY_NAME
-        for ev in batch.events:
+        events = batch.events
+        n = len(events)
+        i = 0
+        while i < n:
+            ev = events[i]
             op = ev.op
+            if op == CLEARED:
+                c.blocks_cleared += index.clear(key, None if ev.tier is None else tiers[ev.tier])
+                applied[CLEARED] += 1
+                i += 1
+                continue
+            # One index call per run of same-kind events (an engine step stores many small chains);
+            # within a run the order of keys does not matter.
+            keys = ev.keys
+            j = i + 1
+            while j < n and events[j].op == op and events[j].tier == ev.tier:
+                if j == i + 1:
+                    keys = list(keys)
+                keys.extend(events[j].keys)
+                j += 1
+            tier = tiers[ev.tier]
             if op == STORED:
-                tier = tiers[ev.tier]
-                c.blocks_stored += index.store(key, tier, ev.keys)
+                c.blocks_stored += index.store(key, tier, keys)
                 if tier != SHARED:
                     state.local_blocks_seen = True
-            elif op == CLEARED:
-                c.blocks_cleared += index.clear(key, None if ev.tier is None else tiers[ev.tier])
             else:
-                c.blocks_removed += index.remove(key, tiers[ev.tier], ev.keys)
-            applied[op] += 1
+                c.blocks_removed += index.remove(key, tier, keys)
+            applied[op] += j - i
+            i = j
         state.epoch = batch.epoch
         state.last_seq = batch.seq
         state.last_event_ts = batch.ts

@@ -124,9 +124,11 @@ def decode_batch(
     events = batch.events
     if len(events) > limits.max_events:
         raise WireError(OVERSIZE, f"batch has {len(events)} events, limit is {limits.max_events}")
-    total_keys = sum([len(ev.keys) for ev in events])
-    if total_keys > limits.max_keys:
-        raise WireError(OVERSIZE, f"batch has {total_keys} keys, limit is {limits.max_keys}")
+    # Every key takes at least one byte, so only a payload longer than the limit needs counting.
+    if len(payload) > limits.max_keys:
+        total_keys = sum([len(ev.keys) for ev in events])
+        if total_keys > limits.max_keys:
+            raise WireError(OVERSIZE, f"batch has {total_keys} keys, limit is {limits.max_keys}")
     return batch
 
 
