@@ -11,6 +11,7 @@ import grpc
 import nats
 import pytest
 
+from kvindex.repair.nats_repair import RepairConfig
 from kvindex.service.app import IndexService, ServiceConfig
 from kvindex.service.natsd import EmbeddedNats
 from kvindex.v1 import kvindex_pb2_grpc as pb_grpc
@@ -37,6 +38,27 @@ async def service(nats_server: EmbeddedNats) -> AsyncIterator[IndexService]:
     try:
         yield svc
     finally:
+        await svc.stop()
+
+
+@pytest.fixture
+async def make_service(nats_server: EmbeddedNats) -> AsyncIterator[Callable[..., Awaitable[IndexService]]]:
+    """Factory of started services on the shared nats-server, with a custom repair config."""
+    made: list[IndexService] = []
+
+    async def make(repair: RepairConfig | None = None, **kwargs: object) -> IndexService:
+        config = ServiceConfig(
+            nats_url=nats_server.url, grpc_host="127.0.0.1", grpc_port=0, repair=repair or RepairConfig()
+        )
+        for name, value in kwargs.items():
+            setattr(config, name, value)
+        svc = IndexService(config)
+        await svc.start()
+        made.append(svc)
+        return svc
+
+    yield make
+    for svc in made:
         await svc.stop()
 
 

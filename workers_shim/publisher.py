@@ -23,6 +23,7 @@ import nats
 import structlog
 from nats.aio.client import Client
 
+from kvindex.wire import reconcile
 from kvindex.wire.codec import encode_batch, encode_status
 from kvindex.wire.schema import TIER_NAMES
 from kvindex.wire.subjects import Subjects, valid_worker_id
@@ -46,6 +47,7 @@ class Publisher:
         max_batch_events: int = 1024,
         heartbeat_interval: float = 0.5,
         history: int = 1024,
+        snapshot_reuse: float = 0.05,
         capacity: Mapping[str, int] | None = None,
         load_fn: LoadFn | None = None,
         clock: Callable[[], float] = time.time,
@@ -73,8 +75,16 @@ class Publisher:
         self.clock = clock
         self.blocks: dict[str, set[int]] = {t: set() for t in TIER_NAMES}
         self._xor: dict[str, int] = dict.fromkeys(TIER_NAMES, 0)
-        # Sealed batches kept for replay requests: (seq, encoded bytes).
+        # Sealed batches kept for replay requests: (seq, encoded bytes), seqs contiguous.
         self.history: deque[tuple[int, bytes]] = deque(maxlen=history)
+        # Snapshot requests arriving within this many seconds of the last one, with no change since,
+        # get the same answer: many index replicas asking at once cost the worker one snapshot.
+        self.snapshot_reuse = snapshot_reuse
+        self._last_snapshot: tuple[float, int, list[bytes]] | None = None
+        self._subs: list[Any] = []
+        self.snapshots_served = 0
+        self.snapshots_built = 0
+        self.replays_served = 0
         self._pending: list[dict[str, Any]] = []
         self._pending_keys = 0
         self._dirty = asyncio.Event()
@@ -242,7 +252,73 @@ class Publisher:
         messages.append((self._status_subject, self.status_payload()))
         await self._publish(messages)
 
+    # -- replay and snapshot responders ---------------------------------------------------------
+
+    async def _on_replay(self, msg: Any) -> None:
+        try:
+            req = reconcile.decode_replay_request(msg.data)
+        except Exception as exc:
+            self.log.warning("bad_replay_request", error=str(exc))
+            return
+        if req.dp_rank != self.dp_rank or not msg.reply:
+            return  # another rank of this worker answers
+        oldest = self.history[0][0] if self.history else self.seq + 1
+        batches: list[bytes] = []
+        if req.epoch != self.epoch:
+            status: reconcile.ReplayStatus = reconcile.REPLAY_WRONG_EPOCH
+        elif req.from_seq < oldest and req.from_seq <= req.to_seq:
+            status = reconcile.REPLAY_TOO_OLD
+        else:
+            status = reconcile.REPLAY_OK
+            first = max(req.from_seq, oldest) - oldest
+            last = min(req.to_seq, self.seq) - oldest
+            batches = [self.history[i][1] for i in range(first, last + 1)]
+        self.replays_served += 1
+        for part in reconcile.replay_replies(
+            self.worker, self.dp_rank, self.epoch, status, batches, self.nc.max_payload, oldest
+        ):
+            await self.nc.publish(msg.reply, part)
+
+    def snapshot_messages(self) -> tuple[list[tuple[str, bytes]], list[bytes]]:
+        """Seal pending events and cut a snapshot consistent with the resulting seq (synchronously).
+
+        Returns the sealed batches (to publish first) and the snapshot's answer messages.
+        """
+        sealed = self._seal()
+        now = time.monotonic()
+        cached = self._last_snapshot
+        if cached is not None and cached[1] == self.seq and now - cached[0] <= self.snapshot_reuse:
+            return sealed, cached[2]
+        tiers = {t: list(keys) for t, keys in self.blocks.items() if keys}
+        parts = list(
+            reconcile.snapshot_parts(
+                self.worker, self.dp_rank, self.epoch, self.seq, tiers, self.nc.max_payload
+            )
+        )
+        self._last_snapshot = (now, self.seq, parts)
+        self.snapshots_built += 1
+        return sealed, parts
+
+    async def _on_snapshot(self, msg: Any) -> None:
+        try:
+            req = reconcile.decode_snapshot_request(msg.data)
+        except Exception as exc:
+            self.log.warning("bad_snapshot_request", error=str(exc))
+            return
+        if req.dp_rank != self.dp_rank or not msg.reply:
+            return
+        sealed, parts = self.snapshot_messages()
+        self.snapshots_served += 1
+        await self._publish(sealed)
+        for part in parts:
+            await self.nc.publish(msg.reply, part)
+
     async def start(self) -> None:
+        worker = self.worker
+        self._subs = [
+            await self.nc.subscribe(self.subjects.replay(worker), cb=self._on_replay),
+            await self.nc.subscribe(self.subjects.snapshot(worker), cb=self._on_snapshot),
+        ]
         self._tasks = [
             asyncio.create_task(self._flush_loop(), name=f"kvshim-flush-{self.worker}"),
             asyncio.create_task(self._heartbeat_loop(), name=f"kvshim-heartbeat-{self.worker}"),
@@ -280,6 +356,9 @@ class Publisher:
                 await task
         self._tasks = []
         if not self.nc.is_closed:
+            for sub in self._subs:
+                with contextlib.suppress(Exception):
+                    await sub.unsubscribe()
             await self.heartbeat()
             await self.nc.flush()
         self._closed = True

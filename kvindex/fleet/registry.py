@@ -35,6 +35,8 @@ class InstanceState:
     missing_batches: int = 0
     restarts: int = 0
     local_blocks_seen: bool = False
+    sync: str = "synced"  # synced | replay | snapshot: what the index is doing to stay exact
+    stale: bool = False  # no heartbeat for a while: excluded from rankings
 
     @property
     def instance_id(self) -> str:
@@ -111,7 +113,7 @@ class Registry:
         members = self._by_model.get(model)
         if not members:
             return []
-        states = [s for s in members.values() if not s.is_pool]
+        states = [s for s in members.values() if not s.is_pool and not s.stale]
         if candidates is None:
             return states
         wanted = set(candidates)

@@ -7,6 +7,7 @@ after, and the heartbeat's seq would look like a lost batch.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import nats
@@ -23,7 +24,14 @@ _PENDING_BYTES = 1 << 30
 
 
 class NatsSource:
-    def __init__(self, consumer: Consumer, url: str, name: str = "kvindex", log: Any = None) -> None:
+    def __init__(
+        self,
+        consumer: Consumer,
+        url: str,
+        name: str = "kvindex",
+        log: Any = None,
+        on_reconnect: Callable[[], None] | None = None,
+    ) -> None:
         self.consumer = consumer
         self.url = url
         self.name = name
@@ -31,6 +39,7 @@ class NatsSource:
         self.nc: Client | None = None
         self._head = consumer.subjects.prefix + "."
         self.reconnects = 0
+        self._on_reconnect_hook = on_reconnect
 
     async def start(self) -> None:
         self.nc = await nats.connect(
@@ -69,6 +78,8 @@ class NatsSource:
     async def _on_reconnected(self) -> None:
         self.reconnects += 1
         self.log.info("nats_reconnected", url=self.url)
+        if self._on_reconnect_hook is not None:
+            self._on_reconnect_hook()
 
     async def stop(self) -> None:
         if self.nc is not None:

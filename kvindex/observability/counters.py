@@ -7,7 +7,7 @@ counters per batch, so it keeps plain ints and a custom collector reads them whe
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,6 +36,28 @@ class IngestCounters:
     rejects: Counter[str] = field(default_factory=Counter)
 
     rejects_by_worker: Counter[str] = field(default_factory=Counter)
+    # repairs
+    replays_requested: int = 0
+    replays_ok: int = 0
+    replays_failed: Counter[str] = field(default_factory=Counter)  # too_old, wrong_epoch, timeout...
+    snapshots_requested: Counter[str] = field(default_factory=Counter)  # by cause
+    snapshots_applied: int = 0
+    snapshots_failed: int = 0
+    snapshot_blocks_added: int = 0
+    snapshot_blocks_removed: int = 0
+    buffer_overflows: int = 0
+    drift_detected: int = 0
+    repairs_abandoned: int = 0
+    repairs_converged: int = 0
+    convergence_seconds_total: float = 0.0
+    convergence_seconds_max: float = 0.0
+    stale_marked: int = 0
+    instances_forgotten: int = 0
+
+    def converged(self, seconds: float) -> None:
+        self.repairs_converged += 1
+        self.convergence_seconds_total += seconds
+        self.convergence_seconds_max = max(self.convergence_seconds_max, seconds)
 
     def reject(self, reason: str, worker: str | None) -> None:
         self.rejects[reason] += 1
@@ -56,8 +78,14 @@ class _Collector(Collector):
     def collect(self) -> Iterator[Any]:
         c = self._c
 
-        def counter(name: str, doc: str, value: int) -> CounterMetricFamily:
+        def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
             return CounterMetricFamily(f"kvindex_{name}", doc, value=value)
+
+        def labeled(name: str, doc: str, label: str, values: Mapping[str, int]) -> CounterMetricFamily:
+            family = CounterMetricFamily(f"kvindex_{name}", doc, labels=[label])
+            for key, n in sorted(values.items()):
+                family.add_metric([key], n)
+            return family
 
         yield counter("batches_received", "Event batches received from the wire", c.batches_received)
         yield counter("batches_applied", "Event batches applied to the index", c.batches_applied)
@@ -76,6 +104,30 @@ class _Collector(Collector):
         blocks.add_metric(["removed"], c.blocks_removed)
         blocks.add_metric(["cleared"], c.blocks_cleared)
         yield blocks
+        yield counter("replays_requested", "Replay requests sent to workers", c.replays_requested)
+        yield counter("replays_ok", "Replays answered with the missing batches", c.replays_ok)
+        yield labeled("replays_failed", "Replays that did not help", "why", c.replays_failed)
+        yield labeled("snapshots_requested", "Snapshot requests by cause", "cause", c.snapshots_requested)
+        yield counter("snapshots_applied", "Snapshots applied as a diff", c.snapshots_applied)
+        yield counter("snapshots_failed", "Snapshot requests that timed out or failed", c.snapshots_failed)
+        yield labeled(
+            "reconciled_blocks",
+            "Blocks changed by snapshots",
+            "change",
+            {"added": c.snapshot_blocks_added, "removed": c.snapshot_blocks_removed},
+        )
+        yield counter("repair_buffer_overflows", "Repair buffers that overflowed", c.buffer_overflows)
+        yield counter("digest_drift", "Heartbeat digests that disagreed with the index", c.drift_detected)
+        yield counter("repairs_abandoned", "Repairs given up (holes accepted)", c.repairs_abandoned)
+        yield counter("repairs_converged", "Repairs that brought an instance in sync", c.repairs_converged)
+        yield counter(
+            "repair_convergence_seconds", "Time from repair start to in sync", c.convergence_seconds_total
+        )
+        yield GaugeMetricFamily(
+            "kvindex_repair_convergence_seconds_max", "Longest repair so far", value=c.convergence_seconds_max
+        )
+        yield counter("instances_marked_stale", "Instances excluded for missing heartbeats", c.stale_marked)
+        yield counter("instances_forgotten", "Instances dropped after long silence", c.instances_forgotten)
         rejects = CounterMetricFamily("kvindex_rejects", "Messages rejected by reason", labels=["reason"])
         for reason, n in sorted(c.rejects.items()):
             rejects.add_metric([reason], n)

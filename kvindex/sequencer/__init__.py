@@ -1,5 +1,5 @@
-"""Ordering of each instance's batches: duplicates, gaps, restarts (epochs)."""
+"""Ordering of each instance's batches: duplicates, gaps, restarts (epochs), the repair buffer."""
 
-from kvindex.sequencer.cursor import Admission, Cursor, Sequencer, Verdict
+from kvindex.sequencer.cursor import Cursor, Sequencer, Verdict, decide
 
-__all__ = ["Admission", "Cursor", "Sequencer", "Verdict"]
+__all__ = ["Cursor", "Sequencer", "Verdict", "decide"]

@@ -1,9 +1,9 @@
-"""Per-instance ordering of event batches: epoch + seq admission decisions.
+"""Per-instance ordering of event batches: epoch + seq admission decisions, and the repair buffer.
 
 Each (worker, dp_rank) publishes batches numbered 1, 2, 3... within an epoch chosen at worker start.
-The sequencer decides, for each arriving batch, whether the index may apply it. It only decides; the
-consumer acts (apply, drop, clear on restart, and - in the repair layer - buffer and fetch missing
-ranges). Keeping the decision pure makes it testable and reusable by offline replay.
+``decide`` says what an arriving batch means for the index; the consumer acts on it (apply, drop,
+buffer while a repair runs). Keeping the decision pure makes it testable and reusable by offline
+replay.
 """
 
 from __future__ import annotations
@@ -11,6 +11,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 from enum import Enum
+
+from sortedcontainers import SortedDict
 
 from kvindex.index.base import InstanceKey
 
@@ -23,79 +25,67 @@ class Verdict(Enum):
     FIRST = "first"  # first batch ever seen from this instance
     NEW_EPOCH = "new_epoch"  # worker restarted: its earlier blocks are gone
     GAP = "gap"  # batches are missing before this one
+    BUFFER = "buffer"  # a repair is running: hold the batch until it is done
     DUPLICATE = "duplicate"  # already applied (redelivery, replay overlap)
     STALE_EPOCH = "stale_epoch"  # late batch from an epoch the worker already left
-
-
-@dataclass(frozen=True, slots=True)
-class Admission:
-    verdict: Verdict
-    # Inclusive range of seqs known to be missing before this batch, if any.
-    missing: tuple[int, int] | None = None
-
-    @property
-    def applies(self) -> bool:
-        return self.verdict not in (Verdict.DUPLICATE, Verdict.STALE_EPOCH)
 
 
 @dataclass(slots=True)
 class Cursor:
     epoch: int
-    last_seq: int
+    applied: int = 0  # last seq applied to the index (or covered by a snapshot)
+    # Why batches are being held back, or None when the instance is in sync.
+    repairing: str | None = None
+    repair_started: float = 0.0
+    rounds: int = 0  # repair requests since the instance was last in sync
+    cause: str = ""  # what started the current repair
+    target: int = 0  # highest seq the worker is known to have published (from heartbeats)
+    buffer: SortedDict = field(default_factory=SortedDict)  # seq -> decoded batch
     retired: deque[int] = field(default_factory=lambda: deque(maxlen=_RETIRED_EPOCHS_KEPT))
 
+    def hole(self) -> tuple[int, int] | None:
+        """The seqs missing between what is applied and the first buffered batch, if any."""
+        if not self.buffer:
+            return None
+        first = self.buffer.keys()[0]
+        return (self.applied + 1, first - 1) if first > self.applied + 1 else None
 
-_APPLY = Admission(Verdict.APPLY)
-_DUPLICATE = Admission(Verdict.DUPLICATE)
-_STALE = Admission(Verdict.STALE_EPOCH)
+
+def decide(cursor: Cursor | None, epoch: int, seq: int) -> Verdict:
+    """What batch (epoch, seq) means given the instance's cursor. Pure."""
+    if cursor is None:
+        return Verdict.FIRST
+    if epoch != cursor.epoch:
+        return Verdict.STALE_EPOCH if epoch in cursor.retired else Verdict.NEW_EPOCH
+    if seq <= cursor.applied or seq in cursor.buffer:
+        return Verdict.DUPLICATE
+    if cursor.repairing is not None:
+        return Verdict.BUFFER
+    return Verdict.APPLY if seq == cursor.applied + 1 else Verdict.GAP
 
 
 class Sequencer:
+    """The cursors of all instances."""
+
     def __init__(self) -> None:
         self._cursors: dict[InstanceKey, Cursor] = {}
 
     def cursor(self, instance: InstanceKey) -> Cursor | None:
         return self._cursors.get(instance)
 
+    def cursors(self) -> dict[InstanceKey, Cursor]:
+        return self._cursors
+
     def forget(self, instance: InstanceKey) -> None:
         self._cursors.pop(instance, None)
 
-    def restart(self, instance: InstanceKey, epoch: int, seq: int) -> None:
-        """Move the cursor to a new epoch learnt out of band (a status heartbeat)."""
-        cur = self._cursors.get(instance)
-        if cur is None:
-            self._cursors[instance] = Cursor(epoch, seq)
-        elif cur.epoch != epoch:
-            cur.retired.append(cur.epoch)
-            cur.epoch, cur.last_seq = epoch, seq
-
-    def skip_to(self, instance: InstanceKey, seq: int) -> tuple[int, int] | None:
-        """Advance past batches known lost (heartbeat says seq was published); returns the range."""
-        cur = self._cursors.get(instance)
-        if cur is None or seq <= cur.last_seq:
-            return None
-        missing = (cur.last_seq + 1, seq)
-        cur.last_seq = seq
-        return missing
-
-    def admit(self, instance: InstanceKey, epoch: int, seq: int) -> Admission:
-        """Decide about batch (epoch, seq) and, when it applies, advance the cursor past it."""
-        cur = self._cursors.get(instance)
-        if cur is None:
-            self._cursors[instance] = Cursor(epoch, seq)
-            return Admission(Verdict.FIRST, (1, seq - 1) if seq > 1 else None)
-        if epoch != cur.epoch:
-            if epoch in cur.retired:
-                return _STALE
-            cur.retired.append(cur.epoch)
-            cur.epoch = epoch
-            cur.last_seq = seq
-            return Admission(Verdict.NEW_EPOCH, (1, seq - 1) if seq > 1 else None)
-        last = cur.last_seq
-        if seq == last + 1:
-            cur.last_seq = seq
-            return _APPLY
-        if seq <= last:
-            return _DUPLICATE
-        cur.last_seq = seq
-        return Admission(Verdict.GAP, (last + 1, seq - 1))
+    def open(self, instance: InstanceKey, epoch: int, applied: int = 0) -> Cursor:
+        """Start (or restart, retiring the old epoch) the cursor of an instance at ``epoch``."""
+        old = self._cursors.get(instance)
+        cursor = Cursor(epoch, applied)
+        if old is not None:
+            cursor.retired = old.retired
+            if old.epoch != epoch:
+                cursor.retired.append(old.epoch)
+        self._cursors[instance] = cursor
+        return cursor

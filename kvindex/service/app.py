@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import signal
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import structlog
@@ -18,6 +18,7 @@ from kvindex.index.inverted import InvertedIndex
 from kvindex.ingest.consumer import Consumer
 from kvindex.ingest.nats_source import NatsSource
 from kvindex.observability.counters import IngestCounters, Metrics
+from kvindex.repair.nats_repair import NatsRepairer, RepairConfig
 from kvindex.service.natsd import EmbeddedNats
 from kvindex.wire.subjects import Subjects
 
@@ -30,6 +31,7 @@ class ServiceConfig:
     subject_prefix: str = "kvindex"
     metrics_port: int | None = None  # None: no HTTP metrics endpoint; 0: any free port
     metrics_host: str = "0.0.0.0"
+    repair: RepairConfig = field(default_factory=RepairConfig)
 
 
 class IndexService:
@@ -42,6 +44,7 @@ class IndexService:
         self.counters = IngestCounters()
         self.metrics = Metrics(self.counters, self._gauges)
         self.consumer = Consumer(self.index, self.registry, subjects=self.subjects, counters=self.counters)
+        self.repairer = NatsRepairer(self.consumer, config.repair)
         self.servicer = KvIndexServicer(self.index, self.registry, self.counters, self.metrics)
         self.grpc = GrpcServer(self.servicer, config.grpc_host, config.grpc_port)
         self.natsd: EmbeddedNats | None = None
@@ -65,8 +68,11 @@ class IndexService:
             await self.natsd.start()
             self.nats_url = self.natsd.url
             self.log.info("embedded_nats_started", url=self.nats_url)
-        self.source = NatsSource(self.consumer, self.nats_url)
+        # Subscribe first, then repair: batches arriving while an instance resynchronises are held.
+        self.source = NatsSource(self.consumer, self.nats_url, on_reconnect=self.repairer.on_reconnect)
         await self.source.start()
+        assert self.source.nc is not None
+        self.repairer.start(self.source.nc)
         await self.grpc.start()
         if self.config.metrics_port is not None:
             server, _thread = start_http_server(
@@ -84,6 +90,7 @@ class IndexService:
 
     async def stop(self) -> None:
         await self.grpc.stop()
+        await self.repairer.stop()
         if self.source is not None:
             await self.source.stop()
         if self._metrics_server is not None:

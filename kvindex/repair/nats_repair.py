@@ -1,0 +1,237 @@
+"""Runs the consumer's repairs over NATS: replay and snapshot requests, retries, periodic
+reconciliation, liveness, and resynchronisation after a reconnect.
+
+Decisions (what to repair, when a repair is done) stay in the synchronous Consumer; this module only
+does the I/O and the timing. At most one repair task runs per instance; snapshot requests share a
+global limit so that an index with many workers, or many index replicas, never floods a worker
+(workers also coalesce simultaneous snapshot requests, see workers_shim/publisher.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import random
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import structlog
+from nats.aio.client import Client
+
+from kvindex.fleet.liveness import sweep
+from kvindex.index.base import InstanceKey
+from kvindex.ingest.consumer import SNAPSHOT, Consumer
+from kvindex.wire import reconcile
+from kvindex.wire.reconcile import Snapshot
+from kvindex.wire.schema import TIER_BY_NAME
+
+
+@dataclass
+class RepairConfig:
+    replay_timeout: float = 2.0
+    snapshot_timeout: float = 5.0
+    max_concurrent_snapshots: int = 4
+    reconcile_interval: float = 60.0  # periodic snapshot per instance, jittered +-20 %; 0 disables
+    stale_after: float = 5.0
+    forget_after: float = 120.0
+    tick: float = 0.25
+    max_backoff: float = 5.0
+
+
+class RequestFailed(Exception):
+    """No usable answer: timeout, no responders, or a malformed answer."""
+
+
+class NatsRepairer:
+    def __init__(
+        self,
+        consumer: Consumer,
+        config: RepairConfig | None = None,
+        log: Any = None,
+        rng: random.Random | None = None,
+    ) -> None:
+        self.consumer = consumer
+        self.config = config or RepairConfig()
+        self.log = log or structlog.get_logger("kvindex.repair")
+        self.rng = rng or random.Random()
+        self.nc: Client | None = None
+        self._tasks: dict[InstanceKey, asyncio.Task[None]] = {}
+        self._snapshots = asyncio.Semaphore(self.config.max_concurrent_snapshots)
+        self._next_reconcile: dict[InstanceKey, float] = {}
+        self._loop_task: asyncio.Task[None] | None = None
+        consumer.repair = self
+
+    # -- lifecycle ------------------------------------------------------------------------------
+
+    def start(self, nc: Client) -> None:
+        self.nc = nc
+        self._loop_task = asyncio.create_task(self._maintain(), name="kvindex-maintenance")
+
+    async def stop(self) -> None:
+        tasks = [t for t in (self._loop_task, *self._tasks.values()) if t is not None]
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        self._tasks.clear()
+        self._loop_task = None
+
+    def on_reconnect(self) -> None:
+        """Whatever was published while we were away is lost to us: check every instance."""
+        for key in list(self.consumer.sequencer.cursors()):
+            self.consumer.reconcile(key, "reconnect")
+
+    # -- RepairScheduler ------------------------------------------------------------------------
+
+    def request_replay(self, instance: InstanceKey, epoch: int, first: int, last: int) -> None:
+        self._run(instance, self._replay(instance, epoch, first, last))
+
+    def request_snapshot(self, instance: InstanceKey, cause: str) -> None:
+        self._run(instance, self._snapshot(instance))
+
+    def _run(self, instance: InstanceKey, work: Any) -> None:
+        # The newest request supersedes an older one still running for the same instance.
+        old = self._tasks.get(instance)
+        if old is not None and not old.done():
+            old.cancel()
+        task = asyncio.get_running_loop().create_task(work, name=f"kvindex-repair-{instance[0]}")
+        self._tasks[instance] = task
+        task.add_done_callback(
+            lambda t, k=instance: self._tasks.pop(k, None) if self._tasks.get(k) is t else None
+        )
+
+    # -- replay ---------------------------------------------------------------------------------
+
+    async def _replay(self, instance: InstanceKey, epoch: int, first: int, last: int) -> None:
+        worker, rank = instance
+        subject = self.consumer.subjects.replay(worker)
+        request = reconcile.replay_request(rank, epoch, first, last)
+        try:
+            replies = await self._request(
+                subject, request, self.config.replay_timeout, reconcile.decode_replay_reply
+            )
+        except RequestFailed as exc:
+            self.consumer.on_replay_failed(instance, epoch, str(exc))
+            return
+        status = replies[-1].status
+        payloads = [data for reply in replies for data in reply.batches]
+        self.consumer.on_replay(instance, epoch, status, payloads)
+
+    # -- snapshot -------------------------------------------------------------------------------
+
+    async def _snapshot(self, instance: InstanceKey) -> None:
+        worker, rank = instance
+        subject = self.consumer.subjects.snapshot(worker)
+        backoff = 0.25
+        while self._wants_snapshot(instance):
+            try:
+                async with self._snapshots:
+                    parts = await self._request(
+                        subject,
+                        reconcile.snapshot_request(rank),
+                        self.config.snapshot_timeout,
+                        reconcile.decode_snapshot_part,
+                    )
+            except RequestFailed as exc:
+                self.consumer.counters.snapshots_failed += 1
+                self.log.info(
+                    "snapshot_failed", worker=worker, dp_rank=rank, error=str(exc), retry_in=backoff
+                )
+                await asyncio.sleep(backoff * (0.5 + self.rng.random()))
+                backoff = min(backoff * 2, self.config.max_backoff)
+                continue
+            if self.consumer.on_snapshot(instance, _assemble(parts)):
+                return
+
+    def _wants_snapshot(self, instance: InstanceKey) -> bool:
+        cursor = self.consumer.sequencer.cursor(instance)
+        return cursor is not None and cursor.repairing == SNAPSHOT
+
+    # -- request/reply with multi-part answers --------------------------------------------------
+
+    async def _request(
+        self, subject: str, payload: bytes, timeout: float, decode: Callable[[bytes], Any]
+    ) -> list[Any]:
+        nc = self.nc
+        if nc is None or not nc.is_connected:
+            raise RequestFailed("not connected")
+        inbox = nc.new_inbox()
+        queue: asyncio.Queue[Any] = asyncio.Queue()
+
+        async def collect(msg: Any) -> None:
+            queue.put_nowait(msg)
+
+        sub = await nc.subscribe(inbox, cb=collect)
+        try:
+            await nc.publish(subject, payload, reply=inbox)
+            parts: dict[int, Any] = {}
+            total: int | None = None
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + timeout
+            while total is None or len(parts) < total:
+                remaining = deadline - loop.time()
+                if remaining <= 0:
+                    raise RequestFailed("timeout")
+                try:
+                    msg = await asyncio.wait_for(queue.get(), remaining)
+                except TimeoutError:
+                    raise RequestFailed("timeout") from None
+                if msg.headers and msg.headers.get("Status") == "503":
+                    raise RequestFailed("no_responders")
+                try:
+                    part = decode(msg.data)
+                except Exception as exc:
+                    raise RequestFailed(f"malformed answer: {exc}") from None
+                parts[part.part] = part
+                if part.last:
+                    total = part.part + 1
+            return [parts[i] for i in range(total)]
+        finally:
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
+
+    # -- periodic work --------------------------------------------------------------------------
+
+    async def _maintain(self) -> None:
+        cfg = self.config
+        consumer = self.consumer
+        while True:
+            await asyncio.sleep(cfg.tick)
+            try:
+                now = consumer.registry.clock()
+                stale, forget = sweep(consumer.registry.all(), now, cfg.stale_after, cfg.forget_after)
+                for state in stale:
+                    consumer.mark_stale(state)
+                for key in forget:
+                    consumer.forget(key)
+                    self._next_reconcile.pop(key, None)
+                if cfg.reconcile_interval > 0:
+                    self._periodic(now)
+            except Exception as exc:  # keep maintaining whatever one sweep ran into
+                self.log.error("maintenance_failed", error=str(exc), error_type=type(exc).__name__)
+
+    def _periodic(self, now: float) -> None:
+        interval = self.config.reconcile_interval
+        for key, cursor in list(self.consumer.sequencer.cursors().items()):
+            due = self._next_reconcile.get(key)
+            if due is None:
+                # Spread first checks over a whole interval so that instances do not align.
+                self._next_reconcile[key] = now + interval * self.rng.random()
+                continue
+            if now < due:
+                continue
+            self._next_reconcile[key] = now + interval * (0.8 + 0.4 * self.rng.random())
+            state = self.consumer.registry.get(key)
+            if cursor.repairing is None and state is not None and not state.stale:
+                self.consumer.reconcile(key, "periodic")
+
+
+def _assemble(parts: list[reconcile.SnapshotPart]) -> Snapshot:
+    first = parts[0]
+    snap = Snapshot(first.epoch, first.seq)
+    for part in parts:
+        for tier, keys in part.tiers.items():
+            snap.tiers.setdefault(TIER_BY_NAME[tier], []).extend(keys)
+    return snap
