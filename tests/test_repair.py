@@ -12,8 +12,8 @@ from kvindex.index.base import InstanceKey
 from kvindex.repair.nats_repair import RepairConfig
 from kvindex.service.app import IndexService
 from kvindex.service.natsd import EmbeddedNats
+from kvindex.testing.faults import Faults, FaultyPublisher
 from tests.conftest import wait_until
-from tests.faults import Faults, FaultyPublisher
 
 FAST = RepairConfig(
     replay_timeout=0.5,

@@ -98,7 +98,14 @@ class Publisher:
     @classmethod
     async def connect(cls, url: str, **kwargs: Any) -> Publisher:
         """Connect to NATS and start a publisher that owns the connection."""
-        nc = await nats.connect(url, name=f"kvshim-{kwargs.get('worker', '')}", max_reconnect_attempts=-1)
+        log = structlog.get_logger("workers_shim.publisher")
+
+        async def on_error(exc: Exception) -> None:
+            log.warning("nats_error", error=str(exc), error_type=type(exc).__name__)
+
+        nc = await nats.connect(
+            url, name=f"kvshim-{kwargs.get('worker', '')}", max_reconnect_attempts=-1, error_cb=on_error
+        )
         pub = cls(nc, **kwargs)
         pub._owns_nc = True
         await pub.start()
@@ -359,11 +366,17 @@ class Publisher:
             for sub in self._subs:
                 with contextlib.suppress(Exception):
                     await sub.unsubscribe()
-            await self.heartbeat()
-            await self.nc.flush()
+            try:
+                await self.heartbeat()
+                await self.nc.flush(timeout=2)
+            except Exception as exc:  # reconnecting or gone: the index will notice the silence
+                self.log.warning("final_heartbeat_failed", error=str(exc) or type(exc).__name__)
         self._closed = True
         if self._owns_nc and not self.nc.is_closed:
-            await self.nc.drain()
+            try:
+                await self.nc.drain()
+            except Exception:
+                await self.nc.close()
 
     async def __aenter__(self) -> Publisher:
         return self

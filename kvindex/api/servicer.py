@@ -218,6 +218,8 @@ class KvIndexServicer(pb_grpc.KvIndexServicer):
                 missing_batches=state.missing_batches,
                 restarts=state.restarts,
                 pool=state.is_pool,
+                stale=state.stale,
+                sync=state.sync,
             )
         self._observe("ListInstances", started)
         return response
@@ -244,6 +246,18 @@ class KvIndexServicer(pb_grpc.KvIndexServicer):
             events_cleared=c.events_applied[2],
             rejects_total=c.rejects_total,
             rejects_by_reason=dict(c.rejects),
+            replays_requested=c.replays_requested,
+            replays_ok=c.replays_ok,
+            replays_failed=dict(c.replays_failed),
+            snapshots_requested=dict(c.snapshots_requested),
+            snapshots_applied=c.snapshots_applied,
+            reconciled_blocks_added=c.snapshot_blocks_added,
+            reconciled_blocks_removed=c.snapshot_blocks_removed,
+            drift_detected=c.drift_detected,
+            repairs_converged=c.repairs_converged,
+            convergence_seconds_max=c.convergence_seconds_max,
+            instances_stale=sum(1 for st in self.registry.all() if st.stale),
+            index_bytes=s.nbytes,
         )
         self._observe("Stats", started)
         return response

@@ -46,7 +46,7 @@ class NatsSource:
             self.url,
             name=self.name,
             max_reconnect_attempts=-1,
-            reconnect_time_wait=0.5,
+            reconnect_time_wait=0.25,
             error_cb=self._on_error,
             disconnected_cb=self._on_disconnected,
             reconnected_cb=self._on_reconnected,
@@ -84,5 +84,9 @@ class NatsSource:
     async def stop(self) -> None:
         if self.nc is not None:
             nc, self.nc = self.nc, None
-            if not nc.is_closed:
+            if nc.is_closed:
+                return
+            try:
                 await nc.drain()
+            except Exception:  # reconnecting or already gone: nothing left to drain
+                await nc.close()

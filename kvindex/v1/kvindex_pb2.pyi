@@ -135,7 +135,7 @@ class ListInstancesRequest(_message.Message):
     def __init__(self, model: _Optional[str] = ...) -> None: ...
 
 class InstanceInfo(_message.Message):
-    __slots__ = ("instance_id", "worker", "dp_rank", "model", "block_size", "epoch", "last_seq", "load", "blocks", "capacity", "batches", "gaps", "missing_batches", "restarts", "pool")
+    __slots__ = ("instance_id", "worker", "dp_rank", "model", "block_size", "epoch", "last_seq", "load", "blocks", "capacity", "batches", "gaps", "missing_batches", "restarts", "pool", "stale", "sync")
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     WORKER_FIELD_NUMBER: _ClassVar[int]
     DP_RANK_FIELD_NUMBER: _ClassVar[int]
@@ -151,6 +151,8 @@ class InstanceInfo(_message.Message):
     MISSING_BATCHES_FIELD_NUMBER: _ClassVar[int]
     RESTARTS_FIELD_NUMBER: _ClassVar[int]
     POOL_FIELD_NUMBER: _ClassVar[int]
+    STALE_FIELD_NUMBER: _ClassVar[int]
+    SYNC_FIELD_NUMBER: _ClassVar[int]
     instance_id: str
     worker: str
     dp_rank: int
@@ -166,7 +168,9 @@ class InstanceInfo(_message.Message):
     missing_batches: int
     restarts: int
     pool: bool
-    def __init__(self, instance_id: _Optional[str] = ..., worker: _Optional[str] = ..., dp_rank: _Optional[int] = ..., model: _Optional[str] = ..., block_size: _Optional[int] = ..., epoch: _Optional[int] = ..., last_seq: _Optional[int] = ..., load: _Optional[_Union[Load, _Mapping]] = ..., blocks: _Optional[_Union[TierBlocks, _Mapping]] = ..., capacity: _Optional[_Union[TierBlocks, _Mapping]] = ..., batches: _Optional[int] = ..., gaps: _Optional[int] = ..., missing_batches: _Optional[int] = ..., restarts: _Optional[int] = ..., pool: _Optional[bool] = ...) -> None: ...
+    stale: bool
+    sync: str
+    def __init__(self, instance_id: _Optional[str] = ..., worker: _Optional[str] = ..., dp_rank: _Optional[int] = ..., model: _Optional[str] = ..., block_size: _Optional[int] = ..., epoch: _Optional[int] = ..., last_seq: _Optional[int] = ..., load: _Optional[_Union[Load, _Mapping]] = ..., blocks: _Optional[_Union[TierBlocks, _Mapping]] = ..., capacity: _Optional[_Union[TierBlocks, _Mapping]] = ..., batches: _Optional[int] = ..., gaps: _Optional[int] = ..., missing_batches: _Optional[int] = ..., restarts: _Optional[int] = ..., pool: _Optional[bool] = ..., stale: _Optional[bool] = ..., sync: _Optional[str] = ...) -> None: ...
 
 class ListInstancesResponse(_message.Message):
     __slots__ = ("instances",)
@@ -179,8 +183,22 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("models", "instances", "distinct_blocks", "entries", "batches_received", "batches_applied", "batches_duplicate", "batches_stale_epoch", "gaps", "missing_batches", "restarts", "status_received", "events_stored", "events_removed", "events_cleared", "rejects_total", "rejects_by_reason")
+    __slots__ = ("models", "instances", "distinct_blocks", "entries", "batches_received", "batches_applied", "batches_duplicate", "batches_stale_epoch", "gaps", "missing_batches", "restarts", "status_received", "events_stored", "events_removed", "events_cleared", "rejects_total", "rejects_by_reason", "replays_requested", "replays_ok", "replays_failed", "snapshots_requested", "snapshots_applied", "reconciled_blocks_added", "reconciled_blocks_removed", "drift_detected", "repairs_converged", "convergence_seconds_max", "instances_stale", "index_bytes")
     class RejectsByReasonEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    class ReplaysFailedEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    class SnapshotsRequestedEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
         VALUE_FIELD_NUMBER: _ClassVar[int]
@@ -204,6 +222,18 @@ class StatsResponse(_message.Message):
     EVENTS_CLEARED_FIELD_NUMBER: _ClassVar[int]
     REJECTS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     REJECTS_BY_REASON_FIELD_NUMBER: _ClassVar[int]
+    REPLAYS_REQUESTED_FIELD_NUMBER: _ClassVar[int]
+    REPLAYS_OK_FIELD_NUMBER: _ClassVar[int]
+    REPLAYS_FAILED_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOTS_REQUESTED_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOTS_APPLIED_FIELD_NUMBER: _ClassVar[int]
+    RECONCILED_BLOCKS_ADDED_FIELD_NUMBER: _ClassVar[int]
+    RECONCILED_BLOCKS_REMOVED_FIELD_NUMBER: _ClassVar[int]
+    DRIFT_DETECTED_FIELD_NUMBER: _ClassVar[int]
+    REPAIRS_CONVERGED_FIELD_NUMBER: _ClassVar[int]
+    CONVERGENCE_SECONDS_MAX_FIELD_NUMBER: _ClassVar[int]
+    INSTANCES_STALE_FIELD_NUMBER: _ClassVar[int]
+    INDEX_BYTES_FIELD_NUMBER: _ClassVar[int]
     models: int
     instances: int
     distinct_blocks: TierBlocks
@@ -221,4 +251,16 @@ class StatsResponse(_message.Message):
     events_cleared: int
     rejects_total: int
     rejects_by_reason: _containers.ScalarMap[str, int]
-    def __init__(self, models: _Optional[int] = ..., instances: _Optional[int] = ..., distinct_blocks: _Optional[_Union[TierBlocks, _Mapping]] = ..., entries: _Optional[_Union[TierBlocks, _Mapping]] = ..., batches_received: _Optional[int] = ..., batches_applied: _Optional[int] = ..., batches_duplicate: _Optional[int] = ..., batches_stale_epoch: _Optional[int] = ..., gaps: _Optional[int] = ..., missing_batches: _Optional[int] = ..., restarts: _Optional[int] = ..., status_received: _Optional[int] = ..., events_stored: _Optional[int] = ..., events_removed: _Optional[int] = ..., events_cleared: _Optional[int] = ..., rejects_total: _Optional[int] = ..., rejects_by_reason: _Optional[_Mapping[str, int]] = ...) -> None: ...
+    replays_requested: int
+    replays_ok: int
+    replays_failed: _containers.ScalarMap[str, int]
+    snapshots_requested: _containers.ScalarMap[str, int]
+    snapshots_applied: int
+    reconciled_blocks_added: int
+    reconciled_blocks_removed: int
+    drift_detected: int
+    repairs_converged: int
+    convergence_seconds_max: float
+    instances_stale: int
+    index_bytes: int
+    def __init__(self, models: _Optional[int] = ..., instances: _Optional[int] = ..., distinct_blocks: _Optional[_Union[TierBlocks, _Mapping]] = ..., entries: _Optional[_Union[TierBlocks, _Mapping]] = ..., batches_received: _Optional[int] = ..., batches_applied: _Optional[int] = ..., batches_duplicate: _Optional[int] = ..., batches_stale_epoch: _Optional[int] = ..., gaps: _Optional[int] = ..., missing_batches: _Optional[int] = ..., restarts: _Optional[int] = ..., status_received: _Optional[int] = ..., events_stored: _Optional[int] = ..., events_removed: _Optional[int] = ..., events_cleared: _Optional[int] = ..., rejects_total: _Optional[int] = ..., rejects_by_reason: _Optional[_Mapping[str, int]] = ..., replays_requested: _Optional[int] = ..., replays_ok: _Optional[int] = ..., replays_failed: _Optional[_Mapping[str, int]] = ..., snapshots_requested: _Optional[_Mapping[str, int]] = ..., snapshots_applied: _Optional[int] = ..., reconciled_blocks_added: _Optional[int] = ..., reconciled_blocks_removed: _Optional[int] = ..., drift_detected: _Optional[int] = ..., repairs_converged: _Optional[int] = ..., convergence_seconds_max: _Optional[float] = ..., instances_stale: _Optional[int] = ..., index_bytes: _Optional[int] = ...) -> None: ...

@@ -1,4 +1,4 @@
-"""Fault injection for tests: a publisher whose outgoing messages can be dropped, duplicated,
+"""Fault injection: a publisher whose outgoing messages can be dropped, duplicated,
 reordered and delayed, and which can be partitioned (nothing in or out) for a while.
 
 Ground truth is what the publisher itself holds (``Publisher.blocks``): after faults stop, the index
@@ -12,6 +12,8 @@ import random
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
+
+import msgpack
 
 from kvindex.wire.schema import TIER_BY_NAME
 from workers_shim.publisher import Publisher
@@ -79,8 +81,6 @@ class FaultyPublisher(Publisher):
 
     @staticmethod
     def _seq_of(data: bytes) -> int:
-        import msgpack
-
         return int(msgpack.unpackb(data).get("seq", -1))
 
     async def _on_replay(self, msg: Any) -> None:
