@@ -22,6 +22,17 @@ def _add_serve(sub: Any) -> None:
     p.add_argument("--metrics-host", default="0.0.0.0")
     p.add_argument("--log-format", choices=("auto", "json", "console"), default="auto")
     p.add_argument("--log-level", default="info")
+    r = p.add_argument_group("self-healing")
+    r.add_argument(
+        "--reconcile-interval", type=float, default=60.0, help="periodic snapshot per instance (s); 0 off"
+    )
+    r.add_argument("--stale-after", type=float, default=5.0, help="no heartbeat this long: not ranked (s)")
+    r.add_argument(
+        "--forget-after", type=float, default=120.0, help="no heartbeat this long: blocks dropped (s)"
+    )
+    r.add_argument("--max-concurrent-snapshots", type=int, default=4)
+    r.add_argument("--replay-timeout", type=float, default=2.0)
+    r.add_argument("--snapshot-timeout", type=float, default=5.0)
 
 
 def _add_query(sub: Any, name: str, help_text: str, prompt: bool) -> None:
@@ -85,6 +96,7 @@ def _query(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    from kvindex.repair.nats_repair import RepairConfig
     from kvindex.service.app import IndexService, ServiceConfig, serve_until_signalled
 
     configure_logging(args.log_format, args.log_level)
@@ -95,6 +107,14 @@ def _serve(args: argparse.Namespace) -> int:
         subject_prefix=args.subject_prefix,
         metrics_port=None if args.metrics_port < 0 else args.metrics_port,
         metrics_host=args.metrics_host,
+        repair=RepairConfig(
+            reconcile_interval=args.reconcile_interval,
+            stale_after=args.stale_after,
+            forget_after=args.forget_after,
+            max_concurrent_snapshots=args.max_concurrent_snapshots,
+            replay_timeout=args.replay_timeout,
+            snapshot_timeout=args.snapshot_timeout,
+        ),
     )
     asyncio.run(serve_until_signalled(IndexService(config)))
     return 0
