@@ -33,6 +33,9 @@ def _add_serve(sub: Any) -> None:
     r.add_argument("--max-concurrent-snapshots", type=int, default=4)
     r.add_argument("--replay-timeout", type=float, default=2.0)
     r.add_argument("--snapshot-timeout", type=float, default=5.0)
+    j = p.add_argument_group("JetStream (optional)")
+    j.add_argument("--jetstream", action="store_true", help="keep event batches in a stream; rebuild from it")
+    j.add_argument("--stream-max-age", type=float, default=3600.0, help="history kept in the stream (s)")
 
 
 def _add_query(sub: Any, name: str, help_text: str, prompt: bool) -> None:
@@ -96,6 +99,7 @@ def _query(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    from kvindex.ingest.nats_source import JetStreamConfig
     from kvindex.repair.nats_repair import RepairConfig
     from kvindex.service.app import IndexService, ServiceConfig, serve_until_signalled
 
@@ -115,6 +119,7 @@ def _serve(args: argparse.Namespace) -> int:
             replay_timeout=args.replay_timeout,
             snapshot_timeout=args.snapshot_timeout,
         ),
+        jetstream=JetStreamConfig(max_age=args.stream_max_age) if args.jetstream else None,
     )
     asyncio.run(serve_until_signalled(IndexService(config)))
     return 0

@@ -81,6 +81,11 @@ class Consumer:
         self.log = log or structlog.get_logger("kvindex.ingest")
         self._reject_log = RateLimitedLog(self.log)
         self._events_head = f"{self.subjects.prefix}.{EVENTS}."
+        # Heartbeats drive repairs (tail loss, drift, discovery) unless the event source is still
+        # replaying history; and when they do not share one ordered subscription with the batches,
+        # a heartbeat ahead of the batches must be seen twice before it counts as a lost tail.
+        self.heartbeat_repairs = True
+        self.status_in_order = True
         self.repair: RepairScheduler = repair or NoRepair()
         if isinstance(self.repair, NoRepair):
             self.repair.consumer = self
@@ -415,6 +420,8 @@ class Consumer:
         if state.stale:
             state.stale = False
             self.log.info("instance_alive_again", worker=state.worker, dp_rank=state.dp_rank)
+        if not self.heartbeat_repairs:
+            return
         if cursor is None or cursor.epoch != report.epoch:
             if cursor is not None:
                 if report.epoch in cursor.retired:
@@ -430,7 +437,11 @@ class Consumer:
         if cursor.repairing is not None:
             return
         if report.seq > cursor.applied:
+            if not self.status_in_order and cursor.behind <= cursor.applied:
+                cursor.behind = report.seq  # maybe just overtaken: check again at the next heartbeat
+                return
             # The worker published more than we received: the tail batches were lost.
+            cursor.behind = 0
             self._gap(state, (cursor.applied + 1, report.seq), "behind heartbeat")
             self._begin(state, cursor, REPLAY, "tail", upto=report.seq)
             return

@@ -1,19 +1,30 @@
-"""Feeds the consumer from NATS: one subscription on ``{prefix}.>`` for events and heartbeats.
+"""Feeds the consumer from NATS.
 
-One subscription, not one per kind, because nats-py runs each subscription's callbacks on its own
-task: with two, a worker's heartbeat could be handled before the event batch it was published
-after, and the heartbeat's seq would look like a lost batch.
+Core NATS (default): one subscription on ``{prefix}.>`` for events and heartbeats. One, not one per
+kind, because nats-py runs each subscription's callbacks on its own task: with two, a worker's
+heartbeat could be handled before the event batch it was published after, and the heartbeat's seq
+would look like a lost batch.
+
+JetStream (optional): event batches are kept in a stream; the index reads it with an ordered
+consumer from the start, so a restarted index rebuilds from the stream instead of asking every
+worker for a snapshot, and a reconnect resumes exactly where it left off. Heartbeats stay on core
+NATS (they are only useful live); until the stream is caught up they update load but start no
+repair, and afterwards a lost tail must show in two heartbeats in a row (the two arrive on separate
+subscriptions, so one heartbeat may overtake the batch before it).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import nats
 import structlog
 from nats.aio.client import Client
 from nats.aio.msg import Msg
+from nats.js.api import DeliverPolicy, StorageType, StreamConfig
+from nats.js.errors import NotFoundError
 
 from kvindex.ingest.consumer import Consumer
 from kvindex.wire.subjects import EVENTS, STATUS
@@ -21,6 +32,13 @@ from kvindex.wire.subjects import EVENTS, STATUS
 # Generous client-side buffer: a burst must wait in memory rather than be dropped as a slow consumer.
 _PENDING_MSGS = 1_000_000
 _PENDING_BYTES = 1 << 30
+
+
+@dataclass
+class JetStreamConfig:
+    max_age: float = 3600.0  # seconds of history a restarted index can rebuild from
+    max_bytes: int = 1 << 30
+    stream: str | None = None  # default: KVINDEX_<prefix with dots as underscores>
 
 
 class NatsSource:
@@ -31,6 +49,7 @@ class NatsSource:
         name: str = "kvindex",
         log: Any = None,
         on_reconnect: Callable[[], None] | None = None,
+        jetstream: JetStreamConfig | None = None,
     ) -> None:
         self.consumer = consumer
         self.url = url
@@ -40,6 +59,9 @@ class NatsSource:
         self._head = consumer.subjects.prefix + "."
         self.reconnects = 0
         self._on_reconnect_hook = on_reconnect
+        self.jetstream = jetstream
+        self.stream = ""
+        self.caught_up = jetstream is None
 
     async def start(self) -> None:
         self.nc = await nats.connect(
@@ -51,6 +73,9 @@ class NatsSource:
             disconnected_cb=self._on_disconnected,
             reconnected_cb=self._on_reconnected,
         )
+        if self.jetstream is not None:
+            await self._start_jetstream(self.jetstream)
+            return
         await self.nc.subscribe(
             self._head + ">",
             cb=self._on_msg,
@@ -59,6 +84,55 @@ class NatsSource:
         )
         await self.nc.flush()
         self.log.info("nats_subscribed", url=self.url, subject=self._head + ">")
+
+    async def _start_jetstream(self, cfg: JetStreamConfig) -> None:
+        assert self.nc is not None
+        prefix = self.consumer.subjects.prefix
+        self.stream = cfg.stream or "KVINDEX_" + prefix.replace(".", "_")
+        events = f"{prefix}.{EVENTS}.>"
+        js = self.nc.jetstream()
+        config = StreamConfig(
+            name=self.stream,
+            subjects=[events],
+            max_age=cfg.max_age,
+            max_bytes=cfg.max_bytes,
+            storage=StorageType.FILE,
+        )
+        try:
+            info = await js.stream_info(self.stream)
+            info = await js.update_stream(config)
+        except NotFoundError:
+            info = await js.add_stream(config)
+        # Until the stream is read to its end, heartbeats are ahead of the batches being replayed.
+        self.caught_up = info.state.messages == 0
+        self.consumer.heartbeat_repairs = self.caught_up
+        self.consumer.status_in_order = False
+        await self.nc.subscribe(
+            self._head + STATUS + ".*",
+            cb=self._on_msg,
+            pending_msgs_limit=_PENDING_MSGS,
+            pending_bytes_limit=_PENDING_BYTES,
+        )
+        await js.subscribe(
+            events,
+            stream=self.stream,
+            cb=self._on_stream_msg,
+            ordered_consumer=True,
+            deliver_policy=DeliverPolicy.ALL,
+            pending_msgs_limit=_PENDING_MSGS,
+            pending_bytes_limit=_PENDING_BYTES,
+        )
+        await self.nc.flush()
+        self.log.info(
+            "jetstream_subscribed", url=self.url, stream=self.stream, retained_batches=info.state.messages
+        )
+
+    async def _on_stream_msg(self, msg: Msg) -> None:
+        self.consumer.on_events(msg.subject, msg.data)
+        if not self.caught_up and msg.metadata.num_pending == 0:
+            self.caught_up = True
+            self.consumer.heartbeat_repairs = True
+            self.log.info("jetstream_caught_up", stream=self.stream, stream_seq=msg.metadata.sequence.stream)
 
     async def _on_msg(self, msg: Msg) -> None:
         subject = msg.subject
@@ -78,7 +152,8 @@ class NatsSource:
     async def _on_reconnected(self) -> None:
         self.reconnects += 1
         self.log.info("nats_reconnected", url=self.url)
-        if self._on_reconnect_hook is not None:
+        # With JetStream the ordered consumer resumes where it was: nothing was lost.
+        if self._on_reconnect_hook is not None and self.jetstream is None:
             self._on_reconnect_hook()
 
     async def stop(self) -> None:

@@ -40,6 +40,7 @@ class Cursor:
     rounds: int = 0  # repair requests since the instance was last in sync
     cause: str = ""  # what started the current repair
     target: int = 0  # highest seq the worker is known to have published (from heartbeats)
+    behind: int = 0  # a heartbeat's seq not yet applied, awaiting confirmation (unordered sources)
     buffer: SortedDict = field(default_factory=SortedDict)  # seq -> decoded batch
     retired: deque[int] = field(default_factory=lambda: deque(maxlen=_RETIRED_EPOCHS_KEPT))
 

@@ -16,7 +16,7 @@ from kvindex.api.servicer import KvIndexServicer
 from kvindex.fleet.registry import Registry
 from kvindex.index.inverted import InvertedIndex
 from kvindex.ingest.consumer import Consumer
-from kvindex.ingest.nats_source import NatsSource
+from kvindex.ingest.nats_source import JetStreamConfig, NatsSource
 from kvindex.observability.counters import IngestCounters, Metrics
 from kvindex.repair.nats_repair import NatsRepairer, RepairConfig
 from kvindex.service.natsd import EmbeddedNats
@@ -32,6 +32,7 @@ class ServiceConfig:
     metrics_port: int | None = None  # None: no HTTP metrics endpoint; 0: any free port
     metrics_host: str = "0.0.0.0"
     repair: RepairConfig = field(default_factory=RepairConfig)
+    jetstream: JetStreamConfig | None = None  # None: core NATS (default)
 
 
 class IndexService:
@@ -64,12 +65,17 @@ class IndexService:
 
     async def start(self) -> None:
         if not self.config.nats_url:
-            self.natsd = EmbeddedNats()
+            self.natsd = EmbeddedNats(jetstream=self.config.jetstream is not None)
             await self.natsd.start()
             self.nats_url = self.natsd.url
             self.log.info("embedded_nats_started", url=self.nats_url)
         # Subscribe first, then repair: batches arriving while an instance resynchronises are held.
-        self.source = NatsSource(self.consumer, self.nats_url, on_reconnect=self.repairer.on_reconnect)
+        self.source = NatsSource(
+            self.consumer,
+            self.nats_url,
+            on_reconnect=self.repairer.on_reconnect,
+            jetstream=self.config.jetstream,
+        )
         await self.source.start()
         assert self.source.nc is not None
         self.repairer.start(self.source.nc)

@@ -61,7 +61,8 @@ class EmbeddedNats:
             port = self.port or free_port(self.host)
             args = [nats_server_binary(), "-a", self.host, "-p", str(port)]
             if self.jetstream:
-                self._store = tempfile.TemporaryDirectory(prefix="kvindex-js-")
+                if self._store is None:  # kept across stop/start so a restarted server keeps streams
+                    self._store = tempfile.TemporaryDirectory(prefix="kvindex-js-")
                 args += ["-js", "-sd", self._store.name]
             proc = await asyncio.create_subprocess_exec(
                 *args,
@@ -104,7 +105,8 @@ class EmbeddedNats:
             while await proc.stderr.read(65536):
                 pass
 
-    async def stop(self) -> None:
+    async def stop(self, cleanup: bool = True) -> None:
+        """Stop the server; ``cleanup=False`` keeps the JetStream store for a restart."""
         proc, self._proc = self._proc, None
         if proc is not None and proc.returncode is None:
             proc.terminate()
@@ -113,7 +115,7 @@ class EmbeddedNats:
             except TimeoutError:
                 proc.kill()
                 await proc.wait()
-        if self._store is not None:
+        if cleanup and self._store is not None:
             self._store.cleanup()
             self._store = None
 

@@ -284,7 +284,7 @@ async def _inject(
 
         asyncio.get_running_loop().create_task(heal())
     elif kind == "nats_restart":
-        await natsd.stop()
+        await natsd.stop(cleanup=False)
         await asyncio.sleep(rng.uniform(0.02, 0.1))
         await natsd.start()
     elif kind == "index_restart":
