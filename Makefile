@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 BENCH_STAMP := $(VENV)/.installed-bench
 PROTO_SRC := proto/kvindex/v1/kvindex.proto
 
-.PHONY: install install-bench proto run test bench lint fmt clean
+.PHONY: install install-bench proto run test bench soak lint fmt clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -35,6 +35,10 @@ test: $(STAMP)
 bench: $(BENCH_STAMP)
 	$(PY) benchmarks/bench_index.py
 	$(PY) benchmarks/bench_score.py
+
+# Hundreds of randomized fault schedules, then sustained load (see kvindex/testing/soak.py for knobs).
+soak: $(STAMP)
+	$(PY) -m kvindex.testing.soak $(ARGS)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

@@ -8,6 +8,7 @@ the index is left exactly as it was.
 
 from __future__ import annotations
 
+from time import time as _now
 from typing import Any, Protocol
 
 import structlog
@@ -186,6 +187,7 @@ class Consumer:
         state.epoch = batch.epoch
         state.last_seq = batch.seq
         state.last_event_ts = batch.ts
+        c.lag.observe(_now() - batch.ts)
         state.batches += 1
         c.batches_applied += 1
 

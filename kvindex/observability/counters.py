@@ -6,16 +6,51 @@ counters per batch, so it keeps plain ints and a custom collector reads them whe
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Histogram
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
 from kvindex.wire.schema import OP_NAMES, TIER_NAMES
+
+LAG_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+
+
+class LagHistogram:
+    """Seconds from a batch being sealed by its worker (its ``ts``) to being applied here.
+
+    Plain counts (no lock) because it is bumped once per batch on the ingest path. Worker and index
+    clocks must agree for the absolute value to mean anything; on one host they do.
+    """
+
+    __slots__ = ("count", "counts", "sum")
+
+    def __init__(self) -> None:
+        self.counts = [0] * (len(LAG_BUCKETS) + 1)
+        self.count = 0
+        self.sum = 0.0
+
+    def observe(self, seconds: float) -> None:
+        self.counts[bisect_left(LAG_BUCKETS, seconds)] += 1
+        self.count += 1
+        self.sum += seconds
+
+    def quantile(self, q: float) -> float:
+        """Upper bound of the bucket holding quantile ``q`` (inf if beyond the last bucket)."""
+        if not self.count:
+            return 0.0
+        rank = q * self.count
+        seen = 0
+        for i, n in enumerate(self.counts):
+            seen += n
+            if seen >= rank:
+                return LAG_BUCKETS[i] if i < len(LAG_BUCKETS) else float("inf")
+        return float("inf")
 
 
 @dataclass(slots=True)
@@ -53,6 +88,7 @@ class IngestCounters:
     convergence_seconds_max: float = 0.0
     stale_marked: int = 0
     instances_forgotten: int = 0
+    lag: LagHistogram = field(default_factory=LagHistogram)
 
     def converged(self, seconds: float) -> None:
         self.repairs_converged += 1
@@ -128,6 +164,14 @@ class _Collector(Collector):
         )
         yield counter("instances_marked_stale", "Instances excluded for missing heartbeats", c.stale_marked)
         yield counter("instances_forgotten", "Instances dropped after long silence", c.instances_forgotten)
+        lag = HistogramMetricFamily("kvindex_event_lag_seconds", "Batch sealed by the worker -> applied here")
+        cumulative = 0
+        buckets = []
+        for edge, n in zip((*LAG_BUCKETS, float("inf")), c.lag.counts, strict=True):
+            cumulative += n
+            buckets.append(("+Inf" if edge == float("inf") else str(edge), cumulative))
+        lag.add_metric([], buckets, c.lag.sum)
+        yield lag
         rejects = CounterMetricFamily("kvindex_rejects", "Messages rejected by reason", labels=["reason"])
         for reason, n in sorted(c.rejects.items()):
             rejects.add_metric([reason], n)

@@ -1,0 +1,302 @@
+"""`make soak`: hundreds of randomized fault schedules, then a sustained-load run.
+
+    python -m kvindex.testing.soak                        # 300 schedules + 60 s at 50 K events/s
+    python -m kvindex.testing.soak --schedules 0 --load-seconds 600 --rate 80000
+
+The sustained-load run starts a nats-server, a `kvindex serve` process and load-generator processes
+(each runs several publishers with the real publisher library), calls `Score` concurrently over gRPC,
+and every few seconds reports: events published vs applied, lag (worker seal -> applied), Score
+latency, service memory, gaps. With no faults injected every gap is a false gap, so it must stay 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import random
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import structlog
+
+from kvindex.testing.chaos import ChaosConfig, run_schedule, summarize
+
+MODEL = "soak-model"
+BLOCK_SIZE = 16
+
+
+def _quiet() -> None:
+    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.ERROR))
+
+
+async def schedules(n: int, first_seed: int) -> bool:
+    results = []
+    started = time.monotonic()
+    for seed in range(first_seed, first_seed + n):
+        results.append(await run_schedule(seed, ChaosConfig()))
+        if len(results) % 25 == 0:
+            print(f"  {len(results)}/{n} schedules, {time.monotonic() - started:.0f} s", flush=True)
+    print(summarize(results))
+    return all(r.converged for r in results)
+
+
+# -- load generator (child process) ---------------------------------------------------------------
+
+
+async def load_role(url: str, rate: float, publishers: int, seconds: float, seed: int, tag: str) -> None:
+    """Publishes ~``rate`` stored/removed events per second across ``publishers`` workers."""
+    from workers_shim.publisher import Publisher
+
+    rng = random.Random(seed)
+    pubs = [
+        await Publisher.connect(
+            url, worker=f"{tag}-{i}", model=MODEL, block_size=BLOCK_SIZE, capacity={"gpu": 20_000}
+        )
+        for i in range(publishers)
+    ]
+    held: list[list[int]] = [[] for _ in pubs]
+    published = 0
+    tick = 0.005
+    per_tick = rate * tick / len(pubs)
+    carry = 0.0
+    start = time.monotonic()
+    next_tick = start
+    while time.monotonic() - start < seconds:
+        carry += per_tick
+        n = int(carry)
+        carry -= n
+        for i, pub in enumerate(pubs):
+            chain = held[i]
+            for _ in range(n):
+                # Mostly stores of 4-block chains; evict the oldest once a worker holds 20 K blocks.
+                if len(chain) > 20_000:
+                    gone, held[i] = chain[:4], chain[4:]
+                    chain = held[i]
+                    pub.removed(gone)
+                else:
+                    keys = [rng.getrandbits(64) for _ in range(4)]
+                    pub.stored(keys)
+                    chain.extend(keys)
+                published += 1
+            pub.set_load(
+                running=rng.randint(0, 8), waiting=rng.randint(0, 4), kv_usage=min(1.0, len(chain) / 20_000)
+            )
+        next_tick += tick
+        await asyncio.sleep(max(0.0, next_tick - time.monotonic()))
+    for pub in pubs:
+        await pub.close()
+    print(json.dumps({"published": published, "seconds": time.monotonic() - start}), flush=True)
+
+
+# -- sustained load (parent) ----------------------------------------------------------------------
+
+
+def _metric(text: str, name: str) -> float:
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name) and not line.startswith(name + "_"):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def _lag_quantile(text: str, q: float) -> float:
+    buckets = []
+    for line in text.splitlines():
+        if line.startswith("kvindex_event_lag_seconds_bucket"):
+            edge = line.split('le="', 1)[1].split('"', 1)[0]
+            buckets.append((float("inf") if edge == "+Inf" else float(edge), float(line.rsplit(" ", 1)[1])))
+    if not buckets or buckets[-1][1] == 0:
+        return 0.0
+    total = buckets[-1][1]
+    for edge, cum in buckets:
+        if cum >= q * total:
+            return edge
+    return float("inf")
+
+
+def _rss_mb(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return 0.0
+
+
+async def sustained(seconds: float, rate: float, processes: int, publishers: int, score_rate: float) -> bool:
+    import grpc
+
+    from kvindex.keys import block_keys
+    from kvindex.service.natsd import EmbeddedNats, free_port
+    from kvindex.v1 import kvindex_pb2 as pb
+    from kvindex.v1 import kvindex_pb2_grpc as pb_grpc
+
+    natsd = EmbeddedNats()
+    await natsd.start()
+    grpc_port, metrics_port = free_port(), free_port()
+    exe = str(Path(sys.executable).with_name("kvindex"))
+    service = subprocess.Popen(
+        [
+            exe,
+            "serve",
+            "--nats",
+            natsd.url,
+            "--grpc-host",
+            "127.0.0.1",
+            "--grpc-port",
+            str(grpc_port),
+            "--metrics-host",
+            "127.0.0.1",
+            "--metrics-port",
+            str(metrics_port),
+            "--log-level",
+            "warning",
+        ],
+        stderr=subprocess.DEVNULL,
+    )
+    loaders: list[subprocess.Popen[str]] = []
+    ok = True
+    try:
+        metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
+        for _ in range(100):
+            try:
+                urllib.request.urlopen(metrics_url, timeout=1).read()
+                break
+            except OSError:
+                await asyncio.sleep(0.1)
+        for p in range(processes):
+            loaders.append(
+                subprocess.Popen(
+                    [
+                        sys.executable,
+                        "-m",
+                        "kvindex.testing.soak",
+                        "--role",
+                        "load",
+                        "--nats",
+                        natsd.url,
+                        "--rate",
+                        str(rate / processes),
+                        "--publishers",
+                        str(publishers),
+                        "--load-seconds",
+                        str(seconds),
+                        "--seed",
+                        str(p),
+                        "--tag",
+                        f"p{p}",
+                    ],
+                    stdout=subprocess.PIPE,
+                    text=True,
+                )
+            )
+        prompt = list(range(8192))
+        keys = block_keys(prompt, BLOCK_SIZE, MODEL)
+        latencies: list[float] = []
+        errors = 0
+        print(
+            f"{'t':>5} {'applied ev/s':>12} {'lag p50':>8} {'lag p99':>8} {'score p50':>9} {'score p99':>9} "
+            f"{'rss MB':>7} {'gaps':>5} {'instances':>9}"
+        )
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{grpc_port}") as channel:
+            stub = pb_grpc.KvIndexStub(channel)
+            start = time.monotonic()
+            last_report, last_events = start, 0.0
+            window: list[float] = []
+            while time.monotonic() - start < seconds + 2:
+                t0 = time.perf_counter()
+                try:
+                    await stub.Score(pb.ScoreRequest(model=MODEL, block_keys=keys, top_k=4), timeout=5)
+                    window.append(time.perf_counter() - t0)
+                except grpc.aio.AioRpcError:
+                    errors += 1
+                await asyncio.sleep(max(0.0, 1 / score_rate - (time.perf_counter() - t0)))
+                now = time.monotonic()
+                if now - last_report >= 5:
+                    text = urllib.request.urlopen(metrics_url, timeout=5).read().decode()
+                    events = _metric(text, "kvindex_events_applied_total")
+                    window.sort()
+                    p50 = window[len(window) // 2] * 1000 if window else float("nan")
+                    p99 = window[int(len(window) * 0.99)] * 1000 if window else float("nan")
+                    print(
+                        f"{now - start:5.0f} {(events - last_events) / (now - last_report):12,.0f} "
+                        f"{_lag_quantile(text, 0.5) * 1000:6.0f}ms {_lag_quantile(text, 0.99) * 1000:6.0f}ms "
+                        f"{p50:7.2f}ms {p99:7.2f}ms {_rss_mb(service.pid):7.0f} "
+                        f"{_metric(text, 'kvindex_gaps_total'):5.0f} "
+                        f"{_metric(text, 'kvindex_instances'):9.0f}",
+                        flush=True,
+                    )
+                    latencies += window
+                    window = []
+                    last_report, last_events = now, events
+        published = 0
+        for loader in loaders:
+            out, _ = loader.communicate(timeout=60)
+            published += json.loads(out.strip().splitlines()[-1])["published"]
+        applied = -1.0
+        for _ in range(50):  # let the last batches land
+            await asyncio.sleep(0.1)
+            text = urllib.request.urlopen(metrics_url, timeout=5).read().decode()
+            if _metric(text, "kvindex_events_applied_total") == applied >= published:
+                break
+            applied = _metric(text, "kvindex_events_applied_total")
+        gaps = _metric(text, "kvindex_gaps_total")
+        rejects = _metric(text, "kvindex_rejects_total")
+        latencies.sort()
+        print(
+            f"published {published:,} events in {seconds:.0f} s ({published / seconds:,.0f}/s), "
+            f"applied {applied:,.0f}; "
+            f"false gaps {gaps:.0f}; rejects {rejects:.0f}; Score calls {len(latencies):,} "
+            f"(p50 {latencies[len(latencies) // 2] * 1000:.2f} ms, errors {errors}); "
+            f"service RSS {_rss_mb(service.pid):.0f} MB"
+        )
+        ok = gaps == 0 and applied >= published and errors == 0
+    finally:
+        for loader in loaders:
+            if loader.poll() is None:
+                loader.kill()
+        service.terminate()
+        service.wait(timeout=10)
+        await natsd.stop()
+    return ok
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m kvindex.testing.soak", description=__doc__)
+    parser.add_argument("--schedules", type=int, default=300)
+    parser.add_argument("--first-seed", type=int, default=1000)
+    parser.add_argument("--load-seconds", type=float, default=60.0)
+    parser.add_argument("--rate", type=float, default=50_000.0, help="events/s across all load processes")
+    parser.add_argument("--processes", type=int, default=2)
+    parser.add_argument("--publishers", type=int, default=16, help="workers per load process")
+    parser.add_argument("--score-rate", type=float, default=200.0, help="Score calls/s during the load")
+    parser.add_argument("--role", choices=("main", "load"), default="main", help=argparse.SUPPRESS)
+    parser.add_argument("--nats", help=argparse.SUPPRESS)
+    parser.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--tag", default="p0", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    _quiet()
+    if args.role == "load":
+        asyncio.run(load_role(args.nats, args.rate, args.publishers, args.load_seconds, args.seed, args.tag))
+        return 0
+    ok = True
+    if args.schedules:
+        print(f"== {args.schedules} randomized fault schedules")
+        ok &= asyncio.run(schedules(args.schedules, args.first_seed))
+    if args.load_seconds > 0:
+        print(
+            f"== sustained load: {args.rate:,.0f} events/s for {args.load_seconds:.0f} s, "
+            f"{args.processes} x {args.publishers} publishers, {args.score_rate:.0f} Score/s"
+        )
+        ok &= asyncio.run(
+            sustained(args.load_seconds, args.rate, args.processes, args.publishers, args.score_rate)
+        )
+    print("SOAK PASSED" if ok else "SOAK FAILED")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
