@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Awaitable, Callable
 
+import grpc
 import nats
 import pytest
 
@@ -12,6 +13,8 @@ from kvindex.index.base import InstanceKey
 from kvindex.repair.nats_repair import RepairConfig
 from kvindex.service.app import IndexService
 from kvindex.service.natsd import EmbeddedNats
+from kvindex.v1 import kvindex_pb2 as pb
+from kvindex.v1 import kvindex_pb2_grpc as pb_grpc
 from kvindex.testing.faults import Faults, FaultyPublisher
 from tests.conftest import wait_until
 
@@ -173,7 +176,14 @@ async def test_stale_then_forgotten_then_back(make_service: MakeService, make_wo
     await converged(svc, w, other)
     w.faults.partitioned = True
     await wait_until(lambda: svc.registry.get(("w1", 0)).stale, 3, "stale")  # type: ignore[union-attr]
-    assert [s.instance_id for s in svc.registry.routable("m")] == ["w2/0"]
+    async with grpc.aio.insecure_channel(svc.grpc.address) as channel:
+        stub = pb_grpc.KvIndexStub(channel)
+        listed = {i.instance_id: i for i in (await stub.ListInstances(pb.ListInstancesRequest())).instances}
+        assert listed["w1/0"].stale and not listed["w2/0"].stale
+        assert listed["w2/0"].sync == "synced"
+        ranked = await stub.Score(pb.ScoreRequest(model="m", block_keys=[1]))
+        assert [r.instance_id for r in ranked.ranked] == ["w2/0"]
+        assert (await stub.Stats(pb.StatsRequest())).instances_stale == 1
     await wait_until(lambda: svc.registry.get(("w1", 0)) is None, 3, "forgotten")
     assert not svc.index.has_instance(("w1", 0))
     w.faults.partitioned = False  # it comes back: resynchronised from a snapshot
