@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import sys
 from array import array
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -93,3 +94,76 @@ def block_keys(
     """
     seed = model_seed(model, lora, salt) if parent is None else parent
     return keys_from_le_bytes(tokens_to_le_bytes(tokens), block_size, seed)
+
+
+# -- extra keys (multimodal inputs, prompt embeddings, …): docs/wire.md §1 "Extra keys" ----------
+#
+# Some blocks are not determined by their token ids alone: an image's placeholder tokens are the same
+# for every image, prompt embeddings have no token ids at all. Engines fold such per-block "extra
+# keys" into their block hashes; the project's key appends them, encoded as below, to the block's
+# token bytes. A block without extra keys has an empty suffix, so its key is exactly the plain one.
+
+EXTRA_MM = 0x01
+EXTRA_EMBEDS = 0x02
+EXTRA_OTHER = 0x03
+
+
+def _as_bytes(value: str | bytes) -> bytes:
+    return value.encode() if isinstance(value, str) else bytes(value)
+
+
+def mm_extra(identifier: str | bytes, offset: int) -> bytes:
+    """One multimodal input in a block: the engine's identifier (its mm hash) and the input's start
+    relative to the block's first token (negative when the input began in an earlier block)."""
+    ident = _as_bytes(identifier)
+    return (
+        bytes((EXTRA_MM,)) + int(offset).to_bytes(8, "little", signed=True) + len(ident).to_bytes(4, "little")
+    ) + ident
+
+
+def embeds_extra(digest: bytes) -> bytes:
+    """A digest of the block's prompt embeddings (vLLM: SHA-256 of the block's embedding tensor)."""
+    return bytes((EXTRA_EMBEDS,)) + len(digest).to_bytes(4, "little") + bytes(digest)
+
+
+def other_extra(encoded: bytes) -> bytes:
+    """Any other extra key, given as its msgpack encoding (maps with sorted keys)."""
+    return bytes((EXTRA_OTHER,)) + len(encoded).to_bytes(4, "little") + bytes(encoded)
+
+
+def keys_from_le_bytes_extra(
+    raw: bytes, block_size: int, seed: int, extras: Sequence[bytes | None] | None
+) -> list[int]:
+    """Like :func:`keys_from_le_bytes`, with ``extras[i]`` (encoded items, or empty/None) appended to
+    block ``i``'s token bytes. Blocks beyond ``len(extras)`` have no extra keys."""
+    if not extras or not any(extras):
+        return keys_from_le_bytes(raw, block_size, seed)
+    if block_size <= 0:
+        raise ValueError(f"block_size must be positive, got {block_size}")
+    step = block_size * 4
+    full = len(raw) - len(raw) % step
+    keys: list[int] = []
+    key = seed
+    n_extras = len(extras)
+    for i, off in enumerate(range(0, full, step)):
+        extra = extras[i] if i < n_extras else None
+        data = raw[off : off + step] + extra if extra else raw[off : off + step]
+        key = _xxh3(data, key)
+        keys.append(key)
+    return keys
+
+
+def block_keys_extra(
+    tokens: Any,
+    block_size: int,
+    model: str,
+    lora: str | None = None,
+    salt: str | None = None,
+    *,
+    extras: Sequence[bytes | None] | None = None,
+    parent: int | None = None,
+) -> list[int]:
+    """:func:`block_keys` for blocks with extra keys: ``extras[i]`` is block ``i``'s encoded extra
+    keys (a concatenation of :func:`mm_extra`, :func:`embeds_extra`, :func:`other_extra` items)."""
+    seed = model_seed(model, lora, salt) if parent is None else parent
+    return keys_from_le_bytes_extra(tokens_to_le_bytes(tokens), block_size, seed, extras)

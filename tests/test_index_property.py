@@ -218,3 +218,27 @@ def test_many_instances_span_banks(backend: str) -> None:
     assert all(m.length == 40 for m in got.values())
     assert got[("w0", 0)].tiers[3] == 40 - want[("w0", 0)]
     assert ix.match("m", chain, [("w149", 0)])[("w149", 0)].length == 40
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@settings(max_examples=150, deadline=None)
+@given(
+    held=st.sets(st.sampled_from(POOL)),
+    churn=st.lists(st.sampled_from(POOL), max_size=6),
+    want=st.sets(st.sampled_from(POOL)),
+    budget=st.integers(1, 5),
+)
+def test_stepwise_diff_agrees_with_sets(backend: str, held: set, churn: list, want: set, budget: int) -> None:
+    ix = InvertedIndex(BACKENDS[backend])
+    inst, other = ("w", 0), ("x", 0)
+    ix.add_instance(inst, "m")
+    ix.add_instance(other, "m")
+    ix.store(other, 0, list(want))  # another holder of the same keys must not confuse the diff
+    ix.store(inst, 0, list(held) + churn)
+    ix.remove(inst, 0, churn)  # leaves stale entries in the key log
+    truth = held - set(churn)
+    differ = ix.differ(inst, 0, list(want))
+    while not differ.step(budget):
+        pass
+    assert sorted(differ.missing) == sorted(want - truth)
+    assert sorted(differ.extra) == sorted(truth - want)

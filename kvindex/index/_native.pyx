@@ -15,6 +15,7 @@ The pure-Python twin with the same API is _pytable.py; tests run both against a 
 from cpython.long cimport PyLong_AsUnsignedLongLong
 from libc.stdint cimport uint64_t
 from libc.stdlib cimport calloc, free, malloc, realloc
+from libc.string cimport memset
 
 cdef extern from *:
     int __builtin_ctzll(unsigned long long) nogil
@@ -25,9 +26,37 @@ cdef extern from *:
 DEF PREFETCH = 16
 
 
+cdef extern from "<stdlib.h>" nogil:
+    void* aligned_alloc(size_t alignment, size_t size)
+
+cdef extern from "<sys/mman.h>" nogil:
+    int madvise(void* addr, size_t length, int advice)
+    int MADV_HUGEPAGE
+
+
 cdef struct Cell:
     uint64_t key
     uint64_t val
+
+
+DEF HUGE_PAGE = 2 * 1024 * 1024
+
+
+cdef Cell* _alloc_cells(uint64_t cap) except NULL:
+    """Zeroed cells. Large tables ask for transparent huge pages: a table probed at random costs a
+    TLB miss per probe with 4 KB pages, and its first touches would page-fault thousands of times."""
+    cdef size_t size = cap * sizeof(Cell)
+    cdef void* mem
+    if size >= HUGE_PAGE:  # a power of two, so a multiple of the alignment
+        mem = aligned_alloc(HUGE_PAGE, size)
+        if mem != NULL:
+            madvise(mem, size, MADV_HUGEPAGE)  # advice only: fine if the kernel says no
+            memset(mem, 0, size)
+    else:
+        mem = calloc(cap, sizeof(Cell))
+    if mem == NULL:
+        raise MemoryError()
+    return <Cell*>mem
 
 
 cdef inline uint64_t _mix(uint64_t k) noexcept nogil:
@@ -39,6 +68,20 @@ cdef inline uint64_t _mix(uint64_t k) noexcept nogil:
     k *= 0xc4ceb9fe1a85ec53ULL
     k ^= k >> 33
     return k
+
+
+cdef uint64_t* _key_array(list keys) except NULL:
+    cdef Py_ssize_t n = len(keys), i
+    cdef uint64_t* out = <uint64_t*>malloc((n if n else 1) * sizeof(uint64_t))
+    if out == NULL:
+        raise MemoryError()
+    try:
+        for i in range(n):
+            out[i] = PyLong_AsUnsignedLongLong(keys[i])
+    except BaseException:
+        free(out)
+        raise
+    return out
 
 
 cdef class KeyLog:
@@ -97,9 +140,7 @@ cdef class BlockTable:
         cdef uint64_t cap = 16
         while cap < <uint64_t>capacity:
             cap <<= 1
-        self.cells = <Cell*>calloc(cap, sizeof(Cell))
-        if self.cells == NULL:
-            raise MemoryError()
+        self.cells = _alloc_cells(cap)
         self.mask = cap - 1
         self.count = 0
 
@@ -122,10 +163,8 @@ cdef class BlockTable:
     cdef int _rehash(self, uint64_t cap) except -1:
         cdef Cell* old = self.cells
         cdef uint64_t old_cap = self.mask + 1
-        cdef Cell* cells = <Cell*>calloc(cap, sizeof(Cell))
+        cdef Cell* cells = _alloc_cells(cap)
         cdef uint64_t i, j, m = cap - 1
-        if cells == NULL:
-            raise MemoryError()
         for i in range(old_cap):
             if old[i].val != 0:
                 j = _mix(old[i].key) & m
@@ -135,6 +174,15 @@ cdef class BlockTable:
         self.cells = cells
         self.mask = m
         free(old)
+        return 0
+
+    cdef int _rehash_for(self, Py_ssize_t n) except -1:
+        """Make room for ``n`` more keys at once (no growth during a bulk insert)."""
+        cdef uint64_t cap = self.mask + 1
+        while (self.count + n) * 10 > cap * 7:
+            cap <<= 1
+        if cap != self.mask + 1:
+            self._rehash(cap)
         return 0
 
     cdef inline int _reserve_one(self) except -1:
@@ -245,6 +293,11 @@ cdef class BlockTable:
         log.size = kept
         return kept
 
+    def differ(self, KeyLog log, uint64_t bit, list want_keys, Py_ssize_t held):
+        """A resumable comparison of the ``held`` keys holding ``bit`` (found through ``log``) with
+        ``want_keys`` (distinct); see Differ."""
+        return Differ(self, log, bit, want_keys, held)
+
     # -- Python-level access (tests, snapshots, debugging) --------------------------------------
 
     def get_mask(self, uint64_t key):
@@ -267,22 +320,112 @@ cdef class BlockTable:
         return [(self.cells[i].key, self.cells[i].val) for i in range(self.mask + 1) if self.cells[i].val]
 
 
-cdef uint64_t* _key_array(list keys) except NULL:
-    cdef Py_ssize_t n = len(keys), i
-    cdef uint64_t* out = <uint64_t*>malloc((n if n else 1) * sizeof(uint64_t))
-    if out == NULL:
-        raise MemoryError()
-    try:
-        for i in range(n):
-            out[i] = PyLong_AsUnsignedLongLong(keys[i])
-    except BaseException:
-        free(out)
-        raise
-    return out
-
-
 cdef inline void _prefetch(BlockTable table, uint64_t key) noexcept nogil:
     __builtin_prefetch(&table.cells[_mix(key) & table.mask])
+
+
+cdef class Differ:
+    """Compares what one (instance, tier) holds with a snapshot, a bounded number of keys per step.
+
+    Pass 1 looks every snapshot key up (keys within a snapshot tier are distinct, per the protocol):
+    those not held are missing. If the number held equals the instance's count, nothing is extra and
+    the comparison is done - the usual outcome of a periodic check. Only otherwise does pass 2 build
+    a set of the snapshot's keys and walk the instance's key log for the extra ones.
+
+    Done in steps between which the event loop runs, a worker with hundreds of thousands of blocks
+    never stalls ingestion or queries for long. The instance's own blocks must not change between
+    steps (the consumer holds its batches while a snapshot repair is pending); other instances may
+    change the table freely, because every step looks keys up afresh.
+    """
+
+    cdef BlockTable table
+    cdef KeyLog log
+    cdef uint64_t bit
+    cdef BlockTable want
+    cdef uint64_t* karr
+    cdef list keys
+    cdef Py_ssize_t n, held, hits, pos, built, log_pos, converted
+    cdef readonly list missing
+    cdef readonly list extra
+
+    def __cinit__(self, BlockTable table, KeyLog log, uint64_t bit, list want_keys, Py_ssize_t held):
+        self.table = table
+        self.log = log
+        self.bit = bit
+        self.keys = want_keys
+        self.n = len(want_keys)
+        self.held = held
+        self.want = None
+        # Keys are converted from Python ints step by step, just ahead of their use.
+        self.karr = <uint64_t*>malloc((self.n if self.n else 1) * sizeof(uint64_t))
+        if self.karr == NULL:
+            raise MemoryError()
+        self.converted = self.hits = self.pos = self.built = self.log_pos = 0
+        self.missing = []
+        self.extra = []
+
+    def __dealloc__(self):
+        free(self.karr)
+
+    def step(self, Py_ssize_t budget=16384):
+        """Examine up to ``budget`` keys (all when negative); True when the comparison is done."""
+        cdef BlockTable table = self.table
+        cdef uint64_t key, i, bit = self.bit
+        cdef Py_ssize_t j, end, size, limit
+        if budget < 0:
+            budget = self.n + self.log.size + self.n + 1
+        # Pass 1: which snapshot keys are not held.
+        end = min(self.n, self.pos + budget)
+        limit = min(self.n, end + PREFETCH)
+        while self.converted < limit:
+            self.karr[self.converted] = PyLong_AsUnsignedLongLong(self.keys[self.converted])
+            self.converted += 1
+        for j in range(self.pos, end):
+            if j + PREFETCH < self.n:
+                _prefetch(table, self.karr[j + PREFETCH])
+            if table.get(self.karr[j]) & bit:
+                self.hits += 1
+            else:
+                self.missing.append(self.karr[j])
+        budget -= end - self.pos
+        self.pos = end
+        if self.pos < self.n:
+            return False
+        if self.hits == self.held:
+            return True
+        # Pass 2 (something is extra): a set of the snapshot's keys, then the instance's log.
+        if self.want is None:
+            self.want = BlockTable(self.n * 2 + 16)
+            self.want._rehash_for(self.n)
+        want = self.want
+        end = min(self.n, self.built + budget)
+        for j in range(self.built, end):
+            key = self.karr[j]
+            i = want._slot(key)
+            if want.cells[i].val == 0:
+                want.cells[i].key = key
+                want.cells[i].val = 1
+                want.count += 1
+        budget -= end - self.built
+        self.built = end
+        if self.built < self.n:
+            return False
+        size = self.log.size  # the log may have been reset if the instance was dropped meanwhile
+        end = min(size, self.log_pos + budget)
+        for j in range(self.log_pos, end):
+            if j + PREFETCH < size:
+                _prefetch(table, self.log.data[j + PREFETCH])
+            key = self.log.data[j]
+            if table.get(key) & bit:
+                want._reserve_one()
+                i = want._slot(key)
+                if want.cells[i].val == 0:  # held, not wanted; marked so a twice-logged key counts once
+                    self.extra.append(key)
+                    want.cells[i].key = key
+                    want.cells[i].val = 2
+                    want.count += 1
+        self.log_pos = end
+        return self.log_pos >= size
 
 
 def match_gpu(BlockTable gpu, list keys, uint64_t alive):

@@ -36,6 +36,16 @@ def _bits(mask: int) -> Iterator[int]:
         mask ^= low
 
 
+class Differ:
+    """Same interface as the native Differ; the pure-Python twin does all the work up front."""
+
+    def __init__(self, result: tuple[list[int], list[int]]) -> None:
+        self.missing, self.extra = result
+
+    def step(self, budget: int = 16384) -> bool:
+        return True
+
+
 class BlockTable:
     __slots__ = ("_d",)
 
@@ -82,6 +92,15 @@ class BlockTable:
         live = [k for k in dict.fromkeys(log.data) if d.get(k, 0) & bit]
         log.data = array("Q", live)
         return len(live)
+
+    def differ(self, log: KeyLog, bit: int, want_keys: list[int], held: int) -> Differ:
+        return Differ(self.diff_logged(log, bit, want_keys))
+
+    def diff_logged(self, log: KeyLog, bit: int, want_keys: Iterable[int]) -> tuple[list[int], list[int]]:
+        d = self._d
+        want = set(want_keys)
+        held = {k for k in log.data if d.get(k, 0) & bit}
+        return [k for k in want if k not in held], [k for k in held if k not in want]
 
     def get_mask(self, key: int) -> int:
         return self._d.get(key, 0)

@@ -71,6 +71,9 @@ class KvBlockIndex(Protocol):
     def digest(self, instance: InstanceKey, tier: int) -> tuple[int, int]:
         """(count, xor of keys) of the instance's blocks on ``tier``: comparable to a heartbeat's digest."""
 
+    def diff(self, instance: InstanceKey, tier: int, keys: list[int]) -> tuple[list[int], list[int]]:
+        """(keys missing from the instance's tier, keys it holds there that are not in ``keys``)."""
+
     def keys_of(self, instance: InstanceKey, tier: int) -> Iterator[int]:
         """The keys the instance holds on ``tier``, each once."""
 

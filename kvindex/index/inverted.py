@@ -235,6 +235,18 @@ class InvertedIndex:
             return (0, 0)
         return (holder.counts[tier], holder.xors[tier])
 
+    def diff(self, instance: InstanceKey, tier: int, keys: list[int]) -> tuple[list[int], list[int]]:
+        d = self.differ(instance, tier, keys)
+        d.step(-1)
+        return d.missing, d.extra
+
+    def differ(self, instance: InstanceKey, tier: int, keys: list[int]) -> Any:
+        """A resumable diff (``step(budget) -> done``, then ``missing`` / ``extra``); ``keys`` must
+        be distinct and the instance's own blocks must not change until it is done. No shortcut
+        through the digest: the periodic check exists to catch what digests cannot."""
+        holder = self._holders[instance]
+        return holder.bank.tiers[tier].differ(holder.logs[tier], holder.bit, keys, holder.counts[tier])
+
     def keys_of(self, instance: InstanceKey, tier: int) -> Iterator[int]:
         holder = self._holders.get(instance)
         if holder is None:

@@ -301,9 +301,16 @@ class Consumer:
         self.counters.replays_failed[why] += 1
         self._begin(state, cursor, SNAPSHOT, "gap")
 
-    def on_snapshot(self, instance: InstanceKey, snapshot: Snapshot) -> bool:
+    def on_snapshot(
+        self,
+        instance: InstanceKey,
+        snapshot: Snapshot,
+        diffs: dict[int, tuple[list[int], list[int]]] | None = None,
+    ) -> bool:
         """Make the instance's blocks equal the snapshot (as a diff), then apply what came after it.
 
+        ``diffs`` (tier -> (missing, extra)) may be computed beforehand, in steps, by the caller
+        (see index ``differ``); it is used only if the snapshot's epoch is the instance's.
         Returns False when the snapshot is stale (an epoch the instance already left).
         """
         state = self.registry.get(instance)
@@ -318,13 +325,14 @@ class Consumer:
             repairing = cursor.repairing
             cursor = self.sequencer.open(instance, snapshot.epoch)
             cursor.repairing, cursor.repair_started, cursor.rounds = repairing, self.registry.clock(), 1
+            diffs = None
         c = self.counters
         added = removed = 0
         for tier in range(4):
-            want = set(snapshot.tiers.get(tier, ()))
-            have = set(self.index.keys_of(instance, tier))
-            extra = have - want
-            missing = want - have
+            if diffs is not None and tier in diffs:
+                missing, extra = diffs[tier]
+            else:
+                missing, extra = self.index.diff(instance, tier, snapshot.tiers.get(tier, []))
             if extra:
                 removed += self.index.remove(instance, tier, extra)
             if missing:

@@ -37,6 +37,7 @@ class RepairConfig:
     forget_after: float = 120.0
     tick: float = 0.25
     max_backoff: float = 5.0
+    diff_step: int = 16384  # snapshot keys compared per event-loop turn (~1-2 ms each)
 
 
 class RequestFailed(Exception):
@@ -142,8 +143,34 @@ class NatsRepairer:
                 await asyncio.sleep(backoff * (0.5 + self.rng.random()))
                 backoff = min(backoff * 2, self.config.max_backoff)
                 continue
-            if self.consumer.on_snapshot(instance, _assemble(parts)):
+            snapshot = _assemble(parts)
+            diffs = await self._diff(instance, snapshot)
+            if not self._wants_snapshot(instance):
+                return  # given up or forgotten meanwhile
+            if self.consumer.on_snapshot(instance, snapshot, diffs):
                 return
+
+    async def _diff(
+        self, instance: InstanceKey, snapshot: Snapshot
+    ) -> dict[int, tuple[list[int], list[int]]] | None:
+        """Compare the snapshot with the index in steps, letting the event loop run in between.
+
+        The instance's batches are held while its snapshot repair is pending, so its blocks cannot
+        change under the comparison. None when the snapshot is of another epoch (nothing to diff).
+        """
+        cursor = self.consumer.sequencer.cursor(instance)
+        index = self.consumer.index
+        if cursor is None or cursor.epoch != snapshot.epoch or not index.has_instance(instance):
+            return None
+        diffs = {}
+        for tier in range(4):
+            differ = index.differ(instance, tier, snapshot.tiers.get(tier, []))
+            while not differ.step(self.config.diff_step):
+                await asyncio.sleep(0)
+                if not self._wants_snapshot(instance) or not index.has_instance(instance):
+                    return None
+            diffs[tier] = (differ.missing, differ.extra)
+        return diffs
 
     def _wants_snapshot(self, instance: InstanceKey) -> bool:
         cursor = self.consumer.sequencer.cursor(instance)
