@@ -8,6 +8,9 @@ version). Every party recomputes the same chained key from token ids instead:
 
 Only full blocks get keys. Because each key folds in its predecessor, equal keys imply equal prefixes,
 so the index can look blocks up independently and still match prefixes exactly.
+
+Blocks that carry extra keys (multimodal inputs, prompt embeddings) append them, encoded, to the block's
+token bytes (:func:`block_keys_extra`); a block without extra keys keeps exactly the plain key.
 """
 
 from __future__ import annotations
