@@ -1,0 +1,95 @@
+"""Per-engine facts the bridge needs: default block size, storage-medium names, Prometheus metric names.
+
+Everything engine-specific that is not the event encoding itself lives here, so supporting another
+engine (or another version's metric names) is a table change.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Final
+
+# Storage medium strings seen in engines' events -> the project's tiers (docs/wire.md §3).
+#   vLLM:   "GPU"; CPU offloading connector "CPU"; storage offloading "STORAGE"
+#   SGLang: StorageMedium GPU / CPU_PINNED / DISK / EXTERNAL (a shared remote pool such as Mooncake)
+#   TRT-LLM: "GPU" (streaming); pull API cache_level 0 (primary) / 1 (secondary = host memory)
+# STORAGE is the vLLM offloading connector's local storage medium, so it maps to "disk"; a deployment
+# whose storage backend is a pool shared by every instance remaps it with ``--medium STORAGE=shared``.
+DEFAULT_MEDIA: Final[dict[str, str]] = {
+    "GPU": "gpu",
+    "HBM": "gpu",
+    "DEVICE": "gpu",
+    "CPU": "cpu",
+    "CPU_PINNED": "cpu",
+    "HOST": "cpu",
+    "PINNED": "cpu",
+    "DISK": "disk",
+    "SSD": "disk",
+    "NVME": "disk",
+    "LOCAL_DISK": "disk",
+    "STORAGE": "disk",
+    "EXTERNAL": "shared",
+    "REMOTE": "shared",
+    "SHARED": "shared",
+}
+
+
+@dataclass(frozen=True)
+class EngineProfile:
+    name: str
+    # Tokens per KV block when --block-size is not given (the engine's own default).
+    default_block_size: int
+    # Prometheus sample names, first present wins.
+    running: tuple[str, ...]
+    waiting: tuple[str, ...]
+    kv_usage: tuple[str, ...]
+    # Gauges giving queued prompt tokens directly, if the engine has one.
+    waiting_tokens: tuple[str, ...] = ()
+    # (sum, count) sample pairs giving the mean prompt length; queued prompt tokens are estimated as
+    # waiting requests x mean prompt length when no direct gauge exists.
+    prompt_mean: tuple[tuple[str, str], ...] = ()
+    # Labels that tell data-parallel ranks apart in one /metrics page.
+    rank_labels: tuple[str, ...] = ("dp_rank",)
+    # An info gauge carrying the engine's block size / pool sizes as labels (vLLM).
+    cache_info: str | None = None
+    media: dict[str, str] = field(default_factory=lambda: dict(DEFAULT_MEDIA))
+
+
+VLLM = EngineProfile(
+    name="vllm",
+    default_block_size=16,
+    running=("vllm:num_requests_running",),
+    waiting=("vllm:num_requests_waiting",),
+    kv_usage=("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"),
+    prompt_mean=(("vllm:request_prompt_tokens_sum", "vllm:request_prompt_tokens_count"),),
+    rank_labels=("engine", "dp_rank"),
+    cache_info="vllm:cache_config_info",
+)
+
+SGLANG = EngineProfile(
+    name="sglang",
+    # SGLang's --page-size defaults to 1: one block per token.
+    default_block_size=1,
+    running=("sglang:num_running_reqs",),
+    waiting=("sglang:num_queue_reqs",),
+    kv_usage=("sglang:token_usage",),
+    prompt_mean=(("sglang:prompt_tokens_total", "sglang:num_requests_total"),),
+    rank_labels=("dp_rank", "attn_dp_rank"),
+)
+
+TRTLLM = EngineProfile(
+    name="trtllm",
+    # tokens_per_block default of the KV cache manager.
+    default_block_size=32,
+    # trtllm-serve exposes trtllm_* on /prometheus/metrics; Dynamo re-exports them as trtllm:*.
+    running=("trtllm_num_requests_running", "trtllm:num_requests_running"),
+    waiting=("trtllm_num_requests_waiting", "trtllm:num_requests_waiting"),
+    kv_usage=("trtllm_kv_cache_utilization", "trtllm:kv_cache_utilization"),
+    prompt_mean=(
+        ("trtllm_prompt_tokens_total", "trtllm_request_success_total"),
+        ("trtllm:prompt_tokens_total", "trtllm:request_success_total"),
+    ),
+    rank_labels=("attention_dp_rank", "dp_rank"),
+)
+
+ENGINES: Final[dict[str, EngineProfile]] = {p.name: p for p in (VLLM, SGLANG, TRTLLM)}
