@@ -1,0 +1,124 @@
+"""Engine load from its Prometheus ``/metrics`` page, for the status heartbeat's ``load``.
+
+Per data-parallel rank: running and waiting requests, KV-cache usage (0..1), and queued prompt tokens
+(``waiting_prefill_tokens``). No engine exports the last one directly today, so unless the profile
+names a gauge for it, it is estimated as waiting requests x the mean prompt length (from the engine's
+prompt-token histogram or counters). Series are picked per rank by the profile's rank labels (vLLM
+``engine``, SGLang ``dp_rank``…); series that differ only by tensor-parallel rank count once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import urllib.request
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from workers_shim.bridges.engines import EngineProfile
+
+Samples = dict[str, list[tuple[dict[str, str], float]]]
+
+
+@dataclass(slots=True)
+class Load:
+    running: int = 0
+    waiting: int = 0
+    waiting_prefill_tokens: int = 0
+    kv_usage: float = 0.0
+
+
+@dataclass(slots=True)
+class CacheInfo:
+    block_size: int | None = None
+    gpu_blocks: int | None = None
+    cpu_blocks: int | None = None
+
+
+def parse_samples(text: str) -> Samples:
+    samples: Samples = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            samples.setdefault(s.name, []).append((dict(s.labels), float(s.value)))
+    return samples
+
+
+class LoadReader:
+    """Reads one engine's load per DP rank from a parsed /metrics page."""
+
+    def __init__(self, profile: EngineProfile) -> None:
+        self.profile = profile
+
+    def _series(self, samples: Samples, names: Iterable[str], rank: int) -> list[float] | None:
+        for name in names:
+            series = samples.get(name)
+            if not series:
+                continue
+            picked = []
+            for labels, value in series:
+                if labels.get("tp_rank", "0") != "0":
+                    continue
+                rank_label = next((labels[k] for k in self.profile.rank_labels if k in labels), None)
+                if rank_label is not None and rank_label != str(rank):
+                    continue
+                picked.append(value)
+            if picked:
+                return picked
+        return None
+
+    def _sum(self, samples: Samples, names: Iterable[str], rank: int) -> float | None:
+        values = self._series(samples, names, rank)
+        return None if values is None else sum(values)
+
+    def load(self, samples: Samples, rank: int) -> Load:
+        p = self.profile
+        running = self._sum(samples, p.running, rank) or 0.0
+        waiting = self._sum(samples, p.waiting, rank) or 0.0
+        usage_values = self._series(samples, p.kv_usage, rank)
+        usage = max(usage_values) if usage_values else 0.0
+        if usage > 1.0:  # a percentage after all
+            usage /= 100.0
+        tokens = self._sum(samples, p.waiting_tokens, rank)
+        if tokens is None:
+            tokens = 0.0
+            for sum_name, count_name in p.prompt_mean:
+                total, count = self._sum(samples, (sum_name,), rank), self._sum(samples, (count_name,), rank)
+                if total is not None and count:
+                    tokens = waiting * total / count
+                    break
+        return Load(int(running), int(waiting), round(tokens), min(max(usage, 0.0), 1.0))
+
+    def cache_info(self, samples: Samples, rank: int) -> CacheInfo:
+        info = CacheInfo()
+        if self.profile.cache_info is None:
+            return info
+        for labels, _value in samples.get(self.profile.cache_info, ()):
+            rank_label = next((labels[k] for k in self.profile.rank_labels if k in labels), None)
+            if rank_label is not None and rank_label != str(rank):
+                continue
+            info.block_size = _int_label(labels, "block_size")
+            info.gpu_blocks = _int_label(labels, "num_gpu_blocks")
+            info.cpu_blocks = _int_label(labels, "num_cpu_blocks")
+            break
+        return info
+
+
+def _int_label(labels: dict[str, str], name: str) -> int | None:
+    value = labels.get(name)
+    try:
+        return int(float(value)) if value not in (None, "", "None") else None
+    except ValueError:
+        return None
+
+
+def fetch(url: str, timeout: float) -> str:
+    with urllib.request.urlopen(url, timeout=timeout) as response:
+        body: Any = response.read()
+    return body.decode("utf-8", "replace")
+
+
+async def scrape(url: str, timeout: float) -> Samples:
+    text = await asyncio.to_thread(fetch, url, timeout)
+    return parse_samples(text)
