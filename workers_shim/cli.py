@@ -1,16 +1,230 @@
-"""`kvshim`: run a bridge beside an engine (vllm, sglang, trtllm) or a simulated fleet."""
+"""`kvshim`: run a bridge beside an engine (vllm, sglang, trtllm) or a simulated fleet.
+
+    kvshim vllm   --zmq tcp://HOST:5557 [--replay tcp://HOST:5558] --worker-id ID --model NAME [...]
+    kvshim sglang --zmq tcp://HOST:5557 [--replay tcp://HOST:5558] --worker-id ID --model NAME [...]
+    kvshim trtllm --zmq tcp://HOST:5557 [--replay tcp://HOST:5558] --worker-id ID --model NAME [...]
+
+Subcommands are registered in :func:`build_parser`; each sets ``handler`` (``args -> exit code``) with
+``set_defaults``, so another command (e.g. ``sim``) is one more ``add_*`` function there.
+"""
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import signal
 import sys
+from collections.abc import Callable
+from typing import Any
+
+from kvindex.observability.logs import configure_logging
+from workers_shim.bridges.bridge import Bridge, BridgeConfig
+from workers_shim.bridges.engines import ENGINES
+from workers_shim.bridges.stats import serve_stats
+
+_TIERS = ("gpu", "cpu", "disk", "shared")
+
+_ENGINE_HELP = {
+    "vllm": "bridge vLLM's KV events (--kv-events-config publisher zmq)",
+    "sglang": "bridge SGLang's KV events (--kv-events-config publisher zmq)",
+    "trtllm": "bridge TensorRT-LLM's KV events (streaming ZMQ batches)",
+}
+
+
+def parse_ranks(spec: str) -> tuple[int, ...]:
+    """``"0"``, ``"0,2"``, ``"0-3"`` or a mix (``"0-1,4"``)."""
+    ranks: list[int] = []
+    for part in spec.replace(" ", "").split(","):
+        if not part:
+            continue
+        lo, sep, hi = part.partition("-")
+        try:
+            first, last = int(lo), int(hi) if sep else int(lo)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"bad rank list {spec!r}") from None
+        if first < 0 or last < first:
+            raise argparse.ArgumentTypeError(f"bad rank range {part!r}")
+        ranks.extend(r for r in range(first, last + 1) if r not in ranks)
+    if not ranks:
+        raise argparse.ArgumentTypeError("no dp rank given")
+    return tuple(ranks)
+
+
+def parse_capacity(spec: str) -> dict[str, int]:
+    """``"gpu=24000,cpu=100000"``: blocks per tier for the heartbeat."""
+    out: dict[str, int] = {}
+    for part in spec.replace(" ", "").split(","):
+        if not part:
+            continue
+        tier, _, value = part.partition("=")
+        if tier not in _TIERS or not value.isdigit():
+            raise argparse.ArgumentTypeError(f"bad capacity {part!r}: want TIER=BLOCKS, TIER in {_TIERS}")
+        out[tier] = int(value)
+    return out
+
+
+def parse_medium(spec: str) -> tuple[str, str]:
+    """``"STORAGE=shared"``: an engine medium string and the tier it maps to."""
+    medium, _, tier = spec.partition("=")
+    if not medium or tier not in _TIERS:
+        raise argparse.ArgumentTypeError(f"bad medium mapping {spec!r}: want MEDIUM=TIER, TIER in {_TIERS}")
+    return medium.upper(), tier
+
+
+def _positive(kind: Callable[[str], Any]) -> Callable[[str], Any]:
+    def parse(text: str) -> Any:
+        value = kind(text)
+        if value <= 0:
+            raise argparse.ArgumentTypeError(f"must be positive, got {text}")
+        return value
+
+    return parse
+
+
+def add_engine_command(sub: Any, engine: str) -> argparse.ArgumentParser:
+    profile = ENGINES[engine]
+    p = sub.add_parser(
+        engine, help=_ENGINE_HELP.get(engine, f"bridge {engine}"), description=_ENGINE_HELP.get(engine)
+    )
+    p.add_argument("--zmq", required=True, help="the engine's KV-event PUB endpoint, e.g. tcp://HOST:5557")
+    p.add_argument("--replay", default=None, help="the engine's replay ROUTER endpoint, e.g. tcp://HOST:5558")
+    p.add_argument("--topic", default="", help="ZMQ topic to subscribe to (default: every topic)")
+    p.add_argument(
+        "--metrics-url", default=None, help="the engine's Prometheus page, e.g. http://HOST:8000/metrics"
+    )
+    p.add_argument("--worker-id", required=True, help="this worker's id on the wire ([A-Za-z0-9_-]{1,128})")
+    p.add_argument("--model", required=True, help="served model name, as routers will ask for it")
+    p.add_argument("--nats", default="nats://127.0.0.1:4222", help="NATS URL")
+    p.add_argument("--subject-prefix", default="kvindex")
+    p.add_argument(
+        "--dp-rank",
+        type=parse_ranks,
+        default=(0,),
+        help="data-parallel rank(s) to bridge: N, N,M or N-M. Rank r reads port+r of --zmq/--replay "
+        "(the engines' convention) unless --no-port-offset or --one-endpoint",
+    )
+    p.add_argument("--no-port-offset", action="store_true", help="use --zmq/--replay as given for the rank")
+    p.add_argument(
+        "--one-endpoint",
+        action="store_true",
+        help="all ranks publish on --zmq; events are told apart by the batch's dp rank field",
+    )
+    p.add_argument(
+        "--block-size",
+        type=_positive(int),
+        default=None,
+        help=f"tokens per KV block, as configured in the engine (default {profile.default_block_size}); "
+        "events announcing another size are reported and skipped",
+    )
+    p.add_argument(
+        "--capacity", type=parse_capacity, default={}, help="blocks per tier, e.g. gpu=24000,cpu=100000"
+    )
+    p.add_argument(
+        "--medium",
+        type=parse_medium,
+        action="append",
+        default=[],
+        help="map an engine medium string to a tier, e.g. STORAGE=shared (repeatable)",
+    )
+    p.add_argument(
+        "--kv-group", type=int, default=0, help="KV-cache group whose events are indexed (hybrid models)"
+    )
+    p.add_argument(
+        "--reannounce-tier",
+        choices=_TIERS,
+        action="append",
+        default=[],
+        help="tier where a repeated store of a held block is a re-announcement (engines that re-emit "
+        "prefix-cache hits), not another copy to reference-count (repeatable)",
+    )
+    p.add_argument(
+        "--replay-timeout", type=_positive(float), default=2.0, help="seconds to wait for each replay answer"
+    )
+    p.add_argument(
+        "--scrape-interval", type=_positive(float), default=1.0, help="seconds between /metrics scrapes"
+    )
+    p.add_argument(
+        "--stats-port", type=int, default=None, help="serve the shim's own counters on /metrics here"
+    )
+    p.add_argument(
+        "--stats-log-interval", type=float, default=60.0, help="seconds between stats log lines; 0 off"
+    )
+    p.add_argument("--log-format", choices=("auto", "json", "console"), default="auto")
+    p.add_argument("--log-level", default="info")
+    p.set_defaults(handler=run_engine, engine=engine)
+    return p
+
+
+def build_parser() -> tuple[argparse.ArgumentParser, Any]:
+    """The parser and its subparsers action (for adding commands)."""
+    parser = argparse.ArgumentParser(prog="kvshim", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for engine in ENGINES:
+        add_engine_command(sub, engine)
+    return parser, sub
+
+
+def config_from_args(args: argparse.Namespace) -> BridgeConfig:
+    return BridgeConfig(
+        engine=args.engine,
+        zmq=args.zmq,
+        replay=args.replay,
+        topic=args.topic,
+        metrics_url=args.metrics_url,
+        worker_id=args.worker_id,
+        model=args.model,
+        nats_url=args.nats,
+        subject_prefix=args.subject_prefix,
+        dp_ranks=args.dp_rank,
+        port_offset=not args.no_port_offset,
+        one_endpoint=args.one_endpoint,
+        block_size=args.block_size,
+        capacity=args.capacity,
+        media=dict(args.medium),
+        kv_group=args.kv_group,
+        set_tiers=tuple(args.reannounce_tier),
+        replay_timeout=args.replay_timeout,
+        scrape_interval=args.scrape_interval,
+        stats_log_interval=args.stats_log_interval,
+    )
+
+
+async def serve_bridge(config: BridgeConfig, stats_port: int | None = None) -> None:
+    """Run a bridge until SIGINT/SIGTERM, then flush and stop."""
+    bridge = Bridge(config)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await bridge.start()
+    if stats_port is not None:
+        port = serve_stats(bridge.stats, stats_port)
+        bridge.log.info("kvshim_stats_serving", port=port)
+    try:
+        await stop.wait()
+    finally:
+        await bridge.stop()
+
+
+def run_engine(args: argparse.Namespace) -> int:
+    configure_logging(args.log_format, args.log_level)
+    try:
+        config = config_from_args(args)
+        asyncio.run(serve_bridge(config, args.stats_port))
+    except Exception as exc:
+        import structlog
+
+        structlog.get_logger("workers_shim.cli").error(
+            "kvshim_failed", error=str(exc), error_type=type(exc).__name__
+        )
+        return 1
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="kvshim", description=__doc__)
-    parser.add_subparsers(dest="command", required=True)
-    parser.parse_args(argv)
-    return 0
+    parser, _ = build_parser()
+    args = parser.parse_args(argv)
+    return int(args.handler(args) or 0)
 
 
 if __name__ == "__main__":
