@@ -90,7 +90,7 @@ async def test_multi_worker_multi_tier_overlaps(
         "mooncake/0": (10, (0, 0, 0, 10)),
     }
 
-    reply = await stub.Score(pb.ScoreRequest(model=MODEL, token_ids=PROMPT))
+    reply = await stub.Score(pb.ScoreRequest(model=MODEL, token_ids=PROMPT, policy="overlap"))
     ids = [r.instance_id for r in reply.ranked]
     assert "mooncake/0" not in ids  # a pool is never a routing target
     assert reply.total_blocks == 10 and reply.block_size == BS and reply.cost_unit == "prefill_blocks"
@@ -140,11 +140,11 @@ async def test_load_moves_the_ranking(
     await settle(service, hot, cold)
     await wait_until(lambda: service.registry.get(("hot", 0)).load.waiting_prefill_tokens == 200)  # type: ignore[union-attr]
 
-    reply = await stub.Score(pb.ScoreRequest(model=MODEL, token_ids=PROMPT))
+    reply = await stub.Score(pb.ScoreRequest(model=MODEL, token_ids=PROMPT, policy="overlap"))
     by_id = {r.instance_id: r for r in reply.ranked}
-    # hot: 200/4 = 50 queued blocks + 0 missed; cold: 0 queued + 10 missed.
-    assert by_id["hot/0"].cost == pytest.approx(50.0)
-    assert by_id["cold/0"].cost == pytest.approx(10.0)
+    # hot: 200/4 = 50 queued blocks + 0 missed; cold: 0 queued + 10 missed + 3/4 partial block.
+    assert by_id["hot/0"].cost == pytest.approx(50.0 + 3 / 4)  # L-1 cap: the last token is recomputed
+    assert by_id["cold/0"].cost == pytest.approx(43 / 4)
     assert [r.instance_id for r in reply.ranked] == ["cold/0", "hot/0"]
     assert by_id["hot/0"].load.running == 8 and by_id["hot/0"].load.kv_usage == pytest.approx(0.9)
     assert by_id["hot/0"].load.status_age_s >= 0
@@ -153,7 +153,7 @@ async def test_load_moves_the_ranking(
     hot.set_load(running=1, waiting=0, waiting_prefill_tokens=0, kv_usage=0.9)
     await hot.heartbeat()
     await wait_until(lambda: service.registry.get(("hot", 0)).load.waiting_prefill_tokens == 0)  # type: ignore[union-attr]
-    reply = await stub.Score(pb.ScoreRequest(model=MODEL, block_keys=KEYS, top_k=1))
+    reply = await stub.Score(pb.ScoreRequest(model=MODEL, block_keys=KEYS, top_k=1, policy="overlap"))
     assert [r.instance_id for r in reply.ranked] == ["hot/0"]
 
     # Candidates restrict the ranking.

@@ -17,7 +17,10 @@ from kvindex.fleet.registry import InstanceState, Registry
 from kvindex.index.base import NO_MATCH, KvBlockIndex
 from kvindex.keys import keys_from_le_bytes, model_seed
 from kvindex.observability.counters import IngestCounters, Metrics
-from kvindex.scoring.overlap import COST_UNIT, OverlapCost
+from kvindex.scoring.base import DECODE_ROLE, PREFILL_ROLE, RouteRequest
+from kvindex.scoring.ledger import FINISHED, PREFILL
+from kvindex.scoring.policies import POLICY_NAMES
+from kvindex.scoring.router import Router
 from kvindex.v1 import kvindex_pb2 as pb
 from kvindex.v1 import kvindex_pb2_grpc as pb_grpc
 from kvindex.wire.schema import MAX_MODEL_LEN
@@ -54,6 +57,13 @@ def _tier_blocks(t: Sequence[int]) -> pb.TierBlocks:
     return pb.TierBlocks(gpu=t[0], cpu=t[1], disk=t[2], shared=t[3])
 
 
+def _prompt_tokens(request: Any, block_size: int, keys: list[int]) -> int:
+    """L: the token count when tokens were sent, else the caller's figure, else whole blocks."""
+    if len(request.token_ids):
+        return len(request.token_ids)
+    return request.prompt_tokens or len(keys) * block_size
+
+
 def _load(state: InstanceState, now: float) -> pb.Load:
     load = state.load
     age = state.status_age(now)
@@ -73,16 +83,16 @@ class KvIndexServicer(pb_grpc.KvIndexServicer):
         registry: Registry,
         counters: IngestCounters,
         metrics: Metrics | None = None,
-        cost: OverlapCost | None = None,
+        router: Router | None = None,
     ) -> None:
         self.index = index
         self.registry = registry
         self.counters = counters
         self.metrics = metrics
-        self.cost = cost or OverlapCost()
+        self.router = router or Router(index, registry)
         self._latency = {
             name: metrics.rpc_latency.labels(name) if metrics else None
-            for name in ("Score", "Lookup", "ListInstances", "Stats")
+            for name in ("Score", "Lookup", "ListInstances", "Stats", "Commit", "Release")
         }
 
     # -- request decoding ----------------------------------------------------------------------
@@ -131,39 +141,97 @@ class KvIndexServicer(pb_grpc.KvIndexServicer):
         try:
             block_size, keys = self.prompt_keys(request)
             candidates = _check_candidates(request.candidates)
+            policy = request.policy or None
+            if policy is not None and policy not in POLICY_NAMES:
+                raise BadRequest(f"unknown policy {policy!r}; one of {', '.join(POLICY_NAMES)}")
+            role = request.role or PREFILL_ROLE
+            if role not in (PREFILL_ROLE, DECODE_ROLE):
+                raise BadRequest(f"role must be {PREFILL_ROLE!r} or {DECODE_ROLE!r}, got {role!r}")
+            if request.commit and not request.request_id:
+                raise BadRequest("commit needs a request_id (Release refers to it)")
         except BadRequest as exc:
             await self._abort(context, exc)
-        response = self.score(request.model, block_size, keys, candidates, request.top_k)
+        response = self.score(request, block_size, keys, candidates, policy, role)
         self._observe("Score", started)
         return response
 
     def score(
-        self, model: str, block_size: int, keys: list[int], candidates: list[str] | None, top_k: int
+        self,
+        request: pb.ScoreRequest,
+        block_size: int,
+        keys: list[int],
+        candidates: list[str] | None,
+        policy: str | None,
+        role: str,
     ) -> pb.ScoreResponse:
-        response = pb.ScoreResponse(
-            model=model, block_size=block_size, total_blocks=len(keys), cost_unit=COST_UNIT
-        )
+        model = request.model
+        response = pb.ScoreResponse(model=model, block_size=block_size, total_blocks=len(keys))
+        chosen = self.router.policy(policy)
+        response.policy = chosen.name
+        response.cost_unit = chosen.cost_unit
         if not block_size:
             return response  # unknown model: empty ranking, not an error
-        states = self.registry.routable(model, candidates)
-        matches = self.index.match(model, keys, [s.key for s in states]) if keys else {}
-        ranked = self.cost.rank(states, matches, len(keys))
-        if top_k:
-            ranked = ranked[:top_k]
+        prompt = _prompt_tokens(request, block_size, keys)
+        route = RouteRequest(model, keys, prompt, block_size, request.request_id, role)
+        result = self.router.score(route, candidates, policy, commit=request.commit)
+        if result.committed is not None:
+            response.committed_instance_id = result.committed.instance_id
+        choices = result.choices[: request.top_k] if request.top_k else result.choices
         now = self.registry.clock()
+        explain = request.explain
         add = response.ranked.add
-        for cost, state, match in ranked:
+        for choice in choices:
+            c = choice.candidate
+            state = c.state
             add(
                 instance_id=state.instance_id,
                 worker=state.worker,
                 dp_rank=state.dp_rank,
-                cost=cost,
-                matched_blocks=match.length,
-                matched=_tier_blocks(match.tiers),
-                matched_tokens=match.length * block_size,
+                cost=choice.cost,
+                matched_blocks=c.blocks,
+                matched=_tier_blocks(c.match.tiers),
+                matched_tokens=c.hit_tokens,
                 load=_load(state, now),
+                est_ttft_ms=c.est_ttft_ms,
+                wait_ms=c.wait_ms,
+                prefill_ms=c.prefill_ms,
+                fetch_ms=c.fetch_ms,
+                matched_tokens_by_tier=_tier_blocks(c.tokens_by_tier),
+                explain=(choice.reason or "ranked") if explain else "",
             )
         return response
+
+    async def Commit(self, request: pb.CommitRequest, context: grpc.aio.ServicerContext) -> pb.CommitResponse:
+        started = time.perf_counter()
+        try:
+            if not request.request_id:
+                raise BadRequest("request_id is required")
+            worker, sep, rank = request.instance_id.partition("/")
+            if not (sep and WORKER_ID_RE.fullmatch(worker) and rank.isdigit() and rank.isascii()):
+                raise BadRequest(f"instance_id {request.instance_id!r} must be 'worker/dp_rank'")
+            block_size, keys = self.prompt_keys(request)
+        except BadRequest as exc:
+            await self._abort(context, exc)
+        ok = False
+        if block_size:
+            route = RouteRequest(
+                request.model, keys, _prompt_tokens(request, block_size, keys), block_size, request.request_id
+            )
+            ok = self.router.commit(route, (worker, int(rank)))
+        self._observe("Commit", started)
+        return pb.CommitResponse(committed=ok)
+
+    async def Release(
+        self, request: pb.ReleaseRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ReleaseResponse:
+        started = time.perf_counter()
+        if not request.request_id or request.phase not in (PREFILL, FINISHED):
+            await self._abort(
+                context, BadRequest(f"request_id is required and phase must be {PREFILL!r} or {FINISHED!r}")
+            )
+        found = self.router.release(request.request_id, request.phase)
+        self._observe("Release", started)
+        return pb.ReleaseResponse(found=found)
 
     async def Lookup(self, request: pb.LookupRequest, context: grpc.aio.ServicerContext) -> pb.LookupResponse:
         started = time.perf_counter()

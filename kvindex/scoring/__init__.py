@@ -1,5 +1,6 @@
-"""Ranking instances for a request from index matches and instance load."""
+"""Ranking instances for a request: the TTFT cost model, calibration, routing state and policies."""
 
-from kvindex.scoring.overlap import COST_UNIT, OverlapCost, Ranked
+from kvindex.scoring.base import Candidate, Choice, RouteRequest
+from kvindex.scoring.router import Router, RouterConfig, ScoreResult
 
-__all__ = ["COST_UNIT", "OverlapCost", "Ranked"]
+__all__ = ["Candidate", "Choice", "RouteRequest", "Router", "RouterConfig", "ScoreResult"]

@@ -33,7 +33,7 @@ class Load(_message.Message):
     def __init__(self, running: _Optional[int] = ..., waiting: _Optional[int] = ..., waiting_prefill_tokens: _Optional[int] = ..., kv_usage: _Optional[float] = ..., status_age_s: _Optional[float] = ...) -> None: ...
 
 class ScoreRequest(_message.Message):
-    __slots__ = ("model", "lora", "salt", "token_ids", "block_keys", "candidates", "top_k")
+    __slots__ = ("model", "lora", "salt", "token_ids", "block_keys", "candidates", "top_k", "policy", "explain", "role", "commit", "request_id", "prompt_tokens")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     LORA_FIELD_NUMBER: _ClassVar[int]
     SALT_FIELD_NUMBER: _ClassVar[int]
@@ -41,6 +41,12 @@ class ScoreRequest(_message.Message):
     BLOCK_KEYS_FIELD_NUMBER: _ClassVar[int]
     CANDIDATES_FIELD_NUMBER: _ClassVar[int]
     TOP_K_FIELD_NUMBER: _ClassVar[int]
+    POLICY_FIELD_NUMBER: _ClassVar[int]
+    EXPLAIN_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    COMMIT_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     model: str
     lora: str
     salt: str
@@ -48,10 +54,16 @@ class ScoreRequest(_message.Message):
     block_keys: _containers.RepeatedScalarFieldContainer[int]
     candidates: _containers.RepeatedScalarFieldContainer[str]
     top_k: int
-    def __init__(self, model: _Optional[str] = ..., lora: _Optional[str] = ..., salt: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., block_keys: _Optional[_Iterable[int]] = ..., candidates: _Optional[_Iterable[str]] = ..., top_k: _Optional[int] = ...) -> None: ...
+    policy: str
+    explain: bool
+    role: str
+    commit: bool
+    request_id: str
+    prompt_tokens: int
+    def __init__(self, model: _Optional[str] = ..., lora: _Optional[str] = ..., salt: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., block_keys: _Optional[_Iterable[int]] = ..., candidates: _Optional[_Iterable[str]] = ..., top_k: _Optional[int] = ..., policy: _Optional[str] = ..., explain: _Optional[bool] = ..., role: _Optional[str] = ..., commit: _Optional[bool] = ..., request_id: _Optional[str] = ..., prompt_tokens: _Optional[int] = ...) -> None: ...
 
 class RankedInstance(_message.Message):
-    __slots__ = ("instance_id", "worker", "dp_rank", "cost", "matched_blocks", "matched", "matched_tokens", "load")
+    __slots__ = ("instance_id", "worker", "dp_rank", "cost", "matched_blocks", "matched", "matched_tokens", "load", "est_ttft_ms", "wait_ms", "prefill_ms", "fetch_ms", "matched_tokens_by_tier", "explain")
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     WORKER_FIELD_NUMBER: _ClassVar[int]
     DP_RANK_FIELD_NUMBER: _ClassVar[int]
@@ -60,6 +72,12 @@ class RankedInstance(_message.Message):
     MATCHED_FIELD_NUMBER: _ClassVar[int]
     MATCHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     LOAD_FIELD_NUMBER: _ClassVar[int]
+    EST_TTFT_MS_FIELD_NUMBER: _ClassVar[int]
+    WAIT_MS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_MS_FIELD_NUMBER: _ClassVar[int]
+    FETCH_MS_FIELD_NUMBER: _ClassVar[int]
+    MATCHED_TOKENS_BY_TIER_FIELD_NUMBER: _ClassVar[int]
+    EXPLAIN_FIELD_NUMBER: _ClassVar[int]
     instance_id: str
     worker: str
     dp_rank: int
@@ -68,21 +86,71 @@ class RankedInstance(_message.Message):
     matched: TierBlocks
     matched_tokens: int
     load: Load
-    def __init__(self, instance_id: _Optional[str] = ..., worker: _Optional[str] = ..., dp_rank: _Optional[int] = ..., cost: _Optional[float] = ..., matched_blocks: _Optional[int] = ..., matched: _Optional[_Union[TierBlocks, _Mapping]] = ..., matched_tokens: _Optional[int] = ..., load: _Optional[_Union[Load, _Mapping]] = ...) -> None: ...
+    est_ttft_ms: float
+    wait_ms: float
+    prefill_ms: float
+    fetch_ms: float
+    matched_tokens_by_tier: TierBlocks
+    explain: str
+    def __init__(self, instance_id: _Optional[str] = ..., worker: _Optional[str] = ..., dp_rank: _Optional[int] = ..., cost: _Optional[float] = ..., matched_blocks: _Optional[int] = ..., matched: _Optional[_Union[TierBlocks, _Mapping]] = ..., matched_tokens: _Optional[int] = ..., load: _Optional[_Union[Load, _Mapping]] = ..., est_ttft_ms: _Optional[float] = ..., wait_ms: _Optional[float] = ..., prefill_ms: _Optional[float] = ..., fetch_ms: _Optional[float] = ..., matched_tokens_by_tier: _Optional[_Union[TierBlocks, _Mapping]] = ..., explain: _Optional[str] = ...) -> None: ...
 
 class ScoreResponse(_message.Message):
-    __slots__ = ("model", "block_size", "total_blocks", "ranked", "cost_unit")
+    __slots__ = ("model", "block_size", "total_blocks", "ranked", "cost_unit", "policy", "committed_instance_id")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     TOTAL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     RANKED_FIELD_NUMBER: _ClassVar[int]
     COST_UNIT_FIELD_NUMBER: _ClassVar[int]
+    POLICY_FIELD_NUMBER: _ClassVar[int]
+    COMMITTED_INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     model: str
     block_size: int
     total_blocks: int
     ranked: _containers.RepeatedCompositeFieldContainer[RankedInstance]
     cost_unit: str
-    def __init__(self, model: _Optional[str] = ..., block_size: _Optional[int] = ..., total_blocks: _Optional[int] = ..., ranked: _Optional[_Iterable[_Union[RankedInstance, _Mapping]]] = ..., cost_unit: _Optional[str] = ...) -> None: ...
+    policy: str
+    committed_instance_id: str
+    def __init__(self, model: _Optional[str] = ..., block_size: _Optional[int] = ..., total_blocks: _Optional[int] = ..., ranked: _Optional[_Iterable[_Union[RankedInstance, _Mapping]]] = ..., cost_unit: _Optional[str] = ..., policy: _Optional[str] = ..., committed_instance_id: _Optional[str] = ...) -> None: ...
+
+class CommitRequest(_message.Message):
+    __slots__ = ("request_id", "instance_id", "model", "lora", "salt", "token_ids", "block_keys", "prompt_tokens")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    LORA_FIELD_NUMBER: _ClassVar[int]
+    SALT_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_KEYS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    instance_id: str
+    model: str
+    lora: str
+    salt: str
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    block_keys: _containers.RepeatedScalarFieldContainer[int]
+    prompt_tokens: int
+    def __init__(self, request_id: _Optional[str] = ..., instance_id: _Optional[str] = ..., model: _Optional[str] = ..., lora: _Optional[str] = ..., salt: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., block_keys: _Optional[_Iterable[int]] = ..., prompt_tokens: _Optional[int] = ...) -> None: ...
+
+class CommitResponse(_message.Message):
+    __slots__ = ("committed",)
+    COMMITTED_FIELD_NUMBER: _ClassVar[int]
+    committed: bool
+    def __init__(self, committed: _Optional[bool] = ...) -> None: ...
+
+class ReleaseRequest(_message.Message):
+    __slots__ = ("request_id", "phase")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    PHASE_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    phase: str
+    def __init__(self, request_id: _Optional[str] = ..., phase: _Optional[str] = ...) -> None: ...
+
+class ReleaseResponse(_message.Message):
+    __slots__ = ("found",)
+    FOUND_FIELD_NUMBER: _ClassVar[int]
+    found: bool
+    def __init__(self, found: _Optional[bool] = ...) -> None: ...
 
 class LookupRequest(_message.Message):
     __slots__ = ("model", "lora", "salt", "token_ids", "block_keys", "candidates")

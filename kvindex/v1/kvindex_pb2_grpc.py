@@ -44,6 +44,16 @@ class KvIndexStub:
                 request_serializer=kvindex_dot_v1_dot_kvindex__pb2.LookupRequest.SerializeToString,
                 response_deserializer=kvindex_dot_v1_dot_kvindex__pb2.LookupResponse.FromString,
                 _registered_method=True)
+        self.Commit = channel.unary_unary(
+                '/kvindex.v1.KvIndex/Commit',
+                request_serializer=kvindex_dot_v1_dot_kvindex__pb2.CommitRequest.SerializeToString,
+                response_deserializer=kvindex_dot_v1_dot_kvindex__pb2.CommitResponse.FromString,
+                _registered_method=True)
+        self.Release = channel.unary_unary(
+                '/kvindex.v1.KvIndex/Release',
+                request_serializer=kvindex_dot_v1_dot_kvindex__pb2.ReleaseRequest.SerializeToString,
+                response_deserializer=kvindex_dot_v1_dot_kvindex__pb2.ReleaseResponse.FromString,
+                _registered_method=True)
         self.ListInstances = channel.unary_unary(
                 '/kvindex.v1.KvIndex/ListInstances',
                 request_serializer=kvindex_dot_v1_dot_kvindex__pb2.ListInstancesRequest.SerializeToString,
@@ -68,6 +78,20 @@ class KvIndexServicer:
 
     def Lookup(self, request, context):
         """Raw per-instance, per-tier matched blocks, no load: the debugging view.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Commit(self, request, context):
+        """Record that a request was sent to an instance (when Score was called without commit).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Release(self, request, context):
+        """A committed request finished its prefill, or finished altogether.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -99,6 +123,16 @@ def add_KvIndexServicer_to_server(servicer, server):
                     servicer.Lookup,
                     request_deserializer=kvindex_dot_v1_dot_kvindex__pb2.LookupRequest.FromString,
                     response_serializer=kvindex_dot_v1_dot_kvindex__pb2.LookupResponse.SerializeToString,
+            ),
+            'Commit': grpc.unary_unary_rpc_method_handler(
+                    servicer.Commit,
+                    request_deserializer=kvindex_dot_v1_dot_kvindex__pb2.CommitRequest.FromString,
+                    response_serializer=kvindex_dot_v1_dot_kvindex__pb2.CommitResponse.SerializeToString,
+            ),
+            'Release': grpc.unary_unary_rpc_method_handler(
+                    servicer.Release,
+                    request_deserializer=kvindex_dot_v1_dot_kvindex__pb2.ReleaseRequest.FromString,
+                    response_serializer=kvindex_dot_v1_dot_kvindex__pb2.ReleaseResponse.SerializeToString,
             ),
             'ListInstances': grpc.unary_unary_rpc_method_handler(
                     servicer.ListInstances,
@@ -165,6 +199,60 @@ class KvIndex:
             '/kvindex.v1.KvIndex/Lookup',
             kvindex_dot_v1_dot_kvindex__pb2.LookupRequest.SerializeToString,
             kvindex_dot_v1_dot_kvindex__pb2.LookupResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Commit(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvindex.v1.KvIndex/Commit',
+            kvindex_dot_v1_dot_kvindex__pb2.CommitRequest.SerializeToString,
+            kvindex_dot_v1_dot_kvindex__pb2.CommitResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Release(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvindex.v1.KvIndex/Release',
+            kvindex_dot_v1_dot_kvindex__pb2.ReleaseRequest.SerializeToString,
+            kvindex_dot_v1_dot_kvindex__pb2.ReleaseResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,81 @@
+"""What every ranking policy sees and returns (one interface, one module per policy)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+from kvindex.fleet.registry import InstanceState
+from kvindex.index.base import InstanceMatch
+
+if TYPE_CHECKING:
+    from kvindex.scoring.router import Router
+
+PREFILL_ROLE = "prefill"  # also the default for unified (non-disaggregated) serving
+DECODE_ROLE = "decode"
+
+
+@dataclass(slots=True)
+class RouteRequest:
+    model: str
+    keys: list[int]  # block keys of the prompt's full blocks
+    prompt_tokens: int  # L
+    block_size: int
+    request_id: str = ""
+    role: str = PREFILL_ROLE
+
+
+@dataclass(slots=True)
+class Candidate:
+    """One instance as the router sees it for one request, with the TTFT estimate's parts."""
+
+    state: InstanceState
+    match: InstanceMatch  # from the index (real events)
+    blocks: int  # consecutive usable blocks, speculative ones included
+    tokens_by_tier: tuple[int, int, int, int]  # hit tokens by fastest tier (speculative count as gpu)
+    hit_tokens: int
+    miss_tokens: int
+    wait_ms: float
+    prefill_ms: float
+    fetch_ms: float
+    inflight: int  # requests routed here and not finished (ledger)
+    queued_tokens: float  # prefill tokens ahead of this request (reported and drained since, + routed since)
+    routed_tokens: int  # prefill tokens routed here since the last heartbeat (ledger)
+
+    @property
+    def est_ttft_ms(self) -> float:
+        return self.wait_ms + self.prefill_ms + self.fetch_ms
+
+    @property
+    def load(self) -> int:
+        """Requests on the instance: reported running + waiting, plus those routed since."""
+        load = self.state.load
+        return load.running + load.waiting + self.inflight
+
+
+@dataclass(slots=True)
+class Choice:
+    candidate: Candidate
+    cost: float  # the policy's own figure, lower is better
+    reason: str = ""
+
+
+class Policy(Protocol):
+    name: str
+    cost_unit: str  # what Choice.cost means ("ms", "-score", ...); lower is always better
+    # How long a committed prompt's blocks count as present on its instance before the real
+    # stored events arrive (seconds); 0 for policies that do not use the index.
+    speculative_ttl: float
+
+    def rank(self, request: RouteRequest, candidates: list[Candidate], router: Router) -> list[Choice]:
+        """All candidates, best first."""
+        ...
+
+    def on_commit(self, request: RouteRequest, instance: Candidate, router: Router) -> None:
+        """Called when a routing decision is committed (policies with memory update it here)."""
+        ...
+
+
+def by_cost(choices: list[Choice]) -> list[Choice]:
+    """Stable order: cost, then instance id (deterministic ties)."""
+    return sorted(choices, key=lambda c: (c.cost, c.candidate.state.key))

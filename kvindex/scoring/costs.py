@@ -1,0 +1,88 @@
+"""The time model behind est_ttft: prefill time of the missed tokens, cost of loading matched
+blocks from slower tiers, and the queue ahead of a request (docs/scoring.md has the reasoning)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillModel:
+    """prefill_ms(miss, L) = a + b*miss + c*miss*L   (c: attention over the whole context)."""
+
+    a_ms: float
+    b_ms_per_token: float
+    c_ms_per_token2: float
+
+    def ms(self, miss: float, context: float) -> float:
+        if miss <= 0:
+            return 0.0
+        return self.a_ms + self.b_ms_per_token * miss + self.c_ms_per_token2 * miss * context
+
+
+# Default before any calibration: a Llama-3-70B class model with TP8 on A800/H100-class GPUs,
+# ~9 K prefill tokens/s at short context and ~2x slower per token at 32 K context (the attention
+# term), plus ~25 ms fixed per prefill. Workers' own samples replace it within minutes.
+DEFAULT_PREFILL = PrefillModel(a_ms=25.0, b_ms_per_token=0.11, c_ms_per_token2=0.11 / 32_768)
+
+
+@dataclass(frozen=True, slots=True)
+class KvProfile:
+    """What it costs to move KV: bytes per token and link bandwidths (GB/s = 1e9 B/s)."""
+
+    kv_bytes_per_token: float = 320 * 1024  # Llama-3-70B: 80 layers x 8 KV heads x 128 x 2 (K,V) x 2 B
+    pcie_gbps: float = 25.0  # host memory -> GPU (PCIe 5 x16, effective)
+    disk_gbps: float = 6.0  # local NVMe -> GPU
+    network_gbps: float = 12.5  # remote pool -> GPU (100 Gb/s RDMA/TCP, effective)
+
+    def ms_per_token(self, gbps: float) -> float:
+        return self.kv_bytes_per_token / (gbps * 1e9) * 1e3
+
+
+@dataclass(frozen=True, slots=True)
+class FetchCosts:
+    """ms per token to bring a matched block to GPU, per tier (gpu, cpu, disk, shared)."""
+
+    per_token_ms: tuple[float, float, float, float]
+
+    @classmethod
+    def from_profile(cls, p: KvProfile) -> FetchCosts:
+        return cls(
+            (0.0, p.ms_per_token(p.pcie_gbps), p.ms_per_token(p.disk_gbps), p.ms_per_token(p.network_gbps))
+        )
+
+    def ms(self, tokens_by_tier: tuple[int, int, int, int]) -> float:
+        c = self.per_token_ms
+        return c[1] * tokens_by_tier[1] + c[2] * tokens_by_tier[2] + c[3] * tokens_by_tier[3]
+
+
+DEFAULT_FETCH = FetchCosts.from_profile(KvProfile())
+
+
+@dataclass(frozen=True, slots=True)
+class EngineShape:
+    """How the engine schedules, for the queueing estimate.
+
+    Continuous batching with chunked prefill processes at most ``chunk_tokens`` prompt tokens per
+    step, and every step also decodes one token for each running request, which costs
+    ``decode_ms_per_seq`` per request per step. Queued prefill work is drained in token order at
+    the engine's throughput: work that runs side by side in one batch is not counted twice.
+    """
+
+    chunk_tokens: int = 8192
+    decode_ms_per_seq: float = 0.05
+
+
+@dataclass(slots=True)
+class CostConfig:
+    fetch: FetchCosts = DEFAULT_FETCH
+    engine: EngineShape = field(default_factory=EngineShape)
+    default_prefill: PrefillModel = DEFAULT_PREFILL
+
+
+def queue_ms(model: PrefillModel, shape: EngineShape, queued_tokens: float, running: int) -> float:
+    """Time to drain ``queued_tokens`` of prefill on an engine with ``running`` decoding requests."""
+    if queued_tokens <= 0:
+        return 0.0
+    steps = -(-queued_tokens // shape.chunk_tokens)
+    return model.b_ms_per_token * queued_tokens + steps * (model.a_ms + shape.decode_ms_per_seq * running)

@@ -1,0 +1,167 @@
+"""Routing state kept on behalf of routers: the in-flight ledger and speculative keys.
+
+A heartbeat reports an instance's queue at most once per interval; requests routed since then are
+invisible to it, and a burst would pile onto one instance. The ledger remembers what was routed
+(committed) and is released by the router when the request's prefill is done and when it finishes;
+entries that are never released expire.
+
+Speculative keys: a committed prompt's blocks will exist on its instance once its prefill runs, but
+the real stored events arrive only after that. Until then (or until a TTL), later requests sharing
+the prefix see those blocks as if stored, so concurrent siblings of a cold prefix follow the first
+one instead of each starting a copy elsewhere.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+from kvindex.index.base import InstanceKey
+
+PREFILL = "prefill"
+FINISHED = "finished"
+
+
+@dataclass(slots=True)
+class Entry:
+    request_id: str
+    instance: InstanceKey
+    model: str
+    prompt_tokens: int
+    miss_tokens: int
+    committed_at: float
+    expires_at: float
+    prefill_done: bool = False
+
+
+class Ledger:
+    """Requests routed per instance, not yet released."""
+
+    def __init__(self, clock: Callable[[], float], ttl: float = 300.0, max_entries: int = 1_000_000) -> None:
+        self.clock = clock
+        self.ttl = ttl
+        self.max_entries = max_entries
+        self._entries: OrderedDict[str, Entry] = OrderedDict()  # oldest first, for expiry
+        self._by_instance: dict[InstanceKey, dict[str, Entry]] = {}
+        self.expired = 0
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def commit(
+        self, request_id: str, instance: InstanceKey, model: str, prompt_tokens: int, miss_tokens: int
+    ) -> Entry:
+        self.expire()
+        old = self._entries.pop(request_id, None)
+        if old is not None:
+            self._by_instance.get(old.instance, {}).pop(request_id, None)
+        now = self.clock()
+        entry = Entry(request_id, instance, model, prompt_tokens, miss_tokens, now, now + self.ttl)
+        self._entries[request_id] = entry
+        self._by_instance.setdefault(instance, {})[request_id] = entry
+        while len(self._entries) > self.max_entries:
+            self._drop(next(iter(self._entries)))
+            self.expired += 1
+        return entry
+
+    def release(self, request_id: str, phase: str) -> Entry | None:
+        """``prefill``: its prefill is done (it now only decodes); ``finished``: forget it."""
+        entry = self._entries.get(request_id)
+        if entry is None:
+            return None
+        if phase == PREFILL:
+            entry.prefill_done = True
+        else:
+            self._drop(request_id)
+        return entry
+
+    def _drop(self, request_id: str) -> None:
+        entry = self._entries.pop(request_id)
+        per = self._by_instance.get(entry.instance)
+        if per is not None:
+            per.pop(request_id, None)
+            if not per:
+                del self._by_instance[entry.instance]
+
+    def expire(self) -> None:
+        now = self.clock()
+        while self._entries:
+            first = next(iter(self._entries.values()))
+            if first.expires_at > now:
+                break
+            self._drop(first.request_id)
+            self.expired += 1
+
+    def of(self, instance: InstanceKey) -> Iterable[Entry]:
+        return self._by_instance.get(instance, {}).values()
+
+    def pending(self, instance: InstanceKey, since: float | None) -> tuple[int, int, int]:
+        """(requests, prefill tokens not yet computed, requests in flight at all) committed to
+        ``instance``; the first two count only commits after ``since`` (the last heartbeat, which
+        already reported the older ones in its queue)."""
+        n = tokens = total = 0
+        for e in self.of(instance):
+            total += 1
+            if e.prefill_done or (since is not None and e.committed_at <= since):
+                continue
+            n += 1
+            tokens += e.miss_tokens
+        return n, tokens, total
+
+
+class SpeculativeKeys:
+    """Block keys expected on an instance soon (committed prompts), each until a TTL."""
+
+    def __init__(self, clock: Callable[[], float], ttl: float = 10.0, max_keys: int = 4_000_000) -> None:
+        self.clock = clock
+        self.ttl = ttl
+        self.max_keys = max_keys
+        self._keys: dict[InstanceKey, dict[int, float]] = {}  # instance -> key -> expiry
+        self._count = 0
+
+    def add(self, instance: InstanceKey, keys: Iterable[int], ttl: float | None = None) -> None:
+        if self._count > self.max_keys:
+            self.expire()
+        expiry = self.clock() + (self.ttl if ttl is None else ttl)
+        held = self._keys.setdefault(instance, {})
+        before = len(held)
+        for key in keys:
+            held[key] = expiry
+        self._count += len(held) - before
+
+    def extend(self, instance: InstanceKey, keys: list[int], start: int) -> int:
+        """How far past ``start`` the consecutive request ``keys`` are expected on ``instance``."""
+        held = self._keys.get(instance)
+        if not held:
+            return start
+        now = self.clock()
+        i = start
+        n = len(keys)
+        while i < n:
+            expiry = held.get(keys[i])
+            if expiry is None or expiry <= now:
+                break
+            i += 1
+        return i
+
+    def instances(self) -> Iterable[InstanceKey]:
+        return self._keys.keys()
+
+    def expire(self) -> None:
+        now = self.clock()
+        for instance in list(self._keys):
+            held = self._keys[instance]
+            for key in [k for k, t in held.items() if t <= now]:
+                del held[key]
+            if not held:
+                del self._keys[instance]
+        self._count = sum(len(h) for h in self._keys.values())
+
+    def forget(self, instance: InstanceKey) -> None:
+        held = self._keys.pop(instance, None)
+        if held:
+            self._count -= len(held)
+
+    def __len__(self) -> int:
+        return self._count

@@ -1,0 +1,27 @@
+"""``kvaware``: vLLM production-stack's KV-aware routing — the instance with the longest cached
+prefix of the prompt; ties (including no match anywhere) go to the fewest in-flight requests.
+
+The baseline of production-stack's load-aware experiment (busiest/idlest 2.358 there).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from kvindex.scoring.base import Candidate, Choice, RouteRequest
+
+if TYPE_CHECKING:
+    from kvindex.scoring.router import Router
+
+
+class KvAware:
+    name = "kvaware"
+    cost_unit = "-matched_tokens"
+    speculative_ttl = 0.0
+
+    def rank(self, request: RouteRequest, candidates: list[Candidate], router: Router) -> list[Choice]:
+        ordered = sorted(candidates, key=lambda c: (-c.hit_tokens, c.load, c.state.key))
+        return [Choice(c, -c.hit_tokens) for c in ordered]
+
+    def on_commit(self, request: RouteRequest, instance: Candidate, router: Router) -> None:
+        return None

@@ -1,0 +1,55 @@
+"""``llmd``: llm-d's precise prefix-cache scoring (inference scheduler defaults).
+
+Definition (anchors.md §3): score = 2 * (weighted consecutive matched blocks / total; gpu 1.0,
+cpu 0.8) + 1 * (1 - kv_usage) + 1 * (maxQ - q) / (maxQ - minQ), argmax; the chosen pod gets
+speculative entries for 2 s. Disk and external-pool blocks are weighted like CPU (0.8). When all
+queues are equal the queue term is 1 for everyone.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from kvindex.scoring.base import Candidate, Choice, RouteRequest
+
+if TYPE_CHECKING:
+    from kvindex.scoring.router import Router
+
+TIER_WEIGHT = (1.0, 0.8, 0.8, 0.8)
+
+
+class LlmdPrecise:
+    name = "llmd"
+    cost_unit = "-score"
+
+    def __init__(
+        self,
+        prefix_weight: float = 2.0,
+        kv_weight: float = 1.0,
+        queue_weight: float = 1.0,
+        speculative_ttl: float = 2.0,
+    ) -> None:
+        self.prefix_weight = prefix_weight
+        self.kv_weight = kv_weight
+        self.queue_weight = queue_weight
+        self.speculative_ttl = speculative_ttl
+
+    def rank(self, request: RouteRequest, candidates: list[Candidate], router: Router) -> list[Choice]:
+        b = request.block_size
+        total = max(1, len(request.keys))
+        queues = [c.state.load.waiting + c.inflight for c in candidates]
+        qmax, qmin = max(queues), min(queues)
+        out = []
+        for c, q in zip(candidates, queues, strict=True):
+            weighted = sum(w * t for w, t in zip(TIER_WEIGHT, c.tokens_by_tier, strict=True)) / b
+            queue = 1.0 if qmax == qmin else (qmax - q) / (qmax - qmin)
+            score = (
+                self.prefix_weight * weighted / total
+                + self.kv_weight * (1 - c.state.load.kv_usage)
+                + self.queue_weight * queue
+            )
+            out.append(Choice(c, -score))
+        return sorted(out, key=lambda ch: (ch.cost, ch.candidate.state.key))
+
+    def on_commit(self, request: RouteRequest, instance: Candidate, router: Router) -> None:
+        return None

@@ -1,0 +1,37 @@
+"""``loadaware``: vLLM production-stack's load-aware KV routing.
+
+Definition (anchors.md §3):
+    score_i = min(matched_i, P) / max(P, 1) - beta * (L_i - mean L) / max(1, mean L),   argmax
+with P the prompt length, matched_i the cached prefix tokens, L_i the in-prefill + in-decode requests
+of instance i; beta defaults to 1.0 (0.5 in the published experiment).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from kvindex.scoring.base import Candidate, Choice, RouteRequest
+
+if TYPE_CHECKING:
+    from kvindex.scoring.router import Router
+
+
+class LoadAware:
+    name = "loadaware"
+    cost_unit = "-score"
+    speculative_ttl = 0.0
+
+    def __init__(self, beta: float = 1.0) -> None:
+        self.beta = beta
+
+    def rank(self, request: RouteRequest, candidates: list[Candidate], router: Router) -> list[Choice]:
+        p = request.prompt_tokens
+        mean = sum(c.load for c in candidates) / len(candidates)
+        scored = []
+        for c in candidates:
+            score = min(c.hit_tokens, p) / max(p, 1) - self.beta * (c.load - mean) / max(1.0, mean)
+            scored.append(Choice(c, -score))
+        return sorted(scored, key=lambda ch: (ch.cost, ch.candidate.state.key))
+
+    def on_commit(self, request: RouteRequest, instance: Candidate, router: Router) -> None:
+        return None

@@ -1,0 +1,39 @@
+"""``overlap``: the first ranking (kvindex v0): estimated blocks of prefill work, lowest first.
+
+    cost_i = queued_i / B + miss_i / B + sum_t w_t * matched_t,i / B      (w: cpu 0.1, disk 0.4, shared 0.3)
+
+with queued_i the prefill tokens of the last heartbeat plus those routed here since.
+
+Absolute work rather than ratios, but blocks instead of milliseconds and no model of the engine.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from kvindex.scoring.base import Candidate, Choice, RouteRequest
+
+if TYPE_CHECKING:
+    from kvindex.scoring.router import Router
+
+TIER_WEIGHTS = (0.0, 0.1, 0.4, 0.3)
+
+
+class Overlap:
+    name = "overlap"
+    cost_unit = "prefill_blocks"
+    speculative_ttl = 0.0
+
+    def rank(self, request: RouteRequest, candidates: list[Candidate], router: Router) -> list[Choice]:
+        b = request.block_size
+        w = TIER_WEIGHTS
+        out = []
+        for c in candidates:
+            t = c.tokens_by_tier
+            fetch = (w[1] * t[1] + w[2] * t[2] + w[3] * t[3]) / b
+            queued = c.state.load.waiting_prefill_tokens + c.routed_tokens
+            out.append(Choice(c, queued / b + c.miss_tokens / b + fetch))
+        return sorted(out, key=lambda ch: (ch.cost, ch.candidate.state.load.kv_usage, ch.candidate.state.key))
+
+    def on_commit(self, request: RouteRequest, instance: Candidate, router: Router) -> None:
+        return None

@@ -1,0 +1,28 @@
+"""``round_robin``: each request to the next instance in turn (per model); cache-blind."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from kvindex.scoring.base import Candidate, Choice, RouteRequest
+
+if TYPE_CHECKING:
+    from kvindex.scoring.router import Router
+
+
+class RoundRobin:
+    name = "round_robin"
+    cost_unit = "turn"
+    speculative_ttl = 0.0
+
+    def __init__(self) -> None:
+        self._next: dict[str, int] = {}
+
+    def rank(self, request: RouteRequest, candidates: list[Candidate], router: Router) -> list[Choice]:
+        ordered = sorted(candidates, key=lambda c: c.state.key)
+        start = self._next.get(request.model, 0) % len(ordered)
+        rotated = ordered[start:] + ordered[:start]
+        return [Choice(c, float(i)) for i, c in enumerate(rotated)]
+
+    def on_commit(self, request: RouteRequest, instance: Candidate, router: Router) -> None:
+        self._next[request.model] = self._next.get(request.model, 0) + 1

@@ -1,0 +1,188 @@
+"""The router core: turns a prompt into ranked instances with TTFT estimates, and keeps the routing
+state (in-flight ledger, speculative keys) that routers commit to and release.
+
+Used by the gRPC API and, in-process with a virtual clock, by the routing simulation: both run the
+same code.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from kvindex.fleet.registry import InstanceState, Registry
+from kvindex.index.base import NO_MATCH, InstanceKey, KvBlockIndex
+from kvindex.scoring.base import DECODE_ROLE, Candidate, Choice, Policy, RouteRequest
+from kvindex.scoring.calibration import Calibrator
+from kvindex.scoring.costs import CostConfig, queue_ms
+from kvindex.scoring.ledger import FINISHED, PREFILL, Ledger, SpeculativeKeys
+from kvindex.scoring.policies import make_policies
+
+
+@dataclass
+class RouterConfig:
+    costs: CostConfig = field(default_factory=CostConfig)
+    default_policy: str = "ttft"
+    ledger_ttl: float = 300.0  # seconds before an unreleased request is forgotten
+    seed: int = 0  # randomised policies (power_of_two, flexlb) draw from a seeded generator
+
+
+@dataclass(slots=True)
+class ScoreResult:
+    request: RouteRequest
+    policy: str
+    choices: list[Choice]
+    committed: InstanceState | None = None
+
+
+class Router:
+    def __init__(
+        self,
+        index: KvBlockIndex,
+        registry: Registry,
+        calibrator: Calibrator | None = None,
+        config: RouterConfig | None = None,
+        clock: Callable[[], float] | None = None,
+        policy_options: dict[str, dict] | None = None,
+    ) -> None:
+        self.index = index
+        self.registry = registry
+        self.config = config or RouterConfig()
+        self.clock = clock or registry.clock
+        self.calibrator = calibrator or Calibrator(self.config.costs.default_prefill)
+        self.ledger = Ledger(self.clock, ttl=self.config.ledger_ttl)
+        self.speculative = SpeculativeKeys(self.clock)
+        self.rng = random.Random(self.config.seed)
+        self.policies: dict[str, Policy] = make_policies(policy_options or {})
+        if self.config.default_policy not in self.policies:
+            raise ValueError(f"unknown default policy {self.config.default_policy!r}")
+
+    # -- candidates -----------------------------------------------------------------------------
+
+    def candidates(
+        self, request: RouteRequest, states: list[InstanceState], spec_ttl: float
+    ) -> list[Candidate]:
+        keys = request.keys
+        matches = self.index.match(request.model, keys, [s.key for s in states]) if keys else {}
+        model = self.calibrator.prefill(request.model)
+        costs = self.config.costs
+        shape = costs.engine
+        b = request.block_size
+        prompt = request.prompt_tokens
+        now = self.clock()
+        spec = self.speculative
+        out = []
+        for state in states:
+            key = state.key
+            match = matches.get(key, NO_MATCH)
+            blocks = match.length
+            t = match.tiers
+            gpu = t[0]
+            if spec_ttl > 0 and keys:
+                extended = spec.extend(key, keys, blocks)
+                gpu += extended - blocks
+                blocks = extended
+            # vLLM always recomputes at least the prompt's last token.
+            hit = min(blocks * b, max(prompt - 1, 0))
+            by_tier = (gpu * b, t[1] * b, t[2] * b, t[3] * b)
+            over = blocks * b - hit
+            if over > 0:  # the capped tokens come off the last (slowest) tier that has any
+                by_tier = _trim(by_tier, over)
+            miss = prompt - hit
+            load = state.load
+            n_new, tokens_new, inflight = self.ledger.pending(key, state.last_status_at)
+            reported = load.waiting_prefill_tokens
+            if reported and state.last_status_at is not None and model.b_ms_per_token > 0:
+                # The reported queue has been draining since the heartbeat, at the engine's rate.
+                reported = max(0.0, reported - (now - state.last_status_at) * 1000 / model.b_ms_per_token)
+            queued = reported + tokens_new
+            running = load.running + n_new
+            wait = queue_ms(model, shape, queued, running)
+            steps = -(-miss // shape.chunk_tokens) if miss > 0 else 0
+            prefill = model.ms(miss, prompt) + steps * shape.decode_ms_per_seq * running
+            fetch = costs.fetch.ms(by_tier)
+            out.append(
+                Candidate(
+                    state,
+                    match,
+                    blocks,
+                    by_tier,
+                    hit,
+                    miss,
+                    wait,
+                    prefill,
+                    fetch,
+                    inflight,
+                    queued,
+                    tokens_new,
+                )
+            )
+        return out
+
+    # -- API ------------------------------------------------------------------------------------
+
+    def policy(self, name: str | None) -> Policy:
+        name = name or self.config.default_policy
+        policy = self.policies.get(name)
+        if policy is None:
+            raise KeyError(name)
+        return policy
+
+    def score(
+        self,
+        request: RouteRequest,
+        candidates: list[str] | None = None,
+        policy: str | None = None,
+        commit: bool = False,
+    ) -> ScoreResult:
+        # Disaggregated decode instances are chosen for KV headroom, not for prefix overlap.
+        chosen = self.policies["decode"] if request.role == DECODE_ROLE else self.policy(policy)
+        states = self.registry.routable(request.model, candidates)
+        cands = self.candidates(request, states, chosen.speculative_ttl)
+        choices = chosen.rank(request, cands, self) if cands else []
+        result = ScoreResult(request, chosen.name, choices)
+        if commit and choices:
+            top = choices[0].candidate
+            self._commit(request, top, chosen)
+            result.committed = top.state
+        return result
+
+    def commit(self, request: RouteRequest, instance: InstanceKey, policy: str | None = None) -> bool:
+        """Record that ``request`` was sent to ``instance`` (outside a Score with commit)."""
+        state = self.registry.get(instance)
+        if state is None or state.model != request.model:
+            return False
+        chosen = self.policy(policy)
+        (cand,) = self.candidates(request, [state], chosen.speculative_ttl)
+        self._commit(request, cand, chosen)
+        return True
+
+    def _commit(self, request: RouteRequest, cand: Candidate, policy: Policy) -> None:
+        key = cand.state.key
+        if request.request_id:
+            self.ledger.commit(
+                request.request_id, key, request.model, request.prompt_tokens, cand.miss_tokens
+            )
+        if policy.speculative_ttl > 0 and request.keys:
+            self.speculative.add(key, request.keys, policy.speculative_ttl)
+        policy.on_commit(request, cand, self)
+
+    def release(self, request_id: str, phase: str) -> bool:
+        if phase not in (PREFILL, FINISHED):
+            raise ValueError(f"phase must be {PREFILL!r} or {FINISHED!r}, got {phase!r}")
+        return self.ledger.release(request_id, phase) is not None
+
+    def forget(self, instance: InstanceKey) -> None:
+        self.speculative.forget(instance)
+
+
+def _trim(by_tier: tuple[int, int, int, int], over: int) -> tuple[int, int, int, int]:
+    t = list(by_tier)
+    for i in (3, 2, 1, 0):
+        take = min(t[i], over)
+        t[i] -= take
+        over -= take
+        if not over:
+            break
+    return (t[0], t[1], t[2], t[3])
