@@ -978,13 +978,14 @@ class SimEngine:
         # A planned (not a run) step has already allocated its decoders' next blocks.
         D = self._D + 1 if self._step is not None and not self._step.run else self._D
         refs: dict[int, int] = {}
-        used = 0
+        used = 0  # physical blocks: each request's blocks without a key, plus every key in use once
         for r in self._running:
             blocks = -(-(r.u + D) // B) if r.decoding else r.blocks
             assert len(r.keys_held) <= blocks, (r.req.id, len(r.keys_held), blocks)
-            used += blocks
+            used += blocks - len(r.keys_held)
             for k in r.keys_held:
                 refs[k] = refs.get(k, 0) + 1
+        used += len(refs)
         assert used == self.cfg.gpu_blocks - self._anon - len(self._free), "block accounting"
         assert self._need(D) == sum(-(-(r.u + D) // B) for r in self._running if r.decoding)
         for k, c in self._gpu.items():
