@@ -140,11 +140,7 @@ async def test_real_publisher_and_index_equal_holds(service: IndexService, make_
     pubs = []
     for e in engines:
         pub = await make_publisher(worker=e.name, model=model, block_size=4, capacity=e.cfg.capacity())
-        e.sink = pub
-        if e._cpu is not None:
-            e._cpu.sink = pub
-        if e._disk is not None:
-            e._disk.sink = pub
+        e.attach(pub)
         pubs.append(pub)
     reqs = workload(rng, 300, 4)
     run_until_idle(engines, reqs, route=lambda r, t: rng.choice(engines))

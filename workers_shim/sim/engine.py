@@ -413,6 +413,13 @@ class SimEngine:
             return set()
         raise ValueError(f"unknown tier {tier!r}")
 
+    def attach(self, sink: EventSink | None) -> None:
+        """Send this engine's (and its CPU/disk tiers') events to ``sink`` from now on."""
+        self.sink = sink
+        for tier in (self._cpu, self._disk):
+            if tier is not None:
+                tier.sink = sink
+
     @property
     def now(self) -> float:
         return self._now

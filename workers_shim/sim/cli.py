@@ -1,0 +1,174 @@
+"""``kvshim sim``: a fleet of simulated engines publishing to NATS in real time.
+
+Not wired into ``workers_shim/cli.py`` here: register it with
+
+    sub = subparsers.add_parser("sim", help=...)
+    add_sim_arguments(sub)
+    sub.set_defaults(func=main_sim)        # main_sim(args) -> exit code
+
+Without ``--trace`` the fleet idles (heartbeats only) until stopped, for a traffic driver that calls
+``SimFleet.submit``. With ``--trace`` it replays a Mooncake-format trace, routing each request with a
+simple built-in policy (a real router asks kvindex instead).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import itertools
+import random
+import signal
+import time
+
+import structlog
+
+from workers_shim.sim.engine import Completion, EngineConfig, SimRequest
+from workers_shim.sim.fleet import SimFleet, run_fleet
+from workers_shim.sim.timemodel import PROFILES
+from workers_shim.sim.trace import mooncake_requests
+
+__all__ = ["add_sim_arguments", "build_config", "main_sim"]
+
+log = structlog.get_logger("workers_shim.sim")
+
+
+def add_sim_arguments(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("fleet")
+    g.add_argument("--nats", default="nats://127.0.0.1:4222", help="NATS server URL")
+    g.add_argument("--subject-prefix", default="kvindex")
+    g.add_argument("--workers", type=int, default=4, help="number of simulated engines")
+    g.add_argument("--worker-prefix", default="sim", help="worker ids are PREFIX-0, PREFIX-1, …")
+    g.add_argument("--model", default="sim-model")
+    g.add_argument("--speed", type=float, default=1.0, help="virtual seconds per wall second")
+    g.add_argument("--heartbeat-interval", type=float, default=0.5)
+    e = parser.add_argument_group("engine")
+    e.add_argument("--profile", choices=sorted(PROFILES), default="llama3-8b-h100")
+    e.add_argument("--block-size", type=int, default=16)
+    e.add_argument("--gpu-blocks", type=int, default=0, help="default: the profile's KV capacity")
+    e.add_argument("--cpu-blocks", type=int, default=0)
+    e.add_argument("--disk-blocks", type=int, default=0)
+    e.add_argument("--pool-blocks", type=int, default=0, help="shared pool capacity (0: no pool)")
+    e.add_argument("--max-batched-tokens", type=int, default=8192)
+    e.add_argument("--max-running", type=int, default=256)
+    e.add_argument("--offload", choices=("evict", "store"), default="evict")
+    e.add_argument("--fetch-overlap", action="store_true", help="overlap block loads with compute")
+    t = parser.add_argument_group("traffic")
+    t.add_argument("--trace", help="Mooncake-format JSONL trace to replay")
+    t.add_argument("--trace-limit", type=int, default=None)
+    t.add_argument("--time-scale", type=float, default=1.0, help="arrival times x this (0.5 = 2x load)")
+    t.add_argument("--route", choices=("round_robin", "random", "least_loaded"), default="least_loaded")
+    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--duration", type=float, default=0.0, help="stop after this many wall seconds (0: never)")
+
+
+def build_config(args: argparse.Namespace) -> EngineConfig:
+    overrides: dict[str, object] = {
+        "cpu_blocks": args.cpu_blocks,
+        "disk_blocks": args.disk_blocks,
+        "max_batched_tokens": args.max_batched_tokens,
+        "max_running": args.max_running,
+        "offload": args.offload,
+        "fetch_overlap": args.fetch_overlap,
+    }
+    if args.gpu_blocks:
+        overrides["gpu_blocks"] = args.gpu_blocks
+    return EngineConfig.from_profile(args.profile, args.block_size, **overrides)
+
+
+def main_sim(args: argparse.Namespace) -> int:
+    with contextlib.suppress(KeyboardInterrupt):
+        asyncio.run(_main(args))
+    return 0
+
+
+async def _main(args: argparse.Namespace) -> None:
+    cfg = build_config(args)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        with contextlib.suppress(NotImplementedError):
+            loop.add_signal_handler(sig, stop.set)
+    ttfts: list[float] = []
+
+    def on_completion(worker: str, c: Completion) -> None:
+        if c.kind == "first_token":
+            ttfts.append(c.ttft)
+
+    fleet = await run_fleet(
+        args.nats,
+        args.workers,
+        cfg,
+        model=args.model,
+        speed=args.speed,
+        pool_blocks=args.pool_blocks,
+        subject_prefix=args.subject_prefix,
+        worker_prefix=args.worker_prefix,
+        heartbeat_interval=args.heartbeat_interval,
+        on_completion=on_completion,
+    )
+    tasks = [asyncio.create_task(_report(fleet, ttfts))]
+    if args.trace:
+        tasks.append(asyncio.create_task(_replay(fleet, args, stop)))
+    if args.duration > 0:
+        loop.call_later(args.duration, stop.set)
+    try:
+        await stop.wait()
+    finally:
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        await fleet.close()
+        log.info("sim_fleet_stopped", first_tokens=fleet.first_tokens, finished=fleet.completed)
+
+
+async def _replay(fleet: SimFleet, args: argparse.Namespace, stop: asyncio.Event) -> None:
+    reqs = mooncake_requests(
+        args.trace,
+        model=args.model,
+        block_size=args.block_size,
+        limit=args.trace_limit,
+        time_scale=args.time_scale,
+    )
+    workers = list(fleet.engines)
+    rr = itertools.cycle(workers)
+    rng = random.Random(args.seed)
+
+    def route(req: SimRequest) -> str:
+        if args.route == "round_robin":
+            return next(rr)
+        if args.route == "random":
+            return rng.choice(workers)
+        return min(workers, key=lambda w: (fleet.load(w).waiting_prefill_tokens, fleet.load(w).running))
+
+    start = fleet.vnow()
+    for req in reqs:
+        delay = (start + req.arrival - fleet.vnow()) / fleet.speed
+        if delay > 0:
+            await asyncio.sleep(delay)
+        await fleet.submit(route(req), req)
+    log.info("trace_replayed", requests=len(reqs))
+    while fleet.completed < len(reqs):
+        await asyncio.sleep(0.2)
+    if args.duration <= 0:
+        stop.set()
+
+
+async def _report(fleet: SimFleet, ttfts: list[float], every: float = 10.0) -> None:
+    while True:
+        await asyncio.sleep(every)
+        recent, ttfts[:] = list(ttfts), []
+        loads = [fleet.load(w) for w in fleet.engines]
+        log.info(
+            "sim_fleet",
+            vtime=round(fleet.vnow(), 1),
+            first_tokens=fleet.first_tokens,
+            finished=fleet.completed,
+            ttft_mean_s=round(sum(recent) / len(recent), 3) if recent else None,
+            running=sum(ld.running for ld in loads),
+            waiting=sum(ld.waiting for ld in loads),
+            kv_usage_max=round(max(ld.kv_usage for ld in loads), 3),
+            wall=time.strftime("%H:%M:%S"),
+        )

@@ -1,0 +1,238 @@
+"""A fleet of simulated engines in real time, each publishing through a real Publisher on NATS.
+
+Virtual time is wall time x ``speed`` since the fleet started. One asyncio task advances every engine
+to the current virtual time, sleeps until the earliest next step end (or until a request arrives),
+and repeats. Block events go out through each worker's Publisher as the engine changes state; its
+heartbeats carry ``engine.load()`` (running, waiting, waiting_prefill_tokens, kv_usage, plus
+decoding/prefilling), the capacity per tier and the digest. The prefill samples are handed to the
+Publisher's ``prefill_sample()`` when it has one, and always kept in ``SimFleet.prefill_samples``.
+A shared pool, if configured, is one more publisher (``{worker_prefix}-pool``, capacity "shared").
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import time
+from collections import deque
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import structlog
+
+from workers_shim.publisher import Publisher
+from workers_shim.sim.engine import Completion, EngineConfig, Load, SimEngine, SimRequest
+from workers_shim.sim.tiers import SharedPool
+
+__all__ = ["SimFleet", "run_fleet"]
+
+log = structlog.get_logger("workers_shim.sim.fleet")
+
+
+class SimFleet:
+    def __init__(
+        self,
+        engines: Mapping[str, SimEngine],
+        publishers: Mapping[str, Publisher],
+        *,
+        speed: float = 1.0,
+        pool: SharedPool | None = None,
+        pool_publisher: Publisher | None = None,
+        on_completion: Callable[[str, Completion], None] | None = None,
+        samples_kept: int = 4096,
+    ) -> None:
+        if speed <= 0:
+            raise ValueError("speed must be positive")
+        self.engines = dict(engines)
+        self.publishers = dict(publishers)
+        self.pool = pool
+        self.pool_publisher = pool_publisher
+        self.speed = speed
+        self.on_completion = on_completion
+        self.prefill_samples: dict[str, deque[tuple[int, int, float]]] = {
+            name: deque(maxlen=samples_kept) for name in self.engines
+        }
+        self.completed = 0
+        self.first_tokens = 0
+        self._t0 = time.monotonic()
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self._closed = False
+
+    # -- time ---------------------------------------------------------------------------------
+
+    def vnow(self) -> float:
+        """Current virtual time (seconds since the fleet started, x speed)."""
+        return (time.monotonic() - self._t0) * self.speed
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name="sim-fleet")
+
+    async def _run(self) -> None:
+        while True:
+            self._sync_all()
+            nxt = None
+            for e in self.engines.values():
+                t = e.next_time()
+                if t is not None and (nxt is None or t < nxt):
+                    nxt = t
+            timeout = None if nxt is None else max(0.0, (nxt - self.vnow()) / self.speed)
+            self._wake.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), timeout)
+
+    def _sync(self, name: str) -> None:
+        engine = self.engines[name]
+        done = engine.advance(max(self.vnow(), engine.now))
+        for c in done:
+            if c.kind == "first_token":
+                self.first_tokens += 1
+            else:
+                self.completed += 1
+            if self.on_completion is not None:
+                try:
+                    self.on_completion(name, c)
+                except Exception as exc:  # a driver's bug must not stop the fleet
+                    log.warning("on_completion_failed", worker=name, error=str(exc))
+
+    def _sync_all(self) -> None:
+        for name in self.engines:
+            self._sync(name)
+
+    # -- driver API ---------------------------------------------------------------------------
+
+    async def submit(self, worker: str, req: SimRequest) -> None:
+        """Send ``req`` to ``worker`` now; its ``arrival`` becomes the current virtual time."""
+        if self._closed:
+            raise RuntimeError("fleet is closed")
+        self._sync(worker)
+        engine = self.engines[worker]
+        now = max(self.vnow(), engine.now)
+        engine.submit(dataclasses.replace(req, arrival=now), now)
+        self._wake.set()
+
+    def holds(self, worker: str, tier: str = "gpu") -> set[int]:
+        """Ground truth of a worker's blocks on ``tier`` (``holds("pool", "shared")``: the pool's)."""
+        if tier == "shared":
+            return self.pool.holds() if self.pool is not None else set()
+        return self.engines[worker].holds(tier)
+
+    def load(self, worker: str) -> Load:
+        """The worker's load now (prefill samples are not drained: see ``prefill_samples``)."""
+        self._sync(worker)
+        return self.engines[worker].load(drain=False)
+
+    def _heartbeat_load(self, name: str) -> dict[str, float]:
+        """Publisher ``load_fn``: bring the engine to now, pass on its prefill samples, report its load."""
+        self._sync(name)
+        load = self.engines[name].load(drain=True)
+        if load.prefill_samples:
+            self.prefill_samples[name].extend(load.prefill_samples)
+            add = getattr(self.publishers.get(name), "prefill_sample", None)
+            if add is not None:
+                for prompt, cached, ms in load.prefill_samples:
+                    add(prompt, cached, ms)
+        return load.wire()
+
+    async def flush(self) -> None:
+        """Publish every pending event batch now."""
+        for pub in self._all_publishers():
+            await pub.flush()
+
+    def _all_publishers(self) -> list[Publisher]:
+        pubs = list(self.publishers.values())
+        if self.pool_publisher is not None:
+            pubs.append(self.pool_publisher)
+        return pubs
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        for pub in self._all_publishers():
+            await pub.close()
+
+    async def __aenter__(self) -> SimFleet:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+
+async def run_fleet(
+    nats_url: str,
+    n_workers: int,
+    engine_cfg: EngineConfig,
+    *,
+    model: str = "sim-model",
+    speed: float = 1.0,
+    pool_blocks: int = 0,
+    subject_prefix: str = "kvindex",
+    worker_prefix: str = "sim",
+    heartbeat_interval: float = 0.5,
+    on_completion: Callable[[str, Completion], None] | None = None,
+    publisher_kwargs: Mapping[str, Any] | None = None,
+) -> SimFleet:
+    """Start ``n_workers`` engines (``{worker_prefix}-0`` …) in real time, each with its own Publisher
+    connected to ``nats_url``, and a shared pool of ``pool_blocks`` blocks if > 0. Returns the running
+    fleet: route requests with ``await fleet.submit(worker, req)``, stop with ``await fleet.close()``
+    (or ``async with``)."""
+    if n_workers <= 0:
+        raise ValueError("n_workers must be positive")
+    extra = dict(publisher_kwargs or {})
+    common: dict[str, Any] = {
+        "model": model,
+        "block_size": engine_cfg.block_size,
+        "subject_prefix": subject_prefix,
+        "heartbeat_interval": heartbeat_interval,
+        **extra,
+    }
+    names = [f"{worker_prefix}-{i}" for i in range(n_workers)]
+    pool: SharedPool | None = None
+    pool_pub: Publisher | None = None
+    pubs: dict[str, Publisher] = {}
+    fleet: SimFleet | None = None
+    try:
+        if pool_blocks > 0:
+            pool_pub = await Publisher.connect(
+                nats_url, worker=f"{worker_prefix}-pool", capacity={"shared": pool_blocks}, **common
+            )
+            pool = SharedPool(pool_blocks, pool_pub, name=f"{worker_prefix}-pool")
+        fleet = SimFleet({}, {}, speed=speed, pool=pool, pool_publisher=pool_pub, on_completion=on_completion)
+        for name in names:
+            engine = SimEngine(name, engine_cfg, None, pool)
+            fleet.engines[name] = engine
+            fleet.prefill_samples[name] = deque(maxlen=4096)
+            pub = await Publisher.connect(
+                nats_url,
+                worker=name,
+                capacity=engine_cfg.capacity(),
+                load_fn=lambda n=name: fleet._heartbeat_load(n),  # type: ignore[union-attr]
+                **common,
+            )
+            engine.attach(pub)
+            pubs[name] = pub
+            fleet.publishers[name] = pub
+    except BaseException:
+        for pub in [*pubs.values(), *([pool_pub] if pool_pub is not None else [])]:
+            with contextlib.suppress(Exception):
+                await pub.close()
+        raise
+    fleet.start()
+    log.info(
+        "sim_fleet_started",
+        workers=n_workers,
+        model=model,
+        speed=speed,
+        gpu_blocks=engine_cfg.gpu_blocks,
+        cpu_blocks=engine_cfg.cpu_blocks,
+        disk_blocks=engine_cfg.disk_blocks,
+        pool_blocks=pool_blocks,
+        profile=engine_cfg.time.name,
+    )
+    return fleet
