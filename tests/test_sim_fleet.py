@@ -12,9 +12,8 @@ from workers_shim.sim import Completion, EngineConfig, SimRequest, TimeModel
 from workers_shim.sim.cli import add_sim_arguments, build_config
 from workers_shim.sim.fleet import run_fleet
 
-TM = TimeModel(
-    a_ms=1.0, b_ms_per_token=0.01, c_ms_per_token2=0.0, d_ms_per_decode_seq=0.01, e_ms_per_decode_ctx=0.0
-)
+# Decode steps of ~6 ms: a 100-token answer lasts ~0.6 s of virtual (= wall) time.
+TM = TimeModel(a_ms=1.0, b_ms_per_token=0.01, d_ms_per_decode_seq=5.0)
 
 
 async def test_fleet_publishes_blocks_and_load(nats_server: EmbeddedNats, service: IndexService) -> None:
@@ -35,7 +34,7 @@ async def test_fleet_publishes_blocks_and_load(nats_server: EmbeddedNats, servic
     async with fleet:
         workers = list(fleet.engines)
         assert workers == ["sim-0", "sim-1"]
-        # A long decode keeps sim-0 busy for ~1 s of virtual (= wall) time.
+        # A long decode keeps sim-0 busy through ~12 heartbeats.
         await fleet.submit("sim-0", SimRequest("long", [1, 2, 3], 13, 100))
         await wait_until(
             lambda: (st := service.registry.get(("sim-0", 0))) is not None and st.load.running == 1,
