@@ -86,8 +86,13 @@ async def test_trtllm_streaming_events(
     mm_keys = block_keys_extra(P[:16], BS, MODEL, extras=[mm_extra(image, 3), b""])
     assert mm_keys[0] != KEYS[0] and mm_keys[1] != KEYS[1]  # the image changes the whole chain
     assert await lookup(stub, MODEL, block_keys=mm_keys) == {"trt1/0": (2, (2, 0, 0, 0))}
-    # The suffix as docs/wire.md spells it.
+    # The suffix as docs/wire.md spells it, and the vectors it publishes.
     assert mm_extra(image, 3) == b"\x01" + struct.pack("<qI", 3, 32) + image
+    doc_extras = [mm_extra("img-1", 1), mm_extra("img-1", -1)]
+    assert block_keys_extra([1, 2, 3, 4], 2, "m", extras=doc_extras) == [
+        9074535537195300705,
+        12593102442893123645,
+    ]
 
 
 async def test_trtllm_pull_api_events(
