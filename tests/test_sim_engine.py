@@ -323,6 +323,11 @@ def test_cpu_offload_promotion_and_fetch_cost() -> None:
     assert ("stored", "gpu", a, None) in sink.events
     assert set(a) <= e.holds("gpu") and set(a) <= e.holds("cpu")
     assert e.stats.loaded_blocks["cpu"] == 5 and e.stats.fetch_s == pytest.approx(0.0025)
+    assert (
+        e.stats.queried_tokens == 63
+        and e.stats.miss_tokens == 43
+        and e.stats.hit_rate == pytest.approx(20 / 63)
+    )
 
     # With a disk tier under a tiny CPU tier, CPU victims go to disk and load at disk cost.
     e = SimEngine(

@@ -220,6 +220,11 @@ class EngineStats:
     fetch_s: float = 0.0
 
     @property
+    def miss_tokens(self) -> int:
+        """Looked-up prompt tokens not found on any tier (computed)."""
+        return self.queried_tokens - sum(self.hit_tokens.values())
+
+    @property
     def hit_rate(self) -> float:
         """Fraction of looked-up prompt tokens found cached (any tier)."""
         return sum(self.hit_tokens.values()) / self.queried_tokens if self.queried_tokens else 0.0
