@@ -447,3 +447,16 @@ async def test_load_from_prometheus_metrics(
             await wait_until(lambda: bridge.stats.get("load", "error") >= 1, what="a failed scrape")
     finally:
         page.close()
+
+
+async def test_reannounced_prefix_hits_are_not_reference_counted(
+    nats_server: EmbeddedNats, service: IndexService, stub: pb_grpc.KvIndexStub, engine: FakeEngine
+) -> None:
+    # Engines that re-emit BlockStored for prefix-cache hits: --reannounce-tier gpu.
+    async with shim(nats_server, engine, set_tiers=("gpu",)) as bridge:
+        await engine.wait_subscribed()
+        await engine.publish(batch(stored(H[:3], None, P[:12])))
+        await engine.publish(batch(stored(H[:3], None, P[:12])))  # a prefix hit, announced again
+        await engine.publish(batch(VllmRemoved(H[1:3], "GPU", 0)))  # one eviction removes it
+        await settle(bridge, service, [engine])
+    assert await lookup(stub, MODEL, token_ids=P) == {"w1/0": (1, (1, 0, 0, 0))}

@@ -161,6 +161,8 @@ def build_parser() -> tuple[argparse.ArgumentParser, Any]:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for engine in ENGINES:
         add_engine_command(sub, engine)
+    # Another command is one more parser with a handler, e.g. the simulated fleet:
+    #   p = sub.add_parser("sim", help=...); add_sim_arguments(p); p.set_defaults(handler=main_sim)
     return parser, sub
 
 

@@ -159,20 +159,22 @@ class Link:
     # -- routing and applying -------------------------------------------------------------------
 
     def _rank(self, batch_rank: int | None, event_rank: int | None) -> Rank | None:
-        stats = self.bridge.stats
-        rank = event_rank if event_rank is not None else batch_rank
         if not self.route:
-            if rank is not None and rank != self.default_rank:
-                stats.add("batches", "dp_rank_mismatch")
-                stats.throttled(
-                    "dp_rank_mismatch",
-                    "warning",
-                    "kv_dp_rank_mismatch",
-                    expected=self.default_rank,
-                    got=rank,
-                )
             return self.ranks[self.default_rank]
+        rank = event_rank if event_rank is not None else batch_rank
         return self.ranks.get(self.default_rank if rank is None else rank)
+
+    def _check_rank(self, batch_rank: int | None) -> None:
+        """One rank per endpoint: the batch's rank field should name it (it is informational)."""
+        if not self.route and batch_rank is not None and batch_rank != self.default_rank:
+            self.bridge.stats.add("batches", "dp_rank_mismatch")
+            self.bridge.stats.throttled(
+                "dp_rank_mismatch",
+                "warning",
+                "kv_dp_rank_mismatch",
+                expected=self.default_rank,
+                got=batch_rank,
+            )
 
     async def apply(
         self, seq: int, payload: bytes, recover: bool, translators: dict[int, Translator]
@@ -183,16 +185,17 @@ class Link:
             batch = self.bridge.decoder.decode(payload)
         except DecodeError as exc:
             stats.add("batches", "garbage")
-            stats.garbage(exc.reason, seq=seq, detail=exc.detail[:200], **self.bridge.context)
+            stats.garbage(exc.reason, seq=seq, detail=exc.detail[:200])
             self._applied(seq)
             return
+        self._check_rank(batch.dp_rank)
         events = batch.events
         i = 0
         while i < len(events):
             ev = events[i]
             rank = self._rank(batch.dp_rank, ev.dp_rank)
             if rank is None:
-                stats.skip("unexpected_dp_rank", dp_rank=batch.dp_rank, **self.bridge.context)
+                stats.skip("unexpected_dp_rank", dp_rank=batch.dp_rank)
                 i += 1
                 continue
             translator = translators[rank.dp_rank]
@@ -261,7 +264,6 @@ class Link:
             error=result.error,
             learned=learned,
             next_in_s=self.rebuild_backoff,
-            **self.bridge.context,
         )
 
     async def apply_scratch(self, seq: int, payload: bytes, translators: dict[int, Translator]) -> None:
@@ -280,7 +282,7 @@ class Link:
         for layout in layouts:
             stats.add("frames", f"replay_{layout}frame")
         if bad_frames:
-            stats.garbage("bad_replay_frame", count=bad_frames, **self.bridge.context)
+            stats.garbage("bad_replay_frame", count=bad_frames)
 
     async def bootstrap(self) -> None:
         """At start: everything the engine's replay buffer holds, so a mid-stream start loses nothing."""
@@ -289,23 +291,19 @@ class Link:
         result = await self.replay.request(0)
         self._count_replay(result.error, result.layouts, result.bad_frames)
         if result.error is not None and not result.batches:
-            self.log.warning("kv_replay_unavailable", at="start", error=result.error, **self.bridge.context)
+            self.log.warning("kv_replay_unavailable", at="start", error=result.error)
             return
         if result.first not in (None, 0):
             self.bridge.stats.add("recovery", "history_truncated")
-            self.log.warning("kv_history_truncated", first_seq=result.first, **self.bridge.context)
+            self.log.warning("kv_history_truncated", first_seq=result.first)
         await self._apply_replayed(result.batches, recover=False)
-        self.log.info(
-            "kv_bootstrapped", batches=len(result.batches), applied=self.applied, **self.bridge.context
-        )
+        self.log.info("kv_bootstrapped", batches=len(result.batches), applied=self.applied)
 
     async def resync(self, reason: str) -> None:
         """Lost events that cannot be recovered: new epoch, fresh maps, whatever the buffer still has."""
         stats = self.bridge.stats
         stats.add("recovery", f"resync_{reason}")
-        self.log.warning(
-            "kv_resync", reason=reason, applied=self.applied, live=self.live, **self.bridge.context
-        )
+        self.log.warning("kv_resync", reason=reason, applied=self.applied, live=self.live)
         for rank in self.ranks.values():
             await rank.new_epoch(reason)
         self.applied = -1
@@ -323,10 +321,10 @@ class Link:
         start = self.applied + 1
         if not self.applied_any and self.replay is None:
             stats.add("recovery", "joined_mid_stream")
-            self.log.warning("kv_joined_mid_stream", first_seq=seq, **self.bridge.context)
+            self.log.warning("kv_joined_mid_stream", first_seq=seq)
             return
         stats.add("recovery", "gap")
-        self.log.warning("kv_engine_gap", missing_from=start, missing_to=seq - 1, **self.bridge.context)
+        self.log.warning("kv_engine_gap", missing_from=start, missing_to=seq - 1)
         if self.replay is None:
             await self.resync("gap_without_replay")
             return
@@ -339,14 +337,16 @@ class Link:
             return
         if not self.applied_any:
             # Nothing of this engine life applied yet: the buffer's oldest batches are all there is.
-            stats.add("recovery", "history_truncated")
+            if seqs:
+                stats.add("recovery", "history_truncated")
+                self.log.warning("kv_history_truncated", first_seq=seqs[0])
             await self._apply_replayed(result.batches, recover=False)
             return
         await self.resync("gap_unrecoverable" if result.error is None else "replay_unavailable")
 
     async def engine_restarted(self, seq: int) -> None:
         self.bridge.stats.add("recovery", "engine_restart")
-        self.log.warning("kv_engine_restart", seq=seq, last_seq=self.live, **self.bridge.context)
+        self.log.warning("kv_engine_restart", seq=seq, last_seq=self.live)
         for rank in self.ranks.values():
             await rank.new_epoch("engine_restart")
         self.applied = -1
@@ -376,7 +376,7 @@ class Link:
         try:
             await self.bootstrap()
         except Exception as exc:  # the engine may come later; the live loop still runs
-            self.log.exception("kv_bootstrap_failed", error=str(exc), **self.bridge.context)
+            self.log.exception("kv_bootstrap_failed", error=str(exc))
         if ready is not None:
             ready.set()
         while True:
@@ -387,13 +387,13 @@ class Link:
             try:
                 _topic, seq, payload = parse_live(frames)
             except FrameError as exc:
-                stats.garbage(exc.reason, frames=len(frames), **self.bridge.context)
+                stats.garbage(exc.reason, frames=len(frames))
                 continue
             try:
                 await self.on_live(seq, payload)
             except Exception as exc:  # a bug on one batch must not stop the bridge
-                stats.garbage("internal_error", seq=seq, **self.bridge.context)
-                self.log.exception("kv_batch_failed", seq=seq, error=str(exc), **self.bridge.context)
+                stats.garbage("internal_error", seq=seq)
+                self.log.exception("kv_batch_failed", seq=seq, error=str(exc))
                 self.applied = max(self.applied, seq)
 
     def close(self) -> None:
@@ -411,7 +411,6 @@ class Bridge:
             engine=config.engine, worker=config.worker_id
         )
         self.stats = stats or BridgeStats(log=self.log)
-        self.context: dict[str, Any] = {}
         self.decoder = Decoder({**config.profile.media, **{k.upper(): v for k, v in config.media.items()}})
         self.nc = nc
         self._owns_nc = nc is None
@@ -500,7 +499,7 @@ class Bridge:
                 await self.nc.drain()
             except Exception:
                 await self.nc.close()
-        self.ctx.term()
+        self.ctx.destroy(linger=0)
         self.log.info("kvshim_stopped", stats=self.stats.snapshot())
         self._stopped.set()
 

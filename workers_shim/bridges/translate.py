@@ -105,10 +105,6 @@ class Translator:
             return (e.key, e.parent, e.depth)
         return self.retired.get(h)
 
-    def key_of(self, h: Hash) -> int | None:
-        known = self._known(h)
-        return None if known is None else known[0]
-
     def _seed(self, lora: str | None, salt: str | None) -> int:
         k = (lora or None, salt or None)
         seed = self._seeds.get(k)
@@ -126,9 +122,6 @@ class Translator:
         for h in hashes:
             if h not in self.entries:
                 self._remember(self.unkeyable, h, None)  # type: ignore[arg-type]
-
-    def held(self, tier: str) -> set[int]:
-        return set(self.key_refs[TIER_INDEX[tier]])
 
     # -- applying events ------------------------------------------------------------------------
 
@@ -166,14 +159,15 @@ class Translator:
             return self._stored_tokenless(ev, tier, recover)
 
         B = self.block_size
-        if ev.block_size != B:
-            if 0 < ev.block_size < B and n == 1 and len(ev.tokens) == ev.block_size:
+        announced = ev.block_size
+        if announced == 0 and len(ev.tokens) % n == 0:
+            announced = len(ev.tokens) // n  # block_size left out: implied by the tokens
+        if announced != B:
+            if 0 < announced < B and n == 1 and len(ev.tokens) == announced:
                 reason, level = "partial_block", "debug"
             else:
                 reason, level = "block_size_mismatch", "error"
-            self.stats.skip(
-                reason, n, level=level, event_block_size=ev.block_size, block_size=B, **self.context
-            )
+            self.stats.skip(reason, n, level=level, event_block_size=announced, block_size=B, **self.context)
             self._poison(ev.hashes)
             return True
         if len(ev.tokens) != n * B:
