@@ -304,6 +304,38 @@ def test_shared_prefix_blocks_are_ref_counted() -> None:
     assert set(prefix) <= e.holds("gpu") and e._gpu[1] == 1
 
 
+class ClockedRecorder(Recorder):
+    """Also notes the engine's clock at every removal."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.engine: SimEngine | None = None
+        self.removals: list[tuple[float, str, list[int]]] = []
+
+    def removed(self, keys: list[int], tier: str = "gpu") -> int:
+        assert self.engine is not None
+        self.removals.append((self.engine.clock, tier, list(keys)))
+        return super().removed(keys, tier)
+
+
+def test_decode_evictions_are_announced_when_their_step_ends() -> None:
+    sink = ClockedRecorder()
+    e = sink.engine = SimEngine("e", cfg(gpu_blocks=10), sink)
+    run(e, req("a", [1, 2], 8))  # leaves 1, 2 cached and free (2 evicted first)
+    e.submit(req("y", [], 4, out=34, at=1.0), 1.0)
+    run_until_idle([e], [])
+    prefill_end = 1.0 + TM.step_ms([(4, 0)]) / 1000
+
+    def end_of(step: int) -> float:
+        decode = sum(TM.step_ms(decode_seqs=1, decode_context=4 + i) for i in range(1, step + 1))
+        return prefill_end + decode / 1000
+
+    # Decode step s writes position 3 + s: steps 1, 5, …, 25 take the 7 free blocks without a key,
+    # step 29 evicts key 2 and step 33 key 1, each announced when its step ends.
+    assert sink.removals == [(pytest.approx(end_of(29)), "gpu", [2]), (pytest.approx(end_of(33)), "gpu", [1])]
+    e.check()
+
+
 def test_cpu_offload_promotion_and_fetch_cost() -> None:
     sink = Recorder()
     c = cfg(gpu_blocks=6, cpu_blocks=16, fetch_ms_per_block={"cpu": 0.5, "disk": 3.0})

@@ -418,6 +418,13 @@ class SimEngine:
             return set()
         raise ValueError(f"unknown tier {tier!r}")
 
+    @property
+    def clock(self) -> float:
+        """Virtual time of the events being emitted right now (for sinks that timestamp them): the
+        start of the step being planned (blocks it allocates and caches), or the end of the step
+        being completed (decode-run evictions, finishes, write-through)."""
+        return self._t
+
     def attach(self, sink: EventSink | None) -> None:
         """Send this engine's (and its CPU/disk tiers') events to ``sink`` from now on."""
         self.sink = sink
@@ -498,6 +505,8 @@ class SimEngine:
                 self._prefill_done(r, st.end)
         if st.written:
             pool = self.pool
+            if pool is not None:
+                pool.now = st.end
             store = self._offload if self.cfg.offload == "store" else None
             for keys, parent in st.written:
                 if pool is not None:
@@ -549,22 +558,27 @@ class SimEngine:
         raise RuntimeError("no decoder")  # pragma: no cover - callers check _dn
 
     def _plan_run(self, t: float) -> bool:
-        """Plan k identical-shape decode steps at once; False if not even one fits in free blocks."""
+        """Plan k identical-shape decode steps at once, up to the next finish; False if not even one
+        fits in free blocks. A run that must evict cached blocks ends with the first step that does,
+        so evictions are announced when that step ends rather than at the end of a longer run."""
         D = self._D
         kfin = self._heap_top() - D
-        free = self._anon + len(self._free)
+        anon = self._anon
         base = self._need(D)
-        if self._need(D + kfin) - base <= free:
-            k = kfin
+        if self._need(D + kfin) - base <= anon:
+            k = kfin  # no eviction on the way
         else:
+            # k0: the last step served by blocks without a key; step k0 + 1 evicts.
             lo, hi = 0, kfin
             while hi - lo > 1:
                 mid = (lo + hi) // 2
-                if self._need(D + mid) - base <= free:
+                if self._need(D + mid) - base <= anon:
                     lo = mid
                 else:
                     hi = mid
-            k = lo
+            k = lo + 1
+            if self._need(D + k) - base > anon + len(self._free):
+                k = lo  # that step needs a preemption: stop before it
         if k < 1:
             return False
         n = self._dn

@@ -110,3 +110,5 @@ class SharedPool(LruTier):
     def __init__(self, capacity_blocks: int, sink: EventSink | None = None, name: str = "pool") -> None:
         super().__init__("shared", capacity_blocks, sink)
         self.name = name
+        # Virtual time of the last write, set by the writing engine (for sinks that timestamp events).
+        self.now = 0.0
