@@ -72,6 +72,7 @@ class Publisher:
         self.capacity: dict[str, int] = dict(capacity or {})
         self.load: dict[str, float] = {}
         self.load_fn = load_fn
+        self._prefill_samples: list[tuple[int, int, float]] = []
         self.clock = clock
         self.blocks: dict[str, set[int]] = {t: set() for t in TIER_NAMES}
         self._xor: dict[str, int] = dict.fromkeys(TIER_NAMES, 0)
@@ -176,6 +177,12 @@ class Publisher:
             **extra,
         }
 
+    def prefill_sample(self, prompt_tokens: int, cached_tokens: int, ms: float) -> None:
+        """Report one measured prefill (sent with the next heartbeat; the index calibrates its
+        time model from them). At most 1024 are kept between heartbeats."""
+        if len(self._prefill_samples) < 1024:
+            self._prefill_samples.append((int(prompt_tokens), int(cached_tokens), float(ms)))
+
     def digest(self, tier: str) -> tuple[int, int]:
         return (len(self.blocks[tier]), self._xor[tier])
 
@@ -232,6 +239,8 @@ class Publisher:
 
     def status_payload(self) -> bytes:
         load = dict(self.load_fn()) if self.load_fn is not None else self.load
+        samples, self._prefill_samples = self._prefill_samples, []
+        extra = {"prefill": [list(s) for s in samples]} if samples else {}
         return encode_status(
             worker=self.worker,
             model=self.model,
@@ -243,6 +252,7 @@ class Publisher:
             load=load,
             capacity=self.capacity,
             digest={t: self.digest(t) for t in TIER_NAMES if self.blocks[t] or t in self.capacity},
+            **extra,
         )
 
     async def _publish(self, messages: list[tuple[str, bytes]]) -> None:

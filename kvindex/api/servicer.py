@@ -166,7 +166,7 @@ class KvIndexServicer(pb_grpc.KvIndexServicer):
     ) -> pb.ScoreResponse:
         model = request.model
         response = pb.ScoreResponse(model=model, block_size=block_size, total_blocks=len(keys))
-        chosen = self.router.policy(policy)
+        chosen = self.router.policies["decode"] if role == DECODE_ROLE else self.router.policy(policy)
         response.policy = chosen.name
         response.cost_unit = chosen.cost_unit
         if not block_size:

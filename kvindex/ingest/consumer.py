@@ -8,6 +8,7 @@ the index is left exactly as it was.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from time import time as _now
 from typing import Any, Protocol
 
@@ -87,6 +88,10 @@ class Consumer:
         # a heartbeat ahead of the batches must be seen twice before it counts as a lost tail.
         self.heartbeat_repairs = True
         self.status_in_order = True
+        # Where heartbeats' prefill samples go (model, [(prompt, cached, ms)]): the calibration.
+        self.prefill_samples: Callable[[str, list[tuple[int, int, float]]], Any] | None = None
+        # Told when an instance is forgotten (routing state about it can go too).
+        self.on_forget: Callable[[InstanceKey], Any] | None = None
         self.repair: RepairScheduler = repair or NoRepair()
         if isinstance(self.repair, NoRepair):
             self.repair.consumer = self
@@ -378,6 +383,8 @@ class Consumer:
         self.registry.remove(instance)
         self.sequencer.forget(instance)
         self.counters.instances_forgotten += 1
+        if self.on_forget is not None:
+            self.on_forget(instance)
         self.log.warning(
             "instance_forgotten", worker=instance[0], dp_rank=instance[1], dropped_blocks=dropped
         )
@@ -427,6 +434,8 @@ class Consumer:
         state.capacity = report.capacity
         state.reported_digest = report.digest
         state.reported_seq = report.seq
+        if report.prefill and self.prefill_samples is not None:
+            self.prefill_samples(state.model, report.prefill)
         if state.stale:
             state.stale = False
             self.log.info("instance_alive_again", worker=state.worker, dp_rank=state.dp_rank)

@@ -26,7 +26,7 @@ _SCALE = np.array([1.0, 1e-3, 1e-7])
 @dataclass
 class ModelCalibration:
     forgetting: float = 0.998  # per sample: ~500 samples of memory
-    prior_weight: float = 2.0  # in samples' worth, toward the prior model
+    prior_weight: float = 0.1  # in samples' worth, toward the prior model (just enough to stay solvable)
     min_samples: int = 20
     prior: PrefillModel = DEFAULT_PREFILL
     ata: np.ndarray = field(default_factory=lambda: np.zeros((3, 3)))

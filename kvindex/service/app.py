@@ -19,6 +19,9 @@ from kvindex.ingest.consumer import Consumer
 from kvindex.ingest.nats_source import JetStreamConfig, NatsSource
 from kvindex.observability.counters import IngestCounters, Metrics
 from kvindex.repair.nats_repair import NatsRepairer, RepairConfig
+from kvindex.scoring.calibration import Calibrator
+from kvindex.scoring.router import Router, RouterConfig
+from kvindex.service.calibration_store import CalibrationStore
 from kvindex.service.natsd import EmbeddedNats
 from kvindex.wire.subjects import Subjects
 
@@ -33,6 +36,7 @@ class ServiceConfig:
     metrics_host: str = "0.0.0.0"
     repair: RepairConfig = field(default_factory=RepairConfig)
     jetstream: JetStreamConfig | None = None  # None: core NATS (default)
+    router: RouterConfig = field(default_factory=RouterConfig)
 
 
 class IndexService:
@@ -46,7 +50,12 @@ class IndexService:
         self.metrics = Metrics(self.counters, self._gauges)
         self.consumer = Consumer(self.index, self.registry, subjects=self.subjects, counters=self.counters)
         self.repairer = NatsRepairer(self.consumer, config.repair)
-        self.servicer = KvIndexServicer(self.index, self.registry, self.counters, self.metrics)
+        self.calibrator = Calibrator(config.router.costs.default_prefill)
+        self.calibration = CalibrationStore(self.calibrator)
+        self.router = Router(self.index, self.registry, self.calibrator, config.router)
+        self.consumer.prefill_samples = self.calibrator.add
+        self.consumer.on_forget = self.router.forget
+        self.servicer = KvIndexServicer(self.index, self.registry, self.counters, self.metrics, self.router)
         self.grpc = GrpcServer(self.servicer, config.grpc_host, config.grpc_port)
         self.natsd: EmbeddedNats | None = None
         self.source: NatsSource | None = None
@@ -65,7 +74,8 @@ class IndexService:
 
     async def start(self) -> None:
         if not self.config.nats_url:
-            self.natsd = EmbeddedNats(jetstream=self.config.jetstream is not None)
+            # JetStream on: the calibration bucket lives there (and the optional event stream).
+            self.natsd = EmbeddedNats(jetstream=True)
             await self.natsd.start()
             self.nats_url = self.natsd.url
             self.log.info("embedded_nats_started", url=self.nats_url)
@@ -79,6 +89,7 @@ class IndexService:
         await self.source.start()
         assert self.source.nc is not None
         self.repairer.start(self.source.nc)
+        await self.calibration.start(self.source.nc)
         await self.grpc.start()
         if self.config.metrics_port is not None:
             server, _thread = start_http_server(
@@ -97,6 +108,7 @@ class IndexService:
     async def stop(self) -> None:
         await self.grpc.stop()
         await self.repairer.stop()
+        await self.calibration.stop()
         if self.source is not None:
             await self.source.stop()
         if self._metrics_server is not None:

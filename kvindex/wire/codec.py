@@ -11,11 +11,11 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Annotated, Any
 
 import msgpack
 import msgspec
-from msgspec import Struct
+from msgspec import Meta, Struct
 
 from kvindex.wire.errors import (
     BAD_TYPE,
@@ -56,6 +56,7 @@ class Limits:
 
 
 DEFAULT_LIMITS = Limits()
+MAX_PREFILL_SAMPLES = 1024
 
 
 class _StatusMsg(Struct, gc=False):
@@ -70,6 +71,8 @@ class _StatusMsg(Struct, gc=False):
     load: dict[str, int | float] = {}
     capacity: dict[TierName, U64] = {}
     digest: dict[TierName, tuple[U64, U64]] = {}
+    # Prefills measured since the last heartbeat: [prompt tokens, cached tokens, ms].
+    prefill: Annotated[list[tuple[U64, U64, float]], Meta(max_length=MAX_PREFILL_SAMPLES)] = []
 
 
 _batch_decoder = msgspec.msgpack.Decoder(EventBatch)
@@ -174,6 +177,7 @@ def decode_status(payload: bytes, subject_worker: str | None = None) -> StatusRe
         _load(msg.load),
         {TIER_BY_NAME[t]: n for t, n in msg.capacity.items()},
         {TIER_BY_NAME[t]: (c, x) for t, (c, x) in msg.digest.items()},
+        msg.prefill,
     )
 
 

@@ -109,6 +109,8 @@ class StatusReport:
     capacity: dict[int, int]
     # tier -> (count, xor of keys) over the worker's blocks after batch ``seq``.
     digest: dict[int, tuple[int, int]]
+    # (prompt tokens, cached tokens, measured prefill ms) since the previous heartbeat.
+    prefill: list[tuple[int, int, float]] = field(default_factory=list)
 
     @property
     def instance(self) -> tuple[str, int]:

@@ -3,14 +3,15 @@
 est_ttft_i = wait_i + prefill_i(miss_i, L) + fetch_i  (kvindex/scoring/router.py computes the parts;
 docs/scoring.md explains them). Placement rules on top of the estimate:
 
-- Cold prefix (no instance holds the prompt's home prefix, its first ``home_tokens``): go to the
-  prefix's rendezvous home unless its estimate is worse than the best by more than the margin; then
-  to the next rendezvous home, and so on. Concurrent cold requests for one prefix meet on one
-  instance (with speculative keys, the second already sees the first's blocks) instead of each
-  starting a copy.
-- Hot prefix whose holders are all overloaded (the best estimate is a non-holder): spill to a holder
-  within the margin, else to the next rendezvous home (not to an arbitrary idle instance), and never
-  beyond ``max_replicas`` holders unless every holder is ``overflow`` times slower than the best.
+- Cold prompt (no instance holds ``useful_tokens`` of it, or half of a shorter one): go to the rendezvous home of its home
+  prefix (its first ``home_tokens``) unless that instance's estimate is worse than the best by more
+  than the margin; then to the next rendezvous home, and so on. Concurrent cold requests for one
+  prefix meet on one instance (with speculative keys, the later ones see the first's blocks) instead
+  of each starting a copy.
+- Holders are the instances with the longest match (up to the home prefix). If the best estimate is
+  not a holder (the holders are overloaded): spill to a holder within the margin, else to the next
+  rendezvous home (not to an arbitrary idle instance), and never beyond ``max_replicas`` holders
+  unless every holder is ``overflow`` times slower than the best.
 - Otherwise: the best estimate.
 """
 
@@ -32,6 +33,7 @@ class Ttft:
     def __init__(
         self,
         home_tokens: int = 2048,
+        useful_tokens: int = 1024,
         margin: float = 0.15,
         margin_ms: float = 25.0,
         max_replicas: int = 4,
@@ -39,6 +41,7 @@ class Ttft:
         speculative_ttl: float = 10.0,
     ) -> None:
         self.home_tokens = home_tokens
+        self.useful_tokens = useful_tokens
         self.margin = margin
         self.margin_ms = margin_ms
         self.max_replicas = max_replicas
@@ -55,16 +58,20 @@ class Ttft:
         keys = request.keys
         if keys:
             h = home_block(len(keys), request.block_size, self.home_tokens)
-            holders = [c for c in ordered if c.blocks > h]
+            longest = max(c.blocks for c in ordered)
+            held = min(h + 1, longest)
+            holders = [c for c in ordered if c.blocks >= held]
             homes = rendezvous_order(ordered, [c.state.instance_id for c in ordered], keys[h])
-            if not holders:
+            # Short prompts: half of them is useful.
+            useful = max(1, min(self.useful_tokens // request.block_size, (len(keys) + 1) // 2))
+            if longest < useful:
                 pick, reason = self._first_ok(homes, best.est_ttft_ms, "home")
-            elif best.blocks <= h:  # the fastest does not hold the prefix: a new replica
+            elif best.blocks < held:  # the fastest does not hold the prefix: a new replica
                 within = [c for c in holders if self._ok(c, best.est_ttft_ms)]
                 if within:
                     pick, reason = within[0], "replica"
                 elif len(holders) < self.max_replicas:
-                    spill = [c for c in homes if c.blocks <= h]
+                    spill = [c for c in homes if c.blocks < held]
                     pick, reason = self._first_ok(spill, best.est_ttft_ms, "spill")
                 elif holders[0].est_ttft_ms <= best.est_ttft_ms * self.overflow:
                     pick, reason = holders[0], "capped"
