@@ -5,9 +5,9 @@ docs/scoring.md explains them). Placement rules on top of the estimate:
 
 - Cold prompt (no instance holds ``useful_tokens`` of it, or half of a shorter one): go to the
   rendezvous home of its home prefix (its first ``home_tokens``) unless that instance's estimate is
-  worse than the best by more than the margin; then to the next rendezvous home, and so on. Concurrent cold requests for one
-  prefix meet on one instance (with speculative keys, the later ones see the first's blocks) instead
-  of each starting a copy.
+  worse than the best by more than the margin; then to the next rendezvous home, and so on.
+  Concurrent cold requests for one prefix meet on one instance (with speculative keys, the later
+  ones see the first's blocks) instead of each starting a copy.
 - Holders are the instances with the longest match (up to the home prefix). If the best estimate is
   not a holder (the holders are overloaded): spill to a holder within the margin, else to the next
   rendezvous home (not to an arbitrary idle instance), and never beyond ``max_replicas`` holders
