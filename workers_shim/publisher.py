@@ -31,10 +31,15 @@ from kvindex.wire.subjects import Subjects, valid_worker_id
 LoadFn = Callable[[], Mapping[str, float]]
 
 
-class Publisher:
+class WorkerLog:
+    """The transport-free core: block sets and digests, numbering, batching, heartbeats, snapshots.
+
+    Synchronous, so that the routing simulation drives the very code real workers publish with;
+    ``Publisher`` adds the NATS transport (timers, publishing, request/reply responders).
+    """
+
     def __init__(
         self,
-        nc: Client,
         *,
         worker: str,
         model: str,
@@ -42,10 +47,8 @@ class Publisher:
         dp_rank: int = 0,
         subject_prefix: str = "kvindex",
         epoch: int | None = None,
-        flush_interval: float = 0.005,
         max_batch_keys: int = 4096,
         max_batch_events: int = 1024,
-        heartbeat_interval: float = 0.5,
         history: int = 1024,
         snapshot_reuse: float = 0.05,
         capacity: Mapping[str, int] | None = None,
@@ -56,7 +59,6 @@ class Publisher:
             raise ValueError(f"worker id {worker!r} must match [A-Za-z0-9_-]{{1,128}}")
         if block_size <= 0:
             raise ValueError("block_size must be positive")
-        self.nc = nc
         self.worker = worker
         self.model = model
         self.block_size = block_size
@@ -65,10 +67,8 @@ class Publisher:
         # Microseconds since the Unix epoch: differs on every start and usually increases.
         self.epoch = epoch if epoch is not None else time.time_ns() // 1000
         self.seq = 0
-        self.flush_interval = flush_interval
         self.max_batch_keys = max_batch_keys
         self.max_batch_events = max_batch_events
-        self.heartbeat_interval = heartbeat_interval
         self.capacity: dict[str, int] = dict(capacity or {})
         self.load: dict[str, float] = {}
         self.load_fn = load_fn
@@ -82,37 +82,18 @@ class Publisher:
         # get the same answer: many index replicas asking at once cost the worker one snapshot.
         self.snapshot_reuse = snapshot_reuse
         self._last_snapshot: tuple[float, int, list[bytes]] | None = None
-        self._subs: list[Any] = []
-        self.snapshots_served = 0
         self.snapshots_built = 0
-        self.replays_served = 0
         self._pending: list[dict[str, Any]] = []
         self._pending_keys = 0
-        self._dirty = asyncio.Event()
-        self._full = asyncio.Event()
-        self._tasks: list[asyncio.Task[None]] = []
         self._events_subject = self.subjects.events(worker)
         self._status_subject = self.subjects.status(worker)
         self._closed = False
-        self.log = structlog.get_logger("workers_shim.publisher").bind(worker=worker, dp_rank=dp_rank)
 
-    @classmethod
-    async def connect(cls, url: str, **kwargs: Any) -> Publisher:
-        """Connect to NATS and start a publisher that owns the connection."""
-        log = structlog.get_logger("workers_shim.publisher")
+    def _queued(self, full: bool) -> None:
+        """Called after each queued event; ``full`` when a batch's worth is pending."""
 
-        async def on_error(exc: Exception) -> None:
-            log.warning("nats_error", error=str(exc), error_type=type(exc).__name__)
-
-        nc = await nats.connect(
-            url, name=f"kvshim-{kwargs.get('worker', '')}", max_reconnect_attempts=-1, error_cb=on_error
-        )
-        pub = cls(nc, **kwargs)
-        pub._owns_nc = True
-        await pub.start()
-        return pub
-
-    _owns_nc = False
+    def _sealed(self) -> None:
+        """Called when pending events have been sealed into batches."""
 
     # -- block changes (call from the event loop thread) --------------------------------------
 
@@ -198,17 +179,14 @@ class Publisher:
             raise RuntimeError("publisher is closed")
         self._pending.append(event)
         self._pending_keys += n_keys
-        self._dirty.set()
-        if self._pending_keys >= self.max_batch_keys or len(self._pending) >= self.max_batch_events:
-            self._full.set()
+        self._queued(self._pending_keys >= self.max_batch_keys or len(self._pending) >= self.max_batch_events)
 
-    def _seal(self) -> list[tuple[str, bytes]]:
+    def seal(self) -> list[tuple[str, bytes]]:
         """Turn pending events into numbered batches (synchronously) ready to publish."""
         out: list[tuple[str, bytes]] = []
         pending, self._pending = self._pending, []
         self._pending_keys = 0
-        self._dirty.clear()
-        self._full.clear()
+        self._sealed()
         batch: list[dict[str, Any]] = []
         keys = 0
         for event in pending:
@@ -255,30 +233,11 @@ class Publisher:
             **extra,
         )
 
-    async def _publish(self, messages: list[tuple[str, bytes]]) -> None:
-        for subject, data in messages:
-            await self.nc.publish(subject, data)
-
-    async def flush(self) -> None:
-        """Publish everything pending now."""
-        await self._publish(self._seal())
-
-    async def heartbeat(self) -> None:
-        """Publish pending batches and then a status heartbeat consistent with them."""
-        messages = self._seal()
-        messages.append((self._status_subject, self.status_payload()))
-        await self._publish(messages)
-
-    # -- replay and snapshot responders ---------------------------------------------------------
-
-    async def _on_replay(self, msg: Any) -> None:
-        try:
-            req = reconcile.decode_replay_request(msg.data)
-        except Exception as exc:
-            self.log.warning("bad_replay_request", error=str(exc))
-            return
-        if req.dp_rank != self.dp_rank or not msg.reply:
-            return  # another rank of this worker answers
+    def replay_messages(self, data: bytes) -> list[bytes] | None:
+        """The answer to a replay request (docs/wire.md §6), or None when it is not for this rank."""
+        req = reconcile.decode_replay_request(data)
+        if req.dp_rank != self.dp_rank:
+            return None  # another rank of this worker answers
         oldest = self.history[0][0] if self.history else self.seq + 1
         batches: list[bytes] = []
         if req.epoch != self.epoch:
@@ -290,18 +249,28 @@ class Publisher:
             first = max(req.from_seq, oldest) - oldest
             last = min(req.to_seq, self.seq) - oldest
             batches = [self.history[i][1] for i in range(first, last + 1)]
-        self.replays_served += 1
-        for part in reconcile.replay_replies(
-            self.worker, self.dp_rank, self.epoch, status, batches, self.nc.max_payload, oldest
-        ):
-            await self.nc.publish(msg.reply, part)
+        return list(
+            reconcile.replay_replies(
+                self.worker, self.dp_rank, self.epoch, status, batches, self.max_payload, oldest
+            )
+        )
+
+    @property
+    def max_payload(self) -> int:
+        return 1024 * 1024
+
+    def heartbeat_messages(self) -> list[tuple[str, bytes]]:
+        """Pending batches, then a heartbeat consistent with them (one synchronous step)."""
+        messages = self.seal()
+        messages.append((self._status_subject, self.status_payload()))
+        return messages
 
     def snapshot_messages(self) -> tuple[list[tuple[str, bytes]], list[bytes]]:
         """Seal pending events and cut a snapshot consistent with the resulting seq (synchronously).
 
         Returns the sealed batches (to publish first) and the snapshot's answer messages.
         """
-        sealed = self._seal()
+        sealed = self.seal()
         now = time.monotonic()
         cached = self._last_snapshot
         if cached is not None and cached[1] == self.seq and now - cached[0] <= self.snapshot_reuse:
@@ -316,6 +285,80 @@ class Publisher:
         self.snapshots_built += 1
         return sealed, parts
 
+
+class Publisher(WorkerLog):
+    """A WorkerLog publishing on NATS: batches flushed after ``flush_interval`` (or when full),
+    heartbeats every ``heartbeat_interval``, and the replay and snapshot responders."""
+
+    def __init__(
+        self,
+        nc: Client,
+        *,
+        flush_interval: float = 0.005,
+        heartbeat_interval: float = 0.5,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(**kwargs)
+        self.nc = nc
+        self.flush_interval = flush_interval
+        self.heartbeat_interval = heartbeat_interval
+        self._dirty = asyncio.Event()
+        self._full = asyncio.Event()
+        self._tasks: list[asyncio.Task[None]] = []
+        self._subs: list[Any] = []
+        self.snapshots_served = 0
+        self.replays_served = 0
+        self.log = structlog.get_logger("workers_shim.publisher").bind(
+            worker=self.worker, dp_rank=self.dp_rank
+        )
+
+    @classmethod
+    async def connect(cls, url: str, **kwargs: Any) -> Publisher:
+        """Connect to NATS and start a publisher that owns the connection."""
+        log = structlog.get_logger("workers_shim.publisher")
+
+        async def on_error(exc: Exception) -> None:
+            log.warning("nats_error", error=str(exc), error_type=type(exc).__name__)
+
+        nc = await nats.connect(
+            url, name=f"kvshim-{kwargs.get('worker', '')}", max_reconnect_attempts=-1, error_cb=on_error
+        )
+        pub = cls(nc, **kwargs)
+        pub._owns_nc = True
+        await pub.start()
+        return pub
+
+    _owns_nc = False
+
+    def _queued(self, full: bool) -> None:
+        self._dirty.set()
+        if full:
+            self._full.set()
+
+    def _sealed(self) -> None:
+        self._dirty.clear()
+        self._full.clear()
+
+    @property
+    def max_payload(self) -> int:
+        return self.nc.max_payload
+
+    # -- replay and snapshot responders ---------------------------------------------------------
+
+    async def _on_replay(self, msg: Any) -> None:
+        if not msg.reply:
+            return
+        try:
+            answer = self.replay_messages(msg.data)
+        except Exception as exc:
+            self.log.warning("bad_replay_request", error=str(exc))
+            return
+        if answer is None:
+            return
+        self.replays_served += 1
+        for part in answer:
+            await self.nc.publish(msg.reply, part)
+
     async def _on_snapshot(self, msg: Any) -> None:
         try:
             req = reconcile.decode_snapshot_request(msg.data)
@@ -329,6 +372,20 @@ class Publisher:
         await self._publish(sealed)
         for part in parts:
             await self.nc.publish(msg.reply, part)
+
+    # -- publishing ---------------------------------------------------------------------------
+
+    async def _publish(self, messages: list[tuple[str, bytes]]) -> None:
+        for subject, data in messages:
+            await self.nc.publish(subject, data)
+
+    async def flush(self) -> None:
+        """Publish everything pending now."""
+        await self._publish(self.seal())
+
+    async def heartbeat(self) -> None:
+        """Publish pending batches and then a status heartbeat consistent with them."""
+        await self._publish(self.heartbeat_messages())
 
     async def start(self) -> None:
         worker = self.worker
