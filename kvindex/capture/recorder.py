@@ -1,0 +1,302 @@
+"""Recording: what the service consumes (``serve --capture``) or what the wire carries (``capture``).
+
+``Recorder`` is fed at the boundaries of the consumer: the NATS source's tap (every events/status
+message, before the consumer sees it) and the repairer (every replay/snapshot answer or failure it
+hands over, every timer decision). Each record is written just before the consumer call it
+describes, on the same event-loop turn, so the log's order is the order the consumer saw. Recording
+never stops the service: a write error disables the recorder (logged once) and ingestion goes on.
+
+``Capture`` is the standalone recorder (``kvindex capture``): its own NATS subscription, no consumer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import socket
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import structlog
+
+from kvindex.api.servicer import KvIndexServicer
+from kvindex.capture import records as R
+from kvindex.capture.digest import state_digest
+from kvindex.capture.format import LogWriter
+from kvindex.index.base import InstanceKey
+from kvindex.wire.reconcile import Snapshot
+from kvindex.wire.subjects import EVENTS, STATUS
+
+if TYPE_CHECKING:
+    from kvindex.ingest.consumer import Consumer
+    from kvindex.scoring.calibration import Calibrator
+    from kvindex.service.app import ServiceConfig
+
+FLUSH_INTERVAL = 0.2  # seconds of records a kill can lose
+CHECK_INTERVAL = 5.0  # seconds between live-state digests in the log
+
+
+@dataclass
+class CaptureConfig:
+    path: str
+    max_bytes: int = 0  # rotate to PATH.1, PATH.2 ... beyond this many bytes per segment; 0: never
+    zstd: bool = False
+    flush_interval: float = FLUSH_INTERVAL
+    check_interval: float = CHECK_INTERVAL
+
+
+def log_meta(source: str, prefix: str, **extra: Any) -> dict[str, Any]:
+    return {
+        "source": source,
+        "prefix": prefix,
+        "session": uuid.uuid4().hex,
+        "created_wall": time.time(),
+        "host": socket.gethostname(),
+        "pid": os.getpid(),
+        "kvindex": "0.1.0",
+        **extra,
+    }
+
+
+def service_meta(config: ServiceConfig) -> dict[str, Any]:
+    """Header of a ``serve --capture`` log: enough to rebuild the consumer the way it was set up."""
+    r = config.repair
+    return log_meta(
+        R.SOURCE_SERVE,
+        config.subject_prefix,
+        jetstream=config.jetstream is not None,
+        repair={
+            "stale_after": r.stale_after,
+            "forget_after": r.forget_after,
+            "reconcile_interval": r.reconcile_interval,
+            "replay_timeout": r.replay_timeout,
+            "snapshot_timeout": r.snapshot_timeout,
+        },
+        router={"default_policy": config.router.default_policy, "seed": config.router.seed},
+    )
+
+
+class Recorder:
+    def __init__(
+        self,
+        writer: LogWriter,
+        clock: Callable[[], float],
+        consumer: Consumer | None = None,
+        log: Any = None,
+        config: CaptureConfig | None = None,
+    ) -> None:
+        self.writer = writer
+        self.config = config or CaptureConfig(str(writer.path))
+        self.clock = clock
+        self.consumer = consumer
+        self.log = log or structlog.get_logger("kvindex.capture")
+        self.failed = False
+        self.messages = 0
+        self.checks = 0
+        self._flags: tuple[bool, bool] | None = None
+        self._task: asyncio.Task[None] | None = None
+
+    @classmethod
+    def open(
+        cls,
+        config: CaptureConfig,
+        meta: dict[str, Any],
+        clock: Callable[[], float],
+        consumer: Consumer | None = None,
+    ) -> Recorder:
+        writer = LogWriter(
+            config.path,
+            {**meta, "created_mono": clock()},
+            zstd=config.zstd,
+            max_bytes=config.max_bytes,
+        )
+        return cls(writer, clock, consumer, config=config)
+
+    # -- writing --------------------------------------------------------------------------------
+
+    def _add(self, record: list[Any]) -> None:
+        if self.failed:
+            return
+        try:
+            self.writer.add(record)
+        except Exception as exc:  # disk full, file removed...: the service matters more than the log
+            self._fail(exc)
+
+    def _fail(self, exc: BaseException) -> None:
+        self.failed = True
+        self.log.error("capture_failed", path=str(self.writer.path), error=str(exc) or type(exc).__name__)
+
+    def _head(self, kind: int, wall: float | None = None) -> list[Any]:
+        return [kind, self.clock(), time.time() if wall is None else wall]
+
+    # -- the source's tap -----------------------------------------------------------------------
+
+    def message(self, subject: str, payload: bytes, received: float | None = None) -> None:
+        """An events/status message about to be handed to the consumer (NatsSource.tap)."""
+        consumer = self.consumer
+        if consumer is not None:
+            flags = (consumer.heartbeat_repairs, consumer.status_in_order)
+            if flags != self._flags:
+                self._flags = flags
+                self._add(
+                    [*self._head(R.FLAGS), {"heartbeat_repairs": flags[0], "status_in_order": flags[1]}]
+                )
+        self.messages += 1
+        self._add([R.MSG, self.clock(), time.time() if received is None else received, subject, payload])
+
+    # -- the repairer's answers and decisions ---------------------------------------------------
+
+    def replay_reply(self, instance: InstanceKey, epoch: int, status: str, payloads: list[bytes]) -> None:
+        self._add([*self._head(R.REPLAY_REPLY), instance[0], instance[1], epoch, status, payloads])
+
+    def replay_failed(self, instance: InstanceKey, epoch: int, why: str) -> None:
+        self._add([*self._head(R.REPLAY_FAILED), instance[0], instance[1], epoch, why])
+
+    def snapshot(self, instance: InstanceKey, snapshot: Snapshot) -> None:
+        tiers = {t: R.pack_keys(keys) for t, keys in snapshot.tiers.items()}
+        self._add([*self._head(R.SNAPSHOT), instance[0], instance[1], snapshot.epoch, snapshot.seq, tiers])
+
+    def snapshot_failed(self, instance: InstanceKey, why: str) -> None:
+        self._add([*self._head(R.SNAPSHOT_FAILED), instance[0], instance[1], why])
+
+    def timer(self, what: str, instance: InstanceKey, cause: str = "") -> None:
+        self._add([*self._head(R.TIMER), what, instance[0], instance[1], cause])
+
+    # -- service state --------------------------------------------------------------------------
+
+    def calibration(self, calibrator: Calibrator) -> None:
+        models = {model: calibrator.export(model) for model in calibrator.models}
+        self._add([*self._head(R.CALIBRATION), models])
+
+    def route(self, method: str, request: bytes, instance: str = "") -> None:
+        self._add([*self._head(R.ROUTE), method, request, instance])
+
+    def check(self) -> None:
+        """The live state's digest: a replay compares its own at this point in the stream."""
+        consumer = self.consumer
+        if consumer is None:
+            return
+        stats = consumer.index.stats()
+        self.checks += 1
+        self._add([*self._head(R.CHECK), state_digest(consumer), len(consumer.registry), list(stats.entries)])
+
+    def flush(self) -> None:
+        if self.failed:
+            return
+        try:
+            self.writer.flush()
+        except Exception as exc:
+            self._fail(exc)
+
+    # -- lifecycle ------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name="kvindex-capture")
+
+    async def _run(self) -> None:
+        cfg = self.config
+        next_check = time.monotonic() + cfg.check_interval
+        while not self.failed:
+            await asyncio.sleep(cfg.flush_interval)
+            if self.consumer is not None and time.monotonic() >= next_check:
+                next_check = time.monotonic() + cfg.check_interval
+                self.check()
+            self.flush()
+
+    async def stop(self, reason: str = "stopped") -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+        self.close(reason)
+
+    def close(self, reason: str = "stopped") -> None:
+        if self.writer.closed:
+            return
+        self.check()
+        self._add([*self._head(R.CLOSE), reason])
+        try:
+            self.writer.close()
+        except Exception as exc:
+            self._fail(exc)
+        self.log.info(
+            "capture_closed",
+            path=str(self.writer.path),
+            records=self.writer.records,
+            bytes=self.writer.bytes_written,
+            segments=self.writer.segment + 1,
+        )
+
+
+class RecordingServicer(KvIndexServicer):
+    """The gRPC servicer, plus a ROUTE record for every call that changed routing state (a Score
+    with commit, a Commit, a Release that found its request), written after the call on the same
+    event-loop turn with what it decided. A replay re-applies the decision (not the ranking): the
+    in-flight ledger and speculative keys come out as they were."""
+
+    def __init__(self, recorder: Recorder, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.recorder = recorder
+
+    async def Score(self, request: Any, context: Any) -> Any:
+        response = await super().Score(request, context)
+        if response.committed_instance_id:
+            self.recorder.route("Score", request.SerializeToString(), response.committed_instance_id)
+        return response
+
+    async def Commit(self, request: Any, context: Any) -> Any:
+        response = await super().Commit(request, context)
+        if response.committed:
+            self.recorder.route("Commit", request.SerializeToString(), request.instance_id)
+        return response
+
+    async def Release(self, request: Any, context: Any) -> Any:
+        response = await super().Release(request, context)
+        if response.found:
+            self.recorder.route("Release", request.SerializeToString())
+        return response
+
+
+class Capture:
+    """``kvindex capture``: record every events/status message under a prefix, with no index.
+
+    It cannot see a service's replay/snapshot answers (they go to that service's inbox), so a replay
+    of its log runs the consumer without repairs: holes are counted and accepted.
+    """
+
+    def __init__(self, url: str, config: CaptureConfig, prefix: str = "kvindex", log: Any = None) -> None:
+        self.url = url
+        self.prefix = prefix
+        self.config = config
+        self.log = log or structlog.get_logger("kvindex.capture")
+        self.recorder = Recorder.open(config, log_meta(R.SOURCE_CAPTURE, prefix), time.monotonic)
+        self.nc: Any = None
+        self._head = prefix + "."
+
+    async def start(self) -> None:
+        import nats
+
+        self.nc = await nats.connect(self.url, name="kvindex-capture", max_reconnect_attempts=-1)
+        await self.nc.subscribe(
+            self._head + ">", cb=self._on_msg, pending_msgs_limit=1_000_000, pending_bytes_limit=1 << 30
+        )
+        await self.nc.flush()
+        self.recorder.start()
+        self.log.info("capture_started", url=self.url, subject=self._head + ">", path=self.config.path)
+
+    async def _on_msg(self, msg: Any) -> None:
+        kind = msg.subject[len(self._head) :].partition(".")[0]
+        if kind in (EVENTS, STATUS):
+            self.recorder.message(msg.subject, msg.data)
+
+    async def stop(self) -> None:
+        if self.nc is not None:
+            nc, self.nc = self.nc, None
+            with contextlib.suppress(Exception):
+                await nc.drain()
+        await self.recorder.stop()
