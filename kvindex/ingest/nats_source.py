@@ -15,6 +15,7 @@ subscriptions, so one heartbeat may overtake the batch before it).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -62,6 +63,9 @@ class NatsSource:
         self.jetstream = jetstream
         self.stream = ""
         self.caught_up = jetstream is None
+        # Called with (subject, payload, receive wall time) for every events/status message, just
+        # before the consumer gets it: event-log capture (kvindex/capture) records here.
+        self.tap: Callable[[str, bytes, float], None] | None = None
 
     async def start(self) -> None:
         self.nc = await nats.connect(
@@ -128,6 +132,8 @@ class NatsSource:
         )
 
     async def _on_stream_msg(self, msg: Msg) -> None:
+        if self.tap is not None:
+            self.tap(msg.subject, msg.data, time.time())
         self.consumer.on_events(msg.subject, msg.data)
         if not self.caught_up and msg.metadata.num_pending == 0:
             self.caught_up = True
@@ -137,6 +143,8 @@ class NatsSource:
     async def _on_msg(self, msg: Msg) -> None:
         subject = msg.subject
         kind = subject[len(self._head) :].partition(".")[0]
+        if self.tap is not None and kind in (EVENTS, STATUS):
+            self.tap(subject, msg.data, time.time())
         if kind == EVENTS:
             self.consumer.on_events(subject, msg.data)
         elif kind == STATUS:

@@ -61,6 +61,9 @@ class NatsRepairer:
         self._snapshots = asyncio.Semaphore(self.config.max_concurrent_snapshots)
         self._next_reconcile: dict[InstanceKey, float] = {}
         self._loop_task: asyncio.Task[None] | None = None
+        # Told every answer, failure and timer decision just before the consumer is (kvindex/capture:
+        # a replay of the log then repairs exactly as this process did).
+        self.recorder: Any = None
         consumer.repair = self
 
     # -- lifecycle ------------------------------------------------------------------------------
@@ -82,6 +85,8 @@ class NatsRepairer:
     def on_reconnect(self) -> None:
         """Whatever was published while we were away is lost to us: check every instance."""
         for key in list(self.consumer.sequencer.cursors()):
+            if self.recorder is not None:
+                self.recorder.timer("reconcile", key, "reconnect")
             self.consumer.reconcile(key, "reconnect")
 
     # -- RepairScheduler ------------------------------------------------------------------------
@@ -114,10 +119,14 @@ class NatsRepairer:
                 subject, request, self.config.replay_timeout, reconcile.decode_replay_reply
             )
         except RequestFailed as exc:
+            if self.recorder is not None:
+                self.recorder.replay_failed(instance, epoch, str(exc))
             self.consumer.on_replay_failed(instance, epoch, str(exc))
             return
         status = replies[-1].status
         payloads = [data for reply in replies for data in reply.batches]
+        if self.recorder is not None:
+            self.recorder.replay_reply(instance, epoch, status, payloads)
         self.consumer.on_replay(instance, epoch, status, payloads)
 
     # -- snapshot -------------------------------------------------------------------------------
@@ -136,6 +145,8 @@ class NatsRepairer:
                         reconcile.decode_snapshot_part,
                     )
             except RequestFailed as exc:
+                if self.recorder is not None:
+                    self.recorder.snapshot_failed(instance, str(exc))
                 self.consumer.counters.snapshots_failed += 1
                 self.log.info(
                     "snapshot_failed", worker=worker, dp_rank=rank, error=str(exc), retry_in=backoff
@@ -147,6 +158,8 @@ class NatsRepairer:
             diffs = await self._diff(instance, snapshot)
             if not self._wants_snapshot(instance):
                 return  # given up or forgotten meanwhile
+            if self.recorder is not None:
+                self.recorder.snapshot(instance, snapshot)
             if self.consumer.on_snapshot(instance, snapshot, diffs):
                 return
 
@@ -229,9 +242,14 @@ class NatsRepairer:
             try:
                 now = consumer.registry.clock()
                 stale, forget = sweep(consumer.registry.all(), now, cfg.stale_after, cfg.forget_after)
+                rec = self.recorder
                 for state in stale:
+                    if rec is not None:
+                        rec.timer("mark_stale", state.key)
                     consumer.mark_stale(state)
                 for key in forget:
+                    if rec is not None:
+                        rec.timer("forget", key)
                     consumer.forget(key)
                     self._next_reconcile.pop(key, None)
                 if cfg.reconcile_interval > 0:
@@ -252,6 +270,8 @@ class NatsRepairer:
             self._next_reconcile[key] = now + interval * (0.8 + 0.4 * self.rng.random())
             state = self.consumer.registry.get(key)
             if cursor.repairing is None and state is not None and not state.stale:
+                if self.recorder is not None:
+                    self.recorder.timer("reconcile", key, "periodic")
                 self.consumer.reconcile(key, "periodic")
 
 

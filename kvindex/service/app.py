@@ -13,6 +13,7 @@ from prometheus_client import start_http_server
 
 from kvindex.api.server import GrpcServer
 from kvindex.api.servicer import KvIndexServicer
+from kvindex.capture.recorder import CaptureConfig, Recorder, RecordingServicer, service_meta
 from kvindex.fleet.registry import Registry
 from kvindex.index.inverted import InvertedIndex
 from kvindex.ingest.consumer import Consumer
@@ -37,6 +38,7 @@ class ServiceConfig:
     repair: RepairConfig = field(default_factory=RepairConfig)
     jetstream: JetStreamConfig | None = None  # None: core NATS (default)
     router: RouterConfig = field(default_factory=RouterConfig)
+    capture: CaptureConfig | None = None  # tee what the consumer sees into an event log
 
 
 class IndexService:
@@ -55,7 +57,18 @@ class IndexService:
         self.router = Router(self.index, self.registry, self.calibrator, config.router)
         self.consumer.prefill_samples = self.calibrator.add
         self.consumer.on_forget = self.router.forget
-        self.servicer = KvIndexServicer(self.index, self.registry, self.counters, self.metrics, self.router)
+        self.recorder: Recorder | None = None
+        if config.capture is not None:
+            meta = service_meta(config)
+            self.recorder = Recorder.open(config.capture, meta, self.registry.clock, self.consumer)
+            self.repairer.recorder = self.recorder
+        self.servicer = (
+            KvIndexServicer(self.index, self.registry, self.counters, self.metrics, self.router)
+            if self.recorder is None
+            else RecordingServicer(
+                self.recorder, self.index, self.registry, self.counters, self.metrics, self.router
+            )
+        )
         self.grpc = GrpcServer(self.servicer, config.grpc_host, config.grpc_port)
         self.natsd: EmbeddedNats | None = None
         self.source: NatsSource | None = None
@@ -86,10 +99,15 @@ class IndexService:
             on_reconnect=self.repairer.on_reconnect,
             jetstream=self.config.jetstream,
         )
+        if self.recorder is not None:
+            self.source.tap = self.recorder.message
+            self.recorder.start()
         await self.source.start()
         assert self.source.nc is not None
         self.repairer.start(self.source.nc)
         await self.calibration.start(self.source.nc)
+        if self.recorder is not None:
+            self.recorder.calibration(self.calibrator)
         await self.grpc.start()
         if self.config.metrics_port is not None:
             server, _thread = start_http_server(
@@ -111,6 +129,8 @@ class IndexService:
         await self.calibration.stop()
         if self.source is not None:
             await self.source.stop()
+        if self.recorder is not None:
+            await self.recorder.stop()
         if self._metrics_server is not None:
             self._metrics_server.shutdown()
             self._metrics_server = None
