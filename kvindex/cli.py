@@ -1,4 +1,5 @@
-"""Command line: ``kvindex serve`` runs the service; score, lookup, stats and instances query it."""
+"""Command line: ``kvindex serve`` runs the service; score, lookup, stats and instances query it;
+``capture`` records the wire to an event log and ``replay`` rebuilds the index from one."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from kvindex.capture.cli import add_capture, add_replay, add_serve_capture, serve_capture_config
 from kvindex.observability.logs import configure_logging
 
 
@@ -36,6 +38,7 @@ def _add_serve(sub: Any) -> None:
     j = p.add_argument_group("JetStream (optional)")
     j.add_argument("--jetstream", action="store_true", help="keep event batches in a stream; rebuild from it")
     j.add_argument("--stream-max-age", type=float, default=3600.0, help="history kept in the stream (s)")
+    add_serve_capture(p)
 
 
 def _add_query(sub: Any, name: str, help_text: str, prompt: bool) -> None:
@@ -120,6 +123,7 @@ def _serve(args: argparse.Namespace) -> int:
             snapshot_timeout=args.snapshot_timeout,
         ),
         jetstream=JetStreamConfig(max_age=args.stream_max_age) if args.jetstream else None,
+        capture=serve_capture_config(args),
     )
     asyncio.run(serve_until_signalled(IndexService(config)))
     return 0
@@ -133,9 +137,19 @@ def main(argv: list[str] | None = None) -> int:
     _add_query(sub, "lookup", "per-instance, per-tier matched blocks for a prompt", prompt=True)
     _add_query(sub, "stats", "index size and ingest counters", prompt=False)
     _add_query(sub, "instances", "list known instances", prompt=False)
+    add_capture(sub)
+    add_replay(sub)
     args = parser.parse_args(argv)
     if args.command == "serve":
         return _serve(args)
+    if args.command == "capture":
+        from kvindex.capture.cli import run_capture
+
+        return run_capture(args)
+    if args.command == "replay":
+        from kvindex.capture.cli import run_replay
+
+        return run_replay(args)
     return _query(args)
 
 

@@ -1,0 +1,17 @@
+"""``kvindex replay --serve``: the gRPC API (the service's own server and servicer) on replayed state."""
+
+from __future__ import annotations
+
+from kvindex.api.server import GrpcServer
+from kvindex.capture.replay import Replayer
+
+
+async def serve_replayed(replayer: Replayer, host: str = "127.0.0.1", port: int = 50051) -> GrpcServer:
+    """Start serving ``replayer``'s index, registry and router; stop with ``await server.stop()``.
+
+    Queries see the replayed state at its virtual time (status ages as of the last record applied, or
+    of ``--until``); Commit and Release change the replayed router's ledger like the live one's.
+    """
+    server = GrpcServer(replayer.servicer, host, port)
+    await server.start()
+    return server

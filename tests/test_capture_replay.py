@@ -1,0 +1,204 @@
+"""serve --capture under faults, then replay: the same consumer code rebuilds exactly the live state."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import grpc
+import nats
+import pytest
+
+from kvindex.capture import records as R
+from kvindex.capture.digest import state_digest
+from kvindex.capture.format import LogReader
+from kvindex.capture.recorder import CaptureConfig
+from kvindex.capture.replay import Driver, replay
+from kvindex.capture.serve import serve_replayed
+from kvindex.index.base import InstanceKey
+from kvindex.keys import block_keys
+from kvindex.repair.nats_repair import RepairConfig
+from kvindex.service.app import IndexService, ServiceConfig
+from kvindex.service.natsd import EmbeddedNats
+from kvindex.testing.faults import FaultyPublisher
+from kvindex.v1 import kvindex_pb2 as pb
+from kvindex.v1 import kvindex_pb2_grpc as pb_grpc
+from tests.conftest import wait_until
+
+FAST = RepairConfig(
+    replay_timeout=0.5,
+    snapshot_timeout=1.0,
+    reconcile_interval=0.4,
+    stale_after=0.5,
+    forget_after=30,
+    tick=0.05,
+)
+TOKENS = list(range(64))
+KEYS = block_keys(TOKENS, 4, "m")
+
+
+def view(index, instance: InstanceKey) -> dict[int, set[int]]:
+    return {t: keys for t in range(4) if (keys := set(index.keys_of(instance, t)))}
+
+
+async def _worker(url: str, worker: str, **kwargs: object) -> FaultyPublisher:
+    nc = await nats.connect(url)
+    kwargs.setdefault("model", "m")
+    kwargs.setdefault("block_size", 4)
+    kwargs.setdefault("heartbeat_interval", 0.1)
+    pub = FaultyPublisher(nc, worker=worker, **kwargs)  # type: ignore[arg-type]
+    pub._owns_nc = True
+    await pub.start()
+    return pub
+
+
+async def _synced(svc: IndexService, *pubs: FaultyPublisher) -> None:
+    for p in pubs:
+        await p.flush()
+
+    def same() -> bool:
+        for p in pubs:
+            cursor = svc.consumer.sequencer.cursor((p.worker, p.dp_rank))
+            if cursor is None or cursor.repairing is not None or cursor.applied != p.seq:
+                return False
+            if view(svc.index, (p.worker, p.dp_rank)) != p.truth():
+                return False
+        return True
+
+    await wait_until(same, 5, "index equal to the workers")
+
+
+@pytest.fixture
+async def captured(nats_server: EmbeddedNats, tmp_path: Path) -> tuple[Path, IndexService]:
+    """A service that captured gaps repaired by replay, a replay too old (snapshot), a restart, a
+    stale worker, periodic checks, and committed/released requests; stopped, with its final state."""
+    path = tmp_path / "live.kvlog"
+    svc = IndexService(
+        ServiceConfig(
+            nats_url=nats_server.url,
+            grpc_host="127.0.0.1",
+            grpc_port=0,
+            repair=FAST,
+            capture=CaptureConfig(str(path), check_interval=0.3),
+        )
+    )
+    await svc.start()
+    w1 = await _worker(nats_server.url, "w1")
+    w2 = await _worker(nats_server.url, "w2", history=2, dp_rank=1)
+    try:
+        w1.stored(KEYS[:8])
+        w2.stored(KEYS[:4], tier="cpu")
+        await _synced(svc, w1, w2)
+        w1.faults.only_seqs = {2}  # lost: the next batch reveals the gap, a replay repairs it
+        w1.stored(KEYS[8:10])
+        await w1.flush()
+        w1.faults.only_seqs.clear()
+        w1.stored(KEYS[10:12])
+        w2.faults.only_seqs = {2, 3, 4, 5}  # more than its history: replay too_old -> snapshot
+        for k in KEYS[4:8]:
+            w2.stored([k], tier="cpu")
+            await w2.flush()
+        w2.faults.only_seqs.clear()
+        w2.removed(KEYS[:2], tier="cpu")
+        await _synced(svc, w1, w2)
+        async with grpc.aio.insecure_channel(svc.grpc.address) as channel:
+            stub = pb_grpc.KvIndexStub(channel)
+            for i in range(3):
+                req = pb.ScoreRequest(model="m", token_ids=TOKENS, commit=True, request_id=f"r{i}")
+                assert (await stub.Score(req)).committed_instance_id
+            assert (await stub.Release(pb.ReleaseRequest(request_id="r0", phase="finished"))).found
+        await w1.close()  # restart with its cache kept: new epoch
+        w1 = await _worker(nats_server.url, "w1")
+        w1.stored(KEYS[:6])
+        w2.faults.partitioned = True  # silent: marked stale
+        await wait_until(lambda: svc.registry.get(("w2", 1)).stale, 3, "w2 stale")  # type: ignore[union-attr]
+        await _synced(svc, w1)
+        assert svc.counters.snapshots_requested["periodic"] >= 1
+    finally:
+        await w1.close()
+        w2.faults.quiet()
+        await w2.close()
+        await svc.stop()
+    c = svc.counters
+    assert c.gaps >= 2 and c.replays_ok >= 1 and c.replays_failed["too_old"] >= 1
+    assert c.snapshots_applied >= 2 and c.restarts >= 1 and c.stale_marked >= 1
+    return path, svc
+
+
+async def test_replay_reproduces_the_live_service_exactly(captured: tuple[Path, IndexService]) -> None:
+    path, live = captured
+    kinds = {record[0] for _, _, record in LogReader(path)}
+    assert {R.MSG, R.REPLAY_REPLY, R.SNAPSHOT, R.TIMER, R.CHECK, R.ROUTE, R.CLOSE, R.FLAGS} <= kinds
+    result = replay(str(path))
+    r = result.replayer
+    assert result.error is None and r.closed == "stopped"
+    assert r.digest() == state_digest(live.consumer)
+    # Not only the digest: every instance's blocks per tier, cursors and health are the live ones.
+    assert sorted(s.key for s in r.registry.all()) == sorted(s.key for s in live.registry.all())
+    for state in live.registry.all():
+        mine = r.registry.get(state.key)
+        assert mine is not None
+        assert view(r.index, state.key) == view(live.index, state.key)
+        assert (mine.epoch, mine.last_seq, mine.stale, mine.sync) == (
+            state.epoch,
+            state.last_seq,
+            state.stale,
+            state.sync,
+        )
+        assert mine.last_status_at == pytest.approx(state.last_status_at, abs=0.05)  # type: ignore[arg-type]
+    # Every live-state checkpoint along the way matched too.
+    assert r.checks_ok >= 2 and not r.divergences
+    # The repairs were the live ones, answer for answer.
+    for name in ("gaps", "replays_ok", "snapshots_applied", "restarts", "stale_marked", "batches_applied"):
+        assert getattr(r.counters, name) == getattr(live.counters, name), name
+    assert r.counters.replays_failed == live.counters.replays_failed
+    assert r.counters.snapshots_requested == live.counters.snapshots_requested
+    # Routing state: two requests still in flight, on the instances the live service chose.
+    assert {e.request_id: e.instance for e in r.router.ledger.of(("w1", 0))} == {
+        e.request_id: e.instance for e in live.router.ledger.of(("w1", 0))
+    }
+    assert len(r.router.ledger) == len(live.router.ledger) == 2
+    # Deterministic: a second replay gives the same digest.
+    assert replay(str(path)).replayer.digest() == r.digest()
+
+
+async def test_until_and_recorded_request(captured: tuple[Path, IndexService]) -> None:
+    path, _live = captured
+    records = [rec for _, _, rec in LogReader(path)]
+    first_route = next(rec for rec in records if rec[0] == R.ROUTE)
+    # As of just before the first commit: no request in flight yet, w2 still fresh.
+    d = Driver(str(path), until=first_route[2] - 1e-6)
+    res = d.run()
+    assert res.stopped_at_until and len(res.replayer.router.ledger) == 0
+    assert not res.replayer.registry.get(("w2", 1)).stale  # type: ignore[union-attr]
+    assert res.replayer.clock() == pytest.approx(first_route[1], abs=1e-3)
+    # "Why did r1 go where it went": its ranking recomputed at the moment it was committed.
+    d = Driver(str(path), request="r1")
+    res = d.run()
+    watched = res.replayer.watched
+    assert watched is not None and watched.response is not None
+    top = watched.response.ranked[0]
+    assert top.instance_id == watched.request["committed_live"] == "w1/0"
+    # 12 blocks in the index, 4 more expected there from r0's commit (speculative keys, replayed too).
+    assert top.explain and top.matched.gpu == 12 and top.matched_blocks == 16
+    assert len(res.replayer.router.ledger) == 2  # r0 committed, r1 applied after its ranking
+
+
+async def test_serve_answers_grpc_on_the_replayed_state(captured: tuple[Path, IndexService]) -> None:
+    path, live = captured
+    r = replay(str(path)).replayer
+    server = await serve_replayed(r, "127.0.0.1", 0)
+    try:
+        async with grpc.aio.insecure_channel(server.address) as channel:
+            stub = pb_grpc.KvIndexStub(channel)
+            listed = (await stub.ListInstances(pb.ListInstancesRequest())).instances
+            assert {(i.instance_id, i.stale, i.blocks.gpu, i.blocks.cpu) for i in listed} == {
+                (s.instance_id, s.stale, *live.index.block_counts(s.key)[:2]) for s in live.registry.all()
+            }
+            ranked = (await stub.Score(pb.ScoreRequest(model="m", token_ids=TOKENS, explain=True))).ranked
+            # w2 heartbeated again before it closed: ranked, with no prefix of the prompt.
+            assert [(x.instance_id, x.matched.gpu) for x in ranked] == [("w1/0", 6), ("w2/1", 0)]
+            assert ranked[0].explain
+            stats = await stub.Stats(pb.StatsRequest())
+            assert stats.gaps == live.counters.gaps and stats.instances_stale == 0
+    finally:
+        await server.stop()
