@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import grpc
@@ -14,6 +15,7 @@ from kvindex.capture.format import LogReader
 from kvindex.capture.recorder import CaptureConfig
 from kvindex.capture.replay import Driver, replay
 from kvindex.capture.serve import serve_replayed
+from kvindex.cli import main
 from kvindex.index.base import InstanceKey
 from kvindex.keys import block_keys
 from kvindex.repair.nats_repair import RepairConfig
@@ -161,19 +163,19 @@ async def test_replay_reproduces_the_live_service_exactly(captured: tuple[Path, 
     assert replay(str(path)).replayer.digest() == r.digest()
 
 
-async def test_until_and_recorded_request(captured: tuple[Path, IndexService]) -> None:
-    path, _live = captured
+async def test_until_request_query_and_serve(
+    captured: tuple[Path, IndexService], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path, live = captured
     records = [rec for _, _, rec in LogReader(path)]
     first_route = next(rec for rec in records if rec[0] == R.ROUTE)
     # As of just before the first commit: no request in flight yet, w2 still fresh.
-    d = Driver(str(path), until=first_route[2] - 1e-6)
-    res = d.run()
+    res = Driver(str(path), until=first_route[2] - 1e-6).run()
     assert res.stopped_at_until and len(res.replayer.router.ledger) == 0
     assert not res.replayer.registry.get(("w2", 1)).stale  # type: ignore[union-attr]
     assert res.replayer.clock() == pytest.approx(first_route[1], abs=1e-3)
     # "Why did r1 go where it went": its ranking recomputed at the moment it was committed.
-    d = Driver(str(path), request="r1")
-    res = d.run()
+    res = Driver(str(path), request="r1").run()
     watched = res.replayer.watched
     assert watched is not None and watched.response is not None
     top = watched.response.ranked[0]
@@ -182,9 +184,28 @@ async def test_until_and_recorded_request(captured: tuple[Path, IndexService]) -
     assert top.explain and top.matched.gpu == 12 and top.matched_blocks == 16
     assert len(res.replayer.router.ledger) == 2  # r0 committed, r1 applied after its ranking
 
+    # The command: timeline, summary, digest, and a query as of a moment when w2 was stale.
+    stale_at = next(m.wall for m in replay(str(path)).replayer.moments if m.what == "stale")
+    prompt = tmp_path / "prompt.json"
+    prompt.write_text(json.dumps({"model": "m", "block_keys": KEYS[:8], "top_k": 3}))
+    report = tmp_path / "report.json"
+    argv = ["replay", str(path), "--plain", "--query", str(prompt), "--report", str(report)]
+    assert main([*argv, "--until", str(stale_at)]) == 0  # records up to and including that moment
+    out = capsys.readouterr().out
+    for what in ("joined", "gap", "replay?", "snapshot", "in sync", "epoch", "stale"):
+        assert f" {what} " in out, what
+    assert "stopped at" in out and "STALE" in out
+    rep = json.loads(report.read_text())
+    (query,) = rep["queries"]
+    assert [x["instance_id"] for x in query["response"]["ranked"]] == ["w1/0"]  # w2 stale: not ranked
+    assert query["response"]["ranked"][0]["explain"]
+    assert main([*argv, "--request", "r2"]) == 0
+    assert "the live service committed it to w1/0" in capsys.readouterr().out
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert f"state digest: {state_digest(live.consumer)}" in out and "0 diverged" in out
 
-async def test_serve_answers_grpc_on_the_replayed_state(captured: tuple[Path, IndexService]) -> None:
-    path, live = captured
+    # The gRPC API on the replayed (final) state.
     r = replay(str(path)).replayer
     server = await serve_replayed(r, "127.0.0.1", 0)
     try:

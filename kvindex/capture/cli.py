@@ -267,7 +267,7 @@ def run_replay(args: argparse.Namespace) -> int:
     show = args.timeline
 
     def on_moment(m: Moment) -> None:
-        if show == "none" or (show == "notable" and not m.notable):
+        if show == "none" or (show == "notable" and (not m.notable or m.repeat)):
             return
         out.line(f"{fmt_wall(m.wall)}  +{m.since_start:9.3f}s  {m.instance:<20} {m.what:<10} {m.text}")
 
@@ -360,6 +360,8 @@ def _report(driver: Any, args: argparse.Namespace, out: Output, queries: list) -
     r = result.replayer
     stats = driver.reader.stats
     summary = r.summary()
+    if args.timeline == "notable" and r.repeats:
+        out.line(f"({r.repeats} repeats of the moments above not shown; --timeline all shows them)")
     if result.stopped_at_until:
         out.line(f"stopped at {fmt_wall(r.wall, date=True)} (--until / --request)", "bold")
     out.table(

@@ -86,6 +86,7 @@ class Moment:
     text: str
     notable: bool
     offset: str  # "segment:byte offset" of the record that caused it
+    repeat: bool = False  # same instance and kind as one less than REPEAT_WINDOW ago
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -96,7 +97,13 @@ class Moment:
             "text": self.text,
             "notable": self.notable,
             "offset": self.offset,
+            "repeat": self.repeat,
         }
+
+
+# A moment of the same kind for the same instance within this many seconds (log time) of the last
+# one is a repeat: shown by --timeline all only (a worker drifting on every heartbeat is one line).
+REPEAT_WINDOW = 10.0
 
 
 def _fmt_event(event: str, kw: dict[str, Any], replayer: Replayer) -> tuple[str, str, bool] | None:
@@ -234,6 +241,8 @@ class Replayer:
         self.keep_moments = keep_moments
         self.moments: list[Moment] = []
         self.moments_total = 0
+        self.repeats = 0
+        self._last_moment: dict[tuple[str, str], float] = {}
         self.records = 0
         self.by_kind: dict[str, int] = {}
         self.first_wall: float | None = None
@@ -263,8 +272,12 @@ class Replayer:
                 self._sweep(mono)
 
     def moment(self, instance: str, what: str, text: str, notable: bool = True) -> None:
-        m = Moment(self.wall, self.wall - self.start_wall, instance, what, text, notable, self.where)
+        last = self._last_moment.get((instance, what))
+        repeat = last is not None and self.wall - last < REPEAT_WINDOW
+        self._last_moment[(instance, what)] = self.wall
+        m = Moment(self.wall, self.wall - self.start_wall, instance, what, text, notable, self.where, repeat)
         self.moments_total += 1
+        self.repeats += repeat
         if len(self.moments) < self.keep_moments:
             self.moments.append(m)
         if self.on_moment is not None:
