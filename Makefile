@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 BENCH_STAMP := $(VENV)/.installed-bench
 PROTO_SRC := proto/kvindex/v1/kvindex.proto
 
-.PHONY: install install-bench proto run test bench soak lint fmt clean
+.PHONY: install install-bench proto run test bench soak sample-log lint fmt clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -26,7 +26,11 @@ install-bench: $(BENCH_STAMP)
 proto: $(STAMP)
 	$(PY) -m grpc_tools.protoc -I proto --python_out=. --pyi_out=. --grpc_python_out=. $(PROTO_SRC)
 
+# The whole loop: kvindex serve (embedded NATS) + a simulated fleet + Mooncake traffic via gRPC Score.
 run: $(STAMP)
+	$(PY) -m kvindex.demo $(ARGS)
+
+serve: $(STAMP)
 	$(VENV)/bin/kvindex serve $(ARGS)
 
 test: $(STAMP)
@@ -39,6 +43,11 @@ bench: $(BENCH_STAMP)
 # Hundreds of randomized fault schedules, then sustained load (see kvindex/testing/soak.py for knobs).
 soak: $(STAMP)
 	$(PY) -m kvindex.testing.soak $(ARGS)
+
+# A ten-second event log of a simulated fleet with a flaky worker (docs/capture.md), then its replay.
+sample-log: $(STAMP)
+	$(PY) -m kvindex.capture.sample --out docs/sample.kvlog --query-out docs/sample-prompt.json
+	$(VENV)/bin/kvindex replay docs/sample.kvlog --query docs/sample-prompt.json
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

@@ -25,12 +25,13 @@ import zmq
 import zmq.asyncio
 
 from kvindex.service.app import IndexService
+from kvindex.testing.data import shared_dir
 from kvindex.v1 import kvindex_pb2 as pb
 from kvindex.v1 import kvindex_pb2_grpc as pb_grpc
-from tests.conftest import ROOT, wait_until
+from tests.conftest import wait_until
 from workers_shim.bridges import Bridge, BridgeConfig
 
-CAPTURES = ROOT.parent / "shared" / "data" / "vllm-capture"
+CAPTURES = shared_dir() / "data" / "vllm-capture"
 END = b"\xff" * 8
 
 

@@ -13,9 +13,9 @@ from kvindex.index.base import InstanceKey
 from kvindex.repair.nats_repair import RepairConfig
 from kvindex.service.app import IndexService
 from kvindex.service.natsd import EmbeddedNats
+from kvindex.testing.faults import Faults, FaultyPublisher
 from kvindex.v1 import kvindex_pb2 as pb
 from kvindex.v1 import kvindex_pb2_grpc as pb_grpc
-from kvindex.testing.faults import Faults, FaultyPublisher
 from tests.conftest import wait_until
 
 FAST = RepairConfig(

@@ -70,8 +70,8 @@ def test_prefill_model_and_fetch_costs() -> None:
 
 
 def test_queue_counts_parallel_work_once() -> None:
-    m = PrefillModel(5.0, 0.1, 0.0)
-    shape = EngineShape(chunk_tokens=1000, decode_ms_per_seq=1.0)
+    m = PrefillModel(500.0, 0.1, 0.0)  # the per-prefill constant is not a per-step cost
+    shape = EngineShape(chunk_tokens=1000, step_ms=5.0, decode_ms_per_seq=1.0)
     # Two queued 1000-token prefills are 2000 tokens at the engine's rate, plus two steps' overhead:
     # not the sum of two serial batch times counted from each one's own start.
     assert queue_ms(m, shape, 2000, running=0) == pytest.approx(0.1 * 2000 + 2 * 5.0)

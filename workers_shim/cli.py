@@ -161,8 +161,11 @@ def build_parser() -> tuple[argparse.ArgumentParser, Any]:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for engine in ENGINES:
         add_engine_command(sub, engine)
-    # Another command is one more parser with a handler, e.g. the simulated fleet:
-    #   p = sub.add_parser("sim", help=...); add_sim_arguments(p); p.set_defaults(handler=main_sim)
+    from workers_shim.sim.cli import add_sim_arguments, main_sim
+
+    sim = sub.add_parser("sim", help="a fleet of simulated vLLM-like engines publishing real events")
+    add_sim_arguments(sim)
+    sim.set_defaults(handler=main_sim)
     return parser, sub
 
 

@@ -70,7 +70,8 @@ class EngineShape:
     """
 
     chunk_tokens: int = 8192
-    decode_ms_per_seq: float = 0.05
+    step_ms: float = 10.0  # fixed cost of one engine step (launches, scheduling, weights read)
+    decode_ms_per_seq: float = 0.3  # per running request per step: its decode token (70B, ~12 K context)
 
 
 @dataclass(slots=True)
@@ -84,5 +85,7 @@ def queue_ms(model: PrefillModel, shape: EngineShape, queued_tokens: float, runn
     """Time to drain ``queued_tokens`` of prefill on an engine with ``running`` decoding requests."""
     if queued_tokens <= 0:
         return 0.0
+    # The calibrated per-prefill constant (a) is not paid per step: a step costs the engine's own
+    # fixed overhead plus one decode token per running request.
     steps = -(-queued_tokens // shape.chunk_tokens)
-    return model.b_ms_per_token * queued_tokens + steps * (model.a_ms + shape.decode_ms_per_seq * running)
+    return model.b_ms_per_token * queued_tokens + steps * (shape.step_ms + shape.decode_ms_per_seq * running)

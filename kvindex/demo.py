@@ -1,0 +1,378 @@
+"""`make run`: the whole loop on one machine, with a live dashboard.
+
+    python -m kvindex.demo                       # 8 simulated instances (GPU + CPU tiers), Mooncake trace x4
+    python -m kvindex.demo --instances 16 --cpu-blocks 0 --speed 2 --time-scale 0.5
+    python -m kvindex.demo --duration 30 --plain # no dashboard: a summary line every few seconds
+
+It starts `kvindex serve` (which starts its embedded nats-server), a fleet of simulated vLLM-like
+engines publishing real KV events and heartbeats through the worker publisher, and a traffic driver
+that replays the Mooncake conversation trace: every request is routed by the real gRPC `Score`
+(policy `ttft`, committed), sent to the simulated instance it chose, and released at first token and
+at the end. The dashboard shows, per instance, what the index knows (blocks per tier, load, seq and
+epoch, repairs) and, overall, hit rate, estimated vs simulated TTFT and decisions per second.
+Ctrl-C stops everything cleanly.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import grpc
+import structlog
+
+from kvindex.service.natsd import free_port
+from kvindex.testing.data import mooncake_trace
+from kvindex.v1 import kvindex_pb2 as pb
+from kvindex.v1 import kvindex_pb2_grpc as pb_grpc
+
+TRACE = mooncake_trace()
+MODEL = "demo-model"
+
+
+@dataclass
+class Tally:
+    routed: int = 0
+    first_tokens: int = 0
+    finished: int = 0
+    prompt_tokens: int = 0
+    hit_tokens: int = 0
+    errors: int = 0
+    est_ms: dict[str, float] = field(default_factory=dict)
+    pairs: deque[tuple[float, float]] = field(
+        default_factory=lambda: deque(maxlen=2000)
+    )  # (est, simulated) s
+    decisions: deque[float] = field(default_factory=lambda: deque(maxlen=5000))  # decision times
+    reasons: dict[str, int] = field(default_factory=dict)
+
+    def decisions_per_s(self, now: float) -> float:
+        recent = [t for t in self.decisions if now - t <= 5]
+        return len(recent) / 5
+
+
+async def _start_service(args: argparse.Namespace) -> tuple[subprocess.Popen[str], str, str]:
+    port = args.grpc_port or free_port()
+    exe = str(Path(sys.executable).with_name("kvindex"))
+    cmd = [
+        exe,
+        "serve",
+        "--grpc-host",
+        "127.0.0.1",
+        "--grpc-port",
+        str(port),
+        "--log-format",
+        "json",
+        "--log-level",
+        "info",
+        "--metrics-port",
+        str(args.metrics_port),
+    ]
+    proc = subprocess.Popen(
+        cmd, stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"}
+    )
+    nats_url = ""
+    assert proc.stderr is not None
+    loop = asyncio.get_running_loop()
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        line = await loop.run_in_executor(None, proc.stderr.readline)
+        if not line:
+            raise RuntimeError(f"kvindex serve exited (code {proc.poll()})")
+        with contextlib.suppress(json.JSONDecodeError):
+            record = json.loads(line)
+            if record.get("event") == "embedded_nats_started":
+                nats_url = record["url"]
+            if record.get("event") == "kvindex_serving":
+                break
+    # Keep draining the service's log so it never blocks on a full pipe.
+    loop.run_in_executor(None, lambda: [None for _ in proc.stderr])  # type: ignore[union-attr]
+    return proc, nats_url, f"127.0.0.1:{port}"
+
+
+async def _drive(
+    args: argparse.Namespace, fleet: Any, stub: pb_grpc.KvIndexStub, tally: Tally, stop: asyncio.Event
+) -> None:
+    from workers_shim.sim.trace import mooncake_requests
+
+    reqs = mooncake_requests(
+        args.trace,
+        model=MODEL,
+        block_size=args.block_size,
+        limit=args.limit,
+        time_scale=args.time_scale,
+        id_prefix="demo-",
+    )
+    speed = args.speed
+    start = time.monotonic()
+    for req in reqs:
+        if stop.is_set():
+            return
+        delay = req.arrival / speed - (time.monotonic() - start)
+        if delay > 0:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), delay)
+            if stop.is_set():
+                return
+        try:
+            reply = await stub.Score(
+                pb.ScoreRequest(
+                    model=MODEL,
+                    block_keys=req.keys,
+                    prompt_tokens=req.prompt_tokens,
+                    top_k=1,
+                    commit=True,
+                    request_id=req.id,
+                    explain=True,
+                ),
+                timeout=5,
+            )
+        except grpc.aio.AioRpcError:
+            tally.errors += 1
+            continue
+        if not reply.ranked:
+            tally.errors += 1
+            continue
+        top = reply.ranked[0]
+        tally.est_ms[req.id] = top.est_ttft_ms
+        tally.routed += 1
+        tally.decisions.append(time.monotonic())
+        tally.reasons[top.explain] = tally.reasons.get(top.explain, 0) + 1
+        await fleet.submit(top.worker, req)
+
+
+async def _release(stub: pb_grpc.KvIndexStub, request_id: str, phase: str) -> None:
+    await stub.Release(pb.ReleaseRequest(request_id=request_id, phase=phase), timeout=5)
+
+
+def _on_completion(tally: Tally, stub: pb_grpc.KvIndexStub, pending: set[asyncio.Task[Any]]) -> Any:
+    def handle(worker: str, c: Any) -> None:
+        rid = c.request.id
+        if c.kind == "first_token":
+            tally.first_tokens += 1
+            tally.prompt_tokens += c.request.prompt_tokens
+            tally.hit_tokens += c.hit_tokens
+            est = tally.est_ms.pop(rid, None)
+            if est is not None:
+                tally.pairs.append((est / 1000, c.ttft))
+            phase = "prefill"
+        else:
+            tally.finished += 1
+            phase = "finished"
+        task = asyncio.get_running_loop().create_task(_release(stub, rid, phase))
+        pending.add(task)
+        task.add_done_callback(pending.discard)
+
+    return handle
+
+
+def _render(instances: list[Any], stats: Any, tally: Tally, events_per_s: float, elapsed: float) -> Any:
+    from rich.console import Group
+    from rich.table import Table
+
+    t = Table(title=f"kvindex demo — {elapsed:.0f} s", expand=True)
+    for col in (
+        "instance",
+        "gpu blocks",
+        "cpu blocks",
+        "running",
+        "waiting",
+        "kv use",
+        "seq",
+        "epoch",
+        "gaps",
+        "restarts",
+        "state",
+    ):
+        t.add_column(col, justify="right" if col not in ("instance", "state") else "left")
+    for i in instances:
+        if i.pool:
+            continue
+        t.add_row(
+            i.instance_id,
+            f"{i.blocks.gpu:,}",
+            f"{i.blocks.cpu:,}",
+            str(i.load.running),
+            str(i.load.waiting),
+            f"{i.load.kv_usage:.0%}",
+            str(i.last_seq),
+            str(i.epoch % 100000),
+            str(i.gaps),
+            str(i.restarts),
+            ("stale " if i.stale else "") + i.sync,
+        )
+    pairs = list(tally.pairs)
+    est = sum(p[0] for p in pairs) / len(pairs) if pairs else 0.0
+    sim = sum(p[1] for p in pairs) / len(pairs) if pairs else 0.0
+    hit = tally.hit_tokens / tally.prompt_tokens if tally.prompt_tokens else 0.0
+    o = Table(show_header=False, expand=True)
+    o.add_row(
+        "requests routed / first tokens / finished",
+        f"{tally.routed:,} / {tally.first_tokens:,} / {tally.finished:,}",
+    )
+    o.add_row("decisions/s", f"{tally.decisions_per_s(time.monotonic()):.1f}")
+    o.add_row("prefix hit rate (tokens)", f"{hit:.1%}")
+    o.add_row("TTFT estimated vs simulated (mean, recent)", f"{est:.3f} s vs {sim:.3f} s")
+    o.add_row(
+        "placement reasons",
+        ", ".join(f"{k} {v}" for k, v in sorted(tally.reasons.items(), key=lambda kv: -kv[1])[:6]),
+    )
+    o.add_row(
+        "index",
+        f"{stats.distinct_blocks.gpu:,} gpu / {stats.distinct_blocks.cpu:,} cpu blocks, "
+        f"{events_per_s:,.0f} events/s applied",
+    )
+    o.add_row(
+        "repairs",
+        f"gaps {stats.gaps}, replays {stats.replays_ok}, snapshots {stats.snapshots_applied}, "
+        f"rejects {stats.rejects_total}",
+    )
+    return Group(t, o)
+
+
+async def run(args: argparse.Namespace) -> Tally:
+    from workers_shim.sim import EngineConfig
+    from workers_shim.sim.fleet import run_fleet
+
+    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        with contextlib.suppress(NotImplementedError):
+            loop.add_signal_handler(sig, stop.set)
+    if args.duration:
+        loop.call_later(args.duration, stop.set)
+    proc, nats_url, address = await _start_service(args)
+    tally = Tally()
+    pending: set[asyncio.Task[Any]] = set()
+    fleet = None
+    try:
+        async with grpc.aio.insecure_channel(address) as channel:
+            stub = pb_grpc.KvIndexStub(channel)
+            cfg = EngineConfig.from_profile(args.profile, args.block_size, cpu_blocks=args.cpu_blocks)
+            fleet = await run_fleet(
+                nats_url,
+                args.instances,
+                cfg,
+                model=MODEL,
+                speed=args.speed,
+                on_completion=_on_completion(tally, stub, pending),
+            )
+            for _ in range(100):  # every instance announced itself
+                listed = await stub.ListInstances(pb.ListInstancesRequest(model=MODEL))
+                if len(listed.instances) >= args.instances:
+                    break
+                await asyncio.sleep(0.05)
+            driver = asyncio.create_task(_drive(args, fleet, stub, tally, stop))
+            await _watch(args, stub, tally, stop)
+            driver.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await driver
+            await fleet.close()  # no completions (and Releases) after this
+            fleet = None
+            for task in list(pending):
+                with contextlib.suppress(Exception):
+                    await task
+    finally:
+        if fleet is not None:
+            await fleet.close()
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    return tally
+
+
+async def _watch(
+    args: argparse.Namespace, stub: pb_grpc.KvIndexStub, tally: Tally, stop: asyncio.Event
+) -> None:
+    started = time.monotonic()
+    last_events, last_t = 0, started
+    use_rich = not args.plain and sys.stdout.isatty()
+    live = None
+    if use_rich:
+        from rich.live import Live
+
+        live = Live(refresh_per_second=2, screen=False)
+        live.start()
+    try:
+        while not stop.is_set():
+            listed = await stub.ListInstances(pb.ListInstancesRequest(model=MODEL))
+            stats = await stub.Stats(pb.StatsRequest())
+            now = time.monotonic()
+            events = stats.events_stored + stats.events_removed + stats.events_cleared
+            rate = (events - last_events) / max(now - last_t, 1e-6)
+            last_events, last_t = events, now
+            if live is not None:
+                live.update(_render(list(listed.instances), stats, tally, rate, now - started))
+            else:
+                pairs = list(tally.pairs)
+                est = sum(p[0] for p in pairs) / len(pairs) if pairs else 0.0
+                sim = sum(p[1] for p in pairs) / len(pairs) if pairs else 0.0
+                hit = tally.hit_tokens / tally.prompt_tokens if tally.prompt_tokens else 0.0
+                print(
+                    f"[{now - started:5.0f} s] routed {tally.routed} first tokens {tally.first_tokens} "
+                    f"hit {hit:.1%} ttft est {est:.3f}s sim {sim:.3f}s "
+                    f"{tally.decisions_per_s(now):.1f} decisions/s {rate:,.0f} events/s gaps {stats.gaps}",
+                    flush=True,
+                )
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), 0.5 if live is not None else args.report_every)
+    finally:
+        if live is not None:
+            live.stop()
+
+
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="python -m kvindex.demo",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--instances", type=int, default=8)
+    p.add_argument("--profile", default="llama3-8b-h100")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--cpu-blocks", type=int, default=50_000, help="CPU offload tier per instance (0: none)")
+    p.add_argument("--trace", default=str(TRACE))
+    p.add_argument("--limit", type=int, default=None)
+    p.add_argument(
+        "--time-scale", type=float, default=0.25, help="trace arrival times x this (0.25: 4x the load)"
+    )
+    p.add_argument("--speed", type=float, default=1.0, help="virtual seconds per wall second")
+    p.add_argument("--duration", type=float, default=0.0, help="stop after this many seconds (0: Ctrl-C)")
+    p.add_argument("--grpc-port", type=int, default=50051)
+    p.add_argument("--metrics-port", type=int, default=9400)
+    p.add_argument("--plain", action="store_true", help="no dashboard: a summary line every few seconds")
+    p.add_argument("--report-every", type=float, default=5.0)
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
+    if not Path(args.trace).exists():
+        print(
+            f"trace not found: {args.trace} (pass --trace PATH to a Mooncake-format JSONL file)",
+            file=sys.stderr,
+        )
+        return 2
+    tally = asyncio.run(run(args))
+    print(
+        f"stopped: {tally.routed} requests routed, {tally.first_tokens} first tokens, {tally.errors} errors"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
