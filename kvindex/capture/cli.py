@@ -126,7 +126,7 @@ def add_replay(sub: Any) -> None:
     p.add_argument("--timeline", choices=("notable", "all", "none"), default="notable")
     p.add_argument("--report", metavar="FILE.json", help="write summary, timeline and queries as JSON")
     p.add_argument("--progress", choices=("auto", "on", "off"), default="auto")
-    p.add_argument("--plain", action="store_true", help="plain text output even when rich is installed")
+    p.add_argument("--plain", action="store_true", help="plain text even on a terminal with rich installed")
     p.add_argument("--serve", action="store_true", help="then serve the gRPC API on the replayed state")
     p.add_argument("--grpc-host", default="127.0.0.1")
     p.add_argument("--grpc-port", type=int, default=50051)
@@ -187,7 +187,7 @@ class Output:
 
     def __init__(self, plain: bool = False) -> None:
         self.rich: Any = None
-        if not plain:
+        if not plain and sys.stdout.isatty():  # piped or redirected: plain text, nothing cut
             try:
                 from rich.console import Console
 
@@ -223,7 +223,9 @@ _NUMERIC = {"epoch", "seq", "gpu", "cpu", "disk", "shared", "gaps", "restarts", 
 _NUMERIC |= {"cost", "ttft ms", "blocks", "hit tok", "wait ms", "prefill ms", "fetch ms", "run/wait"}
 
 
-def _progress(mode: str, total: int) -> Any:
+def _progress(mode: str, total: int, out: Output) -> Any:
+    """A progress bar: on the output's console when that is a terminal (timeline lines then print
+    above the bar), else on stderr without touching stdout (which may be a file)."""
     if mode == "off" or (mode == "auto" and not sys.stderr.isatty()):
         return None
     try:
@@ -237,8 +239,10 @@ def _progress(mode: str, total: int) -> Any:
         DownloadColumn(),
         TimeRemainingColumn(),
         TextColumn("{task.fields[at]}"),
-        console=Console(stderr=True),
+        console=out.rich if out.rich is not None else Console(stderr=True),
         transient=True,
+        redirect_stdout=False,
+        redirect_stderr=False,
     )
     progress.add_task("replay", total=total, at="")
     return progress
@@ -301,12 +305,12 @@ def run_replay(args: argparse.Namespace) -> int:
         out.line("timeline:", "bold")
     if args.serve:
         return asyncio.run(_replay_and_serve(driver, args, out, queries))
-    _drive(driver, args)
+    _drive(driver, args, out)
     return _report(driver, args, out, queries)
 
 
-def _drive(driver: Any, args: argparse.Namespace) -> None:
-    progress = _progress(args.progress, driver.reader.stats.bytes_total)
+def _drive(driver: Any, args: argparse.Namespace, out: Output) -> None:
+    progress = _progress(args.progress, driver.reader.stats.bytes_total, out)
     stats = driver.reader.stats
     if progress is None:
         driver.run(pace=args.speed)
@@ -408,7 +412,8 @@ def _report(driver: Any, args: argparse.Namespace, out: Output, queries: list) -
     )
     c = summary["counters"]
     out.line(
-        f"batches {c['batches_applied']}/{c['batches_received']} applied, duplicates {c['duplicates']}, "
+        f"batches received {c['batches_received']}, applied {c['batches_applied']}, "
+        f"duplicates {c['duplicates']}, "
         f"gaps {c['gaps']} ({c['missing_batches']} batches), restarts {c['restarts']}, "
         f"replays ok {c['replays_ok']} failed {sum(c['replays_failed'].values())}, "
         f"snapshots {c['snapshots_applied']} ({_pairs(c['snapshots_requested']) or '-'}), "
@@ -538,5 +543,7 @@ def _print_query(out: Output, q: Any, wall: float) -> None:
         ],
         rows,
     )
-    if not rows:
+    if not resp.block_size:
+        out.line(f"  (model {resp.model!r} is unknown at this point of the log)")
+    elif not rows:
         out.line("  (no routable instance of this model)")

@@ -101,9 +101,11 @@ class Moment:
         }
 
 
-# A moment of the same kind for the same instance within this many seconds (log time) of the last
-# one is a repeat: shown by --timeline all only (a worker drifting on every heartbeat is one line).
+# Symptoms that recur while one cause lasts (a hole accepted without repair drifts on every
+# heartbeat): the same kind for the same instance within REPEAT_WINDOW seconds (log time) of the last
+# one is a repeat, shown by --timeline all only. Gaps, epochs, snapshots, stale... always show.
 REPEAT_WINDOW = 10.0
+REPEATING = frozenset({"drift", "snapshot?", "replay?", "hole kept", "rejected", "overflow", "snapshot!"})
 
 
 def _fmt_event(event: str, kw: dict[str, Any], replayer: Replayer) -> tuple[str, str, bool] | None:
@@ -133,7 +135,9 @@ def _fmt_event(event: str, kw: dict[str, Any], replayer: Replayer) -> tuple[str,
     if event == "snapshot_diff":
         return "snapshot", f"snapshot at seq {kw['seq']} changed +{kw['added']} -{kw['removed']} blocks", True
     if event == "repaired":
-        return "in sync", f"in sync at seq {kw['applied']} after {kw['seconds']}s", True
+        cursor = replayer.consumer.sequencer.cursor((kw["worker"], kw["dp_rank"]))
+        routine = cursor is not None and cursor.cause == "periodic"  # a check, not a repair
+        return "in sync", f"in sync at seq {kw['applied']} after {kw['seconds']}s", not routine
     if event == "repair_deferred":
         return "hole kept", f"hole accepted after {kw['rounds']} repair rounds", True
     if event == "digest_drift":
@@ -272,9 +276,11 @@ class Replayer:
                 self._sweep(mono)
 
     def moment(self, instance: str, what: str, text: str, notable: bool = True) -> None:
-        last = self._last_moment.get((instance, what))
-        repeat = last is not None and self.wall - last < REPEAT_WINDOW
-        self._last_moment[(instance, what)] = self.wall
+        repeat = False
+        if what in REPEATING:
+            last = self._last_moment.get((instance, what))
+            repeat = last is not None and self.wall - last < REPEAT_WINDOW
+            self._last_moment[(instance, what)] = self.wall
         m = Moment(self.wall, self.wall - self.start_wall, instance, what, text, notable, self.where, repeat)
         self.moments_total += 1
         self.repeats += repeat
