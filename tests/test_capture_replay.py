@@ -17,6 +17,7 @@ from kvindex.capture.replay import Driver, replay
 from kvindex.capture.serve import serve_replayed
 from kvindex.cli import main
 from kvindex.index.base import InstanceKey
+from kvindex.ingest.nats_source import JetStreamConfig
 from kvindex.keys import block_keys
 from kvindex.repair.nats_repair import RepairConfig
 from kvindex.service.app import IndexService, ServiceConfig
@@ -223,3 +224,43 @@ async def test_until_request_query_and_serve(
             assert stats.gaps == live.counters.gaps and stats.instances_stale == 0
     finally:
         await server.stop()
+
+
+async def test_jetstream_rebuild_replays_with_its_heartbeat_mode(tmp_path: Path) -> None:
+    """An index restarted in JetStream mode rebuilds from the stream while heartbeats arrive ahead of
+    it (they start no repair until it is caught up): the log records that mode and its changes."""
+    server = EmbeddedNats(jetstream=True)
+    await server.start()
+    pub = await _worker(server.url, "js")
+    path = tmp_path / "js.kvlog"
+    config = ServiceConfig(
+        nats_url=server.url,
+        grpc_host="127.0.0.1",
+        grpc_port=0,
+        repair=RepairConfig(replay_timeout=0.5, snapshot_timeout=1.0, reconcile_interval=0, tick=0.05),
+        jetstream=JetStreamConfig(),
+    )
+    try:
+        first = IndexService(config)
+        await first.start()
+        for k in range(0, 16, 4):
+            pub.stored(KEYS[k : k + 4])
+            await pub.flush()
+        await _synced(first, pub)
+        await first.stop()
+        config.capture = CaptureConfig(str(path))
+        second = IndexService(config)  # rebuilds from the stream's four batches
+        await second.start()
+        pub.removed(KEYS[:3])
+        await _synced(second, pub)
+        await second.stop()
+    finally:
+        await pub.close()
+        await server.stop()
+    flags = [rec[3] for _, _, rec in LogReader(path) if rec[0] == R.FLAGS]
+    assert flags[0] == {"heartbeat_repairs": False, "status_in_order": False}
+    assert flags[-1] == {"heartbeat_repairs": True, "status_in_order": False}
+    r = replay(str(path)).replayer
+    assert r.digest() == state_digest(second.consumer) and r.checks_ok >= 1 and not r.divergences
+    assert sum(r.counters.snapshots_requested.values()) == 0
+    assert r.counters.batches_applied == second.counters.batches_applied == pub.seq == 5

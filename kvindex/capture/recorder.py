@@ -121,6 +121,21 @@ class Recorder:
     def _add(self, record: list[Any]) -> None:
         if self.failed:
             return
+        consumer = self.consumer
+        if consumer is not None and record[0] != R.FLAGS:
+            # How the source lets heartbeats drive repairs (JetStream catch-up) changes between
+            # records: log the change before the record it first applies to.
+            flags = (consumer.heartbeat_repairs, consumer.status_in_order)
+            if flags != self._flags:
+                self._flags = flags
+                self._add(
+                    [
+                        R.FLAGS,
+                        record[1],
+                        record[2],
+                        {"heartbeat_repairs": flags[0], "status_in_order": flags[1]},
+                    ]
+                )
         try:
             self.writer.add(record)
         except Exception as exc:  # disk full, file removed...: the service matters more than the log
@@ -137,14 +152,6 @@ class Recorder:
 
     def message(self, subject: str, payload: bytes, received: float | None = None) -> None:
         """An events/status message about to be handed to the consumer (NatsSource.tap)."""
-        consumer = self.consumer
-        if consumer is not None:
-            flags = (consumer.heartbeat_repairs, consumer.status_in_order)
-            if flags != self._flags:
-                self._flags = flags
-                self._add(
-                    [*self._head(R.FLAGS), {"heartbeat_repairs": flags[0], "status_in_order": flags[1]}]
-                )
         self.messages += 1
         self._add([R.MSG, self.clock(), time.time() if received is None else received, subject, payload])
 
