@@ -126,9 +126,12 @@ def test_rotation_and_zstd_read_as_one_log(tmp_path: Path) -> None:
     assert len(parts) >= 3 and all(p.stat().st_size <= 3000 for p in parts)
     assert [rec for _, _, rec in LogReader(rotated)] == records
     assert replay(str(rotated)).replayer.digest() == expected
-    # A new log at the same path never picks up an older log's extra segments.
+    # A new log at the same path (a restarted service) keeps the older one aside, whole.
     _log(rotated)
     assert segments(rotated) == [rotated]
+    (kept,) = [p for p in tmp_path.glob("rotated-*.kvlog")]
+    assert len(segments(kept)) == len(parts)
+    assert replay(str(kept)).replayer.digest() == expected
 
     packed = tmp_path / "packed.kvlog"
     _log(packed, zstd=True, frame_bytes=64 * 1024)
@@ -155,3 +158,23 @@ def test_until_accepts_offsets_clock_times_and_timestamps() -> None:
 
     hhmmss = datetime.fromtimestamp(start + 3600).strftime("%H:%M:%S")
     assert abs(parse_until(hhmmss, start) - (start + 3600)) < 1
+
+
+def test_a_record_that_raises_is_reported_and_the_replay_goes_on(tmp_path: Path, capsys) -> None:
+    path = tmp_path / "a.kvlog"
+    records = _log(path)
+    meta = LogReader(path).meta
+    # A snapshot answer whose keys are not bytes (a writer bug): applying it raises.
+    bad = [R.SNAPSHOT, 0.0, records[50][2], "w0", 0, 100, 1, {0: 12345}]
+    spliced = tmp_path / "spliced.kvlog"
+    writer = LogWriter(spliced, meta, frame_bytes=1)  # one record a frame: offsets name records
+    for record in [*records[:50], bad, *records[50:]]:
+        writer.add(record)
+    writer.close()
+    bad_offset = sorted({off for _, off, _ in LogReader(spliced)})[50]
+    result = replay(str(spliced))
+    assert [e[0] for e in result.replayer.exceptions] == [f"0:{bad_offset}"]
+    assert result.replayer.digest() == _replayed(meta, records)  # everything else applied
+    assert main(["replay", str(spliced), "--plain", "--timeline", "none"]) == 1
+    out = capsys.readouterr().out
+    assert f"1 record(s) raised in the consumer; the first, at 0:{bad_offset}" in out and "TypeError" in out

@@ -437,6 +437,13 @@ def _report(driver: Any, args: argparse.Namespace, out: Output, queries: list) -
         first = r.divergences[0]
         out.line(f"error: the replay diverged from the live service at record {first.offset}", "red")
         code = 1
+    if r.exceptions:
+        offset, _error, trace = r.exceptions[0]
+        out.line(
+            f"error: {len(r.exceptions)} record(s) raised in the consumer; the first, at {offset}:", "red"
+        )
+        out.line(trace.rstrip())
+        code = 1
     if result.error is not None:
         out.line(f"error: {result.error} (everything before it was replayed)", "red")
         code = 1

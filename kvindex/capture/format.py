@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import struct
+import time
 import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -123,9 +124,9 @@ class LogWriter:
         self.frames = 0
         self._file: Any = None
         self.closed = False
-        # Never append to or overwrite an older log's segments: they would read as one stream.
-        for old in segments(self.path)[1:]:
-            old.unlink()
+        # Never overwrite an older log (a restarted service would lose the one it wrote before), nor
+        # leave its segments where they would read as this log's tail: move them aside.
+        self.kept = keep_aside(self.path)
         self._open_segment(0)
 
     def _open_segment(self, n: int) -> None:
@@ -138,7 +139,7 @@ class LogWriter:
         header = _HEADER.pack(MAGIC, VERSION, flags, len(body), zlib.crc32(body)) + body
         path = segment_path(self.path, n)
         self._file = open(path, "wb", buffering=0)  # noqa: SIM115 - kept open across calls
-        self._file.write(header)
+        _write_all(self._file, header)
         self.segment_size = len(header)
         self.segment_frames = 0
         self.bytes_written += len(header)
@@ -166,7 +167,7 @@ class LogWriter:
         frame = _FRAME.pack(len(body), zlib.crc32(body)) + body
         if self.max_bytes and self.segment_frames and self.segment_size + len(frame) > self.max_bytes:
             self._open_segment(self.segment + 1)
-        self._file.write(frame)
+        _write_all(self._file, frame)
         self.segment_size += len(frame)
         self.segment_frames += 1
         self.frames += 1
@@ -188,6 +189,35 @@ class LogWriter:
             if self._file is not None:
                 self._file.close()
                 self._file = None
+
+
+def _write_all(f: Any, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        n = f.write(view)
+        view = view[n:]
+
+
+def keep_aside(path: str | Path) -> Path | None:
+    """Rename an existing log at ``path`` (all its segments) to ``NAME-<its start time>.EXT``;
+    returns the new name, None when there was nothing there."""
+    p = Path(path)
+    if not p.exists():
+        return None
+    try:
+        with open(p, "rb") as f:
+            started = float(read_header(p, f)[0].get("created_wall", 0.0))
+    except (LogError, OSError, ValueError):
+        started = 0.0
+    stamp = time.strftime("%Y%m%dT%H%M%S", time.localtime(started or p.stat().st_mtime))
+    base = p.with_name(f"{p.stem}-{stamp}{p.suffix}")
+    n = 1
+    while base.exists():
+        base = p.with_name(f"{p.stem}-{stamp}-{n}{p.suffix}")
+        n += 1
+    for i, seg in enumerate(segments(p)):
+        seg.rename(segment_path(base, i))
+    return base
 
 
 # -- reading -------------------------------------------------------------------------------------

@@ -253,14 +253,28 @@ class RecordingServicer(KvIndexServicer):
     async def Score(self, request: Any, context: Any) -> Any:
         response = await super().Score(request, context)
         if response.committed_instance_id:
-            self.recorder.route("Score", request.SerializeToString(), response.committed_instance_id)
+            self.recorder.route("Score", self._compact(request), response.committed_instance_id)
         return response
 
     async def Commit(self, request: Any, context: Any) -> Any:
         response = await super().Commit(request, context)
         if response.committed:
-            self.recorder.route("Commit", request.SerializeToString(), request.instance_id)
+            self.recorder.route("Commit", self._compact(request), request.instance_id)
         return response
+
+    def _compact(self, request: Any) -> bytes:
+        """The request with its prompt as block keys (and the token count) instead of token ids: the
+        same request to the router, several times smaller (one key per block of tokens)."""
+        if not len(request.token_ids):
+            return request.SerializeToString()
+        _block_size, keys = self.prompt_keys(request)
+        compact = type(request)()
+        compact.CopyFrom(request)
+        compact.ClearField("token_ids")
+        compact.lora = compact.salt = ""  # already folded into the keys
+        compact.block_keys.extend(keys)
+        compact.prompt_tokens = len(request.token_ids)
+        return compact.SerializeToString()
 
     async def Release(self, request: Any, context: Any) -> Any:
         response = await super().Release(request, context)

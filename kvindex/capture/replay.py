@@ -20,6 +20,7 @@ heartbeat times, status ages, repair durations and ledger ages are those of the 
 from __future__ import annotations
 
 import time
+import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -255,6 +256,7 @@ class Replayer:
         self.divergences: list[Divergence] = []
         self.closed = ""
         self.unknown = 0
+        self.exceptions: list[tuple[str, str, str]] = []  # (offset, error, traceback)
         self.where = ""
         self.watch_request = ""  # request id whose live ranking to reconstruct (see route())
         self.watched: QueryResult | None = None
@@ -312,7 +314,13 @@ class Replayer:
         if handler is None:
             self.unknown += 1
             return
-        handler(self, record)
+        try:
+            handler(self, record)
+        except Exception as exc:
+            # Live, nats-py and the repairer log such an exception and carry on: so does the replay,
+            # saying which record raised it (reproducing that is often why one replays).
+            self.exceptions.append((where, f"{type(exc).__name__}: {exc}", traceback.format_exc()))
+            self.moment("", "EXCEPTION", f"{type(exc).__name__}: {exc} (record {name} at {where})", True)
 
     def _msg(self, record: list[Any]) -> None:
         subject, payload = record[3], record[4]
@@ -545,6 +553,7 @@ class Replayer:
             },
             "ledger": len(self.router.ledger),
             "checks": {"matched": self.checks_ok, "diverged": len(self.divergences)},
+            "exceptions": [{"offset": o, "error": e} for o, e, _ in self.exceptions],
             "closed": self.closed,
             "digest": self.digest(),
         }
