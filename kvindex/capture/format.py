@@ -126,6 +126,7 @@ class LogWriter:
         self.closed = False
         # Never overwrite an older log (a restarted service would lose the one it wrote before), nor
         # leave its segments where they would read as this log's tail: move them aside.
+        self.path.parent.mkdir(parents=True, exist_ok=True)
         self.kept = keep_aside(self.path)
         self._open_segment(0)
 

@@ -13,7 +13,7 @@
 | FLAGS | {heartbeat_repairs, status_in_order} | the source changed how heartbeats are used |
 | CHECK | digest, instances, entries per tier | periodically and at close: the live state digest |
 | CALIBRATION | {model: calibration} | at start: the prefill calibration loaded from the bucket |
-| ROUTE | method, request (protobuf bytes), instance | a routing state change over gRPC (commit, release) |
+| ROUTE | method, request (protobuf, prompt as keys), instance | a routing change over gRPC (commit...) |
 | CLOSE | reason | the writer stopped cleanly |
 
 Unknown kinds are skipped by readers (forward compatibility within a version).
