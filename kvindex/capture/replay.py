@@ -409,7 +409,10 @@ class Replayer:
             return
         req = pb.ScoreRequest.FromString(body) if method == "Score" else pb.CommitRequest.FromString(body)
         if self.watch_request and req.request_id == self.watch_request and self.watched is None:
-            self.watched = self._explain_recorded(req, instance)
+            try:
+                self.watched = self._explain_recorded(req, instance)
+            except Exception as exc:  # the explanation must not cost the commit below
+                self.watched = QueryResult(f"request {req.request_id}", {}, None, f"cannot re-rank: {exc!r}")
         worker, _, rank = instance.partition("/")
         try:
             block_size, keys = self.servicer.prompt_keys(req)
@@ -429,7 +432,8 @@ class Replayer:
         fields = {
             f.name: v for f, v in req.ListFields() if f.name in pb.ScoreRequest.DESCRIPTOR.fields_by_name
         }
-        fields.pop("commit", None)
+        for name in ("commit", "explain"):
+            fields.pop(name, None)
         score = pb.ScoreRequest(**fields, explain=True)
         result = self._score(score, f"request {req.request_id}")
         result.request["committed_live"] = instance
