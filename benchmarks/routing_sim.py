@@ -507,7 +507,7 @@ def preset_llmd(args: argparse.Namespace) -> Experiment:
     n = 800 if args.quick else 3000
     cluster = Cluster(8, {"profile": "llama3-8b-h100", "block_size": 16}, slo_s=args.slo or 2.0)
     levels = []
-    for qps in (8, 16, 24):
+    for qps in (40, 80, 120):
         reqs = shared_prefix_groups(
             groups=150,
             prefix_tokens=6000 // 16 * 16,

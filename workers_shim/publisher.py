@@ -442,8 +442,9 @@ class Publisher(WorkerLog):
         if self._owns_nc and not self.nc.is_closed:
             try:
                 await self.nc.drain()
-            except Exception:
-                await self.nc.close()
+            except Exception:  # reconnecting or reset: just close
+                with contextlib.suppress(Exception):
+                    await self.nc.close()
 
     async def __aenter__(self) -> Publisher:
         return self

@@ -79,6 +79,8 @@ class CostConfig:
     fetch: FetchCosts = DEFAULT_FETCH
     engine: EngineShape = field(default_factory=EngineShape)
     default_prefill: PrefillModel = DEFAULT_PREFILL
+    # Assume the queue a heartbeat reported has been draining since, at the prefill rate.
+    drain_reported_queue: bool = True
 
 
 def queue_ms(model: PrefillModel, shape: EngineShape, queued_tokens: float, running: int) -> float:

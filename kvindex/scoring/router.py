@@ -93,7 +93,10 @@ class Router:
             load = state.load
             n_new, tokens_new, inflight = self.ledger.pending(key, state.last_status_at)
             reported = load.waiting_prefill_tokens
-            if reported and state.last_status_at is not None and model.b_ms_per_token > 0:
+            drain = (
+                costs.drain_reported_queue and state.last_status_at is not None and model.b_ms_per_token > 0
+            )
+            if reported and drain:
                 # The reported queue has been draining since the heartbeat, at the engine's rate.
                 reported = max(0.0, reported - (now - state.last_status_at) * 1000 / model.b_ms_per_token)
             queued = reported + tokens_new

@@ -17,6 +17,9 @@ docs/scoring.md explains them). Placement rules on top of the estimate:
 
 from __future__ import annotations
 
+import statistics
+from collections import OrderedDict
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from kvindex.scoring.base import Candidate, Choice, RouteRequest
@@ -34,11 +37,16 @@ class Ttft:
         self,
         home_tokens: int = 2048,
         useful_tokens: int = 1024,
-        margin: float = 0.15,
-        margin_ms: float = 25.0,
+        margin: float = 0.0,
+        margin_ms: float = 0.0,
         max_replicas: int = 4,
         overflow: float = 3.0,
         speculative_ttl: float = 10.0,
+        congestion: float = 4.0,
+        replica_cost: float = 4.0,
+        hot_requests: float = 3.0,
+        hot_half_life: float = 30.0,
+        max_tracked: int = 100_000,
     ) -> None:
         self.home_tokens = home_tokens
         self.useful_tokens = useful_tokens
@@ -47,13 +55,34 @@ class Ttft:
         self.max_replicas = max_replicas
         self.overflow = overflow
         self.speculative_ttl = speculative_ttl
-
-    def _ok(self, c: Candidate, best: float) -> bool:
-        return c.est_ttft_ms <= best * (1 + self.margin) + self.margin_ms
+        self.congestion = congestion
+        self.replica_cost = replica_cost
+        self.hot_requests = hot_requests
+        self.hot_half_life = hot_half_life
+        self.max_tracked = max_tracked
+        # Recent requests per home prefix (exponentially decayed): how hot a prefix is.
+        self._hot: OrderedDict[int, tuple[float, float]] = OrderedDict()
 
     def rank(self, request: RouteRequest, candidates: list[Candidate], router: Router) -> list[Choice]:
-        ordered = sorted(candidates, key=lambda c: (c.est_ttft_ms, c.state.key))
+        cost = {id(c): c.est_ttft_ms for c in candidates}
+        if self.congestion:
+            # An overloaded fleet (queues longer than the work itself) is limited by throughput:
+            # every token computed delays everyone queued after it, so weigh prefill work by how far
+            # waits exceed it; hits then win over small differences in wait.
+            # Medians: one overloaded instance is not a congested fleet.
+            wait = statistics.median(c.wait_ms for c in candidates)
+            work = statistics.median(c.prefill_ms for c in candidates) or 1.0
+            k = self.congestion * max(0.0, wait / work - 1.0)
+            if k:
+                cost = {id(c): c.est_ttft_ms + k * c.prefill_ms for c in candidates}
+        # Ties (an idle fleet, equal hits) go to the emptier cache, then the less busy instance.
+        ordered = sorted(candidates, key=lambda c: (cost[id(c)], c.state.load.kv_usage, c.load, c.state.key))
         best = ordered[0]
+        limit = cost[id(best)] * (1 + self.margin) + self.margin_ms
+
+        def ok(c: Candidate) -> bool:
+            return cost[id(c)] <= limit
+
         pick, reason = best, "fastest"
         keys = request.keys
         if keys:
@@ -65,15 +94,20 @@ class Ttft:
             # Short prompts: half of them is useful.
             useful = max(1, min(self.useful_tokens // request.block_size, (len(keys) + 1) // 2))
             if longest < useful:
-                pick, reason = self._first_ok(homes, best.est_ttft_ms, "home")
+                pick, reason = _first(homes, ok, "home")
             elif best.blocks < held:  # the fastest does not hold the prefix: a new replica
-                within = [c for c in holders if self._ok(c, best.est_ttft_ms)]
+                # A new copy of the prefix costs more than its own recompute: cache space, and the
+                # work every later copy-holder does again. Holders win unless they are worse than
+                # the best by more than ``replica_cost`` x the duplicated prefill.
+                dup = max(0.0, best.prefill_ms - holders[0].prefill_ms)
+                hot = min(1.0, self._heat(keys[h], router.clock()) / self.hot_requests)
+                slack = cost[id(best)] * (1 + self.margin) + self.margin_ms + self.replica_cost * hot * dup
+                within = [c for c in holders if cost[id(c)] <= slack]
                 if within:
                     pick, reason = within[0], "replica"
                 elif len(holders) < self.max_replicas:
-                    spill = [c for c in homes if c.blocks < held]
-                    pick, reason = self._first_ok(spill, best.est_ttft_ms, "spill")
-                elif holders[0].est_ttft_ms <= best.est_ttft_ms * self.overflow:
+                    pick, reason = _first([c for c in homes if c.blocks < held], ok, "spill")
+                elif cost[id(holders[0])] <= cost[id(best)] * self.overflow:
                     pick, reason = holders[0], "capped"
                 else:
                     pick, reason = best, "overflow"
@@ -83,11 +117,27 @@ class Ttft:
         out += [Choice(c, c.est_ttft_ms, "") for c in ordered if c is not pick]
         return out
 
-    def _first_ok(self, order: list[Candidate], best: float, what: str) -> tuple[Candidate, str]:
-        for rank, c in enumerate(order):
-            if self._ok(c, best):
-                return c, what if rank == 0 else f"{what}+{rank}"
-        return order[0], what
+    def _heat(self, key: int, now: float) -> float:
+        entry = self._hot.get(key)
+        if entry is None:
+            return 0.0
+        count, at = entry
+        return count * 0.5 ** ((now - at) / self.hot_half_life)
 
     def on_commit(self, request: RouteRequest, instance: Candidate, router: Router) -> None:
-        return None
+        keys = request.keys
+        if not keys:
+            return
+        key = keys[home_block(len(keys), request.block_size, self.home_tokens)]
+        now = router.clock()
+        self._hot[key] = (self._heat(key, now) + 1.0, now)
+        self._hot.move_to_end(key)
+        while len(self._hot) > self.max_tracked:
+            self._hot.popitem(last=False)
+
+
+def _first(order: list[Candidate], ok: Callable[[Candidate], bool], what: str) -> tuple[Candidate, str]:
+    for rank, c in enumerate(order):
+        if ok(c):
+            return c, what if rank == 0 else f"{what}+{rank}"
+    return order[0], what
