@@ -1,7 +1,7 @@
 """Builds the index's native extension; everything else is in pyproject.toml.
 
-The extension is optional: without a C compiler the install still succeeds and kvindex uses the
-pure-Python twin (kvindex/index/_pytable.py), several times slower.
+The extensions are optional: without a C compiler the install still succeeds and kvindex uses the
+pure-Python twins (kvindex/index/_pytable.py, the loop in kvindex/keys.py), several times slower.
 """
 
 from Cython.Build import cythonize
@@ -13,7 +13,14 @@ extensions = [
         ["kvindex/index/_native.pyx"],
         extra_compile_args=["-O3"],
         optional=True,
-    )
+    ),
+    Extension(
+        "kvindex._keys_native",
+        ["kvindex/_keys_native.pyx"],
+        include_dirs=["kvindex"],
+        extra_compile_args=["-O3"],
+        optional=True,
+    ),
 ]
 
 setup(ext_modules=cythonize(extensions, compiler_directives={"language_level": "3"}, quiet=True))

@@ -24,6 +24,11 @@ import numpy as np
 import xxhash
 
 _xxh3 = xxhash.xxh3_64_intdigest
+
+try:  # one C loop over the blocks (kvindex/_keys_native.pyx); same results as _keys_python
+    from kvindex._keys_native import chain_keys as _chain_keys
+except ImportError:  # no compiler at install time
+    _chain_keys = None
 _TOKEN_MAX = 0xFFFFFFFF
 
 
@@ -69,6 +74,12 @@ def keys_from_le_bytes(raw: bytes, block_size: int, seed: int) -> list[int]:
     """Chained keys of the full blocks in ``raw`` (LE uint32 tokens), continuing from ``seed``."""
     if block_size <= 0:
         raise ValueError(f"block_size must be positive, got {block_size}")
+    if _chain_keys is not None:
+        return _chain_keys(raw, block_size, seed)
+    return _keys_python(raw, block_size, seed)
+
+
+def _keys_python(raw: bytes, block_size: int, seed: int) -> list[int]:
     step = block_size * 4
     full = len(raw) - len(raw) % step
     mv = memoryview(raw)

@@ -114,3 +114,16 @@ def test_bad_block_size_and_byte_length() -> None:
         block_keys([1, 2], 0, "m")
     with pytest.raises(ValueError):
         tokens_to_le_bytes(b"\x00\x01\x02")
+
+
+def test_native_chain_is_built_and_agrees_with_the_python_loop() -> None:
+    from kvindex import keys
+
+    assert keys._chain_keys is not None, "kvindex/_keys_native.pyx was not compiled"
+    raw = tokens_to_le_bytes(list(range(1000, 3000)))
+    for block_size in (1, 4, 16, 33, 512):
+        for cut in (0, 5, 4 * block_size, len(raw)):
+            seed = model_seed("m", "l", "s")
+            assert keys.keys_from_le_bytes(raw[:cut], block_size, seed) == keys._keys_python(
+                raw[:cut], block_size, seed
+            )
