@@ -395,7 +395,9 @@ class Simulation:
         firsts = [c for k, c in self.completions.items() if not k.endswith("#end")]
         ttfts = np.array([c.ttft for c in firsts])
         prompt = sum(c.request.prompt_tokens for c in firsts)
-        hit = sum(c.hit_tokens for c in firsts)
+        # Prefix hits found when the request was first admitted (a preempted request re-admitted
+        # finds its own blocks again: that is recomputation avoided, not a prefix hit).
+        hit = sum(sum((c.first_cached_tokens or c.cached_tokens).values()) for c in firsts)
         tm = EngineConfig.from_profile(**self.cluster.engine).time
         prefill_s = (
             sum(tm.chunk_ms(c.computed_tokens, c.request.prompt_tokens - c.computed_tokens) for c in firsts)
@@ -488,13 +490,15 @@ def preset_loadaware(args: argparse.Namespace) -> Experiment:
         prefix_tokens=2048,
         zipf=0.9,
         suffix_tokens=64,
-        output_tokens=128,
+        output_tokens=args.output_tokens or 128,
         qps=16,
         requests=n,
         block_size=16,
         seed=args.seed,
     )
-    cluster = Cluster(2, {"profile": "llama3-8b-h100", "block_size": 16}, slo_s=args.slo or 1.0)
+    # production-stack serves with LMCache CPU offload: every prefix fits in host memory.
+    engine = {"profile": "llama3-8b-h100", "block_size": 16, "cpu_blocks": 128 * 2048 // 16}
+    cluster = Cluster(2, engine, slo_s=args.slo or 1.0)
     return Experiment(
         "loadaware",
         [("2 inst, 16 req/s", reqs, cluster)],
@@ -640,6 +644,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--slo", type=float, default=0.0, help="TTFT objective (s) for goodput")
     parser.add_argument("--delay", type=float, default=0.005, help="event propagation delay (s)")
     parser.add_argument("--loss", type=float, default=0.0, help="probability a batch is lost")
+    parser.add_argument("--output-tokens", type=int, default=0, help="loadaware preset: output length")
     parser.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1))
     args = parser.parse_args(argv)
     args.policies = tuple(p for p in args.policies.split(",") if p)

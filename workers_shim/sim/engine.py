@@ -77,6 +77,7 @@ class Completion:
     prefill_s: float
     finished_at: float | None = None
     preemptions: int = 0
+    first_cached_tokens: dict[str, int] | None = None  # per tier, at the first admission
 
     @property
     def ttft(self) -> float:
@@ -241,6 +242,7 @@ class _Req:
         "dec_id",
         "decoding",
         "est",
+        "first_cached",
         "first_sched",
         "first_token_at",
         "g0",
@@ -272,6 +274,8 @@ class _Req:
         self.first_sched: float | None = None
         self.first_token_at: float | None = None
         self.cached: dict[str, int] = {}
+        self.first_cached: dict[str, int] = {}  # found at the first admission (a preempted request
+        # finds its own blocks again when re-admitted: that is not a prefix hit)
         self.computed = 0
         self.est = 0
         self.preemptions = 0
@@ -924,7 +928,8 @@ class SimEngine:
         r.n_computed = hit_tok
         self._running[r] = None
         self._prefilling.append(r)
-        if r.first_sched is None:
+        first = r.first_sched is None
+        if first:
             r.first_sched = t
         if r.first_token_at is None:
             r.cached = {
@@ -933,6 +938,8 @@ class SimEngine:
                 "disk": loads[2] * B,
                 "shared": loads[3] * B,
             }
+            if first:
+                r.first_cached = r.cached
         s = self.stats
         s.admissions += 1
         s.queried_tokens += r.n_tokens
@@ -994,6 +1001,7 @@ class SimEngine:
             prefill_s=r.first_token_at - r.first_sched,
             finished_at=t,
             preemptions=r.preemptions,
+            first_cached_tokens=r.first_cached,
         )
 
     # -- checks (tests) -----------------------------------------------------------------------
