@@ -68,10 +68,18 @@ class Router:
         model = self.calibrator.prefill(request.model)
         costs = self.config.costs
         shape = costs.engine
+        # Hoisted: this loop runs once per instance on every Score.
+        b_ms = model.b_ms_per_token
+        chunk, dps = shape.chunk_tokens, shape.decode_ms_per_seq
+        f_cpu, f_disk, f_pool = costs.fetch.per_token_ms[1:]
+        drain_rate = 1000 / b_ms if costs.drain_reported_queue and b_ms > 0 else 0.0
         b = request.block_size
         prompt = request.prompt_tokens
+        cap = max(prompt - 1, 0)  # vLLM always recomputes at least the prompt's last token
         now = self.clock()
-        spec = self.speculative
+        spec = self.speculative._keys if spec_ttl > 0 and keys else {}
+        pending = self.ledger.pending
+        prefill_of: dict[int, float] = {}  # many instances share a miss size
         out = []
         for state in states:
             key = state.key
@@ -79,32 +87,33 @@ class Router:
             blocks = match.length
             t = match.tiers
             gpu = t[0]
-            if spec_ttl > 0 and keys:
-                extended = spec.extend(key, keys, blocks)
+            if key in spec:
+                extended = self.speculative.extend(key, keys, blocks)
                 gpu += extended - blocks
                 blocks = extended
-            # vLLM always recomputes at least the prompt's last token.
-            hit = min(blocks * b, max(prompt - 1, 0))
+            hit = blocks * b
             by_tier = (gpu * b, t[1] * b, t[2] * b, t[3] * b)
-            over = blocks * b - hit
-            if over > 0:  # the capped tokens come off the last (slowest) tier that has any
-                by_tier = _trim(by_tier, over)
+            if hit > cap:  # the capped tokens come off the last (slowest) tier that has any
+                by_tier = _trim(by_tier, hit - cap)
+                hit = cap
             miss = prompt - hit
             load = state.load
-            n_new, tokens_new, inflight = self.ledger.pending(key, state.last_status_at)
-            reported = load.waiting_prefill_tokens
-            drain = (
-                costs.drain_reported_queue and state.last_status_at is not None and model.b_ms_per_token > 0
-            )
-            if reported and drain:
+            n_new, tokens_new, inflight = pending(key, state.last_status_at)
+            queued = load.waiting_prefill_tokens
+            if queued and drain_rate and state.last_status_at is not None:
                 # The reported queue has been draining since the heartbeat, at the engine's rate.
-                reported = max(0.0, reported - (now - state.last_status_at) * 1000 / model.b_ms_per_token)
-            queued = reported + tokens_new
+                queued = max(0.0, queued - (now - state.last_status_at) * drain_rate)
+            queued += tokens_new
             running = load.running + n_new
-            wait = queue_ms(model, shape, queued, running)
-            steps = -(-miss // shape.chunk_tokens) if miss > 0 else 0
-            prefill = model.ms(miss, prompt) + steps * shape.decode_ms_per_seq * running
-            fetch = costs.fetch.ms(by_tier)
+            wait = queue_ms(model, shape, queued, running) if queued > 0 else 0.0
+            if miss > 0:
+                base = prefill_of.get(miss)
+                if base is None:
+                    base = prefill_of[miss] = model.ms(miss, prompt)
+                prefill = base + -(-miss // chunk) * dps * running
+            else:
+                prefill = 0.0
+            fetch = f_cpu * by_tier[1] + f_disk * by_tier[2] + f_pool * by_tier[3] if blocks > gpu else 0.0
             out.append(
                 Candidate(
                     state,

@@ -17,6 +17,7 @@ docs/scoring.md explains them). Placement rules on top of the estimate:
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections import OrderedDict
 from collections.abc import Callable
@@ -43,6 +44,7 @@ class Ttft:
         overflow: float = 3.0,
         speculative_ttl: float = 10.0,
         congestion: float = 4.0,
+        congestion_tau: float = 5.0,
         replica_cost: float = 4.0,
         hot_requests: float = 3.0,
         hot_half_life: float = 30.0,
@@ -56,6 +58,9 @@ class Ttft:
         self.overflow = overflow
         self.speculative_ttl = speculative_ttl
         self.congestion = congestion
+        self.congestion_tau = congestion_tau
+        self._k = 0.0
+        self._k_at: float | None = None
         self.replica_cost = replica_cost
         self.hot_requests = hot_requests
         self.hot_half_life = hot_half_life
@@ -67,12 +72,11 @@ class Ttft:
         cost = {id(c): c.est_ttft_ms for c in candidates}
         if self.congestion:
             # An overloaded fleet (queues longer than the work itself) is limited by throughput:
-            # every token computed delays everyone queued after it, so weigh prefill work by how far
-            # waits exceed it; hits then win over small differences in wait.
-            # Medians: one overloaded instance is not a congested fleet.
-            wait = statistics.median(c.wait_ms for c in candidates)
-            work = statistics.median(c.prefill_ms for c in candidates) or 1.0
-            k = self.congestion * max(0.0, wait / work - 1.0)
+            # every token computed delays everyone queued after it, so prefill work is weighed by
+            # how far waits exceed it; hits then win over small differences in wait. The weight is
+            # a fleet regime tracked over time (medians, smoothed over ``congestion_tau`` s), never
+            # the current candidates' own loads: one instance's load must not reorder the others.
+            k = self._congestion_weight(candidates, router.clock())
             if k:
                 cost = {id(c): c.est_ttft_ms + k * c.prefill_ms for c in candidates}
         # Ties (an idle fleet, equal hits) go to the emptier cache, then the less busy instance.
@@ -90,11 +94,14 @@ class Ttft:
             longest = max(c.blocks for c in ordered)
             held = min(h + 1, longest)
             holders = [c for c in ordered if c.blocks >= held]
-            homes = rendezvous_order(ordered, [c.state.instance_id for c in ordered], keys[h])
+
+            def homes() -> list[Candidate]:  # only cold prompts and spills need the hashing
+                return rendezvous_order(ordered, [c.state.instance_id for c in ordered], keys[h])
+
             # Short prompts: half of them is useful.
             useful = max(1, min(self.useful_tokens // request.block_size, (len(keys) + 1) // 2))
             if longest < useful:
-                pick, reason = _first(homes, ok, "home")
+                pick, reason = _first(homes(), ok, "home")
             elif best.blocks < held:  # the fastest does not hold the prefix: a new replica
                 # A new copy of the prefix costs more than its own recompute: cache space, and the
                 # work every later copy-holder does again. Holders win unless they are worse than
@@ -106,7 +113,7 @@ class Ttft:
                 if within:
                     pick, reason = within[0], "replica"
                 elif len(holders) < self.max_replicas:
-                    pick, reason = _first([c for c in homes if c.blocks < held], ok, "spill")
+                    pick, reason = _first([c for c in homes() if c.blocks < held], ok, "spill")
                 elif cost[id(holders[0])] <= cost[id(best)] * self.overflow:
                     pick, reason = holders[0], "capped"
                 else:
@@ -116,6 +123,18 @@ class Ttft:
         out = [Choice(pick, pick.est_ttft_ms, reason)]
         out += [Choice(c, c.est_ttft_ms, "") for c in ordered if c is not pick]
         return out
+
+    def _congestion_weight(self, candidates: list[Candidate], now: float) -> float:
+        """The weight in force (from earlier requests), then fold in what these candidates show."""
+        k = self._k
+        wait = statistics.median(c.wait_ms for c in candidates)
+        work = statistics.median(c.prefill_ms for c in candidates) or 1.0
+        target = self.congestion * max(0.0, wait / work - 1.0)
+        dt = max(0.0, now - self._k_at) if self._k_at is not None else self.congestion_tau
+        blend = 1.0 - math.exp(-dt / self.congestion_tau)
+        self._k = k + (target - k) * blend
+        self._k_at = now
+        return k
 
     def _heat(self, key: int, now: float) -> float:
         entry = self._hot.get(key)
