@@ -593,6 +593,7 @@ def write_outputs(exp: Experiment, results: list[RunResult]) -> None:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
+        print("matplotlib not installed (make install-bench): CSV and JSON written, no plots")
         return
     labels = list(dict.fromkeys(r.label for r in results))
     fig, axes = plt.subplots(1, len(labels), figsize=(5 * len(labels), 4), squeeze=False)

@@ -15,6 +15,7 @@ from kvindex.repair.nats_repair import RepairConfig
 from kvindex.service.app import IndexService, ServiceConfig
 from kvindex.service.natsd import EmbeddedNats
 from kvindex.testing.data import shared_dir
+from kvindex.testing.faults import FaultyPublisher
 from kvindex.v1 import kvindex_pb2_grpc as pb_grpc
 from workers_shim.publisher import Publisher
 
@@ -94,3 +95,25 @@ async def wait_until(predicate: Callable[[], bool], timeout: float = 5.0, what: 
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout}s waiting for {what}")
         await asyncio.sleep(0.01)
+
+
+def index_view(index: object, instance: tuple[str, int]) -> dict[int, set[int]]:
+    """An instance's keys per tier (non-empty tiers only), as the index holds them."""
+    return {t: keys for t in range(4) if (keys := set(index.keys_of(instance, t)))}  # type: ignore[attr-defined]
+
+
+async def converged(svc: IndexService, *pubs: FaultyPublisher, timeout: float = 5.0) -> None:
+    """Wait until the service has applied every publisher's last batch and holds exactly its blocks."""
+    for p in pubs:
+        await p.flush()
+
+    def same() -> bool:
+        for p in pubs:
+            cursor = svc.consumer.sequencer.cursor((p.worker, p.dp_rank))
+            if cursor is None or cursor.repairing is not None or cursor.applied != p.seq:
+                return False
+            if index_view(svc.index, (p.worker, p.dp_rank)) != p.truth():
+                return False
+        return True
+
+    await wait_until(same, timeout, "index equal to what the workers hold")

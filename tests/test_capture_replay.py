@@ -16,7 +16,6 @@ from kvindex.capture.recorder import CaptureConfig
 from kvindex.capture.replay import Driver, replay
 from kvindex.capture.serve import serve_replayed
 from kvindex.cli import main
-from kvindex.index.base import InstanceKey
 from kvindex.ingest.nats_source import JetStreamConfig
 from kvindex.keys import block_keys
 from kvindex.repair.nats_repair import RepairConfig
@@ -25,7 +24,7 @@ from kvindex.service.natsd import EmbeddedNats
 from kvindex.testing.faults import FaultyPublisher
 from kvindex.v1 import kvindex_pb2 as pb
 from kvindex.v1 import kvindex_pb2_grpc as pb_grpc
-from tests.conftest import wait_until
+from tests.conftest import converged, index_view, wait_until
 
 FAST = RepairConfig(
     replay_timeout=0.5,
@@ -39,10 +38,6 @@ TOKENS = list(range(64))
 KEYS = block_keys(TOKENS, 4, "m")
 
 
-def view(index, instance: InstanceKey) -> dict[int, set[int]]:
-    return {t: keys for t in range(4) if (keys := set(index.keys_of(instance, t)))}
-
-
 async def _worker(url: str, worker: str, **kwargs: object) -> FaultyPublisher:
     nc = await nats.connect(url)
     kwargs.setdefault("model", "m")
@@ -52,22 +47,6 @@ async def _worker(url: str, worker: str, **kwargs: object) -> FaultyPublisher:
     pub._owns_nc = True
     await pub.start()
     return pub
-
-
-async def _synced(svc: IndexService, *pubs: FaultyPublisher) -> None:
-    for p in pubs:
-        await p.flush()
-
-    def same() -> bool:
-        for p in pubs:
-            cursor = svc.consumer.sequencer.cursor((p.worker, p.dp_rank))
-            if cursor is None or cursor.repairing is not None or cursor.applied != p.seq:
-                return False
-            if view(svc.index, (p.worker, p.dp_rank)) != p.truth():
-                return False
-        return True
-
-    await wait_until(same, 5, "index equal to the workers")
 
 
 @pytest.fixture
@@ -90,7 +69,7 @@ async def captured(nats_server: EmbeddedNats, tmp_path: Path) -> tuple[Path, Ind
     try:
         w1.stored(KEYS[:8])
         w2.stored(KEYS[:4], tier="cpu")
-        await _synced(svc, w1, w2)
+        await converged(svc, w1, w2)
         w1.faults.only_seqs = {2}  # lost: the next batch reveals the gap, a replay repairs it
         w1.stored(KEYS[8:10])
         await w1.flush()
@@ -102,7 +81,7 @@ async def captured(nats_server: EmbeddedNats, tmp_path: Path) -> tuple[Path, Ind
             await w2.flush()
         w2.faults.only_seqs.clear()
         w2.removed(KEYS[:2], tier="cpu")
-        await _synced(svc, w1, w2)
+        await converged(svc, w1, w2)
         async with grpc.aio.insecure_channel(svc.grpc.address) as channel:
             stub = pb_grpc.KvIndexStub(channel)
             for i in range(3):
@@ -116,7 +95,7 @@ async def captured(nats_server: EmbeddedNats, tmp_path: Path) -> tuple[Path, Ind
         w1.stored(KEYS[:6])
         w2.faults.partitioned = True  # silent: marked stale
         await wait_until(lambda: svc.registry.get(("w2", 1)).stale, 3, "w2 stale")  # type: ignore[union-attr]
-        await _synced(svc, w1)
+        await converged(svc, w1)
         assert svc.counters.snapshots_requested["periodic"] >= 1
     finally:
         await w1.close()
@@ -142,7 +121,7 @@ async def test_replay_reproduces_the_live_service_exactly(captured: tuple[Path, 
     for state in live.registry.all():
         mine = r.registry.get(state.key)
         assert mine is not None
-        assert view(r.index, state.key) == view(live.index, state.key)
+        assert index_view(r.index, state.key) == index_view(live.index, state.key)
         assert (mine.epoch, mine.last_seq, mine.stale, mine.sync) == (
             state.epoch,
             state.last_seq,
@@ -253,13 +232,13 @@ async def test_jetstream_rebuild_replays_with_its_heartbeat_mode(tmp_path: Path)
         for k in range(0, 16, 4):
             pub.stored(KEYS[k : k + 4])
             await pub.flush()
-        await _synced(first, pub)
+        await converged(first, pub)
         await first.stop()
         config.capture = CaptureConfig(str(path))
         second = IndexService(config)  # rebuilds from the stream's four batches
         await second.start()
         pub.removed(KEYS[:3])
-        await _synced(second, pub)
+        await converged(second, pub)
         await second.stop()
     finally:
         await pub.close()

@@ -9,14 +9,13 @@ import grpc
 import nats
 import pytest
 
-from kvindex.index.base import InstanceKey
 from kvindex.repair.nats_repair import RepairConfig
 from kvindex.service.app import IndexService
 from kvindex.service.natsd import EmbeddedNats
 from kvindex.testing.faults import Faults, FaultyPublisher
 from kvindex.v1 import kvindex_pb2 as pb
 from kvindex.v1 import kvindex_pb2_grpc as pb_grpc
-from tests.conftest import wait_until
+from tests.conftest import converged, index_view, wait_until
 
 FAST = RepairConfig(
     replay_timeout=0.5,
@@ -48,26 +47,6 @@ async def make_worker(nats_server: EmbeddedNats):
     for pub in made:
         pub.faults.quiet()
         await pub.close()
-
-
-def index_view(svc: IndexService, instance: InstanceKey) -> dict[int, set[int]]:
-    return {t: keys for t in range(4) if (keys := set(svc.index.keys_of(instance, t)))}
-
-
-async def converged(svc: IndexService, *pubs: FaultyPublisher, timeout: float = 5.0) -> None:
-    for p in pubs:
-        await p.flush()
-
-    def same() -> bool:
-        for p in pubs:
-            cursor = svc.consumer.sequencer.cursor((p.worker, p.dp_rank))
-            if cursor is None or cursor.repairing is not None or cursor.applied != p.seq:
-                return False
-            if index_view(svc, (p.worker, p.dp_rank)) != p.truth():
-                return False
-        return True
-
-    await wait_until(same, timeout, "index equal to what the workers hold")
 
 
 async def test_gap_is_repaired_by_replay(make_service: MakeService, make_worker) -> None:
@@ -130,7 +109,7 @@ async def test_restart_with_cache_kept_or_lost(make_service: MakeService, make_w
     # And a restart that lost everything.
     lost = await make_worker("w1")
     await converged(svc, lost)
-    assert index_view(svc, ("w1", 0)) == {}
+    assert index_view(svc.index, ("w1", 0)) == {}
 
 
 async def test_drift_is_detected_from_the_digest(make_service: MakeService, make_worker) -> None:

@@ -104,15 +104,19 @@ class WorkerLog:
         if not new:
             return 0
         held.update(new)
-        x = self._xor[tier]
-        for k in new:
-            x ^= k
-        self._xor[tier] = x
+        self._fold_xor(tier, new)
         for start in range(0, len(new), self.max_batch_keys):
             chunk = new[start : start + self.max_batch_keys]
             self._queue({"type": "stored", "tier": tier, "keys": chunk, "parent": parent}, len(chunk))
             parent = chunk[-1]
         return len(new)
+
+    def _fold_xor(self, tier: str, keys: list[int]) -> None:
+        # Adding and removing a key are the same XOR, which keeps the digest O(1) to maintain.
+        x = self._xor[tier]
+        for k in keys:
+            x ^= k
+        self._xor[tier] = x
 
     def removed(self, keys: Iterable[int], tier: str = "gpu") -> int:
         """The worker no longer holds ``keys`` on ``tier``; returns how many it held."""
@@ -121,10 +125,7 @@ class WorkerLog:
         if not gone:
             return 0
         held.difference_update(gone)
-        x = self._xor[tier]
-        for k in gone:
-            x ^= k
-        self._xor[tier] = x
+        self._fold_xor(tier, gone)
         for start in range(0, len(gone), self.max_batch_keys):
             chunk = gone[start : start + self.max_batch_keys]
             self._queue({"type": "removed", "tier": tier, "keys": chunk}, len(chunk))

@@ -17,17 +17,10 @@ from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvindex.wire.schema import Load  # the heartbeat's load, as the index decodes it
 from workers_shim.bridges.engines import EngineProfile
 
 Samples = dict[str, list[tuple[dict[str, str], float]]]
-
-
-@dataclass(slots=True)
-class Load:
-    running: int = 0
-    waiting: int = 0
-    waiting_prefill_tokens: int = 0
-    kv_usage: float = 0.0
 
 
 @dataclass(slots=True)
