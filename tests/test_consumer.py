@@ -67,6 +67,32 @@ def test_restart_drops_old_blocks() -> None:
     assert sorted(c.index.keys_of(("w1", 0), 0)) == [7]
 
 
+def test_restart_during_a_repair_reports_the_new_history_as_synced() -> None:
+    # Found by the real-vLLM run: a repair of the old epoch left ListInstances saying "replay" or
+    # "snapshot" after the worker restarted, although the new epoch applied from seq 1.
+    class Pending:  # a repair transport whose answers never come
+        def __init__(self) -> None:
+            self.asked: list[str] = []
+
+        def request_replay(self, instance: Any, epoch: int, first: int, last: int) -> None:
+            self.asked.append("replay")
+
+        def request_snapshot(self, instance: Any, cause: str) -> None:
+            self.asked.append("snapshot")
+
+    pending = Pending()
+    c = Consumer(InvertedIndex(), Registry(), repair=pending)
+    c.on_events("kvindex.events.w1", ev_batch(1, [stored(1)], epoch=1))
+    c.on_events("kvindex.events.w1", ev_batch(3, [stored(2)], epoch=1))  # gap: a repair starts
+    assert pending.asked == ["replay"]
+    state = c.registry.get(("w1", 0))
+    assert state is not None and state.sync == "replay"
+    assert c.on_events("kvindex.events.w1", ev_batch(1, [stored(7)], epoch=2))
+    assert state.sync == "synced"
+    assert c.sequencer.cursor(("w1", 0)).repairing is None  # type: ignore[union-attr]
+    assert sorted(c.index.keys_of(("w1", 0), 0)) == [7]
+
+
 def test_status_with_new_epoch_clears_and_tail_loss_is_a_gap() -> None:
     c = make()
     c.on_events("kvindex.events.w1", ev_batch(1, [stored(1)], epoch=1))

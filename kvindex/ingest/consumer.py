@@ -519,6 +519,8 @@ class Consumer:
         self.counters.blocks_cleared += dropped
         state.restarts += 1
         old, state.epoch, state.last_seq = state.epoch, epoch, 0
+        # A repair of the old history ends with it; the new one starts in sync unless it begins its own.
+        state.sync = "synced"
         self.log.info(
             "worker_restarted",
             worker=state.worker,

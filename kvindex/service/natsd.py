@@ -57,6 +57,7 @@ class EmbeddedNats:
         return f"nats://{self.host}:{self.port}"
 
     async def start(self, timeout: float = 10.0) -> None:
+        last_error = ""
         for _attempt in range(5):  # the free port can be taken between probing and binding
             port = self.port or free_port(self.host)
             args = [nats_server_binary(), "-a", self.host, "-p", str(port)]
@@ -76,9 +77,13 @@ class EmbeddedNats:
             with contextlib.suppress(ProcessLookupError):
                 proc.kill()
             await proc.wait()
+            assert proc.stderr is not None
+            last_error = (await proc.stderr.read()).decode(errors="replace").strip()[-500:]
             if self.port:
-                break
-        raise RuntimeError(f"nats-server did not start on {self.host}:{self.port or 'a free port'}")
+                # A restart on the same port can race the previous server's socket release.
+                await asyncio.sleep(0.2)
+        where = f"{self.host}:{self.port or 'a free port'}"
+        raise RuntimeError(f"nats-server did not start on {where}: {last_error or 'no output'}")
 
     async def _wait_ready(self, proc: asyncio.subprocess.Process, port: int, timeout: float) -> bool:
         loop = asyncio.get_running_loop()
