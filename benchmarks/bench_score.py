@@ -49,6 +49,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from kvindex.api.servicer import KvIndexServicer
 from kvindex.keys import block_keys, keys_from_le_bytes, model_seed
 from kvindex.observability.logs import configure_logging
+from kvindex.scoring.base import PREFILL_ROLE, RouteRequest
 from kvindex.service.app import IndexService, ServiceConfig
 from kvindex.service.natsd import free_port, nats_server_binary
 from kvindex.v1 import kvindex_pb2 as pb
@@ -507,13 +508,13 @@ def build_local(fleet: Fleet, seed: int) -> KvIndexServicer:
     return service.servicer
 
 
-def breakdown(fleet: Fleet, seed: int, n: int) -> list[tuple[str, float]]:
-    """Per-stage server-side cost of one Score call (token_ids path), in microseconds."""
+def breakdown(fleet: Fleet, seed: int, n: int, top_k: int) -> list[tuple[str, float]]:
+    """Per-stage server-side cost of one Score call (token_ids path, default policy), in microseconds."""
     servicer = build_local(fleet, seed)
-    registry, index, cost = servicer.registry, servicer.index, servicer.cost
-    request = pb.ScoreRequest(model=MODEL, token_ids=fleet.tokens)
+    registry, index, router = servicer.registry, servicer.index, servicer.router
+    request = pb.ScoreRequest(model=MODEL, token_ids=fleet.tokens, top_k=top_k)
     wire = request.SerializeToString()
-    req_keys = pb.ScoreRequest(model=MODEL, block_keys=fleet.keys)
+    req_keys = pb.ScoreRequest(model=MODEL, block_keys=fleet.keys, top_k=top_k)
     wire_keys = req_keys.SerializeToString()
     seed_ = model_seed(MODEL)
     raw = np.array(request.token_ids, dtype=np.uint32).tobytes()
@@ -523,42 +524,48 @@ def breakdown(fleet: Fleet, seed: int, n: int) -> list[tuple[str, float]]:
     inst = [s.key for s in states]
     matches = index.match(MODEL, keys, inst)
     assert max(m.length for m in matches.values()) == len(keys)
-    ranked = cost.rank(states, matches, len(keys))
-    response = servicer.score(MODEL, BLOCK_SIZE, keys, None, 0)
-    assert len(response.ranked) == len(fleet.prefix_blocks)
+    route = RouteRequest(MODEL, keys, len(fleet.tokens), BLOCK_SIZE)
+    policy = router.policy(None)
+    cands = router.candidates(route, states, policy.speculative_ttl)
+
+    def score(req: pb.ScoreRequest) -> pb.ScoreResponse:
+        return servicer.score(req, BLOCK_SIZE, keys, None, None, PREFILL_ROLE)
+
+    response = score(request)
+    assert len(response.ranked) == (top_k or len(fleet.prefix_blocks))
 
     def whole() -> bytes:
         req = pb.ScoreRequest.FromString(wire)
         bs, ks = servicer.prompt_keys(req)
-        return servicer.score(req.model, bs, ks, None, req.top_k).SerializeToString()
+        return servicer.score(req, bs, ks, None, None, PREFILL_ROLE).SerializeToString()
 
     full = _time_us(whole, n)
     parse = _time_us(lambda: pb.ScoreRequest.FromString(wire), n)
     to_bytes = _time_us(lambda: np.array(request.token_ids, dtype=np.uint32).tobytes(), n)
     hashing = _time_us(lambda: keys_from_le_bytes(raw, BLOCK_SIZE, seed_), n)
     prompt_keys = _time_us(lambda: servicer.prompt_keys(request), n)
-    routable = _time_us(lambda: [s.key for s in registry.routable(MODEL, None)], n)
+    routable = _time_us(lambda: registry.routable(MODEL, None), n)
     match = _time_us(lambda: index.match(MODEL, keys, inst), n)
-    rank = _time_us(lambda: cost.rank(states, matches, len(keys)), n)
-    score = _time_us(lambda: servicer.score(MODEL, BLOCK_SIZE, keys, None, 0), n)
+    candidates = _time_us(lambda: router.candidates(route, states, policy.speculative_ttl), n)
+    rank = _time_us(lambda: policy.rank(route, cands, router), n)
+    routed = _time_us(lambda: router.score(route), n)
+    total = _time_us(lambda: score(request), n)
     serialize = _time_us(response.SerializeToString, n)
     parse_keys = _time_us(lambda: pb.ScoreRequest.FromString(wire_keys), n)
     keys_list = _time_us(lambda: list(req_keys.block_keys), n)
-    top1 = _time_us(lambda: servicer.score(MODEL, BLOCK_SIZE, keys, None, 1), n)
-    build = score - routable - match - rank
-    del ranked
+    shown = top_k or len(fleet.prefix_blocks)
     return [
         ("parse request (8192 token_ids, protobuf)", parse),
         ("token_ids -> LE bytes (numpy)", to_bytes),
-        ("block keys (512 x xxh3_64 chain)", hashing),
+        ("block keys (512 x xxh3_64 chain, native)", hashing),
         ("  prompt_keys() total (checks + both above)", prompt_keys),
         ("registry.routable (64 instances)", routable),
         ("index.match (walks 512 blocks)", match),
-        ("cost.rank (64 instances)", rank),
-        ("build ScoreResponse (64 ranked, nested msgs)", build),
-        ("  score() total (routable+match+rank+build)", score),
-        ("  score() with top_k=1 (rank all, build 1)", top1),
-        ("  => building 63 more RankedInstance (diff)", score - top1),
+        ("  router.candidates (match + TTFT terms, 64)", candidates),
+        (f"policy.rank ({policy.name}, 64 candidates)", rank),
+        ("  router.score total (routable..rank)", routed),
+        (f"build ScoreResponse ({shown} ranked, nested msgs)", total - routed),
+        ("  servicer.score total", total),
         ("serialize response", serialize),
         ("SUM parse..serialize (in-process Score)", full),
         ("block_keys path: parse request (512 u64)", parse_keys),
@@ -733,7 +740,7 @@ def main() -> int:
             "\n(3) in-process breakdown of the server side of one Score call (no gRPC; best of 5; "
             f"load average {os.getloadavg()[0]:.2f})"
         )
-        stages = breakdown(fleet, args.seed, 200 if args.quick else 1000)
+        stages = breakdown(fleet, args.seed, 200 if args.quick else 1000, args.top_k)
         for label, us in stages:
             print(f"  {label:46s} {us:8.1f} us")
         results["breakdown_us"] = dict(stages)
