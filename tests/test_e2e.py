@@ -155,6 +155,8 @@ async def test_load_moves_the_ranking(
     await wait_until(lambda: service.registry.get(("hot", 0)).load.waiting_prefill_tokens == 0)  # type: ignore[union-attr]
     reply = await stub.Score(pb.ScoreRequest(model=MODEL, block_keys=KEYS, top_k=1, policy="overlap"))
     assert [r.instance_id for r in reply.ranked] == ["hot/0"]
+    # The load shown is the latest heartbeat's (the response reuses per-instance parts between them).
+    assert reply.ranked[0].load.running == 1 and reply.ranked[0].load.waiting_prefill_tokens == 0
 
     # Candidates restrict the ranking.
     reply = await stub.Score(pb.ScoreRequest(model=MODEL, block_keys=KEYS, candidates=["cold"]))

@@ -14,7 +14,7 @@ import grpc
 import numpy as np
 
 from kvindex.fleet.registry import InstanceState, Registry
-from kvindex.index.base import NO_MATCH, KvBlockIndex
+from kvindex.index.base import NO_MATCH, InstanceKey, KvBlockIndex
 from kvindex.keys import keys_from_le_bytes, model_seed
 from kvindex.observability.counters import IngestCounters, Metrics
 from kvindex.scoring.base import DECODE_ROLE, PREFILL_ROLE, RouteRequest
@@ -76,6 +76,22 @@ def _load(state: InstanceState, now: float) -> pb.Load:
     )
 
 
+def _invariant_part(state: InstanceState) -> pb.RankedInstance:
+    """The fields of a ranked instance that change only with a heartbeat (status age excluded)."""
+    load = state.load
+    return pb.RankedInstance(
+        instance_id=state.instance_id,
+        worker=state.worker,
+        dp_rank=state.dp_rank,
+        load=pb.Load(
+            running=load.running,
+            waiting=load.waiting,
+            waiting_prefill_tokens=load.waiting_prefill_tokens,
+            kv_usage=load.kv_usage,
+        ),
+    )
+
+
 class KvIndexServicer(pb_grpc.KvIndexServicer):
     def __init__(
         self,
@@ -90,6 +106,8 @@ class KvIndexServicer(pb_grpc.KvIndexServicer):
         self.counters = counters
         self.metrics = metrics
         self.router = router or Router(index, registry)
+        # instance -> (load it was built from, instance_id, RankedInstance with the invariant fields)
+        self._invariant: dict[InstanceKey, tuple[object, str, pb.RankedInstance]] = {}
         self._latency = {
             name: metrics.rpc_latency.labels(name) if metrics else None
             for name in ("Score", "Lookup", "ListInstances", "Stats", "Commit", "Release")
@@ -180,25 +198,36 @@ class KvIndexServicer(pb_grpc.KvIndexServicer):
         now = self.registry.clock()
         explain = request.explain
         add = response.ranked.add
+        invariant = self._invariant
+        if len(invariant) > 4 * len(choices) + 1024:  # instances come and go: forget old entries
+            invariant.clear()
         for choice in choices:
             c = choice.candidate
             state = c.state
-            add(
-                instance_id=state.instance_id,
-                worker=state.worker,
-                dp_rank=state.dp_rank,
-                cost=choice.cost,
-                matched_blocks=c.blocks,
-                matched=_tier_blocks(c.match.tiers),
-                matched_tokens=c.hit_tokens,
-                load=_load(state, now),
-                est_ttft_ms=c.est_ttft_ms,
-                wait_ms=c.wait_ms,
-                prefill_ms=c.prefill_ms,
-                fetch_ms=c.fetch_ms,
-                matched_tokens_by_tier=_tier_blocks(c.tokens_by_tier),
-                explain=(choice.reason or "ranked") if explain else "",
-            )
+            # Copying a cached message (identity and the last heartbeat's load) costs a third of
+            # building it from keyword arguments; only the per-request fields are set one by one.
+            cached = invariant.get(state.key)
+            if cached is None or cached[0] is not state.load or cached[1] != state.instance_id:
+                cached = invariant[state.key] = (state.load, state.instance_id, _invariant_part(state))
+            r = add()
+            r.CopyFrom(cached[2])
+            age = state.status_age(now)
+            r.load.status_age_s = -1.0 if age is None else age
+            r.cost = choice.cost
+            r.matched_blocks = c.blocks
+            t = c.match.tiers
+            m = r.matched
+            m.gpu, m.cpu, m.disk, m.shared = t[0], t[1], t[2], t[3]
+            r.matched_tokens = c.hit_tokens
+            r.est_ttft_ms = c.est_ttft_ms
+            r.wait_ms = c.wait_ms
+            r.prefill_ms = c.prefill_ms
+            r.fetch_ms = c.fetch_ms
+            t = c.tokens_by_tier
+            m = r.matched_tokens_by_tier
+            m.gpu, m.cpu, m.disk, m.shared = t[0], t[1], t[2], t[3]
+            if explain:
+                r.explain = choice.reason or "ranked"
         return response
 
     async def Commit(self, request: pb.CommitRequest, context: grpc.aio.ServicerContext) -> pb.CommitResponse:
