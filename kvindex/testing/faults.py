@@ -8,12 +8,14 @@ must converge to exactly that.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
 import msgpack
+import nats.errors
 
 from kvindex.wire.schema import TIER_BY_NAME
 from workers_shim.publisher import Publisher
@@ -72,7 +74,9 @@ class FaultyPublisher(Publisher):
     def _later(self, subject: str, data: bytes, after: float) -> None:
         async def send() -> None:
             await asyncio.sleep(after)
-            if not self.nc.is_closed:
+            if self.nc.is_closed or self.nc.is_draining:
+                return  # the worker is going away: a delayed batch dies with it, like a dropped one
+            with contextlib.suppress(nats.errors.ConnectionClosedError, nats.errors.ConnectionDrainingError):
                 await self.nc.publish(subject, data)
 
         task = asyncio.create_task(send())
