@@ -10,6 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvindex.index import NATIVE, InstanceMatch, InvertedIndex, _pytable
+from kvindex.index.base import Applied
+from kvindex.wire.schema import CLEARED, STORED, TIER_BY_NAME, Cleared, Removed, Stored
 
 # Small keys (they cluster in a table without mixing), zero, and the top of the u64 range.
 POOL = [0, 1, 2, 3, 4, 5, 6, 2**63 + 7, 2**64 - 1, 2**60 + 9, 11, 12]
@@ -242,3 +244,52 @@ def test_stepwise_diff_agrees_with_sets(backend: str, held: set, churn: list, wa
         pass
     assert sorted(differ.missing) == sorted(want - truth)
     assert sorted(differ.extra) == sorted(truth - want)
+
+
+TIER_NAMES = ("gpu", "cpu", "disk", "shared")
+event_st = st.one_of(
+    st.builds(lambda t, k: Stored(TIER_NAMES[t], k), tier_st, keys_st),
+    st.builds(lambda t, k: Removed(TIER_NAMES[t], k), tier_st, keys_st),
+    st.builds(lambda t: Cleared(None if t is None else TIER_NAMES[t]), st.none() | tier_st),
+)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@settings(max_examples=300, deadline=None)
+@given(batches=st.lists(st.tuples(inst_st, st.lists(event_st, max_size=12)), max_size=12))
+def test_batch_apply_agrees_with_brute_force(backend: str, batches: list) -> None:
+    """``apply`` (one call per decoded batch, the consumer's path) against sets, event by event."""
+    ix = InvertedIndex(BACKENDS[backend])
+    ref = Brute()
+    for inst, events in batches:
+        ix.add_instance(inst, MODEL_OF[inst])
+        ref.ensure(inst)
+        sets = ref.held[inst]
+        want = [0] * 6
+        local = False
+        for ev in events:
+            if ev.op == CLEARED:
+                tiers = range(N_TIERS) if ev.tier is None else [TIER_BY_NAME[ev.tier]]
+                want[2] += sum(len(sets[t]) for t in tiers)
+                want[5] += 1
+                for t in tiers:
+                    sets[t] = set()
+                continue
+            t = TIER_BY_NAME[ev.tier]
+            if ev.op == STORED:
+                want[0] += len(set(ev.keys) - sets[t])
+                want[3] += 1
+                sets[t] |= set(ev.keys)
+                local |= t != SHARED
+            else:
+                want[1] += len(set(ev.keys) & sets[t])
+                want[4] += 1
+                sets[t] -= set(ev.keys)
+        assert ix.apply(inst, events) == Applied(*want, local)
+    for inst, sets in ref.held.items():
+        assert ix.block_counts(inst) == tuple(len(s) for s in sets)
+        for t in range(N_TIERS):
+            assert sorted(ix.keys_of(inst, t)) == sorted(sets[t])
+            assert ix.digest(inst, t) == (len(sets[t]), reduce(xor, sets[t], 0))
+    for model in ("m1", "m2"):
+        assert ix.match(model, POOL) == ref.match(model, POOL, INSTANCES)

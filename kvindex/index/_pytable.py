@@ -8,6 +8,13 @@ from __future__ import annotations
 
 from array import array
 from collections.abc import Iterable, Iterator
+from typing import Any
+
+# Event operations (kvindex.wire.schema numbers; the index does not import the wire layer).
+_STORED = 0
+_CLEARED = 2
+_SHARED = 3
+_COMPACT_SLACK = 1024  # see inverted.py
 
 
 class KeyLog:
@@ -119,6 +126,45 @@ class BlockTable:
 
     def items(self) -> list[tuple[int, int]]:
         return list(self._d.items())
+
+
+def apply_events(
+    events: list[Any],
+    tier_numbers: dict[Any, int],
+    tables: list[BlockTable],
+    logs: list[KeyLog],
+    bit: int,
+    counts: list[int],
+    xors: list[int],
+    result_type: Any,
+) -> Any:
+    """See _native.apply_events: a batch's events in order, one call."""
+    added = removed = cleared = local = 0
+    n_ev = [0, 0, 0]
+    for ev in events:
+        n_ev[ev.op] += 1
+        if ev.op == _CLEARED:
+            for t in range(len(tables)) if ev.tier is None else (tier_numbers[ev.tier],):
+                if counts[t]:
+                    tables[t].clear_logged(logs[t], bit)
+                    cleared += counts[t]
+                counts[t] = xors[t] = 0
+                logs[t].reset()
+            continue
+        t = tier_numbers[ev.tier]
+        if ev.op == _STORED:
+            a, x = tables[t].add_bit(ev.keys, bit, logs[t])
+            counts[t] += a
+            added += a
+            local |= t != _SHARED
+        else:
+            a, x = tables[t].remove_bit(ev.keys, bit)
+            counts[t] -= a
+            removed += a
+            if len(logs[t]) > 2 * counts[t] + _COMPACT_SLACK:
+                tables[t].compact_log(logs[t], bit)
+        xors[t] ^= x
+    return result_type(added, removed, cleared, *n_ev, bool(local))
 
 
 def match_gpu(gpu: BlockTable, keys: list[int], alive: int) -> list[tuple[int, int]]:

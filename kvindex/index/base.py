@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol
 
 # An instance is one (worker id, data-parallel rank) pair: the unit a router sends requests to.
 InstanceKey = tuple[str, int]
@@ -23,6 +23,18 @@ class InstanceMatch(NamedTuple):
 
 
 NO_MATCH = InstanceMatch(0, (0, 0, 0, 0))
+
+
+class Applied(NamedTuple):
+    """What applying one batch's events did (see KvBlockIndex.apply)."""
+
+    stored: int  # blocks newly held
+    removed: int  # blocks no longer held
+    cleared: int  # blocks dropped by cleared events
+    stored_events: int
+    removed_events: int
+    cleared_events: int
+    local_stored: bool  # some stored event was on a local tier (gpu, cpu, disk), not the shared pool
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,6 +67,10 @@ class KvBlockIndex(Protocol):
 
     def clear(self, instance: InstanceKey, tier: int | None = None) -> int:
         """Drop every block of the instance on ``tier`` (all tiers when None); returns how many."""
+
+    def apply(self, instance: InstanceKey, events: Sequence[Any]) -> Applied:
+        """Apply a batch's decoded events in order (kvindex.wire.schema Stored / Removed / Cleared:
+        ``op``, ``tier`` name, ``keys``): the same as store / remove / clear per event, in one call."""
 
     def match(
         self, model: str, keys: list[int], instances: Iterable[InstanceKey] | None = None

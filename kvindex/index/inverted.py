@@ -15,11 +15,12 @@ Why this shape (README.md in this folder has the measurements):
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 from kvindex.index import _pytable
-from kvindex.index.base import IndexStats, InstanceKey, InstanceMatch
+from kvindex.index.base import Applied, IndexStats, InstanceKey, InstanceMatch
+from kvindex.wire.schema import TIER_BY_NAME
 
 try:
     from kvindex.index import _native as tables  # type: ignore[attr-defined]
@@ -32,7 +33,7 @@ except ImportError:  # no compiler at install time: same API, pure Python
 BANK_SLOTS = 64
 _N_TIERS = 4
 _SHARED = 3
-_COMPACT_SLACK = 1024
+_COMPACT_SLACK = 1024  # mirrored in _native.pyx (COMPACT_SLACK) and _pytable.py
 
 
 class _Bank:
@@ -164,10 +165,28 @@ class InvertedIndex:
         if removed:
             holder.counts[tier] -= removed
             holder.xors[tier] ^= x
-            log = holder.logs[tier]
-            if len(log) > 2 * holder.counts[tier] + _COMPACT_SLACK:
-                table.compact_log(log, holder.bit)
+            self._maybe_compact(holder, tier)
         return removed
+
+    def apply(self, instance: InstanceKey, events: Sequence[Any]) -> Applied:
+        holder = self._holders[instance]
+        # One native call for the whole batch (clears and log compaction included).
+        return self.impl.apply_events(  # type: ignore[no-any-return]
+            events,
+            TIER_BY_NAME,
+            holder.bank.tiers,
+            holder.logs,
+            holder.bit,
+            holder.counts,
+            holder.xors,
+            Applied,
+        )
+
+    def _maybe_compact(self, holder: _Holder, tier: int) -> None:
+        # Removals leave dead keys in the log; compact once they outnumber the live ones.
+        log = holder.logs[tier]
+        if len(log) > 2 * holder.counts[tier] + _COMPACT_SLACK:
+            holder.bank.tiers[tier].compact_log(log, holder.bit)
 
     def clear(self, instance: InstanceKey, tier: int | None = None) -> int:
         holder = self._holders.get(instance)

@@ -23,7 +23,7 @@ from kvindex.wire import errors
 from kvindex.wire.codec import DEFAULT_LIMITS, Limits, decode_batch, decode_status
 from kvindex.wire.errors import WireError
 from kvindex.wire.reconcile import REPLAY_OK, Snapshot
-from kvindex.wire.schema import CLEARED, SHARED, STORED, TIER_BY_NAME, EventBatch, StatusReport
+from kvindex.wire.schema import CLEARED, REMOVED, SHARED, STORED, EventBatch, StatusReport
 from kvindex.wire.subjects import EVENTS, STATUS, Subjects, valid_worker_id
 
 
@@ -156,39 +156,19 @@ class Consumer:
 
     def _apply(self, state: InstanceState, batch: EventBatch) -> None:
         c = self.counters
-        index = self.index
-        key = state.key
+        stored, removed, cleared, n_stored, n_removed, n_cleared, local = self.index.apply(
+            state.key, batch.events
+        )
+        c.blocks_stored += stored
         applied = c.events_applied
-        tiers = TIER_BY_NAME
-        events = batch.events
-        n = len(events)
-        i = 0
-        while i < n:
-            ev = events[i]
-            op = ev.op
-            if op == CLEARED:
-                c.blocks_cleared += index.clear(key, None if ev.tier is None else tiers[ev.tier])
-                applied[CLEARED] += 1
-                i += 1
-                continue
-            # One index call per run of same-kind events (an engine step stores many small chains);
-            # within a run the order of keys does not matter.
-            keys = ev.keys
-            j = i + 1
-            while j < n and events[j].op == op and events[j].tier == ev.tier:
-                if j == i + 1:
-                    keys = list(keys)
-                keys.extend(events[j].keys)
-                j += 1
-            tier = tiers[ev.tier]
-            if op == STORED:
-                c.blocks_stored += index.store(key, tier, keys)
-                if tier != SHARED:
-                    state.local_blocks_seen = True
-            else:
-                c.blocks_removed += index.remove(key, tier, keys)
-            applied[op] += j - i
-            i = j
+        applied[STORED] += n_stored
+        if n_removed or n_cleared:  # most batches only store
+            c.blocks_removed += removed
+            c.blocks_cleared += cleared
+            applied[REMOVED] += n_removed
+            applied[CLEARED] += n_cleared
+        if local:
+            state.local_blocks_seen = True
         state.epoch = batch.epoch
         state.last_seq = batch.seq
         state.last_event_ts = batch.ts
