@@ -564,9 +564,53 @@ DEF N_TIERS = 4
 DEF SHARED_TIER = 3
 DEF OP_STORED = 0
 DEF OP_REMOVED = 1
+DEF OP_CLEARED = 2
 # A key log is compacted once it holds more than twice its live keys plus this (inverted.py).
 DEF COMPACT_SLACK = 1024
 DEF CHUNK = 32
+
+
+cdef struct EventRef:
+    int op
+    int tier  # -1: every tier (a cleared event without one)
+    Py_ssize_t start  # its keys are keybuf[start:end]
+    Py_ssize_t end
+
+
+cdef class _Scratch:
+    """Growable buffers reused across calls (one batch is applied at a time; the GIL is held)."""
+    cdef uint64_t* keys
+    cdef Py_ssize_t keys_cap
+    cdef EventRef* refs
+    cdef Py_ssize_t refs_cap
+
+    def __cinit__(self):
+        self.keys = NULL
+        self.refs = NULL
+        self.keys_cap = self.refs_cap = 0
+
+    def __dealloc__(self):
+        free(self.keys)
+        free(self.refs)
+
+    cdef int reserve(self, Py_ssize_t n_refs, Py_ssize_t n_keys) except -1:
+        cdef void* grown
+        if n_refs > self.refs_cap:
+            grown = realloc(self.refs, n_refs * sizeof(EventRef))
+            if grown == NULL:
+                raise MemoryError()
+            self.refs = <EventRef*>grown
+            self.refs_cap = n_refs
+        if n_keys > self.keys_cap:
+            grown = realloc(self.keys, n_keys * sizeof(uint64_t))
+            if grown == NULL:
+                raise MemoryError()
+            self.keys = <uint64_t*>grown
+            self.keys_cap = n_keys
+        return 0
+
+
+cdef _Scratch _scratch = _Scratch()
 
 
 def apply_events(list events, dict tier_numbers, list tables, list logs, uint64_t bit,
@@ -578,10 +622,12 @@ def apply_events(list events, dict tier_numbers, list tables, list logs, uint64_
     stored on a local tier)`` (base.Applied).
 
     One call per batch instead of one per event: small events (an engine step stores a few blocks)
-    were dominated by the Python calls around each store."""
-    cdef Py_ssize_t i, n = len(events), k, k0, k1, nk
+    were dominated by the Python calls around each store. Two passes: every event is read and every
+    key converted first (a bad one raises before anything changes), then the keys are applied with
+    the table cells PREFETCH keys ahead requested early, so that cache misses overlap across
+    events."""
+    cdef Py_ssize_t i, n = len(events), k, nk, total_keys = 0, end
     cdef Py_ssize_t n_ev[3]
-    cdef uint64_t chunk[CHUNK]
     cdef int op, t, t0, t1, touched_removed = 0, local = 0
     cdef uint64_t key, cleared = 0, total_added = 0, total_removed = 0
     cdef uint64_t added[N_TIERS]
@@ -590,66 +636,85 @@ def apply_events(list events, dict tier_numbers, list tables, list logs, uint64_
     cdef BlockTable table
     cdef KeyLog log
     cdef list keys
+    cdef _Scratch scratch = _scratch
+    cdef EventRef* ref
+    cdef uint64_t* buf
     n_ev[0] = n_ev[1] = n_ev[2] = 0
     for t in range(N_TIERS):
         added[t] = removed[t] = xor[t] = 0
+    # Pass 1: read the events.
+    for i in range(n):
+        total_keys += len(events[i].keys)
+    scratch.reserve(n, total_keys)
+    buf = scratch.keys
+    total_keys = 0
+    for i in range(n):
+        ev = events[i]
+        op = ev.op
+        if op < 0 or op > 2:
+            raise ValueError(f"unknown event op {op!r}")
+        n_ev[op] += 1
+        ref = &scratch.refs[i]
+        ref.op = op
+        tier = ev.tier
+        ref.tier = -1 if tier is None else tier_numbers[tier]
+        ref.start = ref.end = total_keys
+        if op == OP_CLEARED:
+            continue
+        if ref.tier < 0:
+            raise ValueError("a stored or removed event needs a tier")
+        keys = ev.keys
+        nk = len(keys)
+        for k in range(nk):
+            buf[total_keys + k] = PyLong_AsUnsignedLongLong(keys[k])
+        total_keys += nk
+        ref.end = total_keys
+    # Pass 2: apply them in order.
     try:
         for i in range(n):
-            ev = events[i]
-            op = ev.op
-            if op < 0 or op > 2:
-                raise ValueError(f"unknown event op {op!r}")
-            n_ev[op] += 1
-            tier = ev.tier
-            if op == OP_STORED or op == OP_REMOVED:
-                t = tier_numbers[tier]
-                keys = ev.keys
-                nk = len(keys)
-                table = <BlockTable>tables[t]
-                for k0 in range(0, nk, CHUNK):
-                    # Convert a chunk of keys and prefetch their home cells before touching any:
-                    # a large table does not fit in cache, and the misses then overlap.
-                    k1 = min(nk, k0 + CHUNK)
-                    for k in range(k0, k1):
-                        key = PyLong_AsUnsignedLongLong(keys[k])
-                        chunk[k - k0] = key
-                        __builtin_prefetch(&table.cells[_mix(key) & table.mask])
-                    if op == OP_STORED:
-                        log = <KeyLog>logs[t]
-                        for k in range(k1 - k0):
-                            if table._set(chunk[k], bit, log):
-                                added[t] += 1
-                                xor[t] ^= chunk[k]
-                    else:
-                        for k in range(k1 - k0):
-                            if table._unset(chunk[k], bit):
-                                removed[t] += 1
-                                xor[t] ^= chunk[k]
-                if op == OP_STORED:
-                    if t != SHARED_TIER:
-                        local = 1
+            ref = &scratch.refs[i]
+            op = ref.op
+            t = ref.tier
+            if op == OP_CLEARED:
+                # One tier, or all of them; the tier's own log names every key it holds.
+                if t < 0:
+                    t0, t1 = 0, N_TIERS
                 else:
-                    touched_removed |= 1 << t
+                    t0, t1 = t, t + 1
+                for t in range(t0, t1):
+                    log = <KeyLog>logs[t]
+                    held = counts[t] + <object>added[t] - <object>removed[t]
+                    if held:
+                        (<BlockTable>tables[t]).clear_logged(log, bit)
+                        cleared += held
+                    counts[t] = 0
+                    xors[t] = 0
+                    # (the batch's totals keep what was stored or removed before the clear)
+                    total_added += added[t]
+                    total_removed += removed[t]
+                    added[t] = removed[t] = xor[t] = 0
+                    log.reset()
                 continue
-            # cleared: one tier, or all of them (tier None); its own log names every key it holds
-            if tier is None:
-                t0, t1 = 0, N_TIERS
-            else:
-                t0 = tier_numbers[tier]
-                t1 = t0 + 1
-            for t in range(t0, t1):
+            table = <BlockTable>tables[t]
+            end = ref.end
+            if op == OP_STORED:
                 log = <KeyLog>logs[t]
-                held = counts[t] + <object>added[t] - <object>removed[t]
-                if held:
-                    (<BlockTable>tables[t]).clear_logged(log, bit)
-                    cleared += held
-                counts[t] = 0
-                xors[t] = 0
-                # (the batch's totals keep what was stored or removed before the clear)
-                total_added += added[t]
-                total_removed += removed[t]
-                added[t] = removed[t] = xor[t] = 0
-                log.reset()
+                for k in range(ref.start, end):
+                    if k + PREFETCH < end:
+                        __builtin_prefetch(&table.cells[_mix(buf[k + PREFETCH]) & table.mask])
+                    if table._set(buf[k], bit, log):
+                        added[t] += 1
+                        xor[t] ^= buf[k]
+                if t != SHARED_TIER:
+                    local = 1
+            else:
+                for k in range(ref.start, end):
+                    if k + PREFETCH < end:
+                        __builtin_prefetch(&table.cells[_mix(buf[k + PREFETCH]) & table.mask])
+                    if table._unset(buf[k], bit):
+                        removed[t] += 1
+                        xor[t] ^= buf[k]
+                touched_removed |= 1 << t
     finally:
         # Whatever was applied is accounted for, even if a later event raised.
         for t in range(N_TIERS):
