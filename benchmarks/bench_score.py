@@ -29,6 +29,7 @@ import contextlib
 import json
 import os
 import platform
+import queue
 import random
 import socket
 import statistics
@@ -462,6 +463,59 @@ def measure_throughput(
     return asyncio.run(_throughput(make_call, address, concurrency, seconds, meter))
 
 
+async def _stream_throughput(
+    address: str, request: pb.ScoreRequest, window: int, seconds: float, meter: CpuMeter
+) -> Throughput:
+    """One ScoreStream with up to ``window`` requests awaiting their response (a router's pipeline)."""
+    async with grpc.aio.insecure_channel(address) as channel:
+        call = pb_grpc.KvIndexStub(channel).ScoreStream()
+        room = asyncio.Semaphore(window)
+        answered = 0
+        stop = False
+
+        async def writer() -> None:
+            while not stop:
+                await room.acquire()
+                await call.write(request)
+            await call.done_writing()
+
+        async def reader() -> None:
+            nonlocal answered
+            async for reply in call:
+                assert not reply.error, reply.error
+                answered += 1
+                room.release()
+
+        tasks = [asyncio.create_task(writer()), asyncio.create_task(reader())]
+        await asyncio.sleep(0.3)  # let the pipeline fill before counting
+        c0, m0 = answered, meter.snap()
+        await asyncio.sleep(seconds)
+        c1, m1 = answered, meter.snap()
+        stop = True
+        room.release()  # wake the writer if it waits for room
+        await asyncio.gather(*tasks)
+    calls, wall = c1 - c0, m1[0] - m0[0]
+    server_cpu = m1[1]["server"] - m0[1]["server"]
+    return Throughput(window, calls, wall, server_cpu / calls * 1e6, CpuMeter.shares(m0, m1))
+
+
+class StreamCaller:
+    """Sequential calls over one ScoreStream on a sync channel: send one request, wait for its answer."""
+
+    def __init__(self, channel: grpc.Channel) -> None:
+        self._requests: queue.SimpleQueue[pb.ScoreRequest | None] = queue.SimpleQueue()
+        self._replies = pb_grpc.KvIndexStub(channel).ScoreStream(iter(self._requests.get, None))
+
+    def __call__(self, request: pb.ScoreRequest) -> pb.ScoreResponse:
+        self._requests.put(request)
+        return next(self._replies)
+
+    def close(self) -> None:
+        self._requests.put(None)
+        for _ in self._replies:  # drain to the end of the stream
+            pass
+
+
 # -- in-process breakdown ----------------------------------------------------------------------
 
 
@@ -669,6 +723,15 @@ def main() -> int:
                 lat[name] = measure_latency(lambda rpc=rpc, req=req: rpc(req), n_calls, 200, meter)
                 print(f"  {name:13s} {lat[name].row()}")
                 print(f"  {'':13s} CPU: {fmt_shares(lat[name].cpu)}")
+            for name, req in (("stream_tokens", token_req), ("stream_keys", keys_req)):
+                caller = StreamCaller(channel)
+                streamed = caller(req)  # (rankings move with heartbeats: compare shapes only)
+                assert not streamed.error and streamed.total_blocks == reply.total_blocks
+                assert len(streamed.ranked) == len(reply.ranked)
+                lat[name] = measure_latency(lambda caller=caller, req=req: caller(req), n_calls, 200, meter)
+                caller.close()
+                print(f"  {name:13s} {lat[name].row()}")
+                print(f"  {'':13s} CPU: {fmt_shares(lat[name].cpu)}")
             results["latency"] = {k: vars(v) for k, v in lat.items()}
         base = lat["health"]
         for name in ("score_tokens", "score_keys"):
@@ -691,8 +754,13 @@ def main() -> int:
                 t = measure_throughput(make_call, server.address, c, seconds, meter)
                 thr.setdefault(name, []).append(t)
                 print(f"  {name:13s} {t.row()}")
+        for name, req in (("stream_tokens", token_req), ("stream_keys", keys_req)):
+            for c in concurrency:
+                t = asyncio.run(_stream_throughput(server.address, req, c, seconds, meter))
+                thr.setdefault(name, []).append(t)
+                print(f"  {name:13s} {t.row()}  (one ScoreStream, {c} requests in flight)")
         results["throughput"] = {k: [vars(t) | {"rate": t.rate} for t in v] for k, v in thr.items()}
-        for name in ("score_tokens", "score_keys"):
+        for name in ("score_tokens", "score_keys", "stream_tokens", "stream_keys"):
             for t, b in zip(thr[name], thr["health"], strict=True):
                 print(
                     f"  {name} / health at c={t.concurrency}: rate x{t.rate / b.rate:.2f}, "
@@ -715,20 +783,23 @@ def main() -> int:
             if ranked != len(reply.ranked):
                 print(f"WARNING: {ranked} instances ranked at the end, {len(reply.ranked)} at the start")
 
-        lt, th = lat["score_tokens"], max(thr["score_tokens"], key=lambda t: t.rate)
-        best_keys = max(thr["score_keys"], key=lambda t: t.rate)
+        lt = lat["score_tokens"]
         print("\ntargets:")
         print(f"  Score p50 <= 1 ms (token_ids): {lt.p50_us / 1000:.2f} ms -> {_ok(lt.p50_us <= 1000)}")
-        print(
-            f"  Score >= 3000 calls/s per server process (token_ids): measured {th.rate:.0f} calls/s "
-            f"with the client on the same 2 cores -> {_ok(th.rate >= 3000)}; server CPU/call "
-            f"{th.server_cpu_us:.0f} us => {1e6 / th.server_cpu_us:.0f} calls/s if the server had a "
-            f"core to itself -> {_ok(1e6 / th.server_cpu_us >= 3000)}"
-        )
-        print(
-            f"  (block_keys: {best_keys.rate:.0f} calls/s measured, "
-            f"{1e6 / best_keys.server_cpu_us:.0f} calls/s per server core)"
-        )
+        for name, label in (("score_tokens", "unary Score"), ("stream_tokens", "ScoreStream")):
+            th = max(thr[name], key=lambda t: t.rate)
+            print(
+                f"  >= 3000 calls/s per server process, {label} (token_ids): measured {th.rate:.0f} "
+                f"calls/s with the client on the same 2 cores -> {_ok(th.rate >= 3000)}; server CPU/call "
+                f"{th.server_cpu_us:.0f} us => {1e6 / th.server_cpu_us:.0f} calls/s if the server had a "
+                f"core to itself -> {_ok(1e6 / th.server_cpu_us >= 3000)}"
+            )
+        for name in ("score_keys", "stream_keys"):
+            best_keys = max(thr[name], key=lambda t: t.rate)
+            print(
+                f"  ({name}: {best_keys.rate:.0f} calls/s measured, "
+                f"{1e6 / best_keys.server_cpu_us:.0f} calls/s per server core)"
+            )
     finally:
         if fleet_proc is not None:
             fleet_proc.stop()

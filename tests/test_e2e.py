@@ -256,6 +256,42 @@ async def test_invalid_arguments(
     assert [(r.instance_id, r.matched_blocks) for r in short.ranked] == [("w1/0", 0)]
 
 
+async def test_score_stream_answers_in_order_and_survives_bad_requests(
+    service: IndexService, stub: pb_grpc.KvIndexStub, make_publisher: MakePub
+) -> None:
+    a = await make_publisher(worker="a", model=MODEL, block_size=BS)
+    b = await make_publisher(worker="b", model=MODEL, block_size=BS)
+    a.stored(KEYS[:7])
+    b.stored(KEYS[:3])
+    await settle(service, a, b)
+    requests = [
+        pb.ScoreRequest(model=MODEL, token_ids=PROMPT, request_id="r1"),
+        pb.ScoreRequest(model=MODEL, block_keys=KEYS[:2], top_k=1, request_id="r2"),
+        pb.ScoreRequest(model=MODEL, token_ids=[1], block_keys=[2], request_id="bad"),  # both set
+        pb.ScoreRequest(model=MODEL, block_keys=KEYS, candidates=["b"], request_id="r3"),
+        pb.ScoreRequest(model="no-such-model", token_ids=PROMPT, request_id="r4"),
+        pb.ScoreRequest(model=MODEL, token_ids=PROMPT, commit=True, request_id="r5"),
+    ]
+
+    def ranking(reply: pb.ScoreResponse) -> list[tuple[str, int, float, float]]:
+        return [(r.instance_id, r.matched_blocks, r.cost, r.est_ttft_ms) for r in reply.ranked]
+
+    # Unary answers first (the streamed r5 commits, which changes later rankings).
+    unary = [await stub.Score(request) for request in requests[:2]]
+    replies = [reply async for reply in stub.ScoreStream(iter(requests))]
+    assert [r.request_id for r in replies] == ["r1", "r2", "bad", "r3", "r4", "r5"]
+    # Streamed answers are the unary ones.
+    for streamed, reply in zip(replies[:2], unary, strict=True):
+        assert ranking(streamed) == ranking(reply) and streamed.request_id == reply.request_id
+    assert [(r.instance_id, r.matched_blocks) for r in replies[0].ranked] == [("a/0", 7), ("b/0", 3)]
+    assert len(replies[1].ranked) == 1 and replies[1].ranked[0].matched_blocks == 2
+    assert "exactly one of token_ids and block_keys" in replies[2].error and not replies[2].ranked
+    assert [r.instance_id for r in replies[3].ranked] == ["b/0"] and not replies[3].error
+    assert replies[4].block_size == 0 and not replies[4].ranked and not replies[4].error
+    assert replies[5].committed_instance_id == "a/0"
+    assert service.router.ledger.busy.keys() == {("a", 0)}
+
+
 async def test_list_instances_health_reflection_and_metrics(
     nats_server: EmbeddedNats, make_publisher: MakePub
 ) -> None:

@@ -6,7 +6,7 @@ Runs on the same asyncio loop as ingestion, so every call sees a consistent inde
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from functools import lru_cache
 from typing import Any, NoReturn
 
@@ -154,24 +154,40 @@ class KvIndexServicer(pb_grpc.KvIndexServicer):
 
     # -- RPCs ----------------------------------------------------------------------------------
 
-    async def Score(self, request: pb.ScoreRequest, context: grpc.aio.ServicerContext) -> pb.ScoreResponse:
+    def score_request(self, request: pb.ScoreRequest) -> pb.ScoreResponse:
+        """One Score, unary or streamed: check the arguments (BadRequest), rank, build the response."""
         started = time.perf_counter()
-        try:
-            block_size, keys = self.prompt_keys(request)
-            candidates = _check_candidates(request.candidates)
-            policy = request.policy or None
-            if policy is not None and policy not in POLICY_NAMES:
-                raise BadRequest(f"unknown policy {policy!r}; one of {', '.join(POLICY_NAMES)}")
-            role = request.role or PREFILL_ROLE
-            if role not in (PREFILL_ROLE, DECODE_ROLE):
-                raise BadRequest(f"role must be {PREFILL_ROLE!r} or {DECODE_ROLE!r}, got {role!r}")
-            if request.commit and not request.request_id:
-                raise BadRequest("commit needs a request_id (Release refers to it)")
-        except BadRequest as exc:
-            await self._abort(context, exc)
+        block_size, keys = self.prompt_keys(request)
+        candidates = _check_candidates(request.candidates)
+        policy = request.policy or None
+        if policy is not None and policy not in POLICY_NAMES:
+            raise BadRequest(f"unknown policy {policy!r}; one of {', '.join(POLICY_NAMES)}")
+        role = request.role or PREFILL_ROLE
+        if role not in (PREFILL_ROLE, DECODE_ROLE):
+            raise BadRequest(f"role must be {PREFILL_ROLE!r} or {DECODE_ROLE!r}, got {role!r}")
+        if request.commit and not request.request_id:
+            raise BadRequest("commit needs a request_id (Release refers to it)")
         response = self.score(request, block_size, keys, candidates, policy, role)
         self._observe("Score", started)
         return response
+
+    async def Score(self, request: pb.ScoreRequest, context: grpc.aio.ServicerContext) -> pb.ScoreResponse:
+        try:
+            return self.score_request(request)
+        except BadRequest as exc:
+            await self._abort(context, exc)
+
+    async def ScoreStream(
+        self, requests: AsyncIterator[pb.ScoreRequest], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.ScoreResponse]:
+        async for request in requests:
+            try:
+                response = self.score_request(request)
+            except BadRequest as exc:
+                response = pb.ScoreResponse(
+                    model=request.model, request_id=request.request_id, error=str(exc)
+                )
+            yield response
 
     def score(
         self,
@@ -183,7 +199,9 @@ class KvIndexServicer(pb_grpc.KvIndexServicer):
         role: str,
     ) -> pb.ScoreResponse:
         model = request.model
-        response = pb.ScoreResponse(model=model, block_size=block_size, total_blocks=len(keys))
+        response = pb.ScoreResponse(
+            model=model, block_size=block_size, total_blocks=len(keys), request_id=request.request_id
+        )
         chosen = self.router.policies["decode"] if role == DECODE_ROLE else self.router.policy(policy)
         response.policy = chosen.name
         response.cost_unit = chosen.cost_unit

@@ -250,8 +250,8 @@ class RecordingServicer(KvIndexServicer):
         super().__init__(*args, **kwargs)
         self.recorder = recorder
 
-    async def Score(self, request: Any, context: Any) -> Any:
-        response = await super().Score(request, context)
+    def score_request(self, request: Any) -> Any:  # Score and ScoreStream
+        response = super().score_request(request)
         if response.committed_instance_id:
             self.recorder.route("Score", self._compact(request), response.committed_instance_id)
         return response

@@ -14,7 +14,7 @@ one instead of each starting a copy elsewhere.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 from kvindex.index.base import InstanceKey
@@ -92,6 +92,11 @@ class Ledger:
                 break
             self._drop(first.request_id)
             self.expired += 1
+
+    @property
+    def busy(self) -> Mapping[InstanceKey, object]:
+        """The instances with requests in flight (a read-only view; test membership only)."""
+        return self._by_instance
 
     def of(self, instance: InstanceKey) -> Iterable[Entry]:
         return self._by_instance.get(instance, {}).values()

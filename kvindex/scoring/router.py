@@ -79,15 +79,17 @@ class Router:
         now = self.clock()
         spec = self.speculative._keys if spec_ttl > 0 and keys else {}
         pending = self.ledger.pending
+        busy = self.ledger.busy
+        get_match = matches.get
         prefill_of: dict[int, float] = {}  # many instances share a miss size
         out = []
+        append = out.append
         for state in states:
             key = state.key
-            match = matches.get(key, NO_MATCH)
-            blocks = match.length
-            t = match.tiers
+            match = get_match(key, NO_MATCH)
+            blocks, t = match
             gpu = t[0]
-            if key in spec:
+            if spec and key in spec:
                 extended = self.speculative.extend(key, keys, blocks)
                 gpu += extended - blocks
                 blocks = extended
@@ -98,7 +100,10 @@ class Router:
                 hit = cap
             miss = prompt - hit
             load = state.load
-            n_new, tokens_new, inflight = pending(key, state.last_status_at)
+            if key in busy:
+                n_new, tokens_new, inflight = pending(key, state.last_status_at)
+            else:  # nothing routed there in flight (the common case: skip the ledger walk)
+                n_new = tokens_new = inflight = 0
             queued = load.waiting_prefill_tokens
             if queued and drain_rate and state.last_status_at is not None:
                 # The reported queue has been draining since the heartbeat, at the engine's rate.
@@ -114,7 +119,7 @@ class Router:
             else:
                 prefill = 0.0
             fetch = f_cpu * by_tier[1] + f_disk * by_tier[2] + f_pool * by_tier[3] if blocks > gpu else 0.0
-            out.append(
+            append(
                 Candidate(
                     state,
                     match,

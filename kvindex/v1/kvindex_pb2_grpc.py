@@ -39,6 +39,11 @@ class KvIndexStub:
                 request_serializer=kvindex_dot_v1_dot_kvindex__pb2.ScoreRequest.SerializeToString,
                 response_deserializer=kvindex_dot_v1_dot_kvindex__pb2.ScoreResponse.FromString,
                 _registered_method=True)
+        self.ScoreStream = channel.stream_stream(
+                '/kvindex.v1.KvIndex/ScoreStream',
+                request_serializer=kvindex_dot_v1_dot_kvindex__pb2.ScoreRequest.SerializeToString,
+                response_deserializer=kvindex_dot_v1_dot_kvindex__pb2.ScoreResponse.FromString,
+                _registered_method=True)
         self.Lookup = channel.unary_unary(
                 '/kvindex.v1.KvIndex/Lookup',
                 request_serializer=kvindex_dot_v1_dot_kvindex__pb2.LookupRequest.SerializeToString,
@@ -71,6 +76,16 @@ class KvIndexServicer:
 
     def Score(self, request, context):
         """Instances of the model ranked best first (lowest estimated cost).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ScoreStream(self, request_iterator, context):
+        """The same for routers that send many requests: one long-lived stream, each request answered by
+        one response, in order. It skips the per-call setup of a unary call, which in this Python
+        server costs about as much as the scoring itself. A request with bad arguments is answered
+        with ScoreResponse.error set (what Score returns as INVALID_ARGUMENT) and the stream goes on.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -116,6 +131,11 @@ def add_KvIndexServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Score': grpc.unary_unary_rpc_method_handler(
                     servicer.Score,
+                    request_deserializer=kvindex_dot_v1_dot_kvindex__pb2.ScoreRequest.FromString,
+                    response_serializer=kvindex_dot_v1_dot_kvindex__pb2.ScoreResponse.SerializeToString,
+            ),
+            'ScoreStream': grpc.stream_stream_rpc_method_handler(
+                    servicer.ScoreStream,
                     request_deserializer=kvindex_dot_v1_dot_kvindex__pb2.ScoreRequest.FromString,
                     response_serializer=kvindex_dot_v1_dot_kvindex__pb2.ScoreResponse.SerializeToString,
             ),
@@ -170,6 +190,33 @@ class KvIndex:
             request,
             target,
             '/kvindex.v1.KvIndex/Score',
+            kvindex_dot_v1_dot_kvindex__pb2.ScoreRequest.SerializeToString,
+            kvindex_dot_v1_dot_kvindex__pb2.ScoreResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ScoreStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/kvindex.v1.KvIndex/ScoreStream',
             kvindex_dot_v1_dot_kvindex__pb2.ScoreRequest.SerializeToString,
             kvindex_dot_v1_dot_kvindex__pb2.ScoreResponse.FromString,
             options,

@@ -69,7 +69,8 @@ class Ttft:
         self._hot: OrderedDict[int, tuple[float, float]] = OrderedDict()
 
     def rank(self, request: RouteRequest, candidates: list[Candidate], router: Router) -> list[Choice]:
-        cost = {id(c): c.est_ttft_ms for c in candidates}
+        est = [c.wait_ms + c.prefill_ms + c.fetch_ms for c in candidates]  # Candidate.est_ttft_ms
+        costs = est
         if self.congestion:
             # An overloaded fleet (queues longer than the work itself) is limited by throughput:
             # every token computed delays everyone queued after it, so prefill work is weighed by
@@ -78,9 +79,17 @@ class Ttft:
             # the current candidates' own loads: one instance's load must not reorder the others.
             k = self._congestion_weight(candidates, router.clock())
             if k:
-                cost = {id(c): c.est_ttft_ms + k * c.prefill_ms for c in candidates}
-        # Ties (an idle fleet, equal hits) go to the emptier cache, then the less busy instance.
-        ordered = sorted(candidates, key=lambda c: (cost[id(c)], c.state.load.kv_usage, c.load, c.state.key))
+                costs = [e + k * c.prefill_ms for e, c in zip(est, candidates, strict=True)]
+        cost = {id(c): x for c, x in zip(candidates, costs, strict=True)}
+        # Ties (an idle fleet, equal hits) go to the emptier cache, then the less busy instance
+        # (Candidate.load); instance keys are unique, so the position is never compared.
+        decorated = sorted(
+            [
+                (x, (ld := c.state.load).kv_usage, ld.running + ld.waiting + c.inflight, c.state.key, i)
+                for i, (c, x) in enumerate(zip(candidates, costs, strict=True))
+            ]
+        )
+        ordered = [candidates[d[4]] for d in decorated]
         best = ordered[0]
         limit = cost[id(best)] * (1 + self.margin) + self.margin_ms
 
@@ -121,14 +130,14 @@ class Ttft:
             else:
                 reason = "cache"
         out = [Choice(pick, pick.est_ttft_ms, reason)]
-        out += [Choice(c, c.est_ttft_ms, "") for c in ordered if c is not pick]
+        out += [Choice(candidates[d[4]], est[d[4]], "") for d in decorated if candidates[d[4]] is not pick]
         return out
 
     def _congestion_weight(self, candidates: list[Candidate], now: float) -> float:
         """The weight in force (from earlier requests), then fold in what these candidates show."""
         k = self._k
-        wait = statistics.median(c.wait_ms for c in candidates)
-        work = statistics.median(c.prefill_ms for c in candidates) or 1.0
+        wait = statistics.median([c.wait_ms for c in candidates])
+        work = statistics.median([c.prefill_ms for c in candidates]) or 1.0
         target = self.congestion * max(0.0, wait / work - 1.0)
         dt = max(0.0, now - self._k_at) if self._k_at is not None else self.congestion_tau
         blend = 1.0 - math.exp(-dt / self.congestion_tau)
