@@ -438,40 +438,73 @@ cdef class Differ:
         return self.log_pos >= size
 
 
+cdef int _walk_gpu(BlockTable gpu, uint64_t* karr, Py_ssize_t n, uint64_t alive,
+                   int* slots, Py_ssize_t* lens) noexcept:
+    """The GPU walk: fills (slot, matched blocks) for slots that matched at least one block (at most
+    64, one bank) and returns how many."""
+    cdef Py_ssize_t i
+    cdef uint64_t still, dropped
+    cdef int count = 0
+    for i in range(min(n, PREFETCH)):
+        _prefetch(gpu, karr[i])
+    for i in range(n):
+        if i + PREFETCH < n:
+            _prefetch(gpu, karr[i + PREFETCH])
+        still = alive & gpu.get(karr[i])
+        if still != alive:
+            dropped = alive ^ still
+            if i:
+                while dropped:
+                    slots[count] = __builtin_ctzll(dropped)
+                    lens[count] = i
+                    count += 1
+                    dropped &= dropped - 1
+            alive = still
+            if not alive:
+                return count
+    while alive:
+        slots[count] = __builtin_ctzll(alive)
+        lens[count] = n
+        count += 1
+        alive &= alive - 1
+    return count
+
+
 def match_gpu(BlockTable gpu, list keys, uint64_t alive):
     """Longest consecutive prefix of ``keys`` per slot in ``alive``, one table (a 64-slot bank).
 
     Returns a list of (slot, matched blocks) for slots that matched at least one block.
     """
-    cdef Py_ssize_t n = len(keys), i
-    cdef uint64_t still, dropped
-    cdef int slot
+    cdef int slots[64]
+    cdef Py_ssize_t lens[64]
+    cdef int count, j
     cdef uint64_t* karr = _key_array(keys)
-    out = []
     try:
-        for i in range(min(n, PREFETCH)):
-            _prefetch(gpu, karr[i])
-        for i in range(n):
-            if i + PREFETCH < n:
-                _prefetch(gpu, karr[i + PREFETCH])
-            still = alive & gpu.get(karr[i])
-            if still != alive:
-                dropped = alive ^ still
-                if i:
-                    while dropped:
-                        slot = __builtin_ctzll(dropped)
-                        out.append((slot, i))
-                        dropped &= dropped - 1
-                alive = still
-                if not alive:
-                    return out
-        while alive:
-            slot = __builtin_ctzll(alive)
-            out.append((slot, n))
-            alive &= alive - 1
-        return out
+        count = _walk_gpu(gpu, karr, len(keys), alive, slots, lens)
     finally:
         free(karr)
+    return [(slots[j], lens[j]) for j in range(count)]
+
+
+def match_gpu_into(BlockTable gpu, list keys, uint64_t alive, list owners, dict out, dict same,
+                   object match_type):
+    """match_gpu, with the results stored straight into ``out``: ``owners[slot]`` ->
+    ``match_type(n, (n, 0, 0, 0))``, one object per matched length (kept in ``same``: equal
+    matches are immutable and shared). Saves building a tuple per instance and a Python loop."""
+    cdef int slots[64]
+    cdef Py_ssize_t lens[64]
+    cdef int count, j
+    cdef uint64_t* karr = _key_array(keys)
+    try:
+        count = _walk_gpu(gpu, karr, len(keys), alive, slots, lens)
+    finally:
+        free(karr)
+    for j in range(count):
+        n = lens[j]
+        m = same.get(n)
+        if m is None:
+            m = same[n] = tuple.__new__(match_type, (n, (n, 0, 0, 0)))
+        out[owners[slots[j]]] = m
 
 
 cdef inline void _add_run(long long* counts, uint64_t mask, int tier, long long run) noexcept nogil:

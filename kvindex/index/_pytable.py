@@ -181,6 +181,23 @@ def match_gpu(gpu: BlockTable, keys: list[int], alive: int) -> list[tuple[int, i
     return out + [(slot, len(keys)) for slot in _bits(alive)]
 
 
+def match_gpu_into(
+    gpu: BlockTable,
+    keys: list[int],
+    alive: int,
+    owners: list[Any],
+    out: dict[Any, Any],
+    same: dict[int, Any],
+    match_type: Any,
+) -> None:
+    """See _native.match_gpu_into."""
+    for slot, n in match_gpu(gpu, keys, alive):
+        m = same.get(n)
+        if m is None:
+            m = same[n] = tuple.__new__(match_type, (n, (n, 0, 0, 0)))
+        out[owners[slot]] = m
+
+
 def match_tiered(
     gpu: BlockTable, cpu: BlockTable, disk: BlockTable, pools: list[BlockTable], keys: list[int], alive: int
 ) -> list[tuple[int, int, int, int, int, int]]:

@@ -48,12 +48,13 @@ class _Bank:
 class _Shard:
     """All instances of one model: slot allocation and the banks."""
 
-    __slots__ = ("bank_masks", "banks", "free_slots", "impl", "next_slot", "slot_owner")
+    __slots__ = ("bank_masks", "bank_owners", "banks", "free_slots", "impl", "next_slot", "slot_owner")
 
     def __init__(self, impl: Any) -> None:
         self.impl = impl
         self.banks: list[_Bank] = []
         self.bank_masks: list[int] = []  # occupied slots per bank
+        self.bank_owners: list[list[InstanceKey | None]] = []  # per bank, the instance in each slot
         self.slot_owner: dict[int, InstanceKey] = {}
         self.free_slots: list[int] = []
         self.next_slot = 0
@@ -69,12 +70,15 @@ class _Shard:
         while len(self.banks) <= slot // BANK_SLOTS:
             self.banks.append(_Bank(self.impl))
             self.bank_masks.append(0)
+            self.bank_owners.append([None] * BANK_SLOTS)
         self.slot_owner[slot] = instance
+        self.bank_owners[slot // BANK_SLOTS][slot % BANK_SLOTS] = instance
         self.bank_masks[slot // BANK_SLOTS] |= 1 << (slot % BANK_SLOTS)
         return slot
 
     def release(self, slot: int) -> None:
         del self.slot_owner[slot]
+        self.bank_owners[slot // BANK_SLOTS][slot % BANK_SLOTS] = None
         self.bank_masks[slot // BANK_SLOTS] &= ~(1 << (slot % BANK_SLOTS))
         self.free_slots.append(slot)
 
@@ -222,6 +226,7 @@ class InvertedIndex:
         pools = [bank.tiers[_SHARED] for bank in shard.banks if len(bank.tiers[_SHARED])]
         owner = shard.slot_owner
         out: dict[InstanceKey, InstanceMatch] = {}
+        same: dict[int, InstanceMatch] = {}
         new = tuple.__new__  # skips the namedtuple's Python-level __new__ on this hot path
         for b, mask in enumerate(alive):
             if not mask:
@@ -232,13 +237,8 @@ class InvertedIndex:
                 for slot, n, g, c, d, s in self.impl.match_tiered(gpu, cpu, disk, pools, keys, mask):
                     out[owner[base + slot]] = new(InstanceMatch, (n, (g, c, d, s)))
             else:
-                # Matches of one length are equal and immutable: build each once.
-                same: dict[int, InstanceMatch] = {}
-                for slot, n in self.impl.match_gpu(gpu, keys, mask):
-                    m = same.get(n)
-                    if m is None:
-                        m = same[n] = new(InstanceMatch, (n, (n, 0, 0, 0)))
-                    out[owner[base + slot]] = m
+                # Matches of one length are equal and immutable: each is built once.
+                self.impl.match_gpu_into(gpu, keys, mask, shard.bank_owners[b], out, same, InstanceMatch)
         return out
 
     def block_counts(self, instance: InstanceKey) -> tuple[int, int, int, int]:

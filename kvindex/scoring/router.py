@@ -61,10 +61,16 @@ class Router:
     # -- candidates -----------------------------------------------------------------------------
 
     def candidates(
-        self, request: RouteRequest, states: list[InstanceState], spec_ttl: float
+        self, request: RouteRequest, states: list[InstanceState], spec_ttl: float, every: bool = False
     ) -> list[Candidate]:
+        """``every``: ``states`` are all the model's routable instances, so the index may match all
+        of its instances (the extra ones, stale or pools, are not looked at) instead of building a
+        mask from the list."""
         keys = request.keys
-        matches = self.index.match(request.model, keys, [s.key for s in states]) if keys else {}
+        if keys:
+            matches = self.index.match(request.model, keys, None if every else [s.key for s in states])
+        else:
+            matches = {}
         model = self.calibrator.prefill(request.model)
         costs = self.config.costs
         shape = costs.engine
@@ -156,7 +162,7 @@ class Router:
         # Disaggregated decode instances are chosen for KV headroom, not for prefix overlap.
         chosen = self.policies["decode"] if request.role == DECODE_ROLE else self.policy(policy)
         states = self.registry.routable(request.model, candidates)
-        cands = self.candidates(request, states, chosen.speculative_ttl)
+        cands = self.candidates(request, states, chosen.speculative_ttl, every=candidates is None)
         choices = chosen.rank(request, cands, self) if cands else []
         result = ScoreResult(request, chosen.name, choices)
         if commit and choices:
