@@ -470,27 +470,12 @@ cdef int _walk_gpu(BlockTable gpu, uint64_t* karr, Py_ssize_t n, uint64_t alive,
     return count
 
 
-def match_gpu(BlockTable gpu, list keys, uint64_t alive):
-    """Longest consecutive prefix of ``keys`` per slot in ``alive``, one table (a 64-slot bank).
-
-    Returns a list of (slot, matched blocks) for slots that matched at least one block.
-    """
-    cdef int slots[64]
-    cdef Py_ssize_t lens[64]
-    cdef int count, j
-    cdef uint64_t* karr = _key_array(keys)
-    try:
-        count = _walk_gpu(gpu, karr, len(keys), alive, slots, lens)
-    finally:
-        free(karr)
-    return [(slots[j], lens[j]) for j in range(count)]
-
-
 def match_gpu_into(BlockTable gpu, list keys, uint64_t alive, list owners, dict out, dict same,
                    object match_type):
-    """match_gpu, with the results stored straight into ``out``: ``owners[slot]`` ->
-    ``match_type(n, (n, 0, 0, 0))``, one object per matched length (kept in ``same``: equal
-    matches are immutable and shared). Saves building a tuple per instance and a Python loop."""
+    """Longest consecutive prefix of ``keys`` per slot in ``alive``, one table (a 64-slot bank),
+    stored straight into ``out``: ``owners[slot]`` -> ``match_type(n, (n, 0, 0, 0))`` for slots
+    that matched at least one block, one object per matched length (kept in ``same``: equal matches
+    are immutable and shared). No tuple per instance and no Python loop around the walk."""
     cdef int slots[64]
     cdef Py_ssize_t lens[64]
     cdef int count, j
@@ -524,7 +509,7 @@ cdef inline bint _in_pool(list pools, uint64_t key):
 
 
 def match_tiered(BlockTable gpu, BlockTable cpu, BlockTable disk, list pools, list keys, uint64_t alive):
-    """Like match_gpu, but a block counts if it is on any local tier of the slot or in the pool.
+    """Like match_gpu_into, but a block counts if it is on any local tier of the slot or in the pool.
 
     ``pools`` are the model's shared-tier tables (one per bank): any holder there makes the block
     loadable by every instance. Returns (slot, matched, gpu, cpu, disk, shared) per matched slot, each block
