@@ -43,7 +43,7 @@ class Ttft:
         max_replicas: int = 4,
         overflow: float = 3.0,
         speculative_ttl: float = 10.0,
-        congestion: float = 4.0,
+        congestion: float = 10.0,
         congestion_tau: float = 5.0,
         replica_cost: float = 4.0,
         hot_requests: float = 3.0,
