@@ -74,12 +74,14 @@ class Ttft:
         if self.congestion:
             # An overloaded fleet (queues longer than the work itself) is limited by throughput:
             # every token computed delays everyone queued after it, so prefill work is weighed by
-            # how far waits exceed it; hits then win over small differences in wait. The weight is
+            # how far waits exceed it; hits then win over small differences in wait. Loading matched
+            # blocks from a slower tier or the shared pool occupies the engine too, so it is weighed
+            # alike (a hit in the pool is not free for the instance that has to fetch it). The weight is
             # a fleet regime tracked over time (medians, smoothed over ``congestion_tau`` s), never
             # the current candidates' own loads: one instance's load must not reorder the others.
             k = self._congestion_weight(candidates, router.clock())
             if k:
-                costs = [e + k * c.prefill_ms for e, c in zip(est, candidates, strict=True)]
+                costs = [e + k * (c.prefill_ms + c.fetch_ms) for e, c in zip(est, candidates, strict=True)]
         cost = {id(c): x for c, x in zip(candidates, costs, strict=True)}
         # Ties (an idle fleet, equal hits) go to the emptier cache, then the less busy instance
         # (Candidate.load); instance keys are unique, so the position is never compared.
