@@ -134,6 +134,18 @@ def code_version() -> str:
     return f"kvindex from {root} ({version}{index})"
 
 
+def stop_process(proc: subprocess.Popen[Any], timeout: float) -> None:
+    """SIGTERM, then SIGKILL if it has not exited after ``timeout`` seconds."""
+    if proc.poll() is not None:
+        return
+    proc.terminate()
+    try:
+        proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
 class NatsProcess:
     """A nats-server child process (the binary kvindex ships with), output discarded."""
 
@@ -156,12 +168,7 @@ class NatsProcess:
                 time.sleep(0.02)
 
     def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(5)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+        stop_process(self.proc, 5)
 
 
 class ServerProcess:
@@ -216,13 +223,7 @@ class ServerProcess:
         raise TimeoutError(f"server not ready after {timeout}s; log: {self.log_file.name}")
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop_process(self.proc, 10)
         self.log_file.close()
         with contextlib.suppress(OSError):
             os.unlink(self.log_file.name)

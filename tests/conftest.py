@@ -6,6 +6,7 @@ import asyncio
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
+from typing import Any
 
 import grpc
 import nats
@@ -21,6 +22,18 @@ from workers_shim.publisher import Publisher
 
 ROOT = Path(__file__).resolve().parents[1]
 SHARED = shared_dir()
+
+
+@pytest.fixture
+async def engine() -> AsyncIterator[Any]:
+    """A fake inference engine publishing KV events over real ZMQ (tests/test_bridge_fakes.py)."""
+    from tests.test_bridge_fakes import FakeEngine  # it imports this module's helpers
+
+    eng = await FakeEngine().start()
+    try:
+        yield eng
+    finally:
+        await eng.close()
 
 
 @pytest.fixture
@@ -75,10 +88,10 @@ async def make_publisher(nats_server: EmbeddedNats) -> AsyncIterator[Callable[..
     """Factory of started publishers, each on its own NATS connection, closed at teardown."""
     made: list[Publisher] = []
 
-    async def make(**kwargs: object) -> Publisher:
+    async def make(cls: type[Publisher] = Publisher, **kwargs: object) -> Publisher:
         nc = await nats.connect(nats_server.url)
         kwargs.setdefault("heartbeat_interval", 0.2)
-        pub = Publisher(nc, **kwargs)  # type: ignore[arg-type]
+        pub = cls(nc, **kwargs)  # type: ignore[arg-type]
         pub._owns_nc = True
         await pub.start()
         made.append(pub)
@@ -86,6 +99,8 @@ async def make_publisher(nats_server: EmbeddedNats) -> AsyncIterator[Callable[..
 
     yield make
     for pub in made:
+        if isinstance(pub, FaultyPublisher):
+            pub.faults.quiet()  # no delayed sends or partitions while closing
         await pub.close()
 
 

@@ -142,6 +142,10 @@ async def tapped(nats_url: str) -> WireTap:
     return await WireTap().start(nats_url, "w1")
 
 
+def shim(nats: EmbeddedNats, eng: FakeEngine) -> Any:
+    return running_bridge(nats.url, eng, engine="vllm", worker_id="w1", model=MODEL, block_size=BS)
+
+
 @pytest.mark.parametrize("name", list(OPS))
 async def test_live_capture_step_by_step(
     name: str, nats_server: EmbeddedNats, service: IndexService, stub: pb_grpc.KvIndexStub
@@ -150,16 +154,7 @@ async def test_live_capture_step_by_step(
     tap = await tapped(nats_server.url)
     model = Model()
     try:
-        async with running_bridge(
-            nats_server.url,
-            engine="vllm",
-            zmq=engine.endpoint,
-            replay=engine.replay_endpoint,
-            worker_id="w1",
-            model=MODEL,
-            block_size=BS,
-        ) as bridge:
-            await engine.wait_subscribed()
+        async with shim(nats_server, engine) as bridge:
             for frames, ops in zip(live_messages(name), OPS[name], strict=True):
                 await engine.send_raw(frames)
                 engine.seq = int.from_bytes(frames[1], "big") + 1
@@ -190,15 +185,7 @@ async def test_shim_started_after_the_engine_rebuilds_from_the_captured_replay(
     for ops in OPS[name]:
         model.apply(ops)
     try:
-        async with running_bridge(
-            nats_server.url,
-            engine="vllm",
-            zmq=engine.endpoint,
-            replay=engine.replay_endpoint,
-            worker_id="w1",
-            model=MODEL,
-            block_size=BS,
-        ) as bridge:
+        async with shim(nats_server, engine) as bridge:
             assert engine.replay_requests == [0]
             assert bridge.links[0].applied == len(OPS[name]) - 1
             assert bridge.stats.get("frames", "replay_3frame") == 1
@@ -227,16 +214,7 @@ async def test_gap_filled_by_the_captured_replay(
         model.apply(ops)
     live = live_messages(name)
     try:
-        async with running_bridge(
-            nats_server.url,
-            engine="vllm",
-            zmq=engine.endpoint,
-            replay=engine.replay_endpoint,
-            worker_id="w1",
-            model=MODEL,
-            block_size=BS,
-        ) as bridge:
-            await engine.wait_subscribed()
+        async with shim(nats_server, engine) as bridge:
             for frames in live[:4] + live[7:]:  # batches 4, 5 and 6 are lost on the way
                 await engine.send_raw(frames)
             engine.seq = 8

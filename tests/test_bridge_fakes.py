@@ -300,13 +300,20 @@ async def rank_engines(n: int, **kwargs: Any) -> list[FakeEngine]:
 
 
 @contextlib.asynccontextmanager
-async def running_bridge(nats_url: str, **kwargs: Any) -> AsyncIterator[Bridge]:
+async def running_bridge(nats_url: str, *engines: FakeEngine, **kwargs: Any) -> AsyncIterator[Bridge]:
+    """The real bridge, in process. With ``engines`` it reads them (rank 0's endpoints, unless
+    ``zmq`` / ``replay`` are given) and is yielded once every engine has seen it subscribe."""
+    if engines:
+        kwargs.setdefault("zmq", engines[0].endpoint)
+        kwargs.setdefault("replay", engines[0].replay_endpoint)
     kwargs.setdefault("heartbeat_interval", 0.2)
     kwargs.setdefault("stats_log_interval", 0)
     kwargs.setdefault("replay_timeout", 1.0)
     bridge = Bridge(BridgeConfig(nats_url=nats_url, **kwargs))
     await bridge.start()
     try:
+        for engine in engines:
+            await engine.wait_subscribed()
         yield bridge
     finally:
         await bridge.stop()

@@ -55,21 +55,16 @@ def batch(*events: Any, rank: int | None = 0) -> bytes:
     return encode(SgBatch(ts=time.time(), events=list(events), attn_dp_rank=rank))
 
 
+def shim(nats: EmbeddedNats, eng: FakeEngine, **kw: Any) -> Any:
+    return running_bridge(nats.url, eng, engine="sglang", worker_id="sg1", model=MODEL, block_size=BS, **kw)
+
+
 async def test_sglang_pages_media_gap_and_clear(
     nats_server: EmbeddedNats, service: IndexService, stub: pb_grpc.KvIndexStub
 ) -> None:
     engine = await FakeEngine(layout=2).start()  # SGLang answers replays as [seq, payload]
     try:
-        async with running_bridge(
-            nats_server.url,
-            engine="sglang",
-            zmq=engine.endpoint,
-            replay=engine.replay_endpoint,
-            worker_id="sg1",
-            model=MODEL,
-            block_size=BS,
-        ) as bridge:
-            await engine.wait_subscribed()
+        async with shim(nats_server, engine) as bridge:
             await engine.publish(batch(*pages(0, 4, None)))
             # HiCache backs pages up to host memory and disk, and to a shared pool (Mooncake).
             await engine.publish(batch(*pages(0, 4, None, "CPU_PINNED")), send=False)  # lost: replayed
@@ -99,16 +94,7 @@ async def test_sglang_salted_pages_and_bigram_tokens(
 ) -> None:
     engine = await FakeEngine(layout=2).start()
     try:
-        async with running_bridge(
-            nats_server.url,
-            engine="sglang",
-            zmq=engine.endpoint,
-            replay=engine.replay_endpoint,
-            worker_id="sg1",
-            model=MODEL,
-            block_size=BS,
-        ) as bridge:
-            await engine.wait_subscribed()
+        async with shim(nats_server, engine) as bridge:
             await engine.publish(batch(*pages(0, 3, None, metadata=SgMetadata(cache_salt="tenant-9"))))
             # EAGLE bigram pages: tokens as (token, next token) pairs.
             bigram = [[P[i], P[i + 1]] for i in range(0, 2 * BS)]
@@ -149,9 +135,8 @@ async def test_sglang_attention_dp_ranks_on_one_endpoint_and_load(
     try:
         async with running_bridge(
             nats_server.url,
+            engine,
             engine="sglang",
-            zmq=engine.endpoint,
-            replay=engine.replay_endpoint,
             worker_id="sg2",
             model=MODEL,
             block_size=BS,
@@ -160,7 +145,6 @@ async def test_sglang_attention_dp_ranks_on_one_endpoint_and_load(
             metrics_url=page.url,
             scrape_interval=0.05,
         ) as bridge:
-            await engine.wait_subscribed()
             await engine.publish(batch(*pages(0, 2, None), rank=0))
             await engine.publish(batch(*pages(0, 5, None), rank=1))
             await engine.publish(batch(*pages(0, 1, None), rank=7))  # a rank this shim does not serve

@@ -45,24 +45,8 @@ def hashes(tag: str, n: int) -> list[int]:
     return [signed64(fake_hash(tag, i)) for i in range(n)]
 
 
-@pytest.fixture
-async def engine() -> Any:
-    eng = await FakeEngine().start()
-    yield eng
-    await eng.close()
-
-
 def shim(nats: EmbeddedNats, eng: FakeEngine, **kw: Any) -> Any:
-    return running_bridge(
-        nats.url,
-        engine="trtllm",
-        zmq=eng.endpoint,
-        replay=eng.replay_endpoint,
-        worker_id="trt1",
-        model=MODEL,
-        block_size=BS,
-        **kw,
-    )
+    return running_bridge(nats.url, eng, engine="trtllm", worker_id="trt1", model=MODEL, block_size=BS, **kw)
 
 
 async def test_trtllm_streaming_events(
@@ -71,7 +55,6 @@ async def test_trtllm_streaming_events(
     h, lh, sh, mh = hashes("plain", 4), hashes("lora", 2), hashes("salt", 2), hashes("mm", 2)
     image = bytes(range(100, 132))
     async with shim(nats_server, engine) as bridge:
-        await engine.wait_subscribed()
         await engine.publish(batch(TrtStored(h[:3], None, P[:24], BS, locality="local")))
         await engine.publish(batch(TrtStored(h[3:], h[2], P[24:], BS), TrtRemoved(h[3:])))
         await engine.publish(batch(TrtStored(lh, None, P[:16], BS, lora_id=4, lora_name="fin")))
@@ -136,7 +119,6 @@ async def test_trtllm_pull_api_events(
     }
     removed = {"event_id": 3, "data": {"type": "removed", "block_hashes": [h[2]]}, "window_size": 64}
     async with shim(nats_server, engine) as bridge:
-        await engine.wait_subscribed()
         await engine.publish(batch(*events))
         await engine.publish(batch(moved, removed))
         await settle(bridge, service, [engine])

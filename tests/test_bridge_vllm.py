@@ -61,18 +61,8 @@ def batch(*events: Any, rank: int = 0) -> bytes:
     return encode(VllmBatch(ts=time.time(), events=list(events), data_parallel_rank=rank))
 
 
-@pytest.fixture
-async def engine() -> Any:
-    eng = await FakeEngine().start()
-    yield eng
-    await eng.close()
-
-
 def shim(nats: EmbeddedNats, eng: FakeEngine, **kw: Any) -> Any:
-    kw.setdefault("replay", eng.replay_endpoint)
-    return running_bridge(
-        nats.url, engine="vllm", zmq=eng.endpoint, worker_id="w1", model=MODEL, block_size=BS, **kw
-    )
+    return running_bridge(nats.url, eng, engine="vllm", worker_id="w1", model=MODEL, block_size=BS, **kw)
 
 
 @pytest.mark.parametrize("flavor", ["map-int", "map-bytes", "array-int"])
@@ -94,7 +84,6 @@ async def test_event_shapes_store_chain_remove_clear(
         rm = [VllmRemoved([hashes[5]], "GPU", 0), VllmRemoved([hashes[4]], "GPU", 0)]
         clear = VllmCleared()
     async with shim(nats_server, engine) as bridge:
-        await engine.wait_subscribed()
         await engine.publish(batch(s0))
         await engine.publish(batch(s1))
         await settle(bridge, service, [engine])
@@ -130,7 +119,6 @@ async def test_lora_salt_and_multimodal_extra_keys(
     mm_h = [fake_hash("mm", i) for i in range(3)]
     digest = bytes(range(32))
     async with shim(nats_server, engine) as bridge:
-        await engine.wait_subscribed()
         # LoRA: vLLM puts the adapter name first in every block's extra keys (and in lora_name).
         await engine.publish(
             batch(stored(lora_h, None, P[:8], lora_id=3, lora_name="sql", extra_keys=[["sql"], ["sql"]]))
@@ -169,7 +157,6 @@ async def test_tokenless_offload_blocks_refcounts_and_media(
         return stored(hashes, None, [], block_size=0, medium=medium)
 
     async with shim(nats_server, engine, media={"STORAGE": "shared"}) as bridge:
-        await engine.wait_subscribed()
         await engine.publish(batch(stored(H[:3], None, P[:12])))
         await engine.publish(batch(stored(H[:3], None, P[:12])))  # a second physical copy (no dedupe)
         # The CPU offload connector stores placeholders, and repeats them.
@@ -213,7 +200,6 @@ async def test_block_size_mismatch_is_loud_and_never_mis_keyed(
     nats_server: EmbeddedNats, service: IndexService, stub: pb_grpc.KvIndexStub, engine: FakeEngine
 ) -> None:
     async with shim(nats_server, engine) as bridge:
-        await engine.wait_subscribed()
         await engine.publish(batch(stored(H[:1], None, P[:8], block_size=8)))  # engine runs with 8
         await engine.publish(batch(stored(H[1:2], H[0], P[8:12])))  # a child of the skipped block
         await engine.publish(batch(stored(H[2:3], None, P[:4]), stored(H[3:4], None, P[:3], block_size=3)))
@@ -229,7 +215,6 @@ async def test_garbage_frames_do_not_kill_the_bridge(
     nats_server: EmbeddedNats, service: IndexService, stub: pb_grpc.KvIndexStub, engine: FakeEngine
 ) -> None:
     async with shim(nats_server, engine) as bridge:
-        await engine.wait_subscribed()
         await engine.send_raw([b"kv-events"])  # one frame
         await engine.send_raw([b"kv-events", b"\x00\x01", b"x"])  # seq is not 8 bytes
         await engine.send_raw([b"a", b"b", b"c", b"d"])  # four frames
@@ -266,7 +251,6 @@ async def test_gap_is_filled_from_replay_in_both_layouts(
     engine = await FakeEngine(layout=layout).start()
     try:
         async with shim(nats_server, engine) as bridge:
-            await engine.wait_subscribed()
             await engine.publish(batch(stored(H[:2], None, P[:8])))
             await engine.publish(batch(stored(H[2:4], H[1], P[8:16])), send=False)  # lost on the way
             await engine.publish(batch(VllmRemoved(H[1:2], "CPU", 0)), send=False)  # lost as well
@@ -289,7 +273,6 @@ async def test_mid_stream_start_recovers_history_from_replay(
     await engine.publish(batch(VllmRemoved(H[2:3], "GPU", 0)))
     await engine.publish(batch(stored(H[2:3], H[1], P[8:12]), stored(H[3:4], H[2], P[12:16])))
     async with shim(nats_server, engine) as bridge:
-        await engine.wait_subscribed()
         await engine.publish(batch(stored(H[4:6], H[3], P[16:24])))  # parent known only from history
         await settle(bridge, service, [engine])
         assert bridge.stats.get("skipped", "unknown_parent") == 0
@@ -303,7 +286,6 @@ async def test_unknown_parent_rebuilds_the_map_from_replay(
     # The replay socket does not answer at first: neither the start-up replay nor the gap's.
     engine.ignore_next = 2
     async with shim(nats_server, engine, replay_timeout=0.3) as bridge:
-        await engine.wait_subscribed()
         await engine.publish(batch(stored(H[3:6], H[2], P[12:24]), VllmRemoved(H[3:4], "GPU", 0)))
         await settle(bridge, service, [engine])
         assert engine.replay_requests == [0, 0, 0]  # start-up, gap, then the rebuild that answered
@@ -320,7 +302,6 @@ async def test_unknown_parent_without_replay_is_counted_not_guessed(
 ) -> None:
     await engine.publish(batch(stored(H[:3], None, P[:12])))
     async with shim(nats_server, engine, replay=None) as bridge:
-        await engine.wait_subscribed()
         await engine.publish(batch(stored(H[3:5], H[2], P[12:20])))
         await engine.publish(batch(stored(H[5:6], H[4], P[20:24])))  # descends from a skipped block
         await settle(bridge, service, [engine])
@@ -336,7 +317,6 @@ async def test_engine_restart_starts_a_new_epoch(
 ) -> None:
     Q = list(range(5000, 5000 + 2 * BS))
     async with shim(nats_server, engine) as bridge:
-        await engine.wait_subscribed()
         await engine.publish(batch(stored(H[:3], None, P[:12])))
         await engine.publish(batch(stored(H[3:4], H[2], P[12:16])))
         await settle(bridge, service, [engine])
@@ -365,7 +345,6 @@ async def test_unrecoverable_gap_resyncs_with_a_new_epoch(
     engine.buffer_size = 1  # the replay buffer keeps only the newest batch
     kw = {} if replay else {"replay": None}
     async with shim(nats_server, engine, **kw) as bridge:
-        await engine.wait_subscribed()
         await engine.publish(batch(stored(H[:3], None, P[:12])))
         await settle(bridge, service, [engine])
         first_epoch = bridge.ranks[0].publisher.epoch  # type: ignore[union-attr]
@@ -388,16 +367,13 @@ async def test_dp_ranks_on_consecutive_ports(
     try:
         async with running_bridge(
             nats_server.url,
+            *engines,
             engine="vllm",
-            zmq=engines[0].endpoint,
-            replay=engines[0].replay_endpoint,
             worker_id="w1",
             model=MODEL,
             block_size=BS,
             dp_ranks=(0, 1),
         ) as bridge:
-            for eng in engines:
-                await eng.wait_subscribed()
             await engines[0].publish(batch(stored(H[:2], None, P[:8]), rank=0))
             await engines[1].publish(batch(stored(H[:4], None, P[:16]), rank=1))
             await engines[1].publish(batch(VllmRemoved(H[3:4], "GPU", 0), rank=1))
@@ -454,7 +430,6 @@ async def test_reannounced_prefix_hits_are_not_reference_counted(
 ) -> None:
     # Engines that re-emit BlockStored for prefix-cache hits: --reannounce-tier gpu.
     async with shim(nats_server, engine, set_tiers=("gpu",)) as bridge:
-        await engine.wait_subscribed()
         await engine.publish(batch(stored(H[:3], None, P[:12])))
         await engine.publish(batch(stored(H[:3], None, P[:12])))  # a prefix hit, announced again
         await engine.publish(batch(VllmRemoved(H[1:3], "GPU", 0)))  # one eviction removes it

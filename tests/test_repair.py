@@ -6,16 +6,15 @@ import asyncio
 from collections.abc import Awaitable, Callable
 
 import grpc
-import nats
 import pytest
 
 from kvindex.repair.nats_repair import RepairConfig
 from kvindex.service.app import IndexService
-from kvindex.service.natsd import EmbeddedNats
 from kvindex.testing.faults import Faults, FaultyPublisher
 from kvindex.v1 import kvindex_pb2 as pb
 from kvindex.v1 import kvindex_pb2_grpc as pb_grpc
 from tests.conftest import converged, index_view, wait_until
+from workers_shim.publisher import Publisher
 
 FAST = RepairConfig(
     replay_timeout=0.5,
@@ -29,24 +28,18 @@ MakeService = Callable[..., Awaitable[IndexService]]
 
 
 @pytest.fixture
-async def make_worker(nats_server: EmbeddedNats):
-    made: list[FaultyPublisher] = []
-
+def make_worker(
+    make_publisher: Callable[..., Awaitable[Publisher]],
+) -> Callable[..., Awaitable[FaultyPublisher]]:
     async def make(worker: str, faults: Faults | None = None, **kwargs: object) -> FaultyPublisher:
-        nc = await nats.connect(nats_server.url)
         kwargs.setdefault("model", "m")
         kwargs.setdefault("block_size", 4)
         kwargs.setdefault("heartbeat_interval", 0.1)
-        pub = FaultyPublisher(nc, worker=worker, faults=faults, **kwargs)  # type: ignore[arg-type]
-        pub._owns_nc = True
-        await pub.start()
-        made.append(pub)
+        pub = await make_publisher(cls=FaultyPublisher, worker=worker, faults=faults, **kwargs)
+        assert isinstance(pub, FaultyPublisher)
         return pub
 
-    yield make
-    for pub in made:
-        pub.faults.quiet()
-        await pub.close()
+    return make
 
 
 async def test_gap_is_repaired_by_replay(make_service: MakeService, make_worker) -> None:
