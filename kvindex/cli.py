@@ -38,7 +38,35 @@ def _add_serve(sub: Any) -> None:
     j = p.add_argument_group("JetStream (optional)")
     j.add_argument("--jetstream", action="store_true", help="keep event batches in a stream; rebuild from it")
     j.add_argument("--stream-max-age", type=float, default=3600.0, help="history kept in the stream (s)")
+    _add_limits(p)
     add_serve_capture(p)
+
+
+def _add_limits(p: Any) -> None:
+    from kvindex.ingest.limits import DEFAULT_INGEST_LIMITS as defaults
+
+    g = p.add_argument_group("limits", "bounds on what workers can make the index hold (docs/deploy.md)")
+    for flag, kind, doc in (
+        ("capacity-slack", float, "blocks per (instance, tier): announced capacity x this"),
+        ("default-tier-blocks", int, "blocks per (instance, tier) when no capacity is announced"),
+        ("max-tier-blocks", int, "blocks per (instance, tier), whatever capacity is announced"),
+        ("max-instances-per-model", int, "instances of one model"),
+        ("max-models", int, "models"),
+        ("max-held-batches", int, "batches held per instance while it is repaired"),
+        ("max-held-keys", int, "block keys in those held batches"),
+        ("max-pending-repairs", int, "instances being repaired at once"),
+    ):
+        name = flag.replace("-", "_")
+        default = getattr(defaults, name)
+        g.add_argument(f"--{flag}", type=kind, default=default, help=f"{doc} (default {default})")
+
+
+def _limits(args: argparse.Namespace) -> Any:
+    from dataclasses import fields
+
+    from kvindex.ingest.limits import IngestLimits
+
+    return IngestLimits(**{f.name: getattr(args, f.name) for f in fields(IngestLimits)})
 
 
 def _add_query(sub: Any, name: str, help_text: str, prompt: bool) -> None:
@@ -124,6 +152,7 @@ def _serve(args: argparse.Namespace) -> int:
         ),
         jetstream=JetStreamConfig(max_age=args.stream_max_age) if args.jetstream else None,
         capture=serve_capture_config(args),
+        limits=_limits(args),
     )
     asyncio.run(serve_until_signalled(IndexService(config)))
     return 0

@@ -37,6 +37,11 @@ class InstanceState:
     local_blocks_seen: bool = False
     sync: str = "synced"  # synced | replay | snapshot: what the index is doing to stay exact
     stale: bool = False  # no heartbeat for a while: excluded from rankings
+    # Most blocks the index keeps per tier for this instance (kvindex/ingest/limits.py), and the
+    # tiers (bit 1 << tier) where stores were refused: the index holds a subset of the worker's
+    # blocks there, so the digest check skips them until the worker reports fitting again.
+    block_limits: tuple[int, int, int, int] = (0, 0, 0, 0)
+    capped: int = 0
 
     @property
     def instance_id(self) -> str:
@@ -101,6 +106,10 @@ class Registry:
             if not members:
                 del self._by_model[state.model]
         return state
+
+    def count(self, model: str) -> int:
+        """Instances of ``model``."""
+        return len(self._by_model.get(model, ()))
 
     def of_model(self, model: str) -> list[InstanceState]:
         return list(self._by_model.get(model, {}).values())

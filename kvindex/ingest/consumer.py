@@ -14,8 +14,18 @@ from typing import Any, Protocol
 
 import structlog
 
-from kvindex.fleet.registry import InstanceState, Registry
-from kvindex.index.base import InstanceKey, KvBlockIndex
+from kvindex.fleet.registry import InstanceState, Registry, instance_id
+from kvindex.index.base import Applied, InstanceKey, KvBlockIndex
+from kvindex.ingest.limits import (
+    BLOCK_LIMIT,
+    DEFAULT_INGEST_LIMITS,
+    HELD_LIMIT,
+    INSTANCE_LIMIT,
+    MODEL_LIMIT,
+    REPAIR_LIMIT,
+    IngestLimits,
+    LimitExceeded,
+)
 from kvindex.observability.counters import IngestCounters
 from kvindex.observability.logs import RateLimitedLog
 from kvindex.sequencer.cursor import Cursor, Sequencer, Verdict, decide
@@ -23,7 +33,16 @@ from kvindex.wire import errors
 from kvindex.wire.codec import DEFAULT_LIMITS, Limits, decode_batch, decode_status
 from kvindex.wire.errors import WireError
 from kvindex.wire.reconcile import REPLAY_OK, Snapshot
-from kvindex.wire.schema import CLEARED, REMOVED, SHARED, STORED, EventBatch, StatusReport
+from kvindex.wire.schema import (
+    CLEARED,
+    REMOVED,
+    SHARED,
+    STORED,
+    TIER_BY_NAME,
+    TIER_NAMES,
+    EventBatch,
+    StatusReport,
+)
 from kvindex.wire.subjects import EVENTS, STATUS, Subjects, valid_worker_id
 
 
@@ -70,7 +89,7 @@ class Consumer:
         counters: IngestCounters | None = None,
         limits: Limits = DEFAULT_LIMITS,
         repair: RepairScheduler | None = None,
-        max_buffer: int = 4096,
+        ingest_limits: IngestLimits = DEFAULT_INGEST_LIMITS,
         log: Any = None,
     ) -> None:
         self.index = index
@@ -79,9 +98,11 @@ class Consumer:
         self.sequencer = sequencer or Sequencer()
         self.counters = counters or IngestCounters()
         self.limits = limits
-        self.max_buffer = max_buffer
+        self.ingest_limits = ingest_limits
         self.log = log or structlog.get_logger("kvindex.ingest")
         self._reject_log = RateLimitedLog(self.log)
+        # Refusals by a limit: once per (instance, reason) per minute, with the count suppressed.
+        self._limit_log = RateLimitedLog(self.log, interval=60.0)
         self._events_head = f"{self.subjects.prefix}.{EVENTS}."
         # Heartbeats drive repairs (tail loss, drift, discovery) unless the event source is still
         # replaying history; and when they do not share one ordered subscription with the batches,
@@ -156,9 +177,21 @@ class Consumer:
 
     def _apply(self, state: InstanceState, batch: EventBatch) -> None:
         c = self.counters
-        stored, removed, cleared, n_stored, n_removed, n_cleared, local = self.index.apply(
-            state.key, batch.events
-        )
+        events = batch.events
+        # Fast check: even if every key were new, no tier would pass its limit.
+        n = sum([len(ev.keys) for ev in events])
+        have = self.index.block_counts(state.key)
+        limit = state.block_limits
+        if (
+            have[0] + n <= limit[0]
+            and have[1] + n <= limit[1]
+            and have[2] + n <= limit[2]
+            and have[3] + n <= limit[3]
+        ):
+            applied = self.index.apply(state.key, events)
+        else:
+            applied = self._apply_capped(state, batch)
+        stored, removed, cleared, n_stored, n_removed, n_cleared, local = applied
         c.blocks_stored += stored
         applied = c.events_applied
         applied[STORED] += n_stored
@@ -176,21 +209,107 @@ class Consumer:
         state.batches += 1
         c.batches_applied += 1
 
+    def _apply_capped(self, state: InstanceState, batch: EventBatch) -> Applied:
+        """Apply a batch event by event, dropping the stores beyond a tier's limit.
+
+        Removals and clears always apply, so the index keeps a subset of what the worker holds
+        (a missed hit, never a wrong route), and the batch's seq is consumed: refusing it whole
+        would only come back as a gap, a replay of the same batch and a snapshot just as large.
+        """
+        index, key = self.index, state.key
+        stored = removed = cleared = 0
+        n_ev = [0, 0, 0]
+        local = False
+        refused: dict[int, int] = {}
+        for ev in batch.events:
+            n_ev[ev.op] += 1
+            if ev.op == CLEARED:
+                cleared += index.clear(key, None if ev.tier is None else TIER_BY_NAME[ev.tier])
+                continue
+            tier = TIER_BY_NAME[ev.tier]
+            if ev.op == REMOVED:
+                removed += index.remove(key, tier, ev.keys)
+                continue
+            local |= tier != SHARED
+            added, dropped = self._store_capped(state, tier, ev.keys)
+            stored += added
+            if dropped:
+                refused[tier] = refused.get(tier, 0) + dropped
+        if refused:
+            self._refused_blocks(state, refused, f"batch seq {batch.seq}")
+        return Applied(stored, removed, cleared, n_ev[0], n_ev[1], n_ev[2], local)
+
+    def _store_capped(self, state: InstanceState, tier: int, keys: list[int]) -> tuple[int, int]:
+        """Store ``keys`` up to the tier's limit: (blocks added, keys dropped unstored)."""
+        index, key = self.index, state.key
+        room = state.block_limits[tier] - index.block_counts(key)[tier]
+        if len(keys) <= room:
+            return index.store(key, tier, keys), 0
+        added = done = 0
+        # Keys already held cost no room, so store in chunks of the room left until it is gone.
+        while room > 0 and done < len(keys):
+            n = index.store(key, tier, keys[done : done + room])
+            done += room
+            added += n
+            room -= n
+        return added, max(0, len(keys) - done)
+
+    def _refused_blocks(self, state: InstanceState, refused: dict[int, int], what: str) -> None:
+        for tier, n in refused.items():
+            state.capped |= 1 << tier
+            self.counters.blocks_refused += n
+        limits = {TIER_NAMES[t]: state.block_limits[t] for t in refused}
+        self._refuse(
+            state.key,
+            BLOCK_LIMIT,
+            f"{what}: {sum(refused.values())} stored blocks beyond the limit dropped",
+            limits=limits,
+            capacity={TIER_NAMES[t]: n for t, n in state.capacity.items()},
+        )
+
+    def _refuse(self, instance: InstanceKey, reason: str, message: str, **kw: Any) -> None:
+        """Count a limit refusal and log it once per (instance, reason) per minute."""
+        self.counters.reject(reason, instance[0])
+        self._limit_log.warning(
+            (instance_id(instance), reason),
+            "limit_refused",
+            worker=instance[0],
+            dp_rank=instance[1],
+            reason=reason,
+            error=message,
+            **kw,
+        )
+
     # -- repair: buffering, replays, snapshots ---------------------------------------------------
 
     def _hold(self, state: InstanceState, cursor: Cursor, batch: EventBatch) -> None:
         """Keep a batch until the repair in progress lets it apply in order (bounded)."""
         cursor.buffer[batch.seq] = batch
-        if len(cursor.buffer) > self.max_buffer:
+        cursor.held_keys += _n_keys(batch)
+        limits = self.ingest_limits
+        if len(cursor.buffer) > limits.max_held_batches or cursor.held_keys > limits.max_held_keys:
             # A snapshot supersedes what is held; later batches are held again after it.
+            held, keys = len(cursor.buffer), cursor.held_keys
             cursor.buffer.clear()
+            cursor.held_keys = 0
             self.counters.buffer_overflows += 1
-            self.log.warning("repair_buffer_overflow", worker=state.worker, dp_rank=state.dp_rank)
+            self._refuse(state.key, HELD_LIMIT, f"{held} batches ({keys} keys) held: dropped for a snapshot")
             if cursor.repairing != SNAPSHOT:
                 self._begin(state, cursor, SNAPSHOT, "overflow")
 
     def _begin(self, state: InstanceState, cursor: Cursor, how: str, cause: str, upto: int = 0) -> None:
         """Start (or escalate) a repair; ``upto`` is a seq the worker is known to have published."""
+        if cursor.repairing is None and self._repairs_full():
+            # Not now: accept the hole as NoRepair does; a later heartbeat's digest (or the
+            # periodic check) asks again once repairs have drained.
+            cursor.target = max(cursor.target, upto)
+            self._refuse(
+                state.key,
+                REPAIR_LIMIT,
+                f"{self.ingest_limits.max_pending_repairs} repairs pending: {how} ({cause}) not started",
+            )
+            self.give_up(state.key)
+            return
         if cursor.repairing is None:
             cursor.repair_started = self.registry.clock()
             cursor.rounds = 0
@@ -219,17 +338,25 @@ class Consumer:
             self.log.info("repair_snapshot", worker=state.worker, dp_rank=state.dp_rank, cause=cause)
             self.repair.request_snapshot(state.key, cause)
 
+    def _repairs_full(self) -> bool:
+        cursors = self.sequencer.cursors()
+        limit = self.ingest_limits.max_pending_repairs
+        # Counting costs O(instances), so only when there are more instances than the limit.
+        return len(cursors) > limit and sum(1 for c in cursors.values() if c.repairing is not None) >= limit
+
     def _settle(self, state: InstanceState, cursor: Cursor) -> None:
         """Apply held batches that are now in order; finish the repair or start the next round."""
         buffer = cursor.buffer
         while buffer:
             seq = buffer.keys()[0]
             if seq <= cursor.applied:
-                del buffer[seq]
+                cursor.held_keys -= _n_keys(buffer.pop(seq))
                 continue
             if seq != cursor.applied + 1:
                 break
-            self._apply(state, buffer.pop(seq))
+            batch = buffer.pop(seq)
+            cursor.held_keys -= _n_keys(batch)
+            self._apply(state, batch)
             cursor.applied = seq
         if not buffer and cursor.repairing is not None:
             took = self.registry.clock() - cursor.repair_started
@@ -268,14 +395,25 @@ class Consumer:
             self._begin(state, cursor, SNAPSHOT, "gap")
             return
         c.replays_ok += 1
+        limits = self.ingest_limits
         for payload in payloads:
             try:
                 batch = decode_batch(payload, instance[0], self.limits)
             except WireError as exc:
                 self._reject(instance[0], "replay", exc)
                 continue
-            if batch.epoch == cursor.epoch and batch.dp_rank == instance[1]:
-                cursor.buffer.setdefault(batch.seq, batch)
+            seq = batch.seq
+            if batch.epoch != cursor.epoch or batch.dp_rank != instance[1]:
+                continue
+            if seq <= cursor.applied or seq in cursor.buffer:
+                continue
+            n = _n_keys(batch)
+            if len(cursor.buffer) >= limits.max_held_batches or cursor.held_keys + n > limits.max_held_keys:
+                # What is left stays a hole: the next round asks for a snapshot instead.
+                self._refuse(instance, HELD_LIMIT, f"replay answer holds more than the limit (at seq {seq})")
+                break
+            cursor.buffer[seq] = batch
+            cursor.held_keys += n
         self._settle(state, cursor)
 
     def on_replay_failed(self, instance: InstanceKey, epoch: int, why: str) -> None:
@@ -313,6 +451,7 @@ class Consumer:
             diffs = None
         c = self.counters
         added = removed = 0
+        refused: dict[int, int] = {}
         for tier in range(4):
             if diffs is not None and tier in diffs:
                 missing, extra = diffs[tier]
@@ -320,10 +459,18 @@ class Consumer:
                 missing, extra = self.index.diff(instance, tier, snapshot.tiers.get(tier, []))
             if extra:
                 removed += self.index.remove(instance, tier, extra)
+            dropped = 0
             if missing:
-                added += self.index.store(instance, tier, missing)
+                n, dropped = self._store_capped(state, tier, missing)
+                added += n
                 if tier != SHARED:
                     state.local_blocks_seen = True
+            if dropped or snapshot.trimmed & (1 << tier):
+                refused[tier] = dropped
+            else:
+                state.capped &= ~(1 << tier)  # the tier is exact again
+        if refused:
+            self._refused_blocks(state, refused, f"snapshot at seq {snapshot.seq}")
         c.snapshots_applied += 1
         c.snapshot_blocks_added += added
         c.snapshot_blocks_removed += removed
@@ -381,6 +528,7 @@ class Consumer:
             if seq > cursor.applied:
                 self._apply(state, batch)
                 cursor.applied = seq
+        cursor.held_keys = 0
         # What is known lost stays lost; do not ask for it again on every heartbeat.
         cursor.applied = max(cursor.applied, cursor.target)
         state.last_seq = cursor.applied
@@ -411,7 +559,16 @@ class Consumer:
         state.last_status_at = self.registry.clock()
         state.last_status_ts = report.ts
         state.load = report.load
+        if report.capacity != state.capacity:
+            state.block_limits = self.ingest_limits.block_limits(report.capacity)
         state.capacity = report.capacity
+        if state.capped:
+            # A capped tier whose worker now fits within the limit gets its digest checked again:
+            # the drift it shows brings a snapshot, which makes the tier exact.
+            for tier in range(4):
+                held = report.digest.get(tier, (0, 0))[0]
+                if state.capped & (1 << tier) and held <= state.block_limits[tier]:
+                    state.capped &= ~(1 << tier)
         state.reported_digest = report.digest
         state.reported_seq = report.seq
         if report.prefill and self.prefill_samples is not None:
@@ -444,14 +601,19 @@ class Consumer:
             self._gap(state, (cursor.applied + 1, report.seq), "behind heartbeat")
             self._begin(state, cursor, REPLAY, "tail", upto=report.seq)
             return
-        if report.seq == cursor.applied and not self._digest_matches(key, report):
+        if report.seq == cursor.applied and not self._digest_matches(state, report):
             self.counters.drift_detected += 1
             self.log.warning("digest_drift", worker=state.worker, dp_rank=state.dp_rank, seq=report.seq)
             self._begin(state, cursor, SNAPSHOT, "drift")
 
-    def _digest_matches(self, key: InstanceKey, report: StatusReport) -> bool:
-        reported = report.digest
-        return all(reported.get(tier, (0, 0)) == self.index.digest(key, tier) for tier in range(4))
+    def _digest_matches(self, state: InstanceState, report: StatusReport) -> bool:
+        """Digests agree on every tier, except capped ones (the index keeps a subset there)."""
+        reported, key, capped = report.digest, state.key, state.capped
+        return all(
+            reported.get(tier, (0, 0)) == self.index.digest(key, tier)
+            for tier in range(4)
+            if not capped & (1 << tier)
+        )
 
     # -- shared helpers --------------------------------------------------------------------------
 
@@ -476,6 +638,7 @@ class Consumer:
                 f"model {model!r} uses block_size={expected} on its other instances, "
                 f"this worker announced {block_size}; keys would never match",
             )
+        self._check_room(key, model, state)
         if state is not None:
             # Restarted with another model or block size: its old blocks are meaningless now.
             self.index.drop_instance(key)
@@ -484,8 +647,27 @@ class Consumer:
         self.index.add_instance(key, model)
         state = self.registry.add(key, model, block_size)
         state.epoch = epoch
+        state.block_limits = self.ingest_limits.block_limits({})
         self.log.info("instance_joined", worker=worker, dp_rank=dp_rank, model=model, block_size=block_size)
         return state
+
+    def _check_room(self, key: InstanceKey, model: str, state: InstanceState | None) -> None:
+        """LimitExceeded when a new instance (or one moving to ``model``) would pass a limit."""
+        limits, registry = self.ingest_limits, self.registry
+        members = registry.count(model)
+        if members >= limits.max_instances_per_model:
+            raise LimitExceeded(
+                INSTANCE_LIMIT,
+                f"model {model!r} already has {members} instances (limit {limits.max_instances_per_model})",
+            )
+        if members == 0:
+            models = len(registry.models())
+            if state is not None and registry.count(state.model) == 1:
+                models -= 1  # the instance leaves its old model, which then goes away
+            if models >= limits.max_models:
+                raise LimitExceeded(
+                    MODEL_LIMIT, f"{models} models known (limit {limits.max_models}): {model!r} refused"
+                )
 
     def _model_block_size(self, model: str, exclude: InstanceKey) -> int | None:
         for other in self.registry.of_model(model):
@@ -498,6 +680,7 @@ class Consumer:
         self.counters.restarts += 1
         self.counters.blocks_cleared += dropped
         state.restarts += 1
+        state.capped = 0
         old, state.epoch, state.last_seq = state.epoch, epoch, 0
         # A repair of the old history ends with it; the new one starts in sync unless it begins its own.
         state.sync = "synced"
@@ -532,6 +715,16 @@ class Consumer:
 
     def _reject(self, worker: str | None, subject: str, exc: WireError) -> None:
         self.counters.reject(exc.reason, worker)
+        if isinstance(exc, LimitExceeded):
+            self._limit_log.warning(
+                (worker or subject, exc.reason),
+                "limit_refused",
+                worker=worker,
+                subject=subject,
+                reason=exc.reason,
+                error=exc.message,
+            )
+            return
         self._reject_log.warning(
             (worker or subject, exc.reason),
             "message_rejected",
@@ -540,3 +733,7 @@ class Consumer:
             reason=exc.reason,
             error=exc.message,
         )
+
+
+def _n_keys(batch: EventBatch) -> int:
+    return sum([len(ev.keys) for ev in batch.events])

@@ -71,6 +71,7 @@ class IngestCounters:
     rejects: Counter[str] = field(default_factory=Counter)
 
     rejects_by_worker: Counter[str] = field(default_factory=Counter)
+    blocks_refused: int = 0  # stored keys dropped beyond an (instance, tier) block limit
     # repairs
     replays_requested: int = 0
     replays_ok: int = 0
@@ -176,6 +177,9 @@ class _Collector(Collector):
         for reason, n in sorted(c.rejects.items()):
             rejects.add_metric([reason], n)
         yield rejects
+        yield counter(
+            "blocks_refused", "Stored blocks dropped beyond an instance's per-tier limit", c.blocks_refused
+        )
         g = self._gauges()
         yield GaugeMetricFamily("kvindex_instances", "Instances known", value=g["instances"])
         yield GaugeMetricFamily("kvindex_models", "Models known", value=g["models"])

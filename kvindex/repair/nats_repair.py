@@ -136,13 +136,14 @@ class NatsRepairer:
         subject = self.consumer.subjects.snapshot(worker)
         backoff = 0.25
         while self._wants_snapshot(instance):
+            trim = _Trim(self.consumer.registry.get(instance))
             try:
                 async with self._snapshots:
                     parts = await self._request(
                         subject,
                         reconcile.snapshot_request(rank),
                         self.config.snapshot_timeout,
-                        reconcile.decode_snapshot_part,
+                        trim.decode,
                     )
             except RequestFailed as exc:
                 if self.recorder is not None:
@@ -155,6 +156,7 @@ class NatsRepairer:
                 backoff = min(backoff * 2, self.config.max_backoff)
                 continue
             snapshot = _assemble(parts)
+            snapshot.trimmed = trim.trimmed
             diffs = await self._diff(instance, snapshot)
             if not self._wants_snapshot(instance):
                 return  # given up or forgotten meanwhile
@@ -273,6 +275,28 @@ class NatsRepairer:
                 if self.recorder is not None:
                     self.recorder.timer("reconcile", key, "periodic")
                 self.consumer.reconcile(key, "periodic")
+
+
+class _Trim:
+    """Decodes snapshot parts keeping at most the instance's block limit per tier, so a worker
+    announcing more blocks than it may hold cannot make the answer itself take the memory."""
+
+    def __init__(self, state: Any) -> None:
+        self.limits = state.block_limits if state is not None else None
+        self.kept = [0, 0, 0, 0]
+        self.trimmed = 0
+
+    def decode(self, data: bytes) -> reconcile.SnapshotPart:
+        part = reconcile.decode_snapshot_part(data)
+        if self.limits is not None:
+            for name, keys in part.tiers.items():
+                tier = TIER_BY_NAME[name]
+                room = max(0, self.limits[tier] - self.kept[tier])
+                if len(keys) > room:
+                    part.tiers[name] = keys[:room]
+                    self.trimmed |= 1 << tier
+                self.kept[tier] += min(room, len(keys))
+        return part
 
 
 def _assemble(parts: list[reconcile.SnapshotPart]) -> Snapshot:

@@ -42,6 +42,7 @@ class Cursor:
     target: int = 0  # highest seq the worker is known to have published (from heartbeats)
     behind: int = 0  # a heartbeat's seq not yet applied, awaiting confirmation (unordered sources)
     buffer: SortedDict = field(default_factory=SortedDict)  # seq -> decoded batch
+    held_keys: int = 0  # block keys in ``buffer`` (bounded by the consumer's limits)
     retired: deque[int] = field(default_factory=lambda: deque(maxlen=_RETIRED_EPOCHS_KEPT))
 
     def hole(self) -> tuple[int, int] | None:

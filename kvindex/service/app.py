@@ -17,6 +17,7 @@ from kvindex.capture.recorder import CaptureConfig, Recorder, RecordingServicer,
 from kvindex.fleet.registry import Registry
 from kvindex.index.inverted import InvertedIndex
 from kvindex.ingest.consumer import Consumer
+from kvindex.ingest.limits import IngestLimits
 from kvindex.ingest.nats_source import JetStreamConfig, NatsSource
 from kvindex.observability.counters import IngestCounters, Metrics
 from kvindex.repair.nats_repair import NatsRepairer, RepairConfig
@@ -39,6 +40,7 @@ class ServiceConfig:
     jetstream: JetStreamConfig | None = None  # None: core NATS (default)
     router: RouterConfig = field(default_factory=RouterConfig)
     capture: CaptureConfig | None = None  # tee what the consumer sees into an event log
+    limits: IngestLimits = field(default_factory=IngestLimits)
 
 
 class IndexService:
@@ -50,7 +52,13 @@ class IndexService:
         self.registry = Registry()
         self.counters = IngestCounters()
         self.metrics = Metrics(self.counters, self._gauges)
-        self.consumer = Consumer(self.index, self.registry, subjects=self.subjects, counters=self.counters)
+        self.consumer = Consumer(
+            self.index,
+            self.registry,
+            subjects=self.subjects,
+            counters=self.counters,
+            ingest_limits=config.limits,
+        )
         self.repairer = NatsRepairer(self.consumer, config.repair)
         self.calibrator = Calibrator(config.router.costs.default_prefill)
         self.calibration = CalibrationStore(self.calibrator)

@@ -77,6 +77,7 @@ class Snapshot:
     epoch: int
     seq: int
     tiers: dict[int, list[int]] = field(default_factory=dict)
+    trimmed: int = 0  # tiers (bit 1 << tier) cut short by the receiver's block limit
 
 
 _encoder = msgspec.msgpack.Encoder()
