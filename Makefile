@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 BENCH_STAMP := $(VENV)/.installed-bench
 PROTO_SRC := proto/kvindex/v1/kvindex.proto
 
-.PHONY: install install-bench proto run test bench soak sample-log lint fmt clean
+.PHONY: install install-bench proto run test bench soak sample-log lint fmt clean fuzz
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -39,6 +39,12 @@ test: $(STAMP)
 bench: $(BENCH_STAMP)
 	$(PY) benchmarks/bench_index.py
 	$(PY) benchmarks/bench_score.py
+
+# Coverage-guided fuzzing (docs/fuzzing.md): every target for FUZZ_SECONDS each, found inputs kept in
+# .fuzz/<target>, crashes in .fuzz/crashes. make test runs every target for a second.
+FUZZ_SECONDS ?= 180
+fuzz: $(STAMP)
+	$(PY) fuzz/run.py --all --seconds $(FUZZ_SECONDS) --corpus .fuzz --artifacts .fuzz/crashes $(ARGS)
 
 # Hundreds of randomized fault schedules, then sustained load (see kvindex/testing/soak.py for knobs).
 soak: $(STAMP)

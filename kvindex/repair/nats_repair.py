@@ -208,11 +208,10 @@ class NatsRepairer:
         sub = await nc.subscribe(inbox, cb=collect)
         try:
             await nc.publish(subject, payload, reply=inbox)
-            parts: dict[int, Any] = {}
-            total: int | None = None
+            parts = _Parts()
             loop = asyncio.get_running_loop()
             deadline = loop.time() + timeout
-            while total is None or len(parts) < total:
+            while True:
                 remaining = deadline - loop.time()
                 if remaining <= 0:
                     raise RequestFailed("timeout")
@@ -226,10 +225,8 @@ class NatsRepairer:
                     part = decode(msg.data)
                 except Exception as exc:
                     raise RequestFailed(f"malformed answer: {exc}") from None
-                parts[part.part] = part
-                if part.last:
-                    total = part.part + 1
-            return [parts[i] for i in range(total)]
+                if parts.add(part):
+                    return parts.ordered()
         finally:
             with contextlib.suppress(Exception):
                 await sub.unsubscribe()
@@ -275,6 +272,33 @@ class NatsRepairer:
                 if self.recorder is not None:
                     self.recorder.timer("reconcile", key, "periodic")
                 self.consumer.reconcile(key, "periodic")
+
+
+class _Parts:
+    """The parts of one multi-part answer, collected until every part up to the last has come."""
+
+    def __init__(self) -> None:
+        self.parts: dict[int, Any] = {}
+        self.total: int | None = None
+
+    def add(self, part: Any) -> bool:
+        """Keep ``part``; True when every part up to the last one has come.
+
+        Parts numbered beyond the last are ignored: counting them made an answer look complete
+        while a part was missing (found by fuzzing).
+        """
+        if part.last:
+            self.total = part.part + 1
+            for extra in [i for i in self.parts if i >= self.total]:
+                del self.parts[extra]
+        if self.total is not None and part.part >= self.total:
+            return False
+        self.parts[part.part] = part
+        return self.total is not None and len(self.parts) == self.total
+
+    def ordered(self) -> list[Any]:
+        assert self.total is not None
+        return [self.parts[i] for i in range(self.total)]
 
 
 class _Trim:

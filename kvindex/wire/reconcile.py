@@ -42,7 +42,7 @@ class ReplayReply(Struct, gc=False):
     dp_rank: DpRank
     epoch: U64  # the worker's current epoch
     status: ReplayStatus
-    part: int
+    part: U64  # 0, 1, 2, ...: a negative part number made an empty answer (found by fuzzing)
     last: bool
     batches: list[bytes] = []  # the original encoded batch payloads, in seq order
     oldest_seq: U64 = 0  # the oldest seq the worker still has (informational)
@@ -65,7 +65,7 @@ class SnapshotPart(Struct, gc=False):
     dp_rank: DpRank
     epoch: U64
     seq: U64
-    part: int
+    part: U64  # 0, 1, 2, ...: a negative part number made an empty answer (found by fuzzing)
     last: bool
     tiers: dict[TierName, list[U64]] = {}
 
