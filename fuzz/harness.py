@@ -334,6 +334,84 @@ TARGETS: dict[str, Callable[[bytes], None]] = {
 
 # -- seeds ----------------------------------------------------------------------------------------
 
+# libFuzzer dictionary entries: msgpack-encoded names and values the decoders look for.
+_WORDS = [
+    "v",
+    "worker",
+    "model",
+    "epoch",
+    "seq",
+    "ts",
+    "block_size",
+    "dp_rank",
+    "events",
+    "type",
+    "tier",
+    "keys",
+    "parent",
+    "stored",
+    "removed",
+    "cleared",
+    "load",
+    "capacity",
+    "digest",
+    "prefill",
+    "running",
+    "waiting",
+    "waiting_prefill_tokens",
+    "kv_usage",
+    "gpu",
+    "cpu",
+    "disk",
+    "shared",
+    "status",
+    "part",
+    "last",
+    "batches",
+    "oldest_seq",
+    "tiers",
+    "ok",
+    "too_old",
+    "wrong_epoch",
+    "w1",
+    "w2",
+    "w3",
+    "BlockStored",
+    "BlockRemoved",
+    "AllBlocksCleared",
+    "BlockStoredWithMetadata",
+    "block_hashes",
+    "parent_block_hash",
+    "token_ids",
+    "lora_id",
+    "lora_name",
+    "medium",
+    "GPU",
+    "CPU",
+    "CPU_PINNED",
+    "DISK",
+    "EXTERNAL",
+    "data_parallel_rank",
+    "attn_dp_rank",
+    "event_id",
+    "data",
+    "blocks",
+    "block_hash",
+    "tokens",
+    "token_id",
+    "cache_level",
+    "attention_dp_rank",
+    "updated",
+    "created",
+    "mm_keys",
+]
+
+
+def dictionary() -> list[bytes]:
+    words = [msgpack.packb(w) for w in _WORDS]
+    numbers = [msgpack.packb(n) for n in (-1, 0, 1, 2**31, 2**63, 2**64 - 1, -(2**63))]
+    return [*words, *numbers, b"\xc0", b"\xc2", b"\xc3", b"\x90", b"\x80"]
+
 
 def _vectors() -> dict[str, bytes]:
     data = json.loads((ROOT / "proto" / "vectors" / "messages.json").read_text())

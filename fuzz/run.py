@@ -33,11 +33,20 @@ def _fuzz_one(name: str, libfuzzer_args: list[str]) -> None:
     with atheris.instrument_imports(include=["kvindex", "workers_shim", "harness"]):
         import harness
     target = harness.TARGETS[name]
-    seeds_dir = Path(tempfile.mkdtemp(prefix=f"kvindex-fuzz-seeds-{name}-"))
+    # Seeds are rewritten at every start, in the folder run_all made (removed after) or a fixed one.
+    base = Path(os.environ.get("KVINDEX_FUZZ_SEEDS") or Path(tempfile.gettempdir()) / "kvindex-fuzz-seeds")
+    seeds_dir = base / name
+    seeds_dir.mkdir(parents=True, exist_ok=True)
     for i, seed in enumerate(harness.seeds(name)):
         (seeds_dir / f"seed-{i}").write_bytes(seed)
+    # A libFuzzer dictionary of the msgpack names and values the decoders look for.
+    entries = ["".join(f"\\x{b:02x}" for b in word) for word in harness.dictionary()]
+    dict_file = seeds_dir.parent / f"{seeds_dir.name}.dict"
+    dict_file.write_text("".join(f'"{e}"\n' for e in entries))
     dirs = [a for a in libfuzzer_args if not a.startswith("-")]
     flags = [a for a in libfuzzer_args if a.startswith("-")]
+    if not any(f.startswith("-dict=") for f in flags):
+        flags.append(f"-dict={dict_file}")
     atheris.Setup([sys.argv[0], *flags, *dirs, str(seeds_dir)], target)
     atheris.Fuzz()
 
@@ -56,14 +65,15 @@ def run_all(names: list[str], seconds: float, corpus: Path | None, artifacts: Pa
     from concurrent.futures import ThreadPoolExecutor
 
     artifacts.mkdir(parents=True, exist_ok=True)
-    with ThreadPoolExecutor(max(1, jobs)) as pool:
-        results = list(pool.map(lambda name: _run_one(name, seconds, corpus, artifacts), names))
+    with tempfile.TemporaryDirectory(prefix="kvindex-fuzz-seeds-") as seeds, ThreadPoolExecutor(jobs) as pool:
+        results = list(pool.map(lambda name: _run_one(name, seconds, corpus, artifacts, seeds), names))
     return 0 if all(results) else 1
 
 
-def _run_one(name: str, seconds: float, corpus: Path | None, artifacts: Path) -> bool:
+def _run_one(name: str, seconds: float, corpus: Path | None, artifacts: Path, seeds: str) -> bool:
     args = [f"-max_total_time={max(1, int(seconds))}", f"-artifact_prefix={artifacts}/{name}-"]
-    args += ["-print_final_stats=1", "-rss_limit_mb=2048", "-timeout=10"]
+    # Value profiling steers mutations towards comparisons (it found the part-number bug in a minute).
+    args += ["-print_final_stats=1", "-rss_limit_mb=2048", "-timeout=10", "-use_value_profile=1"]
     if corpus is not None:
         (corpus / name).mkdir(parents=True, exist_ok=True)
         args.append(str(corpus / name))
@@ -73,7 +83,7 @@ def _run_one(name: str, seconds: float, corpus: Path | None, artifacts: Path) ->
         capture_output=True,
         text=True,
         timeout=seconds + 120,
-        env={**os.environ, "PYTHONHASHSEED": "0"},
+        env={**os.environ, "PYTHONHASHSEED": "0", "KVINDEX_FUZZ_SEEDS": seeds},
         check=False,
     )
     took = time.monotonic() - started
@@ -113,7 +123,7 @@ def main() -> int:
     unknown = set(names) - set(harness.TARGETS)
     if unknown:
         p.error(f"unknown targets {sorted(unknown)}; one of {sorted(harness.TARGETS)}")
-    return run_all(names, args.seconds, args.corpus, args.artifacts, args.jobs)
+    return run_all(names, args.seconds, args.corpus, args.artifacts, max(1, args.jobs))
 
 
 if __name__ == "__main__":
