@@ -208,3 +208,27 @@ def test_repairs_beyond_the_limit_are_not_started_and_are_asked_again_later() ->
     c.give_up(("a", 0))
     c.on_status("kvindex.status.b", status(3, {"gpu": 8}, {"gpu": (3, 1 ^ 2 ^ 3)}, worker="b"))
     assert pending.asked[-1] == (("b", 0), "snapshot")
+
+
+def test_a_batch_may_pass_the_limit_on_the_way_if_it_ends_within_it() -> None:
+    # Engines store before they evict (an offload tier takes its victims, then trims to capacity):
+    # the limit holds for what a batch leaves.
+    c, log = make()
+    w1 = ("w1", 0)
+    c.on_status("kvindex.status.w1", status(0, {"gpu": 8, "cpu": 8}))  # limits 10
+    c.on_events(
+        "kvindex.events.w1",
+        batch(
+            1,
+            [
+                stored(*range(1, 21), tier="cpu"),
+                {"type": "removed", "tier": "cpu", "keys": list(range(1, 13))},
+            ],
+        ),
+    )
+    assert sorted(c.index.keys_of(w1, 1)) == list(range(13, 21))
+    assert not c.counters.rejects and not refusals(log)
+    # Ending beyond it: the newest stores go, and only as many as needed.
+    c.on_events("kvindex.events.w1", batch(2, [stored(30, 31, 32, 33, tier="cpu")]))
+    assert sorted(c.index.keys_of(w1, 1)) == [*range(13, 21), 30, 31]
+    assert c.counters.blocks_refused == 2 and c.counters.rejects == {BLOCK_LIMIT: 1}

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import os
 import socket
 import time
@@ -77,6 +78,7 @@ def service_meta(config: ServiceConfig) -> dict[str, Any]:
             "snapshot_timeout": r.snapshot_timeout,
         },
         router={"default_policy": config.router.default_policy, "seed": config.router.seed},
+        limits=dataclasses.asdict(config.limits),
     )
 
 

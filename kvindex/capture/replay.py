@@ -36,6 +36,7 @@ from kvindex.fleet.registry import Registry, instance_id
 from kvindex.index.base import InstanceKey
 from kvindex.index.inverted import InvertedIndex
 from kvindex.ingest.consumer import SNAPSHOT, Consumer
+from kvindex.ingest.limits import limits_from_meta
 from kvindex.observability.counters import IngestCounters
 from kvindex.repair.nats_repair import RepairConfig
 from kvindex.scoring.base import DECODE_ROLE, RouteRequest
@@ -223,6 +224,7 @@ class Replayer:
             subjects=Subjects(self.prefix),
             counters=self.counters,
             repair=self.repair,
+            ingest_limits=limits_from_meta(meta.get("limits")),
             log=TimelineLog(self),
         )
         router_meta = meta.get("router") or {}

@@ -38,7 +38,6 @@ from kvindex.wire.schema import (
     REMOVED,
     SHARED,
     STORED,
-    TIER_BY_NAME,
     TIER_NAMES,
     EventBatch,
     StatusReport,
@@ -210,34 +209,39 @@ class Consumer:
         c.batches_applied += 1
 
     def _apply_capped(self, state: InstanceState, batch: EventBatch) -> Applied:
-        """Apply a batch event by event, dropping the stores beyond a tier's limit.
+        """Apply a batch that may take a tier past its limit: all of it, then drop the blocks it
+        stored beyond the limit, newest first.
 
-        Removals and clears always apply, so the index keeps a subset of what the worker holds
-        (a missed hit, never a wrong route), and the batch's seq is consumed: refusing it whole
-        would only come back as a gap, a replay of the same batch and a snapshot just as large.
+        The limit holds for what a batch leaves, not inside it: engines store before they evict (an
+        offload tier takes its victims, then trims to capacity), so an honest batch may pass the
+        limit on the way. Its removals and clears all apply, so the index keeps a subset of what the
+        worker holds (a missed hit, never a wrong route), and its seq is consumed: refusing the
+        batch whole would only come back as a gap, a replay of the same batch and a snapshot just
+        as large.
         """
         index, key = self.index, state.key
-        stored = removed = cleared = 0
-        n_ev = [0, 0, 0]
-        local = False
+        applied = index.apply(key, batch.events)
+        counts = index.block_counts(key)
         refused: dict[int, int] = {}
-        for ev in batch.events:
-            n_ev[ev.op] += 1
-            if ev.op == CLEARED:
-                cleared += index.clear(key, None if ev.tier is None else TIER_BY_NAME[ev.tier])
+        for tier, (held, limit) in enumerate(zip(counts, state.block_limits, strict=True)):
+            excess = held - limit
+            if excess <= 0:
                 continue
-            tier = TIER_BY_NAME[ev.tier]
-            if ev.op == REMOVED:
-                removed += index.remove(key, tier, ev.keys)
-                continue
-            local |= tier != SHARED
-            added, dropped = self._store_capped(state, tier, ev.keys)
-            stored += added
+            name = TIER_NAMES[tier]
+            new = [k for ev in batch.events if ev.op == STORED and ev.tier == name for k in ev.keys]
+            dropped, end = 0, len(new)
+            while excess > 0 and end > 0:  # keys stored and removed within the batch remove nothing
+                chunk = new[max(0, end - excess) : end]
+                end -= len(chunk)
+                n = index.remove(key, tier, chunk)
+                excess -= n
+                dropped += n
             if dropped:
-                refused[tier] = refused.get(tier, 0) + dropped
+                refused[tier] = dropped
         if refused:
             self._refused_blocks(state, refused, f"batch seq {batch.seq}")
-        return Applied(stored, removed, cleared, n_ev[0], n_ev[1], n_ev[2], local)
+            applied = applied._replace(stored=applied.stored - sum(refused.values()))
+        return applied
 
     def _store_capped(self, state: InstanceState, tier: int, keys: list[int]) -> tuple[int, int]:
         """Store ``keys`` up to the tier's limit: (blocks added, keys dropped unstored)."""

@@ -8,8 +8,8 @@ instances are unaffected. Refusals are counted by reason (``kvindex_rejects{reas
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Final
+from dataclasses import dataclass, fields
+from typing import Any, Final
 
 from kvindex.wire.errors import WireError
 
@@ -59,3 +59,9 @@ class IngestLimits:
 
 
 DEFAULT_INGEST_LIMITS: Final = IngestLimits()
+
+
+def limits_from_meta(meta: dict[str, Any] | None) -> IngestLimits:
+    """The limits an event log's header recorded (kvindex/capture), defaults for what it lacks."""
+    known = {f.name for f in fields(IngestLimits)}
+    return IngestLimits(**{k: v for k, v in (meta or {}).items() if k in known})
