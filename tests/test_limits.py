@@ -232,3 +232,12 @@ def test_a_batch_may_pass_the_limit_on_the_way_if_it_ends_within_it() -> None:
     c.on_events("kvindex.events.w1", batch(2, [stored(30, 31, 32, 33, tier="cpu")]))
     assert sorted(c.index.keys_of(w1, 1)) == [*range(13, 21), 30, 31]
     assert c.counters.blocks_refused == 2 and c.counters.rejects == {BLOCK_LIMIT: 1}
+
+
+def test_an_instance_at_the_limit_may_restart_with_another_block_size() -> None:
+    c, _ = make(max_instances_per_model=1)
+    assert c.on_events("kvindex.events.w1", batch(1, [stored(1)]))
+    b = encode_batch(worker="w1", model="m", epoch=2, seq=1, ts=0.0, block_size=8, events=[stored(2)])
+    assert c.on_events("kvindex.events.w1", b)
+    state = c.registry.get(("w1", 0))
+    assert state is not None and state.block_size == 8 and not c.counters.rejects

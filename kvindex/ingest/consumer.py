@@ -655,6 +655,8 @@ class Consumer:
         """LimitExceeded when a new instance (or one moving to ``model``) would pass a limit."""
         limits, registry = self.ingest_limits, self.registry
         members = registry.count(model)
+        if state is not None and state.model == model:
+            members -= 1  # the instance itself, restarting with another block size
         if members >= limits.max_instances_per_model:
             raise LimitExceeded(
                 INSTANCE_LIMIT,
