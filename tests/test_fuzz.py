@@ -57,6 +57,22 @@ FOUND = [
     # A snapshot answer whose only part is numbered -1 and last: an empty answer, IndexError in the
     # repairer's task, and the instance stuck "repairing" forever. Part numbers are now u64.
     ("snapshot", "AIi3iKF2AaZ3b3JrZXKidzKnZHBfcmFuawClZXBvY2gCo3NlcQCkcGFydP+kbGFzdMOliJaajXOA"),
+    # An SGLang BlockStored whose token count does not match its blocks: the bridge's skip counter
+    # raised TypeError (blocks= passed twice), losing the rest of the batch.
+    (
+        "bridge_sglang",
+        "AJPLP/AAAAAAAACUl6tCbG9ja1N0b3JlZJH9QJQA//8DBMCjR1BVl6tCbG9ja1N0b3JlZJHR4Q4Ak8s/8AAAAAAAAJSXq0Js"
+        "b2NrU3RvcmVkkf1AlAD//wMEwKNHUFWXq0Jsb2NrU3RvcmVkkdHhDgWU/QQGBwTAqkNQVV9QSU5ORUSTsEFsJkJsb2Nrc0Ns"
+        "ZWFyZWRQVZGwQWxsQmxvY2tzQ2xlYXJlBZT9BAYHBMCqQ1BVX1BJTk5FRJOwQWwmQmxvY2tzQ2xlYXJlZFBVkbBBbGxCbG9j"
+        "a3NDbGVhcmVkAA==",
+    ),
+    # A TRT-LLM pull-API block with ``tokens`` an integer: TypeError escaped the decoder instead of
+    # the event becoming an EventError.
+    (
+        "bridge_trtllm",
+        "AJLLP/AAAAAAAACTg6hldmVudF9pZAGkZGF0YYOkdHlwZaZzdG9yZWSrcGFyZW50X2hhc2jApmJsb2Nrc5GDqmJsb2NrX2hh"
+        "c2j9pnRva2Vuc3RfaWQDpGRhdGGCpHR5cGWncmVtbXZlZKxibG9ja19oQXNoZXOR/Q==",
+    ),
 ]
 
 

@@ -126,6 +126,16 @@ def _hashes(value: Any) -> list[Hash]:
     return [normalize_hash(v) for v in value]
 
 
+def _list(value: Any, what: str) -> list[Any] | tuple[Any, ...]:
+    """An optional list field (None: empty); anything else is a bad field, not a TypeError later
+    (a TRT-LLM block with ``tokens: 3`` escaped as TypeError: found by fuzzing)."""
+    if value is None:
+        return []
+    if not isinstance(value, list | tuple):
+        raise DecodeError("bad_field", f"{what} must be a list, got {type(value).__name__}")
+    return value
+
+
 def _tokens(value: Any) -> list[Any]:
     if value is None:
         return []
@@ -361,13 +371,13 @@ class Decoder:
             tier = self._level(block.get("cache_level", 0))
             tokens: list[Any] = []
             extra_ids: list[Any] = []
-            for tok in block.get("tokens") or []:
+            for tok in _list(block.get("tokens"), "tokens"):
                 if isinstance(tok, dict):
                     tokens.append(tok.get("token_id"))
                     extra_ids.append(tok.get("token_extra_id", 0))
                 else:
                     tokens.append(tok)
-            parts = [ex._mm_item(e) for e in block.get("mm_keys") or []]
+            parts = [ex._mm_item(e) for e in _list(block.get("mm_keys"), "mm_keys")]
             if any(extra_ids):
                 parts.append(ex.encode_other(extra_ids))
             salt = _str(block.get("cache_salt"), "cache_salt")

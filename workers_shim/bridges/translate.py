@@ -171,7 +171,8 @@ class Translator:
             self._poison(ev.hashes)
             return True
         if len(ev.tokens) != n * B:
-            self.stats.skip("token_count_mismatch", n, tokens=len(ev.tokens), blocks=n, **self.context)
+            # (skip() reports ``blocks=n`` itself: passing it again raised TypeError, found by fuzzing)
+            self.stats.skip("token_count_mismatch", n, tokens=len(ev.tokens), **self.context)
             self._poison(ev.hashes)
             return True
 
