@@ -66,6 +66,8 @@ FOUND = [
         "ZWFyZWRQVZGwQWxsQmxvY2tzQ2xlYXJlBZT9BAYHBMCqQ1BVX1BJTk5FRJOwQWwmQmxvY2tzQ2xlYXJlZFBVkbBBbGxCbG9j"
         "a3NDbGVhcmVkAA==",
     ),
+    # SGLang bigram token pairs with a map among them: KeyError escaped the decoder.
+    ("bridge_sglang", "AJPLP/AAAAAAAACUl6tCbG9ja1N0b3JlZJH9wJSSdG+AAgPAUFVkVWQA"),
     # A TRT-LLM pull-API block with ``tokens`` an integer: TypeError escaped the decoder instead of
     # the event becoming an EventError.
     (

@@ -143,10 +143,10 @@ def _tokens(value: Any) -> list[Any]:
         raise DecodeError("bad_field", "token_ids must be a list")
     if value and isinstance(value[0], list | tuple):
         # SGLang bigram pages (EAGLE): (token, next_token) pairs; the block holds the first of each.
-        try:
-            return [pair[0] for pair in value]
-        except (TypeError, IndexError):
-            raise DecodeError("bad_field", "token pairs must be [token, next_token]") from None
+        # Each pair must be a list: a map in its place raised KeyError here (found by fuzzing).
+        if not all(isinstance(pair, list | tuple) and pair for pair in value):
+            raise DecodeError("bad_field", "token pairs must be [token, next_token]")
+        return [pair[0] for pair in value]
     return list(value)
 
 
