@@ -68,6 +68,13 @@ FOUND = [
     ),
     # SGLang bigram token pairs with a map among them: KeyError escaped the decoder.
     ("bridge_sglang", "AJPLP/AAAAAAAACUl6tCbG9ja1N0b3JlZJH9wJSSdG+AAgPAUFVkVWQA"),
+    # Older-vLLM-shaped extra keys (lora_id, no lora_name) whose first items include a list: TypeError
+    # (unhashable) escaped the decoder.
+    (
+        "bridge_sglang",
+        "AJPLP/AAAAj/+pSTmatCbG9ja1N0b3JlZJH9Kf32cmXLP/AAAAj/+pSXmaRkYXR+YalCbG9ja1N0b3JlZJHTKf0AAAAA9tZl"
+        "lAAACP/6lJeZq0Jsb2NrU3RvcmVkkf0p/fZyZZCkZWlwdP8BLYAIAAHScmllKf32cmXLP/AAAAj/+pQBLQgA",
+    ),
     # A TRT-LLM pull-API block with ``tokens`` an integer: TypeError escaped the decoder instead of
     # the event becoming an EventError.
     (

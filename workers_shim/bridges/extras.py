@@ -85,11 +85,10 @@ def from_vllm(
         return info
     if lora_name is None and lora_id is not None:
         # Older events: no lora_name field, but the adapter name leads every block's extra keys.
-        firsts = {items[0] for items in extra_keys if isinstance(items, list | tuple) and items}
-        if len(firsts) == 1:
-            only = next(iter(firsts))
-            if isinstance(only, str):
-                info.lora_name = lora_name = only
+        # Only string firsts can name an adapter (a list among them raised TypeError: found by fuzzing).
+        firsts = [items[0] for items in extra_keys if isinstance(items, list | tuple) and items]
+        if firsts and all(isinstance(f, str) and f == firsts[0] for f in firsts):
+            info.lora_name = lora_name = firsts[0]
     out: list[bytes] = []
     for i in range(n_blocks):
         items = extra_keys[i] if i < len(extra_keys) else None
