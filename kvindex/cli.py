@@ -10,13 +10,21 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import structlog
+
 from kvindex.capture.cli import add_capture, add_replay, add_serve_capture, serve_capture_config
+from kvindex.config import NatsConfigError, NatsConnectError, NatsSettings, add_nats_arguments, parse_layered
 from kvindex.observability.logs import configure_logging
 
 
 def _add_serve(sub: Any) -> None:
     p = sub.add_parser("serve", help="run the index service")
-    p.add_argument("--nats", default=None, help="NATS URL; without it an embedded nats-server is started")
+    add_nats_arguments(
+        p,
+        default=None,
+        url_help="NATS server URL(s), nats:// or tls://, repeated or comma-separated (a "
+        "cluster: any is used and reconnected to); without one an embedded nats-server is started",
+    )
     p.add_argument("--grpc-host", default="0.0.0.0")
     p.add_argument("--grpc-port", type=int, default=50051)
     p.add_argument("--subject-prefix", default="kvindex")
@@ -38,6 +46,7 @@ def _add_serve(sub: Any) -> None:
     j = p.add_argument_group("JetStream (optional)")
     j.add_argument("--jetstream", action="store_true", help="keep event batches in a stream; rebuild from it")
     j.add_argument("--stream-max-age", type=float, default=3600.0, help="history kept in the stream (s)")
+    j.add_argument("--stream-replicas", type=int, default=1, help="stream replicas in a NATS cluster (1-5)")
     add_serve_capture(p)
 
 
@@ -108,7 +117,7 @@ def _serve(args: argparse.Namespace) -> int:
 
     configure_logging(args.log_format, args.log_level)
     config = ServiceConfig(
-        nats_url=args.nats,
+        nats_url=NatsSettings.from_args(args),
         grpc_host=args.grpc_host,
         grpc_port=args.grpc_port,
         subject_prefix=args.subject_prefix,
@@ -122,10 +131,16 @@ def _serve(args: argparse.Namespace) -> int:
             replay_timeout=args.replay_timeout,
             snapshot_timeout=args.snapshot_timeout,
         ),
-        jetstream=JetStreamConfig(max_age=args.stream_max_age) if args.jetstream else None,
+        jetstream=JetStreamConfig(max_age=args.stream_max_age, replicas=args.stream_replicas)
+        if args.jetstream
+        else None,
         capture=serve_capture_config(args),
     )
-    asyncio.run(serve_until_signalled(IndexService(config)))
+    try:
+        asyncio.run(serve_until_signalled(IndexService(config)))
+    except (NatsConfigError, NatsConnectError) as exc:
+        structlog.get_logger("kvindex").error("nats_connect_failed", error=str(exc))
+        return 2
     return 0
 
 
@@ -139,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     _add_query(sub, "instances", "list known instances", prompt=False)
     add_capture(sub)
     add_replay(sub)
-    args = parser.parse_args(argv)
+    args = parse_layered(parser, argv)  # command line, then KVINDEX_* environment, then --config TOML
     if args.command == "serve":
         return _serve(args)
     if args.command == "capture":

@@ -31,11 +31,12 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-import nats
 import structlog
 import zmq
 import zmq.asyncio
 
+from kvindex.config.nats import NatsSettings
+from kvindex.config.nats import connect as nats_connect
 from workers_shim.bridges.engines import ENGINES, EngineProfile
 from workers_shim.bridges.load import LoadReader, scrape
 from workers_shim.bridges.native import DecodeError, Decoder
@@ -54,7 +55,7 @@ class BridgeConfig:
     replay: str | None = None
     topic: str = ""
     metrics_url: str | None = None
-    nats_url: str = "nats://127.0.0.1:4222"
+    nats_url: str | NatsSettings = "nats://127.0.0.1:4222"  # URL(s), or NatsSettings (auth, TLS)
     dp_ranks: tuple[int, ...] = (0,)
     # Each rank on its own endpoint at port + rank (vLLM, SGLang); False: the endpoints are used as
     # given (one rank), or, with one_endpoint, all ranks arrive on one socket, told apart by the batch.
@@ -441,7 +442,7 @@ class Bridge:
             async def on_error(exc: Exception) -> None:
                 self.log.warning("nats_error", error=str(exc), error_type=type(exc).__name__)
 
-            self.nc = await nats.connect(
+            self.nc = await nats_connect(
                 cfg.nats_url,
                 name=f"kvshim-{cfg.worker_id}",
                 max_reconnect_attempts=-1,
@@ -475,6 +476,7 @@ class Bridge:
             dp_ranks=list(cfg.dp_ranks),
             endpoints=[link.stream.endpoint for link in self.links],
             replay=cfg.replay,
+            nats=NatsSettings.coerce(cfg.nats_url).describe(),
         )
 
     async def run(self) -> None:
