@@ -122,6 +122,13 @@ class EmbeddedNats:
             while await proc.stderr.read(65536):
                 pass
 
+    async def kill(self) -> None:
+        """SIGKILL the server, as a crashed node (fault tests); the store is kept."""
+        proc, self._proc = self._proc, None
+        if proc is not None and proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+
     async def stop(self, cleanup: bool = True) -> None:
         """Stop the server; ``cleanup=False`` keeps the JetStream store for a restart."""
         proc, self._proc = self._proc, None
