@@ -235,7 +235,7 @@ def _from_toml(parser: argparse.ArgumentParser, action: argparse.Action, value: 
             parser.error(f"{where}: expected true or false")
         return value if isinstance(action, argparse._StoreTrueAction) else not value
     if _is_list(action):
-        items = value if isinstance(value, list) else [value]
+        items = value if isinstance(value, list) else [v for v in str(value).split(",") if v.strip()]
         return [_convert(parser, action, str(v), where) for v in items]
     if isinstance(value, dict | list):
         parser.error(f"{where}: expected a single value")
