@@ -13,7 +13,9 @@ from typing import Any
 import nats
 import pytest
 
+from kvindex.capture.recorder import Capture, CaptureConfig
 from kvindex.config import NatsSettings
+from kvindex.ingest.nats_source import JetStreamConfig
 from kvindex.keys import block_keys
 from kvindex.repair.nats_repair import RepairConfig
 from kvindex.service.app import IndexService, ServiceConfig
@@ -145,3 +147,46 @@ async def test_workers_cannot_publish_as_each_other(secured: EmbeddedNats) -> No
             p.faults.quiet()
             await p.close()
         await svc.stop()
+
+
+async def test_shipped_permissions_cover_jetstream_and_capture(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """The index's permissions suffice for --jetstream (stream, ordered consumer, calibration bucket)
+    and the capture user's for `kvindex capture`; the capture user cannot publish."""
+    for user, password in PASSWORDS.items():
+        monkeypatch.setenv(f"KVINDEX_{user.upper().replace('-', '_')}_PASSWORD", password)
+    server = EmbeddedNats(config=CONFIG, jetstream=True)
+    await server.start()
+    svc = IndexService(
+        ServiceConfig(
+            nats_url=as_user(server, "index"), grpc_host="127.0.0.1", grpc_port=0, jetstream=JetStreamConfig()
+        )
+    )
+    capture = Capture(as_user(server, "capture"), CaptureConfig(str(tmp_path / "cap.kvlog")))
+    pub: Any = None
+    try:
+        await svc.start()
+        await capture.start()
+        assert svc.calibration.kv is not None  # the KV bucket was created and read
+        pub = await FaultyPublisher.connect(
+            as_user(server, "node-1"), worker="node-1", model=MODEL, block_size=4, heartbeat_interval=0.1
+        )
+        pub.stored(block_keys(list(range(16)), 4, MODEL))
+        await converged(svc, pub)
+        await wait_until(lambda: capture.recorder.messages >= 2, what="the capture recording")
+        denied: list[str] = []
+
+        async def on_error(exc: Exception) -> None:
+            denied.append(str(exc))
+
+        capture.nc._error_cb = on_error
+        await capture.nc.publish("kvindex.events.node-1", b"forged")
+        await capture.nc.flush()
+        await wait_until(lambda: any("permissions violation" in d for d in denied), what="capture refused")
+    finally:
+        if pub is not None:
+            await pub.close()
+        await capture.stop()
+        await svc.stop()
+        await server.stop()
