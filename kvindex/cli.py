@@ -116,8 +116,13 @@ def _serve(args: argparse.Namespace) -> int:
     from kvindex.service.app import IndexService, ServiceConfig, serve_until_signalled
 
     configure_logging(args.log_format, args.log_level)
+    try:
+        nats = NatsSettings.from_args(args)  # None: embedded nats-server
+    except NatsConfigError as exc:
+        structlog.get_logger("kvindex").error("nats_connect_failed", error=str(exc))
+        return 2
     config = ServiceConfig(
-        nats_url=NatsSettings.from_args(args),
+        nats_url=nats,
         grpc_host=args.grpc_host,
         grpc_port=args.grpc_port,
         subject_prefix=args.subject_prefix,

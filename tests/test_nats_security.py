@@ -195,6 +195,10 @@ def test_settings_are_checked_before_connecting(tmp_path: Path) -> None:
         NatsSettings(creds=str(tmp_path / "missing.creds")).validate()
     with pytest.raises(NatsConfigError, match="scheme"):
         NatsSettings(servers=("http://h:1",)).validate()
+    # serve without --nats embeds a server: credentials given for a real one must not be dropped.
+    with pytest.raises(NatsConfigError, match="without --nats URL"):
+        NatsSettings.from_args(parse_layered(_parser(), ["serve"], {"KVINDEX_NATS_TOKEN": "t"}))
+    assert NatsSettings.from_args(parse_layered(_parser(), ["serve"], {})) is None
 
 
 def test_secrets_stay_out_of_repr_and_description() -> None:

@@ -155,7 +155,11 @@ def run_capture(args: argparse.Namespace) -> int:
         print("error: --zstd needs the 'zstandard' package: pip install 'kvindex[capture]'", file=sys.stderr)
         return 2
 
-    settings = NatsSettings.from_args(args)
+    try:
+        settings = NatsSettings.from_args(args)
+    except NatsConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     if settings is None:
         print("error: capture needs --nats URL (or KVINDEX_NATS_URL)", file=sys.stderr)
         return 2

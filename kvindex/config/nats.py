@@ -103,9 +103,7 @@ class NatsSettings:
         if not servers:
             fallback = default if default is not None else getattr(args, "nats_default_url", None)
             servers = split_servers(fallback)
-        if not servers:
-            return None
-        return cls(
+        settings = cls(
             servers=servers,
             user=args.nats_user,
             password=args.nats_password,
@@ -116,6 +114,12 @@ class NatsSettings:
             tls_cert=args.nats_tls_cert,
             tls_key=args.nats_tls_key,
         )
+        if servers:
+            return settings
+        if settings.auth != "none" or settings.tls != "off":
+            # Credentials meant for a real server must not silently go unused.
+            raise NatsConfigError("NATS credentials or TLS options were given without --nats URL")
+        return None
 
     def with_servers(self, servers: str | Sequence[str]) -> NatsSettings:
         return replace(self, servers=split_servers(servers))
