@@ -322,10 +322,13 @@ def test_kvshim_takes_every_option_from_the_environment(tmp_path: Path) -> None:
 # -- the real processes: kvindex serve and capture with secrets, nothing leaked --------------------
 
 
-async def _read_json_until(proc: asyncio.subprocess.Process, event: str, lines: list[str]) -> dict[str, Any]:
-    assert proc.stdout is not None
+async def _read_json_until(
+    proc: asyncio.subprocess.Process, event: str, lines: list[str], stderr: bool = False
+) -> dict[str, Any]:
+    stream = proc.stderr if stderr else proc.stdout
+    assert stream is not None
     while True:
-        raw = await asyncio.wait_for(proc.stdout.readline(), 20)
+        raw = await asyncio.wait_for(stream.readline(), 20)
         if not raw:
             raise AssertionError(f"process ended before {event}: {''.join(lines)[-2000:]}")
         text = raw.decode()
@@ -427,3 +430,70 @@ async def test_serve_refuses_wrong_credentials_clearly(tmp_path: Path, servers: 
     failed = [json.loads(line) for line in out.decode().splitlines() if "nats_connect_failed" in line]
     assert failed and "refused the credentials (Authorization Violation)" in failed[0]["error"]
     assert "auth token" in failed[0]["error"] and TOKEN not in out.decode()
+
+
+async def test_kvshim_bridge_process_with_creds_and_tls(tmp_path: Path, servers: list[EmbeddedNats]) -> None:
+    """A `kvshim vllm` process: server list and CA from --config, its .creds from the environment, on
+    a server requiring both JWT auth and TLS; the engine's blocks reach an index with its own creds."""
+    from tests.test_bridge_cli import KVSHIM
+    from tests.test_bridge_fakes import FakeEngine, VllmBatch, VllmStored, encode, expect, fake_hash
+
+    op = Operator.create()
+    tls = make_tls_files(tmp_path)
+    server = await _serve_config(
+        tmp_path,
+        op.server_config() + f'tls {{ cert_file: "{tls.server_cert}", key_file: "{tls.server_key}" }}\n',
+        scheme="tls",
+    )
+    servers.append(server)
+    index_creds = op.user_creds(tmp_path / "index.creds", "index")
+    shim_creds = op.user_creds(tmp_path / "shim.creds", "node-1")
+    cfg = tmp_path / "shim.toml"
+    cfg.write_text(f'nats-url = ["{server.url}"]\nnats-tls-ca = "{tls.ca}"\n[vllm]\nblock-size = 4\n')
+    svc = IndexService(
+        ServiceConfig(
+            nats_url=NatsSettings(servers=(server.url,), creds=str(index_creds), tls_ca=str(tls.ca)),
+            grpc_host="127.0.0.1",
+            grpc_port=0,
+        )
+    )
+    await svc.start()
+    engine = await FakeEngine().start()
+    seed = shim_creds.read_text().split("-----BEGIN USER NKEY SEED-----\n")[1].split("\n")[0]
+
+    async def run_shim(creds: Path) -> asyncio.subprocess.Process:
+        return await asyncio.create_subprocess_exec(
+            KVSHIM, "vllm", "--config", str(cfg), "--zmq", engine.endpoint, "--topic", "kv-events",
+            "--worker-id", "node-1", "--model", MODEL, "--log-format", "json",
+            stderr=asyncio.subprocess.PIPE, env={**os.environ, "KVINDEX_NATS_CREDS": str(creds)},
+        )  # fmt: skip
+
+    proc = await run_shim(shim_creds)
+    try:
+        lines: list[str] = []
+        started = await _read_json_until(proc, "kvshim_started", lines, stderr=True)
+        assert started["nats"] == {"servers": [server.url], "auth": "creds", "tls": "on"}
+        await engine.wait_subscribed()
+        prompt = list(range(12))
+        stored = VllmStored([fake_hash(i) for i in range(3)], None, prompt, 4, None, "GPU", None)
+        await engine.publish(encode(VllmBatch(0.0, [stored])))
+        async with grpc.aio.insecure_channel(svc.grpc.address) as channel:
+            await expect(
+                pb_grpc.KvIndexStub(channel), MODEL, {"node-1/0": (3, (3, 0, 0, 0))}, token_ids=prompt
+            )
+        proc.send_signal(signal.SIGTERM)
+        assert await asyncio.wait_for(proc.wait(), 10) == 0
+        assert proc.stderr is not None
+        assert seed.encode() not in (await proc.stderr.read()) + "".join(lines).encode()
+        # A worker whose credentials the server does not trust stops with a clear error.
+        stranger = Operator.create().user_creds(tmp_path / "stranger.creds", "node-1")
+        proc = await run_shim(stranger)
+        failed = await _read_json_until(proc, "kvshim_failed", lines, stderr=True)
+        assert "refused the credentials" in failed["error"] and "auth creds, tls on" in failed["error"]
+        assert await asyncio.wait_for(proc.wait(), 10) == 1
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+        await engine.close()
+        await svc.stop()
