@@ -13,7 +13,8 @@ Every long option of a command can be given three ways; the first that sets it w
 Booleans (``store_true``) take ``1/true/yes/on`` or ``0/false/no/off`` from the environment and
 ``true``/``false`` in TOML; repeatable options take a comma-separated string or a TOML list. Values go
 through the option's own type and choices, so a bad value gets the same error as on the command line.
-Options of a mutually exclusive group, positional arguments and ``--help`` are command-line only.
+Options of a mutually exclusive group, positional arguments, ``store_const``/``count`` options and
+``--help`` are command-line only.
 A TOML key that names no option of any command is an error (a typo must not be ignored silently).
 
 This is generic: an option added to any command parsed by :func:`parse_layered` is layered without
@@ -65,6 +66,11 @@ def _layerable(action: argparse.Action, exclusive: set[int]) -> bool:
     if isinstance(action, argparse._HelpAction | argparse._VersionAction | argparse._SubParsersAction):
         return False
     if CONFIG_OPTION in action.option_strings:
+        return False
+    # Constant-storing and counting options have no value to read from text (store_true/false do).
+    if isinstance(action, argparse._CountAction | argparse._AppendConstAction) or (
+        isinstance(action, argparse._StoreConstAction) and not _is_flag(action)
+    ):
         return False
     return id(action) not in exclusive
 
