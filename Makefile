@@ -39,6 +39,7 @@ test: $(STAMP)
 bench: $(BENCH_STAMP)
 	$(PY) benchmarks/bench_index.py
 	$(PY) benchmarks/bench_score.py
+	$(PY) benchmarks/bench_keys.py
 
 # Hundreds of randomized fault schedules, then sustained load (see kvindex/testing/soak.py for knobs).
 soak: $(STAMP)
