@@ -41,6 +41,23 @@ class ServiceConfig:
     capture: CaptureConfig | None = None  # tee what the consumer sees into an event log
 
 
+def _capture_meta(config: ServiceConfig) -> dict[str, Any]:
+    """The settings a ``serve --capture`` log records, as plain values for the recorder."""
+    r = config.repair
+    return service_meta(
+        config.subject_prefix,
+        jetstream=config.jetstream is not None,
+        repair={
+            "stale_after": r.stale_after,
+            "forget_after": r.forget_after,
+            "reconcile_interval": r.reconcile_interval,
+            "replay_timeout": r.replay_timeout,
+            "snapshot_timeout": r.snapshot_timeout,
+        },
+        router={"default_policy": config.router.default_policy, "seed": config.router.seed},
+    )
+
+
 class IndexService:
     def __init__(self, config: ServiceConfig, log: Any = None) -> None:
         self.config = config
@@ -59,7 +76,7 @@ class IndexService:
         self.consumer.on_forget = self.router.forget
         self.recorder: Recorder | None = None
         if config.capture is not None:
-            meta = service_meta(config)
+            meta = _capture_meta(config)
             self.recorder = Recorder.open(config.capture, meta, self.registry.clock, self.consumer)
             self.repairer.recorder = self.recorder
         self.servicer = (
