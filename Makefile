@@ -28,7 +28,7 @@ proto: $(STAMP)
 
 # The whole loop: kvindex serve (embedded NATS) + a simulated fleet + Mooncake traffic via gRPC Score.
 run: $(STAMP)
-	$(PY) -m kvindex.demo $(ARGS)
+	$(PY) -m kvtools.demo $(ARGS)
 
 serve: $(STAMP)
 	$(VENV)/bin/kvindex serve $(ARGS)
@@ -41,13 +41,13 @@ bench: $(BENCH_STAMP)
 	$(PY) benchmarks/bench_score.py
 	$(PY) benchmarks/bench_keys.py
 
-# Hundreds of randomized fault schedules, then sustained load (see kvindex/testing/soak.py for knobs).
+# Hundreds of randomized fault schedules, then sustained load (see kvtools/testing/soak.py for knobs).
 soak: $(STAMP)
-	$(PY) -m kvindex.testing.soak $(ARGS)
+	$(PY) -m kvtools.testing.soak $(ARGS)
 
 # A ten-second event log of a simulated fleet with a flaky worker (docs/capture.md), then its replay.
 sample-log: $(STAMP)
-	$(PY) -m kvindex.capture.sample --out docs/sample.kvlog --query-out docs/sample-prompt.json
+	$(PY) -m kvtools.sample_log --out docs/sample.kvlog --query-out docs/sample-prompt.json
 	$(VENV)/bin/kvindex replay docs/sample.kvlog --query docs/sample-prompt.json
 
 lint: $(STAMP)
