@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from kvindex.api.security import add_client_options, add_server_options
 from kvindex.capture.cli import add_capture, add_replay, add_serve_capture, serve_capture_config
 from kvindex.observability.logs import configure_logging
 
@@ -39,12 +40,14 @@ def _add_serve(sub: Any) -> None:
     j.add_argument("--jetstream", action="store_true", help="keep event batches in a stream; rebuild from it")
     j.add_argument("--stream-max-age", type=float, default=3600.0, help="history kept in the stream (s)")
     add_serve_capture(p)
+    add_server_options(p)
 
 
 def _add_query(sub: Any, name: str, help_text: str, prompt: bool) -> None:
     p = sub.add_parser(name, help=help_text)
     p.add_argument("--server", default="127.0.0.1:50051", help="gRPC address of a running kvindex")
     p.add_argument("--timeout", type=float, default=5.0)
+    add_client_options(p)
     if prompt:
         p.add_argument("--model", required=True)
         p.add_argument("--lora", default="")
@@ -72,10 +75,16 @@ def _query(args: argparse.Namespace) -> int:
     import grpc
     from google.protobuf.json_format import MessageToDict
 
+    from kvindex.api.security import ClientTLS, SecurityConfigError, open_channel, token_from_args
     from kvindex.v1 import kvindex_pb2 as pb
     from kvindex.v1 import kvindex_pb2_grpc as pb_grpc
 
-    with grpc.insecure_channel(args.server) as channel:
+    try:
+        channel = open_channel(args.server, ClientTLS.from_args(args), token_from_args(args))
+    except SecurityConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    with channel:
         stub = pb_grpc.KvIndexStub(channel)
         try:
             if args.command in ("score", "lookup"):
@@ -102,6 +111,7 @@ def _query(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    from kvindex.api.security import ServerSecurity
     from kvindex.ingest.nats_source import JetStreamConfig
     from kvindex.repair.nats_repair import RepairConfig
     from kvindex.service.app import IndexService, ServiceConfig, serve_until_signalled
@@ -124,6 +134,7 @@ def _serve(args: argparse.Namespace) -> int:
         ),
         jetstream=JetStreamConfig(max_age=args.stream_max_age) if args.jetstream else None,
         capture=serve_capture_config(args),
+        grpc_security=ServerSecurity.from_args(args),
     )
     asyncio.run(serve_until_signalled(IndexService(config)))
     return 0

@@ -11,6 +11,7 @@ from typing import Any
 import structlog
 from prometheus_client import start_http_server
 
+from kvindex.api.security import ServerSecurity
 from kvindex.api.server import GrpcServer
 from kvindex.api.servicer import KvIndexServicer
 from kvindex.capture.recorder import CaptureConfig, Recorder, RecordingServicer, service_meta
@@ -39,6 +40,7 @@ class ServiceConfig:
     jetstream: JetStreamConfig | None = None  # None: core NATS (default)
     router: RouterConfig = field(default_factory=RouterConfig)
     capture: CaptureConfig | None = None  # tee what the consumer sees into an event log
+    grpc_security: ServerSecurity | None = None  # TLS / mutual TLS / token; None: plaintext, open
 
 
 def _capture_meta(config: ServiceConfig) -> dict[str, Any]:
@@ -86,7 +88,7 @@ class IndexService:
                 self.recorder, self.index, self.registry, self.counters, self.metrics, self.router
             )
         )
-        self.grpc = GrpcServer(self.servicer, config.grpc_host, config.grpc_port)
+        self.grpc = GrpcServer(self.servicer, config.grpc_host, config.grpc_port, config.grpc_security)
         self.natsd: EmbeddedNats | None = None
         self.source: NatsSource | None = None
         self.nats_url = config.nats_url or ""
@@ -135,6 +137,7 @@ class IndexService:
         self.log.info(
             "kvindex_serving",
             grpc=self.grpc.address,
+            grpc_security=self.grpc.security.mode,
             nats=self.nats_url,
             subject_prefix=self.config.subject_prefix,
             metrics_port=self.metrics_port,
