@@ -259,6 +259,9 @@ class ServerSecurity:
         self.token = TokenFile(token_file, reload_interval) if token_file else None
         self.interceptor = TokenAuthInterceptor(self.token, exempt_services) if self.token else None
         self._credentials: grpc.ServerCredentials | None = None
+        if self.token is not None and tls is None:
+            # Legitimate behind a mesh sidecar that terminates TLS; otherwise the token crosses in clear.
+            log.warning("auth_token_without_tls", hint="the token is sent in clear unless a proxy adds TLS")
         if tls is not None:
             # Read now: a bad file stops the start, with a message naming it.
             self._credentials = tls.credentials(reload_interval)
