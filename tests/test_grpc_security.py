@@ -136,7 +136,7 @@ async def test_tls_refuses_plaintext_and_a_wrong_ca_and_serves_the_right_one(sec
 
     # Sync channel too (what the CLI uses), from a thread: the server runs on this loop.
     def sync_stats() -> int:
-        with open_channel(address, ClientTLS(ca=pki.ca)) as channel:
+        with open_channel(address, ClientTLS(ca=str(pki.ca))) as channel:  # str paths too
             return pb_grpc.KvIndexStub(channel).Stats(pb.StatsRequest(), timeout=5).instances
 
     assert await asyncio.to_thread(sync_stats) == 0

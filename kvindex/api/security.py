@@ -51,9 +51,9 @@ class SecurityConfigError(ValueError):
 # -- files ---------------------------------------------------------------------------------------
 
 
-def _read(path: Path, what: str) -> bytes:
+def _read(path: str | Path, what: str) -> bytes:
     try:
-        data = path.read_bytes()
+        data = Path(path).read_bytes()
     except OSError as exc:
         raise SecurityConfigError(f"{what} {path}: {exc.strerror or exc}") from None
     if not data.strip():
@@ -61,7 +61,7 @@ def _read(path: Path, what: str) -> bytes:
     return data
 
 
-def _signature(paths: Iterable[Path | None]) -> tuple[tuple[int, int, int], ...]:
+def _signature(paths: Iterable[str | Path | None]) -> tuple[tuple[int, int, int], ...]:
     """What changes when a file is replaced (also through a Kubernetes Secret's symlink swap)."""
     out = []
     for p in paths:
@@ -142,9 +142,9 @@ class ServerTLS:
     """The server's certificate chain and key (PEM files); with ``client_ca``, mutual TLS: clients
     must present a certificate signed by it."""
 
-    cert: Path
-    key: Path
-    client_ca: Path | None = None
+    cert: str | Path
+    key: str | Path
+    client_ca: str | Path | None = None
 
     def _config(self) -> Any:
         return grpc.ssl_server_certificate_configuration(
@@ -311,9 +311,9 @@ class ClientTLS:
     ``server_name``: the name to check the server certificate against when the address differs
     (an IP, a port-forward)."""
 
-    ca: Path | None = None
-    cert: Path | None = None
-    key: Path | None = None
+    ca: str | Path | None = None
+    cert: str | Path | None = None
+    key: str | Path | None = None
     server_name: str | None = None
 
     def credentials(self) -> grpc.ChannelCredentials:
