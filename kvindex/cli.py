@@ -25,6 +25,9 @@ def _add_serve(sub: Any) -> None:
     p.add_argument("--metrics-host", default="0.0.0.0")
     p.add_argument("--log-format", choices=("auto", "json", "console"), default="auto")
     p.add_argument("--log-level", default="info")
+    e = p.add_argument_group("Envoy ext_proc endpoint picker (docs/gateway.md)")
+    e.add_argument("--ext-proc-port", type=int, default=-1, help="serve the picker on this port; -1: off")
+    e.add_argument("--ext-proc-host", default="0.0.0.0")
     r = p.add_argument_group("self-healing")
     r.add_argument(
         "--reconcile-interval", type=float, default=60.0, help="periodic snapshot per instance (s); 0 off"
@@ -135,6 +138,8 @@ def _serve(args: argparse.Namespace) -> int:
         jetstream=JetStreamConfig(max_age=args.stream_max_age) if args.jetstream else None,
         capture=serve_capture_config(args),
         grpc_security=ServerSecurity.from_args(args),
+        ext_proc_port=None if args.ext_proc_port < 0 else args.ext_proc_port,
+        ext_proc_host=args.ext_proc_host,
     )
     asyncio.run(serve_until_signalled(IndexService(config)))
     return 0

@@ -11,6 +11,7 @@ from typing import Any
 import structlog
 from prometheus_client import start_http_server
 
+from kvindex.api.ext_proc import EndpointPicker, ExtProcServer
 from kvindex.api.security import ServerSecurity
 from kvindex.api.server import GrpcServer
 from kvindex.api.servicer import KvIndexServicer
@@ -41,6 +42,8 @@ class ServiceConfig:
     router: RouterConfig = field(default_factory=RouterConfig)
     capture: CaptureConfig | None = None  # tee what the consumer sees into an event log
     grpc_security: ServerSecurity | None = None  # TLS / mutual TLS / token; None: plaintext, open
+    ext_proc_port: int | None = None  # Envoy ext_proc endpoint picker; None: off, 0: any free port
+    ext_proc_host: str = "0.0.0.0"
 
 
 def _capture_meta(config: ServiceConfig) -> dict[str, Any]:
@@ -89,6 +92,12 @@ class IndexService:
             )
         )
         self.grpc = GrpcServer(self.servicer, config.grpc_host, config.grpc_port, config.grpc_security)
+        self.ext_proc: ExtProcServer | None = None
+        if config.ext_proc_port is not None:
+            picker = EndpointPicker(self.servicer, log=self.log)
+            self.ext_proc = ExtProcServer(
+                picker, config.ext_proc_host, config.ext_proc_port, config.grpc_security
+            )
         self.natsd: EmbeddedNats | None = None
         self.source: NatsSource | None = None
         self.nats_url = config.nats_url or ""
@@ -128,6 +137,8 @@ class IndexService:
         if self.recorder is not None:
             self.recorder.calibration(self.calibrator)
         await self.grpc.start()
+        if self.ext_proc is not None:
+            await self.ext_proc.start()
         if self.config.metrics_port is not None:
             server, _thread = start_http_server(
                 self.config.metrics_port, addr=self.config.metrics_host, registry=self.metrics.registry
@@ -141,9 +152,12 @@ class IndexService:
             nats=self.nats_url,
             subject_prefix=self.config.subject_prefix,
             metrics_port=self.metrics_port,
+            ext_proc=self.ext_proc.address if self.ext_proc is not None else None,
         )
 
     async def stop(self) -> None:
+        if self.ext_proc is not None:
+            await self.ext_proc.stop()
         await self.grpc.stop()
         await self.repairer.stop()
         await self.calibration.stop()
