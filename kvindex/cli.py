@@ -28,6 +28,7 @@ def _add_serve(sub: Any) -> None:
     e = p.add_argument_group("Envoy ext_proc endpoint picker (docs/gateway.md)")
     e.add_argument("--ext-proc-port", type=int, default=-1, help="serve the picker on this port; -1: off")
     e.add_argument("--ext-proc-host", default="0.0.0.0")
+    e.add_argument("--ext-proc-policy", default="", help="ranking policy for picks (default: ttft)")
     r = p.add_argument_group("self-healing")
     r.add_argument(
         "--reconcile-interval", type=float, default=60.0, help="periodic snapshot per instance (s); 0 off"
@@ -140,6 +141,7 @@ def _serve(args: argparse.Namespace) -> int:
         grpc_security=ServerSecurity.from_args(args),
         ext_proc_port=None if args.ext_proc_port < 0 else args.ext_proc_port,
         ext_proc_host=args.ext_proc_host,
+        ext_proc_policy=args.ext_proc_policy,
     )
     asyncio.run(serve_until_signalled(IndexService(config)))
     return 0

@@ -44,6 +44,7 @@ class ServiceConfig:
     grpc_security: ServerSecurity | None = None  # TLS / mutual TLS / token; None: plaintext, open
     ext_proc_port: int | None = None  # Envoy ext_proc endpoint picker; None: off, 0: any free port
     ext_proc_host: str = "0.0.0.0"
+    ext_proc_policy: str = ""  # ranking policy of the picker; "": the router's default (ttft)
 
 
 def _capture_meta(config: ServiceConfig) -> dict[str, Any]:
@@ -94,7 +95,7 @@ class IndexService:
         self.grpc = GrpcServer(self.servicer, config.grpc_host, config.grpc_port, config.grpc_security)
         self.ext_proc: ExtProcServer | None = None
         if config.ext_proc_port is not None:
-            picker = EndpointPicker(self.servicer, log=self.log)
+            picker = EndpointPicker(self.servicer, policy=config.ext_proc_policy, log=self.log)
             self.ext_proc = ExtProcServer(
                 picker, config.ext_proc_host, config.ext_proc_port, config.grpc_security
             )
