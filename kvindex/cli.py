@@ -12,6 +12,7 @@ from typing import Any
 
 import structlog
 
+from kvindex.api.security import add_client_options, add_server_options
 from kvindex.capture.cli import add_capture, add_replay, add_serve_capture, serve_capture_config
 from kvindex.config import NatsConfigError, NatsConnectError, NatsSettings, add_nats_arguments, parse_layered
 from kvindex.observability.logs import configure_logging
@@ -32,6 +33,10 @@ def _add_serve(sub: Any) -> None:
     p.add_argument("--metrics-host", default="0.0.0.0")
     p.add_argument("--log-format", choices=("auto", "json", "console"), default="auto")
     p.add_argument("--log-level", default="info")
+    e = p.add_argument_group("Envoy ext_proc endpoint picker (docs/gateway.md)")
+    e.add_argument("--ext-proc-port", type=int, default=-1, help="serve the picker on this port; -1: off")
+    e.add_argument("--ext-proc-host", default="0.0.0.0")
+    e.add_argument("--ext-proc-policy", default="", help="ranking policy for picks (default: ttft)")
     r = p.add_argument_group("self-healing")
     r.add_argument(
         "--reconcile-interval", type=float, default=60.0, help="periodic snapshot per instance (s); 0 off"
@@ -48,12 +53,14 @@ def _add_serve(sub: Any) -> None:
     j.add_argument("--stream-max-age", type=float, default=3600.0, help="history kept in the stream (s)")
     j.add_argument("--stream-replicas", type=int, default=1, help="stream replicas in a NATS cluster (1-5)")
     add_serve_capture(p)
+    add_server_options(p)
 
 
 def _add_query(sub: Any, name: str, help_text: str, prompt: bool) -> None:
     p = sub.add_parser(name, help=help_text)
     p.add_argument("--server", default="127.0.0.1:50051", help="gRPC address of a running kvindex")
     p.add_argument("--timeout", type=float, default=5.0)
+    add_client_options(p)
     if prompt:
         p.add_argument("--model", required=True)
         p.add_argument("--lora", default="")
@@ -81,10 +88,16 @@ def _query(args: argparse.Namespace) -> int:
     import grpc
     from google.protobuf.json_format import MessageToDict
 
+    from kvindex.api.security import ClientTLS, SecurityConfigError, open_channel, token_from_args
     from kvindex.v1 import kvindex_pb2 as pb
     from kvindex.v1 import kvindex_pb2_grpc as pb_grpc
 
-    with grpc.insecure_channel(args.server) as channel:
+    try:
+        channel = open_channel(args.server, ClientTLS.from_args(args), token_from_args(args))
+    except SecurityConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    with channel:
         stub = pb_grpc.KvIndexStub(channel)
         try:
             if args.command in ("score", "lookup"):
@@ -111,6 +124,7 @@ def _query(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    from kvindex.api.security import ServerSecurity
     from kvindex.ingest.nats_source import JetStreamConfig
     from kvindex.repair.nats_repair import RepairConfig
     from kvindex.service.app import IndexService, ServiceConfig, serve_until_signalled
@@ -140,6 +154,10 @@ def _serve(args: argparse.Namespace) -> int:
         if args.jetstream
         else None,
         capture=serve_capture_config(args),
+        grpc_security=ServerSecurity.from_args(args),
+        ext_proc_port=None if args.ext_proc_port < 0 else args.ext_proc_port,
+        ext_proc_host=args.ext_proc_host,
+        ext_proc_policy=args.ext_proc_policy,
     )
     try:
         asyncio.run(serve_until_signalled(IndexService(config)))

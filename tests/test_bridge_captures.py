@@ -142,8 +142,8 @@ async def tapped(nats_url: str) -> WireTap:
     return await WireTap().start(nats_url, "w1")
 
 
-def shim(nats: EmbeddedNats, eng: FakeEngine) -> Any:
-    return running_bridge(nats.url, eng, engine="vllm", worker_id="w1", model=MODEL, block_size=BS)
+def shim(nats: EmbeddedNats, eng: FakeEngine, block_size: int | None = BS) -> Any:
+    return running_bridge(nats.url, eng, engine="vllm", worker_id="w1", model=MODEL, block_size=block_size)
 
 
 @pytest.mark.parametrize("name", list(OPS))
@@ -154,7 +154,9 @@ async def test_live_capture_step_by_step(
     tap = await tapped(nats_server.url)
     model = Model()
     try:
-        async with shim(nats_server, engine) as bridge:
+        # As a new user runs it: no --block-size, the bridge takes 32 from the engine's events.
+        async with shim(nats_server, engine, block_size=None) as bridge:
+            assert bridge.ranks[0].publisher is None  # nothing announced before the size is known
             for frames, ops in zip(live_messages(name), OPS[name], strict=True):
                 await engine.send_raw(frames)
                 engine.seq = int.from_bytes(frames[1], "big") + 1
@@ -185,7 +187,8 @@ async def test_shim_started_after_the_engine_rebuilds_from_the_captured_replay(
     for ops in OPS[name]:
         model.apply(ops)
     try:
-        async with shim(nats_server, engine) as bridge:
+        async with shim(nats_server, engine, block_size=None) as bridge:
+            assert bridge.block_size == BS  # learned from the replayed history, before publishing
             assert engine.replay_requests == [0]
             assert bridge.links[0].applied == len(OPS[name]) - 1
             assert bridge.stats.get("frames", "replay_3frame") == 1

@@ -20,8 +20,8 @@ from kvindex.keys import block_keys
 from kvindex.repair.nats_repair import RepairConfig
 from kvindex.service.app import IndexService, ServiceConfig
 from kvindex.service.natsd import EmbeddedNats
-from kvindex.testing.faults import Faults, FaultyPublisher
 from kvindex.wire import errors
+from kvtools.testing.faults import Faults, FaultyPublisher
 from tests.conftest import converged, wait_until
 from workers_shim.publisher import WorkerLog
 

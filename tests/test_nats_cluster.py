@@ -16,10 +16,10 @@ from kvindex.ingest.nats_source import JetStreamConfig
 from kvindex.keys import block_keys
 from kvindex.repair.nats_repair import RepairConfig
 from kvindex.service.app import IndexService, ServiceConfig
-from kvindex.testing.faults import FaultyPublisher
-from kvindex.testing.natscluster import NatsCluster
 from kvindex.v1 import kvindex_pb2 as pb
 from kvindex.v1 import kvindex_pb2_grpc as pb_grpc
+from kvtools.testing.faults import FaultyPublisher
+from kvtools.testing.natscluster import NatsCluster
 from tests.conftest import converged, wait_until
 
 MODEL = "llama"

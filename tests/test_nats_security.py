@@ -23,9 +23,9 @@ from kvindex.keys import block_keys
 from kvindex.repair.nats_repair import RepairConfig
 from kvindex.service.app import IndexService, ServiceConfig
 from kvindex.service.natsd import EmbeddedNats, free_port
-from kvindex.testing.natsauth import Operator, make_tls_files, new_nkey
 from kvindex.v1 import kvindex_pb2 as pb
 from kvindex.v1 import kvindex_pb2_grpc as pb_grpc
+from kvtools.testing.natsauth import Operator, make_tls_files, new_nkey
 from tests.conftest import index_view, wait_until
 from workers_shim.cli import build_parser as kvshim_parser
 from workers_shim.publisher import Publisher

@@ -20,6 +20,7 @@ from typing import Any
 from kvindex.config import NatsSettings, add_nats_arguments, parse_layered
 from kvindex.config.nats import DEFAULT_URL
 from kvindex.observability.logs import configure_logging
+from kvindex.wire.endpoint import BadEndpoint, check_endpoint
 from workers_shim.bridges.bridge import Bridge, BridgeConfig
 from workers_shim.bridges.engines import ENGINES
 from workers_shim.bridges.stats import serve_stats
@@ -83,8 +84,14 @@ def _positive(kind: Callable[[str], Any]) -> Callable[[str], Any]:
     return parse
 
 
+def parse_endpoint_arg(text: str) -> str:
+    try:
+        return check_endpoint(text)
+    except BadEndpoint as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def add_engine_command(sub: Any, engine: str) -> argparse.ArgumentParser:
-    profile = ENGINES[engine]
     p = sub.add_parser(
         engine, help=_ENGINE_HELP.get(engine, f"bridge {engine}"), description=_ENGINE_HELP.get(engine)
     )
@@ -93,6 +100,13 @@ def add_engine_command(sub: Any, engine: str) -> argparse.ArgumentParser:
     p.add_argument("--topic", default="", help="ZMQ topic to subscribe to (default: every topic)")
     p.add_argument(
         "--metrics-url", default=None, help="the engine's Prometheus page, e.g. http://HOST:8000/metrics"
+    )
+    p.add_argument(
+        "--endpoint",
+        type=parse_endpoint_arg,
+        default=None,
+        help="HOST:PORT routers send this worker's requests to, announced in every heartbeat "
+        "(default: the host and port of --metrics-url; none without it)",
     )
     p.add_argument("--worker-id", required=True, help="this worker's id on the wire ([A-Za-z0-9_-]{1,128})")
     p.add_argument("--model", required=True, help="served model name, as routers will ask for it")
@@ -115,8 +129,9 @@ def add_engine_command(sub: Any, engine: str) -> argparse.ArgumentParser:
         "--block-size",
         type=_positive(int),
         default=None,
-        help=f"tokens per KV block, as configured in the engine (default {profile.default_block_size}); "
-        "events announcing another size are reported and skipped",
+        help="tokens per KV block, as configured in the engine. Default: taken from the engine's own "
+        "KV events (or vLLM's /metrics) before anything is published. When given and the engine's "
+        "events announce another size, kvshim exits non-zero naming both",
     )
     p.add_argument(
         "--capacity", type=parse_capacity, default={}, help="blocks per tier, e.g. gpu=24000,cpu=100000"
@@ -186,6 +201,7 @@ def config_from_args(args: argparse.Namespace) -> BridgeConfig:
         port_offset=not args.no_port_offset,
         one_endpoint=args.one_endpoint,
         block_size=args.block_size,
+        endpoint=args.endpoint,
         capacity=args.capacity,
         media=dict(args.medium),
         kv_group=args.kv_group,
@@ -197,20 +213,27 @@ def config_from_args(args: argparse.Namespace) -> BridgeConfig:
 
 
 async def serve_bridge(config: BridgeConfig, stats_port: int | None = None) -> None:
-    """Run a bridge until SIGINT/SIGTERM, then flush and stop."""
+    """Run a bridge until SIGINT/SIGTERM, then flush and stop; raises the bridge's fatal error
+    (e.g. a block size conflict) after stopping it."""
     bridge = Bridge(config)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    await bridge.start()
+    await bridge.start()  # raises (bridge stopped) when the engine's history already conflicts
     if stats_port is not None:
         port = serve_stats(bridge.stats, stats_port)
         bridge.log.info("kvshim_stats_serving", port=port)
+    signalled = asyncio.ensure_future(stop.wait())
+    failed = asyncio.ensure_future(bridge.failed.wait())
     try:
-        await stop.wait()
+        await asyncio.wait({signalled, failed}, return_when=asyncio.FIRST_COMPLETED)
     finally:
+        signalled.cancel()
+        failed.cancel()
         await bridge.stop()
+    if bridge.failure is not None:
+        raise bridge.failure
 
 
 def run_engine(args: argparse.Namespace) -> int:
@@ -224,6 +247,7 @@ def run_engine(args: argparse.Namespace) -> int:
         structlog.get_logger("workers_shim.cli").error(
             "kvshim_failed", error=str(exc), error_type=type(exc).__name__
         )
+        print(f"kvshim {args.engine}: {exc}", file=sys.stderr)  # the last line an operator sees
         return 1
     return 0
 

@@ -26,6 +26,7 @@ from kvindex.config.nats import NatsSettings
 from kvindex.config.nats import connect as nats_connect
 from kvindex.wire import reconcile
 from kvindex.wire.codec import encode_batch, encode_status
+from kvindex.wire.endpoint import check_endpoint
 from kvindex.wire.schema import TIER_NAMES
 from kvindex.wire.subjects import Subjects, valid_worker_id
 
@@ -55,9 +56,12 @@ class WorkerLog:
         capacity: Mapping[str, int] | None = None,
         load_fn: LoadFn | None = None,
         clock: Callable[[], float] = time.time,
+        endpoint: str | None = None,
     ) -> None:
         if not valid_worker_id(worker):
             raise ValueError(f"worker id {worker!r} must match [A-Za-z0-9_-]{{1,128}}")
+        if endpoint is not None:
+            check_endpoint(endpoint)  # BadEndpoint (a ValueError) names what is wrong
         if block_size <= 0:
             raise ValueError("block_size must be positive")
         self.worker = worker
@@ -73,6 +77,8 @@ class WorkerLog:
         self.capacity: dict[str, int] = dict(capacity or {})
         self.load: dict[str, float] = {}
         self.load_fn = load_fn
+        # "host:port" where routers send this worker's requests, announced in every heartbeat.
+        self.endpoint = endpoint
         self._prefill_samples: list[tuple[int, int, float]] = []
         self.clock = clock
         self.blocks: dict[str, set[int]] = {t: set() for t in TIER_NAMES}
@@ -220,7 +226,9 @@ class WorkerLog:
     def status_payload(self) -> bytes:
         load = dict(self.load_fn()) if self.load_fn is not None else self.load
         samples, self._prefill_samples = self._prefill_samples, []
-        extra = {"prefill": [list(s) for s in samples]} if samples else {}
+        extra: dict[str, Any] = {"prefill": [list(s) for s in samples]} if samples else {}
+        if self.endpoint is not None:
+            extra["endpoint"] = self.endpoint
         return encode_status(
             worker=self.worker,
             model=self.model,

@@ -83,6 +83,7 @@ def _invariant_part(state: InstanceState) -> pb.RankedInstance:
         instance_id=state.instance_id,
         worker=state.worker,
         dp_rank=state.dp_rank,
+        endpoint=state.endpoint or "",
         load=pb.Load(
             running=load.running,
             waiting=load.waiting,
@@ -106,8 +107,9 @@ class KvIndexServicer(pb_grpc.KvIndexServicer):
         self.counters = counters
         self.metrics = metrics
         self.router = router or Router(index, registry)
-        # instance -> (load it was built from, instance_id, RankedInstance with the invariant fields)
-        self._invariant: dict[InstanceKey, tuple[object, str, pb.RankedInstance]] = {}
+        # instance -> (load it was built from, instance_id, endpoint, RankedInstance with the
+        # invariant fields)
+        self._invariant: dict[InstanceKey, tuple[object, str, str | None, pb.RankedInstance]] = {}
         self._latency = {
             name: metrics.rpc_latency.labels(name) if metrics else None
             for name in ("Score", "Lookup", "ListInstances", "Stats", "Commit", "Release")
@@ -225,10 +227,20 @@ class KvIndexServicer(pb_grpc.KvIndexServicer):
             # Copying a cached message (identity and the last heartbeat's load) costs a third of
             # building it from keyword arguments; only the per-request fields are set one by one.
             cached = invariant.get(state.key)
-            if cached is None or cached[0] is not state.load or cached[1] != state.instance_id:
-                cached = invariant[state.key] = (state.load, state.instance_id, _invariant_part(state))
+            if (
+                cached is None
+                or cached[0] is not state.load
+                or cached[1] != state.instance_id
+                or cached[2] != state.endpoint
+            ):
+                cached = invariant[state.key] = (
+                    state.load,
+                    state.instance_id,
+                    state.endpoint,
+                    _invariant_part(state),
+                )
             r = add()
-            r.CopyFrom(cached[2])
+            r.CopyFrom(cached[3])
             age = state.status_age(now)
             r.load.status_age_s = -1.0 if age is None else age
             r.cost = choice.cost
@@ -335,6 +347,7 @@ class KvIndexServicer(pb_grpc.KvIndexServicer):
                 pool=state.is_pool,
                 stale=state.stale,
                 sync=state.sync,
+                endpoint=state.endpoint or "",
             )
         self._observe("ListInstances", started)
         return response

@@ -18,6 +18,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from kvindex.api.security import add_server_options
 from kvindex.capture.format import LogError, zstd_available
 from kvindex.config.nats import NatsConfigError, NatsConnectError, NatsSettings, add_nats_arguments
 
@@ -131,6 +132,7 @@ def add_replay(sub: Any) -> None:
     p.add_argument("--serve", action="store_true", help="then serve the gRPC API on the replayed state")
     p.add_argument("--grpc-host", default="127.0.0.1")
     p.add_argument("--grpc-port", type=int, default=50051)
+    add_server_options(p)  # TLS / mutual TLS / token for --serve, as kvindex serve
 
 
 def serve_capture_config(args: argparse.Namespace) -> Any:
@@ -345,9 +347,11 @@ def _drive(driver: Any, args: argparse.Namespace, out: Output) -> None:
 
 async def _replay_and_serve(driver: Any, args: argparse.Namespace, out: Output, queries: list) -> int:
     """Serve the API while replaying (``--speed`` N: watch the state evolve), then keep serving."""
+    from kvindex.api.security import ServerSecurity
     from kvindex.capture.serve import serve_replayed
 
-    server = await serve_replayed(driver.replayer, args.grpc_host, args.grpc_port)
+    security = ServerSecurity.from_args(args)
+    server = await serve_replayed(driver.replayer, args.grpc_host, args.grpc_port, security)
     out.line(f"serving the replayed state on {server.address} (gRPC KvIndex; Ctrl-C stops)", "bold")
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

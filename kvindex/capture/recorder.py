@@ -36,7 +36,6 @@ from kvindex.wire.subjects import EVENTS, STATUS
 if TYPE_CHECKING:
     from kvindex.ingest.consumer import Consumer
     from kvindex.scoring.calibration import Calibrator
-    from kvindex.service.app import ServiceConfig
 
 FLUSH_INTERVAL = 0.2  # seconds of records a kill can lose
 CHECK_INTERVAL = 5.0  # seconds between live-state digests in the log
@@ -64,22 +63,17 @@ def log_meta(source: str, prefix: str, **extra: Any) -> dict[str, Any]:
     }
 
 
-def service_meta(config: ServiceConfig) -> dict[str, Any]:
-    """Header of a ``serve --capture`` log: enough to rebuild the consumer the way it was set up."""
-    r = config.repair
-    return log_meta(
-        R.SOURCE_SERVE,
-        config.subject_prefix,
-        jetstream=config.jetstream is not None,
-        repair={
-            "stale_after": r.stale_after,
-            "forget_after": r.forget_after,
-            "reconcile_interval": r.reconcile_interval,
-            "replay_timeout": r.replay_timeout,
-            "snapshot_timeout": r.snapshot_timeout,
-        },
-        router={"default_policy": config.router.default_policy, "seed": config.router.seed},
-    )
+def service_meta(
+    prefix: str, *, jetstream: bool, repair: dict[str, float], router: dict[str, Any]
+) -> dict[str, Any]:
+    """Header of a ``serve --capture`` log: enough to rebuild the consumer the way it was set up.
+
+    Plain values, built by the service (``kvindex.service.app``): the recorder must not import the
+    service that imports it. ``repair`` holds the ``RepairConfig`` timings the replay reads
+    (stale_after, forget_after, reconcile_interval, replay_timeout, snapshot_timeout), ``router`` the
+    ``RouterConfig`` default_policy and seed.
+    """
+    return log_meta(R.SOURCE_SERVE, prefix, jetstream=jetstream, repair=dict(repair), router=dict(router))
 
 
 class Recorder:

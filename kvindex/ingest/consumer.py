@@ -402,6 +402,10 @@ class Consumer:
         except WireError as exc:
             self._reject(worker, subject, exc)
             return False
+        if report.endpoint_error is not None:
+            # The heartbeat still counts (load, digest, liveness); only the endpoint is dropped, so
+            # routers never see an address they could not connect to.
+            self._reject(worker, subject, WireError(errors.BAD_ENDPOINT, report.endpoint_error))
         self._apply_status(state, report)
         return True
 
@@ -414,6 +418,11 @@ class Consumer:
         state.capacity = report.capacity
         state.reported_digest = report.digest
         state.reported_seq = report.seq
+        if report.endpoint != state.endpoint:  # rare: announced, moved, or withdrawn
+            self.log.info(
+                "instance_endpoint", worker=state.worker, dp_rank=state.dp_rank, endpoint=report.endpoint
+            )
+            self.registry.set_endpoint(state, report.endpoint)
         if report.prefill and self.prefill_samples is not None:
             self.prefill_samples(state.model, report.prefill)
         if state.stale:

@@ -11,6 +11,8 @@ from typing import Any
 import structlog
 from prometheus_client import start_http_server
 
+from kvindex.api.ext_proc import EndpointPicker, ExtProcServer
+from kvindex.api.security import ServerSecurity
 from kvindex.api.server import GrpcServer
 from kvindex.api.servicer import KvIndexServicer
 from kvindex.capture.recorder import CaptureConfig, Recorder, RecordingServicer, service_meta
@@ -42,6 +44,27 @@ class ServiceConfig:
     jetstream: JetStreamConfig | None = None  # None: core NATS (default)
     router: RouterConfig = field(default_factory=RouterConfig)
     capture: CaptureConfig | None = None  # tee what the consumer sees into an event log
+    grpc_security: ServerSecurity | None = None  # TLS / mutual TLS / token; None: plaintext, open
+    ext_proc_port: int | None = None  # Envoy ext_proc endpoint picker; None: off, 0: any free port
+    ext_proc_host: str = "0.0.0.0"
+    ext_proc_policy: str = ""  # ranking policy of the picker; "": the router's default (ttft)
+
+
+def _capture_meta(config: ServiceConfig) -> dict[str, Any]:
+    """The settings a ``serve --capture`` log records, as plain values for the recorder."""
+    r = config.repair
+    return service_meta(
+        config.subject_prefix,
+        jetstream=config.jetstream is not None,
+        repair={
+            "stale_after": r.stale_after,
+            "forget_after": r.forget_after,
+            "reconcile_interval": r.reconcile_interval,
+            "replay_timeout": r.replay_timeout,
+            "snapshot_timeout": r.snapshot_timeout,
+        },
+        router={"default_policy": config.router.default_policy, "seed": config.router.seed},
+    )
 
 
 class IndexService:
@@ -64,7 +87,7 @@ class IndexService:
         self.consumer.on_forget = self.router.forget
         self.recorder: Recorder | None = None
         if config.capture is not None:
-            meta = service_meta(config)
+            meta = _capture_meta(config)
             self.recorder = Recorder.open(config.capture, meta, self.registry.clock, self.consumer)
             self.repairer.recorder = self.recorder
         self.servicer = (
@@ -74,7 +97,13 @@ class IndexService:
                 self.recorder, self.index, self.registry, self.counters, self.metrics, self.router
             )
         )
-        self.grpc = GrpcServer(self.servicer, config.grpc_host, config.grpc_port)
+        self.grpc = GrpcServer(self.servicer, config.grpc_host, config.grpc_port, config.grpc_security)
+        self.ext_proc: ExtProcServer | None = None
+        if config.ext_proc_port is not None:
+            picker = EndpointPicker(self.servicer, policy=config.ext_proc_policy, log=self.log)
+            self.ext_proc = ExtProcServer(
+                picker, config.ext_proc_host, config.ext_proc_port, config.grpc_security
+            )
         self.natsd: EmbeddedNats | None = None
         self.source: NatsSource | None = None
         # The servers for logs and callers, secrets redacted (the settings themselves stay private).
@@ -118,6 +147,8 @@ class IndexService:
         if self.recorder is not None:
             self.recorder.calibration(self.calibrator)
         await self.grpc.start()
+        if self.ext_proc is not None:
+            await self.ext_proc.start()
         if self.config.metrics_port is not None:
             server, _thread = start_http_server(
                 self.config.metrics_port, addr=self.config.metrics_host, registry=self.metrics.registry
@@ -127,14 +158,18 @@ class IndexService:
         self.log.info(
             "kvindex_serving",
             grpc=self.grpc.address,
+            grpc_security=self.grpc.security.mode,
             nats=self.nats_url,
             nats_auth=nats_settings.auth,
             nats_tls=nats_settings.tls,
             subject_prefix=self.config.subject_prefix,
             metrics_port=self.metrics_port,
+            ext_proc=self.ext_proc.address if self.ext_proc is not None else None,
         )
 
     async def stop(self) -> None:
+        if self.ext_proc is not None:
+            await self.ext_proc.stop()
         await self.grpc.stop()
         await self.repairer.stop()
         await self.calibration.stop()

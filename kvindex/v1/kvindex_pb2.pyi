@@ -63,7 +63,7 @@ class ScoreRequest(_message.Message):
     def __init__(self, model: _Optional[str] = ..., lora: _Optional[str] = ..., salt: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., block_keys: _Optional[_Iterable[int]] = ..., candidates: _Optional[_Iterable[str]] = ..., top_k: _Optional[int] = ..., policy: _Optional[str] = ..., explain: _Optional[bool] = ..., role: _Optional[str] = ..., commit: _Optional[bool] = ..., request_id: _Optional[str] = ..., prompt_tokens: _Optional[int] = ...) -> None: ...
 
 class RankedInstance(_message.Message):
-    __slots__ = ("instance_id", "worker", "dp_rank", "cost", "matched_blocks", "matched", "matched_tokens", "load", "est_ttft_ms", "wait_ms", "prefill_ms", "fetch_ms", "matched_tokens_by_tier", "explain")
+    __slots__ = ("instance_id", "worker", "dp_rank", "cost", "matched_blocks", "matched", "matched_tokens", "load", "est_ttft_ms", "wait_ms", "prefill_ms", "fetch_ms", "matched_tokens_by_tier", "explain", "endpoint")
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     WORKER_FIELD_NUMBER: _ClassVar[int]
     DP_RANK_FIELD_NUMBER: _ClassVar[int]
@@ -78,6 +78,7 @@ class RankedInstance(_message.Message):
     FETCH_MS_FIELD_NUMBER: _ClassVar[int]
     MATCHED_TOKENS_BY_TIER_FIELD_NUMBER: _ClassVar[int]
     EXPLAIN_FIELD_NUMBER: _ClassVar[int]
+    ENDPOINT_FIELD_NUMBER: _ClassVar[int]
     instance_id: str
     worker: str
     dp_rank: int
@@ -92,7 +93,8 @@ class RankedInstance(_message.Message):
     fetch_ms: float
     matched_tokens_by_tier: TierBlocks
     explain: str
-    def __init__(self, instance_id: _Optional[str] = ..., worker: _Optional[str] = ..., dp_rank: _Optional[int] = ..., cost: _Optional[float] = ..., matched_blocks: _Optional[int] = ..., matched: _Optional[_Union[TierBlocks, _Mapping]] = ..., matched_tokens: _Optional[int] = ..., load: _Optional[_Union[Load, _Mapping]] = ..., est_ttft_ms: _Optional[float] = ..., wait_ms: _Optional[float] = ..., prefill_ms: _Optional[float] = ..., fetch_ms: _Optional[float] = ..., matched_tokens_by_tier: _Optional[_Union[TierBlocks, _Mapping]] = ..., explain: _Optional[str] = ...) -> None: ...
+    endpoint: str
+    def __init__(self, instance_id: _Optional[str] = ..., worker: _Optional[str] = ..., dp_rank: _Optional[int] = ..., cost: _Optional[float] = ..., matched_blocks: _Optional[int] = ..., matched: _Optional[_Union[TierBlocks, _Mapping]] = ..., matched_tokens: _Optional[int] = ..., load: _Optional[_Union[Load, _Mapping]] = ..., est_ttft_ms: _Optional[float] = ..., wait_ms: _Optional[float] = ..., prefill_ms: _Optional[float] = ..., fetch_ms: _Optional[float] = ..., matched_tokens_by_tier: _Optional[_Union[TierBlocks, _Mapping]] = ..., explain: _Optional[str] = ..., endpoint: _Optional[str] = ...) -> None: ...
 
 class ScoreResponse(_message.Message):
     __slots__ = ("model", "block_size", "total_blocks", "ranked", "cost_unit", "policy", "committed_instance_id", "request_id", "error")
@@ -207,7 +209,7 @@ class ListInstancesRequest(_message.Message):
     def __init__(self, model: _Optional[str] = ...) -> None: ...
 
 class InstanceInfo(_message.Message):
-    __slots__ = ("instance_id", "worker", "dp_rank", "model", "block_size", "epoch", "last_seq", "load", "blocks", "capacity", "batches", "gaps", "missing_batches", "restarts", "pool", "stale", "sync")
+    __slots__ = ("instance_id", "worker", "dp_rank", "model", "block_size", "epoch", "last_seq", "load", "blocks", "capacity", "batches", "gaps", "missing_batches", "restarts", "pool", "stale", "sync", "endpoint")
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     WORKER_FIELD_NUMBER: _ClassVar[int]
     DP_RANK_FIELD_NUMBER: _ClassVar[int]
@@ -225,6 +227,7 @@ class InstanceInfo(_message.Message):
     POOL_FIELD_NUMBER: _ClassVar[int]
     STALE_FIELD_NUMBER: _ClassVar[int]
     SYNC_FIELD_NUMBER: _ClassVar[int]
+    ENDPOINT_FIELD_NUMBER: _ClassVar[int]
     instance_id: str
     worker: str
     dp_rank: int
@@ -242,7 +245,8 @@ class InstanceInfo(_message.Message):
     pool: bool
     stale: bool
     sync: str
-    def __init__(self, instance_id: _Optional[str] = ..., worker: _Optional[str] = ..., dp_rank: _Optional[int] = ..., model: _Optional[str] = ..., block_size: _Optional[int] = ..., epoch: _Optional[int] = ..., last_seq: _Optional[int] = ..., load: _Optional[_Union[Load, _Mapping]] = ..., blocks: _Optional[_Union[TierBlocks, _Mapping]] = ..., capacity: _Optional[_Union[TierBlocks, _Mapping]] = ..., batches: _Optional[int] = ..., gaps: _Optional[int] = ..., missing_batches: _Optional[int] = ..., restarts: _Optional[int] = ..., pool: _Optional[bool] = ..., stale: _Optional[bool] = ..., sync: _Optional[str] = ...) -> None: ...
+    endpoint: str
+    def __init__(self, instance_id: _Optional[str] = ..., worker: _Optional[str] = ..., dp_rank: _Optional[int] = ..., model: _Optional[str] = ..., block_size: _Optional[int] = ..., epoch: _Optional[int] = ..., last_seq: _Optional[int] = ..., load: _Optional[_Union[Load, _Mapping]] = ..., blocks: _Optional[_Union[TierBlocks, _Mapping]] = ..., capacity: _Optional[_Union[TierBlocks, _Mapping]] = ..., batches: _Optional[int] = ..., gaps: _Optional[int] = ..., missing_batches: _Optional[int] = ..., restarts: _Optional[int] = ..., pool: _Optional[bool] = ..., stale: _Optional[bool] = ..., sync: _Optional[str] = ..., endpoint: _Optional[str] = ...) -> None: ...
 
 class ListInstancesResponse(_message.Message):
     __slots__ = ("instances",)

@@ -43,6 +43,12 @@ def add_sim_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--model", default="sim-model")
     g.add_argument("--speed", type=float, default=1.0, help="virtual seconds per wall second")
     g.add_argument("--heartbeat-interval", type=float, default=0.5)
+    g.add_argument(
+        "--endpoint-base",
+        default=None,
+        metavar="HOST:PORT",
+        help="announce fake endpoints: worker i at HOST:PORT+i (nothing listens there)",
+    )
     e = parser.add_argument_group("engine")
     e.add_argument("--profile", choices=sorted(PROFILES), default="llama3-8b-h100")
     e.add_argument("--block-size", type=int, default=16)
@@ -107,6 +113,7 @@ async def _main(args: argparse.Namespace) -> None:
         worker_prefix=args.worker_prefix,
         heartbeat_interval=args.heartbeat_interval,
         on_completion=on_completion,
+        endpoint_base=args.endpoint_base,
     )
     tasks = [asyncio.create_task(_report(fleet, ttfts))]
     if args.trace:
