@@ -6,9 +6,10 @@ Every long option of a command can be given three ways; the first that sets it w
 2. the environment: ``KVINDEX_`` + the option's longest name in upper case with dashes as
    underscores: ``KVINDEX_NATS_CREDS=/etc/kv/index.creds`` (``--nats``/``--nats-url`` is
    ``KVINDEX_NATS_URL``)
-3. the TOML file named by ``--config FILE`` (or ``KVINDEX_CONFIG``): keys are the option names without
-   the dashes (``nats-creds = "/etc/kv/index.creds"``, ``nats-url = ["tls://a:4222", "tls://b:4222"]``);
-   a table named after the command (``[serve]``, ``[vllm]``) overrides the top level for that command.
+3. the TOML file named by ``--config FILE`` (every command gets the option) or ``KVINDEX_CONFIG``:
+   keys are the option names without the dashes (``nats-creds = "/etc/kv/index.creds"``,
+   ``nats-url = ["tls://a:4222", "tls://b:4222"]``); a table named after the command (``[serve]``,
+   ``[vllm]``) overrides the top level for that command.
 
 Booleans (``store_true``) take ``1/true/yes/on`` or ``0/false/no/off`` from the environment and
 ``true``/``false`` in TOML; repeatable options take a comma-separated string or a TOML list. Values go
@@ -97,6 +98,8 @@ def parse_layered(
     then from the ``--config`` TOML file, then the parser's defaults."""
     env = os.environ if env is None else env
     trees = list(_parsers(parser))
+    for _name, p in trees[1:] or trees:  # every command takes --config (the root too if it is one)
+        add_config_option(p)
     saved: list[tuple[argparse.Action, Any, bool]] = []
     for _name, p in trees:
         for action in _layered_actions(p):
