@@ -23,7 +23,13 @@ import time
 
 import structlog
 
-from kvindex.config.nats import DEFAULT_URL, NatsSettings, add_nats_arguments
+from kvindex.config.nats import (
+    DEFAULT_URL,
+    NatsConfigError,
+    NatsConnectError,
+    NatsSettings,
+    add_nats_arguments,
+)
 from workers_shim.sim.engine import Completion, EngineConfig, SimRequest
 from workers_shim.sim.fleet import SimFleet, run_fleet
 from workers_shim.sim.timemodel import PROFILES
@@ -85,7 +91,11 @@ def build_config(args: argparse.Namespace) -> EngineConfig:
 
 def main_sim(args: argparse.Namespace) -> int:
     with contextlib.suppress(KeyboardInterrupt):
-        asyncio.run(_main(args))
+        try:
+            asyncio.run(_main(args))
+        except (NatsConfigError, NatsConnectError) as exc:
+            log.error("kvshim_sim_failed", error=str(exc))
+            return 1
     return 0
 
 
