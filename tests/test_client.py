@@ -43,11 +43,15 @@ class SlowServicer(KvIndexServicer):
     the metadata of the last call (to see the bearer token)."""
 
     delay = 0.0
+    break_streams = 0  # abort this many streams at their next request (the request then in flight)
     metadata: tuple[tuple[str, str], ...] = ()
 
     async def ScoreStream(self, requests: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
         self.metadata = tuple(context.invocation_metadata() or ())
         async for response in super().ScoreStream(requests, context):
+            if self.break_streams:
+                self.break_streams -= 1
+                await context.abort(grpc.StatusCode.UNAVAILABLE, "connection reset (test)")
             if self.delay:
                 await asyncio.sleep(self.delay)
             yield response
@@ -108,7 +112,9 @@ def rendezvous(key: int, instance_ids: list[str]) -> str:
 
 async def test_score_commit_release_over_the_stream(index: IndexService, make_publisher: MakePub) -> None:
     await fleet(index, make_publisher)
-    async with AsyncKvIndexClient(index.grpc.address, token="s3cret", refresh_interval=0) as client:
+    async with AsyncKvIndexClient(
+        index.grpc.address, token="s3cret", timeout=5, refresh_interval=0
+    ) as client:
         decision = await client.score(MODEL, token_ids=PROMPT, commit=True, request_id="r1")
         assert decision.source == "index" and decision.committed
         assert decision.targets[0].instance_id == "w1/0" and decision.endpoint == ENDPOINTS["w1"]
@@ -141,7 +147,7 @@ async def test_score_commit_release_over_the_stream(index: IndexService, make_pu
 
 async def test_bad_arguments_are_errors_not_fallbacks(index: IndexService, make_publisher: MakePub) -> None:
     await fleet(index, make_publisher)
-    async with AsyncKvIndexClient(index.grpc.address, refresh_interval=0) as client:
+    async with AsyncKvIndexClient(index.grpc.address, timeout=5, refresh_interval=0) as client:
         await client.refresh_instances()
         with pytest.raises(BadRequest, match="exactly one of token_ids and block_keys"):
             await client.score(MODEL, token_ids=PROMPT, block_keys=KEYS)
@@ -162,7 +168,7 @@ async def test_deadline_falls_back_and_the_stream_stays_aligned(
     await fleet(index, make_publisher)
     servicer: SlowServicer = index.servicer  # type: ignore[assignment]
     async with AsyncKvIndexClient(index.grpc.address, timeout=0.1, refresh_interval=0) as client:
-        await client.refresh_instances()
+        assert await client.refresh_instances(timeout=5)
         servicer.delay = 0.3
         late = await client.score(MODEL, token_ids=PROMPT, request_id="late")
         assert late.source == "fallback" and late.reason == DEADLINE and not late.committed
@@ -185,7 +191,7 @@ async def test_index_down_falls_back_consistently_then_reconnects(
     index: IndexService, make_publisher: MakePub
 ) -> None:
     await fleet(index, make_publisher)
-    async with AsyncKvIndexClient(index.grpc.address, timeout=0.5, refresh_interval=0.2) as client:
+    async with AsyncKvIndexClient(index.grpc.address, timeout=2, refresh_interval=0.2) as client:
         await wait_until(lambda: client.stats.refreshes >= 1, what="instances listed")
         assert (await client.score(MODEL, token_ids=PROMPT)).source == "index"
         port = index.grpc.port
@@ -234,14 +240,23 @@ async def test_stream_broken_under_a_call_is_retried_once(
     async with AsyncKvIndexClient(index.grpc.address, timeout=5, refresh_interval=0) as client:
         await client.refresh_instances()
         assert (await client.score(MODEL, token_ids=PROMPT)).source == "index"
-        servicer.delay = 0.5
-        pending = asyncio.create_task(client.score(MODEL, token_ids=PROMPT, request_id="in-flight"))
-        await asyncio.sleep(0.1)
-        servicer.delay = 0.0
-        await restart_grpc(index)  # breaks the stream under the call; the retry meets the new server
-        decision = await pending
+        servicer.break_streams = 1  # the stream dies with this request in flight
+        decision = await client.score(MODEL, token_ids=PROMPT, request_id="in-flight")
         assert decision.source == "index" and decision.request_id == "in-flight"
-        assert client.stats.retries == 1 and client.stats.streams_broken >= 1
+        assert client.stats.retries == 1 and client.stats.streams_broken == 1
+        assert client.stats.streams_opened == 2
+        servicer.break_streams = 2  # broken again on the retry: the fallback answers
+        decision = await client.score(MODEL, token_ids=PROMPT, request_id="twice")
+        assert decision.source == "fallback" and decision.reason == UNAVAILABLE
+        assert client.stats.retries == 2 and client.stats.fallbacks == {UNAVAILABLE: 1}
+        # Server restarts break the stream as well: the next call reopens it.
+        await restart_grpc(index)
+        for _ in range(100):
+            decision = await client.score(MODEL, token_ids=PROMPT, request_id="after-restart")
+            if decision.source == "index":
+                break
+            await asyncio.sleep(0.05)
+        assert decision.source == "index" and decision.request_id == "after-restart"
 
 
 async def test_without_fallback_the_caller_gets_a_clear_error(index: IndexService) -> None:
@@ -260,7 +275,7 @@ async def test_blocking_client(index: IndexService, make_publisher: MakePub) -> 
     address = index.grpc.address
 
     # The blocking client runs its own loop thread; this test's loop serves the index meanwhile.
-    client = await asyncio.to_thread(KvIndexClient, address, timeout=0.5, refresh_interval=0)
+    client = await asyncio.to_thread(KvIndexClient, address, timeout=2, refresh_interval=0)
     try:
         decision = await asyncio.to_thread(
             client.score, MODEL, token_ids=PROMPT, commit=True, request_id="s1"
