@@ -316,3 +316,19 @@ def test_prefix_key_covers_every_prompt_form() -> None:
     longer = [*chat, {"role": "assistant", "content": "hello"}]
     assert prefix_key(messages=chat) == prefix_key(messages=longer)
     assert prefix_key(messages=chat) != prefix_key(prompt=system)
+
+
+async def test_index_that_lost_a_known_model_is_treated_as_down(index: IndexService) -> None:
+    from kvindex.client import INDEX_EMPTY
+    from kvindex.v1 import kvindex_pb2 as pb
+
+    async with AsyncKvIndexClient(index.grpc.address, timeout=5, refresh_interval=0) as client:
+        never_seen = await client.score("ghost", token_ids=PROMPT)  # unknown to both: no targets
+        assert never_seen.source == "index" and never_seen.targets == []
+        # The client saw "ghost" served before; the index (restarted, say) does not know it yet.
+        client.instances.replace([pb.InstanceInfo(instance_id="g1/0", model="ghost", endpoint="10.0.0.9:80")])
+        await client.refresh_instances()  # a listing without the model keeps what was known
+        decision = await client.score("ghost", token_ids=PROMPT)
+        assert decision.source == "fallback" and decision.reason == INDEX_EMPTY
+        assert decision.targets[0].endpoint == "10.0.0.9:80"
+        assert client.stats.fallbacks == {INDEX_EMPTY: 1}

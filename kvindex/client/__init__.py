@@ -9,6 +9,7 @@ modes: kvindex/client/README.md.
 from kvindex.client.aio import (
     DEADLINE,
     ERROR,
+    INDEX_EMPTY,
     STREAM_BROKEN,
     UNAVAILABLE,
     AsyncKvIndexClient,
@@ -24,6 +25,7 @@ from kvindex.client.sync import KvIndexClient
 __all__ = [
     "DEADLINE",
     "ERROR",
+    "INDEX_EMPTY",
     "STREAM_BROKEN",
     "UNAVAILABLE",
     "AsyncKvIndexClient",

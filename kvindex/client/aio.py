@@ -31,6 +31,7 @@ UNAVAILABLE = "unavailable"  # cannot connect / connection lost
 DEADLINE = "deadline"  # no answer within the call's deadline
 STREAM_BROKEN = "stream_broken"  # the stream broke under the call twice (first time: retried)
 ERROR = "error"  # any other server-side failure (INTERNAL, UNAUTHENTICATED, ...)
+INDEX_EMPTY = "index_empty"  # the index answered but knows no instance of a model seen before
 
 _UNAVAILABLE_CODES = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED}
 
@@ -309,6 +310,12 @@ class AsyncKvIndexClient:
         else:
             if response.error:
                 raise BadRequest(response.error)
+            if not response.block_size and self.fallback is not None and self.instances.instances(model):
+                # The model is unknown to the index but was served before: the index restarted and
+                # has not heard the heartbeats yet. Route as if it were down.
+                return self._fall_back(
+                    request, INDEX_EMPTY, "the index knows no instance of the model", None, messages
+                )
             self.instances.observe(response)
             self.stats.decisions["index"] += 1
             return Decision(

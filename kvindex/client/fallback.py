@@ -36,9 +36,11 @@ class KnownInstance:
 class InstanceCache:
     """Per model, the routable instances the index last reported, and the model's block size.
 
-    ``replace`` (from ListInstances) makes a model's set exactly the listed one; ``observe`` (from
-    each Score answer) adds or refreshes the ranked instances. Nothing expires on its own: when the
-    index is down the last known fleet is the best knowledge there is.
+    ``replace`` (from ListInstances) makes each listed model's set exactly the listed one; a model
+    absent from the listing keeps its last set (an index that just restarted lists nothing until the
+    heartbeats come in, and that is when the fallback is needed). ``observe`` (from each Score answer)
+    adds or refreshes the ranked instances. Nothing expires on its own: when the index is down the
+    last known fleet is the best knowledge there is.
     """
 
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
@@ -56,7 +58,7 @@ class InstanceCache:
             members = models.setdefault(info.model, {})
             if not info.pool and not info.stale:  # the index would not rank them either
                 members[info.instance_id] = KnownInstance(info.instance_id, info.endpoint, now)
-        self._models = models
+        self._models.update(models)
         self.refreshed_at = now
 
     def observe(self, response: pb.ScoreResponse) -> None:
