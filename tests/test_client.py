@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -332,3 +333,49 @@ async def test_index_that_lost_a_known_model_is_treated_as_down(index: IndexServ
         assert decision.source == "fallback" and decision.reason == INDEX_EMPTY
         assert decision.targets[0].endpoint == "10.0.0.9:80"
         assert client.stats.fallbacks == {INDEX_EMPTY: 1}
+
+
+async def test_mutual_tls_and_token(
+    nats_server: EmbeddedNats, tmp_path: Path, make_publisher: MakePub
+) -> None:
+    import trustme
+
+    from kvindex.api.security import ClientTLS, ServerSecurity, ServerTLS
+
+    ca = trustme.CA()
+    ca.cert_pem.write_to_path(str(tmp_path / "ca.pem"))
+    for name, cert in (("server", ca.issue_cert("127.0.0.1")), ("client", ca.issue_cert("router.clients"))):
+        cert.cert_chain_pems[0].write_to_path(str(tmp_path / f"{name}.pem"))
+        cert.private_key_pem.write_to_path(str(tmp_path / f"{name}.key"))
+    (tmp_path / "token").write_text("s3cret\n")
+    config = ServiceConfig(nats_url=nats_server.url, grpc_host="127.0.0.1", grpc_port=0)
+    config.grpc_security = ServerSecurity(
+        ServerTLS(tmp_path / "server.pem", tmp_path / "server.key", client_ca=tmp_path / "ca.pem"),
+        token_file=tmp_path / "token",
+    )
+    svc = IndexService(config)
+    await svc.start()
+    try:
+        await fleet(svc, make_publisher)
+        tls = ClientTLS(ca=tmp_path / "ca.pem", cert=tmp_path / "client.pem", key=tmp_path / "client.key")
+        async with AsyncKvIndexClient(svc.grpc.address, tls=tls, token="s3cret", timeout=5) as client:
+            decision = await client.score(MODEL, token_ids=PROMPT, commit=True, request_id="tls-1")
+            assert decision.source == "index" and decision.endpoint == ENDPOINTS["w1"]
+            assert await client.release("tls-1")
+        # The wrong token: refused, and Score says so through the fallback's counters, never silently.
+        async with AsyncKvIndexClient(svc.grpc.address, tls=tls, token="wrong", timeout=5) as client:
+            with pytest.raises(IndexUnavailable) as err:
+                await client.list_instances()
+            assert err.value.code == grpc.StatusCode.UNAUTHENTICATED
+            with pytest.raises(IndexUnavailable):  # nothing known to fall back on
+                await client.score(MODEL, token_ids=PROMPT)
+        blocking = await asyncio.to_thread(
+            KvIndexClient, svc.grpc.address, tls=tls, token="s3cret", timeout=5
+        )
+        try:
+            decision = await asyncio.to_thread(blocking.score, MODEL, token_ids=PROMPT)
+            assert decision.source == "index" and decision.instance_id == "w1/0"
+        finally:
+            await asyncio.to_thread(blocking.close)
+    finally:
+        await svc.stop()

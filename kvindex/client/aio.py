@@ -18,6 +18,7 @@ from typing import Any
 import grpc
 import structlog
 
+from kvindex.api.security import ClientTLS
 from kvindex.client.channel import call_metadata, create_channel
 from kvindex.client.errors import BadRequest, IndexUnavailable
 from kvindex.client.fallback import Fallback, InstanceCache, KnownInstance, RendezvousFallback, prefix_key
@@ -193,7 +194,8 @@ def _messages_json(messages: Any) -> str | None:
 class AsyncKvIndexClient:
     """Routers' client for one index (``target`` ``host:port``), over one gRPC channel.
 
-    ``credentials`` (TLS/mTLS) and ``token`` (bearer) secure the channel; ``timeout`` is the default
+    ``tls`` (a ClientTLS: TLS/mTLS from PEM files) or ``credentials`` and ``token`` (bearer) secure
+    the channel; ``timeout`` is the default
     per-call deadline in seconds; ``fallback`` (None: off) decides when the index cannot;
     ``refresh_interval`` is how often the fallback's instance list is refreshed from ListInstances
     (0: only from Score answers and explicit :meth:`refresh_instances`); a Score stream whose oldest
@@ -204,6 +206,7 @@ class AsyncKvIndexClient:
         self,
         target: str,
         *,
+        tls: ClientTLS | None = None,
         credentials: grpc.ChannelCredentials | None = None,
         token: str | None = None,
         metadata: Sequence[tuple[str, str]] = (),
@@ -219,7 +222,7 @@ class AsyncKvIndexClient:
         self.target = target
         self.timeout = timeout
         self.metadata = call_metadata(token, metadata)
-        self.channel = channel if channel is not None else create_channel(target, credentials, options)
+        self.channel = channel if channel is not None else create_channel(target, credentials, options, tls)
         self._owns_channel = channel is None
         self.stub = pb_grpc.KvIndexStub(self.channel)
         self.fallback: Fallback | None = (fallback or RendezvousFallback()) if use_fallback else None

@@ -1,7 +1,9 @@
 """The one place a client's gRPC channel is made: plaintext or TLS/mTLS, plus call metadata.
 
-Secured deployments pass ``grpc.ChannelCredentials`` (``grpc.ssl_channel_credentials(...)``, built by
-whatever reads the TLS options) and a bearer token; nothing else in the client knows about security.
+Secured deployments pass a :class:`kvindex.api.security.ClientTLS` (the CLI's ``--tls``, ``--tls-ca``,
+``--tls-cert``/``--tls-key``, ``--server-name``; files read here) or ready ``grpc.ChannelCredentials``,
+and a bearer token (``read_token(--auth-token-file)``), sent as call metadata on every call; nothing
+else in the client knows about security.
 """
 
 from __future__ import annotations
@@ -9,6 +11,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import grpc
+
+from kvindex.api.security import ClientTLS
 
 # Reconnect quickly after the index restarts: gRPC's default backoff grows to 120 s, during which
 # every call would take the fallback although the index is back. Messages as large as the server's.
@@ -27,12 +31,19 @@ def create_channel(
     target: str,
     credentials: grpc.ChannelCredentials | None = None,
     options: Sequence[tuple[str, object]] = (),
+    tls: ClientTLS | None = None,
 ) -> grpc.aio.Channel:
-    """An asyncio channel to ``target`` (``host:port``): TLS when ``credentials`` are given.
+    """An asyncio channel to ``target`` (``host:port``): TLS when ``tls`` or ``credentials`` are given
+    (``tls`` also brings its server-name override).
 
     ``options`` are added to (and override) DEFAULT_OPTIONS. Must be called on the event loop that
     will use the channel.
     """
+    if tls is not None:
+        if credentials is not None:
+            raise ValueError("give tls or credentials, not both")
+        credentials = tls.credentials()
+        options = [*tls.options(), *options]
     merged = dict(DEFAULT_OPTIONS)
     merged.update(dict(options))
     opts = list(merged.items())
