@@ -22,6 +22,7 @@ from kvindex.api.security import ClientTLS
 from kvindex.client.channel import call_metadata, create_channel
 from kvindex.client.errors import BadRequest, IndexUnavailable
 from kvindex.client.fallback import Fallback, InstanceCache, KnownInstance, RendezvousFallback, prefix_key
+from kvindex.observability.logs import RateLimitedLog
 from kvindex.v1 import kvindex_pb2 as pb
 from kvindex.v1 import kvindex_pb2_grpc as pb_grpc
 
@@ -232,6 +233,8 @@ class AsyncKvIndexClient:
         self.stall_after = stall_after
         self.stats = ClientStats()
         self.log = structlog.get_logger("kvindex.client").bind(index=target)
+        # While the index is down every request falls back: one line per reason and model per 10 s.
+        self._fallback_log = RateLimitedLog(self.log)
         self._stream: _ScoreStream | None = None
         self._stream_lock = asyncio.Lock()
         self._refresher: asyncio.Task[None] | None = None
@@ -398,8 +401,13 @@ class AsyncKvIndexClient:
             chosen = chosen[: request.top_k]
         self.stats.decisions["fallback"] += 1
         self.stats.fallbacks[reason] += 1
-        self.log.warning(
-            "score_fallback", reason=reason, error=why, model=model, instance=chosen[0].instance_id
+        self._fallback_log.warning(
+            (reason, model),
+            "score_fallback",
+            reason=reason,
+            error=why,
+            model=model,
+            instance=chosen[0].instance_id,
         )
         return Decision(
             model=model,
