@@ -379,3 +379,15 @@ async def test_mutual_tls_and_token(
             await asyncio.to_thread(blocking.close)
     finally:
         await svc.stop()
+
+
+def test_chat_fields_are_sent_as_json_and_unknown_fields_named() -> None:
+    from kvindex.client.aio import _message
+    from kvindex.v1 import kvindex_pb2 as pb
+
+    # Any string field given a list or dict carries it as JSON (how `messages` and the chat options
+    # travel once the request has them); salt stands in for them here.
+    request = _message(pb.ScoreRequest, {"model": "m", "salt": {"enable_thinking": False}, "lora": None})
+    assert request.salt == '{"enable_thinking":false}' and request.lora == ""
+    with pytest.raises(TypeError, match=r"ScoreRequest.*no_such_field"):
+        _message(pb.ScoreRequest, {"model": "m", "no_such_field": [1]})

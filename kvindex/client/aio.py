@@ -180,16 +180,29 @@ class _ScoreStream:
 
 
 def _message(cls: Any, fields: dict[str, Any]) -> Any:
+    """``cls(**fields)`` without the None ones; a list or dict given for a string field (chat
+    ``messages``, ``chat_template_kwargs``) is sent as JSON."""
+    by_name = cls.DESCRIPTOR.fields_by_name
+    values = {}
+    for name, value in fields.items():
+        if value is None:
+            continue
+        field_desc = by_name.get(name)
+        if (
+            field_desc is not None
+            and field_desc.type == field_desc.TYPE_STRING
+            and isinstance(value, list | dict | tuple)
+        ):
+            value = _json(value)
+        values[name] = value
     try:
-        return cls(**{k: v for k, v in fields.items() if v is not None})
+        return cls(**values)
     except ValueError as exc:  # a field this kvindex.v1 does not have (e.g. a newer server feature)
         raise TypeError(f"{cls.DESCRIPTOR.name}: {exc}") from None
 
 
-def _messages_json(messages: Any) -> str | None:
-    if messages is None or isinstance(messages, str):
-        return messages
-    return json.dumps(messages, separators=(",", ":"), ensure_ascii=False)
+def _json(value: Any) -> str:
+    return json.dumps(value, separators=(",", ":"), ensure_ascii=False)
 
 
 class AsyncKvIndexClient:
@@ -297,7 +310,7 @@ class AsyncKvIndexClient:
                 "token_ids": token_ids,
                 "block_keys": block_keys,
                 "prompt": prompt,
-                "messages": _messages_json(messages),
+                "messages": messages,
                 "candidates": list(candidates) if candidates is not None else None,
                 "top_k": top_k,
                 "commit": commit,
