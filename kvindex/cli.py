@@ -37,6 +37,21 @@ def _add_serve(sub: Any) -> None:
     e.add_argument("--ext-proc-port", type=int, default=-1, help="serve the picker on this port; -1: off")
     e.add_argument("--ext-proc-host", default="0.0.0.0")
     e.add_argument("--ext-proc-policy", default="", help="ranking policy for picks (default: ttft)")
+    a = p.add_argument_group("engines without KV events (approximate mode, docs/scoring.md)")
+    a.add_argument(
+        "--instance",
+        action="append",
+        default=[],
+        type=_static_instance,
+        metavar="NAME=HOST:PORT",
+        help="an instance that publishes nothing (repeatable); its cache is predicted from routing",
+    )
+    a.add_argument("--instance-model", default="", help="the model the --instance entries serve")
+    a.add_argument("--instance-block-size", type=int, default=16, help="their KV block size (tokens)")
+    a.add_argument("--instance-capacity", type=int, default=0, help="their GPU cache in blocks (0: 8192)")
+    a.add_argument(
+        "--predicted-ttl", type=float, default=120.0, help="seconds a routed prompt is assumed cached there"
+    )
     r = p.add_argument_group("self-healing")
     r.add_argument(
         "--reconcile-interval", type=float, default=60.0, help="periodic snapshot per instance (s); 0 off"
@@ -54,6 +69,21 @@ def _add_serve(sub: Any) -> None:
     j.add_argument("--stream-replicas", type=int, default=1, help="stream replicas in a NATS cluster (1-5)")
     add_serve_capture(p)
     add_server_options(p)
+
+
+def _static_instance(text: str) -> tuple[str, str]:
+    from kvindex.wire.endpoint import BadEndpoint, check_endpoint
+    from kvindex.wire.subjects import valid_worker_id
+
+    name, sep, endpoint = text.partition("=")
+    if not sep or not valid_worker_id(name):
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: want NAME=HOST:PORT, NAME matching [A-Za-z0-9_-]{{1,128}}"
+        )
+    try:
+        return name, check_endpoint(endpoint)
+    except BadEndpoint as exc:
+        raise argparse.ArgumentTypeError(f"{text!r}: {exc}") from None
 
 
 def _add_query(sub: Any, name: str, help_text: str, prompt: bool) -> None:
@@ -127,6 +157,7 @@ def _serve(args: argparse.Namespace) -> int:
     from kvindex.api.security import ServerSecurity
     from kvindex.ingest.nats_source import JetStreamConfig
     from kvindex.repair.nats_repair import RepairConfig
+    from kvindex.scoring.router import RouterConfig
     from kvindex.service.app import IndexService, ServiceConfig, serve_until_signalled
 
     configure_logging(args.log_format, args.log_level)
@@ -158,7 +189,14 @@ def _serve(args: argparse.Namespace) -> int:
         ext_proc_port=None if args.ext_proc_port < 0 else args.ext_proc_port,
         ext_proc_host=args.ext_proc_host,
         ext_proc_policy=args.ext_proc_policy,
+        static_instances=args.instance,
+        static_model=args.instance_model,
+        static_block_size=args.instance_block_size,
+        static_capacity=args.instance_capacity,
+        router=RouterConfig(predicted_ttl=args.predicted_ttl),
     )
+    if args.instance and not args.instance_model:
+        raise SystemExit("kvindex serve: --instance needs --instance-model (the model they serve)")
     try:
         asyncio.run(serve_until_signalled(IndexService(config)))
     except (NatsConfigError, NatsConnectError) as exc:

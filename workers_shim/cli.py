@@ -3,6 +3,7 @@
     kvshim vllm   --zmq tcp://HOST:5557 [--replay tcp://HOST:5558] --worker-id ID --model NAME [...]
     kvshim sglang --zmq tcp://HOST:5557 [--replay tcp://HOST:5558] --worker-id ID --model NAME [...]
     kvshim trtllm --zmq tcp://HOST:5557 [--replay tcp://HOST:5558] --worker-id ID --model NAME [...]
+    kvshim heartbeat --worker-id ID --model NAME --block-size N --endpoint HOST:PORT [...]  (no events)
 
 Subcommands are registered in :func:`build_parser`; each sets ``handler`` (``args -> exit code``) with
 ``set_defaults``, so another command (e.g. ``sim``) is one more ``add_*`` function there.
@@ -183,6 +184,9 @@ def build_parser() -> tuple[argparse.ArgumentParser, Any]:
     sim = sub.add_parser("sim", help="a fleet of simulated vLLM-like engines publishing real events")
     add_sim_arguments(sim)
     sim.set_defaults(handler=main_sim)
+    from workers_shim.heartbeat_only import add_heartbeat_command
+
+    add_heartbeat_command(sub, parse_endpoint_arg, parse_capacity, _positive(int))
     return parser, sub
 
 

@@ -57,6 +57,7 @@ class WorkerLog:
         load_fn: LoadFn | None = None,
         clock: Callable[[], float] = time.time,
         endpoint: str | None = None,
+        events: bool = True,
     ) -> None:
         if not valid_worker_id(worker):
             raise ValueError(f"worker id {worker!r} must match [A-Za-z0-9_-]{{1,128}}")
@@ -79,6 +80,8 @@ class WorkerLog:
         self.load_fn = load_fn
         # "host:port" where routers send this worker's requests, announced in every heartbeat.
         self.endpoint = endpoint
+        # False: an engine without KV events; heartbeats say so and the index predicts its cache.
+        self.events = events
         self._prefill_samples: list[tuple[int, int, float]] = []
         self.clock = clock
         self.blocks: dict[str, set[int]] = {t: set() for t in TIER_NAMES}
@@ -229,6 +232,8 @@ class WorkerLog:
         extra: dict[str, Any] = {"prefill": [list(s) for s in samples]} if samples else {}
         if self.endpoint is not None:
             extra["endpoint"] = self.endpoint
+        if not self.events:
+            extra["events"] = False
         return encode_status(
             worker=self.worker,
             model=self.model,

@@ -27,6 +27,7 @@ from kvindex.scoring.calibration import Calibrator
 from kvindex.scoring.router import Router, RouterConfig
 from kvindex.service.calibration_store import CalibrationStore
 from kvindex.service.natsd import EmbeddedNats
+from kvindex.wire.schema import GPU
 from kvindex.wire.subjects import Subjects
 
 
@@ -45,6 +46,12 @@ class ServiceConfig:
     router: RouterConfig = field(default_factory=RouterConfig)
     capture: CaptureConfig | None = None  # tee what the consumer sees into an event log
     grpc_security: ServerSecurity | None = None  # TLS / mutual TLS / token; None: plaintext, open
+    # Instances without KV events, listed by the operator: (worker id, "host:port"); their caches are
+    # predicted from routing decisions (kvindex/scoring/approximate.py).
+    static_instances: list[tuple[str, str]] = field(default_factory=list)
+    static_model: str = ""
+    static_block_size: int = 16
+    static_capacity: int = 0  # GPU blocks per static instance; 0: the router's predicted_capacity
     ext_proc_port: int | None = None  # Envoy ext_proc endpoint picker; None: off, 0: any free port
     ext_proc_host: str = "0.0.0.0"
     ext_proc_policy: str = ""  # ranking policy of the picker; "": the router's default (ttft)
@@ -111,6 +118,19 @@ class IndexService:
         self.metrics_port: int | None = None
         self._metrics_server: Any = None
 
+    def _register_static(self) -> None:
+        """The --instance list: routable at once, approximate, never aged out by heartbeats."""
+        cfg = self.config
+        for worker, endpoint in cfg.static_instances:
+            key = (worker, 0)
+            self.index.add_instance(key, cfg.static_model)
+            state = self.registry.add(key, cfg.static_model, cfg.static_block_size)
+            state.approximate = state.static = True
+            if cfg.static_capacity:
+                state.capacity = {GPU: cfg.static_capacity}
+            self.registry.set_endpoint(state, endpoint)
+            self.log.info("static_instance", worker=worker, endpoint=endpoint, model=cfg.static_model)
+
     def _gauges(self) -> dict[str, Any]:
         s = self.index.stats()
         return {
@@ -137,6 +157,7 @@ class IndexService:
             on_reconnect=self.repairer.on_reconnect,
             jetstream=self.config.jetstream,
         )
+        self._register_static()
         if self.recorder is not None:
             self.source.tap = self.recorder.message
             self.recorder.start()
