@@ -34,6 +34,7 @@ class FakeOpenAIEngine:
         self.gate: asyncio.Event | None = None  # set to an Event: streams wait on it after chunk one
         self.holding = asyncio.Event()  # a stream is waiting at the gate
         self.status = 200
+        self.streaming: web.Request | None = None  # the request whose stream is at the gate
         self._runner: web.AppRunner | None = None
         self.port = 0
 
@@ -57,6 +58,11 @@ class FakeOpenAIEngine:
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
+
+    def cut(self) -> None:
+        """The engine dies mid-stream: the connection of the held stream drops."""
+        assert self.streaming is not None and self.streaming.transport is not None
+        self.streaming.transport.close()
 
     async def _models(self, request: web.Request) -> web.Response:
         return web.json_response(
@@ -84,6 +90,7 @@ class FakeOpenAIEngine:
                 await response.write(chunk)
                 sent += chunk
                 if i == 0 and self.gate is not None:
+                    self.streaming = request
                     self.holding.set()
                     await self.gate.wait()
                 await asyncio.sleep(0.005)

@@ -17,12 +17,16 @@ from dataclasses import dataclass
 
 import aiohttp
 import pytest
+from google.protobuf import descriptor_pb2, descriptor_pool
+from google.protobuf.message_factory import GetMessageClass
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvindex.api.openai_body import parse_body
 from kvindex.api.server import GrpcServer
 from kvindex.keys import block_keys
-from kvindex.route.proxy import RouteConfig, RouteProxy
+from kvindex.route.proxy import RouteConfig, RouteProxy, _fields_taken
 from kvindex.service.app import IndexService
+from kvindex.v1 import kvindex_pb2 as pb
 from tests.conftest import ROOT, wait_until
 from tests.fake_openai import FakeOpenAIEngine, sse_chunks
 from workers_shim.publisher import Publisher
@@ -203,6 +207,23 @@ async def test_unreachable_engine_retries_the_next_and_moves_the_ledger(fleet: F
     assert sample(m, "kvindex_route_recommits_total", result="committed") == 1
 
 
+async def test_engine_failing_mid_stream_cuts_the_client_and_releases(fleet: Fleet) -> None:
+    w1 = fleet.engines["w1"]
+    w1.gate = asyncio.Event()
+    resp = await fleet.post({"model": MODEL, "prompt": PROMPT, "stream": True})
+    await asyncio.wait_for(w1.holding.wait(), 5)
+    assert await resp.content.readuntil(b"\n\n") == sse_chunks("w1", w1.tokens)[0]
+    w1.cut()
+    with pytest.raises(aiohttp.ClientPayloadError):  # cut, never a stream that looks complete
+        await resp.read()
+    resp.release()
+    await wait_until(lambda: fleet.ledger() == 0, what="ledger released after the engine failed")
+    m = await fleet.metrics()
+    assert sample(m, "kvindex_route_upstream_errors_total", kind="stream") == 1
+    assert sample(m, "kvindex_route_requests_total", path="/v1/completions", code="502") == 1
+    w1.gate.set()
+
+
 async def test_every_engine_unreachable_is_a_502_and_leaves_no_ledger_entry(fleet: Fleet) -> None:
     for e in fleet.engines.values():
         await e.close()
@@ -343,6 +364,62 @@ async def test_shutdown_lets_an_in_flight_stream_finish(fleet: Fleet) -> None:
     resp.release()
     await asyncio.wait_for(stopping, 5)
     assert fleet.ledger() == 0  # its last release went out before the proxy closed
+
+
+def _text_api() -> type:
+    """A ScoreRequest with text prompts and nested chat options, as the tokenize API has them."""
+    t = descriptor_pb2.FieldDescriptorProto
+    fdp = descriptor_pb2.FileDescriptorProto(
+        name="route_text_api.proto", package="routetest", syntax="proto3"
+    )
+    opts = fdp.message_type.add(name="PromptOptions")
+    opts.field.add(name="add_generation_prompt", number=1, type=t.TYPE_BOOL, label=t.LABEL_OPTIONAL)
+    opts.field.add(name="chat_template_kwargs", number=3, type=t.TYPE_STRING, label=t.LABEL_OPTIONAL)
+    opts.field.add(name="tools", number=4, type=t.TYPE_STRING, label=t.LABEL_OPTIONAL)
+    req = fdp.message_type.add(name="ScoreRequest")
+    req.field.add(name="model", number=1, type=t.TYPE_STRING, label=t.LABEL_OPTIONAL)
+    req.field.add(name="salt", number=3, type=t.TYPE_STRING, label=t.LABEL_OPTIONAL)
+    req.field.add(name="token_ids", number=4, type=t.TYPE_UINT32, label=t.LABEL_REPEATED)
+    req.field.add(name="prompt", number=30, type=t.TYPE_STRING, label=t.LABEL_OPTIONAL)
+    req.field.add(name="messages", number=31, type=t.TYPE_STRING, label=t.LABEL_OPTIONAL)
+    req.field.add(
+        name="prompt_options", number=32, type=t.TYPE_MESSAGE, label=t.LABEL_OPTIONAL,
+        type_name=".routetest.PromptOptions",
+    )  # fmt: skip
+    pool = descriptor_pool.DescriptorPool()
+    pool.Add(fdp)
+    return GetMessageClass(pool.FindMessageTypeByName("routetest.ScoreRequest"))
+
+
+def test_prompt_fields_follow_what_the_index_api_takes() -> None:
+    chat = parse_body(
+        json.dumps(
+            {
+                "model": "m",
+                "messages": [{"role": "user", "content": "hé"}],
+                "add_generation_prompt": False,
+                "chat_template_kwargs": {"enable_thinking": False},
+                "tools": [{"type": "function"}],
+                "cache_salt": "s1",
+            }
+        ).encode(),
+        "/v1/chat/completions",
+    )
+    text_api = _text_api()
+    fields = _fields_taken(text_api, chat)
+    assert fields is not None
+    req = text_api(model="m", **fields)
+    assert json.loads(req.messages) == [{"role": "user", "content": "hé"}] and req.salt == "s1"
+    assert req.prompt_options.add_generation_prompt is False
+    assert json.loads(req.prompt_options.chat_template_kwargs) == {"enable_thinking": False}
+    assert json.loads(req.prompt_options.tools) == [{"type": "function"}]
+    text = parse_body(b'{"model": "m", "prompt": "Hello"}', "/v1/completions")
+    assert text_api(model="m", **_fields_taken(text_api, text)).prompt == "Hello"  # type: ignore[arg-type]
+    # Token ids go as token_ids to any API; text only where the API has a field for it.
+    ids = parse_body(b'{"model": "m", "prompt": [5, 6, 7]}')
+    assert _fields_taken(pb.CommitRequest, ids) == {"token_ids": [5, 6, 7]}
+    has_text = "prompt" in pb.ScoreRequest.DESCRIPTOR.fields_by_name
+    assert (_fields_taken(pb.ScoreRequest, text) is not None) == has_text
 
 
 def _free_port() -> int:

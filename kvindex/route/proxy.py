@@ -22,6 +22,7 @@ import aiohttp
 import grpc
 import structlog
 from aiohttp import web
+from google.protobuf.message_factory import GetMessageClass
 from multidict import CIMultiDict, CIMultiDictProxy
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
@@ -108,7 +109,7 @@ def forward_headers(headers: CIMultiDictProxy[str]) -> CIMultiDict[str]:
     return CIMultiDict((k, v) for k, v in headers.items() if k.lower() not in hop)
 
 
-def _fields_taken(message: Any, spec: PromptSpec, text_only: bool = False) -> dict[str, Any] | None:
+def _fields_taken(message: Any, spec: PromptSpec) -> dict[str, Any] | None:
     """The prompt of ``spec`` as fields of ``message`` (ScoreRequest / CommitRequest); None when the
     prompt is text and this kvindex API has no text field (before text tokenization existed)."""
     fields = message.DESCRIPTOR.fields_by_name
@@ -127,13 +128,21 @@ def _fields_taken(message: Any, spec: PromptSpec, text_only: bool = False) -> di
     if form == "messages" and not isinstance(value, str):
         value = json.dumps(value, separators=(",", ":"), ensure_ascii=False)
     out[form] = value
+    # The chat options: a nested PromptOptions message where the API has one, else flat fields.
+    nested = fields.get("prompt_options")
+    option_fields = nested.message_type.fields_by_name if nested is not None else fields
+    options: dict[str, Any] = {}
     for name, option in spec.options.items():
-        fd = fields.get(name)
-        if fd is None or fd.label == fd.LABEL_REPEATED:
+        fd = option_fields.get(name)
+        if fd is None or fd.is_repeated:
             continue  # an option this API does not take: the index applies vLLM's default
         if fd.type == fd.TYPE_STRING and not isinstance(option, str):
             option = json.dumps(option, separators=(",", ":"), ensure_ascii=False)
-        out[name] = option
+        options[name] = option
+    if nested is not None and options:
+        out["prompt_options"] = GetMessageClass(nested.message_type)(**options)
+    else:
+        out.update(options)
     return out
 
 
@@ -145,6 +154,9 @@ class _LedgerOps:
         self.proxy = proxy
         self.request_id = request_id
         self._tail: asyncio.Task[None] | None = None
+        # The index may hold an entry for the request (Score committed it, or may have): only then
+        # are releases sent (a fallback decision while the index is down has nothing to release).
+        self.active = False
         self.prefill_released = False
         self.finished = False
 
@@ -159,7 +171,7 @@ class _LedgerOps:
         self._tail = self.proxy.spawn(run())
 
     def release(self, phase: str) -> None:
-        if self.finished or (phase == PREFILL and self.prefill_released):
+        if not self.active or self.finished or (phase == PREFILL and self.prefill_released):
             return
         self.prefill_released = True
         self.finished = phase == FINISHED
@@ -364,6 +376,9 @@ class RouteProxy:
             request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
             ledger = _LedgerOps(self, request_id)
             decision, why = await self.decide(spec, request_id)
+            ledger.active = decision is not None and (
+                decision.committed or decision.reason in _MAYBE_COMMITTED
+            )
             if decision is None or not decision.targets:
                 code = "503"
                 return openai_error(
@@ -374,13 +389,11 @@ class RouteProxy:
             return response
         except asyncio.CancelledError:
             code = "499"  # the client went away (or shutdown's grace ran out)
+            if ledger is not None and decision is None:
+                ledger.active = True  # cancelled while scoring: the commit may have been made
             raise
         finally:
-            if (
-                ledger is not None
-                and decision is not None
-                and (decision.committed or decision.reason in _MAYBE_COMMITTED)
-            ):
+            if ledger is not None:
                 ledger.release(FINISHED)  # however the request ended: the ledger must not leak
             self.metrics.in_flight.dec()
             self.metrics.requests.labels(path, code).inc()
