@@ -183,6 +183,29 @@ async def test_client_cancel_mid_stream_releases_and_aborts_the_engine(fleet: Fl
     assert sample(m, "kvindex_route_in_flight") == 0
 
 
+async def test_many_concurrent_requests_half_cancelled_leave_no_ledger_entry(fleet: Fleet) -> None:
+    for e in fleet.engines.values():
+        e.tokens = 40  # long enough streams to be cut in the middle
+
+    async def one(i: int) -> bool:
+        prompt = [i] * (4 * BS) + PROMPT  # different prefixes: spread over the fleet
+        async with await fleet.post({"model": MODEL, "prompt": prompt, "stream": True}) as resp:
+            assert resp.status == 200
+            await resp.content.readuntil(b"\n\n")
+            if i % 2:
+                return False  # leaves mid-stream: the connection is closed
+            await resp.read()
+            return True
+
+    done = await asyncio.gather(*(one(i) for i in range(20)))
+    assert done.count(True) == 10
+    await wait_until(lambda: fleet.ledger() == 0, what="every ledger entry released")
+    m = await fleet.metrics()
+    assert sample(m, "kvindex_route_releases_total", phase="finished", result="found") == 20
+    assert sample(m, "kvindex_route_requests_total", path="/v1/completions", code="200") == 10
+    await wait_until(lambda: sum(e.aborted for e in fleet.engines.values()) == 10, what="10 engine aborts")
+
+
 async def test_unreachable_engine_retries_the_next_and_moves_the_ledger(fleet: Fleet) -> None:
     await fleet.engines["w1"].close()  # still announced (its shim heartbeats on), nobody listening
     w2 = fleet.engines["w2"]

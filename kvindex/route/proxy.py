@@ -211,9 +211,8 @@ class RouteProxy:
 
     @property
     def port(self) -> int:
-        assert self._site is not None, "RouteProxy.start() first"
-        server = self._site._server
-        return int(server.sockets[0].getsockname()[1])  # type: ignore[union-attr]
+        assert self._runner is not None, "RouteProxy.start() first"
+        return int(self._runner.addresses[0][1])
 
     # -- lifecycle ---------------------------------------------------------------------------------
 
