@@ -234,7 +234,7 @@ class RouteProxy:
         self.client.start()
         # auto_decompress off: the engine's bytes reach the client as sent (Content-Encoding kept).
         self._session = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=0, enable_cleanup_closed=True),
+            connector=aiohttp.TCPConnector(limit=0),
             timeout=aiohttp.ClientTimeout(
                 total=None, connect=cfg.connect_timeout, sock_connect=cfg.connect_timeout
             ),
