@@ -14,6 +14,7 @@ import subprocess
 import sys
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import aiohttp
 import pytest
@@ -22,10 +23,12 @@ from google.protobuf.message_factory import GetMessageClass
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvindex.api.openai_body import parse_body
+from kvindex.api.security import ClientTLS
 from kvindex.api.server import GrpcServer
 from kvindex.keys import block_keys
 from kvindex.route.proxy import RouteConfig, RouteProxy, _fields_taken
-from kvindex.service.app import IndexService
+from kvindex.service.app import IndexService, ServiceConfig
+from kvindex.service.natsd import EmbeddedNats
 from kvindex.v1 import kvindex_pb2 as pb
 from tests.conftest import ROOT, wait_until
 from tests.fake_openai import FakeOpenAIEngine, sse_chunks
@@ -451,6 +454,20 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+async def _post_when_up(http: aiohttp.ClientSession, port: int) -> aiohttp.ClientResponse:
+    """The proxy's answer to a completion, once it listens (read, released)."""
+    for _ in range(300):
+        try:
+            async with http.post(
+                f"http://127.0.0.1:{port}/v1/completions", json={"model": MODEL, "prompt": PROMPT}
+            ) as resp:
+                await resp.read()
+                return resp
+        except aiohttp.ClientConnectorError:
+            await asyncio.sleep(0.05)
+    raise AssertionError("kvindex route did not start")
+
+
 async def test_cli_serves_and_exits_0_on_sigterm(fleet: Fleet) -> None:
     port = _free_port()
     proc = subprocess.Popen(
@@ -459,17 +476,8 @@ async def test_cli_serves_and_exits_0_on_sigterm(fleet: Fleet) -> None:
         cwd=ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1"}, stderr=subprocess.PIPE,
     )  # fmt: skip
     try:
-        for _ in range(200):
-            try:
-                async with fleet.http.post(
-                    f"http://127.0.0.1:{port}/v1/completions", json={"model": MODEL, "prompt": PROMPT}
-                ) as resp:
-                    assert resp.status == 200 and resp.headers["x-kvindex-instance"] == "w1/0"
-                    break
-            except aiohttp.ClientConnectorError:
-                await asyncio.sleep(0.05)
-        else:
-            raise AssertionError("kvindex route did not start")
+        resp = await _post_when_up(fleet.http, port)
+        assert resp.status == 200 and resp.headers["x-kvindex-instance"] == "w1/0"
         proc.send_signal(signal.SIGTERM)
         assert await asyncio.to_thread(proc.wait, 15) == 0
     finally:
@@ -480,3 +488,60 @@ async def test_cli_serves_and_exits_0_on_sigterm(fleet: Fleet) -> None:
         stderr = proc.stderr.read().decode()
     assert "route_started" in stderr and "route_stopped" in stderr
     await wait_until(lambda: fleet.ledger() == 0, what="ledger empty")
+
+
+async def test_cli_over_mutual_tls_and_a_token(
+    nats_server: EmbeddedNats, tmp_path: Path, make_publisher: MakePub
+) -> None:
+    import trustme
+
+    from kvindex.api.security import ServerSecurity, ServerTLS
+
+    ca = trustme.CA()
+    ca.cert_pem.write_to_path(str(tmp_path / "ca.pem"))
+    for name, cert in (("server", ca.issue_cert("127.0.0.1")), ("client", ca.issue_cert("route.clients"))):
+        cert.cert_chain_pems[0].write_to_path(str(tmp_path / f"{name}.pem"))
+        cert.private_key_pem.write_to_path(str(tmp_path / f"{name}.key"))
+    (tmp_path / "token").write_text("s3cret\n")
+    config = ServiceConfig(nats_url=nats_server.url, grpc_host="127.0.0.1", grpc_port=0)
+    config.grpc_security = ServerSecurity(
+        ServerTLS(tmp_path / "server.pem", tmp_path / "server.key", client_ca=tmp_path / "ca.pem"),
+        token_file=tmp_path / "token",
+    )
+    svc = IndexService(config)
+    await svc.start()
+    f = await start_fleet(svc, make_publisher, tls=ClientTLS(ca=tmp_path / "ca.pem"), token="s3cret")
+    try:
+        # In-process: a TLS client without a client certificate is refused by mutual TLS, so the
+        # proxy knows no instance and says so (503), never routes blind.
+        async with await f.post({"model": MODEL, "prompt": PROMPT}) as resp:
+            assert resp.status == 503
+        port = _free_port()
+        args = ["--tls-ca", "ca.pem", "--tls-cert", "client.pem", "--tls-key", "client.key"]
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "kvindex.cli", "route", "--index", svc.grpc.address, "--host", "127.0.0.1",
+             "--port", str(port), *args, "--auth-token-file", "token", "--log-format", "json"],
+            cwd=tmp_path, env={**os.environ, "PYTHONUNBUFFERED": "1"}, stderr=subprocess.DEVNULL,
+        )  # fmt: skip
+        try:
+            resp = await _post_when_up(f.http, port)
+            assert resp.status == 200 and resp.headers["x-kvindex-decision"] == "index"
+            assert resp.headers["x-kvindex-instance"] == "w1/0"
+            proc.send_signal(signal.SIGTERM)
+            assert await asyncio.to_thread(proc.wait, 15) == 0
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        await wait_until(lambda: len(svc.router.ledger) == 0, what="released over TLS")
+        bad = subprocess.run(
+            [sys.executable, "-m", "kvindex.cli", "route", "--tls-ca", "missing.pem"],
+            cwd=tmp_path, capture_output=True, text=True, timeout=30,
+        )  # fmt: skip
+        assert bad.returncode != 0 and "missing.pem" in bad.stderr and "Traceback" not in bad.stderr
+    finally:
+        await f.http.close()
+        await f.proxy.stop()
+        for e in f.engines.values():
+            await e.close()
+        await svc.stop()

@@ -43,7 +43,8 @@ def run_route(args: argparse.Namespace) -> int:
     configure_logging(args.log_format, args.log_level)
     try:
         tls = ClientTLS.from_args(args)
-        credentials = tls.credentials() if tls else None
+        if tls is not None:
+            tls.credentials()  # read the files now: a bad path is a clear error, not a traceback
     except SecurityConfigError as exc:
         raise SystemExit(f"kvindex route: error: {exc}") from None
     config = RouteConfig(
@@ -57,9 +58,8 @@ def run_route(args: argparse.Namespace) -> int:
         refresh_interval=args.refresh_interval,
         fallback_blocks=args.fallback_blocks,
         policy=args.policy,
-        credentials=credentials,
+        tls=tls,
         token=token_from_args(args),
-        channel_options=tuple(tls.options()) if tls else (),
     )
     asyncio.run(serve_until_signalled(RouteProxy(config)))
     return 0

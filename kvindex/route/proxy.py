@@ -14,12 +14,11 @@ import contextlib
 import json
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
-import grpc
 import structlog
 from aiohttp import web
 from google.protobuf.message_factory import GetMessageClass
@@ -27,6 +26,7 @@ from multidict import CIMultiDict, CIMultiDictProxy
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from kvindex.api.openai_body import MAX_BODY_BYTES, BodyError, PromptSpec, parse_body
+from kvindex.api.security import ClientTLS
 from kvindex.client import (
     DEADLINE,
     ERROR,
@@ -91,10 +91,10 @@ class RouteConfig:
     fallback_blocks: int = 4
     grace: float = 30.0
     policy: str = ""  # "" = the index's default (ttft)
-    # Secured gRPC to the index (kvindex.api.security builds these from the --tls* flags).
-    credentials: grpc.ChannelCredentials | None = None
+    # Secured gRPC to the index: TLS / mutual TLS (ClientTLS.from_args of the --tls* flags) and a
+    # bearer token (--auth-token-file), as every kvindex client takes them.
+    tls: ClientTLS | None = None
     token: str | None = None
-    channel_options: Sequence[tuple[str, Any]] = field(default_factory=tuple)
 
 
 def openai_error(status: int, message: str, kind: str, code: str | None = None) -> web.Response:
@@ -221,9 +221,8 @@ class RouteProxy:
         if self._client is None:  # made here: a gRPC aio channel belongs to the running loop
             self._client = AsyncKvIndexClient(
                 cfg.index,
-                credentials=cfg.credentials,
+                tls=cfg.tls,
                 token=cfg.token,
-                options=cfg.channel_options,
                 timeout=cfg.score_timeout,
                 fallback_blocks=cfg.fallback_blocks,
                 refresh_interval=cfg.refresh_interval,
