@@ -73,7 +73,8 @@ class RouteMetrics:
         self.fallbacks = Counter(
             "kvindex_route_fallbacks",
             "decisions made without the index, by why: unavailable, deadline, stream_broken, error, "
-            "rejected (index refused the request), text_unsupported (index cannot tokenize text)",
+            "index_empty (it lost a model it served), rejected (it refused the request), "
+            "text_unsupported (its API takes no text prompts)",
             ["reason"], registry=r,
         )  # fmt: skip
         self.retries = Counter(

@@ -46,6 +46,7 @@ from kvindex.v1 import kvindex_pb2 as pb
 log = structlog.get_logger("kvindex.route")
 
 COMPLETION_PATHS = ("/v1/completions", "/v1/chat/completions")
+ENGINE_KEEPALIVE = 4.0  # seconds an idle engine connection is kept (uvicorn closes them at 5)
 
 # Fallback reasons the proxy adds to the client's (unavailable, deadline, stream_broken, error).
 REJECTED = "rejected"  # the index refused the request (e.g. no tokenizer for the model)
@@ -233,7 +234,9 @@ class RouteProxy:
         self.client.start()
         # auto_decompress off: the engine's bytes reach the client as sent (Content-Encoding kept).
         self._session = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=0),
+            # Idle engine connections are dropped before uvicorn (vLLM's server) drops them at 5 s:
+            # a POST on a connection the server is closing fails, and would be retried elsewhere.
+            connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=ENGINE_KEEPALIVE),
             timeout=aiohttp.ClientTimeout(
                 total=None, connect=cfg.connect_timeout, sock_connect=cfg.connect_timeout
             ),
