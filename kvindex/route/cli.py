@@ -61,5 +61,8 @@ def run_route(args: argparse.Namespace) -> int:
         tls=tls,
         token=token_from_args(args),
     )
-    asyncio.run(serve_until_signalled(RouteProxy(config)))
+    try:
+        asyncio.run(serve_until_signalled(RouteProxy(config)))
+    except OSError as exc:  # the port is taken, the host is not ours
+        raise SystemExit(f"kvindex route: error: cannot listen on {args.host}:{args.port}: {exc}") from None
     return 0

@@ -197,7 +197,9 @@ class RouteProxy:
         self._session: aiohttp.ClientSession | None = None
         self._runner: web.AppRunner | None = None
         self._site: web.TCPSite | None = None
-        self._rejected_log = RateLimitedLog(log)
+        # An engine down or an index rejecting a model fails every request alike: log once per key
+        # and interval (with a count of the rest); the metrics count every one.
+        self._limited_log = RateLimitedLog(log)
         self.app = web.Application(client_max_size=MAX_BODY_BYTES)
         for path in COMPLETION_PATHS:
             self.app.router.add_post(path, self.handle_completion)
@@ -339,7 +341,7 @@ class RouteProxy:
                 )
         except BadRequest as exc:
             # The body was fine for us, so the engine may well serve it: route without the index.
-            self._rejected_log.warning(
+            self._limited_log.warning(
                 ("rejected", spec.model), "index_rejected_request", model=spec.model, error=str(exc)
             )
             decision = self._hash_decision(spec, request_id, REJECTED)
@@ -426,9 +428,10 @@ class RouteProxy:
                 kind = _error_kind(exc)
                 self.metrics.upstream_errors.labels(kind).inc()
                 errors.append(f"{target.instance_id} at {target.endpoint}: {kind} ({exc!r})")
-                log.warning(
-                    "upstream_failed", instance=target.instance_id, endpoint=target.endpoint, kind=kind,
-                    error=repr(exc), request_id=ledger.request_id,
+                self._limited_log.warning(
+                    ("upstream_failed", target.endpoint, kind), "upstream_failed",
+                    instance=target.instance_id, endpoint=target.endpoint, kind=kind, error=repr(exc),
+                    request_id=ledger.request_id,
                 )  # fmt: skip
                 continue
             break
@@ -477,9 +480,9 @@ class RouteProxy:
                 # The engine failed mid-body: the status is sent, so the client can only be shown
                 # the connection cut (never a body that looks complete).
                 self.metrics.upstream_errors.labels("stream").inc()
-                log.warning(
-                    "upstream_broke_mid_body", instance=target.instance_id, error=repr(exc),
-                    request_id=ledger.request_id,
+                self._limited_log.warning(
+                    ("upstream_broke_mid_body", target.endpoint), "upstream_broke_mid_body",
+                    instance=target.instance_id, error=repr(exc), request_id=ledger.request_id,
                 )  # fmt: skip
                 if request.transport is not None:
                     request.transport.close()
@@ -586,7 +589,11 @@ async def serve_until_signalled(proxy: RouteProxy) -> None:
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         with contextlib.suppress(NotImplementedError):
             loop.add_signal_handler(sig, stop.set)
-    await proxy.start()
+    try:
+        await proxy.start()
+    except BaseException:
+        await proxy.stop()  # what did start (index channel, engine session) is closed
+        raise
     try:
         await stop.wait()
         log.info("route_draining", grace=proxy.config.grace)
