@@ -352,7 +352,7 @@ class RouteProxy:
         if decision is not None and decision.source == "fallback":
             self.metrics.fallbacks.labels(decision.reason).inc()
         if decision is None and not why:
-            why = "the index is unreachable and no instance of it was seen yet"
+            why = "the index could not rank it and no instance of it is known"
         return decision, why
 
     # -- handlers ----------------------------------------------------------------------------------
