@@ -32,6 +32,7 @@ class FakeOpenAIEngine:
         self.sent: list[bytes] = []  # the whole body of each finished response
         self.aborted = 0
         self.gate: asyncio.Event | None = None  # set to an Event: streams wait on it after chunk one
+        self.gate_before_first = False  # wait at the gate before the first chunk (still "prefilling")
         self.holding = asyncio.Event()  # a stream is waiting at the gate
         self.status = 200
         self.streaming: web.Request | None = None  # the request whose stream is at the gate
@@ -86,10 +87,14 @@ class FakeOpenAIEngine:
         await response.prepare(request)
         sent = b""
         try:
+            if self.gate_before_first and self.gate is not None:
+                self.streaming = request
+                self.holding.set()
+                await self.gate.wait()
             for i, chunk in enumerate(sse_chunks(self.name, self.tokens)):
                 await response.write(chunk)
                 sent += chunk
-                if i == 0 and self.gate is not None:
+                if i == 0 and self.gate is not None and not self.gate_before_first:
                     self.streaming = request
                     self.holding.set()
                     await self.gate.wait()

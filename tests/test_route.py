@@ -356,6 +356,59 @@ async def test_instances_without_endpoints_are_a_503(service: IndexService, make
         await proxy.stop()
 
 
+async def test_static_instances_without_events_are_routed_by_predicted_caches(
+    make_service: Callable[..., Awaitable[IndexService]],
+) -> None:
+    """Engines that publish nothing, listed with serve --instance: the proxy routes to them, and a
+    sibling prompt follows the one before it to the cache the index predicts it left, although an
+    idle fleet would otherwise send it elsewhere."""
+    engines = {w: await FakeOpenAIEngine(w, MODEL).start() for w in ("s1", "s2")}
+    svc = await make_service(
+        static_instances=[(w, e.endpoint) for w, e in engines.items()],
+        static_model=MODEL,
+        static_block_size=BS,
+    )
+    proxy = RouteProxy(RouteConfig(index=svc.grpc.address, host="127.0.0.1", port=0, score_timeout=2.0))
+    await proxy.start()
+    url = f"http://127.0.0.1:{proxy.port}/v1/completions"
+
+    async def send(http: aiohttp.ClientSession, prompt: list[int]) -> aiohttp.ClientResponse:
+        resp = await http.post(url, json={"model": MODEL, "prompt": prompt, "stream": True})
+        assert resp.status == 200 and resp.headers["x-kvindex-decision"] == "index"
+        return resp
+
+    def other(prompt_id: int) -> list[int]:
+        return [prompt_id] * (8 * BS)
+
+    try:
+        async with aiohttp.ClientSession() as http:
+            for e in engines.values():
+                e.gate, e.gate_before_first = asyncio.Event(), True
+            held = await send(http, other(1))  # where an idle fleet sends a request, kept prefilling
+            busy = held.headers["x-kvindex-instance"].split("/")[0]
+            (free,) = set(engines) - {busy}
+            engines[free].gate = None
+            first = await send(http, PROMPT)  # goes to the free one
+            assert first.headers["x-kvindex-instance"] == f"{free}/0"
+            await first.read()
+            engines[busy].gate.set()  # type: ignore[union-attr]
+            await held.read()
+            await wait_until(lambda: len(svc.router.ledger) == 0, what="both idle again")
+            engines[busy].gate = None
+            sibling = await send(http, PROMPT[: 6 * BS] + [3] * (2 * BS))
+            unrelated = await send(http, other(2))
+            assert sibling.headers["x-kvindex-instance"] == f"{free}/0"  # the predicted cache
+            assert unrelated.headers["x-kvindex-instance"] == f"{busy}/0"  # the idle default
+            for resp in (sibling, unrelated):
+                await resp.read()
+                resp.release()
+        await wait_until(lambda: len(svc.router.ledger) == 0, what="ledger empty")
+    finally:
+        await proxy.stop()
+        for e in engines.values():
+            await e.close()
+
+
 async def test_models_health_and_metrics(fleet: Fleet) -> None:
     async with fleet.http.get(fleet.url + "/v1/models") as resp:
         assert resp.status == 200
