@@ -39,6 +39,28 @@ def _add_serve(sub: Any) -> None:
     j.add_argument("--jetstream", action="store_true", help="keep event batches in a stream; rebuild from it")
     j.add_argument("--stream-max-age", type=float, default=3600.0, help="history kept in the stream (s)")
     add_serve_capture(p)
+    t = p.add_argument_group("text prompts (docs/tokenize.md)")
+    t.add_argument(
+        "--tokenizer",
+        action="append",
+        default=[],
+        metavar="MODEL=DIR",
+        help="tokenize prompt/messages requests for MODEL with DIR's tokenizer.json, tokenizer_config.json "
+        "and chat template (repeatable)",
+    )
+    t.add_argument("--tokenize-cache-mb", type=float, default=128.0, help="tokenization cache size (MiB)")
+
+
+def _tokenizer_dirs(specs: list[str]) -> dict[str, str]:
+    dirs: dict[str, str] = {}
+    for spec in specs:
+        model, sep, directory = spec.partition("=")
+        if not (sep and model and directory):
+            raise SystemExit(f"--tokenizer {spec!r}: expected MODEL=DIR")
+        if model in dirs:
+            raise SystemExit(f"--tokenizer: model {model!r} given twice")
+        dirs[model] = directory
+    return dirs
 
 
 def _add_query(sub: Any, name: str, help_text: str, prompt: bool) -> None:
@@ -52,6 +74,10 @@ def _add_query(sub: Any, name: str, help_text: str, prompt: bool) -> None:
         g = p.add_mutually_exclusive_group(required=True)
         g.add_argument("--tokens", help="comma-separated token ids, or @FILE with a JSON list")
         g.add_argument("--keys", help="comma-separated block keys, or @FILE with a JSON list")
+        g.add_argument("--prompt", help="a completions prompt as text, or @FILE (needs serve --tokenizer)")
+        g.add_argument(
+            "--messages", help="an OpenAI chat messages JSON list, or @FILE (needs serve --tokenizer)"
+        )
         p.add_argument("--candidates", default="", help="comma-separated instance ids")
         if name == "score":
             p.add_argument("--top-k", type=int, default=0)
@@ -68,6 +94,10 @@ def _int_list(spec: str) -> list[int]:
     return [int(x) for x in spec.replace(" ", "").split(",") if x]
 
 
+def _text(spec: str) -> str:
+    return Path(spec[1:]).read_text() if spec.startswith("@") else spec
+
+
 def _query(args: argparse.Namespace) -> int:
     import grpc
     from google.protobuf.json_format import MessageToDict
@@ -82,8 +112,12 @@ def _query(args: argparse.Namespace) -> int:
                 fields: dict[str, Any] = {"model": args.model, "lora": args.lora, "salt": args.salt}
                 if args.tokens is not None:
                     fields["token_ids"] = _int_list(args.tokens)
-                else:
+                elif args.keys is not None:
                     fields["block_keys"] = _int_list(args.keys)
+                elif args.prompt is not None:
+                    fields["prompt"] = _text(args.prompt)
+                else:
+                    fields["messages"] = _text(args.messages)
                 if args.candidates:
                     fields["candidates"] = [c for c in args.candidates.split(",") if c]
                 if args.command == "score":
@@ -124,8 +158,17 @@ def _serve(args: argparse.Namespace) -> int:
         ),
         jetstream=JetStreamConfig(max_age=args.stream_max_age) if args.jetstream else None,
         capture=serve_capture_config(args),
+        tokenizers=_tokenizer_dirs(args.tokenizer),
+        tokenize_cache_bytes=int(args.tokenize_cache_mb * (1 << 20)),
     )
-    asyncio.run(serve_until_signalled(IndexService(config)))
+    from kvindex.tokenize import TokenizeError
+
+    try:
+        service = IndexService(config)
+    except TokenizeError as exc:
+        print(f"kvindex serve: {exc}", file=sys.stderr)
+        return 2
+    asyncio.run(serve_until_signalled(service))
     return 0
 
 

@@ -19,11 +19,13 @@ from kvindex.index.inverted import InvertedIndex
 from kvindex.ingest.consumer import Consumer
 from kvindex.ingest.nats_source import JetStreamConfig, NatsSource
 from kvindex.observability.counters import IngestCounters, Metrics
+from kvindex.observability.tokenize import TokenizeCollector
 from kvindex.repair.nats_repair import NatsRepairer, RepairConfig
 from kvindex.scoring.calibration import Calibrator
 from kvindex.scoring.router import Router, RouterConfig
 from kvindex.service.calibration_store import CalibrationStore
 from kvindex.service.natsd import EmbeddedNats
+from kvindex.tokenize import DEFAULT_CACHE_BYTES, Tokenizers
 from kvindex.wire.subjects import Subjects
 
 
@@ -39,6 +41,9 @@ class ServiceConfig:
     jetstream: JetStreamConfig | None = None  # None: core NATS (default)
     router: RouterConfig = field(default_factory=RouterConfig)
     capture: CaptureConfig | None = None  # tee what the consumer sees into an event log
+    # Text prompts: model -> tokenizer directory (serve --tokenizer MODEL=DIR), and the cache's bytes.
+    tokenizers: dict[str, str] = field(default_factory=dict)
+    tokenize_cache_bytes: int = DEFAULT_CACHE_BYTES
 
 
 class IndexService:
@@ -50,6 +55,9 @@ class IndexService:
         self.registry = Registry()
         self.counters = IngestCounters()
         self.metrics = Metrics(self.counters, self._gauges)
+        # Loaded before anything starts: a bad tokenizer directory fails `serve` at once, clearly.
+        self.tokenizers = Tokenizers.from_dirs(config.tokenizers, config.tokenize_cache_bytes)
+        self.metrics.registry.register(TokenizeCollector(self.tokenizers))
         self.consumer = Consumer(self.index, self.registry, subjects=self.subjects, counters=self.counters)
         self.repairer = NatsRepairer(self.consumer, config.repair)
         self.calibrator = Calibrator(config.router.costs.default_prefill)
@@ -62,12 +70,11 @@ class IndexService:
             meta = service_meta(config)
             self.recorder = Recorder.open(config.capture, meta, self.registry.clock, self.consumer)
             self.repairer.recorder = self.recorder
+        args = (self.index, self.registry, self.counters, self.metrics, self.router)
         self.servicer = (
-            KvIndexServicer(self.index, self.registry, self.counters, self.metrics, self.router)
+            KvIndexServicer(*args, tokenizers=self.tokenizers)
             if self.recorder is None
-            else RecordingServicer(
-                self.recorder, self.index, self.registry, self.counters, self.metrics, self.router
-            )
+            else RecordingServicer(self.recorder, *args, tokenizers=self.tokenizers)
         )
         self.grpc = GrpcServer(self.servicer, config.grpc_host, config.grpc_port)
         self.natsd: EmbeddedNats | None = None
