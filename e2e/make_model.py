@@ -1,4 +1,5 @@
-"""A tiny randomly initialised Llama and a trivial tokenizer, saved locally for the real-engine run.
+"""A tiny randomly initialised Llama and a small trained tokenizer with a chat template, saved locally for
+the real-engine run.
 
 Runs in the vLLM venv (it needs ``transformers`` and ``torch``); nothing is downloaded. The weights are
 random (seeded), so generations are gibberish, but the engine's KV cache, prefix caching and KV events
@@ -11,27 +12,27 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 VOCAB = 1024
-SPECIALS = ["<unk>", "<s>", "</s>"]  # ids 0, 1, 2
 
 
-def tokenizer(out: Path) -> None:
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
+def tokenizer(out: Path) -> dict[str, int]:
+    """The test suite's Llama-3-style fixture: a byte-level BPE trained here (vocab 1024), a post-processor
+    adding <|begin_of_text|>, and a chat template in tokenizer_config.json (kvindex/testing). Returns
+    the ids of its BOS and EOS for the model config."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo: only tokenizers is imported
+    from tokenizers import Tokenizer
 
-    vocab = {tok: i for i, tok in enumerate(SPECIALS)}
-    vocab.update({f"t{i}": i for i in range(len(SPECIALS), VOCAB)})
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>", model_max_length=2048
-    )
-    fast.save_pretrained(out)
+    from kvindex.testing.tokenizer_fixtures import make_tokenizer_dir
+
+    make_tokenizer_dir(out, "llama3", vocab_size=VOCAB)
+    tok = Tokenizer.from_file(str(out / "tokenizer.json"))
+    return {"bos": tok.token_to_id("<|begin_of_text|>"), "eos": tok.token_to_id("<|eot_id|>")}
 
 
-def model(out: Path, seed: int) -> None:
+def model(out: Path, seed: int, special: dict[str, int]) -> None:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -44,9 +45,8 @@ def model(out: Path, seed: int) -> None:
         num_attention_heads=4,
         num_key_value_heads=4,
         max_position_embeddings=2048,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=0,
+        bos_token_id=special["bos"],
+        eos_token_id=special["eos"],
         tie_word_embeddings=False,
         torch_dtype="float32",
     )
@@ -64,10 +64,10 @@ def main() -> int:
         print(f"{out}: already there")
         return 0
     out.mkdir(parents=True, exist_ok=True)
-    model(out, args.seed)
-    tokenizer(out)
+    special = tokenizer(out)
+    model(out, args.seed, special)
     marker.write_text(json.dumps({"vocab": VOCAB, "seed": args.seed}) + "\n")
-    print(f"{out}: tiny Llama (hidden 128, 2 layers, 4 heads, vocab {VOCAB}, float32) and tokenizer")
+    print(f"{out}: tiny Llama (hidden 128, 2 layers, 4 heads, vocab {VOCAB}, float32), tokenizer, template")
     return 0
 
 
