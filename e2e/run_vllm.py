@@ -759,7 +759,8 @@ class Run:
         """Last, because its requests change the engine's cache: each case's ids from kvindex (Lookup),
         vLLM's /tokenize, the engine's own prompt_token_ids and usage.prompt_tokens."""
         assert self.stub is not None
-        self.settle(time.monotonic())
+        if self.tap is not None:
+            self.settle(time.monotonic())
         local = Tokenizers.from_dirs({MODEL: str(self.args.model_dir)})
         self.tokenize_results = tokenize_check.check(
             lambda url, body: http(url, body), self.base, self.stub, MODEL, local
@@ -953,6 +954,11 @@ class Run:
         started = time.monotonic()
         try:
             self.start_vllm()
+            if self.args.tokenize_only:  # a quick check of the tokenization phase alone
+                self.start_index()
+                self.tokenize_phase()
+                print("\n".join(tokenize_check.table(self.tokenize_results)))
+                return 1 if self.failures else 0
             self.tap = EngineTap(f"tcp://127.0.0.1:{self.zmq_port}")
             self.start_index()
             self.start_shim()
@@ -984,6 +990,7 @@ def main() -> int:
     p.add_argument("--load-requests", type=int, default=16, help="concurrent requests of the load burst")
     p.add_argument("--load-prompt-tokens", type=int, default=64)
     p.add_argument("--load-output-tokens", type=int, default=440)
+    p.add_argument("--tokenize-only", action="store_true", help="only the tokenization comparison")
     args = p.parse_args()
     for path, what in ((args.vllm_python, "the vLLM venv"), (args.model_dir / "config.json", "the model")):
         if not path.exists():

@@ -198,6 +198,8 @@ def check(
         tokens = json.loads(body)["tokens"]
 
         served = {**fields, "max_tokens": 1, "temperature": 0, "return_token_ids": True}
+        if "tools" in case.options:
+            served["tool_choice"] = "none"  # "auto" needs a tool parser; the tools still reach the template
         endpoint = "/v1/completions" if case.prompt is not None else "/v1/chat/completions"
         if case.messages is not None:
             served["return_prompt_text"] = True
