@@ -6,7 +6,8 @@ plus one new turn, its earlier turns cached), against the tokenizers library alo
 The tokenizer is the test suite's Llama-3-style fixture (kvindex/testing/tokenizer_fixtures.py: byte-level
 BPE with Llama 3's pre-tokenizer regex and chat template), trained here with a 1024-token vocabulary: a
 real 128K vocabulary makes fewer, longer tokens from the same text, so per token the fixture costs about
-what a real one does on more text. Medians of ``--repeat`` runs, in milliseconds; ratios against cold.
+what a real one does on more text. Every variant runs once per round, rounds interleaved (the load of a
+shared machine drifts); medians of ``--repeat`` rounds in milliseconds, and ratios against cold.
 """
 
 from __future__ import annotations
@@ -27,16 +28,15 @@ from tokenizers import Tokenizer
 from kvindex.testing.tokenizer_fixtures import corpus, make_tokenizer_dir
 from kvindex.tokenize import ChatOptions, Tokenizers
 
-
-def median_ms(fn: Callable[[], Any], repeat: int, before: Callable[[], Any] | None = None) -> float:
-    times = []
-    for _ in range(repeat):
-        if before is not None:
-            before()
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1e3
+KINDS = (
+    "tokenizers_encode",
+    "render_only",
+    "chat_cold",
+    "chat_warm",
+    "chat_grown",
+    "prompt_cold",
+    "prompt_warm",
+)
 
 
 def build_chat(toks: Tokenizers, model: str, target: int, rng: random.Random) -> list[dict[str, str]]:
@@ -73,29 +73,31 @@ def main() -> int:
     opts = ChatOptions()
     r = args.repeat
 
-    figures: dict[str, float] = {}
-    # Baselines: the tokenizers library encoding the rendered text once (no cache, no rendering), and
-    # rendering the template alone.
-    figures["tokenizers_encode"] = median_ms(lambda: raw.encode(text, add_special_tokens=False), r)
-    figures["render_only"] = median_ms(lambda: toks.render_chat(model, chat, opts), r)
-    figures["chat_cold"] = median_ms(lambda: toks.encode_chat(model, chat), r, before=toks.cache.clear)
-    toks.encode_chat(model, chat)
-    figures["chat_warm"] = median_ms(lambda: toks.encode_chat(model, chat), r)
+    # Every variant once per round, rounds repeated: on a shared machine the load drifts, and
+    # interleaving gives each variant the same conditions. Medians per variant.
+    questions = [" ".join(rng.choices(corpus(200, seed=k), k=3)) for k in range(r)]
+    grown = [[*chat, {"role": "user", "content": q}] for q in questions]
+    samples: dict[str, list[float]] = {k: [] for k in KINDS}
 
-    # Grown: each sample is the cached chat plus its own new question (a user sending the next turn).
-    def grown_sample() -> None:
-        question = " ".join(rng.choices(corpus(200, seed=rng.randrange(1 << 30)), k=3))
-        toks.encode_chat(model, [*chat, {"role": "user", "content": question}])
+    def timed(kind: str, fn: Callable[[], Any]) -> None:
+        t0 = time.perf_counter()
+        fn()
+        samples[kind].append((time.perf_counter() - t0) * 1e3)
 
-    toks.cache.clear()
-    toks.encode_chat(model, chat)
-    figures["chat_grown"] = median_ms(grown_sample, r)
-    figures["prompt_cold"] = median_ms(lambda: toks.encode_prompt(model, prompt), r, before=toks.cache.clear)
-    toks.encode_prompt(model, prompt)
-    figures["prompt_warm"] = median_ms(lambda: toks.encode_prompt(model, prompt), r)
+    for k in range(r):
+        timed("tokenizers_encode", lambda: raw.encode(text, add_special_tokens=False).ids)
+        timed("render_only", lambda: toks.render_chat(model, chat, opts))
+        toks.cache.clear()
+        timed("chat_cold", lambda: toks.encode_chat(model, chat))
+        timed("chat_warm", lambda: toks.encode_chat(model, chat))
+        timed("chat_grown", lambda k=k: toks.encode_chat(model, grown[k]))  # earlier turns cached
+        toks.cache.clear()
+        timed("prompt_cold", lambda: toks.encode_prompt(model, prompt))
+        timed("prompt_warm", lambda: toks.encode_prompt(model, prompt))
+    figures = {kind: statistics.median(v) for kind, v in samples.items()}
 
     rows = [
-        ("tokenizers library: encode the rendered chat", "tokenizers_encode", "chat_cold"),
+        ("tokenizers library alone: encode the rendered chat", "tokenizers_encode", "chat_cold"),
         ("render the template only (jinja2)", "render_only", "chat_cold"),
         ("chat, cold (empty cache)", "chat_cold", "chat_cold"),
         ("chat, warm (the same chat again)", "chat_warm", "chat_cold"),

@@ -174,8 +174,10 @@ class Tokenizers:
                 missing.append(i)
             arrays.append(ids)
         if missing:
-            # One batch call: the Rust side encodes the pieces in parallel and skips per-call overhead.
-            encodings = tokenizer.encode_batch([pieces[i] for i in missing], add_special_tokens=False)
+            # One batch call: the Rust side encodes the pieces in parallel and skips per-call overhead;
+            # the "fast" variant skips character offsets, which only the ids' consumers would need.
+            encode_batch = getattr(tokenizer, "encode_batch_fast", tokenizer.encode_batch)
+            encodings = encode_batch([pieces[i] for i in missing], add_special_tokens=False)
             for i, enc in zip(missing, encodings, strict=True):
                 ids = np.array(enc.ids, dtype=np.uint32)
                 ids.flags.writeable = False  # shared by every prompt containing the piece
