@@ -87,4 +87,5 @@ $(E2E_MODEL)/kvindex-e2e.json: $(VLLM_STAMP) e2e/make_model.py kvindex/testing/t
 	$(VLLM_PY) e2e/make_model.py --out $(E2E_MODEL)
 
 e2e-vllm: $(STAMP) $(E2E_MODEL)/kvindex-e2e.json
+	$(VLLM_PY) e2e/check_tokenize_hf.py
 	$(PY) e2e/run_vllm.py --vllm-python $(VLLM_PY) --model-dir $(E2E_MODEL) $(ARGS)
