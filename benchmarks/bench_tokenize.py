@@ -36,6 +36,7 @@ KINDS = (
     "chat_grown",
     "prompt_cold",
     "prompt_warm",
+    "prompt_grown",
 )
 
 
@@ -94,6 +95,8 @@ def main() -> int:
         toks.cache.clear()
         timed("prompt_cold", lambda: toks.encode_prompt(model, prompt))
         timed("prompt_warm", lambda: toks.encode_prompt(model, prompt))
+        asked = f"{prompt}\nQuestion: {questions[k]}"  # the same document, a new question after it
+        timed("prompt_grown", lambda asked=asked: toks.encode_prompt(model, asked))
     figures = {kind: statistics.median(v) for kind, v in samples.items()}
 
     rows = [
@@ -104,6 +107,7 @@ def main() -> int:
         ("chat grown by one new user turn", "chat_grown", "chat_cold"),
         ("completions prompt, cold", "prompt_cold", "prompt_cold"),
         ("completions prompt, warm (the same text)", "prompt_warm", "prompt_cold"),
+        ("completions prompt + a new question line", "prompt_grown", "prompt_cold"),
     ]
     print(
         f"chat: {len(chat)} messages, {len(text)} characters rendered, {n_tokens} tokens; "

@@ -15,6 +15,7 @@ no difference; docs/tokenize.md) and the e2e run compares with a real vLLM.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -26,6 +27,7 @@ from tokenizers import Tokenizer
 from kvindex.testing.tokenizer_fixtures import make_tokenizer_dir
 from kvindex.tokenize import ChatOptions, TokenizeError, Tokenizers
 from kvindex.tokenize.chat import content_format
+from kvindex.tokenize.segments import LINE_START
 
 
 @pytest.fixture(scope="module")
@@ -258,9 +260,38 @@ def test_a_model_without_a_template_says_so(toks: Tokenizers, dirs: dict[str, Pa
 
 
 def test_boundaries_only_where_splitting_is_safe(toks: Tokenizers) -> None:
-    assert toks.boundaries("llama3") and toks.boundaries("chatml")
+    assert re.escape("<|eot_id|>") in toks.boundaries("llama3")
+    assert re.escape("<|im_end|>") in toks.boundaries("chatml")
+    for style in ("llama3", "chatml"):
+        assert toks.boundaries(style).endswith(LINE_START)  # byte-level BPE: line starts too
     # Metaspace with prepend_scheme "first" encodes a piece differently when it starts the text.
-    assert not toks.boundaries("sentencepiece")
+    assert toks.boundaries("sentencepiece") == ""
+
+
+def test_a_document_asked_about_again_is_encoded_once(toks: Tokenizers, dirs: dict[str, Path]) -> None:
+    """A document with a new question, in one user message or as a completions prompt: its lines are
+    cut at line starts and reused; only the question is encoded again."""
+    tok = raw(dirs, "llama3")
+    document = "\n".join(
+        f"Line {i}: the cache keeps blocks of earlier prompts, {i * 7} of them." for i in range(80)
+    )
+    for n, question in enumerate(("What is kept?", "How many blocks?", "Why?")):
+        text = f"{document}\nQ: {question}"
+        for form in ("chat", "prompt"):
+            before = toks.cache.stats.miss_tokens, toks.cache.stats.hit_tokens
+            if form == "chat":
+                msgs = [{"role": "user", "content": text}]
+                ids = toks.encode_chat("llama3", msgs).tolist()
+                expected = tok.encode(toks.render_chat("llama3", msgs), add_special_tokens=False).ids
+            else:
+                ids = toks.encode_prompt("llama3", text).tolist()
+                expected = tok.encode(text).ids
+            assert ids == expected
+            encoded = toks.cache.stats.miss_tokens - before[0]
+            reused = toks.cache.stats.hit_tokens - before[1]
+            assert encoded + reused + (form == "prompt") == len(ids)  # + the BOS of the post-processor
+            if n:
+                assert encoded < 30 and reused > 20 * encoded, (form, encoded, reused)
 
 
 def test_a_growing_chat_encodes_only_its_new_turns(toks: Tokenizers, dirs: dict[str, Path]) -> None:
@@ -327,6 +358,10 @@ _pieces = st.sampled_from(
         "\n",
         "<|",
         "|>",
+        "é",
+        "Zebra",
+        "\n\n",
+        ".\n",
     ]
 )
 _texts = st.lists(_pieces, max_size=40).map("".join)

@@ -18,7 +18,13 @@ from kvindex.tokenize.cache import PieceCache
 from kvindex.tokenize.chat import ChatOptions, render_chat
 from kvindex.tokenize.errors import TokenizeError
 from kvindex.tokenize.loader import ModelTokenizer, load_model_tokenizer
-from kvindex.tokenize.segments import boundary_pattern, boundary_tokens, special_wrap, split
+from kvindex.tokenize.segments import (
+    boundary_pattern,
+    boundary_tokens,
+    line_starts_safe,
+    special_wrap,
+    split,
+)
 
 DEFAULT_CACHE_BYTES = 128 << 20
 MAX_TEXT_CHARS = 32 << 20  # a prompt (or rendered chat) longer than this is refused, not encoded
@@ -67,8 +73,8 @@ class Tokenizers:
     def load(self, model: str, directory: str | Path) -> ModelTokenizer:
         """Load (or replace) ``model``'s tokenizer from ``directory``; TokenizeError if unusable."""
         mt = load_model_tokenizer(model, directory)
-        tokens = boundary_tokens(mt.tokenizer)
-        entry = _Model(len(self._models) + 1, mt, boundary_pattern(tokens), special_wrap(mt.tokenizer))
+        pattern = boundary_pattern(boundary_tokens(mt.tokenizer), line_starts_safe(mt.tokenizer))
+        entry = _Model(len(self._models) + 1, mt, pattern, special_wrap(mt.tokenizer))
         if model in self._models:
             entry.index = max(m.index for m in self._models.values()) + 1  # old pieces age out
         self._models[model] = entry
@@ -83,9 +89,10 @@ class Tokenizers:
     def get(self, model: str) -> ModelTokenizer:
         return self._entry(model).mt
 
-    def boundaries(self, model: str) -> bool:
-        """Whether ``model``'s texts are cut at special tokens (reuse across prompts) or cached whole."""
-        return self._entry(model).pattern is not None
+    def boundaries(self, model: str) -> str:
+        """Where ``model``'s texts are cut into cached pieces: the pattern, or "" (cached whole)."""
+        pattern = self._entry(model).pattern
+        return "" if pattern is None else pattern.pattern
 
     def _entry(self, model: str) -> _Model:
         entry = self._models.get(model)

@@ -21,6 +21,15 @@ What breaks the rule, and how each case is kept out:
 - The post-processor (BOS/EOS) is applied once around the joined pieces: its additions are learned by
   encoding probes with and without special tokens; if they are not a fixed prefix/suffix, texts that
   need them are encoded directly.
+
+Plain text is also cut at line starts: right after a newline that is followed by a letter. In the
+pre-tokenizer regexes of byte-level BPE tokenizers (GPT-2, Llama 3, Qwen 2 and their kin) no
+pre-token can contain a newline followed by a letter (a letter run may take one leading character,
+but never a newline; whitespace and newline runs end before letters), and BPE never merges across
+pre-tokens, so a line start is a boundary whatever surrounds it. A document inside a user message, or
+a completions prompt sharing its first lines with an earlier one, is then encoded once per line. This
+too is probed per model (a normalizer that strips, Metaspace prefixes, ...) and refused when an added
+token contains a newline or could swallow one (``lstrip`` and starting with a letter).
 """
 
 from __future__ import annotations
@@ -90,11 +99,38 @@ def _probe(tokenizer: Any, s: str, others: list[str]) -> bool:
     return True
 
 
-def boundary_pattern(tokens: list[str]) -> re.Pattern[str] | None:
-    if not tokens:
+# A newline followed by a letter ([^\W\d_] is a Unicode letter); the cut is after the newline.
+LINE_START = r"\n(?=[^\W\d_])"
+TEXT_LEFT = ("", "hello", "a b\n", "x  ", "  \n", "end.", "12", "東京", "\t", "'s", "<|", "é")
+TEXT_RIGHT = ("Hello world", "the\n\nx", "a", "東京 x", "é", "Zebra  12", "x\ny", "s it")
+
+
+def line_starts_safe(tokenizer: Any) -> bool:
+    """Whether ``tokenizer`` encodes text cut at line starts (see the module doc) as the whole."""
+    if getattr(tokenizer, "encode_special_tokens", False):
+        return False
+    for tok in tokenizer.get_added_tokens_decoder().values():
+        text = tok.content
+        if "\n" in text or (tok.lstrip and text[:1].isalpha()):
+            return False
+    for left in TEXT_LEFT:
+        head = _ids(tokenizer, left + "\n")
+        for right in TEXT_RIGHT:
+            if _ids(tokenizer, left + "\n" + right) != head + _ids(tokenizer, right):
+                return False
+    return True
+
+
+def boundary_pattern(tokens: list[str], line_starts: bool = False) -> re.Pattern[str] | None:
+    """A pattern whose matches end where a text may be cut: after the boundary tokens, and after
+    newlines that start a line of text when ``line_starts``."""
+    if not tokens and not line_starts:
         return None
     # Longest first, so that a token that is a prefix of another never shadows it.
-    return re.compile("|".join(re.escape(t) for t in sorted(tokens, key=len, reverse=True)))
+    parts = [re.escape(t) for t in sorted(tokens, key=len, reverse=True)]
+    if line_starts:
+        parts.append(LINE_START)
+    return re.compile("|".join(parts))
 
 
 def special_wrap(tokenizer: Any) -> tuple[np.ndarray, np.ndarray] | None:
