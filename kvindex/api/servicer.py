@@ -229,8 +229,11 @@ class KvIndexServicer(pb_grpc.KvIndexServicer):
         try:
             if request.prompt:
                 for name in CHAT_OPTIONS:
-                    field = getattr(options, name)
-                    if options.HasField(name) if name == "add_generation_prompt" else field:
+                    # add_generation_prompt has presence (false is a setting); the rest: set if non-empty.
+                    given = (
+                        options.HasField(name) if name == "add_generation_prompt" else getattr(options, name)
+                    )
+                    if given:
                         raise BadRequest(f"prompt_options.{name} applies to messages only, not to a prompt")
                 special = options.add_special_tokens if options.HasField("add_special_tokens") else True
                 ids = self.tokenizers.encode_prompt(request.model, request.prompt, special)
