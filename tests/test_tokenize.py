@@ -398,3 +398,38 @@ def test_cached_chats_equal_a_full_encode_of_the_rendered_text(
             assert (
                 toks.encode_chat(style, msgs[:n]).tolist() == tok.encode(text, add_special_tokens=False).ids
             )
+
+
+def test_openai_request_bodies_as_vllm_reads_them(toks: Tokenizers, dirs: dict[str, Path]) -> None:
+    """What the routing proxy and the ext_proc picker call with the body they parsed."""
+    body = {"model": "chatml", "messages": CHAT, "max_tokens": 5, "stream": True}
+    assert toks.encode_openai(body, chat=True).tolist() == toks.encode_chat("chatml", CHAT).tolist()
+    body = {
+        **body,
+        "add_generation_prompt": False,
+        "tools": [{"type": "function", "function": {"name": "f"}}],
+    }
+    expected = toks.encode_chat("chatml", CHAT, add_generation_prompt=False, tools=body["tools"])
+    assert toks.encode_openai(body, chat=True).tolist() == expected.tolist()
+    # reasoning_effort reaches a template that reads it, as vLLM passes it.
+    (dirs["chatml"].parent / "effort").mkdir(exist_ok=True)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (dirs["chatml"].parent / "effort" / name).write_bytes((dirs["chatml"] / name).read_bytes())
+    template = (
+        "{{ reasoning_effort }}/{{ enable_thinking }}:{% for m in messages %}{{ m.content }}{% endfor %}"
+    )
+    (dirs["chatml"].parent / "effort" / "chat_template.jinja").write_text(template)
+    toks.load("effort", dirs["chatml"].parent / "effort")
+    msgs = [{"role": "user", "content": "hi"}]
+    ids = toks.encode_openai({"model": "effort", "messages": msgs, "reasoning_effort": "low"}, chat=True)
+    assert raw(dirs, "chatml").decode(ids.tolist()) == "low/True:hi"
+    body = {"model": "x", "prompt": "Hello world"}
+    assert (
+        toks.encode_openai(body, chat=False, model="llama3").tolist()
+        == toks.encode_prompt("llama3", "Hello world").tolist()
+    )
+    assert toks.encode_openai({"model": "llama3", "prompt": [5, 6, 7]}, chat=False).tolist() == [5, 6, 7]
+    with pytest.raises(TokenizeError, match="one prompt per request"):
+        toks.encode_openai({"model": "llama3", "prompt": ["a", "b"]}, chat=False)
+    with pytest.raises(TokenizeError, match="no model"):
+        toks.encode_openai({"prompt": "a"}, chat=False)

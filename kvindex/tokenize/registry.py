@@ -155,6 +155,41 @@ class Tokenizers:
         self._count("chat", started)
         return ids
 
+    def encode_openai(self, body: Mapping[str, Any], chat: bool, model: str | None = None) -> np.ndarray:
+        """The prompt ids of an OpenAI request body as vLLM computes them: ``/v1/chat/completions``
+        (``chat``) or ``/v1/completions``, with vLLM's defaults for the fields not given. For routers
+        that hold the parsed body (the routing proxy, the ext_proc picker). ``model`` overrides
+        ``body["model"]`` (a served name mapped to a tokenizer). A completions ``prompt`` of token ids is
+        returned as is; a batch of prompts is refused (route each prompt on its own)."""
+        name = model if model is not None else body.get("model")
+        if not isinstance(name, str) or not name:
+            raise TokenizeError("the request has no model")
+        if not chat:
+            prompt = body.get("prompt")
+            if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+                return np.array(prompt, dtype=np.uint32)
+            if not isinstance(prompt, str):
+                raise TokenizeError("prompt must be a string or a list of token ids (one prompt per request)")
+            return self.encode_prompt(name, prompt, bool(body.get("add_special_tokens", True)))
+        kwargs = body.get("chat_template_kwargs")
+        kwargs = dict(kwargs) if isinstance(kwargs, dict) else kwargs
+        effort = body.get("reasoning_effort")
+        if effort is not None and isinstance(kwargs, dict | None):
+            # vLLM passes reasoning_effort to the template and switches thinking on unless told.
+            user = kwargs or {}
+            kwargs = {**user, "reasoning_effort": effort}
+            if "enable_thinking" not in user:
+                kwargs["enable_thinking"] = effort != "none"
+        options = ChatOptions(
+            add_generation_prompt=bool(body.get("add_generation_prompt", True)),
+            continue_final_message=bool(body.get("continue_final_message", False)),
+            chat_template_kwargs=kwargs,
+            tools=body.get("tools"),
+            documents=body.get("documents"),
+            add_special_tokens=bool(body.get("add_special_tokens", False)),
+        )
+        return self.encode_chat_options(name, body.get("messages"), options)
+
     def render_chat(self, model: str, messages: Any, options: ChatOptions | None = None) -> str:
         """The prompt text of a chat, as vLLM renders it (for debugging and tests)."""
         return render_chat(self._entry(model).mt, messages, options or ChatOptions())
