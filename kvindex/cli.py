@@ -48,7 +48,9 @@ def _add_serve(sub: Any) -> None:
         help="tokenize prompt/messages requests for MODEL with DIR's tokenizer.json, tokenizer_config.json "
         "and chat template (repeatable)",
     )
-    t.add_argument("--tokenize-cache-mb", type=float, default=128.0, help="tokenization cache size (MiB)")
+    t.add_argument(
+        "--tokenize-cache-mb", type=float, default=128.0, metavar="MIB", help="tokenization cache size"
+    )
 
 
 def _tokenizer_dirs(specs: list[str]) -> dict[str, str]:
