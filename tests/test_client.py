@@ -150,7 +150,7 @@ async def test_bad_arguments_are_errors_not_fallbacks(index: IndexService, make_
     await fleet(index, make_publisher)
     async with AsyncKvIndexClient(index.grpc.address, timeout=5, refresh_interval=0) as client:
         await client.refresh_instances()
-        with pytest.raises(BadRequest, match="exactly one of token_ids and block_keys"):
+        with pytest.raises(BadRequest, match="exactly one of token_ids, block_keys, prompt and messages"):
             await client.score(MODEL, token_ids=PROMPT, block_keys=KEYS)
         with pytest.raises(BadRequest, match="commit needs a request_id"):
             await client.score(MODEL, token_ids=PROMPT, commit=True)
