@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from run_vllm import Proc, engine_metrics, free_port, http
+from run_vllm import Proc, engine_metrics, free_port, http, wait_log_event
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -301,7 +301,7 @@ class Bench:
                 self.out / "kvindex.log",
             )  # fmt: skip
             procs.append(serve)
-            nats = wait_json(serve, "embedded_nats_started")["url"]
+            nats = wait_log_event(serve.log_path, "embedded_nats_started", serve, 30)["url"]
             for eng in self.engines:
                 procs.append(
                     Proc(
@@ -495,20 +495,6 @@ def served(base: str) -> int:
         if line.startswith("vllm:request_success_total{"):
             total += float(line.rsplit(" ", 1)[1])
     return int(total)
-
-
-def wait_json(proc: Proc, event: str, timeout: float = 30) -> dict[str, Any]:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        for line in proc.log_path.read_text(errors="replace").splitlines():
-            with contextlib.suppress(ValueError):
-                rec = json.loads(line)
-                if isinstance(rec, dict) and rec.get("event") == event:
-                    return rec
-        if not proc.alive():
-            raise RuntimeError(f"{proc.name} exited:\n{proc.tail()}")
-        time.sleep(0.1)
-    raise RuntimeError(f"{proc.name}: no {event!r} within {timeout}s:\n{proc.tail()}")
 
 
 def pct(xs: list[float], q: float) -> float | None:
