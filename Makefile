@@ -28,7 +28,7 @@ proto: $(STAMP)
 
 # The whole loop: kvindex serve (embedded NATS) + a simulated fleet + Mooncake traffic via gRPC Score.
 run: $(STAMP)
-	$(PY) -m kvindex.demo $(ARGS)
+	$(PY) -m kvtools.demo $(ARGS)
 
 serve: $(STAMP)
 	$(VENV)/bin/kvindex serve $(ARGS)
@@ -39,6 +39,7 @@ test: $(STAMP)
 bench: $(BENCH_STAMP)
 	$(PY) benchmarks/bench_index.py
 	$(PY) benchmarks/bench_score.py
+	$(PY) benchmarks/bench_keys.py
 
 # Coverage-guided fuzzing (docs/fuzzing.md): every target for FUZZ_SECONDS each, found inputs kept in
 # .fuzz/<target>, crashes in .fuzz/crashes. make test runs every target for a second.
@@ -46,13 +47,13 @@ FUZZ_SECONDS ?= 180
 fuzz: $(STAMP)
 	$(PY) fuzz/run.py --all --seconds $(FUZZ_SECONDS) --corpus .fuzz --artifacts .fuzz/crashes $(ARGS)
 
-# Hundreds of randomized fault schedules, then sustained load (see kvindex/testing/soak.py for knobs).
+# Hundreds of randomized fault schedules, then sustained load (see kvtools/testing/soak.py for knobs).
 soak: $(STAMP)
-	$(PY) -m kvindex.testing.soak $(ARGS)
+	$(PY) -m kvtools.testing.soak $(ARGS)
 
 # A ten-second event log of a simulated fleet with a flaky worker (docs/capture.md), then its replay.
 sample-log: $(STAMP)
-	$(PY) -m kvindex.capture.sample --out docs/sample.kvlog --query-out docs/sample-prompt.json
+	$(PY) -m kvtools.sample_log --out docs/sample.kvlog --query-out docs/sample-prompt.json
 	$(VENV)/bin/kvindex replay docs/sample.kvlog --query docs/sample-prompt.json
 
 lint: $(STAMP)
@@ -88,9 +89,37 @@ $(VLLM_STAMP):
 	$(VLLM_PY) -m pip uninstall --quiet --yes torchvision torchaudio torchcodec
 	touch $(VLLM_STAMP)
 
-$(E2E_MODEL)/kvindex-e2e.json: $(VLLM_STAMP) e2e/make_model.py
+$(E2E_MODEL)/kvindex-e2e.json: $(VLLM_STAMP) e2e/make_model.py kvindex/testing/tokenizer_fixtures.py
 	rm -rf $(E2E_MODEL)
 	$(VLLM_PY) e2e/make_model.py --out $(E2E_MODEL)
 
 e2e-vllm: $(STAMP) $(E2E_MODEL)/kvindex-e2e.json
+	$(VLLM_PY) e2e/check_tokenize_hf.py
 	$(PY) e2e/run_vllm.py --vllm-python $(VLLM_PY) --model-dir $(E2E_MODEL) $(ARGS)
+
+# TTFT on real engines (docs/e2e-routing.md): two vLLM CPU engines, each on its own core, a chat
+# workload at two loads, routed by `kvindex route` and by vllm-router 0.1.17 (kv_aware, cache_aware,
+# round_robin), several runs each. Separate from `make test`; reuses .venv-vllm, adds the vllm-router
+# venv and a larger random model (e2e/routing-llama), both gitignored.
+ROUTER_VENV := .venv-vllm-router
+ROUTER_STAMP := $(ROUTER_VENV)/.installed
+ROUTING_MODEL := e2e/routing-llama
+E2E_STAMP := $(VENV)/.installed-e2e
+
+.PHONY: e2e-routing
+
+$(ROUTER_STAMP):
+	$(PYTHON) -m venv $(ROUTER_VENV)
+	$(ROUTER_VENV)/bin/python -m pip install --quiet vllm-router==0.1.17
+	touch $(ROUTER_STAMP)
+
+$(E2E_STAMP): $(STAMP)
+	$(PY) -m pip install --quiet -e '.[dev,e2e]'
+	touch $(E2E_STAMP)
+
+$(ROUTING_MODEL)/kvindex-e2e.json: $(VLLM_STAMP) e2e/make_model.py
+	rm -rf $(ROUTING_MODEL)
+	$(VLLM_PY) e2e/make_model.py --out $(ROUTING_MODEL) --hidden 384 --intermediate 1024 --layers 4 --heads 6 --vocab 4096
+
+e2e-routing: $(E2E_STAMP) $(ROUTER_STAMP) $(ROUTING_MODEL)/kvindex-e2e.json
+	$(PY) e2e/run_routing.py --vllm-python $(VLLM_PY) --vllm-router $(ROUTER_VENV)/bin/vllm-router --model-dir $(ROUTING_MODEL) $(ARGS)

@@ -18,6 +18,7 @@ extensions = [
         "kvindex._keys_native",
         ["kvindex/_keys_native.pyx"],
         include_dirs=["kvindex"],
+        depends=["kvindex/_xxh3.h"],
         extra_compile_args=["-O3"],
         optional=True,
     ),

@@ -51,10 +51,10 @@ from kvindex.scoring.calibration import Calibrator
 from kvindex.scoring.home import home_block
 from kvindex.scoring.policies import POLICY_NAMES
 from kvindex.scoring.router import Router, RouterConfig
-from kvindex.testing.data import mooncake_trace
 from kvindex.wire import reconcile
 from kvindex.wire.reconcile import Snapshot
 from kvindex.wire.schema import TIER_BY_NAME
+from kvtools.data import mooncake_trace
 from workers_shim.publisher import WorkerLog
 from workers_shim.sim import EngineConfig, SharedPool, SimEngine, SimRequest
 from workers_shim.sim.trace import mooncake_requests

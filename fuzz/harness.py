@@ -24,7 +24,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
+import shutil
 import struct
+import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -43,10 +46,12 @@ from kvindex.keys import block_keys
 from kvindex.observability.counters import IngestCounters
 from kvindex.repair.nats_repair import _assemble, _Parts, _Trim
 from kvindex.scoring.router import Router
+from kvindex.tokenize import Tokenizers
 from kvindex.v1 import kvindex_pb2 as pb
 from kvindex.wire import encode_batch, encode_status
 from kvindex.wire import errors as wire_errors
 from kvindex.wire.reconcile import decode_replay_reply, replay_replies, snapshot_parts
+from kvtools.testing.tokenizer_fixtures import make_tokenizer_dir
 from workers_shim.bridges.engines import ENGINES
 from workers_shim.bridges.native import DecodeError, Decoder
 from workers_shim.bridges.stats import BridgeStats
@@ -164,7 +169,7 @@ def invariants(c: Consumer, capacity_fixed: bool = True) -> None:
         counts = ix.block_counts(state.key)
         if capacity_fixed:  # a heartbeat may lower a limit below what is held (kept, not trimmed)
             check(
-                all(n <= lim for n, lim in zip(counts, state.block_limits, strict=True)), "over a block limit"
+                all(n <= lim for n, lim in zip(counts, c.limits_of(state), strict=True)), "over a block limit"
             )
         for t in range(4):
             keys = list(ix.keys_of(state.key, t))
@@ -233,7 +238,8 @@ def replay_target(data: bytes) -> None:
 def snapshot_target(data: bytes) -> None:
     c = world()
     w3 = ("w3", 0)
-    trim = _Trim(c.registry.get(w3))
+    state = c.registry.get(w3)
+    trim = _Trim(None if state is None else c.limits_of(state))
     parts = _Parts()
     for _header, payload in records(data):
         try:
@@ -275,11 +281,26 @@ _REQUESTS = (
 )
 
 
+_tokenizers: Tokenizers | None = None
+
+
+def _fuzz_tokenizers() -> Tokenizers:
+    """Text prompts for MODEL: a small Llama-3-style tokenizer (with a chat template) made once."""
+    global _tokenizers
+    if _tokenizers is None:
+        folder = Path(tempfile.gettempdir()) / "kvindex-fuzz-tokenizer" / str(os.getpid())
+        make_tokenizer_dir(folder, "llama3", vocab_size=256)
+        _tokenizers = Tokenizers.from_dirs({MODEL: str(folder)}, cache_bytes=1 << 20)
+        shutil.rmtree(folder, ignore_errors=True)  # loaded: the files are not needed any more
+    return _tokenizers
+
+
 def grpc_target(data: bytes) -> None:
     if not data:
         return
     c = world()
-    servicer = KvIndexServicer(c.index, c.registry, IngestCounters(), None, Router(c.index, c.registry))
+    router = Router(c.index, c.registry)
+    servicer = KvIndexServicer(c.index, c.registry, IngestCounters(), None, router, _fuzz_tokenizers())
     name, cls = _REQUESTS[data[0] % len(_REQUESTS)]
     try:
         request = cls.FromString(data[1:])
@@ -420,7 +441,7 @@ def _vectors() -> dict[str, bytes]:
 
 def _capture_messages() -> list[list[bytes]]:
     """Every ZMQ message of the real vLLM captures (frames), if the shared data is there."""
-    from kvindex.testing.data import shared_dir
+    from kvtools.data import shared_dir
 
     try:
         folder = shared_dir() / "data" / "vllm-capture"
@@ -487,6 +508,15 @@ def seeds(target: str) -> list[bytes]:
                 model=MODEL, request_id="r", instance_id="w1/0", block_keys=keys
             ).SerializeToString(),
             bytes([3]) + pb.ReleaseRequest(request_id="r", phase="finished").SerializeToString(),
+            bytes([0]) + pb.ScoreRequest(model=MODEL, prompt="The quick brown fox " * 8).SerializeToString(),
+            bytes([1])
+            + pb.LookupRequest(
+                model=MODEL,
+                messages=json.dumps(
+                    [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+                ),
+                prompt_options=pb.PromptOptions(add_generation_prompt=True),
+            ).SerializeToString(),
         ]
     engine = target.removeprefix("bridge_")
     payloads = [msgs[-1] for msgs in _capture_messages() if msgs and msgs[-1]]

@@ -30,7 +30,7 @@ def _fuzz_one(name: str, libfuzzer_args: list[str]) -> None:
     import atheris
 
     sys.path[:0] = [str(ROOT), str(HERE)]
-    with atheris.instrument_imports(include=["kvindex", "workers_shim", "harness"]):
+    with atheris.instrument_imports(include=["kvindex", "kvtools", "workers_shim", "harness"]):
         import harness
     target = harness.TARGETS[name]
     # Seeds are rewritten at every start, in the folder run_all made (removed after) or a fixed one.

@@ -2,16 +2,19 @@
 """Chained block keys in one C loop (kvindex.keys uses it when built; same results as its Python loop).
 
 key[i] = XXH3_64(block i's little-endian uint32 tokens, seed = key[i-1]), key[-1] = seed.
+The hash is the project's own XXH3-64 (kvindex/_xxh3.h), checked against the ``xxhash`` package.
 """
 
 from libc.stdint cimport uint64_t
 
-cdef extern from *:
-    """
-    #define XXH_INLINE_ALL
-    #include "vendor/xxhash.h"
-    """
-    unsigned long long XXH3_64bits_withSeed(const void* data, size_t length, unsigned long long seed) nogil
+cdef extern from "_xxh3.h":
+    uint64_t kvx_xxh3_64(const void* data, size_t length, uint64_t seed) nogil
+
+
+def xxh3_64(const unsigned char[::1] data, uint64_t seed=0):
+    """XXH3-64 of ``data`` with ``seed`` (the native hash on its own, for tests and benchmarks)."""
+    cdef const unsigned char* base = &data[0] if data.shape[0] else NULL
+    return kvx_xxh3_64(base, data.shape[0], seed)
 
 
 def chain_keys(const unsigned char[::1] raw, Py_ssize_t block_size, uint64_t seed):
@@ -23,6 +26,6 @@ def chain_keys(const unsigned char[::1] raw, Py_ssize_t block_size, uint64_t see
     cdef const unsigned char* base = &raw[0] if raw.shape[0] else NULL
     out = [None] * n
     for i in range(n):
-        key = XXH3_64bits_withSeed(base + i * step, step, key)
+        key = kvx_xxh3_64(base + i * step, step, key)
         out[i] = key
     return out

@@ -142,8 +142,8 @@ async def tapped(nats_url: str) -> WireTap:
     return await WireTap().start(nats_url, "w1")
 
 
-def shim(nats: EmbeddedNats, eng: FakeEngine) -> Any:
-    return running_bridge(nats.url, eng, engine="vllm", worker_id="w1", model=MODEL, block_size=BS)
+def shim(nats: EmbeddedNats, eng: FakeEngine, block_size: int | None = BS) -> Any:
+    return running_bridge(nats.url, eng, engine="vllm", worker_id="w1", model=MODEL, block_size=block_size)
 
 
 @pytest.mark.parametrize("name", list(OPS))
@@ -154,7 +154,9 @@ async def test_live_capture_step_by_step(
     tap = await tapped(nats_server.url)
     model = Model()
     try:
-        async with shim(nats_server, engine) as bridge:
+        # As a new user runs it: no --block-size, the bridge takes 32 from the engine's events.
+        async with shim(nats_server, engine, block_size=None) as bridge:
+            assert bridge.ranks[0].publisher is None  # nothing announced before the size is known
             for frames, ops in zip(live_messages(name), OPS[name], strict=True):
                 await engine.send_raw(frames)
                 engine.seq = int.from_bytes(frames[1], "big") + 1
@@ -185,7 +187,8 @@ async def test_shim_started_after_the_engine_rebuilds_from_the_captured_replay(
     for ops in OPS[name]:
         model.apply(ops)
     try:
-        async with shim(nats_server, engine) as bridge:
+        async with shim(nats_server, engine, block_size=None) as bridge:
+            assert bridge.block_size == BS  # learned from the replayed history, before publishing
             assert engine.replay_requests == [0]
             assert bridge.links[0].applied == len(OPS[name]) - 1
             assert bridge.stats.get("frames", "replay_3frame") == 1
@@ -228,6 +231,27 @@ async def test_gap_filled_by_the_captured_replay(
         # Every store and eviction of the lost batches reached the wire, from the replay.
         assert tap.keys("stored") == model.stored
         assert tap.keys("removed") == model.removed
+    finally:
+        await tap.close()
+        await engine.close()
+
+
+async def test_real_vllm_bytes_against_the_old_default_block_size_stop_the_shim(
+    nats_server: EmbeddedNats, service: IndexService
+) -> None:
+    """The field report: vLLM with --block-size 32, kvshim with 16. The shim used to skip every event
+    while looking healthy; now the engine's first store stops it, naming both sizes."""
+    from workers_shim.bridges.blocksize import BlockSizeConflict
+
+    engine = await FakeEngine().start()
+    tap = await tapped(nats_server.url)
+    try:
+        async with shim(nats_server, engine, block_size=16) as bridge:
+            await engine.send_raw(live_messages("r4_serve_sha256_int")[0])
+            await wait_until(bridge.failed.is_set, what="the bridge to stop")
+            assert isinstance(bridge.failure, BlockSizeConflict)
+            assert (bridge.failure.engine_size, bridge.failure.size) == (32, 16)
+        assert tap.keys("stored") == set()
     finally:
         await tap.close()
         await engine.close()

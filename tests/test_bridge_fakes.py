@@ -25,9 +25,9 @@ import zmq
 import zmq.asyncio
 
 from kvindex.service.app import IndexService
-from kvindex.testing.data import shared_dir
 from kvindex.v1 import kvindex_pb2 as pb
 from kvindex.v1 import kvindex_pb2_grpc as pb_grpc
+from kvtools.data import shared_dir
 from tests.conftest import wait_until
 from workers_shim.bridges import Bridge, BridgeConfig
 

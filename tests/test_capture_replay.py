@@ -21,9 +21,9 @@ from kvindex.keys import block_keys
 from kvindex.repair.nats_repair import RepairConfig
 from kvindex.service.app import IndexService, ServiceConfig
 from kvindex.service.natsd import EmbeddedNats
-from kvindex.testing.faults import FaultyPublisher
 from kvindex.v1 import kvindex_pb2 as pb
 from kvindex.v1 import kvindex_pb2_grpc as pb_grpc
+from kvtools.testing.faults import FaultyPublisher
 from tests.conftest import converged, index_view, wait_until
 
 FAST = RepairConfig(

@@ -1,4 +1,4 @@
-"""Randomized fault schedules (kvindex.testing.chaos): after the faults stop, the index must equal
+"""Randomized fault schedules (kvtools.testing.chaos): after the faults stop, the index must equal
 what every worker holds, per instance and per tier, within two reconciliation periods."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from kvindex.testing.chaos import ChaosConfig, ScheduleResult, run_schedule, summarize
+from kvtools.testing.chaos import ChaosConfig, ScheduleResult, run_schedule, summarize
 
 SEEDS = range(50)
 _results: list[ScheduleResult] = []

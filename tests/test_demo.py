@@ -1,4 +1,4 @@
-"""`make run` (python -m kvindex.demo): service, simulated fleet and trace-driven traffic through gRPC."""
+"""`make run` (python -m kvtools.demo): service, simulated fleet and trace-driven traffic through gRPC."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import re
 import subprocess
 import sys
 
-from kvindex.testing.data import mooncake_trace
+from kvtools.data import mooncake_trace
 
 
 def test_demo_routes_requests_end_to_end() -> None:
@@ -14,7 +14,7 @@ def test_demo_routes_requests_end_to_end() -> None:
         [
             sys.executable,
             "-m",
-            "kvindex.demo",
+            "kvtools.demo",
             "--duration",
             "10",
             "--plain",

@@ -11,7 +11,7 @@ from kvindex.ingest.nats_source import JetStreamConfig
 from kvindex.repair.nats_repair import RepairConfig
 from kvindex.service.app import IndexService, ServiceConfig
 from kvindex.service.natsd import EmbeddedNats
-from kvindex.testing.faults import FaultyPublisher
+from kvtools.testing.faults import FaultyPublisher
 from tests.conftest import wait_until
 
 REPAIR = RepairConfig(replay_timeout=0.5, snapshot_timeout=1.0, reconcile_interval=0, tick=0.05)

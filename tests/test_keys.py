@@ -127,3 +127,72 @@ def test_native_chain_is_built_and_agrees_with_the_python_loop() -> None:
             assert keys.keys_from_le_bytes(raw[:cut], block_size, seed) == keys._keys_python(
                 raw[:cut], block_size, seed
             )
+
+
+def test_own_xxh3_equals_the_xxhash_package_for_every_length_class() -> None:
+    """kvindex/_xxh3.h against the xxhash package: every length 0..4096 bytes (0-16, 17-128, 129-240
+    and the stripe-based long path with its 1024-byte blocks), each with seed 0 and a random seed."""
+    import random
+
+    from kvindex._keys_native import xxh3_64
+
+    rng = random.Random(20261201)
+    data = rng.randbytes(4096 + 64)
+    for length in range(4097):
+        start = rng.randrange(64)  # unaligned starts too
+        chunk = data[start : start + length]
+        for seed in (0, rng.getrandbits(64)):
+            assert xxh3_64(chunk, seed) == xxhash.xxh3_64_intdigest(chunk, seed), (length, seed)
+
+
+@given(data=st.binary(max_size=3000), seed=st.integers(0, 2**64 - 1))
+def test_own_xxh3_equals_the_xxhash_package_on_random_inputs(data: bytes, seed: int) -> None:
+    from kvindex._keys_native import xxh3_64
+
+    assert xxh3_64(data, seed) == xxhash.xxh3_64_intdigest(data, seed)
+
+
+def test_native_chain_with_long_blocks_equals_the_spec() -> None:
+    """Block sizes whose blocks take the mid-size and long hash paths (up to 1024 tokens = 4 KiB)."""
+    tokens = list(range(7, 7 + 4 * 1024 + 5))
+    for block_size in (33, 60, 64, 256, 1024):
+        assert block_keys(tokens, block_size, "m") == spec_keys(tokens, block_size, "m", None, None)
+
+
+def test_own_xxh3_portable_path_equals_the_xxhash_package(tmp_path) -> None:
+    """The non-SSE2 path of kvindex/_xxh3.h (and the 128-bit multiply without __int128), built here
+    with the C compiler the native extension was built with, on every length class."""
+    import random
+    import shutil
+    import subprocess
+    import sysconfig
+
+    cc = (sysconfig.get_config_var("CC") or "cc").split()[0]
+    assert shutil.which(cc), f"no C compiler {cc!r} (the native extension needs one too)"
+    driver = tmp_path / "xxh3_driver.c"
+    driver.write_text(
+        """
+#include <stdio.h>
+#include <stdlib.h>
+#include "_xxh3.h"
+int main(void) {
+    static unsigned char buf[8192];
+    unsigned long long seed; size_t len;
+    while (scanf("%llu %zu", &seed, &len) == 2) {
+        for (size_t i = 0; i < len; i++) { unsigned v; if (scanf("%2x", &v) != 1) return 2; buf[i] = v; }
+        printf("%llu\\n", (unsigned long long)kvx_xxh3_64(buf, len, seed));
+    }
+    return 0;
+}
+"""
+    )
+    rng = random.Random(5)
+    cases = [(rng.getrandbits(64) if i % 2 else 0, rng.randbytes(n)) for i, n in enumerate(range(0, 2100, 7))]
+    stdin = "".join(f"{seed} {len(d)} {d.hex()}\n" for seed, d in cases)
+    want = [xxhash.xxh3_64_intdigest(d, seed) for seed, d in cases]
+    include = str(ROOT / "kvindex")
+    for defines in (["-DKVX_SCALAR"], ["-DKVX_SCALAR", "-U__SIZEOF_INT128__"]):
+        exe = tmp_path / "xxh3_driver"
+        subprocess.run([cc, "-O2", *defines, "-I", include, str(driver), "-o", str(exe)], check=True)
+        out = subprocess.run([str(exe)], input=stdin, capture_output=True, text=True, check=True).stdout
+        assert [int(x) for x in out.split()] == want, defines

@@ -10,9 +10,9 @@ import pytest
 
 from kvindex.repair.nats_repair import RepairConfig
 from kvindex.service.app import IndexService
-from kvindex.testing.faults import Faults, FaultyPublisher
 from kvindex.v1 import kvindex_pb2 as pb
 from kvindex.v1 import kvindex_pb2_grpc as pb_grpc
+from kvtools.testing.faults import Faults, FaultyPublisher
 from tests.conftest import converged, index_view, wait_until
 from workers_shim.publisher import Publisher
 

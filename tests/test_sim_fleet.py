@@ -30,10 +30,15 @@ async def test_fleet_publishes_blocks_and_load(nats_server: EmbeddedNats, servic
         pool_blocks=30,
         heartbeat_interval=0.05,
         on_completion=lambda w, c: done.append((w, c)),
+        endpoint_base="10.9.0.1:8000",
     )
     async with fleet:
         workers = list(fleet.engines)
         assert workers == ["sim-0", "sim-1"]
+        # Fake endpoints, one port per worker; the pool (never routed to) announces none.
+        await wait_until(lambda: service.registry.endpoint("sim-1/0") == "10.9.0.1:8001", what="endpoints")
+        assert service.registry.endpoint("sim-0/0") == "10.9.0.1:8000"
+        assert service.registry.endpoint("sim-pool/0") is None
         # A long decode keeps sim-0 busy through ~12 heartbeats.
         await fleet.submit("sim-0", SimRequest("long", [1, 2, 3], 13, 100))
         await wait_until(

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvindex.testing.soak import sustained
+from kvtools.testing.soak import sustained
 
 
 async def test_sustained_load_run_passes_small(capsys: pytest.CaptureFixture[str]) -> None:

@@ -3,6 +3,7 @@
     kvshim vllm   --zmq tcp://HOST:5557 [--replay tcp://HOST:5558] --worker-id ID --model NAME [...]
     kvshim sglang --zmq tcp://HOST:5557 [--replay tcp://HOST:5558] --worker-id ID --model NAME [...]
     kvshim trtllm --zmq tcp://HOST:5557 [--replay tcp://HOST:5558] --worker-id ID --model NAME [...]
+    kvshim heartbeat --worker-id ID --model NAME --block-size N --endpoint HOST:PORT [...]  (no events)
 
 Subcommands are registered in :func:`build_parser`; each sets ``handler`` (``args -> exit code``) with
 ``set_defaults``, so another command (e.g. ``sim``) is one more ``add_*`` function there.
@@ -17,7 +18,10 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+from kvindex.config import NatsSettings, add_nats_arguments, parse_layered
+from kvindex.config.nats import DEFAULT_URL
 from kvindex.observability.logs import configure_logging
+from kvindex.wire.endpoint import BadEndpoint, check_endpoint
 from workers_shim.bridges.bridge import Bridge, BridgeConfig
 from workers_shim.bridges.engines import ENGINES
 from workers_shim.bridges.stats import serve_stats
@@ -81,8 +85,14 @@ def _positive(kind: Callable[[str], Any]) -> Callable[[str], Any]:
     return parse
 
 
+def parse_endpoint_arg(text: str) -> str:
+    try:
+        return check_endpoint(text)
+    except BadEndpoint as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def add_engine_command(sub: Any, engine: str) -> argparse.ArgumentParser:
-    profile = ENGINES[engine]
     p = sub.add_parser(
         engine, help=_ENGINE_HELP.get(engine, f"bridge {engine}"), description=_ENGINE_HELP.get(engine)
     )
@@ -92,9 +102,16 @@ def add_engine_command(sub: Any, engine: str) -> argparse.ArgumentParser:
     p.add_argument(
         "--metrics-url", default=None, help="the engine's Prometheus page, e.g. http://HOST:8000/metrics"
     )
+    p.add_argument(
+        "--endpoint",
+        type=parse_endpoint_arg,
+        default=None,
+        help="HOST:PORT routers send this worker's requests to, announced in every heartbeat "
+        "(default: the host and port of --metrics-url; none without it)",
+    )
     p.add_argument("--worker-id", required=True, help="this worker's id on the wire ([A-Za-z0-9_-]{1,128})")
     p.add_argument("--model", required=True, help="served model name, as routers will ask for it")
-    p.add_argument("--nats", default="nats://127.0.0.1:4222", help="NATS URL")
+    add_nats_arguments(p)
     p.add_argument("--subject-prefix", default="kvindex")
     p.add_argument(
         "--dp-rank",
@@ -113,8 +130,9 @@ def add_engine_command(sub: Any, engine: str) -> argparse.ArgumentParser:
         "--block-size",
         type=_positive(int),
         default=None,
-        help=f"tokens per KV block, as configured in the engine (default {profile.default_block_size}); "
-        "events announcing another size are reported and skipped",
+        help="tokens per KV block, as configured in the engine. Default: taken from the engine's own "
+        "KV events (or vLLM's /metrics) before anything is published. When given and the engine's "
+        "events announce another size, kvshim exits non-zero naming both",
     )
     p.add_argument(
         "--capacity", type=parse_capacity, default={}, help="blocks per tier, e.g. gpu=24000,cpu=100000"
@@ -166,6 +184,9 @@ def build_parser() -> tuple[argparse.ArgumentParser, Any]:
     sim = sub.add_parser("sim", help="a fleet of simulated vLLM-like engines publishing real events")
     add_sim_arguments(sim)
     sim.set_defaults(handler=main_sim)
+    from workers_shim.heartbeat_only import add_heartbeat_command
+
+    add_heartbeat_command(sub, parse_endpoint_arg, parse_capacity, _positive(int))
     return parser, sub
 
 
@@ -178,12 +199,13 @@ def config_from_args(args: argparse.Namespace) -> BridgeConfig:
         metrics_url=args.metrics_url,
         worker_id=args.worker_id,
         model=args.model,
-        nats_url=args.nats,
+        nats_url=NatsSettings.from_args(args) or DEFAULT_URL,
         subject_prefix=args.subject_prefix,
         dp_ranks=args.dp_rank,
         port_offset=not args.no_port_offset,
         one_endpoint=args.one_endpoint,
         block_size=args.block_size,
+        endpoint=args.endpoint,
         capacity=args.capacity,
         media=dict(args.medium),
         kv_group=args.kv_group,
@@ -195,20 +217,27 @@ def config_from_args(args: argparse.Namespace) -> BridgeConfig:
 
 
 async def serve_bridge(config: BridgeConfig, stats_port: int | None = None) -> None:
-    """Run a bridge until SIGINT/SIGTERM, then flush and stop."""
+    """Run a bridge until SIGINT/SIGTERM, then flush and stop; raises the bridge's fatal error
+    (e.g. a block size conflict) after stopping it."""
     bridge = Bridge(config)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    await bridge.start()
+    await bridge.start()  # raises (bridge stopped) when the engine's history already conflicts
     if stats_port is not None:
         port = serve_stats(bridge.stats, stats_port)
         bridge.log.info("kvshim_stats_serving", port=port)
+    signalled = asyncio.ensure_future(stop.wait())
+    failed = asyncio.ensure_future(bridge.failed.wait())
     try:
-        await stop.wait()
+        await asyncio.wait({signalled, failed}, return_when=asyncio.FIRST_COMPLETED)
     finally:
+        signalled.cancel()
+        failed.cancel()
         await bridge.stop()
+    if bridge.failure is not None:
+        raise bridge.failure
 
 
 def run_engine(args: argparse.Namespace) -> int:
@@ -222,13 +251,14 @@ def run_engine(args: argparse.Namespace) -> int:
         structlog.get_logger("workers_shim.cli").error(
             "kvshim_failed", error=str(exc), error_type=type(exc).__name__
         )
+        print(f"kvshim {args.engine}: {exc}", file=sys.stderr)  # the last line an operator sees
         return 1
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     parser, _ = build_parser()
-    args = parser.parse_args(argv)
+    args = parse_layered(parser, argv)  # command line, then KVINDEX_* environment, then --config TOML
     return int(args.handler(args) or 0)
 
 

@@ -16,15 +16,17 @@ import asyncio
 import contextlib
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
-import nats
 import structlog
 from nats.aio.client import Client
 
+from kvindex.config.nats import NatsSettings
+from kvindex.config.nats import connect as nats_connect
 from kvindex.wire import reconcile
 from kvindex.wire.codec import encode_batch, encode_status
+from kvindex.wire.endpoint import check_endpoint
 from kvindex.wire.schema import TIER_NAMES
 from kvindex.wire.subjects import Subjects, valid_worker_id
 
@@ -54,9 +56,13 @@ class WorkerLog:
         capacity: Mapping[str, int] | None = None,
         load_fn: LoadFn | None = None,
         clock: Callable[[], float] = time.time,
+        endpoint: str | None = None,
+        events: bool = True,
     ) -> None:
         if not valid_worker_id(worker):
             raise ValueError(f"worker id {worker!r} must match [A-Za-z0-9_-]{{1,128}}")
+        if endpoint is not None:
+            check_endpoint(endpoint)  # BadEndpoint (a ValueError) names what is wrong
         if block_size <= 0:
             raise ValueError("block_size must be positive")
         self.worker = worker
@@ -72,6 +78,10 @@ class WorkerLog:
         self.capacity: dict[str, int] = dict(capacity or {})
         self.load: dict[str, float] = {}
         self.load_fn = load_fn
+        # "host:port" where routers send this worker's requests, announced in every heartbeat.
+        self.endpoint = endpoint
+        # False: an engine without KV events; heartbeats say so and the index predicts its cache.
+        self.events = events
         self._prefill_samples: list[tuple[int, int, float]] = []
         self.clock = clock
         self.blocks: dict[str, set[int]] = {t: set() for t in TIER_NAMES}
@@ -219,7 +229,11 @@ class WorkerLog:
     def status_payload(self) -> bytes:
         load = dict(self.load_fn()) if self.load_fn is not None else self.load
         samples, self._prefill_samples = self._prefill_samples, []
-        extra = {"prefill": [list(s) for s in samples]} if samples else {}
+        extra: dict[str, Any] = {"prefill": [list(s) for s in samples]} if samples else {}
+        if self.endpoint is not None:
+            extra["endpoint"] = self.endpoint
+        if not self.events:
+            extra["events"] = False
         return encode_status(
             worker=self.worker,
             model=self.model,
@@ -314,15 +328,22 @@ class Publisher(WorkerLog):
         )
 
     @classmethod
-    async def connect(cls, url: str, **kwargs: Any) -> Publisher:
-        """Connect to NATS and start a publisher that owns the connection."""
+    async def connect(cls, nats_settings: NatsSettings | str | Sequence[str], **kwargs: Any) -> Publisher:
+        """Connect to NATS and start a publisher that owns the connection.
+
+        ``nats_settings``: a URL, several (a cluster), or NatsSettings with credentials and TLS
+        (kvindex/config/nats.py). Raises NatsConnectError when no server accepts the connection.
+        """
         log = structlog.get_logger("workers_shim.publisher")
 
         async def on_error(exc: Exception) -> None:
             log.warning("nats_error", error=str(exc), error_type=type(exc).__name__)
 
-        nc = await nats.connect(
-            url, name=f"kvshim-{kwargs.get('worker', '')}", max_reconnect_attempts=-1, error_cb=on_error
+        nc = await nats_connect(
+            nats_settings,
+            name=f"kvshim-{kwargs.get('worker', '')}",
+            max_reconnect_attempts=-1,
+            error_cb=on_error,
         )
         pub = cls(nc, **kwargs)
         pub._owns_nc = True

@@ -7,6 +7,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
+from kvindex.api.security import ServerSecurity
 from kvindex.api.servicer import KvIndexServicer
 from kvindex.v1 import kvindex_pb2, kvindex_pb2_grpc
 
@@ -14,8 +15,15 @@ SERVICE_NAME = kvindex_pb2.DESCRIPTOR.services_by_name["KvIndex"].full_name
 
 
 class GrpcServer:
-    def __init__(self, servicer: KvIndexServicer, host: str = "0.0.0.0", port: int = 50051) -> None:
+    def __init__(
+        self,
+        servicer: KvIndexServicer,
+        host: str = "0.0.0.0",
+        port: int = 50051,
+        security: ServerSecurity | None = None,
+    ) -> None:
         self.servicer = servicer
+        self.security = security or ServerSecurity()  # default: plaintext, no token
         self.host = host
         self.requested_port = port
         self.port = 0
@@ -28,7 +36,7 @@ class GrpcServer:
         return f"{host}:{self.port}"
 
     async def start(self) -> None:
-        server = grpc.aio.server(
+        server = self.security.new_server(
             options=[
                 ("grpc.max_receive_message_length", 64 * 1024 * 1024),
                 ("grpc.so_reuseport", 0),
@@ -44,7 +52,7 @@ class GrpcServer:
             ),
             server,
         )
-        self.port = server.add_insecure_port(f"{self.host}:{self.requested_port}")
+        self.port = self.security.add_port(server, f"{self.host}:{self.requested_port}")
         if not self.port:
             raise OSError(f"cannot bind gRPC port {self.host}:{self.requested_port}")
         await server.start()

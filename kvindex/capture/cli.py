@@ -18,7 +18,9 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from kvindex.api.security import add_server_options
 from kvindex.capture.format import LogError, zstd_available
+from kvindex.config.nats import NatsConfigError, NatsConnectError, NatsSettings, add_nats_arguments
 
 _UNITS = {"": 1.0, "s": 1.0, "m": 60.0, "h": 3600.0, "ms": 0.001}
 _DURATION_RE = re.compile(r"(\d+(?:\.\d*)?)(ms|s|m|h)?")
@@ -91,7 +93,7 @@ def add_capture(sub: Any) -> None:
         "wire only, not a service's replay/snapshot answers: replaying it runs the consumer without "
         "repairs (holes accepted). Use `kvindex serve --capture` for exact replays.",
     )
-    p.add_argument("--nats", required=True, help="NATS URL")
+    add_nats_arguments(p, default=None, url_help="NATS server URL(s) (required), repeated or comma-separated")
     p.add_argument("--subject-prefix", default="kvindex")
     p.add_argument("--out", required=True, help="log file (segments FILE.1, FILE.2 ... when rotating)")
     p.add_argument("--zstd", action="store_true", help="compress frames with zstd")
@@ -130,6 +132,7 @@ def add_replay(sub: Any) -> None:
     p.add_argument("--serve", action="store_true", help="then serve the gRPC API on the replayed state")
     p.add_argument("--grpc-host", default="127.0.0.1")
     p.add_argument("--grpc-port", type=int, default=50051)
+    add_server_options(p)  # TLS / mutual TLS / token for --serve, as kvindex serve
 
 
 def serve_capture_config(args: argparse.Namespace) -> Any:
@@ -154,8 +157,17 @@ def run_capture(args: argparse.Namespace) -> int:
         print("error: --zstd needs the 'zstandard' package: pip install 'kvindex[capture]'", file=sys.stderr)
         return 2
 
+    try:
+        settings = NatsSettings.from_args(args)
+    except NatsConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if settings is None:
+        print("error: capture needs --nats URL (or KVINDEX_NATS_URL)", file=sys.stderr)
+        return 2
+
     async def main() -> None:
-        cap = Capture(args.nats, CaptureConfig(args.out, args.max_bytes, args.zstd), args.subject_prefix)
+        cap = Capture(settings, CaptureConfig(args.out, args.max_bytes, args.zstd), args.subject_prefix)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
@@ -175,7 +187,11 @@ def run_capture(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
 
-    asyncio.run(main())
+    try:
+        asyncio.run(main())
+    except (NatsConfigError, NatsConnectError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     return 0
 
 
@@ -331,9 +347,11 @@ def _drive(driver: Any, args: argparse.Namespace, out: Output) -> None:
 
 async def _replay_and_serve(driver: Any, args: argparse.Namespace, out: Output, queries: list) -> int:
     """Serve the API while replaying (``--speed`` N: watch the state evolve), then keep serving."""
+    from kvindex.api.security import ServerSecurity
     from kvindex.capture.serve import serve_replayed
 
-    server = await serve_replayed(driver.replayer, args.grpc_host, args.grpc_port)
+    security = ServerSecurity.from_args(args)
+    server = await serve_replayed(driver.replayer, args.grpc_host, args.grpc_port, security)
     out.line(f"serving the replayed state on {server.address} (gRPC KvIndex; Ctrl-C stops)", "bold")
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

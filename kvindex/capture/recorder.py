@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import os
 import socket
 import time
@@ -28,6 +27,8 @@ from kvindex.api.servicer import KvIndexServicer
 from kvindex.capture import records as R
 from kvindex.capture.digest import state_digest
 from kvindex.capture.format import LogWriter
+from kvindex.config.nats import NatsSettings
+from kvindex.config.nats import connect as nats_connect
 from kvindex.index.base import InstanceKey
 from kvindex.wire.reconcile import Snapshot
 from kvindex.wire.subjects import EVENTS, STATUS
@@ -35,7 +36,6 @@ from kvindex.wire.subjects import EVENTS, STATUS
 if TYPE_CHECKING:
     from kvindex.ingest.consumer import Consumer
     from kvindex.scoring.calibration import Calibrator
-    from kvindex.service.app import ServiceConfig
 
 FLUSH_INTERVAL = 0.2  # seconds of records a kill can lose
 CHECK_INTERVAL = 5.0  # seconds between live-state digests in the log
@@ -63,22 +63,28 @@ def log_meta(source: str, prefix: str, **extra: Any) -> dict[str, Any]:
     }
 
 
-def service_meta(config: ServiceConfig) -> dict[str, Any]:
-    """Header of a ``serve --capture`` log: enough to rebuild the consumer the way it was set up."""
-    r = config.repair
+def service_meta(
+    prefix: str,
+    *,
+    jetstream: bool,
+    repair: dict[str, float],
+    router: dict[str, Any],
+    limits: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """Header of a ``serve --capture`` log: enough to rebuild the consumer the way it was set up.
+
+    Plain values, built by the service (``kvindex.service.app``): the recorder must not import the
+    service that imports it. ``repair`` holds the ``RepairConfig`` timings the replay reads
+    (stale_after, forget_after, reconcile_interval, replay_timeout, snapshot_timeout), ``router`` the
+    ``RouterConfig`` default_policy and seed, ``limits`` the ``IngestLimits`` fields.
+    """
     return log_meta(
         R.SOURCE_SERVE,
-        config.subject_prefix,
-        jetstream=config.jetstream is not None,
-        repair={
-            "stale_after": r.stale_after,
-            "forget_after": r.forget_after,
-            "reconcile_interval": r.reconcile_interval,
-            "replay_timeout": r.replay_timeout,
-            "snapshot_timeout": r.snapshot_timeout,
-        },
-        router={"default_policy": config.router.default_policy, "seed": config.router.seed},
-        limits=dataclasses.asdict(config.limits),
+        prefix,
+        jetstream=jetstream,
+        repair=dict(repair),
+        router=dict(router),
+        limits=dict(limits or {}),
     )
 
 
@@ -265,17 +271,18 @@ class RecordingServicer(KvIndexServicer):
         return response
 
     def _compact(self, request: Any) -> bytes:
-        """The request with its prompt as block keys (and the token count) instead of token ids: the
-        same request to the router, several times smaller (one key per block of tokens)."""
-        if not len(request.token_ids):
+        """The request with its prompt as block keys (and the token count) instead of token ids or text:
+        the same request to the router, several times smaller (one key per block of tokens)."""
+        if not (len(request.token_ids) or request.prompt or request.messages):
             return request.SerializeToString()
-        _block_size, keys = self.prompt_keys(request)
+        prompt = self.resolve(request)  # text prompts: the tokenizer cache makes this a lookup
         compact = type(request)()
         compact.CopyFrom(request)
-        compact.ClearField("token_ids")
+        for name in ("token_ids", "prompt", "messages", "prompt_options"):
+            compact.ClearField(name)
         compact.lora = compact.salt = ""  # already folded into the keys
-        compact.block_keys.extend(keys)
-        compact.prompt_tokens = len(request.token_ids)
+        compact.block_keys.extend(prompt.keys)
+        compact.prompt_tokens = prompt.tokens
         return compact.SerializeToString()
 
     async def Release(self, request: Any, context: Any) -> Any:
@@ -292,8 +299,11 @@ class Capture:
     of its log runs the consumer without repairs: holes are counted and accepted.
     """
 
-    def __init__(self, url: str, config: CaptureConfig, prefix: str = "kvindex", log: Any = None) -> None:
-        self.url = url
+    def __init__(
+        self, url: str | NatsSettings, config: CaptureConfig, prefix: str = "kvindex", log: Any = None
+    ) -> None:
+        self.settings = NatsSettings.coerce(url)
+        self.url = self.settings.redacted_servers()  # for logs: no secret
         self.prefix = prefix
         self.config = config
         self.log = log or structlog.get_logger("kvindex.capture")
@@ -302,9 +312,7 @@ class Capture:
         self._head = prefix + "."
 
     async def start(self) -> None:
-        import nats
-
-        self.nc = await nats.connect(self.url, name="kvindex-capture", max_reconnect_attempts=-1)
+        self.nc = await nats_connect(self.settings, name="kvindex-capture", max_reconnect_attempts=-1)
         await self.nc.subscribe(
             self._head + ">", cb=self._on_msg, pending_msgs_limit=1_000_000, pending_bytes_limit=1 << 30
         )

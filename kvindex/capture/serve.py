@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
+from kvindex.api.security import ServerSecurity
 from kvindex.api.server import GrpcServer
 from kvindex.capture.replay import Replayer
 
 
-async def serve_replayed(replayer: Replayer, host: str = "127.0.0.1", port: int = 50051) -> GrpcServer:
+async def serve_replayed(
+    replayer: Replayer, host: str = "127.0.0.1", port: int = 50051, security: ServerSecurity | None = None
+) -> GrpcServer:
     """Start serving ``replayer``'s index, registry and router; stop with ``await server.stop()``.
 
     Queries see the replayed state at its virtual time (status ages as of the last record applied, or
     of ``--until``); Commit and Release change the replayed router's ledger like the live one's.
+    ``security``: TLS / token as ``kvindex serve`` (None: plaintext, open).
     """
-    server = GrpcServer(replayer.servicer, host, port)
+    server = GrpcServer(replayer.servicer, host, port, security)
     await server.start()
     return server

@@ -37,10 +37,17 @@ class InstanceState:
     local_blocks_seen: bool = False
     sync: str = "synced"  # synced | replay | snapshot: what the index is doing to stay exact
     stale: bool = False  # no heartbeat for a while: excluded from rankings
+    # Where routers send this instance's requests ("host:port", from its heartbeats); None: unknown.
+    endpoint: str | None = None
+    # No KV events from this instance (heartbeat-only worker, or a static --instance): its blocks in
+    # the index are predicted from routing decisions (kvindex/scoring/approximate.py).
+    approximate: bool = False
+    static: bool = False  # registered from the command line: never stale, never forgotten
     # Most blocks the index keeps per tier for this instance (kvindex/ingest/limits.py), and the
     # tiers (bit 1 << tier) where stores were refused: the index holds a subset of the worker's
     # blocks there, so the digest check skips them until the worker reports fitting again.
-    block_limits: tuple[int, int, int, int] = (0, 0, 0, 0)
+    # None until the consumer first needs it (instances registered elsewhere, e.g. static ones).
+    block_limits: tuple[int, int, int, int] | None = None
     capped: int = 0
 
     @property
@@ -73,6 +80,8 @@ class Registry:
         self.clock = clock
         self._states: dict[InstanceKey, InstanceState] = {}
         self._by_model: dict[str, dict[InstanceKey, InstanceState]] = {}
+        # endpoint -> instances announcing it (the ranks of one data-parallel engine share its server)
+        self._by_endpoint: dict[str, dict[InstanceKey, InstanceState]] = {}
 
     def __len__(self) -> int:
         return len(self._states)
@@ -101,6 +110,7 @@ class Registry:
     def remove(self, instance: InstanceKey) -> InstanceState | None:
         state = self._states.pop(instance, None)
         if state is not None:
+            self.set_endpoint(state, None)
             members = self._by_model[state.model]
             del members[instance]
             if not members:
@@ -127,3 +137,34 @@ class Registry:
             return states
         wanted = set(candidates)
         return [s for s in states if s.worker in wanted or s.instance_id in wanted]
+
+    # -- endpoints (for in-process routers: the route proxy and the ext_proc picker) -------------
+
+    def set_endpoint(self, state: InstanceState, endpoint: str | None) -> None:
+        """Record where ``state`` serves (validated by the caller; None: not announced)."""
+        old = state.endpoint
+        if old == endpoint:
+            return
+        if old is not None:
+            holders = self._by_endpoint.get(old)
+            if holders is not None:
+                holders.pop(state.key, None)
+                if not holders:
+                    del self._by_endpoint[old]
+        state.endpoint = endpoint
+        if endpoint is not None and state.key in self._states:
+            self._by_endpoint.setdefault(endpoint, {})[state.key] = state
+
+    def endpoint(self, instance: InstanceKey | str) -> str | None:
+        """Where an instance (key or "worker/dp_rank" id) serves; None if unknown or not announced."""
+        if isinstance(instance, str):
+            worker, _, rank = instance.partition("/")
+            if not (rank.isdigit() and rank.isascii()):
+                return None
+            instance = (worker, int(rank))
+        state = self._states.get(instance)
+        return None if state is None else state.endpoint
+
+    def at_endpoint(self, endpoint: str) -> list[InstanceState]:
+        """The instances announcing ``endpoint`` (an engine serving several dp ranks has one)."""
+        return list(self._by_endpoint.get(endpoint, {}).values())

@@ -181,7 +181,7 @@ class Consumer:
         events = batch.events
         # Fast check: even if every key were new, no tier would pass its limit.
         have = self.index.block_counts(state.key)
-        limit = state.block_limits
+        limit = state.block_limits or self.limits_of(state)
         room = min(limit[0] - have[0], limit[1] - have[1], limit[2] - have[2], limit[3] - have[3])
         if bound > room or bound < 0:
             bound = sum([len(ev.keys) for ev in events])
@@ -219,7 +219,7 @@ class Consumer:
         applied = index.apply(key, batch.events)
         counts = index.block_counts(key)
         refused: dict[int, int] = {}
-        for tier, (held, limit) in enumerate(zip(counts, state.block_limits, strict=True)):
+        for tier, (held, limit) in enumerate(zip(counts, self.limits_of(state), strict=True)):
             excess = held - limit
             if excess <= 0:
                 continue
@@ -242,7 +242,7 @@ class Consumer:
     def _store_capped(self, state: InstanceState, tier: int, keys: list[int]) -> tuple[int, int]:
         """Store ``keys`` up to the tier's limit: (blocks added, keys dropped unstored)."""
         index, key = self.index, state.key
-        room = state.block_limits[tier] - index.block_counts(key)[tier]
+        room = self.limits_of(state)[tier] - index.block_counts(key)[tier]
         if len(keys) <= room:
             return index.store(key, tier, keys), 0
         added = done = 0
@@ -254,11 +254,17 @@ class Consumer:
             room -= n
         return added, max(0, len(keys) - done)
 
+    def limits_of(self, state: InstanceState) -> tuple[int, int, int, int]:
+        """The instance's block limit per tier, from the capacity it announced last."""
+        if state.block_limits is None:
+            state.block_limits = self.ingest_limits.block_limits(state.capacity)
+        return state.block_limits
+
     def _refused_blocks(self, state: InstanceState, refused: dict[int, int], what: str) -> None:
         for tier, n in refused.items():
             state.capped |= 1 << tier
             self.counters.blocks_refused += n
-        limits = {TIER_NAMES[t]: state.block_limits[t] for t in refused}
+        limits = {TIER_NAMES[t]: self.limits_of(state)[t] for t in refused}
         self._refuse(
             state.key,
             BLOCK_LIMIT,
@@ -550,6 +556,10 @@ class Consumer:
         except WireError as exc:
             self._reject(worker, subject, exc)
             return False
+        if report.endpoint_error is not None:
+            # The heartbeat still counts (load, digest, liveness); only the endpoint is dropped, so
+            # routers never see an address they could not connect to.
+            self._reject(worker, subject, WireError(errors.BAD_ENDPOINT, report.endpoint_error))
         self._apply_status(state, report)
         return True
 
@@ -560,23 +570,42 @@ class Consumer:
         state.last_status_ts = report.ts
         state.load = report.load
         if report.capacity != state.capacity:
-            state.block_limits = self.ingest_limits.block_limits(report.capacity)
+            state.block_limits = None  # from the new capacity, when next needed
         state.capacity = report.capacity
         if state.capped:
             # A capped tier whose worker now fits within the limit gets its digest checked again:
             # the drift it shows brings a snapshot, which makes the tier exact.
             for tier in range(4):
                 held = report.digest.get(tier, (0, 0))[0]
-                if state.capped & (1 << tier) and held <= state.block_limits[tier]:
+                if state.capped & (1 << tier) and held <= self.limits_of(state)[tier]:
                     state.capped &= ~(1 << tier)
         state.reported_digest = report.digest
         state.reported_seq = report.seq
+        if report.endpoint != state.endpoint:  # rare: announced, moved, or withdrawn
+            self.log.info(
+                "instance_endpoint", worker=state.worker, dp_rank=state.dp_rank, endpoint=report.endpoint
+            )
+            self.registry.set_endpoint(state, report.endpoint)
         if report.prefill and self.prefill_samples is not None:
             self.prefill_samples(state.model, report.prefill)
         if state.stale:
             state.stale = False
             self.log.info("instance_alive_again", worker=state.worker, dp_rank=state.dp_rank)
-        if not self.heartbeat_repairs:
+        if state.approximate != (not report.events):
+            state.approximate = not report.events
+            if not state.approximate:
+                # Now it reports events: predictions give way to the truth (its seq brings a snapshot).
+                self.index.clear(key)
+                if self.on_forget is not None:
+                    self.on_forget(key)
+            self.log.info(
+                "instance_mode",
+                worker=state.worker,
+                dp_rank=state.dp_rank,
+                mode="approximate" if state.approximate else "events",
+            )
+        if state.approximate or not self.heartbeat_repairs:
+            # No events, so no sequence to check: its blocks are the index's own predictions.
             return
         if cursor is None or cursor.epoch != report.epoch:
             if cursor is not None:
@@ -647,7 +676,6 @@ class Consumer:
         self.index.add_instance(key, model)
         state = self.registry.add(key, model, block_size)
         state.epoch = epoch
-        state.block_limits = self.ingest_limits.block_limits({})
         self.log.info("instance_joined", worker=worker, dp_rank=dp_rank, model=model, block_size=block_size)
         return state
 

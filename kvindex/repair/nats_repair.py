@@ -136,7 +136,8 @@ class NatsRepairer:
         subject = self.consumer.subjects.snapshot(worker)
         backoff = 0.25
         while self._wants_snapshot(instance):
-            trim = _Trim(self.consumer.registry.get(instance))
+            state = self.consumer.registry.get(instance)
+            trim = _Trim(None if state is None else self.consumer.limits_of(state))
             try:
                 async with self._snapshots:
                     parts = await self._request(
@@ -305,8 +306,8 @@ class _Trim:
     """Decodes snapshot parts keeping at most the instance's block limit per tier, so a worker
     announcing more blocks than it may hold cannot make the answer itself take the memory."""
 
-    def __init__(self, state: Any) -> None:
-        self.limits = state.block_limits if state is not None else None
+    def __init__(self, limits: tuple[int, int, int, int] | None) -> None:
+        self.limits = limits
         self.kept = [0, 0, 0, 0]
         self.trimmed = 0
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import signal
 from dataclasses import dataclass, field
 from typing import Any
@@ -11,26 +12,34 @@ from typing import Any
 import structlog
 from prometheus_client import start_http_server
 
+from kvindex.api.ext_proc import EndpointPicker, ExtProcServer
+from kvindex.api.security import ServerSecurity
 from kvindex.api.server import GrpcServer
 from kvindex.api.servicer import KvIndexServicer
 from kvindex.capture.recorder import CaptureConfig, Recorder, RecordingServicer, service_meta
+from kvindex.config.nats import NatsSettings
 from kvindex.fleet.registry import Registry
 from kvindex.index.inverted import InvertedIndex
 from kvindex.ingest.consumer import Consumer
 from kvindex.ingest.limits import IngestLimits
 from kvindex.ingest.nats_source import JetStreamConfig, NatsSource
 from kvindex.observability.counters import IngestCounters, Metrics
+from kvindex.observability.tokenize import TokenizeCollector
 from kvindex.repair.nats_repair import NatsRepairer, RepairConfig
 from kvindex.scoring.calibration import Calibrator
 from kvindex.scoring.router import Router, RouterConfig
 from kvindex.service.calibration_store import CalibrationStore
 from kvindex.service.natsd import EmbeddedNats
+from kvindex.tokenize import DEFAULT_CACHE_BYTES, Tokenizers
+from kvindex.wire.schema import GPU
 from kvindex.wire.subjects import Subjects
 
 
 @dataclass
 class ServiceConfig:
-    nats_url: str | None = None  # None: start an embedded nats-server
+    # URL(s) (comma-separated: a cluster), or NatsSettings with credentials and TLS
+    # (kvindex/config/nats.py). None: start an embedded nats-server.
+    nats_url: str | NatsSettings | None = None
     grpc_host: str = "0.0.0.0"
     grpc_port: int = 50051  # 0: any free port
     subject_prefix: str = "kvindex"
@@ -41,6 +50,37 @@ class ServiceConfig:
     router: RouterConfig = field(default_factory=RouterConfig)
     capture: CaptureConfig | None = None  # tee what the consumer sees into an event log
     limits: IngestLimits = field(default_factory=IngestLimits)
+    grpc_security: ServerSecurity | None = None  # TLS / mutual TLS / token; None: plaintext, open
+    # Instances without KV events, listed by the operator: (worker id, "host:port"); their caches are
+    # predicted from routing decisions (kvindex/scoring/approximate.py).
+    static_instances: list[tuple[str, str]] = field(default_factory=list)
+    static_model: str = ""
+    static_block_size: int = 16
+    static_capacity: int = 0  # GPU blocks per static instance; 0: the router's predicted_capacity
+    ext_proc_port: int | None = None  # Envoy ext_proc endpoint picker; None: off, 0: any free port
+    ext_proc_host: str = "0.0.0.0"
+    ext_proc_policy: str = ""  # ranking policy of the picker; "": the router's default (ttft)
+    # Text prompts: model -> tokenizer directory (serve --tokenizer MODEL=DIR), and the cache's bytes.
+    tokenizers: dict[str, str] = field(default_factory=dict)
+    tokenize_cache_bytes: int = DEFAULT_CACHE_BYTES
+
+
+def _capture_meta(config: ServiceConfig) -> dict[str, Any]:
+    """The settings a ``serve --capture`` log records, as plain values for the recorder."""
+    r = config.repair
+    return service_meta(
+        config.subject_prefix,
+        jetstream=config.jetstream is not None,
+        repair={
+            "stale_after": r.stale_after,
+            "forget_after": r.forget_after,
+            "reconcile_interval": r.reconcile_interval,
+            "replay_timeout": r.replay_timeout,
+            "snapshot_timeout": r.snapshot_timeout,
+        },
+        router={"default_policy": config.router.default_policy, "seed": config.router.seed},
+        limits=dataclasses.asdict(config.limits),
+    )
 
 
 class IndexService:
@@ -52,6 +92,9 @@ class IndexService:
         self.registry = Registry()
         self.counters = IngestCounters()
         self.metrics = Metrics(self.counters, self._gauges)
+        # Loaded before anything starts: a bad tokenizer directory fails `serve` at once, clearly.
+        self.tokenizers = Tokenizers.from_dirs(config.tokenizers, config.tokenize_cache_bytes)
+        self.metrics.registry.register(TokenizeCollector(self.tokenizers))
         self.consumer = Consumer(
             self.index,
             self.registry,
@@ -61,28 +104,49 @@ class IndexService:
         )
         self.repairer = NatsRepairer(self.consumer, config.repair)
         self.calibrator = Calibrator(config.router.costs.default_prefill)
-        self.calibration = CalibrationStore(self.calibrator)
+        self.calibration = CalibrationStore(
+            self.calibrator, replicas=config.jetstream.replicas if config.jetstream else 1
+        )
         self.router = Router(self.index, self.registry, self.calibrator, config.router)
         self.consumer.prefill_samples = self.calibrator.add
         self.consumer.on_forget = self.router.forget
         self.recorder: Recorder | None = None
         if config.capture is not None:
-            meta = service_meta(config)
+            meta = _capture_meta(config)
             self.recorder = Recorder.open(config.capture, meta, self.registry.clock, self.consumer)
             self.repairer.recorder = self.recorder
+        args = (self.index, self.registry, self.counters, self.metrics, self.router)
         self.servicer = (
-            KvIndexServicer(self.index, self.registry, self.counters, self.metrics, self.router)
+            KvIndexServicer(*args, tokenizers=self.tokenizers)
             if self.recorder is None
-            else RecordingServicer(
-                self.recorder, self.index, self.registry, self.counters, self.metrics, self.router
-            )
+            else RecordingServicer(self.recorder, *args, tokenizers=self.tokenizers)
         )
-        self.grpc = GrpcServer(self.servicer, config.grpc_host, config.grpc_port)
+        self.grpc = GrpcServer(self.servicer, config.grpc_host, config.grpc_port, config.grpc_security)
+        self.ext_proc: ExtProcServer | None = None
+        if config.ext_proc_port is not None:
+            picker = EndpointPicker(self.servicer, policy=config.ext_proc_policy, log=self.log)
+            self.ext_proc = ExtProcServer(
+                picker, config.ext_proc_host, config.ext_proc_port, config.grpc_security
+            )
         self.natsd: EmbeddedNats | None = None
         self.source: NatsSource | None = None
-        self.nats_url = config.nats_url or ""
+        # The servers for logs and callers, secrets redacted (the settings themselves stay private).
+        self.nats_url = NatsSettings.coerce(config.nats_url).redacted_servers() if config.nats_url else ""
         self.metrics_port: int | None = None
         self._metrics_server: Any = None
+
+    def _register_static(self) -> None:
+        """The --instance list: routable at once, approximate, never aged out by heartbeats."""
+        cfg = self.config
+        for worker, endpoint in cfg.static_instances:
+            key = (worker, 0)
+            self.index.add_instance(key, cfg.static_model)
+            state = self.registry.add(key, cfg.static_model, cfg.static_block_size)
+            state.approximate = state.static = True
+            if cfg.static_capacity:
+                state.capacity = {GPU: cfg.static_capacity}
+            self.registry.set_endpoint(state, endpoint)
+            self.log.info("static_instance", worker=worker, endpoint=endpoint, model=cfg.static_model)
 
     def _gauges(self) -> dict[str, Any]:
         s = self.index.stats()
@@ -100,13 +164,17 @@ class IndexService:
             await self.natsd.start()
             self.nats_url = self.natsd.url
             self.log.info("embedded_nats_started", url=self.nats_url)
+            nats_settings = NatsSettings.from_url(self.natsd.url)
+        else:
+            nats_settings = NatsSettings.coerce(self.config.nats_url)
         # Subscribe first, then repair: batches arriving while an instance resynchronises are held.
         self.source = NatsSource(
             self.consumer,
-            self.nats_url,
+            nats_settings,
             on_reconnect=self.repairer.on_reconnect,
             jetstream=self.config.jetstream,
         )
+        self._register_static()
         if self.recorder is not None:
             self.source.tap = self.recorder.message
             self.recorder.start()
@@ -117,6 +185,8 @@ class IndexService:
         if self.recorder is not None:
             self.recorder.calibration(self.calibrator)
         await self.grpc.start()
+        if self.ext_proc is not None:
+            await self.ext_proc.start()
         if self.config.metrics_port is not None:
             server, _thread = start_http_server(
                 self.config.metrics_port, addr=self.config.metrics_host, registry=self.metrics.registry
@@ -126,12 +196,18 @@ class IndexService:
         self.log.info(
             "kvindex_serving",
             grpc=self.grpc.address,
+            grpc_security=self.grpc.security.mode,
             nats=self.nats_url,
+            nats_auth=nats_settings.auth,
+            nats_tls=nats_settings.tls,
             subject_prefix=self.config.subject_prefix,
             metrics_port=self.metrics_port,
+            ext_proc=self.ext_proc.address if self.ext_proc is not None else None,
         )
 
     async def stop(self) -> None:
+        if self.ext_proc is not None:
+            await self.ext_proc.stop()
         await self.grpc.stop()
         await self.repairer.stop()
         await self.calibration.stop()

@@ -17,6 +17,7 @@ import msgpack
 import msgspec
 from msgspec import Meta, Struct
 
+from kvindex.wire.endpoint import BadEndpoint, parse_endpoint
 from kvindex.wire.errors import (
     BAD_TYPE,
     BAD_VALUE,
@@ -73,6 +74,12 @@ class _StatusMsg(Struct, gc=False):
     digest: dict[TierName, tuple[U64, U64]] = {}
     # Prefills measured since the last heartbeat: [prompt tokens, cached tokens, ms].
     prefill: Annotated[list[tuple[U64, U64, float]], Meta(max_length=MAX_PREFILL_SAMPLES)] = []
+    # Optional and checked after decoding (any type gets through here): a malformed endpoint must
+    # not cost the heartbeat's load and digest, so it is dropped alone (see _endpoint).
+    endpoint: Any = None
+    # False: the worker publishes no KV events (heartbeats only); the index predicts its cache from
+    # its own routing decisions (kvindex/scoring/approximate.py).
+    events: bool = True
 
 
 _batch_decoder = msgspec.msgpack.Decoder(EventBatch)
@@ -178,7 +185,20 @@ def decode_status(payload: bytes, subject_worker: str | None = None) -> StatusRe
         {TIER_BY_NAME[t]: n for t, n in msg.capacity.items()},
         {TIER_BY_NAME[t]: (c, x) for t, (c, x) in msg.digest.items()},
         msg.prefill,
+        *_endpoint(msg.endpoint),
+        events=msg.events,
     )
+
+
+def _endpoint(raw: Any) -> tuple[str | None, str | None]:
+    """(endpoint, None) when valid or absent, (None, why) when malformed."""
+    if raw is None:
+        return None, None
+    try:
+        parse_endpoint(raw)
+    except BadEndpoint as exc:
+        return None, str(exc)
+    return raw, None
 
 
 # --- encoding (publishers, tests, tools) -------------------------------------------------------

@@ -15,6 +15,8 @@ BAD_SUBJECT: Final = "bad_subject"
 OVERSIZE: Final = "oversize"
 BLOCK_SIZE_MISMATCH: Final = "block_size_mismatch"
 MODEL_MISMATCH: Final = "model_mismatch"
+# Not a rejection of the message: a heartbeat whose ``endpoint`` is malformed is applied without it.
+BAD_ENDPOINT: Final = "bad_endpoint"
 
 REASONS: Final = (
     MALFORMED,
@@ -28,6 +30,7 @@ REASONS: Final = (
     OVERSIZE,
     BLOCK_SIZE_MISMATCH,
     MODEL_MISMATCH,
+    BAD_ENDPOINT,
 )
 
 

@@ -111,6 +111,12 @@ class StatusReport:
     digest: dict[int, tuple[int, int]]
     # (prompt tokens, cached tokens, measured prefill ms) since the previous heartbeat.
     prefill: list[tuple[int, int, float]] = field(default_factory=list)
+    # Where routers send this instance's requests (``host:port``); None when not announced or
+    # malformed, and then ``endpoint_error`` says what was wrong with it.
+    endpoint: str | None = None
+    endpoint_error: str | None = None
+    # False: a worker without KV events (heartbeats only): its cache is predicted, not reported.
+    events: bool = True
 
     @property
     def instance(self) -> tuple[str, int]:

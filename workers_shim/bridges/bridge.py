@@ -19,6 +19,10 @@ engine learns the blocks (and hash translations) the engine published before. A 
 (or a token-less block) is unknown mid-stream makes the link replay from 0 into a scratch translator
 and learn the translations it was missing; if that cannot help, the event is skipped and counted.
 Rebuilds back off exponentially (1 s … 60 s) while they leave events unresolved.
+
+The block size comes from ``--block-size`` or, without it, from the engine's own events or /metrics
+(:mod:`.blocksize`): the ranks' publishers start only once it is known, and the first keyed store of
+each engine life is checked against it; a conflict stops the bridge (:attr:`Bridge.failure`).
 """
 
 from __future__ import annotations
@@ -31,11 +35,15 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-import nats
 import structlog
 import zmq
 import zmq.asyncio
 
+from kvindex.config.nats import NatsSettings
+from kvindex.config.nats import connect as nats_connect
+from kvindex.wire.endpoint import check_endpoint, endpoint_from_url
+from workers_shim.bridges import blocksize
+from workers_shim.bridges.blocksize import BlockSizeConflict
 from workers_shim.bridges.engines import ENGINES, EngineProfile
 from workers_shim.bridges.load import LoadReader, scrape
 from workers_shim.bridges.native import DecodeError, Decoder
@@ -54,13 +62,15 @@ class BridgeConfig:
     replay: str | None = None
     topic: str = ""
     metrics_url: str | None = None
-    nats_url: str = "nats://127.0.0.1:4222"
+    nats_url: str | NatsSettings = "nats://127.0.0.1:4222"  # URL(s), or NatsSettings (auth, TLS)
     dp_ranks: tuple[int, ...] = (0,)
     # Each rank on its own endpoint at port + rank (vLLM, SGLang); False: the endpoints are used as
     # given (one rank), or, with one_endpoint, all ranks arrive on one socket, told apart by the batch.
     port_offset: bool = True
     one_endpoint: bool = False
-    block_size: int | None = None
+    block_size: int | None = None  # None: learned from the engine's events or /metrics
+    # "host:port" routers send this worker's requests to; default: the host and port of metrics_url.
+    endpoint: str | None = None
     subject_prefix: str = "kvindex"
     capacity: dict[str, int] = field(default_factory=dict)
     media: dict[str, str] = field(default_factory=dict)  # medium -> tier overrides
@@ -79,8 +89,11 @@ class BridgeConfig:
         return ENGINES[self.engine]
 
     @property
-    def effective_block_size(self) -> int:
-        return self.block_size or self.profile.default_block_size
+    def effective_endpoint(self) -> str | None:
+        """``endpoint``, else the host and port of ``metrics_url`` (engines serve both on one server)."""
+        if self.endpoint is not None:
+            return check_endpoint(self.endpoint)
+        return endpoint_from_url(self.metrics_url) if self.metrics_url else None
 
 
 class _QuietLog:
@@ -101,11 +114,13 @@ class Rank:
 
     def _publisher(self, epoch: int | None) -> Publisher:
         cfg = self.bridge.config
+        assert self.bridge.block_size is not None, "publishers start once the block size is known"
         return Publisher(
             self.bridge.nc,
             worker=cfg.worker_id,
             model=cfg.model,
-            block_size=cfg.effective_block_size,
+            endpoint=self.bridge.endpoint,
+            block_size=self.bridge.block_size,
             dp_rank=self.dp_rank,
             subject_prefix=cfg.subject_prefix,
             epoch=epoch,
@@ -121,7 +136,8 @@ class Rank:
     async def new_epoch(self, reason: str) -> None:
         """Start a new wire epoch: the index drops everything this rank published and starts over."""
         old = self.publisher
-        assert old is not None
+        if old is None:
+            return  # not started yet (block size unknown): nothing was published
         await old.close()
         epoch = max(time.time_ns() // 1000, old.epoch + 1)
         self.publisher = self._publisher(epoch)
@@ -177,9 +193,10 @@ class Link:
             )
 
     async def apply(
-        self, seq: int, payload: bytes, recover: bool, translators: dict[int, Translator]
+        self, seq: int, payload: bytes, recover: bool, translators: dict[int, Translator] | None = None
     ) -> None:
-        """Apply one engine batch to ``translators`` (by rank); may rebuild maps (``recover``)."""
+        """Apply one engine batch to ``translators`` (by rank; default the ranks' own); may rebuild
+        maps (``recover``). Raises BlockSizeConflict when the engine's block size is not ours."""
         stats = self.bridge.stats
         try:
             batch = self.bridge.decoder.decode(payload)
@@ -188,6 +205,15 @@ class Link:
             stats.garbage(exc.reason, seq=seq, detail=exc.detail[:200])
             self._applied(seq)
             return
+        await self.bridge.check_block_size(batch.events)
+        if not self.bridge.ranks_started:
+            # No keyed store yet, so nothing here can be keyed either (removals and clears of blocks
+            # never published, token-less placeholders): consumed, counted.
+            stats.add("batches", "before_block_size")
+            self._applied(seq)
+            return
+        if translators is None:
+            translators = self._translators()
         self._check_rank(batch.dp_rank)
         events = batch.events
         i = 0
@@ -223,7 +249,7 @@ class Link:
             if seq <= self.applied:
                 continue
             self.bridge.stats.add("frames", "replay")
-            await self.apply(seq, payload, recover, self._translators())
+            await self.apply(seq, payload, recover)
 
     # -- recovery -------------------------------------------------------------------------------
 
@@ -347,6 +373,7 @@ class Link:
     async def engine_restarted(self, seq: int) -> None:
         self.bridge.stats.add("recovery", "engine_restart")
         self.log.warning("kv_engine_restart", seq=seq, last_seq=self.live)
+        self.bridge.block_size_checked = False  # a new engine life may run with another block size
         for rank in self.ranks.values():
             await rank.new_epoch("engine_restart")
         self.applied = -1
@@ -369,16 +396,19 @@ class Link:
                 return
             if seq > self.applied + 1:
                 stats.add("recovery", "gap_accepted")
-        await self.apply(seq, payload, True, self._translators())
+        await self.apply(seq, payload, True)
 
     async def run(self, ready: asyncio.Event | None = None) -> None:
         stats = self.bridge.stats
         try:
             await self.bootstrap()
+        except BlockSizeConflict:
+            return  # the bridge has failed (Bridge.failure); nothing more to do here
         except Exception as exc:  # the engine may come later; the live loop still runs
             self.log.exception("kv_bootstrap_failed", error=str(exc))
-        if ready is not None:
-            ready.set()
+        finally:
+            if ready is not None:
+                ready.set()
         while True:
             frames = await self.stream.recv(None)
             if frames is None:
@@ -391,6 +421,8 @@ class Link:
                 continue
             try:
                 await self.on_live(seq, payload)
+            except BlockSizeConflict:
+                return
             except Exception as exc:  # a bug on one batch must not stop the bridge
                 stats.garbage("internal_error", seq=seq)
                 self.log.exception("kv_batch_failed", seq=seq, error=str(exc))
@@ -407,6 +439,7 @@ class Bridge:
         if config.engine not in ENGINES:
             raise ValueError(f"unknown engine {config.engine!r}; one of {sorted(ENGINES)}")
         self.config = config
+        self.endpoint = config.effective_endpoint  # validated first: a bad one fails before any socket
         self.log = structlog.get_logger("workers_shim.bridges").bind(
             engine=config.engine, worker=config.worker_id
         )
@@ -421,12 +454,22 @@ class Bridge:
         self.ready = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
         self._stopped = asyncio.Event()
+        # Tokens per block and who said so; None until the engine tells (no --block-size).
+        self.block_size: int | None = config.block_size
+        self.block_size_source = "--block-size" if config.block_size else ""
+        self.block_size_checked = False  # the engine's events confirmed it (this engine life)
+        self.ranks_started = False
+        self._ranks_lock = asyncio.Lock()
+        # A fatal error (block size conflict): the bridge stops doing anything and says why.
+        self.failure: BaseException | None = None
+        self.failed = asyncio.Event()
 
     def new_translator(self, sink: Sink, dp_rank: int, stats: BridgeStats | None = None) -> Translator:
         cfg = self.config
+        assert self.block_size is not None
         return Translator(
             cfg.model,
-            cfg.effective_block_size,
+            self.block_size,
             sink,
             stats or self.stats,
             kv_group=cfg.kv_group,
@@ -441,15 +484,16 @@ class Bridge:
             async def on_error(exc: Exception) -> None:
                 self.log.warning("nats_error", error=str(exc), error_type=type(exc).__name__)
 
-            self.nc = await nats.connect(
+            self.nc = await nats_connect(
                 cfg.nats_url,
                 name=f"kvshim-{cfg.worker_id}",
                 max_reconnect_attempts=-1,
                 error_cb=on_error,
             )
         for r in cfg.dp_ranks:
-            rank = self.ranks[r] = Rank(self, r)
-            await rank.start()
+            self.ranks[r] = Rank(self, r)
+        if self.block_size is not None:
+            await self.start_ranks()
         if cfg.one_endpoint or (len(cfg.dp_ranks) == 1 and not cfg.port_offset):
             self.links.append(Link(self, cfg.zmq, cfg.replay, dict(self.ranks), route=cfg.one_endpoint))
         else:
@@ -467,20 +511,76 @@ class Bridge:
         if cfg.stats_log_interval > 0:
             self._tasks.append(asyncio.create_task(self._stats_loop(), name="kvshim-stats"))
         await asyncio.gather(*(e.wait() for e in events))
+        if self.failure is not None:  # found at start, in the engine's replayed history
+            await self.stop()
+            raise self.failure
         self.ready.set()
         self.log.info(
             "kvshim_started",
             model=cfg.model,
-            block_size=cfg.effective_block_size,
+            block_size=self.block_size or "auto (from the engine's events)",
             dp_ranks=list(cfg.dp_ranks),
             endpoints=[link.stream.endpoint for link in self.links],
             replay=cfg.replay,
+            serving_endpoint=self.endpoint,
+            nats=NatsSettings.coerce(cfg.nats_url).describe(),
         )
 
+    # -- block size -----------------------------------------------------------------------------
+
+    async def start_ranks(self) -> None:
+        """Start every rank's publisher (first heartbeat included): the block size is known."""
+        async with self._ranks_lock:  # several links may learn it at once
+            if self.ranks_started:
+                return
+            for rank in self.ranks.values():
+                await rank.start()
+            self.ranks_started = True
+
+    async def check_block_size(self, events: list[Any]) -> None:
+        """Learn the block size from a batch's keyed stores, or check it; BlockSizeConflict if wrong."""
+        if self.failure is not None:
+            raise self.failure
+        if self.block_size_checked:
+            return
+        cfg = self.config
+        seen = blocksize.evidence(events, cfg.kv_group)
+        if not seen:
+            return
+        partial = cfg.profile.partial_blocks
+        if self.block_size is None:
+            self.block_size = blocksize.learn(seen, partial)
+            self.block_size_source = "the engine's earlier KV events"
+            self.log.info("kv_block_size_learned", block_size=self.block_size, source="events")
+        else:
+            bad = blocksize.conflict(seen, self.block_size, partial)
+            if bad is not None:
+                raise self.fail(BlockSizeConflict(bad, self.block_size, self.block_size_source))
+        self.block_size_checked = blocksize.confirms(seen, self.block_size)
+        await self.start_ranks()
+
+    def fail(self, exc: BaseException) -> BaseException:
+        """Record a fatal error (the first one) and wake whoever runs the bridge."""
+        if self.failure is None:
+            self.failure = exc
+            self.log.error("kvshim_fatal", error=str(exc), error_type=type(exc).__name__)
+            self.failed.set()
+        return exc
+
     async def run(self) -> None:
-        """Start, then run until :meth:`stop`."""
+        """Start, then run until :meth:`stop`; raises the failure if the bridge fails."""
         await self.start()
-        await self._stopped.wait()
+        stopped = asyncio.ensure_future(self._stopped.wait())
+        failed = asyncio.ensure_future(self.failed.wait())
+        try:
+            await asyncio.wait({stopped, failed}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stopped.cancel()
+            failed.cancel()
+        if self.failure is not None:
+            if not self._stopped.is_set():
+                await self.stop()
+            raise self.failure
 
     async def stop(self) -> None:
         for task in self._tasks:
@@ -519,9 +619,22 @@ class Bridge:
                 )
             else:
                 self.stats.add("load", "ok")
-                for rank in self.ranks.values():
-                    self._apply_load(reader, samples, rank)
+                await self._learn_block_size_from_metrics(reader, samples)
+                if self.ranks_started:
+                    for rank in self.ranks.values():
+                        self._apply_load(reader, samples, rank)
             await asyncio.sleep(cfg.scrape_interval)
+
+    async def _learn_block_size_from_metrics(self, reader: LoadReader, samples: Any) -> None:
+        """vLLM's cache_config_info names the block size: heartbeats need not wait for an event."""
+        if self.block_size is not None or self.failure is not None:
+            return
+        info = reader.cache_info(samples, next(iter(self.ranks)))
+        if info.block_size:
+            self.block_size = info.block_size
+            self.block_size_source = "the engine's /metrics (cache_config_info)"
+            self.log.info("kv_block_size_learned", block_size=self.block_size, source="metrics")
+            await self.start_ranks()
 
     def _apply_load(self, reader: LoadReader, samples: Any, rank: Rank) -> None:
         cfg = self.config
@@ -535,14 +648,14 @@ class Bridge:
             kv_usage=load.kv_usage,
         )
         info = reader.cache_info(samples, rank.dp_rank)
-        if info.block_size is not None and info.block_size != cfg.effective_block_size:
+        if info.block_size is not None and info.block_size != self.block_size:
             self.stats.add("load", "block_size_mismatch")
             self.stats.throttled(
                 "engine_block_size",
                 "error",
                 "kv_block_size_mismatch",
                 engine_block_size=info.block_size,
-                block_size=cfg.effective_block_size,
+                block_size=self.block_size,
                 source="metrics",
                 dp_rank=rank.dp_rank,
             )

@@ -37,8 +37,6 @@ DEFAULT_MEDIA: Final[dict[str, str]] = {
 @dataclass(frozen=True)
 class EngineProfile:
     name: str
-    # Tokens per KV block when --block-size is not given (the engine's own default).
-    default_block_size: int
     # Prometheus sample names, first present wins.
     running: tuple[str, ...]
     waiting: tuple[str, ...]
@@ -52,12 +50,13 @@ class EngineProfile:
     rank_labels: tuple[str, ...] = ("dp_rank",)
     # An info gauge carrying the engine's block size / pool sizes as labels (vLLM).
     cache_info: str | None = None
+    # The engine may store a short last block (announcing its own length as block_size): SGLang pages.
+    partial_blocks: bool = False
     media: dict[str, str] = field(default_factory=lambda: dict(DEFAULT_MEDIA))
 
 
 VLLM = EngineProfile(
     name="vllm",
-    default_block_size=16,
     running=("vllm:num_requests_running",),
     waiting=("vllm:num_requests_waiting",),
     kv_usage=("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"),
@@ -68,8 +67,7 @@ VLLM = EngineProfile(
 
 SGLANG = EngineProfile(
     name="sglang",
-    # SGLang's --page-size defaults to 1: one block per token.
-    default_block_size=1,
+    partial_blocks=True,
     running=("sglang:num_running_reqs",),
     waiting=("sglang:num_queue_reqs",),
     kv_usage=("sglang:token_usage",),
@@ -79,8 +77,6 @@ SGLANG = EngineProfile(
 
 TRTLLM = EngineProfile(
     name="trtllm",
-    # tokens_per_block default of the KV cache manager.
-    default_block_size=32,
     # trtllm-serve exposes trtllm_* on /prometheus/metrics; Dynamo re-exports them as trtllm:*.
     running=("trtllm_num_requests_running", "trtllm:num_requests_running"),
     waiting=("trtllm_num_requests_waiting", "trtllm:num_requests_waiting"),

@@ -21,6 +21,8 @@ from typing import Any
 
 import structlog
 
+from kvindex.config.nats import NatsSettings
+from kvindex.wire.endpoint import format_endpoint, parse_endpoint
 from workers_shim.publisher import Publisher
 from workers_shim.sim.engine import Completion, EngineConfig, Load, SimEngine, SimRequest
 from workers_shim.sim.tiers import SharedPool
@@ -165,7 +167,7 @@ class SimFleet:
 
 
 async def run_fleet(
-    nats_url: str,
+    nats_url: str | NatsSettings,
     n_workers: int,
     engine_cfg: EngineConfig,
     *,
@@ -177,11 +179,17 @@ async def run_fleet(
     heartbeat_interval: float = 0.5,
     on_completion: Callable[[str, Completion], None] | None = None,
     publisher_kwargs: Mapping[str, Any] | None = None,
+    endpoint_base: str | None = None,
 ) -> SimFleet:
     """Start ``n_workers`` engines (``{worker_prefix}-0`` …) in real time, each with its own Publisher
     connected to ``nats_url``, and a shared pool of ``pool_blocks`` blocks if > 0. Returns the running
     fleet: route requests with ``await fleet.submit(worker, req)``, stop with ``await fleet.close()``
-    (or ``async with``)."""
+    (or ``async with``). With ``endpoint_base`` ``HOST:PORT``, worker i announces the fake endpoint
+    ``HOST:PORT+i``."""
+    if endpoint_base is not None:
+        host, port = parse_endpoint(endpoint_base)
+        if port + n_workers - 1 > 65535:
+            raise ValueError(f"endpoint_base {endpoint_base!r}: no room for {n_workers} ports")
     if n_workers <= 0:
         raise ValueError("n_workers must be positive")
     extra = dict(publisher_kwargs or {})
@@ -211,6 +219,8 @@ async def run_fleet(
             pub = await Publisher.connect(
                 nats_url,
                 worker=name,
+                # Fake addresses: nothing listens there; routers and proxies see where each would be.
+                endpoint=None if endpoint_base is None else format_endpoint(host, port + len(pubs)),
                 capacity=engine_cfg.capacity(),
                 load_fn=lambda n=name: fleet._heartbeat_load(n),  # type: ignore[union-attr]
                 **common,

@@ -1,7 +1,7 @@
 """`make soak`: hundreds of randomized fault schedules, then a sustained-load run.
 
-    python -m kvindex.testing.soak                        # 300 schedules + 60 s at 50 K events/s
-    python -m kvindex.testing.soak --schedules 0 --load-seconds 600 --rate 80000
+    python -m kvtools.testing.soak                        # 300 schedules + 60 s at 50 K events/s
+    python -m kvtools.testing.soak --schedules 0 --load-seconds 600 --rate 80000
 
 The sustained-load run starts a nats-server, a `kvindex serve` process and load-generator processes
 (each runs several publishers with the real publisher library), calls `Score` concurrently over gRPC,
@@ -25,7 +25,7 @@ from pathlib import Path
 
 import structlog
 
-from kvindex.testing.chaos import ChaosConfig, run_schedule, summarize
+from kvtools.testing.chaos import ChaosConfig, run_schedule, summarize
 
 MODEL = "soak-model"
 BLOCK_SIZE = 16
@@ -190,7 +190,7 @@ async def sustained(
                     [
                         sys.executable,
                         "-m",
-                        "kvindex.testing.soak",
+                        "kvtools.testing.soak",
                         "--role",
                         "load",
                         "--nats",
@@ -310,7 +310,7 @@ async def sustained(
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m kvindex.testing.soak", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m kvtools.testing.soak", description=__doc__)
     parser.add_argument("--schedules", type=int, default=300)
     parser.add_argument("--first-seed", type=int, default=1000)
     parser.add_argument("--load-seconds", type=float, default=60.0)

@@ -1,8 +1,8 @@
 """`make run`: the whole loop on one machine, with a live dashboard.
 
-    python -m kvindex.demo                       # 8 simulated instances (GPU + CPU tiers), Mooncake trace x4
-    python -m kvindex.demo --instances 16 --cpu-blocks 0 --speed 2 --time-scale 0.5
-    python -m kvindex.demo --duration 30 --plain # no dashboard: a summary line every few seconds
+    python -m kvtools.demo                       # 8 simulated instances (GPU + CPU tiers), Mooncake trace x4
+    python -m kvtools.demo --instances 16 --cpu-blocks 0 --speed 2 --time-scale 0.5
+    python -m kvtools.demo --duration 30 --plain # no dashboard: a summary line every few seconds
 
 It starts `kvindex serve` (which starts its embedded nats-server), a fleet of simulated vLLM-like
 engines publishing real KV events and heartbeats through the worker publisher, and a traffic driver
@@ -34,9 +34,9 @@ import grpc
 import structlog
 
 from kvindex.service.natsd import free_port
-from kvindex.testing.data import mooncake_trace
 from kvindex.v1 import kvindex_pb2 as pb
 from kvindex.v1 import kvindex_pb2_grpc as pb_grpc
+from kvtools.data import mooncake_trace
 
 TRACE = mooncake_trace()
 MODEL = "demo-model"
@@ -337,7 +337,7 @@ async def _watch(
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
-        prog="python -m kvindex.demo",
+        prog="python -m kvtools.demo",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

@@ -23,7 +23,7 @@ import nats
 from kvindex.repair.nats_repair import RepairConfig
 from kvindex.service.app import IndexService, ServiceConfig
 from kvindex.service.natsd import EmbeddedNats
-from kvindex.testing.faults import Faults, FaultyPublisher
+from kvtools.testing.faults import Faults, FaultyPublisher
 
 MODEL = "chaos-model"
 

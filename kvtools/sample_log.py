@@ -1,8 +1,8 @@
-"""``python -m kvindex.capture.sample --out FILE``: a small event log for the docs (``make sample-log``).
+"""``python -m kvtools.sample_log --out FILE``: a small event log for the docs (``make sample-log``).
 
 A real service with ``--capture`` on an embedded nats-server; a simulated fleet (three engines and a
 shared pool, ``workers_shim.sim``) serving requests that the service routes (Score with commit, then
-Release when they finish); and one flaky worker (``kvindex.testing.faults``) that loses batches (gaps
+Release when they finish); and one flaky worker (``kvtools.testing.faults``) that loses batches (gaps
 repaired by replay, a replay too old for its history -> snapshot), restarts, and finally goes
 silent (stale, then forgotten). About ten seconds.
 """
@@ -27,9 +27,9 @@ from kvindex.observability.logs import configure_logging
 from kvindex.repair.nats_repair import RepairConfig
 from kvindex.service.app import IndexService, ServiceConfig
 from kvindex.service.natsd import EmbeddedNats
-from kvindex.testing.faults import FaultyPublisher
 from kvindex.v1 import kvindex_pb2 as pb
 from kvindex.v1 import kvindex_pb2_grpc as pb_grpc
+from kvtools.testing.faults import FaultyPublisher
 from workers_shim.sim import EngineConfig, SimRequest, TimeModel
 from workers_shim.sim.fleet import run_fleet
 

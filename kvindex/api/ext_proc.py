@@ -1,0 +1,431 @@
+"""Envoy ext_proc endpoint picker: the Gateway API Inference Extension's Endpoint Picker protocol (v1).
+
+Envoy-based gateways (kgateway, Istio, Envoy Gateway, GKE Gateway, NGINX Gateway Fabric) ask an
+external processor where each inference request should go. For every HTTP request Envoy opens one
+``envoy.service.ext_proc.v3.ExternalProcessor/Process`` stream and sends, in order: the request
+headers, the request body (in chunks, the last with ``end_of_stream``), then the response headers,
+body and trailers. This picker:
+
+1. buffers the request body, reads model and prompt (kvindex/api/openai_body.py) and ranks the
+   instances with the index's own ``Score`` (commit: the request enters the in-flight ledger);
+2. answers with header ``x-gateway-destination-endpoint`` = ``ip:port[,ip:port...]`` (the first is
+   the pick, the rest are ranked fallbacks for Envoy's retries) and the same value in dynamic
+   metadata under ``envoy.lb`` — the two never differ;
+3. honours the subset hint (``envoy.lb.subset_hint`` / ``x-gateway-destination-endpoint-subset``):
+   only endpoints in it are eligible, 503 when none is;
+4. on the response reads ``x-gateway-destination-endpoint-served`` (moving the ledger entry when
+   Envoy fell back to another endpoint), releases the prefill at the first response body chunk and
+   the request at the end of the response — or when the stream ends any other way (client gone,
+   upstream reset), so the ledger never leaks.
+
+Processing modes: Envoy's ``FULL_DUPLEX_STREAMED`` (what the Inference Extension configures) sends
+body chunks without waiting for the headers' answer; the picker then answers the headers after the
+last chunk and streams the body back unchanged. In ``BUFFERED`` mode Envoy waits for the headers'
+answer first, so the picker continues the headers at once and sets the destination in the body's
+answer. The mode comes from ``ProcessingRequest.protocol_config`` (sent by Envoy with the first
+message); without it, full duplex is assumed, as the Inference Extension's own picker does.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+import structlog
+from envoy.config.core.v3 import base_pb2 as core_pb2
+from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2 as mode_pb2
+from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
+from envoy.type.v3 import http_status_pb2
+from google.protobuf import struct_pb2
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1.health import aio as health_aio
+from prometheus_client import Counter
+
+from kvindex.api.openai_body import BodyError, PromptSpec, parse_body
+from kvindex.api.security import ServerSecurity
+from kvindex.api.servicer import BadRequest, KvIndexServicer
+from kvindex.fleet.registry import InstanceState
+from kvindex.scoring.ledger import FINISHED, PREFILL
+from kvindex.v1 import kvindex_pb2 as pb
+
+SERVICE_NAME = ep.DESCRIPTOR.services_by_name["ExternalProcessor"].full_name
+DESTINATION = "x-gateway-destination-endpoint"
+SERVED = "x-gateway-destination-endpoint-served"
+SUBSET = "x-gateway-destination-endpoint-subset"
+LB_NAMESPACE = "envoy.lb"
+SUBSET_NAMESPACE = "envoy.lb.subset_hint"
+REQUEST_ID_HEADER = "x-request-id"
+STREAMED_CHUNK = 62 * 1024  # body pieces sent back in full-duplex mode stay under Envoy's 64 KiB frames
+
+_FULL_DUPLEX = mode_pb2.ProcessingMode.FULL_DUPLEX_STREAMED
+_NONE = mode_pb2.ProcessingMode.NONE
+
+
+@dataclass
+class _Exchange:
+    """One HTTP request's state across its ext_proc stream."""
+
+    full_duplex: bool = True
+    headers: dict[str, str] = field(default_factory=dict)
+    body: bytearray = field(default_factory=bytearray)
+    subset: list[str] | None = None
+    request: pb.ScoreRequest | None = None
+    request_id: str = ""
+    committed: str = ""  # instance id holding the ledger entry
+    released_prefill: bool = False
+    finished: bool = False
+
+
+class PickerMetrics:
+    def __init__(self, registry: Any) -> None:
+        kw = {"registry": registry} if registry is not None else {}
+        self.picks = Counter("kvindex_ext_proc_picks", "ext_proc requests by outcome", ["outcome"], **kw)
+        self.served_elsewhere = Counter(
+            "kvindex_ext_proc_served_elsewhere", "Requests Envoy served on a fallback endpoint", **kw
+        )
+        self.streams = Counter("kvindex_ext_proc_streams", "ext_proc streams opened", **kw)
+
+
+class EndpointPicker(ep_grpc.ExternalProcessorServicer):
+    """``ExternalProcessor`` over the index's own scoring (same process, same event loop)."""
+
+    def __init__(
+        self,
+        servicer: KvIndexServicer,
+        *,
+        fallbacks: int = 3,
+        policy: str = "",
+        max_body_bytes: int = 16 * 1024 * 1024,
+        log: Any = None,
+    ) -> None:
+        self.servicer = servicer
+        self.registry = servicer.registry
+        self.fallbacks = fallbacks
+        self.policy = policy
+        self.max_body_bytes = max_body_bytes
+        self.log = log or structlog.get_logger("kvindex.ext_proc")
+        self.metrics = PickerMetrics(servicer.metrics.registry if servicer.metrics else None)
+
+    # -- the stream ----------------------------------------------------------------------------
+
+    async def Process(
+        self, request_iterator: AsyncIterator[ep.ProcessingRequest], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[ep.ProcessingResponse]:
+        self.metrics.streams.inc()
+        ex = _Exchange()
+        try:
+            async for msg in request_iterator:
+                if msg.HasField("protocol_config"):
+                    cfg = msg.protocol_config
+                    ex.full_duplex = (
+                        cfg.request_body_mode == _FULL_DUPLEX
+                        or cfg.send_body_without_waiting_for_header_response
+                        or cfg.request_body_mode == _NONE
+                    )
+                kind = msg.WhichOneof("request")
+                for response in self._handle(ex, kind, msg):
+                    yield response
+                    if response.HasField("immediate_response"):
+                        return
+        finally:
+            # However the stream ends (response done, client gone, upstream reset, Envoy restart),
+            # the request leaves the in-flight ledger.
+            self._finish(ex)
+
+    def _handle(
+        self, ex: _Exchange, kind: str | None, msg: ep.ProcessingRequest
+    ) -> list[ep.ProcessingResponse]:
+        if kind == "request_headers":
+            ex.headers = _headers(msg.request_headers.headers)
+            ex.subset = _subset(msg.metadata_context)
+            ex.request_id = ex.headers.get(REQUEST_ID_HEADER) or uuid.uuid4().hex
+            if msg.request_headers.end_of_stream:  # no body (GET /v1/models, ...): pick by load
+                return [self._pick(ex, phase="request_headers")]
+            if not ex.full_duplex:  # Envoy waits for this answer before it sends the body
+                return [ep.ProcessingResponse(request_headers=ep.HeadersResponse())]
+            return []
+        if kind == "request_body":
+            body = msg.request_body
+            ex.body += body.body
+            if len(ex.body) > self.max_body_bytes:
+                self.metrics.picks.labels("too_large").inc()
+                return [_immediate(413, f"request body over {self.max_body_bytes} bytes")]
+            if not body.end_of_stream:
+                return []
+            if not ex.full_duplex:
+                return [self._pick(ex, phase="request_body")]
+            picked = self._pick(ex, phase="request_headers")
+            if picked.HasField("immediate_response"):
+                return [picked]
+            return [picked, *_streamed_body(bytes(ex.body), "request_body")]
+        if kind == "request_trailers":
+            return [ep.ProcessingResponse(request_trailers=ep.TrailersResponse())]
+        if kind == "response_headers":
+            self._served(ex, msg.metadata_context)
+            if msg.response_headers.end_of_stream:
+                self._finish(ex)
+            return [ep.ProcessingResponse(response_headers=ep.HeadersResponse())]
+        if kind == "response_body":
+            body = msg.response_body
+            if not ex.released_prefill and (body.body or body.end_of_stream):
+                self._release(ex, PREFILL)  # the first bytes of the answer: the prefill is done
+            if body.end_of_stream:
+                self._finish(ex)
+            if ex.full_duplex:
+                return _streamed_body(body.body, "response_body", end=body.end_of_stream)
+            return [ep.ProcessingResponse(response_body=ep.BodyResponse())]
+        if kind == "response_trailers":
+            self._finish(ex)
+            return [ep.ProcessingResponse(response_trailers=ep.TrailersResponse())]
+        return []  # nothing else needs an answer
+
+    # -- picking -------------------------------------------------------------------------------
+
+    def _pick(self, ex: _Exchange, phase: str) -> ep.ProcessingResponse:
+        """Rank, commit, and answer ``phase`` (request_headers or request_body) with the destination."""
+        try:
+            endpoints = self._rank(ex)
+        except (BodyError, BadRequest) as exc:
+            self.metrics.picks.labels("bad_request").inc()
+            return _immediate(400, str(exc))
+        if not endpoints:
+            self.metrics.picks.labels("no_endpoint").inc()
+            reason = "no ready endpoint in the subset hint" if ex.subset is not None else "no ready endpoint"
+            return _immediate(503, reason)
+        value = ",".join(endpoints)
+        self.metrics.picks.labels("picked").inc()
+        mutation = ep.HeaderMutation(
+            set_headers=[
+                core_pb2.HeaderValueOption(
+                    header=core_pb2.HeaderValue(key=DESTINATION, raw_value=value.encode()),
+                    append_action=core_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD,
+                )
+            ]
+        )
+        common = ep.CommonResponse(header_mutation=mutation, clear_route_cache=True)
+        metadata = struct_pb2.Struct()
+        metadata.get_or_create_struct(LB_NAMESPACE)[DESTINATION] = value
+        if phase == "request_headers":
+            return ep.ProcessingResponse(
+                request_headers=ep.HeadersResponse(response=common), dynamic_metadata=metadata
+            )
+        return ep.ProcessingResponse(request_body=ep.BodyResponse(response=common), dynamic_metadata=metadata)
+
+    def _rank(self, ex: _Exchange) -> list[str]:
+        """Endpoints best first (the pick and up to ``fallbacks`` more); [] when none is eligible."""
+        eligible = self._eligible(ex.subset)
+        if not eligible:
+            return []
+        if not ex.body:  # a request without a body: the least loaded eligible instance
+            return self._by_load(eligible)
+        spec = parse_body(bytes(ex.body), ex.headers.get(":path", ""))
+        candidates = sorted(s.instance_id for s in eligible)
+        request = self._score_request(spec, ex, candidates)
+        response = self.servicer.score_request(request)
+        if response.committed_instance_id:
+            ex.request = request
+            ex.committed = response.committed_instance_id
+        if not response.block_size:
+            # A model the index has not heard of: any eligible endpoint may still serve it.
+            return self._by_load(eligible)
+        # Ranks of one data-parallel engine share its endpoint: each endpoint once, at its best rank.
+        ranked = list(dict.fromkeys(r.endpoint for r in response.ranked if r.endpoint))
+        return ranked[: 1 + self.fallbacks]
+
+    def _score_request(self, spec: PromptSpec, ex: _Exchange, candidates: list[str]) -> pb.ScoreRequest:
+        request = pb.ScoreRequest(
+            model=spec.model,
+            salt=spec.salt,
+            candidates=candidates,
+            policy=self.policy,
+            commit=True,
+            request_id=ex.request_id,
+        )
+        apply_prompt(request, spec)
+        return request
+
+    def _eligible(self, subset: list[str] | None) -> list[InstanceState]:
+        """Routable instances that announced where they serve (within the subset hint, if any)."""
+        if subset is None:
+            states = [s for s in self.registry.all() if s.endpoint]
+        else:
+            states = [s for endpoint in dict.fromkeys(subset) for s in self.registry.at_endpoint(endpoint)]
+        return [s for s in states if not s.stale and not s.is_pool]
+
+    def _by_load(self, eligible: list[InstanceState]) -> list[str]:
+        ordered = sorted(eligible, key=lambda s: (s.load.running + s.load.waiting, s.endpoint))
+        return list(dict.fromkeys(s.endpoint for s in ordered if s.endpoint))[: 1 + self.fallbacks]
+
+    # -- the response side ---------------------------------------------------------------------
+
+    def _served(self, ex: _Exchange, metadata: core_pb2.Metadata) -> None:
+        """Envoy says which endpoint served: move the ledger entry if it was a fallback."""
+        served = _metadata_string(metadata, LB_NAMESPACE, SERVED)
+        if not served or ex.request is None or ex.finished:
+            return
+        at = self.registry.at_endpoint(served)
+        if not at or any(st.instance_id == ex.committed for st in at):
+            return
+        instance = at[0].instance_id
+        self.metrics.served_elsewhere.inc()
+        self.servicer.router.release(ex.request_id, FINISHED)
+        request = pb.ScoreRequest()
+        request.CopyFrom(ex.request)
+        del request.candidates[:]
+        request.candidates.append(instance)
+        try:
+            response = self.servicer.score_request(request)
+        except BadRequest:
+            ex.committed = ""
+            return
+        ex.committed = response.committed_instance_id
+
+    def _release(self, ex: _Exchange, phase: str) -> None:
+        if phase == PREFILL:
+            ex.released_prefill = True
+        if ex.committed:
+            self.servicer.router.release(ex.request_id, phase)
+
+    def _finish(self, ex: _Exchange) -> None:
+        if not ex.finished:
+            ex.finished = True
+            self._release(ex, FINISHED)
+
+
+def apply_prompt(request: Any, spec: PromptSpec) -> None:
+    """Set the prompt fields of a Score/Lookup/Commit request from a parsed body."""
+    if spec.token_ids is not None:
+        request.token_ids.extend(spec.token_ids)
+        return
+    fields = request.DESCRIPTOR.fields_by_name
+    if "prompt" not in fields:
+        raise BadRequest(f"no tokenizer for model {spec.model!r} in this index: send token ids")
+    if spec.prompt is not None:
+        request.prompt = spec.prompt
+    else:
+        request.messages = json.dumps(spec.messages)
+
+
+def _headers(header_map: core_pb2.HeaderMap) -> dict[str, str]:
+    out = {}
+    for h in header_map.headers:
+        out[h.key.lower()] = h.raw_value.decode("utf-8", "replace") if h.raw_value else h.value
+    return out
+
+
+def _metadata_value(metadata: core_pb2.Metadata, namespace: str, key: str) -> struct_pb2.Value | None:
+    if namespace not in metadata.filter_metadata:
+        return None
+    fields = metadata.filter_metadata[namespace].fields
+    return fields.get(key)  # a protobuf map: .get does not insert
+
+
+def _metadata_string(metadata: core_pb2.Metadata, namespace: str, key: str) -> str:
+    value = _metadata_value(metadata, namespace, key)
+    if value is None:
+        return ""
+    if value.HasField("string_value"):
+        return value.string_value
+    if value.HasField("list_value") and value.list_value.values:
+        return value.list_value.values[0].string_value
+    return ""
+
+
+def _subset(metadata: core_pb2.Metadata) -> list[str] | None:
+    """The subset hint: None when absent (every endpoint eligible), else the listed ``ip:port``s."""
+    value = _metadata_value(metadata, SUBSET_NAMESPACE, SUBSET)
+    if value is None:
+        return None
+    if value.HasField("list_value"):
+        return [v.string_value for v in value.list_value.values if v.string_value]
+    if value.HasField("string_value"):
+        return [s.strip() for s in value.string_value.split(",") if s.strip()]
+    return []
+
+
+def _immediate(status: int, details: str) -> ep.ProcessingResponse:
+    body = json.dumps({"error": {"message": details, "type": "kvindex_endpoint_picker", "code": status}})
+    return ep.ProcessingResponse(
+        immediate_response=ep.ImmediateResponse(
+            status=http_status_pb2.HttpStatus(code=status),
+            body=body.encode(),
+            details=details,
+            headers=ep.HeaderMutation(
+                set_headers=[
+                    core_pb2.HeaderValueOption(
+                        header=core_pb2.HeaderValue(key="content-type", raw_value=b"application/json")
+                    )
+                ]
+            ),
+        )
+    )
+
+
+def _streamed_body(data: bytes, phase: str, end: bool = True) -> list[ep.ProcessingResponse]:
+    """A body handed back unchanged in full-duplex mode, in pieces Envoy accepts."""
+    pieces = [data[i : i + STREAMED_CHUNK] for i in range(0, len(data), STREAMED_CHUNK)] or [b""]
+    out = []
+    for i, piece in enumerate(pieces):
+        mutation = ep.BodyMutation(
+            streamed_response=ep.StreamedBodyResponse(body=piece, end_of_stream=end and i == len(pieces) - 1)
+        )
+        body = ep.BodyResponse(response=ep.CommonResponse(body_mutation=mutation))
+        out.append(ep.ProcessingResponse(**{phase: body}))
+    return out
+
+
+class ExtProcServer:
+    """The picker on its own port (``kvindex serve --ext-proc-port``), with the health services the
+    Inference Extension probes: ``liveness``, ``readiness`` and the ExternalProcessor service."""
+
+    def __init__(
+        self,
+        picker: EndpointPicker,
+        host: str = "0.0.0.0",
+        port: int = 9002,
+        security: ServerSecurity | None = None,
+    ) -> None:
+        self.picker = picker
+        # The service's TLS / mutual TLS / token settings apply to this port too (docs/deploy.md).
+        self.security = security or ServerSecurity()
+        self.host = host
+        self.requested_port = port
+        self.port = 0
+        self.health = health_aio.HealthServicer()
+        self._server: grpc.aio.Server | None = None
+
+    @property
+    def address(self) -> str:
+        host = "127.0.0.1" if self.host in ("0.0.0.0", "::", "[::]") else self.host
+        return f"{host}:{self.port}"
+
+    async def start(self, ready: bool = True) -> None:
+        server = self.security.new_server(options=[("grpc.so_reuseport", 0)])
+        ep_grpc.add_ExternalProcessorServicer_to_server(self.picker, server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        address = f"{self.host}:{self.requested_port}"
+        self.port = self.security.add_port(server, address)
+        if not self.port:
+            raise OSError(f"cannot bind the ext_proc port {address}")
+        await server.start()
+        self._server = server
+        await self.health.set("liveness", health_pb2.HealthCheckResponse.SERVING)
+        await self.set_ready(ready)
+
+    async def set_ready(self, ready: bool) -> None:
+        status = (
+            health_pb2.HealthCheckResponse.SERVING if ready else health_pb2.HealthCheckResponse.NOT_SERVING
+        )
+        for name in ("", "readiness", SERVICE_NAME):
+            await self.health.set(name, status)
+
+    async def stop(self, grace: float = 1.0) -> None:
+        if self._server is not None:
+            await self.set_ready(False)
+            await self._server.stop(grace)
+            self._server = None

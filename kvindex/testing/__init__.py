@@ -1,2 +1,0 @@
-"""Test support that ships with the package: fault injection and randomized fault schedules, used by
-the test suite, by `make soak`, and by operators who want to chaos-test their own deployment."""
