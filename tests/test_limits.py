@@ -241,3 +241,15 @@ def test_an_instance_at_the_limit_may_restart_with_another_block_size() -> None:
     assert c.on_events("kvindex.events.w1", b)
     state = c.registry.get(("w1", 0))
     assert state is not None and state.block_size == 8 and not c.counters.rejects
+
+
+def test_serve_limit_flags_from_the_command_line_and_the_environment() -> None:
+    import argparse
+
+    from kvindex import cli
+    from kvindex.config import parse_layered
+
+    parser = argparse.ArgumentParser()
+    cli._add_serve(parser.add_subparsers(dest="command"))
+    args = parse_layered(parser, ["serve", "--max-models", "7"], env={"KVINDEX_CAPACITY_SLACK": "2.0"})
+    assert cli._limits(args) == IngestLimits(capacity_slack=2.0, max_models=7)
