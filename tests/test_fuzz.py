@@ -75,6 +75,12 @@ FOUND = [
         "AJPLP/AAAAj/+pSTmatCbG9ja1N0b3JlZJH9Kf32cmXLP/AAAAj/+pSXmaRkYXR+YalCbG9ja1N0b3JlZJHTKf0AAAAA9tZl"
         "lAAACP/6lJeZq0Jsb2NrU3RvcmVkkf0p/fZyZZCkZWlwdP8BLYAIAAHScmllKf32cmXLP/AAAAj/+pQBLQgA",
     ),
+    # A multimodal extra key whose offset does not fit in 64 signed bits: OverflowError escaped.
+    (
+        "bridge_sglang",
+        "AJPLP/AA/5T6CACTmatCbG9ja1N0b3JlZJH9Kf32cmXLzvAAAAik+v+XlJlkYXQAAAD2cmWUAM+AAAAAAAAAAAAI+pT/l5mr"
+        "QmxvY2tTdG9yZWSR/Sn99nJlkKRlaXB0/6dydW5uaW5nZaJvawiQpGUpcnT//1xhdHIBLQgA",
+    ),
     # A TRT-LLM pull-API block with ``tokens`` an integer: TypeError escaped the decoder instead of
     # the event becoming an EventError.
     (

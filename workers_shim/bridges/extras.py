@@ -48,11 +48,17 @@ def _identifier(value: Any) -> str | bytes | None:
     return None
 
 
+def _offset(value: Any) -> bool:
+    """A token offset the key encodes (signed 64-bit); a larger one raised OverflowError out of the
+    decoder (found by fuzzing) and is now an "other" item like any value that is not an offset."""
+    return isinstance(value, int) and not isinstance(value, bool) and -(1 << 63) <= value < (1 << 63)
+
+
 def _mm_item(entry: Any) -> bytes:
     """One multimodal entry as [identifier, offset, ...] or a map; anything else as "other"."""
     if isinstance(entry, list | tuple) and len(entry) >= 2:
         ident, offset = _identifier(entry[0]), entry[1]
-        if ident is not None and isinstance(offset, int) and not isinstance(offset, bool):
+        if ident is not None and _offset(offset):
             return mm_extra(ident, offset)
     if isinstance(entry, dict):
         ident = None
@@ -61,7 +67,7 @@ def _mm_item(entry: Any) -> bytes:
                 ident = _identifier(entry[name])
                 break
         offset = entry.get("start_offset", entry.get("offset", 0))
-        if ident is not None and isinstance(offset, int) and not isinstance(offset, bool):
+        if ident is not None and _offset(offset):
             return mm_extra(ident, offset)
     return encode_other(entry)
 
