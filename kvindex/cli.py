@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import sys
 from pathlib import Path
@@ -60,6 +59,7 @@ def _add_serve(sub: Any) -> None:
     j.add_argument("--stream-max-age", type=float, default=3600.0, help="history kept in the stream (s)")
     add_serve_capture(p)
     add_server_options(p)
+    _add_readiness_shutdown(p)
 
 
 def _static_instance(text: str) -> tuple[str, str]:
@@ -75,6 +75,28 @@ def _static_instance(text: str) -> tuple[str, str]:
         return name, check_endpoint(endpoint)
     except BadEndpoint as exc:
         raise argparse.ArgumentTypeError(f"{text!r}: {exc}") from None
+
+
+def _add_readiness_shutdown(p: Any) -> None:
+    g = p.add_argument_group("readiness and shutdown (docs/deploy.md)")
+    g.add_argument(
+        "--ready-window",
+        type=float,
+        default=1.0,
+        help="first heartbeat window (s): instances heard in it must be in sync before ready",
+    )
+    g.add_argument(
+        "--ready-grace",
+        type=float,
+        default=30.0,
+        help="ready at the latest this long after start (s), even if some instances are still syncing",
+    )
+    g.add_argument(
+        "--shutdown-grace",
+        type=float,
+        default=5.0,
+        help="on SIGTERM/SIGINT/SIGHUP in-flight RPCs get this long (s); cleanup takes at most ~4 s more",
+    )
 
 
 def _add_query(sub: Any, name: str, help_text: str, prompt: bool) -> None:
@@ -149,7 +171,8 @@ def _serve(args: argparse.Namespace) -> int:
     from kvindex.ingest.nats_source import JetStreamConfig
     from kvindex.repair.nats_repair import RepairConfig
     from kvindex.scoring.router import RouterConfig
-    from kvindex.service.app import IndexService, ServiceConfig, serve_until_signalled
+    from kvindex.service.app import ServiceConfig, serve
+    from kvindex.service.readiness import ReadinessConfig
 
     configure_logging(args.log_format, args.log_level)
     config = ServiceConfig(
@@ -181,8 +204,9 @@ def _serve(args: argparse.Namespace) -> int:
     )
     if args.instance and not args.instance_model:
         raise SystemExit("kvindex serve: --instance needs --instance-model (the model they serve)")
-    asyncio.run(serve_until_signalled(IndexService(config)))
-    return 0
+    config.readiness = ReadinessConfig(window=args.ready_window, grace=args.ready_grace)
+    config.shutdown_grace = args.shutdown_grace
+    return serve(config)
 
 
 def main(argv: list[str] | None = None) -> int:
