@@ -29,12 +29,13 @@ import signal
 import sys
 import threading
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import structlog
 
 from kvindex.lifecycle.bounded import finish
 
+T = TypeVar("T")
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 PARENT_POLL = 0.25  # seconds between checks that the parent is still there
 
@@ -67,8 +68,8 @@ class Stop:
         await self._event.wait()
         return self.reason
 
-    async def run_or_stop(self, work: Awaitable[Any]) -> bool:
-        """Run ``work`` unless a stop is requested first (then cancel it); True if it completed.
+    async def run_or_stop(self, work: Awaitable[T]) -> T | None:
+        """``work``'s result, or None if a stop was requested first (then the work is cancelled).
 
         Errors of ``work`` propagate. The cancellation is repeated until the work ends: nats-py
         connecting to an unreachable server can lose one (see nats_close.py).
@@ -83,9 +84,8 @@ class Stop:
                 while not await finish([task], 1.0):
                     pass  # the run() deadline bounds this loop
         if task.cancelled():
-            return False
-        task.result()  # raise its error
-        return True
+            return None
+        return task.result()  # or raise its error
 
 
 def _sighup_ignored() -> bool:
@@ -143,7 +143,7 @@ def run(
         except asyncio.CancelledError:
             code = 1
         except Exception as exc:
-            log.error("process_failed", process=name, error=str(exc) or type(exc).__name__)
+            log.error("process_failed", process=name, error=str(exc), error_type=type(exc).__name__)
             code = 1
         except KeyboardInterrupt:  # a SIGINT before the handlers were installed
             code = 130

@@ -245,8 +245,8 @@ class IndexService:
 async def serve_until_stopped(service: IndexService, stop: Stop) -> None:
     """Start (a stop request meanwhile cancels the start), serve until asked to stop, stop cleanly."""
     try:
-        if await stop.run_or_stop(service.start()):
-            await stop.wait()
+        await stop.run_or_stop(service.start())
+        await stop.wait()  # at once if the stop came during the start
     finally:
         await service.stop()
 
