@@ -169,6 +169,15 @@ ENTRY_POINTS: dict[str, tuple[Command, str, str | None, bool]] = {
         None,
         False,
     ),
+    "heartbeat": (  # kvshim heartbeat: an engine without KV events, announced by a Publisher
+        lambda url, d: [
+            KVSHIM, "heartbeat", "--worker-id", "h1", "--model", "m", "--block-size", "4",
+            "--endpoint", "127.0.0.1:8000", "--nats", url, "--log-format", "json",
+        ],
+        "kvshim_started",
+        None,
+        False,
+    ),
     "kvsim": (  # the publisher library's owner: a fleet of Publisher.connect workers
         lambda url, d: [KVSHIM, "sim", "--nats", url, "--workers", "2", "--heartbeat-interval", "0.1"],
         "sim_fleet_started",
@@ -383,3 +392,40 @@ async def test_close_nats_ends_the_reconnect_loop_every_time() -> None:
     in 12 closes here, measured). ``close_nats`` must end every client, within its timeout."""
     problems = await close_while_reconnecting(lambda nc: close_nats(nc, 1.0), rounds=12, clients=15)
     assert not problems, problems
+
+
+@pytest.mark.parametrize("how", ["SIGHUP", "SIGKILL"])
+def test_demo_takes_its_service_and_nats_server_along(how: str) -> None:
+    """`make run` in a terminal that is closed (SIGHUP) or a demo killed outright: the demo, its
+    `kvindex serve` and the embedded nats-server all exit and :50051/:9400-like ports are freed."""
+    from kvtools.data import mooncake_trace
+
+    grpc_port, metrics_port = free_port(), free_port()
+    demo, lines = spawn(
+        [sys.executable, "-m", "kvtools.demo", "--plain", "--report-every", "0.5",
+         "--grpc-port", str(grpc_port), "--metrics-port", str(metrics_port), "--instances", "2",
+         "--limit", "200", "--trace", str(mooncake_trace())],
+        on_stdout=True,
+    )  # fmt: skip
+    try:
+        lines.wait_for("routed", timeout=60)
+        (serve,) = children(demo.pid)
+        (natsd,) = children(serve)
+        nats_port = int(Path(f"/proc/{natsd}/cmdline").read_text().split("\0")[4])
+        if how == "SIGHUP":
+            wait_handlers(demo.pid)
+            demo.send_signal(signal.SIGHUP)
+            assert demo.wait(timeout=15) == 0, lines.tail()
+            assert "stopped:" in lines.tail()
+        else:
+            demo.kill()
+            demo.wait()
+        wait_gone(serve, GRACE + 1.0)
+        wait_gone(natsd, 2.0)
+        for port in (grpc_port, metrics_port, nats_port):
+            assert port_free(port), f"port {port} still held"
+    finally:
+        for pid in [demo.pid, *(children(demo.pid) if alive(demo.pid) else [])]:
+            if alive(pid):
+                os.kill(pid, signal.SIGKILL)
+        demo.wait()
