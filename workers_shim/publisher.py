@@ -23,7 +23,7 @@ import nats
 import structlog
 from nats.aio.client import Client
 
-from kvindex.lifecycle import bounded, close_nats
+from kvindex.lifecycle import bounded, close_nats, finish
 from kvindex.wire import reconcile
 from kvindex.wire.codec import encode_batch, encode_status
 from kvindex.wire.endpoint import check_endpoint
@@ -443,11 +443,8 @@ class Publisher(WorkerLog):
         """
         if self._closed:
             return
-        for task in self._tasks:
-            task.cancel()
-        for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        # Not cancel-and-await: the flush loop's wait_for can lose a cancellation (Python 3.11).
+        await finish(self._tasks, timeout / 4)
         self._tasks = []
         self._closed = True
         if not self.nc.is_closed:

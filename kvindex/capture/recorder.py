@@ -12,7 +12,6 @@ never stops the service: a write error disables the recorder (logged once) and i
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 import socket
 import time
@@ -29,6 +28,7 @@ from kvindex.capture.digest import state_digest
 from kvindex.capture.format import LogWriter
 from kvindex.index.base import InstanceKey
 from kvindex.lifecycle import close_nats
+from kvindex.lifecycle.bounded import finish
 from kvindex.wire.reconcile import Snapshot
 from kvindex.wire.subjects import EVENTS, STATUS
 
@@ -211,9 +211,7 @@ class Recorder:
 
     async def stop(self, reason: str = "stopped") -> None:
         if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+            await finish([self._task], 1.0)
             self._task = None
         self.close(reason)
 

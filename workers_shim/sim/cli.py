@@ -15,14 +15,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import itertools
 import random
 import time
 
 import structlog
 
-from kvindex.lifecycle import Stop, run
+from kvindex.lifecycle import Stop, finish, run
 from workers_shim.sim.engine import Completion, EngineConfig, SimRequest
 from workers_shim.sim.fleet import SimFleet, run_fleet
 from workers_shim.sim.timemodel import PROFILES
@@ -121,11 +120,7 @@ async def _main(args: argparse.Namespace, stop: Stop) -> None:
     try:
         await stop.wait()
     finally:
-        for task in tasks:
-            task.cancel()
-        for task in tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await finish(tasks, 1.0)
         await fleet.close()
         log.info("sim_fleet_stopped", first_tokens=fleet.first_tokens, finished=fleet.completed)
 
