@@ -153,6 +153,11 @@ class IndexService:
             await self.natsd.start()
             self.nats_url = self.natsd.url
             self.log.info("embedded_nats_started", url=self.nats_url)
+        # Serving before NATS is reached: liveness answers (and readiness says "starting") while the
+        # connection is retried, so an orchestrator does not restart a process that only waits.
+        await self.grpc.start()
+        if self.ext_proc is not None:
+            await self.ext_proc.start(ready=False)  # its readiness follows the service's
         # Subscribe first, then repair: batches arriving while an instance resynchronises are held.
         self.source = NatsSource(
             self.consumer,
@@ -171,9 +176,6 @@ class IndexService:
         if self.recorder is not None:
             self.recorder.calibration(self.calibrator)
         self.readiness.start(time.monotonic())
-        await self.grpc.start()
-        if self.ext_proc is not None:
-            await self.ext_proc.start(ready=False)  # its readiness follows the service's
         self._readiness_task = asyncio.create_task(self._track_readiness(), name="kvindex-readiness")
         if self.config.metrics_port is not None:
             server, _thread = start_http_server(
