@@ -130,9 +130,13 @@ def wait_handlers(pid: int, timeout: float = 30.0) -> None:
 
 
 def port_free(port: int) -> bool:
+    """Nothing listens on ``port``: a server could bind it again. SO_REUSEADDR as servers set it,
+    so that connections in TIME_WAIT (left by whoever closed first) do not count."""
     with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind(("127.0.0.1", port))
+            s.listen()
         except OSError:
             return False
     return True
