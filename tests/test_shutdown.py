@@ -183,6 +183,15 @@ ENTRY_POINTS: dict[str, tuple[Command, str, str | None, bool]] = {
         None,
         False,
     ),
+    "route": (  # holds no NATS connection (the nats-server is a bystander): signals, parent death
+        lambda url, d: [
+            KVINDEX, "route", "--index", f"127.0.0.1:{free_port()}", "--host", "127.0.0.1",
+            "--port", str(free_port()), "--grace", "1", "--log-format", "json",
+        ],
+        "route_started",
+        None,
+        False,
+    ),
     "kvsim": (  # the publisher library's owner: a fleet of Publisher.connect workers
         lambda url, d: [KVSHIM, "sim", "--nats", url, "--workers", "2", "--heartbeat-interval", "0.1"],
         "sim_fleet_started",

@@ -18,6 +18,7 @@ from typing import Any
 
 from kvindex.api.security import add_server_options
 from kvindex.capture.format import LogError, zstd_available
+from kvindex.config.nats import NatsConfigError, NatsConnectError, NatsSettings, add_nats_arguments
 from kvindex.lifecycle import Stop, run
 
 _UNITS = {"": 1.0, "s": 1.0, "m": 60.0, "h": 3600.0, "ms": 0.001}
@@ -91,7 +92,7 @@ def add_capture(sub: Any) -> None:
         "wire only, not a service's replay/snapshot answers: replaying it runs the consumer without "
         "repairs (holes accepted). Use `kvindex serve --capture` for exact replays.",
     )
-    p.add_argument("--nats", required=True, help="NATS URL")
+    add_nats_arguments(p, default=None, url_help="NATS server URL(s) (required), repeated or comma-separated")
     p.add_argument("--subject-prefix", default="kvindex")
     p.add_argument("--out", required=True, help="log file (segments FILE.1, FILE.2 ... when rotating)")
     p.add_argument("--zstd", action="store_true", help="compress frames with zstd")
@@ -155,13 +156,25 @@ def run_capture(args: argparse.Namespace) -> int:
         print("error: --zstd needs the 'zstandard' package: pip install 'kvindex[capture]'", file=sys.stderr)
         return 2
 
-    async def main(stop: Stop) -> None:
-        cap = Capture(args.nats, CaptureConfig(args.out, args.max_bytes, args.zstd), args.subject_prefix)
+    try:
+        settings = NatsSettings.from_args(args)
+    except NatsConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if settings is None:
+        print("error: capture needs --nats URL (or KVINDEX_NATS_URL)", file=sys.stderr)
+        return 2
+
+    async def main(stop: Stop) -> int:
+        cap = Capture(settings, CaptureConfig(args.out, args.max_bytes, args.zstd), args.subject_prefix)
         if args.duration > 0:
             asyncio.get_running_loop().call_later(args.duration, stop.request, "duration")
         try:
             await stop.run_or_stop(cap.start())  # a stop while NATS is unreachable cancels the start
             await stop.wait()
+        except (NatsConfigError, NatsConnectError) as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
         finally:
             await cap.stop()  # bounded NATS close, then the log is closed cleanly (a CLOSE record)
         w = cap.recorder.writer
@@ -170,6 +183,7 @@ def run_capture(args: argparse.Namespace) -> int:
             f"{w.segment + 1} segment(s)) to {args.out}",
             file=sys.stderr,
         )
+        return 0
 
     return run(main, grace=5.0, name="kvindex-capture")
 

@@ -26,6 +26,8 @@ from kvindex.api.servicer import KvIndexServicer
 from kvindex.capture import records as R
 from kvindex.capture.digest import state_digest
 from kvindex.capture.format import LogWriter
+from kvindex.config.nats import NatsSettings
+from kvindex.config.nats import connect as nats_connect
 from kvindex.index.base import InstanceKey
 from kvindex.lifecycle import close_nats
 from kvindex.lifecycle.bounded import finish
@@ -256,17 +258,18 @@ class RecordingServicer(KvIndexServicer):
         return response
 
     def _compact(self, request: Any) -> bytes:
-        """The request with its prompt as block keys (and the token count) instead of token ids: the
-        same request to the router, several times smaller (one key per block of tokens)."""
-        if not len(request.token_ids):
+        """The request with its prompt as block keys (and the token count) instead of token ids or text:
+        the same request to the router, several times smaller (one key per block of tokens)."""
+        if not (len(request.token_ids) or request.prompt or request.messages):
             return request.SerializeToString()
-        _block_size, keys = self.prompt_keys(request)
+        prompt = self.resolve(request)  # text prompts: the tokenizer cache makes this a lookup
         compact = type(request)()
         compact.CopyFrom(request)
-        compact.ClearField("token_ids")
+        for name in ("token_ids", "prompt", "messages", "prompt_options"):
+            compact.ClearField(name)
         compact.lora = compact.salt = ""  # already folded into the keys
-        compact.block_keys.extend(keys)
-        compact.prompt_tokens = len(request.token_ids)
+        compact.block_keys.extend(prompt.keys)
+        compact.prompt_tokens = prompt.tokens
         return compact.SerializeToString()
 
     async def Release(self, request: Any, context: Any) -> Any:
@@ -283,8 +286,11 @@ class Capture:
     of its log runs the consumer without repairs: holes are counted and accepted.
     """
 
-    def __init__(self, url: str, config: CaptureConfig, prefix: str = "kvindex", log: Any = None) -> None:
-        self.url = url
+    def __init__(
+        self, url: str | NatsSettings, config: CaptureConfig, prefix: str = "kvindex", log: Any = None
+    ) -> None:
+        self.settings = NatsSettings.coerce(url)
+        self.url = self.settings.redacted_servers()  # for logs: no secret
         self.prefix = prefix
         self.config = config
         self.log = log or structlog.get_logger("kvindex.capture")
@@ -293,9 +299,7 @@ class Capture:
         self._head = prefix + "."
 
     async def start(self) -> None:
-        import nats
-
-        self.nc = await nats.connect(self.url, name="kvindex-capture", max_reconnect_attempts=-1)
+        self.nc = await nats_connect(self.settings, name="kvindex-capture", max_reconnect_attempts=-1)
         await self.nc.subscribe(
             self._head + ">", cb=self._on_msg, pending_msgs_limit=1_000_000, pending_bytes_limit=1 << 30
         )

@@ -15,25 +15,30 @@ from kvindex.api.security import ServerSecurity
 from kvindex.api.server import GrpcServer
 from kvindex.api.servicer import KvIndexServicer
 from kvindex.capture.recorder import CaptureConfig, Recorder, RecordingServicer, service_meta
+from kvindex.config.nats import NatsSettings
 from kvindex.fleet.registry import Registry
 from kvindex.index.inverted import InvertedIndex
 from kvindex.ingest.consumer import Consumer
 from kvindex.ingest.nats_source import JetStreamConfig, NatsSource
-from kvindex.lifecycle import Stop, bounded, run
+from kvindex.lifecycle import Stop, bounded
 from kvindex.observability.counters import IngestCounters, Metrics
+from kvindex.observability.tokenize import TokenizeCollector
 from kvindex.repair.nats_repair import NatsRepairer, RepairConfig
 from kvindex.scoring.calibration import Calibrator
 from kvindex.scoring.router import Router, RouterConfig
 from kvindex.service.calibration_store import CalibrationStore
 from kvindex.service.natsd import EmbeddedNats
 from kvindex.service.readiness import Readiness, ReadinessConfig
+from kvindex.tokenize import DEFAULT_CACHE_BYTES, Tokenizers
 from kvindex.wire.schema import GPU
 from kvindex.wire.subjects import Subjects
 
 
 @dataclass
 class ServiceConfig:
-    nats_url: str | None = None  # None: start an embedded nats-server
+    # URL(s) (comma-separated: a cluster), or NatsSettings with credentials and TLS
+    # (kvindex/config/nats.py). None: start an embedded nats-server.
+    nats_url: str | NatsSettings | None = None
     grpc_host: str = "0.0.0.0"
     grpc_port: int = 50051  # 0: any free port
     subject_prefix: str = "kvindex"
@@ -53,6 +58,9 @@ class ServiceConfig:
     ext_proc_port: int | None = None  # Envoy ext_proc endpoint picker; None: off, 0: any free port
     ext_proc_host: str = "0.0.0.0"
     ext_proc_policy: str = ""  # ranking policy of the picker; "": the router's default (ttft)
+    # Text prompts: model -> tokenizer directory (serve --tokenizer MODEL=DIR), and the cache's bytes.
+    tokenizers: dict[str, str] = field(default_factory=dict)
+    tokenize_cache_bytes: int = DEFAULT_CACHE_BYTES
     readiness: ReadinessConfig = field(default_factory=ReadinessConfig)
     shutdown_grace: float = 5.0  # in-flight RPCs get this long once stopping (s)
 
@@ -88,10 +96,15 @@ class IndexService:
         self.registry = Registry()
         self.counters = IngestCounters()
         self.metrics = Metrics(self.counters, self._gauges)
+        # Loaded before anything starts: a bad tokenizer directory fails `serve` at once, clearly.
+        self.tokenizers = Tokenizers.from_dirs(config.tokenizers, config.tokenize_cache_bytes)
+        self.metrics.registry.register(TokenizeCollector(self.tokenizers))
         self.consumer = Consumer(self.index, self.registry, subjects=self.subjects, counters=self.counters)
         self.repairer = NatsRepairer(self.consumer, config.repair)
         self.calibrator = Calibrator(config.router.costs.default_prefill)
-        self.calibration = CalibrationStore(self.calibrator)
+        self.calibration = CalibrationStore(
+            self.calibrator, replicas=config.jetstream.replicas if config.jetstream else 1
+        )
         self.router = Router(self.index, self.registry, self.calibrator, config.router)
         self.consumer.prefill_samples = self.calibrator.add
         self.consumer.on_forget = self.router.forget
@@ -100,12 +113,11 @@ class IndexService:
             meta = _capture_meta(config)
             self.recorder = Recorder.open(config.capture, meta, self.registry.clock, self.consumer)
             self.repairer.recorder = self.recorder
+        args = (self.index, self.registry, self.counters, self.metrics, self.router)
         self.servicer = (
-            KvIndexServicer(self.index, self.registry, self.counters, self.metrics, self.router)
+            KvIndexServicer(*args, tokenizers=self.tokenizers)
             if self.recorder is None
-            else RecordingServicer(
-                self.recorder, self.index, self.registry, self.counters, self.metrics, self.router
-            )
+            else RecordingServicer(self.recorder, *args, tokenizers=self.tokenizers)
         )
         self.grpc = GrpcServer(
             self.servicer, config.grpc_host, config.grpc_port, config.grpc_security, ready=False
@@ -120,7 +132,8 @@ class IndexService:
         self._readiness_task: asyncio.Task[None] | None = None
         self.natsd: EmbeddedNats | None = None
         self.source: NatsSource | None = None
-        self.nats_url = config.nats_url or ""
+        # The servers for logs and callers, secrets redacted (the settings themselves stay private).
+        self.nats_url = NatsSettings.coerce(config.nats_url).redacted_servers() if config.nats_url else ""
         self.metrics_port: int | None = None
         self._metrics_server: Any = None
 
@@ -153,6 +166,9 @@ class IndexService:
             await self.natsd.start()
             self.nats_url = self.natsd.url
             self.log.info("embedded_nats_started", url=self.nats_url)
+            nats_settings = NatsSettings.from_url(self.natsd.url)
+        else:
+            nats_settings = NatsSettings.coerce(self.config.nats_url)
         # Serving before NATS is reached: liveness answers (and readiness says "starting") while the
         # connection is retried, so an orchestrator does not restart a process that only waits.
         await self.grpc.start()
@@ -161,7 +177,7 @@ class IndexService:
         # Subscribe first, then repair: batches arriving while an instance resynchronises are held.
         self.source = NatsSource(
             self.consumer,
-            self.nats_url,
+            nats_settings,
             on_reconnect=self.repairer.on_reconnect,
             jetstream=self.config.jetstream,
         )
@@ -188,6 +204,8 @@ class IndexService:
             grpc=self.grpc.address,
             grpc_security=self.grpc.security.mode,
             nats=self.nats_url,
+            nats_auth=nats_settings.auth,
+            nats_tls=nats_settings.tls,
             subject_prefix=self.config.subject_prefix,
             metrics_port=self.metrics_port,
             ext_proc=self.ext_proc.address if self.ext_proc is not None else None,
@@ -251,12 +269,3 @@ async def serve_until_stopped(service: IndexService, stop: Stop) -> None:
         await stop.wait()  # at once if the stop came during the start
     finally:
         await service.stop()
-
-
-def serve(config: ServiceConfig) -> int:
-    """``kvindex serve``: run until SIGTERM/SIGINT/SIGHUP or the parent's exit; the exit code."""
-
-    async def main(stop: Stop) -> None:
-        await serve_until_stopped(IndexService(config), stop)
-
-    return run(main, grace=config.shutdown_grace + CLEANUP_BUDGET, name="kvindex-serve")

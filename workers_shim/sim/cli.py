@@ -21,6 +21,13 @@ import time
 
 import structlog
 
+from kvindex.config.nats import (
+    DEFAULT_URL,
+    NatsConfigError,
+    NatsConnectError,
+    NatsSettings,
+    add_nats_arguments,
+)
 from kvindex.lifecycle import Stop, finish, run
 from workers_shim.sim.engine import Completion, EngineConfig, SimRequest
 from workers_shim.sim.fleet import SimFleet, run_fleet
@@ -33,8 +40,8 @@ log = structlog.get_logger("workers_shim.sim")
 
 
 def add_sim_arguments(parser: argparse.ArgumentParser) -> None:
+    add_nats_arguments(parser)
     g = parser.add_argument_group("fleet")
-    g.add_argument("--nats", default="nats://127.0.0.1:4222", help="NATS server URL")
     g.add_argument("--subject-prefix", default="kvindex")
     g.add_argument("--workers", type=int, default=4, help="number of simulated engines")
     g.add_argument("--worker-prefix", default="sim", help="worker ids are PREFIX-0, PREFIX-1, …")
@@ -83,7 +90,16 @@ def build_config(args: argparse.Namespace) -> EngineConfig:
 
 def main_sim(args: argparse.Namespace) -> int:
     """Run until ``--duration``, SIGTERM/SIGINT/SIGHUP or the parent's exit (kvindex/lifecycle)."""
-    return run(lambda stop: _main(args, stop), grace=5.0, name="kvsim")
+
+    async def main(stop: Stop) -> int:
+        try:
+            await _main(args, stop)
+        except (NatsConfigError, NatsConnectError) as exc:
+            log.error("kvshim_sim_failed", error=str(exc))
+            return 1
+        return 0
+
+    return run(main, grace=5.0, name="kvsim")
 
 
 async def _main(args: argparse.Namespace, stop: Stop) -> None:
@@ -97,7 +113,7 @@ async def _main(args: argparse.Namespace, stop: Stop) -> None:
 
     fleet = await stop.run_or_stop(
         run_fleet(
-            args.nats,
+            NatsSettings.from_args(args) or DEFAULT_URL,
             args.workers,
             cfg,
             model=args.model,

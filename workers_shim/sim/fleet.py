@@ -21,6 +21,7 @@ from typing import Any
 
 import structlog
 
+from kvindex.config.nats import NatsSettings
 from kvindex.lifecycle import finish
 from kvindex.wire.endpoint import format_endpoint, parse_endpoint
 from workers_shim.publisher import Publisher
@@ -167,7 +168,7 @@ class SimFleet:
 
 
 async def run_fleet(
-    nats_url: str,
+    nats_url: str | NatsSettings,
     n_workers: int,
     engine_cfg: EngineConfig,
     *,
