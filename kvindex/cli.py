@@ -5,7 +5,6 @@ is the OpenAI-compatible routing proxy."""
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import sys
 from pathlib import Path
@@ -84,6 +83,7 @@ def _add_serve(sub: Any) -> None:
     )
 
     add_server_options(p)
+    _add_readiness_shutdown(p)
 
 
 def _static_instance(text: str) -> tuple[str, str]:
@@ -111,6 +111,28 @@ def _tokenizer_dirs(specs: list[str]) -> dict[str, str]:
             raise SystemExit(f"--tokenizer: model {model!r} given twice")
         dirs[model] = directory
     return dirs
+
+
+def _add_readiness_shutdown(p: Any) -> None:
+    g = p.add_argument_group("readiness and shutdown (docs/deploy.md)")
+    g.add_argument(
+        "--ready-window",
+        type=float,
+        default=1.0,
+        help="first heartbeat window (s): instances heard in it must be in sync before ready",
+    )
+    g.add_argument(
+        "--ready-grace",
+        type=float,
+        default=30.0,
+        help="ready at the latest this long after start (s), even if some instances are still syncing",
+    )
+    g.add_argument(
+        "--shutdown-grace",
+        type=float,
+        default=5.0,
+        help="on SIGTERM/SIGINT/SIGHUP in-flight RPCs get this long (s); cleanup takes at most ~4 s more",
+    )
 
 
 def _add_query(sub: Any, name: str, help_text: str, prompt: bool) -> None:
@@ -195,9 +217,11 @@ def _query(args: argparse.Namespace) -> int:
 def _serve(args: argparse.Namespace) -> int:
     from kvindex.api.security import ServerSecurity
     from kvindex.ingest.nats_source import JetStreamConfig
+    from kvindex.lifecycle import Stop, run
     from kvindex.repair.nats_repair import RepairConfig
     from kvindex.scoring.router import RouterConfig
-    from kvindex.service.app import IndexService, ServiceConfig, serve_until_signalled
+    from kvindex.service.app import CLEANUP_BUDGET, IndexService, ServiceConfig, serve_until_stopped
+    from kvindex.service.readiness import ReadinessConfig
 
     configure_logging(args.log_format, args.log_level)
     try:
@@ -238,6 +262,8 @@ def _serve(args: argparse.Namespace) -> int:
     )
     if args.instance and not args.instance_model:
         raise SystemExit("kvindex serve: --instance needs --instance-model (the model they serve)")
+    config.readiness = ReadinessConfig(window=args.ready_window, grace=args.ready_grace)
+    config.shutdown_grace = args.shutdown_grace
     from kvindex.tokenize import TokenizeError
 
     try:
@@ -245,12 +271,17 @@ def _serve(args: argparse.Namespace) -> int:
     except TokenizeError as exc:
         print(f"kvindex serve: {exc}", file=sys.stderr)
         return 2
-    try:
-        asyncio.run(serve_until_signalled(service))
-    except (NatsConfigError, NatsConnectError) as exc:
-        structlog.get_logger("kvindex").error("nats_connect_failed", error=str(exc))
-        return 2
-    return 0
+
+    async def main(stop: Stop) -> int:
+        try:
+            await serve_until_stopped(service, stop)
+        except (NatsConfigError, NatsConnectError) as exc:
+            structlog.get_logger("kvindex").error("nats_connect_failed", error=str(exc))
+            return 2
+        return 0
+
+    # SIGTERM/SIGINT/SIGHUP or the parent's exit stop it within the grace (docs/deploy.md).
+    return run(main, grace=config.shutdown_grace + CLEANUP_BUDGET, name="kvindex-serve")
 
 
 def main(argv: list[str] | None = None) -> int:
