@@ -126,7 +126,7 @@ class IndexService:
         if config.ext_proc_port is not None:
             picker = EndpointPicker(self.servicer, policy=config.ext_proc_policy, log=self.log)
             self.ext_proc = ExtProcServer(
-                picker, config.ext_proc_host, config.ext_proc_port, config.grpc_security
+                picker, config.ext_proc_host, config.ext_proc_port, config.grpc_security, ready=False
             )
         self.readiness = Readiness(self.registry, self.consumer.sequencer, config.readiness)
         self._readiness_task: asyncio.Task[None] | None = None
@@ -173,7 +173,7 @@ class IndexService:
         # connection is retried, so an orchestrator does not restart a process that only waits.
         await self.grpc.start()
         if self.ext_proc is not None:
-            await self.ext_proc.start(ready=False)  # its readiness follows the service's
+            await self.ext_proc.start()  # not ready: its readiness follows the service's
         # Subscribe first, then repair: batches arriving while an instance resynchronises are held.
         self.source = NatsSource(
             self.consumer,
