@@ -40,11 +40,34 @@ def _add_serve(sub: Any) -> None:
     r.add_argument("--max-concurrent-snapshots", type=int, default=4)
     r.add_argument("--replay-timeout", type=float, default=2.0)
     r.add_argument("--snapshot-timeout", type=float, default=5.0)
+    rs = p.add_argument_group("replicas (docs/deploy.md#replicas)")
+    rs.add_argument(
+        "--routing-sync",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="share routing state (in-flight ledger, speculative keys, prefix heat) with the other "
+        "replicas on the same NATS and prefix; default: on with --nats, off with the embedded server",
+    )
+    rs.add_argument(
+        "--replica-id",
+        type=_replica_id,
+        default="",
+        help="this replica's name on {prefix}.routing.<id> ([A-Za-z0-9_-]{1,128}); default: hostname-pid",
+    )
     j = p.add_argument_group("JetStream (optional)")
     j.add_argument("--jetstream", action="store_true", help="keep event batches in a stream; rebuild from it")
     j.add_argument("--stream-max-age", type=float, default=3600.0, help="history kept in the stream (s)")
     add_serve_capture(p)
     add_server_options(p)
+
+
+def _replica_id(text: str) -> str:
+    from kvindex.routing_sync.sync import check_replica_id
+
+    try:
+        return check_replica_id(text) if text else ""  # argparse converts the default "" too
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _add_query(sub: Any, name: str, help_text: str, prompt: bool) -> None:
@@ -118,6 +141,7 @@ def _serve(args: argparse.Namespace) -> int:
     from kvindex.api.security import ServerSecurity
     from kvindex.ingest.nats_source import JetStreamConfig
     from kvindex.repair.nats_repair import RepairConfig
+    from kvindex.routing_sync.sync import SyncConfig
     from kvindex.service.app import IndexService, ServiceConfig, serve_until_signalled
 
     configure_logging(args.log_format, args.log_level)
@@ -142,6 +166,7 @@ def _serve(args: argparse.Namespace) -> int:
         ext_proc_port=None if args.ext_proc_port < 0 else args.ext_proc_port,
         ext_proc_host=args.ext_proc_host,
         ext_proc_policy=args.ext_proc_policy,
+        routing_sync=SyncConfig(enabled=args.routing_sync, replica_id=args.replica_id),
     )
     asyncio.run(serve_until_signalled(IndexService(config)))
     return 0

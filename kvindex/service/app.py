@@ -22,6 +22,9 @@ from kvindex.ingest.consumer import Consumer
 from kvindex.ingest.nats_source import JetStreamConfig, NatsSource
 from kvindex.observability.counters import IngestCounters, Metrics
 from kvindex.repair.nats_repair import NatsRepairer, RepairConfig
+from kvindex.routing_sync.metrics import SyncCollector
+from kvindex.routing_sync.nats_link import NatsRoutingLink
+from kvindex.routing_sync.sync import RoutingSync, SyncConfig
 from kvindex.scoring.calibration import Calibrator
 from kvindex.scoring.router import Router, RouterConfig
 from kvindex.service.calibration_store import CalibrationStore
@@ -45,6 +48,7 @@ class ServiceConfig:
     ext_proc_port: int | None = None  # Envoy ext_proc endpoint picker; None: off, 0: any free port
     ext_proc_host: str = "0.0.0.0"
     ext_proc_policy: str = ""  # ranking policy of the picker; "": the router's default (ttft)
+    routing_sync: SyncConfig = field(default_factory=SyncConfig)  # replicas sharing routing state
 
 
 def _capture_meta(config: ServiceConfig) -> dict[str, Any]:
@@ -99,6 +103,16 @@ class IndexService:
             self.ext_proc = ExtProcServer(
                 picker, config.ext_proc_host, config.ext_proc_port, config.grpc_security
             )
+        # Replicas share their routing decisions (docs/deploy.md#replicas); by default only with an
+        # external NATS: nothing else can reach an embedded server's replica.
+        sync = config.routing_sync
+        self.routing_sync: RoutingSync | None = None
+        self.routing_link: NatsRoutingLink | None = None
+        if sync.enabled or (sync.enabled is None and config.nats_url):
+            self.routing_sync = RoutingSync(self.router, sync)
+            self.routing_link = NatsRoutingLink(self.routing_sync, self.subjects)
+            self.router.observer = self.routing_sync
+            self.metrics.registry.register(SyncCollector(self.routing_sync))
         self.natsd: EmbeddedNats | None = None
         self.source: NatsSource | None = None
         self.nats_url = config.nats_url or ""
@@ -135,6 +149,8 @@ class IndexService:
         assert self.source.nc is not None
         self.repairer.start(self.source.nc)
         await self.calibration.start(self.source.nc)
+        if self.routing_link is not None:
+            await self.routing_link.start(self.source.nc)
         if self.recorder is not None:
             self.recorder.calibration(self.calibrator)
         await self.grpc.start()
@@ -154,6 +170,7 @@ class IndexService:
             subject_prefix=self.config.subject_prefix,
             metrics_port=self.metrics_port,
             ext_proc=self.ext_proc.address if self.ext_proc is not None else None,
+            routing_sync=self.routing_sync.replica_id if self.routing_sync is not None else None,
         )
 
     async def stop(self) -> None:
@@ -162,6 +179,8 @@ class IndexService:
         await self.grpc.stop()
         await self.repairer.stop()
         await self.calibration.stop()
+        if self.routing_link is not None:
+            await self.routing_link.stop()
         if self.source is not None:
             await self.source.stop()
         if self.recorder is not None:
