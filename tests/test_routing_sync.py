@@ -3,6 +3,9 @@ RoutingSync messages handed across by the test (tests/test_routing_sync_e2e.py d
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import msgpack
 import pytest
 
@@ -345,3 +348,19 @@ def test_request_role_and_policy_travel_with_the_commit() -> None:
     pair.sb.receive("a", payload)
     trees = pair.b.policies["cache_aware"]._trees  # cache_aware's own memory follows a's decisions too
     assert sum(len(t) for t in trees.values()) == 20
+
+
+def test_the_documented_example_decodes() -> None:
+    """docs/wire.md §7's JSON example, as msgpack, is a valid message (the doc and the code agree)."""
+    text = (Path(__file__).resolve().parents[1] / "docs" / "wire.md").read_text()
+    section = text[text.index("## 7. Routing sync") :]
+    example = json.loads(section.split("```json", 1)[1].split("```", 1)[0])
+    msg = decode(msgpack.packb(example), example["replica"])
+    commit, release = msg.ops
+    assert isinstance(commit, CommitOp) and isinstance(release, ReleaseOp)
+    assert (commit.worker, commit.spec_ttl, len(commit.keys), release.phase) == (
+        "gpu-node-3",
+        10.0,
+        2,
+        "finished",
+    )
