@@ -276,7 +276,8 @@ def test_unknown_fields_are_ignored_and_encoding_round_trips() -> None:
 
 
 def test_replica_ids_follow_the_subject_rule() -> None:
-    assert check_replica_id(default_replica_id()) == default_replica_id()
+    first, second = default_replica_id(), default_replica_id()
+    assert check_replica_id(first) and check_replica_id(second) and first != second
     with pytest.raises(ValueError, match="replica id"):
         check_replica_id("a.b")
     with pytest.raises(ValueError, match="replica id"):

@@ -19,6 +19,7 @@ drive two routers through it directly.
 
 from __future__ import annotations
 
+import itertools
 import os
 import re
 import socket
@@ -88,10 +89,15 @@ class SyncConfig:
     max_peers: int = 1024
 
 
+_made = itertools.count(1)
+
+
 def default_replica_id() -> str:
-    """hostname-pid, reduced to the subject-token alphabet (a pod name in Kubernetes)."""
+    """hostname-pid, reduced to the subject-token alphabet (a pod name in Kubernetes); a second
+    service in the same process (tests, benchmarks) gets hostname-pid-2, and so on."""
     host = re.sub(r"[^A-Za-z0-9_-]", "-", socket.gethostname()).strip("-")[:100] or "kvindex"
-    return f"{host}-{os.getpid()}"
+    n = next(_made)
+    return f"{host}-{os.getpid()}" + (f"-{n}" if n > 1 else "")
 
 
 def check_replica_id(replica_id: str) -> str:
@@ -320,7 +326,8 @@ class RoutingSync:
     def peers(self, within: float = 60.0) -> int:
         """Other replicas heard from in the last ``within`` seconds."""
         now = self.wall()
-        return len({r for (r, _), p in self._peers.items() if now - p.seen <= within})
+        peers = list(self._peers.items())  # one C-level copy: scrapes run on another thread
+        return len({r for (r, _), p in peers if now - p.seen <= within})
 
     def _log_once(self, replica: str, what: str, event: str, **fields: Any) -> None:
         """At most once a minute per (replica, what): a flood must not flood the logs."""
