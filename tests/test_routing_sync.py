@@ -126,6 +126,20 @@ def test_a_release_that_overtakes_its_commit_wins() -> None:
     assert pair.b.ledger._entries["r2"].prefill_done
 
 
+def test_an_entry_moved_by_its_replica_moves_on_the_others() -> None:
+    """The ext_proc picker releases an entry and commits the same request id on the instance that
+    actually served it: the others must follow, not take the new commit for a late one."""
+    pair = Pair()
+    keys = prompt(40, seed=13)
+    pair.a.score(request(keys, rid="m1"), commit=True)
+    pair.deliver()
+    pair.a.release("m1", "finished")
+    assert pair.a.commit(request(keys, rid="m1"), ("w6", 0))
+    pair.deliver()
+    assert [e.instance for e in pair.b.ledger._entries.values()] == [("w6", 0)]
+    assert not pair.sb.dropped
+
+
 def test_ledger_bounds_and_ttl_apply_to_shared_entries() -> None:
     pair = Pair()
     pair.b.ledger.max_entries = 3

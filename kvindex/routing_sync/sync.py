@@ -150,7 +150,8 @@ class RoutingSync:
         self.wake: Callable[[], None] | None = None  # set by the link: called when ops are queued
         self._seq = 0
         self._pending: deque[tuple[Op, float]] = deque()  # (op, wall time decided)
-        self._released: OrderedDict[str, tuple[str, float]] = OrderedDict()  # id -> (phase, until)
+        # request id -> (phase, until, who released it: a sender's (replica, epoch), None for here)
+        self._released: OrderedDict[str, tuple[str, float, tuple[str, int] | None]] = OrderedDict()
         self._peers: OrderedDict[tuple[str, int], _Peer] = OrderedDict()
         self._logged: dict[tuple[str, str], float] = {}
         # counters (read by the Prometheus collector)
@@ -166,6 +167,7 @@ class RoutingSync:
     # -- out: the router's observer -------------------------------------------------------------
 
     def committed(self, request: RouteRequest, candidate: Candidate, policy: Policy) -> None:
+        self._released.pop(request.request_id, None)  # committed again after a release (moved)
         if len(request.request_id) > MAX_REQUEST_ID:
             self.dropped["request_id_too_long"] += 1
             return
@@ -191,7 +193,7 @@ class RoutingSync:
         self._queue(op)
 
     def released(self, request_id: str, phase: str) -> None:
-        self._remember_release(request_id, phase)
+        self._remember_release(request_id, phase, None)
         if len(request_id) > MAX_REQUEST_ID:
             self.dropped["request_id_too_long"] += 1
             return
@@ -257,9 +259,9 @@ class RoutingSync:
         for op in msg.ops:
             try:
                 if isinstance(op, CommitOp):
-                    self._apply_commit(op)
+                    self._apply_commit(op, (msg.replica, msg.epoch))
                 else:
-                    self._apply_release(op)
+                    self._apply_release(op, (msg.replica, msg.epoch))
             except Exception as exc:  # a bug, not input: keep the rest of the message and the service
                 self.dropped["apply_error"] += 1
                 self._log_once(msg.replica, "apply", "routing_sync_apply_failed", error=repr(exc))
@@ -267,12 +269,17 @@ class RoutingSync:
         self.delay.observe(max(0.0, self.wall() - msg.ts))
         return True
 
-    def _apply_commit(self, op: CommitOp) -> None:
+    def _apply_commit(self, op: CommitOp, sender: tuple[str, int]) -> None:
         router = self.router
         instance = (op.worker, op.dp_rank)
         request = RouteRequest(op.model, op.keys, op.prompt_tokens, op.block_size, op.id, op.role)
         if op.id:
             gone = self._released.get(op.id)
+            if gone is not None and gone[2] == sender:
+                # Released, then committed again by the same replica (an entry moved to the instance
+                # that served): one sender's messages arrive in order, so this commit is the newer.
+                del self._released[op.id]
+                gone = None
             if gone is not None and gone[0] == FINISHED:
                 self.dropped["finished_before_commit"] += 1  # its heat and keys still count
             else:
@@ -288,19 +295,19 @@ class RoutingSync:
             policy.on_commit(request, cand, router)
         self.applied["commit"] += 1
 
-    def _apply_release(self, op: ReleaseOp) -> None:
-        self._remember_release(op.id, op.phase)
+    def _apply_release(self, op: ReleaseOp, sender: tuple[str, int]) -> None:
+        self._remember_release(op.id, op.phase, sender)
         self.router.ledger.release(op.id, op.phase)
         self.applied["release"] += 1
 
-    def _remember_release(self, request_id: str, phase: str) -> None:
+    def _remember_release(self, request_id: str, phase: str, by: tuple[str, int] | None) -> None:
         released = self._released
         now = self.wall()
         if request_id in released:
             if released[request_id][0] == FINISHED:
                 return
             del released[request_id]
-        released[request_id] = (phase, now + self.config.release_memory)
+        released[request_id] = (phase, now + self.config.release_memory, by)
         while released:
             first = next(iter(released.values()))
             if first[1] > now and len(released) <= self.config.max_releases:
