@@ -90,6 +90,14 @@ class SyncConfig:
 
 
 _made = itertools.count(1)
+_last_epoch = 0
+
+
+def _new_epoch() -> int:
+    """Unix time in µs, distinct for every RoutingSync of this process."""
+    global _last_epoch
+    _last_epoch = max(time.time_ns() // 1000, _last_epoch + 1)
+    return _last_epoch
 
 
 def default_replica_id() -> str:
@@ -143,7 +151,7 @@ class RoutingSync:
         self.router = router
         self.config = config or SyncConfig()
         self.replica_id = check_replica_id(self.config.replica_id or default_replica_id())
-        self.epoch = time.time_ns() // 1000
+        self.epoch = _new_epoch()
         self.wall = wall
         self.log = log or structlog.get_logger("kvindex.routing_sync")
         self.max_message_bytes = self.config.max_message_bytes
