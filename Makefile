@@ -89,3 +89,30 @@ $(E2E_MODEL)/kvindex-e2e.json: $(VLLM_STAMP) e2e/make_model.py
 
 e2e-vllm: $(STAMP) $(E2E_MODEL)/kvindex-e2e.json
 	$(PY) e2e/run_vllm.py --vllm-python $(VLLM_PY) --model-dir $(E2E_MODEL) $(ARGS)
+
+# TTFT on real engines (docs/e2e-routing.md): two vLLM CPU engines, each on its own core, a chat
+# workload at two loads, routed by `kvindex route` and by vllm-router 0.1.17 (kv_aware, cache_aware,
+# round_robin), several runs each. Separate from `make test`; reuses .venv-vllm, adds the vllm-router
+# venv and a larger random model (e2e/routing-llama), both gitignored.
+ROUTER_VENV := .venv-vllm-router
+ROUTER_STAMP := $(ROUTER_VENV)/.installed
+ROUTING_MODEL := e2e/routing-llama
+E2E_STAMP := $(VENV)/.installed-e2e
+
+.PHONY: e2e-routing
+
+$(ROUTER_STAMP):
+	$(PYTHON) -m venv $(ROUTER_VENV)
+	$(ROUTER_VENV)/bin/python -m pip install --quiet vllm-router==0.1.17
+	touch $(ROUTER_STAMP)
+
+$(E2E_STAMP): $(STAMP)
+	$(PY) -m pip install --quiet -e '.[dev,e2e]'
+	touch $(E2E_STAMP)
+
+$(ROUTING_MODEL)/kvindex-e2e.json: $(VLLM_STAMP) e2e/make_model.py
+	rm -rf $(ROUTING_MODEL)
+	$(VLLM_PY) e2e/make_model.py --out $(ROUTING_MODEL) --hidden 384 --intermediate 1024 --layers 4 --heads 6 --vocab 8192
+
+e2e-routing: $(E2E_STAMP) $(ROUTER_STAMP) $(ROUTING_MODEL)/kvindex-e2e.json
+	$(PY) e2e/run_routing.py --vllm-python $(VLLM_PY) --vllm-router $(ROUTER_VENV)/bin/vllm-router --model-dir $(ROUTING_MODEL) $(ARGS)

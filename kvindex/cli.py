@@ -1,5 +1,6 @@
 """Command line: ``kvindex serve`` runs the service; score, lookup, stats and instances query it;
-``capture`` records the wire to an event log and ``replay`` rebuilds the index from one."""
+``capture`` records the wire to an event log and ``replay`` rebuilds the index from one; ``route``
+is the OpenAI-compatible routing proxy."""
 
 from __future__ import annotations
 
@@ -10,14 +11,23 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import structlog
+
 from kvindex.api.security import add_client_options, add_server_options
 from kvindex.capture.cli import add_capture, add_replay, add_serve_capture, serve_capture_config
+from kvindex.config import NatsConfigError, NatsConnectError, NatsSettings, add_nats_arguments, parse_layered
 from kvindex.observability.logs import configure_logging
+from kvindex.route.cli import add_route
 
 
 def _add_serve(sub: Any) -> None:
     p = sub.add_parser("serve", help="run the index service")
-    p.add_argument("--nats", default=None, help="NATS URL; without it an embedded nats-server is started")
+    add_nats_arguments(
+        p,
+        default=None,
+        url_help="NATS server URL(s), nats:// or tls://, repeated or comma-separated (a "
+        "cluster: any is used and reconnected to); without one an embedded nats-server is started",
+    )
     p.add_argument("--grpc-host", default="0.0.0.0")
     p.add_argument("--grpc-port", type=int, default=50051)
     p.add_argument("--subject-prefix", default="kvindex")
@@ -29,6 +39,21 @@ def _add_serve(sub: Any) -> None:
     e.add_argument("--ext-proc-port", type=int, default=-1, help="serve the picker on this port; -1: off")
     e.add_argument("--ext-proc-host", default="0.0.0.0")
     e.add_argument("--ext-proc-policy", default="", help="ranking policy for picks (default: ttft)")
+    a = p.add_argument_group("engines without KV events (approximate mode, docs/scoring.md)")
+    a.add_argument(
+        "--instance",
+        action="append",
+        default=[],
+        type=_static_instance,
+        metavar="NAME=HOST:PORT",
+        help="an instance that publishes nothing (repeatable); its cache is predicted from routing",
+    )
+    a.add_argument("--instance-model", default="", help="the model the --instance entries serve")
+    a.add_argument("--instance-block-size", type=int, default=16, help="their KV block size (tokens)")
+    a.add_argument("--instance-capacity", type=int, default=0, help="their GPU cache in blocks (0: 8192)")
+    a.add_argument(
+        "--predicted-ttl", type=float, default=120.0, help="seconds a routed prompt is assumed cached there"
+    )
     r = p.add_argument_group("self-healing")
     r.add_argument(
         "--reconcile-interval", type=float, default=60.0, help="periodic snapshot per instance (s); 0 off"
@@ -57,6 +82,7 @@ def _add_serve(sub: Any) -> None:
     j = p.add_argument_group("JetStream (optional)")
     j.add_argument("--jetstream", action="store_true", help="keep event batches in a stream; rebuild from it")
     j.add_argument("--stream-max-age", type=float, default=3600.0, help="history kept in the stream (s)")
+    j.add_argument("--stream-replicas", type=int, default=1, help="stream replicas in a NATS cluster (1-5)")
     add_serve_capture(p)
     add_server_options(p)
 
@@ -68,6 +94,21 @@ def _replica_id(text: str) -> str:
         return check_replica_id(text) if text else ""  # argparse converts the default "" too
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _static_instance(text: str) -> tuple[str, str]:
+    from kvindex.wire.endpoint import BadEndpoint, check_endpoint
+    from kvindex.wire.subjects import valid_worker_id
+
+    name, sep, endpoint = text.partition("=")
+    if not sep or not valid_worker_id(name):
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: want NAME=HOST:PORT, NAME matching [A-Za-z0-9_-]{{1,128}}"
+        )
+    try:
+        return name, check_endpoint(endpoint)
+    except BadEndpoint as exc:
+        raise argparse.ArgumentTypeError(f"{text!r}: {exc}") from None
 
 
 def _add_query(sub: Any, name: str, help_text: str, prompt: bool) -> None:
@@ -142,11 +183,17 @@ def _serve(args: argparse.Namespace) -> int:
     from kvindex.ingest.nats_source import JetStreamConfig
     from kvindex.repair.nats_repair import RepairConfig
     from kvindex.routing_sync.sync import SyncConfig
+    from kvindex.scoring.router import RouterConfig
     from kvindex.service.app import IndexService, ServiceConfig, serve_until_signalled
 
     configure_logging(args.log_format, args.log_level)
+    try:
+        nats = NatsSettings.from_args(args)  # None: embedded nats-server
+    except NatsConfigError as exc:
+        structlog.get_logger("kvindex").error("nats_connect_failed", error=str(exc))
+        return 2
     config = ServiceConfig(
-        nats_url=args.nats,
+        nats_url=nats,
         grpc_host=args.grpc_host,
         grpc_port=args.grpc_port,
         subject_prefix=args.subject_prefix,
@@ -160,15 +207,28 @@ def _serve(args: argparse.Namespace) -> int:
             replay_timeout=args.replay_timeout,
             snapshot_timeout=args.snapshot_timeout,
         ),
-        jetstream=JetStreamConfig(max_age=args.stream_max_age) if args.jetstream else None,
+        jetstream=JetStreamConfig(max_age=args.stream_max_age, replicas=args.stream_replicas)
+        if args.jetstream
+        else None,
         capture=serve_capture_config(args),
         grpc_security=ServerSecurity.from_args(args),
         ext_proc_port=None if args.ext_proc_port < 0 else args.ext_proc_port,
         ext_proc_host=args.ext_proc_host,
         ext_proc_policy=args.ext_proc_policy,
         routing_sync=SyncConfig(enabled=args.routing_sync, replica_id=args.replica_id),
+        static_instances=args.instance,
+        static_model=args.instance_model,
+        static_block_size=args.instance_block_size,
+        static_capacity=args.instance_capacity,
+        router=RouterConfig(predicted_ttl=args.predicted_ttl),
     )
-    asyncio.run(serve_until_signalled(IndexService(config)))
+    if args.instance and not args.instance_model:
+        raise SystemExit("kvindex serve: --instance needs --instance-model (the model they serve)")
+    try:
+        asyncio.run(serve_until_signalled(IndexService(config)))
+    except (NatsConfigError, NatsConnectError) as exc:
+        structlog.get_logger("kvindex").error("nats_connect_failed", error=str(exc))
+        return 2
     return 0
 
 
@@ -182,13 +242,18 @@ def main(argv: list[str] | None = None) -> int:
     _add_query(sub, "instances", "list known instances", prompt=False)
     add_capture(sub)
     add_replay(sub)
-    args = parser.parse_args(argv)
+    add_route(sub)
+    args = parse_layered(parser, argv)  # command line, then KVINDEX_* environment, then --config TOML
     if args.command == "serve":
         return _serve(args)
     if args.command == "capture":
         from kvindex.capture.cli import run_capture
 
         return run_capture(args)
+    if args.command == "route":
+        from kvindex.route.cli import run_route
+
+        return run_route(args)
     if args.command == "replay":
         from kvindex.capture.cli import run_replay
 

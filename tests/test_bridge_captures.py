@@ -234,3 +234,24 @@ async def test_gap_filled_by_the_captured_replay(
     finally:
         await tap.close()
         await engine.close()
+
+
+async def test_real_vllm_bytes_against_the_old_default_block_size_stop_the_shim(
+    nats_server: EmbeddedNats, service: IndexService
+) -> None:
+    """The field report: vLLM with --block-size 32, kvshim with 16. The shim used to skip every event
+    while looking healthy; now the engine's first store stops it, naming both sizes."""
+    from workers_shim.bridges.blocksize import BlockSizeConflict
+
+    engine = await FakeEngine().start()
+    tap = await tapped(nats_server.url)
+    try:
+        async with shim(nats_server, engine, block_size=16) as bridge:
+            await engine.send_raw(live_messages("r4_serve_sha256_int")[0])
+            await wait_until(bridge.failed.is_set, what="the bridge to stop")
+            assert isinstance(bridge.failure, BlockSizeConflict)
+            assert (bridge.failure.engine_size, bridge.failure.size) == (32, 16)
+        assert tap.keys("stored") == set()
+    finally:
+        await tap.close()
+        await engine.close()

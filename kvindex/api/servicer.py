@@ -348,6 +348,7 @@ class KvIndexServicer(pb_grpc.KvIndexServicer):
                 stale=state.stale,
                 sync=state.sync,
                 endpoint=state.endpoint or "",
+                approximate=state.approximate,
             )
         self._observe("ListInstances", started)
         return response

@@ -16,6 +16,8 @@ def sweep(
     newly_stale: list[InstanceState] = []
     forget: list[InstanceKey] = []
     for state in states:
+        if state.static:
+            continue  # registered by the operator, not by heartbeats: nothing to age
         # An instance never heard in a heartbeat ages from when it was first seen.
         last = state.last_status_at if state.last_status_at is not None else state.first_seen
         silent = now - last

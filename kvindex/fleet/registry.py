@@ -39,6 +39,10 @@ class InstanceState:
     stale: bool = False  # no heartbeat for a while: excluded from rankings
     # Where routers send this instance's requests ("host:port", from its heartbeats); None: unknown.
     endpoint: str | None = None
+    # No KV events from this instance (heartbeat-only worker, or a static --instance): its blocks in
+    # the index are predicted from routing decisions (kvindex/scoring/approximate.py).
+    approximate: bool = False
+    static: bool = False  # registered from the command line: never stale, never forgotten
 
     @property
     def instance_id(self) -> str:

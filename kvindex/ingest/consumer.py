@@ -428,7 +428,21 @@ class Consumer:
         if state.stale:
             state.stale = False
             self.log.info("instance_alive_again", worker=state.worker, dp_rank=state.dp_rank)
-        if not self.heartbeat_repairs:
+        if state.approximate != (not report.events):
+            state.approximate = not report.events
+            if not state.approximate:
+                # Now it reports events: predictions give way to the truth (its seq brings a snapshot).
+                self.index.clear(key)
+                if self.on_forget is not None:
+                    self.on_forget(key)
+            self.log.info(
+                "instance_mode",
+                worker=state.worker,
+                dp_rank=state.dp_rank,
+                mode="approximate" if state.approximate else "events",
+            )
+        if state.approximate or not self.heartbeat_repairs:
+            # No events, so no sequence to check: its blocks are the index's own predictions.
             return
         if cursor is None or cursor.epoch != report.epoch:
             if cursor is not None:

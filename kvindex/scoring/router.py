@@ -14,6 +14,7 @@ from typing import Protocol
 
 from kvindex.fleet.registry import InstanceState, Registry
 from kvindex.index.base import NO_MATCH, InstanceKey, KvBlockIndex
+from kvindex.scoring.approximate import PredictedCache
 from kvindex.scoring.base import DECODE_ROLE, Candidate, Choice, Policy, RouteRequest
 from kvindex.scoring.calibration import Calibrator
 from kvindex.scoring.costs import CostConfig, queue_ms
@@ -27,6 +28,10 @@ class RouterConfig:
     default_policy: str = "ttft"
     ledger_ttl: float = 300.0  # seconds before an unreleased request is forgotten
     seed: int = 0  # randomised policies (power_of_two, flexlb) draw from a seeded generator
+    # Instances without KV events: how long a routed prompt's blocks are assumed cached there, and
+    # their capacity in blocks when they announce none (kvindex/scoring/approximate.py).
+    predicted_ttl: float = 120.0
+    predicted_capacity: int = 8192
 
 
 class RoutingObserver(Protocol):
@@ -63,6 +68,9 @@ class Router:
         self.calibrator = calibrator or Calibrator(self.config.costs.default_prefill)
         self.ledger = Ledger(self.clock, ttl=self.config.ledger_ttl)
         self.speculative = SpeculativeKeys(self.clock)
+        self.predicted = PredictedCache(
+            index, self.clock, self.config.predicted_ttl, self.config.predicted_capacity
+        )
         self.rng = random.Random(self.config.seed)
         self.policies: dict[str, Policy] = make_policies(policy_options or {})
         self.observer: RoutingObserver | None = None  # None: a lone replica, nothing to share
@@ -172,6 +180,7 @@ class Router:
     ) -> ScoreResult:
         # Disaggregated decode instances are chosen for KV headroom, not for prefix overlap.
         chosen = self.policies["decode"] if request.role == DECODE_ROLE else self.policy(policy)
+        self.predicted.expire()
         states = self.registry.routable(request.model, candidates)
         cands = self.candidates(request, states, chosen.speculative_ttl, every=candidates is None)
         choices = chosen.rank(request, cands, self) if cands else []
@@ -200,6 +209,8 @@ class Router:
             )
         if policy.speculative_ttl > 0 and request.keys:
             self.speculative.add(key, request.keys, policy.speculative_ttl)
+        if cand.state.approximate and request.keys:
+            self.predicted.on_commit(cand.state, request.keys)
         policy.on_commit(request, cand, self)
         if self.observer is not None:
             self.observer.committed(request, cand, policy)
@@ -214,6 +225,7 @@ class Router:
 
     def forget(self, instance: InstanceKey) -> None:
         self.speculative.forget(instance)
+        self.predicted.forget(instance)
 
 
 def _trim(by_tier: tuple[int, int, int, int], over: int) -> tuple[int, int, int, int]:

@@ -16,6 +16,7 @@ from kvindex.api.security import ServerSecurity
 from kvindex.api.server import GrpcServer
 from kvindex.api.servicer import KvIndexServicer
 from kvindex.capture.recorder import CaptureConfig, Recorder, RecordingServicer, service_meta
+from kvindex.config.nats import NatsSettings
 from kvindex.fleet.registry import Registry
 from kvindex.index.inverted import InvertedIndex
 from kvindex.ingest.consumer import Consumer
@@ -29,12 +30,15 @@ from kvindex.scoring.calibration import Calibrator
 from kvindex.scoring.router import Router, RouterConfig
 from kvindex.service.calibration_store import CalibrationStore
 from kvindex.service.natsd import EmbeddedNats
+from kvindex.wire.schema import GPU
 from kvindex.wire.subjects import Subjects
 
 
 @dataclass
 class ServiceConfig:
-    nats_url: str | None = None  # None: start an embedded nats-server
+    # URL(s) (comma-separated: a cluster), or NatsSettings with credentials and TLS
+    # (kvindex/config/nats.py). None: start an embedded nats-server.
+    nats_url: str | NatsSettings | None = None
     grpc_host: str = "0.0.0.0"
     grpc_port: int = 50051  # 0: any free port
     subject_prefix: str = "kvindex"
@@ -45,6 +49,12 @@ class ServiceConfig:
     router: RouterConfig = field(default_factory=RouterConfig)
     capture: CaptureConfig | None = None  # tee what the consumer sees into an event log
     grpc_security: ServerSecurity | None = None  # TLS / mutual TLS / token; None: plaintext, open
+    # Instances without KV events, listed by the operator: (worker id, "host:port"); their caches are
+    # predicted from routing decisions (kvindex/scoring/approximate.py).
+    static_instances: list[tuple[str, str]] = field(default_factory=list)
+    static_model: str = ""
+    static_block_size: int = 16
+    static_capacity: int = 0  # GPU blocks per static instance; 0: the router's predicted_capacity
     ext_proc_port: int | None = None  # Envoy ext_proc endpoint picker; None: off, 0: any free port
     ext_proc_host: str = "0.0.0.0"
     ext_proc_policy: str = ""  # ranking policy of the picker; "": the router's default (ttft)
@@ -80,7 +90,9 @@ class IndexService:
         self.consumer = Consumer(self.index, self.registry, subjects=self.subjects, counters=self.counters)
         self.repairer = NatsRepairer(self.consumer, config.repair)
         self.calibrator = Calibrator(config.router.costs.default_prefill)
-        self.calibration = CalibrationStore(self.calibrator)
+        self.calibration = CalibrationStore(
+            self.calibrator, replicas=config.jetstream.replicas if config.jetstream else 1
+        )
         self.router = Router(self.index, self.registry, self.calibrator, config.router)
         self.consumer.prefill_samples = self.calibrator.add
         self.consumer.on_forget = self.router.forget
@@ -115,9 +127,23 @@ class IndexService:
             self.metrics.registry.register(SyncCollector(self.routing_sync))
         self.natsd: EmbeddedNats | None = None
         self.source: NatsSource | None = None
-        self.nats_url = config.nats_url or ""
+        # The servers for logs and callers, secrets redacted (the settings themselves stay private).
+        self.nats_url = NatsSettings.coerce(config.nats_url).redacted_servers() if config.nats_url else ""
         self.metrics_port: int | None = None
         self._metrics_server: Any = None
+
+    def _register_static(self) -> None:
+        """The --instance list: routable at once, approximate, never aged out by heartbeats."""
+        cfg = self.config
+        for worker, endpoint in cfg.static_instances:
+            key = (worker, 0)
+            self.index.add_instance(key, cfg.static_model)
+            state = self.registry.add(key, cfg.static_model, cfg.static_block_size)
+            state.approximate = state.static = True
+            if cfg.static_capacity:
+                state.capacity = {GPU: cfg.static_capacity}
+            self.registry.set_endpoint(state, endpoint)
+            self.log.info("static_instance", worker=worker, endpoint=endpoint, model=cfg.static_model)
 
     def _gauges(self) -> dict[str, Any]:
         s = self.index.stats()
@@ -135,13 +161,17 @@ class IndexService:
             await self.natsd.start()
             self.nats_url = self.natsd.url
             self.log.info("embedded_nats_started", url=self.nats_url)
+            nats_settings = NatsSettings.from_url(self.natsd.url)
+        else:
+            nats_settings = NatsSettings.coerce(self.config.nats_url)
         # Subscribe first, then repair: batches arriving while an instance resynchronises are held.
         self.source = NatsSource(
             self.consumer,
-            self.nats_url,
+            nats_settings,
             on_reconnect=self.repairer.on_reconnect,
             jetstream=self.config.jetstream,
         )
+        self._register_static()
         if self.recorder is not None:
             self.source.tap = self.recorder.message
             self.recorder.start()
@@ -167,6 +197,8 @@ class IndexService:
             grpc=self.grpc.address,
             grpc_security=self.grpc.security.mode,
             nats=self.nats_url,
+            nats_auth=nats_settings.auth,
+            nats_tls=nats_settings.tls,
             subject_prefix=self.config.subject_prefix,
             metrics_port=self.metrics_port,
             ext_proc=self.ext_proc.address if self.ext_proc is not None else None,

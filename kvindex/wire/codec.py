@@ -77,6 +77,9 @@ class _StatusMsg(Struct, gc=False):
     # Optional and checked after decoding (any type gets through here): a malformed endpoint must
     # not cost the heartbeat's load and digest, so it is dropped alone (see _endpoint).
     endpoint: Any = None
+    # False: the worker publishes no KV events (heartbeats only); the index predicts its cache from
+    # its own routing decisions (kvindex/scoring/approximate.py).
+    events: bool = True
 
 
 _batch_decoder = msgspec.msgpack.Decoder(EventBatch)
@@ -183,6 +186,7 @@ def decode_status(payload: bytes, subject_worker: str | None = None) -> StatusRe
         {TIER_BY_NAME[t]: (c, x) for t, (c, x) in msg.digest.items()},
         msg.prefill,
         *_endpoint(msg.endpoint),
+        events=msg.events,
     )
 
 

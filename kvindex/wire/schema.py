@@ -115,6 +115,8 @@ class StatusReport:
     # malformed, and then ``endpoint_error`` says what was wrong with it.
     endpoint: str | None = None
     endpoint_error: str | None = None
+    # False: a worker without KV events (heartbeats only): its cache is predicted, not reported.
+    events: bool = True
 
     @property
     def instance(self) -> tuple[str, int]:

@@ -23,6 +23,13 @@ import time
 
 import structlog
 
+from kvindex.config.nats import (
+    DEFAULT_URL,
+    NatsConfigError,
+    NatsConnectError,
+    NatsSettings,
+    add_nats_arguments,
+)
 from workers_shim.sim.engine import Completion, EngineConfig, SimRequest
 from workers_shim.sim.fleet import SimFleet, run_fleet
 from workers_shim.sim.timemodel import PROFILES
@@ -34,8 +41,8 @@ log = structlog.get_logger("workers_shim.sim")
 
 
 def add_sim_arguments(parser: argparse.ArgumentParser) -> None:
+    add_nats_arguments(parser)
     g = parser.add_argument_group("fleet")
-    g.add_argument("--nats", default="nats://127.0.0.1:4222", help="NATS server URL")
     g.add_argument("--subject-prefix", default="kvindex")
     g.add_argument("--workers", type=int, default=4, help="number of simulated engines")
     g.add_argument("--worker-prefix", default="sim", help="worker ids are PREFIX-0, PREFIX-1, …")
@@ -84,7 +91,11 @@ def build_config(args: argparse.Namespace) -> EngineConfig:
 
 def main_sim(args: argparse.Namespace) -> int:
     with contextlib.suppress(KeyboardInterrupt):
-        asyncio.run(_main(args))
+        try:
+            asyncio.run(_main(args))
+        except (NatsConfigError, NatsConnectError) as exc:
+            log.error("kvshim_sim_failed", error=str(exc))
+            return 1
     return 0
 
 
@@ -102,7 +113,7 @@ async def _main(args: argparse.Namespace) -> None:
             ttfts.append(c.ttft)
 
     fleet = await run_fleet(
-        args.nats,
+        NatsSettings.from_args(args) or DEFAULT_URL,
         args.workers,
         cfg,
         model=args.model,

@@ -1,0 +1,535 @@
+"""TTFT on real engines: kvindex's routing proxy against vllm-router, same arrivals, several runs.
+
+Two real vLLM engines (the CPU build, each pinned to its own core, KV events and prefix caching on,
+a random Llama whose 2K-token prefill takes about a second) serve a chat workload — shared system
+prompts, multi-turn sessions, long documents asked about repeatedly — sent with the official
+``openai`` client at fixed, seeded arrival times. The same arrivals go through each router:
+
+- ``kvindex``: ``kvindex serve`` (embedded NATS, the model's tokenizer) + one ``kvshim vllm`` per
+  engine + ``kvindex route`` (policy ttft);
+- ``vllm-router`` 0.1.17 (Rust, PyPI ``vllm-router``, not ours) with ``--policy kv_aware`` (it reads
+  the engines' KV events itself), ``cache_aware`` and ``round_robin``.
+
+Between runs every engine's prefix cache is reset, so each run starts cold. Reported per router and
+load: TTFT mean / p50 / p90 at the client (time to the first streamed content chunk), the engines'
+own prefix-cache hit rate (``vllm:prefix_cache_hits_total`` / ``queries``), completed requests/s, and
+the CPU share of everything that is not an engine while it ran. ``make e2e-routing`` runs it;
+docs/e2e-routing.md explains the method and shows the tables.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import random
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from run_vllm import Proc, engine_metrics, free_port, http
+
+ROOT = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+MODEL = "routing-llama"
+BLOCK = 32  # vLLM's CPU attention backend takes multiples of 32
+ROUTERS = ("kvindex", "kv_aware", "cache_aware", "round_robin")
+
+
+# -- the workload ------------------------------------------------------------------------------------
+
+
+@dataclass
+class Request:
+    at: float  # seconds after the run starts
+    kind: str  # system | session | document
+    messages: list[dict[str, str]]
+    group: str  # the shared part it reuses (system prompt, session, document)
+
+
+def words(rng: random.Random, n: int, vocab: int) -> str:
+    # Word-level tokenizer: one word, one token. The first words are specials and role markers.
+    return " ".join(f"t{rng.randrange(16, vocab)}" for _ in range(n))
+
+
+def workload(seed: int, rate: float, duration: float, vocab: int) -> list[Request]:
+    """Seeded arrivals (Poisson at ``rate``) over three request kinds sharing prefixes."""
+    rng = random.Random(seed)
+    systems = [words(rng, 700, vocab) for _ in range(4)]
+    documents = [words(rng, 1600, vocab) for _ in range(6)]
+    sessions: list[dict[str, Any]] = []
+    out: list[Request] = []
+    t = 0.0
+    while True:
+        t += rng.expovariate(rate)
+        if t >= duration:
+            return out
+        kind = rng.choices(("system", "session", "document"), weights=(0.35, 0.35, 0.30))[0]
+        if kind == "system":
+            s = rng.randrange(len(systems))
+            msgs = [
+                {"role": "system", "content": systems[s]},
+                {"role": "user", "content": words(rng, rng.randint(30, 120), vocab)},
+            ]
+            out.append(Request(t, kind, msgs, f"system{s}"))
+        elif kind == "document":
+            d = rng.randrange(len(documents))
+            msgs = [
+                {"role": "user", "content": "document: " + documents[d]},
+                {"role": "user", "content": words(rng, rng.randint(20, 60), vocab)},
+            ]
+            out.append(Request(t, kind, msgs, f"doc{d}"))
+        else:
+            # A session grows by one turn (the previous answer stands in as fixed words) per request.
+            live = [s for s in sessions if s["turns"] < 5]
+            if not live or rng.random() < 0.3:
+                sess = {
+                    "id": len(sessions),
+                    "turns": 0,
+                    "msgs": [{"role": "system", "content": systems[0][:400]}],
+                }
+                sessions.append(sess)
+            else:
+                sess = rng.choice(live)
+            sess["msgs"] = [
+                *sess["msgs"],
+                {"role": "user", "content": words(rng, rng.randint(60, 200), vocab)},
+            ]
+            out.append(Request(t, kind, list(sess["msgs"]), f"session{sess['id']}"))
+            sess["msgs"].append({"role": "assistant", "content": words(rng, 16, vocab)})
+            sess["turns"] += 1
+
+
+# -- measurement -----------------------------------------------------------------------------------
+
+
+@dataclass
+class Result:
+    at: float
+    kind: str
+    ttft: float | None  # seconds; None: failed
+    total: float | None
+    error: str = ""
+
+
+async def send_all(base_url: str, requests: list[Request], max_tokens: int) -> list[Result]:
+    """Each request at its arrival time, streamed; TTFT = first chunk with content (or a finish)."""
+    from openai import AsyncOpenAI
+
+    client = AsyncOpenAI(base_url=base_url, api_key="none", max_retries=0, timeout=600)
+    start = time.perf_counter()
+
+    async def one(req: Request) -> Result:
+        delay = req.at - (time.perf_counter() - start)
+        if delay > 0:
+            await asyncio.sleep(delay)
+        sent = time.perf_counter()
+        ttft = None
+        try:
+            stream = await client.chat.completions.create(
+                model=MODEL,
+                messages=req.messages,  # type: ignore[arg-type]
+                max_tokens=max_tokens,
+                temperature=0,
+                stream=True,
+            )
+            async for chunk in stream:
+                if (
+                    ttft is None
+                    and chunk.choices
+                    and (chunk.choices[0].delta.content or chunk.choices[0].finish_reason)
+                ):
+                    ttft = time.perf_counter() - sent
+            return Result(req.at, req.kind, ttft, time.perf_counter() - sent)
+        except Exception as exc:  # a failed request is reported, not retried
+            return Result(req.at, req.kind, None, None, f"{type(exc).__name__}: {exc}"[:200])
+
+    results = await asyncio.gather(*(one(r) for r in requests))
+    await client.close()
+    return list(results)
+
+
+def cpu_ticks(pid: int) -> int:
+    """utime + stime of a process and its threads (clock ticks); 0 once gone."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return int(fields[11]) + int(fields[12])
+    except (OSError, IndexError, ValueError):
+        return 0
+
+
+def tree_pids(root: int) -> list[int]:
+    """``root`` and its descendants (vLLM forks its engine core)."""
+    children: dict[int, list[int]] = {}
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            with contextlib.suppress(OSError, IndexError, ValueError):
+                ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+                children.setdefault(ppid, []).append(int(d.name))
+    out, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        out.append(pid)
+        todo.extend(children.get(pid, []))
+    return out
+
+
+def machine_ticks() -> int:
+    parts = Path("/proc/stat").read_text().splitlines()[0].split()[1:]
+    return sum(int(x) for x in parts[:3]) + sum(
+        int(x) for x in parts[5:8]
+    )  # busy: user nice system irq softirq steal
+
+
+# -- the parts ---------------------------------------------------------------------------------------
+
+
+@dataclass
+class Engine:
+    n: int
+    http_port: int
+    zmq_port: int
+    replay_port: int
+    proc: Proc | None = None
+
+    @property
+    def base(self) -> str:
+        return f"http://127.0.0.1:{self.http_port}"
+
+
+class Bench:
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.out: Path = args.out
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.engines = [Engine(i, free_port(), free_port(), free_port()) for i in range(2)]
+        self.procs: list[Proc] = []
+        self.vocab = json.loads((args.model_dir / "kvindex-e2e.json").read_text())["vocab"]
+
+    def log(self, msg: str) -> None:
+        print(f"[e2e-routing {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+    def start_engines(self) -> None:
+        a = self.args
+        for eng in self.engines:
+            events = {
+                "enable_kv_cache_events": True,
+                "publisher": "zmq",
+                "endpoint": f"tcp://*:{eng.zmq_port}",
+                "replay_endpoint": f"tcp://*:{eng.replay_port}",
+                "topic": "kv-events",
+            }
+            argv = [
+                "taskset", "-c", str(eng.n), str(a.vllm_python), "-m", "vllm.entrypoints.openai.api_server",
+                "--model", str(a.model_dir), "--served-model-name", MODEL,
+                "--host", "127.0.0.1", "--port", str(eng.http_port),
+                "--dtype", "float32", "--seed", "0", "--max-model-len", "8192",
+                "--block-size", str(BLOCK), "--enable-prefix-caching",
+                "--num-gpu-blocks-override", str(a.cache_blocks),
+                "--kv-cache-memory-bytes", str(512 << 20),
+                "--max-num-batched-tokens", "8192", "--max-num-seqs", "16",
+                "--enable-prompt-tokens-details",
+                "--kv-events-config", json.dumps(events),
+            ]  # fmt: skip
+            env = {
+                "VLLM_SERVER_DEV_MODE": "1",
+                "VLLM_CPU_OMP_THREADS_BIND": str(eng.n),
+                "OMP_NUM_THREADS": "1",
+                "VLLM_LOGGING_LEVEL": "WARNING",
+            }
+            eng.proc = Proc(f"vllm{eng.n}", argv, self.out / f"vllm{eng.n}.log", env)
+            self.procs.append(eng.proc)
+        deadline = time.monotonic() + a.startup_timeout
+        for eng in self.engines:
+            assert eng.proc is not None
+            while True:
+                if not eng.proc.alive():
+                    raise RuntimeError(f"vLLM {eng.n} exited:\n{eng.proc.tail(40)}")
+                with contextlib.suppress(OSError):
+                    if http(f"{eng.base}/health", timeout=2)[0] == 200:
+                        break
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"vLLM {eng.n} not healthy in time:\n{eng.proc.tail(40)}")
+                time.sleep(0.5)
+        self.log(f"engines up: {[e.base for e in self.engines]}")
+
+    def reset_engines(self) -> None:
+        for eng in self.engines:
+            status, body = http(f"{eng.base}/reset_prefix_cache", {})
+            if status != 200:
+                raise RuntimeError(f"reset_prefix_cache on engine {eng.n}: {status} {body[:200]!r}")
+
+    def start_router(self, name: str) -> tuple[str, list[Proc]]:
+        """Start one router in front of the engines; its OpenAI base URL and its processes."""
+        port = free_port()
+        procs: list[Proc] = []
+        if name == "kvindex":
+            grpc_port = free_port()
+            serve = Proc(
+                "kvindex",
+                [
+                    str(BIN / "kvindex"), "serve", "--grpc-host", "127.0.0.1", "--grpc-port", str(grpc_port),
+                    "--metrics-port", "-1", "--log-format", "json", "--log-level", "warning",
+                    "--tokenizer", f"{MODEL}={self.args.model_dir}",
+                ],
+                self.out / "kvindex.log",
+            )  # fmt: skip
+            procs.append(serve)
+            nats = wait_json(serve, "embedded_nats_started")["url"]
+            for eng in self.engines:
+                procs.append(
+                    Proc(
+                        f"kvshim{eng.n}",
+                        [
+                            str(BIN / "kvshim"), "vllm",
+                            "--zmq", f"tcp://127.0.0.1:{eng.zmq_port}",
+                            "--replay", f"tcp://127.0.0.1:{eng.replay_port}",
+                            "--topic", "kv-events", "--metrics-url", f"{eng.base}/metrics",
+                            "--worker-id", f"vllm{eng.n}", "--model", MODEL, "--block-size", str(BLOCK),
+                            "--nats", nats, "--log-format", "json", "--log-level", "warning",
+                        ],
+                        self.out / f"kvshim{eng.n}.log",
+                    )
+                )  # fmt: skip
+            route = Proc(
+                "route",
+                [
+                    str(BIN / "kvindex"), "route", "--index", f"127.0.0.1:{grpc_port}",
+                    "--host", "127.0.0.1", "--port", str(port),
+                    "--log-format", "json", "--log-level", "warning",
+                ],
+                self.out / "route.log",
+            )  # fmt: skip
+            procs.append(route)
+            self.wait_instances(grpc_port)
+        else:
+            argv = [
+                str(self.args.vllm_router), "--host", "127.0.0.1", "--port", str(port),
+                "--worker-urls", *[e.base for e in self.engines], "--policy", name,
+                "--log-level", "warning", "--disable-retries",
+            ]  # fmt: skip
+            if name == "kv_aware":
+                for eng in self.engines:
+                    argv += ["--kv-event-source", f"{eng.base}=tcp://127.0.0.1:{eng.zmq_port}"]
+                argv += ["--kv-event-block-size", str(BLOCK), "--kv-event-model", MODEL]
+            procs.append(Proc(f"vllm-router-{name}", argv, self.out / f"vllm-router-{name}.log"))
+        base = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            for p in procs:
+                if not p.alive():
+                    raise RuntimeError(f"{p.name} exited:\n{p.tail(30)}")
+            with contextlib.suppress(OSError):
+                if http(f"{base}/v1/models", timeout=2)[0] == 200:
+                    return base, procs
+            time.sleep(0.3)
+        raise RuntimeError(
+            f"router {name} not answering /v1/models:\n" + "\n".join(p.tail(10) for p in procs)
+        )
+
+    def wait_instances(self, grpc_port: int) -> None:
+        import grpc
+
+        from kvindex.v1 import kvindex_pb2 as pb
+        from kvindex.v1 import kvindex_pb2_grpc as pb_grpc
+
+        deadline = time.monotonic() + 60
+        with grpc.insecure_channel(f"127.0.0.1:{grpc_port}") as ch:
+            stub = pb_grpc.KvIndexStub(ch)
+            while time.monotonic() < deadline:
+                with contextlib.suppress(grpc.RpcError):
+                    got = stub.ListInstances(pb.ListInstancesRequest(model=MODEL), timeout=2).instances
+                    if len(got) == len(self.engines) and all(i.endpoint for i in got):
+                        return
+                time.sleep(0.3)
+        raise RuntimeError("the engines' shims did not register with the index in time")
+
+    def run_once(self, router: str, load: str, rate: float, run: int) -> dict[str, Any]:
+        self.reset_engines()
+        base, procs = self.start_router(router)
+        requests = workload(self.args.seed + run, rate, self.args.duration, self.vocab)
+        before = [engine_metrics(e.base) for e in self.engines]
+        served_before = [served(e.base) for e in self.engines]
+        engine_pids = [p for e in self.engines if e.proc for p in tree_pids(e.proc.popen.pid)]
+        ticks0, engine0, wall0 = machine_ticks(), sum(cpu_ticks(p) for p in engine_pids), time.monotonic()
+        results = asyncio.run(send_all(base + "/v1", requests, self.args.max_tokens))
+        wall = time.monotonic() - wall0
+        busy = machine_ticks() - ticks0
+        engines_busy = sum(cpu_ticks(p) for p in engine_pids) - engine0
+        after = [engine_metrics(e.base) for e in self.engines]
+        served_after = [served(e.base) for e in self.engines]
+        for p in procs:
+            p.stop()
+        hits = sum(
+            a.get("prefix_cache_hits_total", 0) - b.get("prefix_cache_hits_total", 0)
+            for a, b in zip(after, before, strict=True)
+        )
+        queries = sum(
+            a.get("prefix_cache_queries_total", 0) - b.get("prefix_cache_queries_total", 0)
+            for a, b in zip(after, before, strict=True)
+        )
+        per_engine = [a - b for a, b in zip(served_after, served_before, strict=True)]
+        ok = [r for r in results if r.ttft is not None]
+        ttfts = sorted(r.ttft for r in ok if r.ttft is not None)
+        hz = os.sysconf("SC_CLK_TCK")
+        row = {
+            "router": router,
+            "load": load,
+            "rate": rate,
+            "run": run,
+            "requests": len(results),
+            "failed": len(results) - len(ok),
+            "errors": sorted({r.error for r in results if r.error})[:3],
+            "ttft_mean": statistics.fmean(ttfts) if ttfts else None,
+            "ttft_p50": pct(ttfts, 50),
+            "ttft_p90": pct(ttfts, 90),
+            "hit_rate": hits / queries if queries else None,
+            "req_per_s": len(ok) / wall,
+            "wall_s": wall,
+            "per_engine": per_engine,
+            "cpu_other_share": (busy - engines_busy) / max(busy, 1),
+            "cpu_busy_cores": busy / hz / wall,
+            "results": [asdict(r) for r in results],
+        }
+        self.log(
+            f"{router:12s} {load:5s} run {run}: TTFT mean {fmt(row['ttft_mean'])} p50 {fmt(row['ttft_p50'])} "
+            f"p90 {fmt(row['ttft_p90'])}, hit {fmt(row['hit_rate'], pct_=True)}, "
+            f"{row['req_per_s']:.2f} req/s, "
+            f"failed {row['failed']}, per engine {per_engine}, other CPU {row['cpu_other_share']:.0%}"
+        )
+        return row
+
+    def main(self) -> int:
+        a = self.args
+        rows: list[dict[str, Any]] = []
+        rates = {"light": a.light_rate, "high": a.high_rate}
+        try:
+            self.start_engines()
+            # Warm the engines' code paths once (not measured) so the first run is not penalised.
+            asyncio.run(send_all(self.engines[0].base + "/v1", workload(999, 1.0, 2.0, self.vocab), 4))
+            asyncio.run(send_all(self.engines[1].base + "/v1", workload(998, 1.0, 2.0, self.vocab), 4))
+            for run in range(a.runs):
+                for load in a.loads:
+                    # Routers in a rotating order so that no router always runs first or last.
+                    order = list(a.routers[run % len(a.routers) :]) + list(a.routers[: run % len(a.routers)])
+                    for router in order:
+                        rows.append(self.run_once(router, load, rates[load], run))
+                        (self.out / "results.json").write_text(json.dumps(rows, indent=1))
+        finally:
+            for p in reversed(self.procs):
+                p.stop()
+        table = summary(rows)
+        (self.out / "table.md").write_text(table)
+        print(table)
+        return 0
+
+
+def served(base: str) -> int:
+    """Requests an engine finished (``vllm:request_success_total`` summed over its labels)."""
+    _, body = http(f"{base}/metrics", timeout=5)
+    total = 0.0
+    for line in body.decode().splitlines():
+        if line.startswith("vllm:request_success_total{"):
+            total += float(line.rsplit(" ", 1)[1])
+    return int(total)
+
+
+def wait_json(proc: Proc, event: str, timeout: float = 30) -> dict[str, Any]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for line in proc.log_path.read_text(errors="replace").splitlines():
+            with contextlib.suppress(ValueError):
+                rec = json.loads(line)
+                if isinstance(rec, dict) and rec.get("event") == event:
+                    return rec
+        if not proc.alive():
+            raise RuntimeError(f"{proc.name} exited:\n{proc.tail()}")
+        time.sleep(0.1)
+    raise RuntimeError(f"{proc.name}: no {event!r} within {timeout}s:\n{proc.tail()}")
+
+
+def pct(xs: list[float], q: float) -> float | None:
+    if not xs:
+        return None
+    k = (len(xs) - 1) * q / 100
+    lo = int(k)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
+
+
+def fmt(x: float | None, pct_: bool = False) -> str:
+    if x is None:
+        return "-"
+    return f"{x:.1%}" if pct_ else f"{x:.3f}s"
+
+
+def summary(rows: list[dict[str, Any]]) -> str:
+    """Per load and router: the mean over runs, and the spread (min-max) across runs."""
+    lines = []
+    for load in dict.fromkeys(r["load"] for r in rows):
+        sel = [r for r in rows if r["load"] == load]
+        rate = sel[0]["rate"]
+        lines += [
+            f"### {load} load ({rate} req/s offered, {len({r['run'] for r in sel})} runs)",
+            "",
+            "| router | TTFT mean (s) | TTFT p50 (s) | TTFT p90 (s) | prefix-cache hit | req/s | failed "
+            "| other CPU |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
+        for router in dict.fromkeys(r["router"] for r in sel):
+            rr = [r for r in sel if r["router"] == router]
+
+            def cell(key: str, pct_: bool = False, rr: list[dict[str, Any]] = rr) -> str:
+                vals = [r[key] for r in rr if r[key] is not None]
+                if not vals:
+                    return "-"
+                mean = statistics.fmean(vals)
+                if pct_:
+                    return f"{mean:.1%} ({min(vals):.1%}-{max(vals):.1%})"
+                return f"{mean:.3f} ({min(vals):.3f}-{max(vals):.3f})"
+
+            name = "kvindex route (ttft)" if router == "kvindex" else f"vllm-router {router}"
+            lines.append(
+                f"| {name} | {cell('ttft_mean')} | {cell('ttft_p50')} | {cell('ttft_p90')} | "
+                f"{cell('hit_rate', True)} | {statistics.fmean(r['req_per_s'] for r in rr):.2f} | "
+                f"{sum(r['failed'] for r in rr)} | {statistics.fmean(r['cpu_other_share'] for r in rr):.0%} |"
+            )
+        lines.append("")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--vllm-python", type=Path, default=ROOT / ".venv-vllm" / "bin" / "python")
+    p.add_argument("--vllm-router", type=Path, default=ROOT / ".venv-vllm-router" / "bin" / "vllm-router")
+    p.add_argument("--model-dir", type=Path, default=ROOT / "e2e" / "routing-llama")
+    p.add_argument("--out", type=Path, default=ROOT / "e2e" / "out-routing")
+    p.add_argument("--routers", nargs="+", default=list(ROUTERS), choices=ROUTERS)
+    p.add_argument("--loads", nargs="+", default=["light", "high"], choices=("light", "high"))
+    p.add_argument("--light-rate", type=float, default=0.6, help="requests/s offered at light load")
+    p.add_argument("--high-rate", type=float, default=1.6, help="requests/s offered near saturation")
+    p.add_argument("--duration", type=float, default=60.0, help="seconds of arrivals per run")
+    p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--max-tokens", type=int, default=8)
+    p.add_argument("--cache-blocks", type=int, default=400, help="KV blocks per engine (32 tokens each)")
+    p.add_argument("--startup-timeout", type=float, default=300.0)
+    args = p.parse_args()
+    for path in (args.vllm_python, args.model_dir / "kvindex-e2e.json"):
+        if not path.exists():
+            print(f"missing {path}: run `make e2e-routing` (it installs what is needed)", file=sys.stderr)
+            return 2
+    if any(r != "kvindex" for r in args.routers) and not args.vllm_router.exists():
+        print(f"missing {args.vllm_router}: run `make e2e-routing`", file=sys.stderr)
+        return 2
+    return Bench(args).main()
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

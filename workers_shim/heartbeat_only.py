@@ -1,0 +1,96 @@
+"""`kvshim heartbeat`: register an engine that publishes no KV events.
+
+Older vLLM releases and other OpenAI-compatible servers cannot emit KV events. This shim only
+announces the instance — model, block size, capacity, where it serves (``--endpoint``) and its load
+scraped from the engine's Prometheus page — with ``events: false`` in every heartbeat. The index then
+predicts the instance's prefix cache from its own routing decisions (kvindex/scoring/approximate.py)
+and marks it ``approximate`` in ListInstances.
+
+    kvshim heartbeat --worker-id W --model M --block-size 16 --endpoint HOST:8000 \\
+        [--metrics-url http://HOST:8000/metrics] [--capacity gpu=24000] [--nats URL]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import signal
+from typing import Any
+
+import structlog
+
+from workers_shim.bridges.engines import ENGINES
+from workers_shim.bridges.load import LoadReader, scrape
+from workers_shim.publisher import Publisher
+
+
+def add_heartbeat_command(sub: Any, parse_endpoint: Any, parse_capacity: Any, positive_int: Any) -> None:
+    p = sub.add_parser(
+        "heartbeat",
+        help="announce an engine without KV events (heartbeats only; the index predicts its cache)",
+        description=__doc__.split("\n\n")[1],
+    )
+    p.add_argument("--worker-id", required=True, help="this worker's id on the wire ([A-Za-z0-9_-]{1,128})")
+    p.add_argument("--model", required=True, help="served model name, as routers will ask for it")
+    p.add_argument("--block-size", type=positive_int, required=True, help="tokens per KV block in the engine")
+    p.add_argument(
+        "--endpoint", type=parse_endpoint, required=True, help="HOST:PORT routers send requests to"
+    )
+    p.add_argument("--metrics-url", default=None, help="the engine's Prometheus page, for its load")
+    p.add_argument("--engine", choices=sorted(ENGINES), default="vllm", help="whose /metrics names to read")
+    p.add_argument("--capacity", type=parse_capacity, default={}, help="blocks per tier, e.g. gpu=24000")
+    p.add_argument("--nats", default="nats://127.0.0.1:4222", help="NATS URL")
+    p.add_argument("--subject-prefix", default="kvindex")
+    p.add_argument("--heartbeat-interval", type=float, default=0.5)
+    p.add_argument("--scrape-interval", type=float, default=1.0)
+    p.add_argument("--log-format", choices=("auto", "json", "console"), default="auto")
+    p.add_argument("--log-level", default="info")
+    p.set_defaults(handler=run_heartbeat)
+
+
+def run_heartbeat(args: argparse.Namespace) -> int:
+    from kvindex.observability.logs import configure_logging
+
+    configure_logging(args.log_format, args.log_level)
+    asyncio.run(heartbeat_until_signalled(args))
+    return 0
+
+
+async def heartbeat_until_signalled(args: argparse.Namespace) -> None:
+    log = structlog.get_logger("workers_shim.heartbeat")
+    pub = await Publisher.connect(
+        args.nats,
+        worker=args.worker_id,
+        model=args.model,
+        block_size=args.block_size,
+        subject_prefix=args.subject_prefix,
+        capacity=args.capacity,
+        endpoint=args.endpoint,
+        events=False,
+        heartbeat_interval=args.heartbeat_interval,
+    )
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        loop.add_signal_handler(sig, stop.set)
+    log.info("kvshim_started", mode="heartbeat", worker=args.worker_id, endpoint=args.endpoint)
+    reader = LoadReader(ENGINES[args.engine])
+    try:
+        while not stop.is_set():
+            if args.metrics_url:
+                try:
+                    load = reader.load(await scrape(args.metrics_url, 2.0), 0)
+                    pub.set_load(
+                        running=load.running,
+                        waiting=load.waiting,
+                        waiting_prefill_tokens=load.waiting_prefill_tokens,
+                        kv_usage=load.kv_usage,
+                    )
+                except Exception as exc:  # the engine may be restarting: keep announcing
+                    log.warning("kv_load_scrape_failed", url=args.metrics_url, error=str(exc))
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), args.scrape_interval)
+    finally:
+        await pub.close()
+        log.info("kvshim_stopped", mode="heartbeat")
