@@ -66,12 +66,20 @@ def _add_serve(sub: Any) -> None:
     r.add_argument("--replay-timeout", type=float, default=2.0)
     r.add_argument("--snapshot-timeout", type=float, default=5.0)
     rs = p.add_argument_group("replicas (docs/deploy.md#replicas)")
+    # Not BooleanOptionalAction: KVINDEX_ROUTING_SYNC / `routing-sync = false` (kvindex/config) must
+    # read as a switch, so the option takes an optional on/off value.
     rs.add_argument(
         "--routing-sync",
-        action=argparse.BooleanOptionalAction,
+        nargs="?",
+        const=True,
         default=None,
+        type=_on_off,
+        metavar="on|off",
         help="share routing state (in-flight ledger, speculative keys, prefix heat) with the other "
         "replicas on the same NATS and prefix; default: on with --nats, off with the embedded server",
+    )
+    rs.add_argument(
+        "--no-routing-sync", dest="routing_sync", action="store_const", const=False, help="--routing-sync off"
     )
     rs.add_argument(
         "--replica-id",
@@ -85,6 +93,15 @@ def _add_serve(sub: Any) -> None:
     j.add_argument("--stream-replicas", type=int, default=1, help="stream replicas in a NATS cluster (1-5)")
     add_serve_capture(p)
     add_server_options(p)
+
+
+def _on_off(text: str) -> bool:
+    word = text.strip().lower()
+    if word in ("1", "true", "yes", "on"):
+        return True
+    if word in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected on or off, got {text!r}")
 
 
 def _replica_id(text: str) -> str:

@@ -32,6 +32,7 @@ from kvindex.wire.errors import (
     UNSUPPORTED_VERSION,
     WireError,
 )
+from kvindex.wire.schema import GPU
 from tests.test_scoring import BS, MODEL, Clock, fleet, prompt, request
 
 
@@ -138,6 +139,23 @@ def test_an_entry_moved_by_its_replica_moves_on_the_others() -> None:
     pair.deliver()
     assert [e.instance for e in pair.b.ledger._entries.values()] == [("w6", 0)]
     assert not pair.sb.dropped
+
+
+def test_predicted_caches_of_engines_without_events_follow_the_other_replicas_decisions() -> None:
+    """Approximate mode: an instance publishing no KV events has its cache predicted from routing
+    decisions, so every replica must predict from every replica's decisions."""
+    a, index_a, registry_a, clock = fleet(4)
+    b, index_b, registry_b, _ = fleet(4, clock)  # separate indexes, as in two processes
+    for registry in (registry_a, registry_b):
+        registry.get(("w2", 0)).approximate = True
+    sa, sb = RoutingSync(a, SyncConfig(replica_id="a")), RoutingSync(b, SyncConfig(replica_id="b"))
+    a.observer = sa
+    keys = prompt(30, seed=14)
+    assert a.commit(request(keys, rid="p1"), ("w2", 0))
+    assert set(index_a.keys_of(("w2", 0), GPU)) == set(keys)
+    sb.receive("a", sa.take()[0])
+    assert set(index_b.keys_of(("w2", 0), GPU)) == set(keys)
+    assert index_b.match(MODEL, keys)[("w2", 0)].length == len(keys)
 
 
 def test_ledger_bounds_and_ttl_apply_to_shared_entries() -> None:

@@ -5,6 +5,7 @@ and not when they do not."""
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import os
 import random
@@ -13,6 +14,7 @@ import subprocess
 import time
 import urllib.request
 from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
 
 import grpc
 import msgpack
@@ -20,14 +22,18 @@ import nats
 import pytest
 from prometheus_client import generate_latest
 
+from kvindex.cli import _add_serve
+from kvindex.config.layers import parse_layered
 from kvindex.repair.nats_repair import RepairConfig
 from kvindex.routing_sync.sync import DELAY_BUCKETS, SyncConfig
+from kvindex.scoring.base import RouteRequest
 from kvindex.service.app import IndexService, ServiceConfig
 from kvindex.service.natsd import EmbeddedNats, free_port
 from kvindex.v1 import kvindex_pb2 as pb
 from kvindex.v1 import kvindex_pb2_grpc as pb_grpc
 from tests.conftest import wait_until
 from tests.test_cli import KVINDEX, read_log_until
+from tests.test_nats_authorization import CONFIG, PASSWORDS, as_user
 from workers_shim.publisher import Publisher
 
 MODEL = "replica-model"
@@ -333,3 +339,108 @@ async def test_two_serve_processes_share_routing_state(
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+
+
+@pytest.fixture
+async def secured(monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[EmbeddedNats]:
+    """A nats-server running the shipped deploy/nats/nats-server.conf (secrets from the environment)."""
+    for user, password in PASSWORDS.items():
+        monkeypatch.setenv(f"KVINDEX_{user.upper().replace('-', '_')}_PASSWORD", password)
+    server = EmbeddedNats(config=CONFIG)
+    await server.start()
+    try:
+        yield server
+    finally:
+        await server.stop()
+
+
+async def test_replicas_share_under_the_shipped_nats_permissions(secured: EmbeddedNats) -> None:
+    """deploy/nats/nats-server.conf lets the index user publish its routing decisions, and refuses a
+    worker that tries to publish some."""
+    made = []
+    pub = rogue = None
+    try:
+        for name in ("pod-a", "pod-b"):
+            svc = IndexService(
+                ServiceConfig(
+                    nats_url=as_user(secured, "index"),
+                    grpc_host="127.0.0.1",
+                    grpc_port=0,
+                    routing_sync=SyncConfig(replica_id=name),
+                )
+            )
+            await svc.start()
+            made.append(svc)
+        a, b = made
+        pub = await Publisher.connect(
+            as_user(secured, "node-1"), worker="node-1", model=MODEL, block_size=BS, heartbeat_interval=0.1
+        )
+        await wait_until(lambda: all(len(s.registry.routable(MODEL, None)) == 1 for s in made))
+        keys = burst(1, 1, 32, 0)[0][1]
+        a.router.score(RouteRequest(MODEL, keys, len(keys) * BS, BS, "auth-1"), commit=True)
+        await wait_until(lambda: [e.request_id for e in b.router.ledger.of(("node-1", 0))] == ["auth-1"])
+        violations: list[str] = []
+
+        async def on_error(exc: Exception) -> None:
+            violations.append(str(exc))
+
+        rogue = await nats.connect(
+            secured.url, user="node-1", password=PASSWORDS["node-1"], error_cb=on_error
+        )
+        forged = {"v": 1, "replica": "evil", "epoch": 1, "seq": 1, "ts": 0.0, "ops": []}
+        await rogue.publish("kvindex.routing.evil", msgpack.packb(forged))
+        await rogue.flush()
+        await wait_until(lambda: any('publish to "kvindex.routing.evil"' in v.lower() for v in violations))
+        await asyncio.sleep(0.1)
+        syncs = [svc.routing_sync for svc in made]
+        assert [s.peers() for s in syncs if s is not None] == [0, 1]  # b heard a, and nobody else
+        assert all(s is not None and not s.rejects and not s.dropped for s in syncs)
+    finally:
+        if rogue is not None:
+            await rogue.close()
+        if pub is not None:
+            await pub.close()
+        for svc in made:
+            await svc.stop()
+
+
+@pytest.mark.parametrize(
+    ("argv", "env", "toml", "expected"),
+    [
+        ([], {}, "", (None, "")),
+        (["--no-routing-sync"], {}, "", (False, "")),
+        (["--routing-sync"], {}, "", (True, "")),
+        (["--routing-sync", "off", "--replica-id", "pod-a"], {}, "", (False, "pod-a")),
+        ([], {"KVINDEX_ROUTING_SYNC": "false", "KVINDEX_REPLICA_ID": "pod-e"}, "", (False, "pod-e")),
+        (["--no-routing-sync"], {"KVINDEX_ROUTING_SYNC": "on"}, "", (False, "")),
+        ([], {}, "[serve]\nrouting-sync = false\nreplica-id = 'pod-t'\n", (False, "pod-t")),
+        (["--routing-sync"], {}, "routing-sync = false\n", (True, "")),
+    ],
+)
+def test_serve_flags_from_command_line_environment_and_file(
+    tmp_path: Path, argv: list[str], env: dict[str, str], toml: str, expected: tuple[bool | None, str]
+) -> None:
+    parser = argparse.ArgumentParser()
+    _add_serve(parser.add_subparsers(dest="command"))
+    if toml:
+        (tmp_path / "k.toml").write_text(toml)
+        argv = [*argv, "--config", str(tmp_path / "k.toml")]
+    args = parse_layered(parser, ["serve", *argv], env)
+    assert (args.routing_sync, args.replica_id) == expected
+
+
+@pytest.mark.parametrize(
+    ("argv", "env", "message"),
+    [
+        (["--replica-id", "a.b"], {}, "replica id 'a.b' must match"),
+        ([], {"KVINDEX_ROUTING_SYNC": "maybe"}, "KVINDEX_ROUTING_SYNC: invalid value 'maybe'"),
+    ],
+)
+def test_bad_serve_flags_are_refused(
+    argv: list[str], env: dict[str, str], message: str, capsys: pytest.CaptureFixture
+) -> None:
+    parser = argparse.ArgumentParser()
+    _add_serve(parser.add_subparsers(dest="command"))
+    with pytest.raises(SystemExit):
+        parse_layered(parser, ["serve", *argv], env)
+    assert message in capsys.readouterr().err

@@ -296,11 +296,14 @@ class RoutingSync:
                     router.ledger.release(op.id, PREFILL)
         if op.spec_ttl > 0 and op.keys:
             router.speculative.add(instance, op.keys, op.spec_ttl)
-        policy = router.policies.get(op.policy)
         state = router.registry.get(instance)
-        if policy is not None and state is not None and state.model == op.model:
-            (cand,) = router.candidates(request, [state], 0.0)
-            policy.on_commit(request, cand, router)
+        if state is not None and state.model == op.model:  # else only the ledger and keys above
+            if state.approximate and op.keys:  # an engine without KV events: its cache is predicted
+                router.predicted.on_commit(state, op.keys)
+            policy = router.policies.get(op.policy)
+            if policy is not None:
+                (cand,) = router.candidates(request, [state], 0.0)
+                policy.on_commit(request, cand, router)
         self.applied["commit"] += 1
 
     def _apply_release(self, op: ReleaseOp, sender: tuple[str, int]) -> None:
