@@ -92,6 +92,19 @@ def _add_serve(sub: Any) -> None:
     j.add_argument("--stream-max-age", type=float, default=3600.0, help="history kept in the stream (s)")
     j.add_argument("--stream-replicas", type=int, default=1, help="stream replicas in a NATS cluster (1-5)")
     add_serve_capture(p)
+    t = p.add_argument_group("text prompts (docs/tokenize.md)")
+    t.add_argument(
+        "--tokenizer",
+        action="append",
+        default=[],
+        metavar="MODEL=DIR",
+        help="tokenize prompt/messages requests for MODEL with DIR's tokenizer.json, tokenizer_config.json "
+        "and chat template (repeatable)",
+    )
+    t.add_argument(
+        "--tokenize-cache-mb", type=float, default=128.0, metavar="MIB", help="tokenization cache size"
+    )
+
     add_server_options(p)
 
 
@@ -128,6 +141,18 @@ def _static_instance(text: str) -> tuple[str, str]:
         raise argparse.ArgumentTypeError(f"{text!r}: {exc}") from None
 
 
+def _tokenizer_dirs(specs: list[str]) -> dict[str, str]:
+    dirs: dict[str, str] = {}
+    for spec in specs:
+        model, sep, directory = spec.partition("=")
+        if not (sep and model and directory):
+            raise SystemExit(f"--tokenizer {spec!r}: expected MODEL=DIR")
+        if model in dirs:
+            raise SystemExit(f"--tokenizer: model {model!r} given twice")
+        dirs[model] = directory
+    return dirs
+
+
 def _add_query(sub: Any, name: str, help_text: str, prompt: bool) -> None:
     p = sub.add_parser(name, help=help_text)
     p.add_argument("--server", default="127.0.0.1:50051", help="gRPC address of a running kvindex")
@@ -140,6 +165,10 @@ def _add_query(sub: Any, name: str, help_text: str, prompt: bool) -> None:
         g = p.add_mutually_exclusive_group(required=True)
         g.add_argument("--tokens", help="comma-separated token ids, or @FILE with a JSON list")
         g.add_argument("--keys", help="comma-separated block keys, or @FILE with a JSON list")
+        g.add_argument("--prompt", help="a completions prompt as text, or @FILE (needs serve --tokenizer)")
+        g.add_argument(
+            "--messages", help="an OpenAI chat messages JSON list, or @FILE (needs serve --tokenizer)"
+        )
         p.add_argument("--candidates", default="", help="comma-separated instance ids")
         if name == "score":
             p.add_argument("--top-k", type=int, default=0)
@@ -154,6 +183,10 @@ def _int_list(spec: str) -> list[int]:
             raise SystemExit(f"{spec[1:]}: expected a JSON list of integers")
         return [int(x) for x in data]
     return [int(x) for x in spec.replace(" ", "").split(",") if x]
+
+
+def _text(spec: str) -> str:
+    return Path(spec[1:]).read_text() if spec.startswith("@") else spec
 
 
 def _query(args: argparse.Namespace) -> int:
@@ -176,8 +209,12 @@ def _query(args: argparse.Namespace) -> int:
                 fields: dict[str, Any] = {"model": args.model, "lora": args.lora, "salt": args.salt}
                 if args.tokens is not None:
                     fields["token_ids"] = _int_list(args.tokens)
-                else:
+                elif args.keys is not None:
                     fields["block_keys"] = _int_list(args.keys)
+                elif args.prompt is not None:
+                    fields["prompt"] = _text(args.prompt)
+                else:
+                    fields["messages"] = _text(args.messages)
                 if args.candidates:
                     fields["candidates"] = [c for c in args.candidates.split(",") if c]
                 if args.command == "score":
@@ -238,11 +275,20 @@ def _serve(args: argparse.Namespace) -> int:
         static_block_size=args.instance_block_size,
         static_capacity=args.instance_capacity,
         router=RouterConfig(predicted_ttl=args.predicted_ttl),
+        tokenizers=_tokenizer_dirs(args.tokenizer),
+        tokenize_cache_bytes=int(args.tokenize_cache_mb * (1 << 20)),
     )
     if args.instance and not args.instance_model:
         raise SystemExit("kvindex serve: --instance needs --instance-model (the model they serve)")
+    from kvindex.tokenize import TokenizeError
+
     try:
-        asyncio.run(serve_until_signalled(IndexService(config)))
+        service = IndexService(config)
+    except TokenizeError as exc:
+        print(f"kvindex serve: {exc}", file=sys.stderr)
+        return 2
+    try:
+        asyncio.run(serve_until_signalled(service))
     except (NatsConfigError, NatsConnectError) as exc:
         structlog.get_logger("kvindex").error("nats_connect_failed", error=str(exc))
         return 2

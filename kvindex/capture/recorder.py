@@ -259,17 +259,18 @@ class RecordingServicer(KvIndexServicer):
         return response
 
     def _compact(self, request: Any) -> bytes:
-        """The request with its prompt as block keys (and the token count) instead of token ids: the
-        same request to the router, several times smaller (one key per block of tokens)."""
-        if not len(request.token_ids):
+        """The request with its prompt as block keys (and the token count) instead of token ids or text:
+        the same request to the router, several times smaller (one key per block of tokens)."""
+        if not (len(request.token_ids) or request.prompt or request.messages):
             return request.SerializeToString()
-        _block_size, keys = self.prompt_keys(request)
+        prompt = self.resolve(request)  # text prompts: the tokenizer cache makes this a lookup
         compact = type(request)()
         compact.CopyFrom(request)
-        compact.ClearField("token_ids")
+        for name in ("token_ids", "prompt", "messages", "prompt_options"):
+            compact.ClearField(name)
         compact.lora = compact.salt = ""  # already folded into the keys
-        compact.block_keys.extend(keys)
-        compact.prompt_tokens = len(request.token_ids)
+        compact.block_keys.extend(prompt.keys)
+        compact.prompt_tokens = prompt.tokens
         return compact.SerializeToString()
 
     async def Release(self, request: Any, context: Any) -> Any:

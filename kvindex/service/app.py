@@ -22,6 +22,7 @@ from kvindex.index.inverted import InvertedIndex
 from kvindex.ingest.consumer import Consumer
 from kvindex.ingest.nats_source import JetStreamConfig, NatsSource
 from kvindex.observability.counters import IngestCounters, Metrics
+from kvindex.observability.tokenize import TokenizeCollector
 from kvindex.repair.nats_repair import NatsRepairer, RepairConfig
 from kvindex.routing_sync.metrics import SyncCollector
 from kvindex.routing_sync.nats_link import NatsRoutingLink
@@ -30,6 +31,7 @@ from kvindex.scoring.calibration import Calibrator
 from kvindex.scoring.router import Router, RouterConfig
 from kvindex.service.calibration_store import CalibrationStore
 from kvindex.service.natsd import EmbeddedNats
+from kvindex.tokenize import DEFAULT_CACHE_BYTES, Tokenizers
 from kvindex.wire.schema import GPU
 from kvindex.wire.subjects import Subjects
 
@@ -58,6 +60,9 @@ class ServiceConfig:
     ext_proc_port: int | None = None  # Envoy ext_proc endpoint picker; None: off, 0: any free port
     ext_proc_host: str = "0.0.0.0"
     ext_proc_policy: str = ""  # ranking policy of the picker; "": the router's default (ttft)
+    # Text prompts: model -> tokenizer directory (serve --tokenizer MODEL=DIR), and the cache's bytes.
+    tokenizers: dict[str, str] = field(default_factory=dict)
+    tokenize_cache_bytes: int = DEFAULT_CACHE_BYTES
     routing_sync: SyncConfig = field(default_factory=SyncConfig)  # replicas sharing routing state
 
 
@@ -87,6 +92,9 @@ class IndexService:
         self.registry = Registry()
         self.counters = IngestCounters()
         self.metrics = Metrics(self.counters, self._gauges)
+        # Loaded before anything starts: a bad tokenizer directory fails `serve` at once, clearly.
+        self.tokenizers = Tokenizers.from_dirs(config.tokenizers, config.tokenize_cache_bytes)
+        self.metrics.registry.register(TokenizeCollector(self.tokenizers))
         self.consumer = Consumer(self.index, self.registry, subjects=self.subjects, counters=self.counters)
         self.repairer = NatsRepairer(self.consumer, config.repair)
         self.calibrator = Calibrator(config.router.costs.default_prefill)
@@ -101,12 +109,11 @@ class IndexService:
             meta = _capture_meta(config)
             self.recorder = Recorder.open(config.capture, meta, self.registry.clock, self.consumer)
             self.repairer.recorder = self.recorder
+        args = (self.index, self.registry, self.counters, self.metrics, self.router)
         self.servicer = (
-            KvIndexServicer(self.index, self.registry, self.counters, self.metrics, self.router)
+            KvIndexServicer(*args, tokenizers=self.tokenizers)
             if self.recorder is None
-            else RecordingServicer(
-                self.recorder, self.index, self.registry, self.counters, self.metrics, self.router
-            )
+            else RecordingServicer(self.recorder, *args, tokenizers=self.tokenizers)
         )
         self.grpc = GrpcServer(self.servicer, config.grpc_host, config.grpc_port, config.grpc_security)
         self.ext_proc: ExtProcServer | None = None
