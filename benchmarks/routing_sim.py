@@ -337,7 +337,9 @@ class Simulation:
         if req.keys:
             self._hot[req.keys[home_block(len(req.keys), self.block_size, 2048)]] += 1
         route = RouteRequest(MODEL, req.keys, req.prompt_tokens, self.block_size, req.id)
-        result = self.router.score(route, commit=True)
+        # top_k as a router asks: policies that can rank only the holders and the best few others
+        # (ttft) do, and must place exactly as their full ranking would (tables byte-identical).
+        result = self.router.score(route, commit=True, top_k=4)
         assert result.committed is not None, "no routable instance"
         self.engines[result.committed.worker].submit(req, self.now)
 

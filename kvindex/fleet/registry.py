@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from kvindex.index.base import InstanceKey
 from kvindex.wire.schema import LOCAL_TIERS, SHARED, Load
@@ -13,6 +14,26 @@ from kvindex.wire.schema import LOCAL_TIERS, SHARED, Load
 def instance_id(instance: InstanceKey) -> str:
     """The id the API reports: ``worker/dp_rank`` ('/' never occurs in a worker id)."""
     return f"{instance[0]}/{instance[1]}"
+
+
+# The fields a ranking depends on (load, heartbeat time, health, capacity). Setting one tells the
+# registry's watchers which instance changed, so that rankers can keep per-instance state up to date
+# at heartbeats instead of re-reading every instance on every request (kvindex/scoring/fleet_table.py).
+_WATCHED = ("load", "last_status_at", "stale", "capacity", "local_blocks_seen")
+
+
+def _watched(name: str) -> property:
+    slot = "_" + name
+
+    def get(self: InstanceState) -> object:
+        return getattr(self, slot)
+
+    def set_(self: InstanceState, value: object) -> None:
+        setattr(self, slot, value)
+        for changed in self._watchers:
+            changed.add(self.key)
+
+    return property(get, set_)
 
 
 @dataclass(slots=True)
@@ -24,19 +45,28 @@ class InstanceState:
     last_seq: int = 0
     last_event_ts: float = 0.0
     first_seen: float = 0.0
-    last_status_at: float | None = None  # local monotonic time of the last heartbeat
+    _last_status_at: float | None = None  # local monotonic time of the last heartbeat
     last_status_ts: float = 0.0  # worker's own timestamp in that heartbeat
-    load: Load = field(default_factory=Load)
-    capacity: dict[int, int] = field(default_factory=dict)
+    _load: Load = field(default_factory=Load)
+    _capacity: dict[int, int] = field(default_factory=dict)
     reported_digest: dict[int, tuple[int, int]] = field(default_factory=dict)
     reported_seq: int = 0
     batches: int = 0
     gaps: int = 0
     missing_batches: int = 0
     restarts: int = 0
-    local_blocks_seen: bool = False
+    _local_blocks_seen: bool = False
     sync: str = "synced"  # synced | replay | snapshot: what the index is doing to stay exact
-    stale: bool = False  # no heartbeat for a while: excluded from rankings
+    _stale: bool = False  # no heartbeat for a while: excluded from rankings
+    # Sets the registry's watchers drain (Registry.watch); each gets the key of a changed instance.
+    _watchers: tuple[set[InstanceKey], ...] = ()
+
+    if TYPE_CHECKING:  # properties installed below the class (watched fields)
+        load: Load
+        last_status_at: float | None
+        capacity: dict[int, int]
+        local_blocks_seen: bool
+        stale: bool
 
     @property
     def instance_id(self) -> str:
@@ -61,6 +91,11 @@ class InstanceState:
         return None if self.last_status_at is None else max(0.0, now - self.last_status_at)
 
 
+# Assigning a new Load (as heartbeats do) is seen; mutating one in place is not.
+for _name in _WATCHED:
+    setattr(InstanceState, _name, _watched(_name))
+
+
 class Registry:
     """Instances by key and by model, and each model's block size (announced by its workers)."""
 
@@ -68,6 +103,17 @@ class Registry:
         self.clock = clock
         self._states: dict[InstanceKey, InstanceState] = {}
         self._by_model: dict[str, dict[InstanceKey, InstanceState]] = {}
+        self._watchers: tuple[set[InstanceKey], ...] = ()
+
+    def watch(self) -> set[InstanceKey]:
+        """A set that receives the key of every instance added, removed or changed in a watched
+        field (load, heartbeat time, staleness, capacity, local blocks seen) from now on; the caller
+        drains it."""
+        changed: set[InstanceKey] = set(self._states)
+        self._watchers = (*self._watchers, changed)
+        for state in self._states.values():
+            state._watchers = self._watchers
+        return changed
 
     def __len__(self) -> int:
         return len(self._states)
@@ -89,18 +135,28 @@ class Registry:
 
     def add(self, instance: InstanceKey, model: str, block_size: int) -> InstanceState:
         state = InstanceState(instance, model, block_size, first_seen=self.clock())
+        state._watchers = self._watchers
         self._states[instance] = state
+        for changed in self._watchers:
+            changed.add(instance)
         self._by_model.setdefault(model, {})[instance] = state
         return state
 
     def remove(self, instance: InstanceKey) -> InstanceState | None:
         state = self._states.pop(instance, None)
         if state is not None:
+            for changed in self._watchers:
+                changed.add(instance)
+            state._watchers = ()
             members = self._by_model[state.model]
             del members[instance]
             if not members:
                 del self._by_model[state.model]
         return state
+
+    def members(self, model: str) -> dict[InstanceKey, InstanceState]:
+        """The model's instances by key (a live view: do not modify)."""
+        return self._by_model.get(model, {})
 
     def of_model(self, model: str) -> list[InstanceState]:
         return list(self._by_model.get(model, {}).values())

@@ -754,3 +754,28 @@ def apply_events(list events, dict tier_numbers, list tables, list logs, uint64_
         n_ev[2],
         local == 1,
     ))
+
+
+# -- rendezvous weights (kvindex.scoring.home) ------------------------------------------------------
+
+cdef extern from *:
+    """
+    #define XXH_INLINE_ALL
+    #include "../vendor/xxhash.h"
+    """
+    unsigned long long XXH3_64bits_withSeed(const void* data, size_t length, unsigned long long seed) nogil
+
+from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_GET_SIZE
+
+
+def rendezvous_weights(list ids, uint64_t seed, uint64_t[::1] out):
+    """``out[i] = xxh3_64(ids[i], seed)`` (bytes ids): the rendezvous weights of kvindex.scoring.home
+    for a whole fleet in one loop, for the pruned rankings' home lookups (kvindex/scoring/fleet_table.py).
+    Here rather than in a module of its own because this is the index's one native extension."""
+    cdef Py_ssize_t i, n = len(ids)
+    cdef bytes b
+    if out.shape[0] < n:
+        raise ValueError("out is shorter than ids")
+    for i in range(n):
+        b = <bytes>ids[i]
+        out[i] = XXH3_64bits_withSeed(PyBytes_AS_STRING(b), PyBytes_GET_SIZE(b), seed)

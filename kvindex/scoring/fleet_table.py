@@ -1,0 +1,255 @@
+"""Per-model columns of instance state, kept current at heartbeats and commits, for pruned rankings.
+
+An instance that holds nothing of a prompt costs ``wait + prefill(all) + 0 fetch``: its terms depend
+only on its own state (last heartbeat's load, requests routed since) and on the request's length.
+This table keeps that state in numpy columns, one row per instance of a model, updated when it
+changes: the registry and the ledger report which instances changed (``Registry.watch``,
+``Ledger.watch``) and ``refresh`` rewrites just those rows before the next ranking. A ranking then
+builds full ``Candidate`` objects only for the instances that hold some of the prompt and for the
+few best others, and selects those others with a handful of vector operations instead of a Python
+object per instance (router.py, ``Router.score`` with ``top_k``).
+
+The vector formulas repeat ``Router.candidates`` operation for operation in float64, so a value
+computed here is bit-identical to the scalar one (tests/test_pruned_ranking.py checks rankings
+against the exhaustive path over random fleets).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import numpy as np
+import xxhash
+
+from kvindex.fleet.registry import InstanceState, Registry
+from kvindex.index.base import InstanceKey
+from kvindex.scoring.ledger import Ledger
+
+try:
+    from kvindex.index._native import rendezvous_weights as _native_weights
+except ImportError:  # no compiler at install time
+    _native_weights = None
+
+_xxh3 = xxhash.xxh3_64_intdigest
+_FLOAT_COLS = ("queued", "status_at", "running", "waiting", "kv", "tokens_new", "n_new", "inflight")
+
+
+def rendezvous_weights(ids: list[bytes], seed: int) -> np.ndarray:
+    """kvindex.scoring.home's weights, ``xxh3_64(id, seed)`` per id, as a uint64 array."""
+    out = np.empty(len(ids), dtype=np.uint64)
+    if _native_weights is not None:
+        _native_weights(ids, seed & 0xFFFFFFFFFFFFFFFF, out)
+    else:
+        out[:] = [_xxh3(i, seed & 0xFFFFFFFFFFFFFFFF) for i in ids]
+    return out
+
+
+class ModelTable:
+    """One model's instances as rows; columns are float64 (exact for the integers involved)."""
+
+    def __init__(self, model: str) -> None:
+        self.model = model
+        self.n = 0
+        self.version = 0  # bumped when rows move (membership): cached per-row data is then stale
+        self.row: dict[InstanceKey, int] = {}
+        self.states: list[InstanceState] = []
+        self.ids: list[bytes] = []
+        self.by_worker: dict[str, set[InstanceKey]] = {}
+        cap = 16
+        for name in _FLOAT_COLS:
+            setattr(self, name, np.zeros(cap))
+        self.has_status = np.zeros(cap, dtype=bool)
+        self.routable = np.zeros(cap, dtype=bool)
+        self.key_rank = np.zeros(cap, dtype=np.int64)
+        self._ranks_stale = False
+        self._weights: OrderedDict[int, np.ndarray] = OrderedDict()
+
+    # -- membership --------------------------------------------------------------------------
+
+    def _grow(self) -> None:
+        cap = 2 * len(self.routable)
+        for name in (*_FLOAT_COLS, "has_status", "routable", "key_rank"):
+            old = getattr(self, name)
+            new = np.zeros(cap, dtype=old.dtype)
+            new[: self.n] = old[: self.n]
+            setattr(self, name, new)
+
+    def add(self, state: InstanceState) -> int:
+        if self.n == len(self.routable):
+            self._grow()
+        i = self.n
+        self.n += 1
+        self.row[state.key] = i
+        self.states.append(state)
+        self.ids.append(state.instance_id.encode())
+        self.by_worker.setdefault(state.worker, set()).add(state.key)
+        self._moved()
+        return i
+
+    def remove(self, key: InstanceKey) -> None:
+        i = self.row.pop(key)
+        last = self.n - 1
+        if i != last:  # the last row fills the hole
+            moved = self.states[last]
+            self.states[i] = moved
+            self.ids[i] = self.ids[last]
+            self.row[moved.key] = i
+            for name in (*_FLOAT_COLS, "has_status", "routable"):
+                col = getattr(self, name)
+                col[i] = col[last]
+        self.states.pop()
+        self.ids.pop()
+        self.routable[last] = False
+        self.n = last
+        workers = self.by_worker[key[0]]
+        workers.discard(key)
+        if not workers:
+            del self.by_worker[key[0]]
+        self._moved()
+
+    def _moved(self) -> None:
+        self.version += 1
+        self._ranks_stale = True
+        self._weights.clear()
+
+    def ranks(self) -> np.ndarray:
+        """Each row's position in instance-key order (the rankings' last tie-break)."""
+        if self._ranks_stale:
+            order = sorted(range(self.n), key=lambda i: self.states[i].key)
+            self.key_rank[order] = np.arange(self.n)
+            self._ranks_stale = False
+        return self.key_rank[: self.n]
+
+    def weights(self, seed: int) -> np.ndarray:
+        """Rendezvous weights of every row for ``seed`` (cached per seed until rows move)."""
+        w = self._weights.get(seed)
+        if w is None:
+            w = self._weights[seed] = rendezvous_weights(self.ids, seed)
+            if len(self._weights) > 256:
+                self._weights.popitem(last=False)
+        else:
+            self._weights.move_to_end(seed)
+        return w
+
+    def rows_of(self, wanted: set[str]) -> list[int]:
+        """Rows named by a candidate list (instance ids ``worker/rank`` or bare worker ids)."""
+        rows = set()
+        for name in wanted:
+            for key in self.by_worker.get(name, ()):
+                rows.add(self.row[key])
+            worker, sep, rank = name.rpartition("/")
+            if sep and rank.isdigit():
+                i = self.row.get((worker, int(rank)))
+                if i is not None:
+                    rows.add(i)
+        return sorted(rows)
+
+    # -- state -------------------------------------------------------------------------------
+
+    def update(self, i: int, state: InstanceState, ledger: Ledger) -> None:
+        load = state.load
+        at = state.last_status_at
+        self.queued[i] = load.waiting_prefill_tokens
+        self.has_status[i] = at is not None
+        self.status_at[i] = 0.0 if at is None else at
+        self.running[i] = load.running
+        self.waiting[i] = load.waiting
+        self.kv[i] = load.kv_usage
+        if state.key in ledger.busy:
+            n_new, tokens_new, inflight = ledger.pending(state.key, at)
+        else:
+            n_new = tokens_new = inflight = 0
+        self.n_new[i] = n_new
+        self.tokens_new[i] = tokens_new
+        self.inflight[i] = inflight
+        self.routable[i] = not state.is_pool and not state.stale
+
+
+class FleetTables:
+    """The tables of every model, fed by the registry's and the ledger's change sets."""
+
+    def __init__(self, registry: Registry, ledger: Ledger) -> None:
+        self.registry = registry
+        self.ledger = ledger
+        self.tables: dict[str, ModelTable] = {}
+        self._model_of: dict[InstanceKey, str] = {}
+        self._registry_changes = registry.watch()
+        self._ledger_changes = ledger.watch()
+        # Instances that may still turn out to be pools (no capacity reported, no local block seen):
+        # that depends on ``batches``, which is not watched (it changes on every batch).
+        self._unsure: set[InstanceKey] = set()
+
+    def refresh(self) -> None:
+        """Bring the rows of every instance that changed since the last call up to date."""
+        changed = self._registry_changes
+        if self._ledger_changes:
+            changed |= self._ledger_changes
+            self._ledger_changes.clear()
+        if not changed and not self._unsure:
+            return
+        if self._unsure:
+            changed |= self._unsure
+        keys = list(changed)
+        changed.clear()
+        get = self.registry.get
+        ledger = self.ledger
+        for key in keys:
+            state = get(key)
+            model = self._model_of.get(key)
+            if model is not None and (state is None or state.model != model):
+                table = self.tables[model]
+                table.remove(key)
+                del self._model_of[key]
+                if not table.n:
+                    del self.tables[model]
+                model = None
+            if state is None:
+                self._unsure.discard(key)
+                continue
+            table = self.tables.get(state.model)
+            if table is None:
+                table = self.tables[state.model] = ModelTable(state.model)
+            i = table.row.get(key)
+            if i is None:
+                i = table.add(state)
+                self._model_of[key] = state.model
+            table.update(i, state, ledger)
+            if not state.capacity and not state.local_blocks_seen:
+                self._unsure.add(key)
+            else:
+                self._unsure.discard(key)
+
+    def get(self, model: str) -> ModelTable | None:
+        self.refresh()
+        return self.tables.get(model)
+
+
+def smallest(columns: list[np.ndarray], rows: np.ndarray, m: int) -> np.ndarray:
+    """The ``m`` rows (of ``rows``) that come first in lexicographic order of ``columns``
+    (indexed by row), unordered. Exact with ties: a tie on one column is broken by the next, and the
+    last column must be unique (the key rank)."""
+    if m <= 0 or not len(rows):
+        return rows[:0]
+    if len(rows) <= m:
+        return rows
+    col = columns[0][rows]
+    pivot = np.partition(col, m - 1)[m - 1]
+    below = rows[col < pivot]
+    ties = rows[col == pivot]
+    need = m - len(below)
+    if len(ties) > need and len(columns) > 1:
+        ties = smallest(columns[1:], ties, need)
+    return np.concatenate((below, ties))
+
+
+def median_of(values: np.ndarray) -> float:
+    """statistics.median of the values, with its arithmetic (mean of the two middle ones)."""
+    n = len(values)
+    i = n // 2
+    if n % 2:
+        return float(np.partition(values, i)[i])
+    part = np.partition(values, (i - 1, i))
+    return (float(part[i - 1]) + float(part[i])) / 2
+
+
+__all__ = ["FleetTables", "ModelTable", "median_of", "rendezvous_weights", "smallest"]
