@@ -171,6 +171,9 @@ class Cluster:
     loss: float = 0.0  # probability that a batch is lost on the way (the index repairs it)
     heartbeat_s: float = 0.5
     slo_s: float = 5.0  # TTFT objective for goodput
+    # Score's top_k: > 0 ranks only the holders and the best few others (pruned, forced on at every
+    # fleet size here so that the tables check it); 0 ranks every instance (--top-k 0).
+    top_k: int = 4
 
 
 @dataclass
@@ -246,7 +249,7 @@ class Simulation:
             self.index,
             self.registry,
             self.calibrator,
-            RouterConfig(default_policy=policy, seed=seed),
+            RouterConfig(default_policy=policy, seed=seed, prune_min_instances=0),
             clock=clock,
             policy_options=policy_options,
         )
@@ -339,7 +342,7 @@ class Simulation:
         route = RouteRequest(MODEL, req.keys, req.prompt_tokens, self.block_size, req.id)
         # top_k as a router asks: policies that can rank only the holders and the best few others
         # (ttft) do, and must place exactly as their full ranking would (tables byte-identical).
-        result = self.router.score(route, commit=True, top_k=4)
+        result = self.router.score(route, commit=True, top_k=self.cluster.top_k)
         assert result.committed is not None, "no routable instance"
         self.engines[result.committed.worker].submit(req, self.now)
 
@@ -649,9 +652,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--loss", type=float, default=0.0, help="probability a batch is lost")
     parser.add_argument("--output-tokens", type=int, default=0, help="loadaware preset: output length")
     parser.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1))
+    parser.add_argument(
+        "--top-k", type=int, default=4, help="Score top_k (0: every instance ranked, no pruning)"
+    )
     args = parser.parse_args(argv)
     args.policies = tuple(p for p in args.policies.split(",") if p)
     exp = PRESETS[args.preset](args)
+    for _label, _reqs, cluster in exp.levels:
+        cluster.top_k = args.top_k
     jobs = [
         (p, label, reqs, cluster, args.seed, exp.options)
         for label, reqs, cluster in exp.levels

@@ -14,7 +14,7 @@ from kvindex.index import InvertedIndex, _pytable
 from kvindex.scoring.base import Choice, RouteRequest
 from kvindex.scoring.fleet_table import median_of, rendezvous_weights, smallest
 from kvindex.scoring.policies import POLICY_NAMES
-from kvindex.scoring.router import Router
+from kvindex.scoring.router import Router, RouterConfig
 from kvindex.wire.schema import CPU, DISK, GPU, SHARED, Load
 
 MODEL = "m"
@@ -64,7 +64,7 @@ def build_fleet(
     clock = Clock()
     index = InvertedIndex(_pytable if backend == "python" else None)
     registry = Registry(clock=clock)
-    router = Router(index, registry, clock=clock)
+    router = Router(index, registry, RouterConfig(prune_min_instances=0), clock=clock)
     router.tables  # noqa: B018 - start watching before the fleet is built, as a server would
     prompts = [[rng.getrandbits(64) for _ in range(rng.randint(0, 40))] for _ in range(n_prompts)]
     for i in range(n):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from operator import attrgetter
 from typing import TYPE_CHECKING
 
 from kvindex.index.base import InstanceKey
@@ -24,16 +25,15 @@ _WATCHED = ("load", "last_status_at", "stale", "capacity", "local_blocks_seen")
 
 def _watched(name: str) -> property:
     slot = "_" + name
-
-    def get(self: InstanceState) -> object:
-        return getattr(self, slot)
+    store = getattr(InstanceState, slot).__set__  # the slot's own descriptor
 
     def set_(self: InstanceState, value: object) -> None:
-        setattr(self, slot, value)
+        store(self, value)
         for changed in self._watchers:
             changed.add(self.key)
 
-    return property(get, set_)
+    # Reads stay in C (attrgetter): candidates read load and last_status_at of every instance.
+    return property(attrgetter(slot), set_)
 
 
 @dataclass(slots=True)

@@ -29,6 +29,9 @@ class RouterConfig:
     default_policy: str = "ttft"
     ledger_ttl: float = 300.0  # seconds before an unreleased request is forgotten
     seed: int = 0  # randomised policies (power_of_two, flexlb) draw from a seeded generator
+    # Score with top_k ranks only the holders and the best few others (Router.pool) from this many
+    # instances of the model on; below it the full ranking is as cheap (0: always prune).
+    prune_min_instances: int = 128
 
 
 @dataclass(slots=True)
@@ -179,7 +182,11 @@ class Router:
         # Disaggregated decode instances are chosen for KV headroom, not for prefix overlap.
         chosen = self.policies["decode"] if request.role == DECODE_ROLE else self.policy(policy)
         rank_top = getattr(chosen, "rank_top", None)
-        if top_k > 0 and rank_top is not None:
+        if (
+            top_k > 0
+            and rank_top is not None
+            and len(self.registry.members(request.model)) >= self.config.prune_min_instances
+        ):
             pool = self.pool(request, candidates, chosen.speculative_ttl)
             choices = rank_top(request, pool, self, top_k) if pool is not None else []
         else:
