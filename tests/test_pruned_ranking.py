@@ -64,7 +64,7 @@ def build_fleet(
     clock = Clock()
     index = InvertedIndex(_pytable if backend == "python" else None)
     registry = Registry(clock=clock)
-    router = Router(index, registry, RouterConfig(prune_min_instances=0), clock=clock)
+    router = Router(index, registry, config=RouterConfig(prune_min_instances=0), clock=clock)
     router.tables  # noqa: B018 - start watching before the fleet is built, as a server would
     prompts = [[rng.getrandbits(64) for _ in range(rng.randint(0, 40))] for _ in range(n_prompts)]
     for i in range(n):
