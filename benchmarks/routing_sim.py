@@ -5,6 +5,7 @@
     .venv/bin/python benchmarks/routing_sim.py global-pool         # preset 2: local vs shared pool
     .venv/bin/python benchmarks/routing_sim.py loadaware           # preset 3: production-stack
     .venv/bin/python benchmarks/routing_sim.py llmd                # preset 4: llm-d's workload
+    .venv/bin/python benchmarks/routing_sim.py fleet256            # preset 5: Mooncake on 256 instances
     .venv/bin/python benchmarks/routing_sim.py mooncake --trace PATH --instances 16 --policies ttft,dynamo
 
 Virtual time, discrete events. The code under test is the real one, in process: simulated engines
@@ -532,7 +533,27 @@ def preset_llmd(args: argparse.Namespace) -> Experiment:
     return Experiment("llmd", levels, args.policies)
 
 
+def preset_fleet256(args: argparse.Namespace) -> Experiment:
+    """The Mooncake trace on 256 instances at 16x its rate: per instance, the load of the 16-instance
+    preset's near-saturation level, on a fleet where bounded spread and homes matter more and most
+    instances hold nothing of a given prompt (ttft ranks only holders and the best few others)."""
+    # The first 3,000 trace rows (--limit for more): all policies in the other presets' time budget.
+    limit = 1000 if args.quick else (args.limit or 3000)
+    n = args.instances or 256
+    cluster = Cluster(
+        n,
+        {"profile": "llama3-70b-8xa800", "block_size": 512},
+        slo_s=args.slo or 5.0,
+        loss=args.loss,
+        delay_s=args.delay,
+    )
+    scale = 0.38 * 16 / n
+    reqs = mooncake_requests(args.trace, model=MODEL, block_size=512, limit=limit, time_scale=scale)
+    return Experiment("fleet256", [(f"{n} inst (x{1 / scale:.0f})", reqs, cluster)], args.policies)
+
+
 PRESETS = {
+    "fleet256": preset_fleet256,
     "mooncake": preset_mooncake,
     "global-pool": preset_global_pool,
     "loadaware": preset_loadaware,
