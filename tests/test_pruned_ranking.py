@@ -13,13 +13,13 @@ from kvindex.fleet.registry import Registry
 from kvindex.index import InvertedIndex, _pytable
 from kvindex.scoring.base import Choice, RouteRequest
 from kvindex.scoring.fleet_table import median_of, rendezvous_weights, smallest
-from kvindex.scoring.policies import POLICY_NAMES
+from kvindex.scoring.policies import POLICY_CLASSES, POLICY_NAMES
 from kvindex.scoring.router import Router, RouterConfig
 from kvindex.wire.schema import CPU, DISK, GPU, SHARED, Load
 
 MODEL = "m"
 BS = 16
-PRUNED = [name for name in POLICY_NAMES if name == "ttft"]
+PRUNED = [name for name in (*POLICY_NAMES, "decode") if hasattr(POLICY_CLASSES[name], "rank_top")]
 
 
 class Clock:

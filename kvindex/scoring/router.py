@@ -10,6 +10,7 @@ from __future__ import annotations
 import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -18,7 +19,7 @@ from kvindex.index.base import NO_MATCH, InstanceKey, InstanceMatch, KvBlockInde
 from kvindex.scoring.base import DECODE_ROLE, Candidate, Choice, Policy, RouteRequest
 from kvindex.scoring.calibration import Calibrator
 from kvindex.scoring.costs import CostConfig, queue_ms
-from kvindex.scoring.fleet_table import FleetTables, ModelTable
+from kvindex.scoring.fleet_table import FleetTables, ModelTable, smallest
 from kvindex.scoring.ledger import FINISHED, PREFILL, Ledger, SpeculativeKeys
 from kvindex.scoring.policies import make_policies
 
@@ -342,6 +343,15 @@ class CandidatePool:
     def materialize(self, rows: list[int] | np.ndarray) -> list[Candidate]:
         states = self.table.states
         return self.router.candidates(self.request, [states[i] for i in rows], self.spec_ttl, matches={})
+
+    def top(self, columns: list[np.ndarray], key: Callable[[Candidate], Any], top_k: int) -> list[Candidate]:
+        """The first ``top_k`` candidates in ``key`` order: the explicit ones and the best ``top_k``
+        others, chosen on ``columns`` (per row, the others' values of ``key``'s leading terms, in
+        order; the instance key, ``key``'s last term, is added here)."""
+        rows = smallest([*columns, self.key_rank], np.flatnonzero(self.rest), top_k)
+        cands = self.explicit + self.materialize(rows)
+        cands.sort(key=key)
+        return cands[:top_k]
 
     def column(self, rest: np.ndarray, explicit: list[float]) -> np.ndarray:
         """A per-row column: ``rest`` for the others, ``explicit`` at the explicit candidates' rows."""
