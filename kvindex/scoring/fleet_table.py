@@ -175,8 +175,9 @@ class FleetTables:
         self._model_of: dict[InstanceKey, str] = {}
         self._registry_changes = registry.watch()
         self._ledger_changes = ledger.watch()
-        # Instances that may still turn out to be pools (no capacity reported, no local block seen):
-        # that depends on ``batches``, which is not watched (it changes on every batch).
+        # Instances that may still turn out to be pools: no capacity reported, no local block seen and
+        # no batch yet. Their first batch (``batches``, not watched: it changes on every batch)
+        # decides, so only that counter is read for them per refresh.
         self._unsure: set[InstanceKey] = set()
 
     def refresh(self) -> None:
@@ -185,13 +186,16 @@ class FleetTables:
         if self._ledger_changes:
             changed |= self._ledger_changes
             self._ledger_changes.clear()
-        if not changed and not self._unsure:
-            return
+        get = self.registry.get
         if self._unsure:
-            changed |= self._unsure
+            for key in self._unsure:
+                state = get(key)
+                if state is None or state.batches:
+                    changed.add(key)
+        if not changed:
+            return
         keys = list(changed)
         changed.clear()
-        get = self.registry.get
         ledger = self.ledger
         for key in keys:
             state = get(key)
@@ -214,7 +218,7 @@ class FleetTables:
                 i = table.add(state)
                 self._model_of[key] = state.model
             table.update(i, state, ledger)
-            if not state.capacity and not state.local_blocks_seen:
+            if not state.capacity and not state.local_blocks_seen and not state.batches:
                 self._unsure.add(key)
             else:
                 self._unsure.discard(key)
