@@ -864,11 +864,15 @@ def _in_process(fleet: Fleet, seed: int, top_k: int, n: int) -> dict[str, float]
         bs, ks = servicer.prompt_keys(req)
         return servicer.score(req, bs, ks, None, None, PREFILL_ROLE).SerializeToString()
 
+    # Both rankings from the same state: the same instant (queues drain with time) and weight.
     ttft = router.policies["ttft"]
     saved = (ttft._k, ttft._k_at)  # type: ignore[attr-defined]
+    clock, now = router.clock, router.clock()
+    router.clock = lambda: now
     pruned = router.score(route, top_k=top_k).choices
-    ttft._k, ttft._k_at = saved  # type: ignore[attr-defined]  (both rankings from the same state)
+    ttft._k, ttft._k_at = saved  # type: ignore[attr-defined]
     full = router.score(route).choices
+    router.clock = clock
     gc.collect()
     gc.freeze()  # time the code, not collections of the fleet's objects (see the README)
     assert [c.candidate.state.key for c in pruned] == [c.candidate.state.key for c in full[:top_k]]

@@ -194,12 +194,17 @@ def test_smallest_is_exact_with_ties() -> None:
         assert got == want
 
 
-def test_median_and_weights_match_the_reference() -> None:
+@pytest.mark.parametrize("native", [True, False])
+def test_median_and_weights_match_the_reference(native: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     import statistics
 
     import numpy as np
     import xxhash
 
+    from kvindex.scoring import fleet_table
+
+    if not native:  # the fallback without the extension: one Python call per id
+        monkeypatch.setattr(fleet_table, "_native_weights", None)
     rng = random.Random(1)
     for n in (1, 2, 3, 10, 11):
         vals = [rng.choice([0.0, 1.5, rng.random()]) for _ in range(n)]
