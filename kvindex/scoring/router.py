@@ -194,6 +194,8 @@ class Router:
             states = self.registry.routable(request.model, candidates)
             cands = self.candidates(request, states, chosen.speculative_ttl, every=candidates is None)
             choices = chosen.rank(request, cands, self) if cands else []
+            if top_k > 0:
+                choices = choices[:top_k]
         result = ScoreResult(request, chosen.name, choices)
         if commit and choices:
             top = choices[0].candidate
