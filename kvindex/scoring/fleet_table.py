@@ -31,7 +31,22 @@ except ImportError:  # no compiler at install time
     _native_weights = None
 
 _xxh3 = xxhash.xxh3_64_intdigest
-_FLOAT_COLS = ("queued", "status_at", "running", "waiting", "kv", "tokens_new", "n_new", "inflight")
+# Reported state and ledger aggregates, plus sums the rankings use (kept here: a sum per row at a
+# heartbeat is cheaper than a vector sum per request).
+_FLOAT_COLS = (
+    "queued",  # waiting_prefill_tokens of the last heartbeat
+    "status_at",  # its local time (0 when none)
+    "running",
+    "waiting",
+    "kv",
+    "tokens_new",  # ledger: prefill tokens routed since that heartbeat
+    "n_new",  # ledger: requests routed since
+    "inflight",  # ledger: requests in flight at all
+    "running_now",  # running + n_new
+    "load",  # running + waiting + inflight (Candidate.load)
+    "queue",  # waiting + inflight (llmd's queue)
+    "queued_now",  # queued + tokens_new, for rows whose queue does not drain
+)
 
 
 def rendezvous_weights(ids: list[bytes], seed: int) -> np.ndarray:
@@ -59,6 +74,7 @@ class ModelTable:
         for name in _FLOAT_COLS:
             setattr(self, name, np.zeros(cap))
         self.has_status = np.zeros(cap, dtype=bool)
+        self.drains = np.zeros(cap, dtype=bool)  # a reported queue and a heartbeat time: it drains
         self.routable = np.zeros(cap, dtype=bool)
         self.key_rank = np.zeros(cap, dtype=np.int64)
         self._ranks_stale = False
@@ -68,7 +84,7 @@ class ModelTable:
 
     def _grow(self) -> None:
         cap = 2 * len(self.routable)
-        for name in (*_FLOAT_COLS, "has_status", "routable", "key_rank"):
+        for name in (*_FLOAT_COLS, "has_status", "drains", "routable", "key_rank"):
             old = getattr(self, name)
             new = np.zeros(cap, dtype=old.dtype)
             new[: self.n] = old[: self.n]
@@ -94,7 +110,7 @@ class ModelTable:
             self.states[i] = moved
             self.ids[i] = self.ids[last]
             self.row[moved.key] = i
-            for name in (*_FLOAT_COLS, "has_status", "routable"):
+            for name in (*_FLOAT_COLS, "has_status", "drains", "routable"):
                 col = getattr(self, name)
                 col[i] = col[last]
         self.states.pop()
@@ -162,6 +178,12 @@ class ModelTable:
         self.n_new[i] = n_new
         self.tokens_new[i] = tokens_new
         self.inflight[i] = inflight
+        q = load.waiting_prefill_tokens
+        self.drains[i] = bool(q) and at is not None
+        self.queued_now[i] = q + tokens_new
+        self.running_now[i] = load.running + n_new
+        self.load[i] = load.running + load.waiting + inflight
+        self.queue[i] = load.waiting + inflight
         self.routable[i] = not state.is_pool and not state.stale
 
 

@@ -320,26 +320,38 @@ class CandidatePool:
         chunk, dps = shape.chunk_tokens, shape.decode_ms_per_seq
         drain_rate = 1000 / b_ms if costs.drain_reported_queue and b_ms > 0 else 0.0
         now = router.clock()
-        reported = table.queued[:n]
-        if drain_rate:
-            drained = np.maximum(0.0, reported - (now - table.status_at[:n]) * drain_rate)
-            queued = np.where((reported != 0) & table.has_status[:n], drained, reported)
+        if drain_rate and table.drains[:n].any():
+            # max(0, reported - (now - heartbeat) * rate) + routed since, where the queue drains.
+            drained = now - table.status_at[:n]
+            drained *= drain_rate
+            np.subtract(table.queued[:n], drained, out=drained)
+            np.maximum(drained, 0.0, out=drained)
+            drained += table.tokens_new[:n]
+            queued = np.where(table.drains[:n], drained, table.queued_now[:n])
         else:
-            queued = reported
-        queued = queued + table.tokens_new[:n]
-        running = table.running[:n] + table.n_new[:n]
-        steps = -np.floor_divide(-queued, chunk)
-        wait = b_ms * queued + steps * (shape.step_ms + dps * running)
-        self.wait = np.where(queued > 0, wait, 0.0)
+            queued = table.queued_now[:n]
+        running = table.running_now[:n]
+        steps = np.negative(queued)
+        np.floor_divide(steps, chunk, out=steps)
+        np.negative(steps, out=steps)
+        # b * queued + steps * (step_ms + dps * running), as queue_ms computes it.
+        wait = dps * running
+        wait += shape.step_ms
+        wait *= steps
+        wait += b_ms * queued
+        wait[queued <= 0] = 0.0
+        self.wait = wait
         prompt = request.prompt_tokens
         if prompt > 0:
-            self.prefill = model.ms(prompt, prompt) + -(-prompt // chunk) * dps * running
+            prefill = (-(-prompt // chunk) * dps) * running
+            prefill += model.ms(prompt, prompt)
+            self.prefill = prefill
         else:
             self.prefill = np.zeros(n)
-        self.est = self.wait + self.prefill + 0.0  # Candidate.est_ttft_ms (no fetch: nothing held)
+        self.est = self.wait + self.prefill  # Candidate.est_ttft_ms (no fetch: nothing held)
         # Tie-breaks of the rankings: emptier cache, fewer requests (reported + in flight), key.
         self.kv = table.kv[:n]
-        self.load = table.running[:n] + table.waiting[:n] + table.inflight[:n]
+        self.load = table.load[:n]
         self.key_rank = table.ranks()
 
     def materialize(self, rows: list[int] | np.ndarray) -> list[Candidate]:

@@ -60,7 +60,7 @@ class LlmdPrecise:
         b = request.block_size
         total = max(1, len(request.keys))
         table = pool.table
-        queues = table.waiting[: table.n] + table.inflight[: table.n]
+        queues = table.queue[: table.n]
         everyone = queues[pool.mask]
         qmax, qmin = float(everyone.max()), float(everyone.min())
 

@@ -42,7 +42,7 @@ class Overlap:
         b = request.block_size
         table = pool.table
         n = table.n
-        rest = (table.queued[:n] + table.tokens_new[:n]) / b + request.prompt_tokens / b + 0.0
+        rest = table.queued_now[:n] / b + request.prompt_tokens / b
         top = pool.top(
             [rest, pool.kv], lambda c: (self._cost(c, b), c.state.load.kv_usage, c.state.key), top_k
         )
