@@ -310,7 +310,7 @@ banked_op_st = st.one_of(
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=15, deadline=None)
 @given(ops=st.lists(banked_op_st, max_size=30), queries=st.lists(keys_st, max_size=5))
 def test_bank_summaries_stay_exact(backend: str, ops: list, queries: list) -> None:
     ix = InvertedIndex(BACKENDS[backend])
