@@ -821,7 +821,16 @@ def sweep_child(instances: int, blocks: int, seed: int, calls: int) -> dict[str,
         t2 = time.perf_counter()
         rounds.append(((t1 - t0) / len(payloads), (t2 - t1) / len(payloads)))
     status_s, refresh_s = min(r[0] for r in rounds), min(r[1] for r in rounds)
+    # The service's liveness sweep walks every instance 4 times a second (kvindex/repair): part of
+    # what a large fleet costs the server while idle, besides the heartbeats themselves.
+    from kvindex.fleet.liveness import sweep
+
+    t0 = time.perf_counter()
+    for _ in range(20):
+        sweep(registry.all(), time.monotonic(), 5.0, 120.0)
+    sweep_s = (time.perf_counter() - t0) / 20
     return {
+        "sweep_ms": sweep_s * 1e3,
         "instances": instances,
         "distinct": distinct,
         "entries": stats.entries[0],
@@ -857,6 +866,7 @@ def fleet_sweep(sizes: list[int], blocks: int, seed: int, calls: int) -> list[di
         "B per distinct block (RSS / self-reported)",
         "heartbeat: status + columns, us",
         "share of a core at 2 heartbeats/s each",
+        "liveness sweep, ms (4 per s)",
     ]
     table = []
     for r in rows:
@@ -870,6 +880,7 @@ def fleet_sweep(sizes: list[int], blocks: int, seed: int, calls: int) -> list[di
                 f"{r['rss_per_block']:.1f} / {r['nbytes_per_block']:.1f}",
                 f"{r['heartbeat_us']:.1f} + {r['refresh_us']:.1f}",
                 f"{hb * 2 * r['instances'] / 1e4:.1f} %",
+                f"{r['sweep_ms']:.2f}",
             ]
         )
     render_table(
