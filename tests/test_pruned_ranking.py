@@ -147,10 +147,15 @@ def _exercise(
             state.load = Load(running=rng.randint(0, 30), waiting_prefill_tokens=rng.randint(0, 30_000))
             if rng.random() < 0.2:
                 state.stale = not state.stale
-        # A silent instance's first batch without local blocks makes it a pool (not watched: read).
-        unsure = [s for s in states if not s.capacity and not s.local_blocks_seen and not s.batches]
+        # Without a reported capacity, a first batch without local blocks makes an instance a pool,
+        # and a later local block makes it routable again (neither field is watched: re-read).
+        unsure = [s for s in states if not s.capacity and not s.local_blocks_seen]
         if unsure and rng.random() < 0.5:
-            rng.choice(unsure).batches += 1
+            who = rng.choice(unsure)
+            if who.batches and rng.random() < 0.5:
+                who.local_blocks_seen = True
+            else:
+                who.batches += 1
         if step == 3 and states:
             gone = rng.choice(states)
             registry.remove(gone.key)

@@ -20,7 +20,9 @@ def instance_id(instance: InstanceKey) -> str:
 # The fields a ranking depends on (load, heartbeat time, health, capacity). Setting one tells the
 # registry's watchers which instance changed, so that rankers can keep per-instance state up to date
 # at heartbeats instead of re-reading every instance on every request (kvindex/scoring/fleet_table.py).
-_WATCHED = ("load", "last_status_at", "stale", "capacity", "local_blocks_seen")
+# (local_blocks_seen is not watched: the consumer sets it on every batch with local blocks, and it
+# only matters while no capacity is reported; rankers re-read it for those few instances.)
+_WATCHED = ("load", "last_status_at", "stale", "capacity")
 
 
 def _watched(name: str) -> property:
@@ -55,7 +57,7 @@ class InstanceState:
     gaps: int = 0
     missing_batches: int = 0
     restarts: int = 0
-    _local_blocks_seen: bool = False
+    local_blocks_seen: bool = False
     sync: str = "synced"  # synced | replay | snapshot: what the index is doing to stay exact
     _stale: bool = False  # no heartbeat for a while: excluded from rankings
     # Sets the registry's watchers drain (Registry.watch); each gets the key of a changed instance.
@@ -65,7 +67,6 @@ class InstanceState:
         load: Load
         last_status_at: float | None
         capacity: dict[int, int]
-        local_blocks_seen: bool
         stale: bool
 
     @property
@@ -106,9 +107,8 @@ class Registry:
         self._watchers: tuple[set[InstanceKey], ...] = ()
 
     def watch(self) -> set[InstanceKey]:
-        """A set that receives the key of every instance added, removed or changed in a watched
-        field (load, heartbeat time, staleness, capacity, local blocks seen) from now on; the caller
-        drains it."""
+        """A set that receives the key of every instance added, removed or assigned a watched field
+        (load, heartbeat time, staleness, capacity) from now on; the caller drains it."""
         changed: set[InstanceKey] = set(self._states)
         self._watchers = (*self._watchers, changed)
         for state in self._states.values():

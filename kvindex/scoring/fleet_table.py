@@ -197,9 +197,9 @@ class FleetTables:
         self._model_of: dict[InstanceKey, str] = {}
         self._registry_changes = registry.watch()
         self._ledger_changes = ledger.watch()
-        # Instances that may still turn out to be pools: no capacity reported, no local block seen and
-        # no batch yet. Their first batch (``batches``, not watched: it changes on every batch)
-        # decides, so only that counter is read for them per refresh.
+        # Instances that report no capacity: whether they are pools follows from local blocks seen
+        # and batches, which change on every batch and are not watched; those two are re-read for
+        # them at each refresh (bridges report capacity, so this set is normally empty).
         self._unsure: set[InstanceKey] = set()
 
     def refresh(self) -> None:
@@ -212,7 +212,12 @@ class FleetTables:
         if self._unsure:
             for key in self._unsure:
                 state = get(key)
-                if state is None or state.batches:
+                if state is None:
+                    changed.add(key)
+                    continue
+                table = self.tables.get(state.model)
+                i = None if table is None else table.row.get(key)
+                if i is None or table.routable[i] != (not state.is_pool and not state.stale):  # type: ignore[union-attr]
                     changed.add(key)
         if not changed:
             return
@@ -240,7 +245,7 @@ class FleetTables:
                 i = table.add(state)
                 self._model_of[key] = state.model
             table.update(i, state, ledger)
-            if not state.capacity and not state.local_blocks_seen and not state.batches:
+            if not state.capacity:
                 self._unsure.add(key)
             else:
                 self._unsure.discard(key)
