@@ -31,22 +31,19 @@ except ImportError:  # no compiler at install time
     _native_weights = None
 
 _xxh3 = xxhash.xxh3_64_intdigest
-# Reported state and ledger aggregates, plus sums the rankings use (kept here: a sum per row at a
-# heartbeat is cheaper than a vector sum per request).
+# Per row, what the rankings read (sums are kept here: a sum per row at a heartbeat is cheaper than a
+# vector sum per request). Written by ``ModelTable.write``, in this order.
 _FLOAT_COLS = (
     "queued",  # waiting_prefill_tokens of the last heartbeat
     "status_at",  # its local time (0 when none)
-    "running",
-    "waiting",
-    "kv",
     "tokens_new",  # ledger: prefill tokens routed since that heartbeat
-    "n_new",  # ledger: requests routed since
-    "inflight",  # ledger: requests in flight at all
-    "running_now",  # running + n_new
-    "load",  # running + waiting + inflight (Candidate.load)
-    "queue",  # waiting + inflight (llmd's queue)
-    "queued_now",  # queued + tokens_new, for rows whose queue does not drain
+    "queued_now",  # queued + tokens_new (the wait's input where the queue does not drain)
+    "running_now",  # running + requests routed since
+    "kv",  # kv_usage
+    "load",  # running + waiting + in flight (Candidate.load)
+    "queue",  # waiting + in flight (llmd's queue)
 )
+_BOOL_COLS = ("drains", "routable")  # a reported queue and a heartbeat time; not a pool, not stale
 
 
 def rendezvous_weights(ids: list[bytes], seed: int) -> np.ndarray:
@@ -73,9 +70,8 @@ class ModelTable:
         cap = 16
         for name in _FLOAT_COLS:
             setattr(self, name, np.zeros(cap))
-        self.has_status = np.zeros(cap, dtype=bool)
-        self.drains = np.zeros(cap, dtype=bool)  # a reported queue and a heartbeat time: it drains
-        self.routable = np.zeros(cap, dtype=bool)
+        for name in _BOOL_COLS:
+            setattr(self, name, np.zeros(cap, dtype=bool))
         self.key_rank = np.zeros(cap, dtype=np.int64)
         self._ranks_stale = False
         self._weights: OrderedDict[int, np.ndarray] = OrderedDict()
@@ -84,7 +80,7 @@ class ModelTable:
 
     def _grow(self) -> None:
         cap = 2 * len(self.routable)
-        for name in (*_FLOAT_COLS, "has_status", "drains", "routable", "key_rank"):
+        for name in (*_FLOAT_COLS, *_BOOL_COLS, "key_rank"):
             old = getattr(self, name)
             new = np.zeros(cap, dtype=old.dtype)
             new[: self.n] = old[: self.n]
@@ -110,7 +106,7 @@ class ModelTable:
             self.states[i] = moved
             self.ids[i] = self.ids[last]
             self.row[moved.key] = i
-            for name in (*_FLOAT_COLS, "has_status", "drains", "routable"):
+            for name in (*_FLOAT_COLS, *_BOOL_COLS):
                 col = getattr(self, name)
                 col[i] = col[last]
         self.states.pop()
@@ -162,29 +158,35 @@ class ModelTable:
 
     # -- state -------------------------------------------------------------------------------
 
-    def update(self, i: int, state: InstanceState, ledger: Ledger) -> None:
-        load = state.load
-        at = state.last_status_at
-        self.queued[i] = load.waiting_prefill_tokens
-        self.has_status[i] = at is not None
-        self.status_at[i] = 0.0 if at is None else at
-        self.running[i] = load.running
-        self.waiting[i] = load.waiting
-        self.kv[i] = load.kv_usage
-        if state.key in ledger.busy:
-            n_new, tokens_new, inflight = ledger.pending(state.key, at)
-        else:
-            n_new = tokens_new = inflight = 0
-        self.n_new[i] = n_new
-        self.tokens_new[i] = tokens_new
-        self.inflight[i] = inflight
-        q = load.waiting_prefill_tokens
-        self.drains[i] = bool(q) and at is not None
-        self.queued_now[i] = q + tokens_new
-        self.running_now[i] = load.running + n_new
-        self.load[i] = load.running + load.waiting + inflight
-        self.queue[i] = load.waiting + inflight
-        self.routable[i] = not state.is_pool and not state.stale
+    def write(self, rows: list[int], values: list[tuple]) -> None:
+        """Rows' new values (``row_values``), one vector assignment per column for all of them."""
+        columns = list(zip(*values, strict=True))
+        for name, column in zip((*_FLOAT_COLS, *_BOOL_COLS), columns, strict=True):
+            getattr(self, name)[rows] = column
+
+
+def row_values(state: InstanceState, ledger: Ledger) -> tuple:
+    """An instance's row, in column order (_FLOAT_COLS, then _BOOL_COLS)."""
+    load = state.load
+    at = state.last_status_at
+    if state.key in ledger.busy:
+        n_new, tokens_new, inflight = ledger.pending(state.key, at)
+    else:
+        n_new = tokens_new = inflight = 0
+    q = load.waiting_prefill_tokens
+    running, waiting = load.running, load.waiting
+    return (
+        q,
+        0.0 if at is None else at,
+        tokens_new,
+        q + tokens_new,
+        running + n_new,
+        load.kv_usage,
+        running + waiting + inflight,
+        waiting + inflight,
+        bool(q) and at is not None,
+        not state.is_pool and not state.stale,
+    )
 
 
 class FleetTables:
@@ -223,7 +225,9 @@ class FleetTables:
             return
         keys = list(changed)
         changed.clear()
-        ledger = self.ledger
+        # Membership first (a removal moves the last row), then every changed row's values, written
+        # one column at a time for all of them.
+        live = []
         for key in keys:
             state = get(key)
             model = self._model_of.get(key)
@@ -233,22 +237,28 @@ class FleetTables:
                 del self._model_of[key]
                 if not table.n:
                     del self.tables[model]
-                model = None
             if state is None:
                 self._unsure.discard(key)
                 continue
             table = self.tables.get(state.model)
             if table is None:
                 table = self.tables[state.model] = ModelTable(state.model)
-            i = table.row.get(key)
-            if i is None:
-                i = table.add(state)
+            if key not in table.row:
+                table.add(state)
                 self._model_of[key] = state.model
-            table.update(i, state, ledger)
+            live.append(state)
             if not state.capacity:
                 self._unsure.add(key)
             else:
                 self._unsure.discard(key)
+        ledger = self.ledger
+        pending: dict[str, tuple[list[int], list[tuple]]] = {}
+        for state in live:
+            rows, values = pending.setdefault(state.model, ([], []))
+            rows.append(self.tables[state.model].row[state.key])
+            values.append(row_values(state, ledger))
+        for model, (rows, values) in pending.items():
+            self.tables[model].write(rows, values)
 
     def get(self, model: str) -> ModelTable | None:
         self.refresh()
