@@ -9,7 +9,7 @@ from operator import attrgetter
 from typing import TYPE_CHECKING
 
 from kvindex.index.base import InstanceKey
-from kvindex.wire.schema import LOCAL_TIERS, SHARED, Load
+from kvindex.wire.schema import CPU, DISK, GPU, SHARED, Load
 
 
 def instance_id(instance: InstanceKey) -> str:
@@ -84,8 +84,10 @@ class InstanceState:
     @property
     def is_pool(self) -> bool:
         """A shared-pool publisher (e.g. a bridge in front of Mooncake Store): not routable."""
-        if self.capacity:
-            return SHARED in self.capacity and not any(self.capacity.get(t) for t in LOCAL_TIERS)
+        capacity = self.capacity
+        if capacity:
+            get = capacity.get  # (no generator: rankers ask this per instance)
+            return SHARED in capacity and not (get(GPU) or get(CPU) or get(DISK))
         return not self.local_blocks_seen and self.batches > 0
 
     def status_age(self, now: float) -> float | None:
