@@ -199,9 +199,10 @@ class FleetTables:
         self._model_of: dict[InstanceKey, str] = {}
         self._registry_changes = registry.watch()
         self._ledger_changes = ledger.watch()
-        # Instances that report no capacity: whether they are pools follows from local blocks seen
-        # and batches, which change on every batch and are not watched; those two are re-read for
-        # them at each refresh (bridges report capacity, so this set is normally empty).
+        # Instances that report no capacity and have not published a local block: whether they are
+        # pools follows from local blocks seen and batches, which change on every batch and are not
+        # watched; those are re-read for them at each refresh (once a local block is seen, only a
+        # capacity, which is watched, can change it; bridges report capacity anyway).
         self._unsure: set[InstanceKey] = set()
 
     def refresh(self) -> None:
@@ -247,7 +248,7 @@ class FleetTables:
                 table.add(state)
                 self._model_of[key] = state.model
             live.append(state)
-            if not state.capacity:
+            if not state.capacity and not state.local_blocks_seen:
                 self._unsure.add(key)
             else:
                 self._unsure.discard(key)
