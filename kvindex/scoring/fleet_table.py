@@ -137,7 +137,7 @@ class ModelTable:
         w = self._weights.get(seed)
         if w is None:
             w = self._weights[seed] = rendezvous_weights(self.ids, seed)
-            if len(self._weights) > 256:
+            if len(self._weights) > 32:  # 8 B per instance each: 2 MB at 8,192 instances
                 self._weights.popitem(last=False)
         else:
             self._weights.move_to_end(seed)
