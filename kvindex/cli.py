@@ -10,14 +10,22 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import structlog
+
 from kvindex.api.security import add_client_options, add_server_options
 from kvindex.capture.cli import add_capture, add_replay, add_serve_capture, serve_capture_config
+from kvindex.config import NatsConfigError, NatsConnectError, NatsSettings, add_nats_arguments, parse_layered
 from kvindex.observability.logs import configure_logging
 
 
 def _add_serve(sub: Any) -> None:
     p = sub.add_parser("serve", help="run the index service")
-    p.add_argument("--nats", default=None, help="NATS URL; without it an embedded nats-server is started")
+    add_nats_arguments(
+        p,
+        default=None,
+        url_help="NATS server URL(s), nats:// or tls://, repeated or comma-separated (a "
+        "cluster: any is used and reconnected to); without one an embedded nats-server is started",
+    )
     p.add_argument("--grpc-host", default="0.0.0.0")
     p.add_argument("--grpc-port", type=int, default=50051)
     p.add_argument("--subject-prefix", default="kvindex")
@@ -58,6 +66,7 @@ def _add_serve(sub: Any) -> None:
     j = p.add_argument_group("JetStream (optional)")
     j.add_argument("--jetstream", action="store_true", help="keep event batches in a stream; rebuild from it")
     j.add_argument("--stream-max-age", type=float, default=3600.0, help="history kept in the stream (s)")
+    j.add_argument("--stream-replicas", type=int, default=1, help="stream replicas in a NATS cluster (1-5)")
     add_serve_capture(p)
     add_server_options(p)
 
@@ -152,8 +161,13 @@ def _serve(args: argparse.Namespace) -> int:
     from kvindex.service.app import IndexService, ServiceConfig, serve_until_signalled
 
     configure_logging(args.log_format, args.log_level)
+    try:
+        nats = NatsSettings.from_args(args)  # None: embedded nats-server
+    except NatsConfigError as exc:
+        structlog.get_logger("kvindex").error("nats_connect_failed", error=str(exc))
+        return 2
     config = ServiceConfig(
-        nats_url=args.nats,
+        nats_url=nats,
         grpc_host=args.grpc_host,
         grpc_port=args.grpc_port,
         subject_prefix=args.subject_prefix,
@@ -167,7 +181,9 @@ def _serve(args: argparse.Namespace) -> int:
             replay_timeout=args.replay_timeout,
             snapshot_timeout=args.snapshot_timeout,
         ),
-        jetstream=JetStreamConfig(max_age=args.stream_max_age) if args.jetstream else None,
+        jetstream=JetStreamConfig(max_age=args.stream_max_age, replicas=args.stream_replicas)
+        if args.jetstream
+        else None,
         capture=serve_capture_config(args),
         grpc_security=ServerSecurity.from_args(args),
         ext_proc_port=None if args.ext_proc_port < 0 else args.ext_proc_port,
@@ -181,7 +197,11 @@ def _serve(args: argparse.Namespace) -> int:
     )
     if args.instance and not args.instance_model:
         raise SystemExit("kvindex serve: --instance needs --instance-model (the model they serve)")
-    asyncio.run(serve_until_signalled(IndexService(config)))
+    try:
+        asyncio.run(serve_until_signalled(IndexService(config)))
+    except (NatsConfigError, NatsConnectError) as exc:
+        structlog.get_logger("kvindex").error("nats_connect_failed", error=str(exc))
+        return 2
     return 0
 
 
@@ -195,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
     _add_query(sub, "instances", "list known instances", prompt=False)
     add_capture(sub)
     add_replay(sub)
-    args = parser.parse_args(argv)
+    args = parse_layered(parser, argv)  # command line, then KVINDEX_* environment, then --config TOML
     if args.command == "serve":
         return _serve(args)
     if args.command == "capture":

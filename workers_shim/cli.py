@@ -18,6 +18,8 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+from kvindex.config import NatsSettings, add_nats_arguments, parse_layered
+from kvindex.config.nats import DEFAULT_URL
 from kvindex.observability.logs import configure_logging
 from kvindex.wire.endpoint import BadEndpoint, check_endpoint
 from workers_shim.bridges.bridge import Bridge, BridgeConfig
@@ -109,7 +111,7 @@ def add_engine_command(sub: Any, engine: str) -> argparse.ArgumentParser:
     )
     p.add_argument("--worker-id", required=True, help="this worker's id on the wire ([A-Za-z0-9_-]{1,128})")
     p.add_argument("--model", required=True, help="served model name, as routers will ask for it")
-    p.add_argument("--nats", default="nats://127.0.0.1:4222", help="NATS URL")
+    add_nats_arguments(p)
     p.add_argument("--subject-prefix", default="kvindex")
     p.add_argument(
         "--dp-rank",
@@ -197,7 +199,7 @@ def config_from_args(args: argparse.Namespace) -> BridgeConfig:
         metrics_url=args.metrics_url,
         worker_id=args.worker_id,
         model=args.model,
-        nats_url=args.nats,
+        nats_url=NatsSettings.from_args(args) or DEFAULT_URL,
         subject_prefix=args.subject_prefix,
         dp_ranks=args.dp_rank,
         port_offset=not args.no_port_offset,
@@ -256,7 +258,7 @@ def run_engine(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     parser, _ = build_parser()
-    args = parser.parse_args(argv)
+    args = parse_layered(parser, argv)  # command line, then KVINDEX_* environment, then --config TOML
     return int(args.handler(args) or 0)
 
 

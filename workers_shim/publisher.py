@@ -16,13 +16,14 @@ import asyncio
 import contextlib
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
-import nats
 import structlog
 from nats.aio.client import Client
 
+from kvindex.config.nats import NatsSettings
+from kvindex.config.nats import connect as nats_connect
 from kvindex.wire import reconcile
 from kvindex.wire.codec import encode_batch, encode_status
 from kvindex.wire.endpoint import check_endpoint
@@ -327,15 +328,22 @@ class Publisher(WorkerLog):
         )
 
     @classmethod
-    async def connect(cls, url: str, **kwargs: Any) -> Publisher:
-        """Connect to NATS and start a publisher that owns the connection."""
+    async def connect(cls, nats_settings: NatsSettings | str | Sequence[str], **kwargs: Any) -> Publisher:
+        """Connect to NATS and start a publisher that owns the connection.
+
+        ``nats_settings``: a URL, several (a cluster), or NatsSettings with credentials and TLS
+        (kvindex/config/nats.py). Raises NatsConnectError when no server accepts the connection.
+        """
         log = structlog.get_logger("workers_shim.publisher")
 
         async def on_error(exc: Exception) -> None:
             log.warning("nats_error", error=str(exc), error_type=type(exc).__name__)
 
-        nc = await nats.connect(
-            url, name=f"kvshim-{kwargs.get('worker', '')}", max_reconnect_attempts=-1, error_cb=on_error
+        nc = await nats_connect(
+            nats_settings,
+            name=f"kvshim-{kwargs.get('worker', '')}",
+            max_reconnect_attempts=-1,
+            error_cb=on_error,
         )
         pub = cls(nc, **kwargs)
         pub._owns_nc = True

@@ -20,6 +20,7 @@ from typing import Any
 
 from kvindex.api.security import add_server_options
 from kvindex.capture.format import LogError, zstd_available
+from kvindex.config.nats import NatsConfigError, NatsConnectError, NatsSettings, add_nats_arguments
 
 _UNITS = {"": 1.0, "s": 1.0, "m": 60.0, "h": 3600.0, "ms": 0.001}
 _DURATION_RE = re.compile(r"(\d+(?:\.\d*)?)(ms|s|m|h)?")
@@ -92,7 +93,7 @@ def add_capture(sub: Any) -> None:
         "wire only, not a service's replay/snapshot answers: replaying it runs the consumer without "
         "repairs (holes accepted). Use `kvindex serve --capture` for exact replays.",
     )
-    p.add_argument("--nats", required=True, help="NATS URL")
+    add_nats_arguments(p, default=None, url_help="NATS server URL(s) (required), repeated or comma-separated")
     p.add_argument("--subject-prefix", default="kvindex")
     p.add_argument("--out", required=True, help="log file (segments FILE.1, FILE.2 ... when rotating)")
     p.add_argument("--zstd", action="store_true", help="compress frames with zstd")
@@ -156,8 +157,17 @@ def run_capture(args: argparse.Namespace) -> int:
         print("error: --zstd needs the 'zstandard' package: pip install 'kvindex[capture]'", file=sys.stderr)
         return 2
 
+    try:
+        settings = NatsSettings.from_args(args)
+    except NatsConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if settings is None:
+        print("error: capture needs --nats URL (or KVINDEX_NATS_URL)", file=sys.stderr)
+        return 2
+
     async def main() -> None:
-        cap = Capture(args.nats, CaptureConfig(args.out, args.max_bytes, args.zstd), args.subject_prefix)
+        cap = Capture(settings, CaptureConfig(args.out, args.max_bytes, args.zstd), args.subject_prefix)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
@@ -177,7 +187,11 @@ def run_capture(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
 
-    asyncio.run(main())
+    try:
+        asyncio.run(main())
+    except (NatsConfigError, NatsConnectError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     return 0
 
 

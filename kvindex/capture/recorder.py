@@ -27,6 +27,8 @@ from kvindex.api.servicer import KvIndexServicer
 from kvindex.capture import records as R
 from kvindex.capture.digest import state_digest
 from kvindex.capture.format import LogWriter
+from kvindex.config.nats import NatsSettings
+from kvindex.config.nats import connect as nats_connect
 from kvindex.index.base import InstanceKey
 from kvindex.wire.reconcile import Snapshot
 from kvindex.wire.subjects import EVENTS, STATUS
@@ -284,8 +286,11 @@ class Capture:
     of its log runs the consumer without repairs: holes are counted and accepted.
     """
 
-    def __init__(self, url: str, config: CaptureConfig, prefix: str = "kvindex", log: Any = None) -> None:
-        self.url = url
+    def __init__(
+        self, url: str | NatsSettings, config: CaptureConfig, prefix: str = "kvindex", log: Any = None
+    ) -> None:
+        self.settings = NatsSettings.coerce(url)
+        self.url = self.settings.redacted_servers()  # for logs: no secret
         self.prefix = prefix
         self.config = config
         self.log = log or structlog.get_logger("kvindex.capture")
@@ -294,9 +299,7 @@ class Capture:
         self._head = prefix + "."
 
     async def start(self) -> None:
-        import nats
-
-        self.nc = await nats.connect(self.url, name="kvindex-capture", max_reconnect_attempts=-1)
+        self.nc = await nats_connect(self.settings, name="kvindex-capture", max_reconnect_attempts=-1)
         await self.nc.subscribe(
             self._head + ">", cb=self._on_msg, pending_msgs_limit=1_000_000, pending_bytes_limit=1 << 30
         )

@@ -20,13 +20,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-import nats
 import structlog
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.js.api import DeliverPolicy, StorageType, StreamConfig
 from nats.js.errors import NotFoundError
 
+from kvindex.config.nats import NatsSettings, redact_url
+from kvindex.config.nats import connect as nats_connect
 from kvindex.ingest.consumer import Consumer
 from kvindex.wire.subjects import EVENTS, STATUS
 
@@ -40,20 +41,22 @@ class JetStreamConfig:
     max_age: float = 3600.0  # seconds of history a restarted index can rebuild from
     max_bytes: int = 1 << 30
     stream: str | None = None  # default: KVINDEX_<prefix with dots as underscores>
+    replicas: int = 1  # copies of the stream in a NATS cluster (JetStream R1..R5)
 
 
 class NatsSource:
     def __init__(
         self,
         consumer: Consumer,
-        url: str,
+        url: str | NatsSettings,
         name: str = "kvindex",
         log: Any = None,
         on_reconnect: Callable[[], None] | None = None,
         jetstream: JetStreamConfig | None = None,
     ) -> None:
         self.consumer = consumer
-        self.url = url
+        self.settings = NatsSettings.coerce(url)
+        self.url = self.settings.redacted_servers()  # for logs: no secret
         self.name = name
         self.log = log or structlog.get_logger("kvindex.nats")
         self.nc: Client | None = None
@@ -68,8 +71,8 @@ class NatsSource:
         self.tap: Callable[[str, bytes, float], None] | None = None
 
     async def start(self) -> None:
-        self.nc = await nats.connect(
-            self.url,
+        self.nc = await nats_connect(
+            self.settings,
             name=self.name,
             max_reconnect_attempts=-1,
             reconnect_time_wait=0.25,
@@ -101,6 +104,7 @@ class NatsSource:
             max_age=cfg.max_age,
             max_bytes=cfg.max_bytes,
             storage=StorageType.FILE,
+            num_replicas=cfg.replicas,
         )
         try:
             info = await js.stream_info(self.stream)
@@ -159,7 +163,8 @@ class NatsSource:
 
     async def _on_reconnected(self) -> None:
         self.reconnects += 1
-        self.log.info("nats_reconnected", url=self.url)
+        server = self.nc.connected_url if self.nc is not None else None
+        self.log.info("nats_reconnected", url=redact_url(server.geturl()) if server else self.url)
         # With JetStream the ordered consumer resumes where it was: nothing was lost.
         if self._on_reconnect_hook is not None and self.jetstream is None:
             self._on_reconnect_hook()

@@ -16,6 +16,7 @@ from kvindex.api.security import ServerSecurity
 from kvindex.api.server import GrpcServer
 from kvindex.api.servicer import KvIndexServicer
 from kvindex.capture.recorder import CaptureConfig, Recorder, RecordingServicer, service_meta
+from kvindex.config.nats import NatsSettings
 from kvindex.fleet.registry import Registry
 from kvindex.index.inverted import InvertedIndex
 from kvindex.ingest.consumer import Consumer
@@ -32,7 +33,9 @@ from kvindex.wire.subjects import Subjects
 
 @dataclass
 class ServiceConfig:
-    nats_url: str | None = None  # None: start an embedded nats-server
+    # URL(s) (comma-separated: a cluster), or NatsSettings with credentials and TLS
+    # (kvindex/config/nats.py). None: start an embedded nats-server.
+    nats_url: str | NatsSettings | None = None
     grpc_host: str = "0.0.0.0"
     grpc_port: int = 50051  # 0: any free port
     subject_prefix: str = "kvindex"
@@ -83,7 +86,9 @@ class IndexService:
         self.consumer = Consumer(self.index, self.registry, subjects=self.subjects, counters=self.counters)
         self.repairer = NatsRepairer(self.consumer, config.repair)
         self.calibrator = Calibrator(config.router.costs.default_prefill)
-        self.calibration = CalibrationStore(self.calibrator)
+        self.calibration = CalibrationStore(
+            self.calibrator, replicas=config.jetstream.replicas if config.jetstream else 1
+        )
         self.router = Router(self.index, self.registry, self.calibrator, config.router)
         self.consumer.prefill_samples = self.calibrator.add
         self.consumer.on_forget = self.router.forget
@@ -108,7 +113,8 @@ class IndexService:
             )
         self.natsd: EmbeddedNats | None = None
         self.source: NatsSource | None = None
-        self.nats_url = config.nats_url or ""
+        # The servers for logs and callers, secrets redacted (the settings themselves stay private).
+        self.nats_url = NatsSettings.coerce(config.nats_url).redacted_servers() if config.nats_url else ""
         self.metrics_port: int | None = None
         self._metrics_server: Any = None
 
@@ -141,10 +147,13 @@ class IndexService:
             await self.natsd.start()
             self.nats_url = self.natsd.url
             self.log.info("embedded_nats_started", url=self.nats_url)
+            nats_settings = NatsSettings.from_url(self.natsd.url)
+        else:
+            nats_settings = NatsSettings.coerce(self.config.nats_url)
         # Subscribe first, then repair: batches arriving while an instance resynchronises are held.
         self.source = NatsSource(
             self.consumer,
-            self.nats_url,
+            nats_settings,
             on_reconnect=self.repairer.on_reconnect,
             jetstream=self.config.jetstream,
         )
@@ -172,6 +181,8 @@ class IndexService:
             grpc=self.grpc.address,
             grpc_security=self.grpc.security.mode,
             nats=self.nats_url,
+            nats_auth=nats_settings.auth,
+            nats_tls=nats_settings.tls,
             subject_prefix=self.config.subject_prefix,
             metrics_port=self.metrics_port,
             ext_proc=self.ext_proc.address if self.ext_proc is not None else None,

@@ -34,9 +34,15 @@ def _model(key: str) -> str:
 
 class CalibrationStore:
     def __init__(
-        self, calibrator: Calibrator, bucket: str = BUCKET, interval: float = 5.0, log: Any = None
+        self,
+        calibrator: Calibrator,
+        bucket: str = BUCKET,
+        interval: float = 5.0,
+        log: Any = None,
+        replicas: int = 1,  # bucket copies in a NATS cluster
     ) -> None:
         self.calibrator = calibrator
+        self.replicas = replicas
         self.bucket = bucket
         self.interval = interval
         self.log = log or structlog.get_logger("kvindex.calibration")
@@ -49,7 +55,7 @@ class CalibrationStore:
             try:
                 self.kv = await js.key_value(self.bucket)
             except BucketNotFoundError:
-                self.kv = await js.create_key_value(bucket=self.bucket, history=1)
+                self.kv = await js.create_key_value(bucket=self.bucket, history=1, replicas=self.replicas)
             loaded = await self.load()
         except Exception as exc:  # no JetStream on this server
             self.kv = None

@@ -45,22 +45,34 @@ def free_port(host: str = "127.0.0.1") -> int:
 class EmbeddedNats:
     """Runs nats-server as a child process on a free loopback port (JetStream optional)."""
 
-    def __init__(self, port: int = 0, host: str = "127.0.0.1", jetstream: bool = False) -> None:
+    def __init__(
+        self,
+        port: int = 0,
+        host: str = "127.0.0.1",
+        jetstream: bool = False,
+        config: str | Path | None = None,
+        scheme: str = "nats",
+    ) -> None:
         self.host = host
         self.port = port
         self.jetstream = jetstream
+        # A nats-server config file (auth, TLS, cluster...); host, port and -js flags override it.
+        self.config = config
+        self.scheme = scheme  # "tls" when the config requires TLS
         self._proc: asyncio.subprocess.Process | None = None
         self._store: tempfile.TemporaryDirectory[str] | None = None
 
     @property
     def url(self) -> str:
-        return f"nats://{self.host}:{self.port}"
+        return f"{self.scheme}://{self.host}:{self.port}"
 
     async def start(self, timeout: float = 10.0) -> None:
         last_error = ""
         for _attempt in range(5):  # the free port can be taken between probing and binding
             port = self.port or free_port(self.host)
             args = [nats_server_binary(), "-a", self.host, "-p", str(port)]
+            if self.config is not None:
+                args += ["-c", str(self.config)]
             if self.jetstream:
                 if self._store is None:  # kept across stop/start so a restarted server keeps streams
                     self._store = tempfile.TemporaryDirectory(prefix="kvindex-js-")
@@ -109,6 +121,13 @@ class EmbeddedNats:
         with contextlib.suppress(Exception):
             while await proc.stderr.read(65536):
                 pass
+
+    async def kill(self) -> None:
+        """SIGKILL the server, as a crashed node (fault tests); the store is kept."""
+        proc, self._proc = self._proc, None
+        if proc is not None and proc.returncode is None:
+            proc.kill()
+            await proc.wait()
 
     async def stop(self, cleanup: bool = True) -> None:
         """Stop the server; ``cleanup=False`` keeps the JetStream store for a restart."""

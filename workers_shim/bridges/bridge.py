@@ -35,11 +35,12 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-import nats
 import structlog
 import zmq
 import zmq.asyncio
 
+from kvindex.config.nats import NatsSettings
+from kvindex.config.nats import connect as nats_connect
 from kvindex.wire.endpoint import check_endpoint, endpoint_from_url
 from workers_shim.bridges import blocksize
 from workers_shim.bridges.blocksize import BlockSizeConflict
@@ -61,7 +62,7 @@ class BridgeConfig:
     replay: str | None = None
     topic: str = ""
     metrics_url: str | None = None
-    nats_url: str = "nats://127.0.0.1:4222"
+    nats_url: str | NatsSettings = "nats://127.0.0.1:4222"  # URL(s), or NatsSettings (auth, TLS)
     dp_ranks: tuple[int, ...] = (0,)
     # Each rank on its own endpoint at port + rank (vLLM, SGLang); False: the endpoints are used as
     # given (one rank), or, with one_endpoint, all ranks arrive on one socket, told apart by the batch.
@@ -483,7 +484,7 @@ class Bridge:
             async def on_error(exc: Exception) -> None:
                 self.log.warning("nats_error", error=str(exc), error_type=type(exc).__name__)
 
-            self.nc = await nats.connect(
+            self.nc = await nats_connect(
                 cfg.nats_url,
                 name=f"kvshim-{cfg.worker_id}",
                 max_reconnect_attempts=-1,
@@ -522,6 +523,7 @@ class Bridge:
             endpoints=[link.stream.endpoint for link in self.links],
             replay=cfg.replay,
             serving_endpoint=self.endpoint,
+            nats=NatsSettings.coerce(cfg.nats_url).describe(),
         )
 
     # -- block size -----------------------------------------------------------------------------

@@ -23,6 +23,7 @@ import time
 
 import structlog
 
+from kvindex.config.nats import DEFAULT_URL, NatsSettings, add_nats_arguments
 from workers_shim.sim.engine import Completion, EngineConfig, SimRequest
 from workers_shim.sim.fleet import SimFleet, run_fleet
 from workers_shim.sim.timemodel import PROFILES
@@ -34,8 +35,8 @@ log = structlog.get_logger("workers_shim.sim")
 
 
 def add_sim_arguments(parser: argparse.ArgumentParser) -> None:
+    add_nats_arguments(parser)
     g = parser.add_argument_group("fleet")
-    g.add_argument("--nats", default="nats://127.0.0.1:4222", help="NATS server URL")
     g.add_argument("--subject-prefix", default="kvindex")
     g.add_argument("--workers", type=int, default=4, help="number of simulated engines")
     g.add_argument("--worker-prefix", default="sim", help="worker ids are PREFIX-0, PREFIX-1, …")
@@ -102,7 +103,7 @@ async def _main(args: argparse.Namespace) -> None:
             ttfts.append(c.ttft)
 
     fleet = await run_fleet(
-        args.nats,
+        NatsSettings.from_args(args) or DEFAULT_URL,
         args.workers,
         cfg,
         model=args.model,

@@ -21,6 +21,7 @@ from typing import Any
 
 import structlog
 
+from kvindex.config.nats import NatsSettings
 from kvindex.wire.endpoint import format_endpoint, parse_endpoint
 from workers_shim.publisher import Publisher
 from workers_shim.sim.engine import Completion, EngineConfig, Load, SimEngine, SimRequest
@@ -166,7 +167,7 @@ class SimFleet:
 
 
 async def run_fleet(
-    nats_url: str,
+    nats_url: str | NatsSettings,
     n_workers: int,
     engine_cfg: EngineConfig,
     *,
