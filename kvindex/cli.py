@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import sys
 from pathlib import Path
@@ -14,7 +13,7 @@ import structlog
 
 from kvindex.api.security import add_client_options, add_server_options
 from kvindex.capture.cli import add_capture, add_replay, add_serve_capture, serve_capture_config
-from kvindex.config import NatsConfigError, NatsConnectError, NatsSettings, add_nats_arguments, parse_layered
+from kvindex.config import NatsConfigError, NatsSettings, add_nats_arguments, parse_layered
 from kvindex.observability.logs import configure_logging
 
 
@@ -69,6 +68,7 @@ def _add_serve(sub: Any) -> None:
     j.add_argument("--stream-replicas", type=int, default=1, help="stream replicas in a NATS cluster (1-5)")
     add_serve_capture(p)
     add_server_options(p)
+    _add_readiness_shutdown(p)
 
 
 def _static_instance(text: str) -> tuple[str, str]:
@@ -84,6 +84,28 @@ def _static_instance(text: str) -> tuple[str, str]:
         return name, check_endpoint(endpoint)
     except BadEndpoint as exc:
         raise argparse.ArgumentTypeError(f"{text!r}: {exc}") from None
+
+
+def _add_readiness_shutdown(p: Any) -> None:
+    g = p.add_argument_group("readiness and shutdown (docs/deploy.md)")
+    g.add_argument(
+        "--ready-window",
+        type=float,
+        default=1.0,
+        help="first heartbeat window (s): instances heard in it must be in sync before ready",
+    )
+    g.add_argument(
+        "--ready-grace",
+        type=float,
+        default=30.0,
+        help="ready at the latest this long after start (s), even if some instances are still syncing",
+    )
+    g.add_argument(
+        "--shutdown-grace",
+        type=float,
+        default=5.0,
+        help="on SIGTERM/SIGINT/SIGHUP in-flight RPCs get this long (s); cleanup takes at most ~4 s more",
+    )
 
 
 def _add_query(sub: Any, name: str, help_text: str, prompt: bool) -> None:
@@ -158,7 +180,8 @@ def _serve(args: argparse.Namespace) -> int:
     from kvindex.ingest.nats_source import JetStreamConfig
     from kvindex.repair.nats_repair import RepairConfig
     from kvindex.scoring.router import RouterConfig
-    from kvindex.service.app import IndexService, ServiceConfig, serve_until_signalled
+    from kvindex.service.app import ServiceConfig, serve
+    from kvindex.service.readiness import ReadinessConfig
 
     configure_logging(args.log_format, args.log_level)
     try:
@@ -197,12 +220,9 @@ def _serve(args: argparse.Namespace) -> int:
     )
     if args.instance and not args.instance_model:
         raise SystemExit("kvindex serve: --instance needs --instance-model (the model they serve)")
-    try:
-        asyncio.run(serve_until_signalled(IndexService(config)))
-    except (NatsConfigError, NatsConnectError) as exc:
-        structlog.get_logger("kvindex").error("nats_connect_failed", error=str(exc))
-        return 2
-    return 0
+    config.readiness = ReadinessConfig(window=args.ready_window, grace=args.ready_grace)
+    config.shutdown_grace = args.shutdown_grace
+    return serve(config)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,4 +1,9 @@
-"""The gRPC server: KvIndex plus the standard health and reflection services (grpcurl works)."""
+"""The gRPC server: KvIndex plus the standard health and reflection services (grpcurl works).
+
+Health service names: ``liveness`` (SERVING while the process answers), ``readiness`` (whether the
+index should be asked: see kvindex/service/readiness.py), and ``""`` and ``kvindex.v1.KvIndex``
+reporting readiness (what a plain health check or a client of the KvIndex service wants to know).
+"""
 
 from __future__ import annotations
 
@@ -12,6 +17,10 @@ from kvindex.api.servicer import KvIndexServicer
 from kvindex.v1 import kvindex_pb2, kvindex_pb2_grpc
 
 SERVICE_NAME = kvindex_pb2.DESCRIPTOR.services_by_name["KvIndex"].full_name
+LIVENESS = "liveness"
+READINESS = "readiness"
+_SERVING = health_pb2.HealthCheckResponse.SERVING
+_NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
 
 class GrpcServer:
@@ -21,9 +30,12 @@ class GrpcServer:
         host: str = "0.0.0.0",
         port: int = 50051,
         security: ServerSecurity | None = None,
+        ready: bool = True,
     ) -> None:
+        """``ready``: readiness once started (False: the owner calls :meth:`set_ready` when it is)."""
         self.servicer = servicer
         self.security = security or ServerSecurity()  # default: plaintext, no token
+        self.ready = ready
         self.host = host
         self.requested_port = port
         self.port = 0
@@ -57,17 +69,18 @@ class GrpcServer:
             raise OSError(f"cannot bind gRPC port {self.host}:{self.requested_port}")
         await server.start()
         self._server = server
-        await self.set_serving(True)
+        await self.health.set(LIVENESS, _SERVING)
+        await self.set_ready(self.ready)
 
-    async def set_serving(self, serving: bool) -> None:
-        status = (
-            health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
-        )
-        await self.health.set("", status)
-        await self.health.set(SERVICE_NAME, status)
+    async def set_ready(self, ready: bool) -> None:
+        self.ready = ready
+        status = _SERVING if ready else _NOT_SERVING
+        for name in (READINESS, "", SERVICE_NAME):
+            await self.health.set(name, status)
 
     async def stop(self, grace: float = 1.0) -> None:
+        """Not ready first, then in-flight RPCs get up to ``grace`` seconds; new ones are refused."""
         if self._server is not None:
-            await self.set_serving(False)
+            await self.set_ready(False)
             await self._server.stop(grace)
             self._server = None

@@ -30,6 +30,7 @@ from kvindex.capture.format import LogWriter
 from kvindex.config.nats import NatsSettings
 from kvindex.config.nats import connect as nats_connect
 from kvindex.index.base import InstanceKey
+from kvindex.lifecycle import close_nats
 from kvindex.wire.reconcile import Snapshot
 from kvindex.wire.subjects import EVENTS, STATUS
 
@@ -313,8 +314,7 @@ class Capture:
             self.recorder.message(msg.subject, msg.data)
 
     async def stop(self) -> None:
-        if self.nc is not None:
-            nc, self.nc = self.nc, None
-            with contextlib.suppress(Exception):
-                await nc.drain()
+        """Drain what NATS already delivered (bounded, whatever its state), then close the log."""
+        nc, self.nc = self.nc, None
+        await close_nats(nc, 2.0, log=self.log)
         await self.recorder.stop()
