@@ -1,5 +1,6 @@
 """Command line: ``kvindex serve`` runs the service; score, lookup, stats and instances query it;
-``capture`` records the wire to an event log and ``replay`` rebuilds the index from one."""
+``capture`` records the wire to an event log and ``replay`` rebuilds the index from one; ``route``
+is the OpenAI-compatible routing proxy."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from kvindex.api.security import add_client_options, add_server_options
 from kvindex.capture.cli import add_capture, add_replay, add_serve_capture, serve_capture_config
 from kvindex.config import NatsConfigError, NatsSettings, add_nats_arguments, parse_layered
 from kvindex.observability.logs import configure_logging
+from kvindex.route.cli import add_route
 
 
 def _add_serve(sub: Any) -> None:
@@ -235,6 +237,7 @@ def main(argv: list[str] | None = None) -> int:
     _add_query(sub, "instances", "list known instances", prompt=False)
     add_capture(sub)
     add_replay(sub)
+    add_route(sub)
     args = parse_layered(parser, argv)  # command line, then KVINDEX_* environment, then --config TOML
     if args.command == "serve":
         return _serve(args)
@@ -242,6 +245,10 @@ def main(argv: list[str] | None = None) -> int:
         from kvindex.capture.cli import run_capture
 
         return run_capture(args)
+    if args.command == "route":
+        from kvindex.route.cli import run_route
+
+        return run_route(args)
     if args.command == "replay":
         from kvindex.capture.cli import run_replay
 

@@ -1,0 +1,601 @@
+"""The routing proxy: OpenAI-compatible requests in, each forwarded to the engine the index chose.
+
+Per request: read the body (never changed), ask the index (``Score`` with commit, top few) through
+:class:`kvindex.client.AsyncKvIndexClient`, forward the same bytes to the first instance's announced
+``endpoint`` (the next on a connection failure), stream the engine's bytes back unchanged, and keep
+the index's in-flight ledger true: ``Release(prefill)`` at the first body byte, ``Release(finished)``
+when the request ends, however it ends. Design and failure modes: README.md in this folder.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+import structlog
+from aiohttp import web
+from google.protobuf.message_factory import GetMessageClass
+from multidict import CIMultiDict, CIMultiDictProxy
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from kvindex.api.openai_body import MAX_BODY_BYTES, BodyError, PromptSpec, parse_body
+from kvindex.api.security import ClientTLS
+from kvindex.client import (
+    DEADLINE,
+    ERROR,
+    STREAM_BROKEN,
+    AsyncKvIndexClient,
+    BadRequest,
+    Decision,
+    IndexUnavailable,
+    Target,
+    prefix_key,
+)
+from kvindex.observability.logs import RateLimitedLog
+from kvindex.route.metrics import RouteMetrics
+from kvindex.scoring.ledger import FINISHED, PREFILL
+from kvindex.v1 import kvindex_pb2 as pb
+
+log = structlog.get_logger("kvindex.route")
+
+COMPLETION_PATHS = ("/v1/completions", "/v1/chat/completions")
+ENGINE_KEEPALIVE = 4.0  # seconds an idle engine connection is kept (uvicorn closes them at 5)
+
+# Fallback reasons the proxy adds to the client's (unavailable, deadline, stream_broken, error).
+REJECTED = "rejected"  # the index refused the request (e.g. no tokenizer for the model)
+TEXT_UNSUPPORTED = "text_unsupported"  # a text prompt, and this index API takes only token ids
+
+# A Score that may have reached the index and committed although no answer came back: release it.
+_MAYBE_COMMITTED = frozenset({DEADLINE, STREAM_BROKEN, ERROR})
+
+# Headers that describe one connection, not the message (RFC 9110 7.6.1), plus what aiohttp sets.
+_HOP_BY_HOP = frozenset(
+    {
+        "connection",
+        "keep-alive",
+        "proxy-authenticate",
+        "proxy-authorization",
+        "proxy-connection",
+        "te",
+        "trailer",
+        "trailers",
+        "transfer-encoding",
+        "upgrade",
+        "host",
+        "content-length",
+    }
+)
+
+
+@dataclass
+class RouteConfig:
+    """Settings of one proxy. ``score_timeout``: the index's deadline per request, after which the
+    fallback decides; ``connect_timeout``: per engine connection attempt, after which the next
+    instance is tried; ``grace``: how long in-flight requests may finish at shutdown."""
+
+    index: str
+    host: str = "0.0.0.0"
+    port: int = 8080
+    top_k: int = 3
+    score_timeout: float = 0.05
+    connect_timeout: float = 2.0
+    release_timeout: float = 1.0
+    models_timeout: float = 5.0
+    refresh_interval: float = 2.0
+    fallback_blocks: int = 4
+    grace: float = 30.0
+    policy: str = ""  # "" = the index's default (ttft)
+    # Secured gRPC to the index: TLS / mutual TLS (ClientTLS.from_args of the --tls* flags) and a
+    # bearer token (--auth-token-file), as every kvindex client takes them.
+    tls: ClientTLS | None = None
+    token: str | None = None
+
+
+def openai_error(status: int, message: str, kind: str, code: str | None = None) -> web.Response:
+    """An error in OpenAI's shape (what the official clients parse and show)."""
+    body = {"error": {"message": message, "type": kind, "param": None, "code": code or str(status)}}
+    return web.json_response(body, status=status)
+
+
+def forward_headers(headers: CIMultiDictProxy[str]) -> CIMultiDict[str]:
+    """The client's headers minus the per-connection ones (aiohttp sets Host and Content-Length)."""
+    hop = _HOP_BY_HOP | {h.strip().lower() for h in headers.get("connection", "").split(",")}
+    return CIMultiDict((k, v) for k, v in headers.items() if k.lower() not in hop)
+
+
+def _fields_taken(message: Any, spec: PromptSpec) -> dict[str, Any] | None:
+    """The prompt of ``spec`` as fields of ``message`` (ScoreRequest / CommitRequest); None when the
+    prompt is text and this kvindex API has no text field (before text tokenization existed)."""
+    fields = message.DESCRIPTOR.fields_by_name
+    out: dict[str, Any] = {}
+    if spec.lora and "lora" in fields:
+        out["lora"] = spec.lora
+    if spec.salt and "salt" in fields:
+        out["salt"] = spec.salt
+    if spec.token_ids is not None:
+        out["token_ids"] = spec.token_ids
+        return out
+    form = "prompt" if spec.prompt is not None else "messages"
+    if form not in fields:
+        return None
+    value: Any = spec.prompt if form == "prompt" else spec.messages
+    if form == "messages" and not isinstance(value, str):
+        value = json.dumps(value, separators=(",", ":"), ensure_ascii=False)
+    out[form] = value
+    # The chat options: a nested PromptOptions message where the API has one, else flat fields.
+    nested = fields.get("prompt_options")
+    option_fields = nested.message_type.fields_by_name if nested is not None else fields
+    options: dict[str, Any] = {}
+    for name, option in spec.options.items():
+        fd = option_fields.get(name)
+        if fd is None or fd.is_repeated:
+            continue  # an option this API does not take: the index applies vLLM's default
+        if fd.type == fd.TYPE_STRING and not isinstance(option, str):
+            option = json.dumps(option, separators=(",", ":"), ensure_ascii=False)
+        options[name] = option
+    if nested is not None and options:
+        out["prompt_options"] = GetMessageClass(nested.message_type)(**options)
+    else:
+        out.update(options)
+    return out
+
+
+class _LedgerOps:
+    """One request's ledger calls (re-commit, releases), run in order in the background: the
+    response never waits for them, and a release cannot overtake the commit it releases."""
+
+    def __init__(self, proxy: RouteProxy, request_id: str) -> None:
+        self.proxy = proxy
+        self.request_id = request_id
+        self._tail: asyncio.Task[None] | None = None
+        # The index may hold an entry for the request (Score committed it, or may have): only then
+        # are releases sent (a fallback decision while the index is down has nothing to release).
+        self.active = False
+        self.prefill_released = False
+        self.finished = False
+
+    def then(self, op: Callable[[], Awaitable[None]]) -> None:
+        prev = self._tail
+
+        async def run() -> None:
+            if prev is not None:
+                await asyncio.wait([prev])  # never raises; a failed op does not stop the next
+            await op()
+
+        self._tail = self.proxy.spawn(run())
+
+    def release(self, phase: str) -> None:
+        if not self.active or self.finished or (phase == PREFILL and self.prefill_released):
+            return
+        self.prefill_released = True
+        self.finished = phase == FINISHED
+        self.then(lambda: self.proxy.release(self.request_id, phase))
+
+    def move(self, target: Target, spec: PromptSpec) -> None:
+        """The request went to ``target``, not where Score committed it: commit it there (a Commit
+        under the same request_id replaces the entry), or drop the entry if that is impossible."""
+        self.then(lambda: self.proxy.recommit(self.request_id, target, spec))
+
+
+class RouteProxy:
+    """The proxy server. ``start()`` binds it (``port`` 0: a free one, see ``.port``), ``stop()``
+    finishes in-flight requests within ``config.grace`` and closes everything."""
+
+    def __init__(self, config: RouteConfig, client: AsyncKvIndexClient | None = None) -> None:
+        self.config = config
+        self._client = client
+        self.metrics = RouteMetrics(lambda: self._client.stats if self._client is not None else None)
+        self.draining = False
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._session: aiohttp.ClientSession | None = None
+        self._runner: web.AppRunner | None = None
+        self._site: web.TCPSite | None = None
+        # An engine down or an index rejecting a model fails every request alike: log once per key
+        # and interval (with a count of the rest); the metrics count every one.
+        self._limited_log = RateLimitedLog(log)
+        self.app = web.Application(client_max_size=MAX_BODY_BYTES)
+        for path in COMPLETION_PATHS:
+            self.app.router.add_post(path, self.handle_completion)
+        self.app.router.add_get("/v1/models", self.handle_models)
+        self.app.router.add_get("/health", self.handle_health)
+        self.app.router.add_get("/metrics", self.handle_metrics)
+
+    @property
+    def client(self) -> AsyncKvIndexClient:
+        assert self._client is not None, "RouteProxy.start() first"
+        return self._client
+
+    @property
+    def port(self) -> int:
+        assert self._runner is not None, "RouteProxy.start() first"
+        return int(self._runner.addresses[0][1])
+
+    # -- lifecycle ---------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        cfg = self.config
+        if self._client is None:  # made here: a gRPC aio channel belongs to the running loop
+            self._client = AsyncKvIndexClient(
+                cfg.index,
+                tls=cfg.tls,
+                token=cfg.token,
+                timeout=cfg.score_timeout,
+                fallback_blocks=cfg.fallback_blocks,
+                refresh_interval=cfg.refresh_interval,
+            )
+        # Learn the fleet before the first request (and connect the channel): a fallback needs it.
+        if not await self.client.refresh_instances(timeout=max(1.0, cfg.score_timeout)):
+            log.warning("index_unreachable_at_start", index=cfg.index)
+        self.client.start()
+        # auto_decompress off: the engine's bytes reach the client as sent (Content-Encoding kept).
+        self._session = aiohttp.ClientSession(
+            # Idle engine connections are dropped before uvicorn (vLLM's server) drops them at 5 s:
+            # a POST on a connection the server is closing fails, and would be retried elsewhere.
+            connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=ENGINE_KEEPALIVE),
+            timeout=aiohttp.ClientTimeout(
+                total=None, connect=cfg.connect_timeout, sock_connect=cfg.connect_timeout
+            ),
+            auto_decompress=False,
+            skip_auto_headers=("User-Agent", "Accept-Encoding"),
+        )
+        # handler_cancellation: a client that goes away cancels its handler, which closes the engine
+        # connection (vLLM then aborts the request) and releases the ledger entry.
+        self._runner = web.AppRunner(
+            self.app, handler_cancellation=True, shutdown_timeout=cfg.grace, access_log=None
+        )
+        await self._runner.setup()
+        self._site = web.TCPSite(self._runner, cfg.host, cfg.port)
+        await self._site.start()
+        log.info("route_started", host=cfg.host, port=self.port, index=cfg.index)
+
+    async def stop(self) -> None:
+        """Stop listening, let in-flight requests finish within the grace (then cancel them), send
+        their last releases, close the engine connections and the index client."""
+        self.draining = True
+        if self._runner is not None:
+            await self._runner.cleanup()  # waits up to shutdown_timeout = grace for handlers
+            self._runner = None
+        if self._tasks:
+            await asyncio.wait(list(self._tasks), timeout=self.config.release_timeout + 1.0)
+        if self._session is not None:
+            await self._session.close()
+        if self._client is not None:
+            await self._client.close()
+        log.info("route_stopped")
+
+    def spawn(self, coro: Awaitable[None]) -> asyncio.Task[None]:
+        task: asyncio.Task[None] = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    # -- ledger ------------------------------------------------------------------------------------
+
+    async def release(self, request_id: str, phase: str) -> None:
+        try:
+            found = await self.client.release(request_id, phase, timeout=self.config.release_timeout)
+        except (IndexUnavailable, BadRequest) as exc:
+            self.metrics.releases.labels(phase, "error").inc()
+            log.debug("release_failed", request_id=request_id, phase=phase, error=str(exc))
+            return
+        self.metrics.releases.labels(phase, "found" if found else "not_found").inc()
+
+    async def recommit(self, request_id: str, target: Target, spec: PromptSpec) -> None:
+        fields = _fields_taken(pb.CommitRequest, spec)
+        ok = False
+        if fields is not None:
+            try:
+                ok = await self.client.commit(
+                    request_id, target.instance_id, spec.model, timeout=self.config.release_timeout, **fields
+                )
+            except (IndexUnavailable, BadRequest, TypeError) as exc:
+                log.debug("recommit_failed", request_id=request_id, error=str(exc))
+        self.metrics.recommits.labels("committed" if ok else "failed").inc()
+        if not ok:  # the entry would count against an instance that is not serving the request
+            await self.release(request_id, FINISHED)
+
+    # -- deciding ----------------------------------------------------------------------------------
+
+    def _hash_decision(self, spec: PromptSpec, request_id: str, reason: str) -> Decision | None:
+        """The client's fallback, asked directly: when the index answered but cannot decide."""
+        client = self.client
+        known = client.instances.instances(spec.model)
+        if client.fallback is None or not known:
+            return None
+        key = prefix_key(
+            token_ids=spec.token_ids,
+            prompt=spec.prompt,
+            messages=spec.messages,
+            block_size=client.instances.block_size(spec.model),
+            blocks=client.fallback_blocks,
+        )
+        chosen = client.fallback.choose(key, known)[: self.config.top_k]
+        targets = [Target(k.instance_id, k.endpoint) for k in chosen]
+        return Decision(spec.model, targets, source="fallback", reason=reason, request_id=request_id)
+
+    async def decide(self, spec: PromptSpec, request_id: str) -> tuple[Decision | None, str]:
+        """The decision, or None and why there is none (no instance of the model is known)."""
+        started = time.monotonic()
+        why = ""
+        try:
+            fields = _fields_taken(pb.ScoreRequest, spec)
+            if fields is None:
+                decision = self._hash_decision(spec, request_id, TEXT_UNSUPPORTED)
+            else:
+                if self.config.policy:
+                    fields["policy"] = self.config.policy
+                decision = await self.client.score(
+                    spec.model,
+                    top_k=self.config.top_k,
+                    commit=True,
+                    request_id=request_id,
+                    timeout=self.config.score_timeout,
+                    **fields,
+                )
+        except BadRequest as exc:
+            # The body was fine for us, so the engine may well serve it: route without the index.
+            self._limited_log.warning(
+                ("rejected", spec.model), "index_rejected_request", model=spec.model, error=str(exc)
+            )
+            decision = self._hash_decision(spec, request_id, REJECTED)
+        except IndexUnavailable as exc:
+            decision, why = None, str(exc)
+        finally:
+            self.metrics.score_latency.observe(time.monotonic() - started)
+        if decision is not None and decision.source == "fallback":
+            self.metrics.fallbacks.labels(decision.reason).inc()
+        if decision is None and not why:
+            why = "the index could not rank it and no instance of it is known"
+        return decision, why
+
+    # -- handlers ----------------------------------------------------------------------------------
+
+    async def handle_completion(self, request: web.Request) -> web.StreamResponse:
+        received = time.monotonic()
+        path = request.path
+        code = "500"
+        self.metrics.in_flight.inc()
+        ledger: _LedgerOps | None = None
+        decision: Decision | None = None
+        try:
+            try:
+                raw = await request.read()
+                spec = parse_body(raw, path)
+            except web.HTTPRequestEntityTooLarge:
+                code = "413"
+                return openai_error(
+                    413, f"request body larger than {MAX_BODY_BYTES} bytes", "invalid_request_error"
+                )
+            except BodyError as exc:
+                code = "400"
+                return openai_error(400, str(exc), "invalid_request_error")
+            request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
+            ledger = _LedgerOps(self, request_id)
+            decision, why = await self.decide(spec, request_id)
+            ledger.active = decision is not None and (
+                decision.committed or decision.reason in _MAYBE_COMMITTED
+            )
+            if decision is None or not decision.targets:
+                code = "503"
+                return openai_error(
+                    503, f"no instance serves model {spec.model!r}" + (f": {why}" if why else ""),
+                    "service_unavailable", "no_instance",
+                )  # fmt: skip
+            response, code = await self._forward(request, raw, spec, decision, ledger, received)
+            return response
+        except asyncio.CancelledError:
+            code = "499"  # the client went away (or shutdown's grace ran out)
+            if ledger is not None and decision is None:
+                ledger.active = True  # cancelled while scoring: the commit may have been made
+            raise
+        finally:
+            if ledger is not None:
+                ledger.release(FINISHED)  # however the request ended: the ledger must not leak
+            self.metrics.in_flight.dec()
+            self.metrics.requests.labels(path, code).inc()
+
+    async def _forward(
+        self,
+        request: web.Request,
+        raw: bytes,
+        spec: PromptSpec,
+        decision: Decision,
+        ledger: _LedgerOps,
+        received: float,
+    ) -> tuple[web.StreamResponse, str]:
+        assert self._session is not None
+        targets = [t for t in decision.targets if t.endpoint]
+        if not targets:
+            ids = ", ".join(t.instance_id for t in decision.targets)
+            msg = f"no instance of model {spec.model!r} announces an endpoint ({ids}; kvshim --endpoint)"
+            return openai_error(503, msg, "service_unavailable", "no_endpoint"), "503"
+        headers = forward_headers(request.headers)
+        errors: list[str] = []
+        for attempt, target in enumerate(targets):
+            if attempt:
+                self.metrics.retries.inc()
+            url = f"http://{target.endpoint}{request.path_qs}"
+            try:
+                upstream = await self._session.request(request.method, url, data=raw, headers=headers)
+            except (aiohttp.ClientError, TimeoutError) as exc:
+                kind = _error_kind(exc)
+                self.metrics.upstream_errors.labels(kind).inc()
+                errors.append(f"{target.instance_id} at {target.endpoint}: {kind} ({exc!r})")
+                self._limited_log.warning(
+                    ("upstream_failed", target.endpoint, kind), "upstream_failed",
+                    instance=target.instance_id, endpoint=target.endpoint, kind=kind, error=repr(exc),
+                    request_id=ledger.request_id,
+                )  # fmt: skip
+                continue
+            break
+        else:
+            msg = f"no instance of model {spec.model!r} could be reached: " + "; ".join(errors)
+            return openai_error(502, msg, "bad_gateway", "upstream_unreachable"), "502"
+        reason = "retry" if attempt else decision.source
+        self.metrics.decisions.labels(reason).inc()
+        if decision.committed and target.instance_id != decision.committed_instance_id:
+            ledger.move(target, spec)
+        try:
+            return await self._relay(request, upstream, target, reason, ledger, received)
+        finally:
+            upstream.close()  # a no-op after a full read (the connection went back to the pool)
+
+    async def _relay(
+        self,
+        request: web.Request,
+        upstream: aiohttp.ClientResponse,
+        target: Target,
+        reason: str,
+        ledger: _LedgerOps,
+        received: float,
+    ) -> tuple[web.StreamResponse, str]:
+        if upstream.status >= 500:
+            self.metrics.upstream_errors.labels("http_5xx").inc()
+        stream = "true" if upstream.content_type == "text/event-stream" else "false"
+        response = web.StreamResponse(status=upstream.status, reason=upstream.reason)
+        for name, value in upstream.headers.items():
+            if name.lower() not in _HOP_BY_HOP:
+                response.headers.add(name, value)
+        if upstream.content_length is not None:
+            response.content_length = upstream.content_length
+        response.headers["x-kvindex-instance"] = target.instance_id
+        response.headers["x-kvindex-decision"] = reason
+        response.headers["x-kvindex-request-id"] = ledger.request_id
+        await response.prepare(request)
+        first = True
+        chunks = upstream.content.iter_any().__aiter__()
+        while True:
+            try:
+                chunk = await anext(chunks)
+            except StopAsyncIteration:
+                break
+            except (aiohttp.ClientError, TimeoutError) as exc:
+                # The engine failed mid-body: the status is sent, so the client can only be shown
+                # the connection cut (never a body that looks complete).
+                self.metrics.upstream_errors.labels("stream").inc()
+                self._limited_log.warning(
+                    ("upstream_broke_mid_body", target.endpoint), "upstream_broke_mid_body",
+                    instance=target.instance_id, error=repr(exc), request_id=ledger.request_id,
+                )  # fmt: skip
+                if request.transport is not None:
+                    request.transport.close()
+                return response, "502"
+            if first:
+                first = False
+                self.metrics.ttft.labels(stream).observe(time.monotonic() - received)
+                ledger.release(PREFILL)  # the first token (stream) or the whole answer is out
+            try:
+                await response.write(chunk)
+            except ConnectionResetError:
+                return response, "499"  # the client went away while we wrote
+        if first:
+            self.metrics.ttft.labels(stream).observe(time.monotonic() - received)
+        try:
+            await response.write_eof()
+        except ConnectionResetError:
+            return response, "499"
+        self.metrics.duration.labels(stream).observe(time.monotonic() - received)
+        return response, str(upstream.status)
+
+    async def handle_models(self, request: web.Request) -> web.Response:
+        """The models of every known instance, merged by id (each engine lists what it serves)."""
+        assert self._session is not None
+        client = self.client
+        if not client.instances.models():
+            await client.refresh_instances(timeout=1.0)
+        endpoints = sorted(
+            {
+                k.endpoint
+                for m in client.instances.models()
+                for k in client.instances.instances(m)
+                if k.endpoint
+            }
+        )
+        if not endpoints:
+            self.metrics.requests.labels(request.path, "503").inc()
+            return openai_error(
+                503, "no instance with an endpoint is known", "service_unavailable", "no_instance"
+            )
+        headers = forward_headers(request.headers)
+
+        async def one(endpoint: str) -> list[Any]:
+            timeout = aiohttp.ClientTimeout(total=self.config.models_timeout)
+            async with self._session.get(  # type: ignore[union-attr]
+                f"http://{endpoint}/v1/models", headers=headers, timeout=timeout
+            ) as resp:
+                if resp.status != 200:
+                    return []
+                data = json.loads(await resp.read())
+                return list(data.get("data", [])) if isinstance(data, dict) else []
+
+        merged: dict[str, Any] = {}
+        results = await asyncio.gather(*(one(e) for e in endpoints), return_exceptions=True)
+        for result in results:
+            if isinstance(result, BaseException):
+                self.metrics.upstream_errors.labels(_error_kind(result)).inc()
+                continue
+            for model in result:
+                if isinstance(model, dict) and isinstance(model.get("id"), str):
+                    merged.setdefault(model["id"], model)
+        if not merged and all(isinstance(r, BaseException) for r in results):
+            self.metrics.requests.labels(request.path, "502").inc()
+            return openai_error(502, "no instance answered /v1/models", "bad_gateway", "upstream_unreachable")
+        self.metrics.requests.labels(request.path, "200").inc()
+        return web.json_response({"object": "list", "data": list(merged.values())})
+
+    async def handle_health(self, request: web.Request) -> web.Response:
+        """200 while serving (the index being down is not the proxy's ill health: the fallback
+        routes); 503 while draining at shutdown, so load balancers stop sending."""
+        client = self.client
+        known = sum(len(client.instances.instances(m)) for m in client.instances.models())
+        body = {
+            "status": "draining" if self.draining else "ok",
+            "index": client.target,
+            "instances_known": known,
+            "fallbacks": sum(client.stats.fallbacks.values()),
+        }
+        return web.json_response(body, status=503 if self.draining else 200)
+
+    async def handle_metrics(self, request: web.Request) -> web.Response:
+        return web.Response(
+            body=generate_latest(self.metrics.registry), headers={"Content-Type": CONTENT_TYPE_LATEST}
+        )
+
+
+def _error_kind(exc: BaseException) -> str:
+    if isinstance(exc, TimeoutError | aiohttp.ServerTimeoutError):
+        return "timeout"
+    if isinstance(exc, aiohttp.ClientConnectorError):
+        return "connect"
+    if isinstance(exc, aiohttp.ServerDisconnectedError | aiohttp.ClientOSError | aiohttp.ClientPayloadError):
+        return "disconnected"
+    return "other"
+
+
+async def serve_until_signalled(proxy: RouteProxy) -> None:
+    """Run until SIGTERM, SIGINT or SIGHUP, then finish in-flight requests within the grace and
+    return (exit 0). The one place signals are handled, to swap for a shared shutdown helper."""
+    import signal
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        with contextlib.suppress(NotImplementedError):
+            loop.add_signal_handler(sig, stop.set)
+    try:
+        await proxy.start()
+    except BaseException:
+        await proxy.stop()  # what did start (index channel, engine session) is closed
+        raise
+    try:
+        await stop.wait()
+        log.info("route_draining", grace=proxy.config.grace)
+    finally:
+        await proxy.stop()

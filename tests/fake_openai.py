@@ -1,0 +1,107 @@
+"""A fake OpenAI-compatible engine (what vLLM's API server looks like to a router): /v1/completions
+and /v1/chat/completions, streaming (SSE) or not, /v1/models; it records every body it receives
+and what it sent, and can hold a stream after its first chunk (to cancel or shut down mid-stream)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+from aiohttp import web
+
+
+def sse_chunks(name: str, n: int) -> list[bytes]:
+    """The SSE events a stream of ``n`` tokens is made of, the last one ``[DONE]``."""
+    events = [
+        json.dumps(
+            {"id": f"cmpl-{name}", "object": "text_completion", "choices": [{"index": 0, "text": f" t{i}"}]}
+        )
+        for i in range(n)
+    ]
+    return [f"data: {e}\n\n".encode() for e in events] + [b"data: [DONE]\n\n"]
+
+
+class FakeOpenAIEngine:
+    def __init__(self, name: str, model: str, tokens: int = 4) -> None:
+        self.name = name
+        self.model = model
+        self.tokens = tokens
+        self.bodies: list[bytes] = []
+        self.headers: list[dict[str, str]] = []
+        self.sent: list[bytes] = []  # the whole body of each finished response
+        self.aborted = 0
+        self.gate: asyncio.Event | None = None  # set to an Event: streams wait on it after chunk one
+        self.gate_before_first = False  # wait at the gate before the first chunk (still "prefilling")
+        self.holding = asyncio.Event()  # a stream is waiting at the gate
+        self.status = 200
+        self.streaming: web.Request | None = None  # the request whose stream is at the gate
+        self._runner: web.AppRunner | None = None
+        self.port = 0
+
+    @property
+    def endpoint(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    async def start(self) -> FakeOpenAIEngine:
+        app = web.Application()
+        app.router.add_post("/v1/completions", self._completion)
+        app.router.add_post("/v1/chat/completions", self._completion)
+        app.router.add_get("/v1/models", self._models)
+        self._runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, "127.0.0.1", self.port)  # same port again after close()
+        await site.start()
+        self.port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        return self
+
+    async def close(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+
+    def cut(self) -> None:
+        """The engine dies mid-stream: the connection of the held stream drops."""
+        assert self.streaming is not None and self.streaming.transport is not None
+        self.streaming.transport.close()
+
+    async def _models(self, request: web.Request) -> web.Response:
+        return web.json_response(
+            {"object": "list", "data": [{"id": self.model, "object": "model", "owned_by": self.name}]}
+        )
+
+    async def _completion(self, request: web.Request) -> web.StreamResponse:
+        raw = await request.read()
+        self.bodies.append(raw)
+        self.headers.append({k.lower(): v for k, v in request.headers.items()})
+        body: dict[str, Any] = json.loads(raw)
+        if not body.get("stream"):
+            out = json.dumps(
+                {"id": f"cmpl-{self.name}", "served_by": self.name, "n": len(self.bodies)}
+            ).encode()
+            self.sent.append(out)
+            return web.Response(body=out, status=self.status, content_type="application/json")
+        response = web.StreamResponse(
+            headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+        )
+        await response.prepare(request)
+        sent = b""
+        try:
+            if self.gate_before_first and self.gate is not None:
+                self.streaming = request
+                self.holding.set()
+                await self.gate.wait()
+            for i, chunk in enumerate(sse_chunks(self.name, self.tokens)):
+                await response.write(chunk)
+                sent += chunk
+                if i == 0 and self.gate is not None and not self.gate_before_first:
+                    self.streaming = request
+                    self.holding.set()
+                    await self.gate.wait()
+                await asyncio.sleep(0.005)
+            await response.write_eof()
+        except (ConnectionResetError, asyncio.CancelledError):
+            self.aborted += 1
+            raise
+        self.sent.append(sent)
+        return response
