@@ -227,7 +227,8 @@ def _serve(args: argparse.Namespace) -> int:
     return serve(config)
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """Every ``kvindex`` command (also what tests check deployment files against)."""
     parser = argparse.ArgumentParser(prog="kvindex", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     _add_serve(sub)
@@ -238,7 +239,11 @@ def main(argv: list[str] | None = None) -> int:
     add_capture(sub)
     add_replay(sub)
     add_route(sub)
-    args = parse_layered(parser, argv)  # command line, then KVINDEX_* environment, then --config TOML
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_layered(build_parser(), argv)  # command line, then KVINDEX_* environment, then --config TOML
     if args.command == "serve":
         return _serve(args)
     if args.command == "capture":
