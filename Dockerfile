@@ -33,12 +33,12 @@ RUN /opt/kvindex/bin/python -c "import kvindex._keys_native, kvindex.index._nati
 # -- probe: the health-check binary, checked against the release's own checksums -----------------------
 FROM ${PYTHON_IMAGE} AS probe
 ARG GRPC_HEALTH_PROBE_VERSION
-ARG TARGETARCH=amd64
-ADD https://github.com/grpc-ecosystem/grpc-health-probe/releases/download/${GRPC_HEALTH_PROBE_VERSION}/grpc_health_probe-linux-${TARGETARCH} /probe/
+ARG TARGETARCH
+ADD https://github.com/grpc-ecosystem/grpc-health-probe/releases/download/${GRPC_HEALTH_PROBE_VERSION}/grpc_health_probe-linux-${TARGETARCH:-amd64} /probe/
 ADD https://github.com/grpc-ecosystem/grpc-health-probe/releases/download/${GRPC_HEALTH_PROBE_VERSION}/checksums.txt /probe/
 RUN cd /probe \
-    && grep " grpc_health_probe-linux-${TARGETARCH}\$" checksums.txt | sha256sum -c - \
-    && install -m 0755 grpc_health_probe-linux-${TARGETARCH} /usr/local/bin/grpc_health_probe
+    && grep " grpc_health_probe-linux-${TARGETARCH:-amd64}\$" checksums.txt | sha256sum -c - \
+    && install -m 0755 grpc_health_probe-linux-${TARGETARCH:-amd64} /usr/local/bin/grpc_health_probe
 
 # -- runtime: no compiler, no build tools, not root ---------------------------------------------------
 FROM ${PYTHON_IMAGE} AS runtime
