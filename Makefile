@@ -83,11 +83,12 @@ $(VLLM_STAMP):
 	$(VLLM_PY) -m pip uninstall --quiet --yes torchvision torchaudio torchcodec
 	touch $(VLLM_STAMP)
 
-$(E2E_MODEL)/kvindex-e2e.json: $(VLLM_STAMP) e2e/make_model.py
+$(E2E_MODEL)/kvindex-e2e.json: $(VLLM_STAMP) e2e/make_model.py kvindex/testing/tokenizer_fixtures.py
 	rm -rf $(E2E_MODEL)
 	$(VLLM_PY) e2e/make_model.py --out $(E2E_MODEL)
 
 e2e-vllm: $(STAMP) $(E2E_MODEL)/kvindex-e2e.json
+	$(VLLM_PY) e2e/check_tokenize_hf.py
 	$(PY) e2e/run_vllm.py --vllm-python $(VLLM_PY) --model-dir $(E2E_MODEL) $(ARGS)
 
 # TTFT on real engines (docs/e2e-routing.md): two vLLM CPU engines, each on its own core, a chat
@@ -112,7 +113,7 @@ $(E2E_STAMP): $(STAMP)
 
 $(ROUTING_MODEL)/kvindex-e2e.json: $(VLLM_STAMP) e2e/make_model.py
 	rm -rf $(ROUTING_MODEL)
-	$(VLLM_PY) e2e/make_model.py --out $(ROUTING_MODEL) --hidden 384 --intermediate 1024 --layers 4 --heads 6 --vocab 8192
+	$(VLLM_PY) e2e/make_model.py --out $(ROUTING_MODEL) --hidden 384 --intermediate 1024 --layers 4 --heads 6 --vocab 4096
 
 e2e-routing: $(E2E_STAMP) $(ROUTER_STAMP) $(ROUTING_MODEL)/kvindex-e2e.json
 	$(PY) e2e/run_routing.py --vllm-python $(VLLM_PY) --vllm-router $(ROUTER_VENV)/bin/vllm-router --model-dir $(ROUTING_MODEL) $(ARGS)

@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from run_vllm import Proc, engine_metrics, free_port, http
+from run_vllm import Proc, engine_metrics, free_port, http, wait_log_event
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -53,16 +53,29 @@ class Request:
     group: str  # the shared part it reuses (system prompt, session, document)
 
 
-def words(rng: random.Random, n: int, vocab: int) -> str:
-    # Word-level tokenizer: one word, one token. The first words are specials and role markers.
-    return " ".join(f"t{rng.randrange(16, vocab)}" for _ in range(n))
+class Text:
+    """Prose-like filler sized in tokens of the model's own tokenizer (the fixture's word salad)."""
+
+    def __init__(self, model_dir: Path) -> None:
+        from tokenizers import Tokenizer
+
+        from kvtools.testing.tokenizer_fixtures import corpus
+
+        self.words = sorted({w for line in corpus(600) for w in line.split()})
+        tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+        sample = " ".join(random.Random(0).choices(self.words, k=4000))
+        self.tokens_per_word = len(tok.encode(sample, add_special_tokens=False).ids) / 4000
+
+    def __call__(self, rng: random.Random, n_tokens: int) -> str:
+        return " ".join(rng.choices(self.words, k=max(1, round(n_tokens / self.tokens_per_word))))
 
 
-def workload(seed: int, rate: float, duration: float, vocab: int) -> list[Request]:
+def workload(seed: int, rate: float, duration: float, words: Text) -> list[Request]:
     """Seeded arrivals (Poisson at ``rate``) over three request kinds sharing prefixes."""
     rng = random.Random(seed)
-    systems = [words(rng, 700, vocab) for _ in range(4)]
-    documents = [words(rng, 1600, vocab) for _ in range(6)]
+    systems = [words(rng, 700) for _ in range(4)]
+    documents = [words(rng, 1600) for _ in range(6)]
+    session_system = words(rng, 400)
     sessions: list[dict[str, Any]] = []
     out: list[Request] = []
     t = 0.0
@@ -75,14 +88,14 @@ def workload(seed: int, rate: float, duration: float, vocab: int) -> list[Reques
             s = rng.randrange(len(systems))
             msgs = [
                 {"role": "system", "content": systems[s]},
-                {"role": "user", "content": words(rng, rng.randint(30, 120), vocab)},
+                {"role": "user", "content": words(rng, rng.randint(30, 120))},
             ]
             out.append(Request(t, kind, msgs, f"system{s}"))
         elif kind == "document":
             d = rng.randrange(len(documents))
             msgs = [
                 {"role": "user", "content": "document: " + documents[d]},
-                {"role": "user", "content": words(rng, rng.randint(20, 60), vocab)},
+                {"role": "user", "content": words(rng, rng.randint(20, 60))},
             ]
             out.append(Request(t, kind, msgs, f"doc{d}"))
         else:
@@ -92,17 +105,17 @@ def workload(seed: int, rate: float, duration: float, vocab: int) -> list[Reques
                 sess = {
                     "id": len(sessions),
                     "turns": 0,
-                    "msgs": [{"role": "system", "content": systems[0][:400]}],
+                    "msgs": [{"role": "system", "content": session_system}],
                 }
                 sessions.append(sess)
             else:
                 sess = rng.choice(live)
             sess["msgs"] = [
                 *sess["msgs"],
-                {"role": "user", "content": words(rng, rng.randint(60, 200), vocab)},
+                {"role": "user", "content": words(rng, rng.randint(60, 200))},
             ]
             out.append(Request(t, kind, list(sess["msgs"]), f"session{sess['id']}"))
-            sess["msgs"].append({"role": "assistant", "content": words(rng, 16, vocab)})
+            sess["msgs"].append({"role": "assistant", "content": words(rng, 16)})
             sess["turns"] += 1
 
 
@@ -210,7 +223,8 @@ class Bench:
         self.out.mkdir(parents=True, exist_ok=True)
         self.engines = [Engine(i, free_port(), free_port(), free_port()) for i in range(2)]
         self.procs: list[Proc] = []
-        self.vocab = json.loads((args.model_dir / "kvindex-e2e.json").read_text())["vocab"]
+        self.words = Text(args.model_dir)
+        self.calibration: dict[str, float] = {}
 
     def log(self, msg: str) -> None:
         print(f"[e2e-routing {time.strftime('%H:%M:%S')}] {msg}", flush=True)
@@ -236,12 +250,18 @@ class Bench:
                 "--max-num-batched-tokens", "8192", "--max-num-seqs", "16",
                 "--enable-prompt-tokens-details",
                 "--kv-events-config", json.dumps(events),
+                # vllm-router's kv_aware asks the engine to render and tokenize each chat request
+                # (/v1/chat/completions/render), which vLLM serves only with scale-out enabled.
+                "--enable-scale-out",
             ]  # fmt: skip
             env = {
                 "VLLM_SERVER_DEV_MODE": "1",
                 "VLLM_CPU_OMP_THREADS_BIND": str(eng.n),
                 "OMP_NUM_THREADS": "1",
                 "VLLM_LOGGING_LEVEL": "WARNING",
+                # vLLM seeds its block hashes from PYTHONHASHSEED (random without it); vllm-router's
+                # kv_aware recomputes engine hashes with hash seed 0, so both must agree on it.
+                "PYTHONHASHSEED": "0",
             }
             eng.proc = Proc(f"vllm{eng.n}", argv, self.out / f"vllm{eng.n}.log", env)
             self.procs.append(eng.proc)
@@ -281,7 +301,7 @@ class Bench:
                 self.out / "kvindex.log",
             )  # fmt: skip
             procs.append(serve)
-            nats = wait_json(serve, "embedded_nats_started")["url"]
+            nats = wait_log_event(serve.log_path, "embedded_nats_started", serve, 30)["url"]
             for eng in self.engines:
                 procs.append(
                     Proc(
@@ -312,13 +332,15 @@ class Bench:
             argv = [
                 str(self.args.vllm_router), "--host", "127.0.0.1", "--port", str(port),
                 "--worker-urls", *[e.base for e in self.engines], "--policy", name,
-                "--log-level", "warning", "--disable-retries",
+                "--log-level", self.args.router_log_level, "--disable-retries",
             ]  # fmt: skip
             if name == "kv_aware":
                 for eng in self.engines:
                     argv += ["--kv-event-source", f"{eng.base}=tcp://127.0.0.1:{eng.zmq_port}"]
                 argv += ["--kv-event-block-size", str(BLOCK), "--kv-event-model", MODEL]
-            procs.append(Proc(f"vllm-router-{name}", argv, self.out / f"vllm-router-{name}.log"))
+            # kv_aware tokenizes the request text itself: it needs the model's tokenizer directory.
+            env = {"VLLM_ROUTER_TOKENIZER": str(self.args.model_dir)}
+            procs.append(Proc(f"vllm-router-{name}", argv, self.out / f"vllm-router-{name}.log", env))
         base = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
@@ -353,7 +375,7 @@ class Bench:
     def run_once(self, router: str, load: str, rate: float, run: int) -> dict[str, Any]:
         self.reset_engines()
         base, procs = self.start_router(router)
-        requests = workload(self.args.seed + run, rate, self.args.duration, self.vocab)
+        requests = workload(self.args.seed + run, rate, self.args.duration, self.words)
         before = [engine_metrics(e.base) for e in self.engines]
         served_before = [served(e.base) for e in self.engines]
         engine_pids = [p for e in self.engines if e.proc for p in tree_pids(e.proc.popen.pid)]
@@ -405,26 +427,61 @@ class Bench:
         )
         return row
 
+    def calibrate(self) -> dict[str, float]:
+        """Offered loads from this machine's prefill speed: a cold 2K-token prompt's TTFT on one engine
+        gives the time per prompt token; "high" offers 90 % of what two engines can prefill with no
+        cache hits at the workload's mean prompt length, "light" 35 %."""
+        rng = random.Random(12345)
+        samples = []
+        for _ in range(3):
+            req = Request(0.0, "calibration", [{"role": "user", "content": self.words(rng, 2048)}], "")
+            (res,) = asyncio.run(send_all(self.engines[0].base + "/v1", [req], 1))
+            if res.ttft is None:
+                raise RuntimeError(f"calibration request failed: {res.error}")
+            samples.append(res.ttft)
+        per_token = statistics.median(samples) / 2048
+        probe = workload(self.args.seed, 1.0, 600.0, self.words)
+        mean_tokens = statistics.fmean(
+            sum(len(m["content"].split()) for m in r.messages) * self.words.tokens_per_word for r in probe
+        )
+        capacity = len(self.engines) / (mean_tokens * per_token)  # requests/s, no cache hits
+        self.calibration = {
+            "prefill_2k_s": statistics.median(samples),
+            "mean_prompt_tokens": mean_tokens,
+            "capacity_req_s_no_hits": capacity,
+        }
+        self.log(
+            f"calibration: 2K-token prefill {self.calibration['prefill_2k_s']:.3f} s, mean prompt "
+            f"{mean_tokens:.0f} tokens, two engines prefill {capacity:.2f} req/s with no cache hits"
+        )
+        return {
+            "light": self.args.light_rate or round(0.35 * capacity, 2),
+            "high": self.args.high_rate or round(0.9 * capacity, 2),
+        }
+
     def main(self) -> int:
         a = self.args
         rows: list[dict[str, Any]] = []
-        rates = {"light": a.light_rate, "high": a.high_rate}
         try:
             self.start_engines()
             # Warm the engines' code paths once (not measured) so the first run is not penalised.
-            asyncio.run(send_all(self.engines[0].base + "/v1", workload(999, 1.0, 2.0, self.vocab), 4))
-            asyncio.run(send_all(self.engines[1].base + "/v1", workload(998, 1.0, 2.0, self.vocab), 4))
+            asyncio.run(send_all(self.engines[0].base + "/v1", workload(999, 1.0, 2.0, self.words), 4))
+            asyncio.run(send_all(self.engines[1].base + "/v1", workload(998, 1.0, 2.0, self.words), 4))
+            rates = self.calibrate()
+            self.reset_engines()
             for run in range(a.runs):
                 for load in a.loads:
                     # Routers in a rotating order so that no router always runs first or last.
                     order = list(a.routers[run % len(a.routers) :]) + list(a.routers[: run % len(a.routers)])
                     for router in order:
                         rows.append(self.run_once(router, load, rates[load], run))
-                        (self.out / "results.json").write_text(json.dumps(rows, indent=1))
+                        (self.out / "results.json").write_text(
+                            json.dumps({"calibration": self.calibration, "runs": rows}, indent=1)
+                        )
         finally:
             for p in reversed(self.procs):
                 p.stop()
-        table = summary(rows)
+        table = summary(rows, self.calibration)
         (self.out / "table.md").write_text(table)
         print(table)
         return 0
@@ -438,20 +495,6 @@ def served(base: str) -> int:
         if line.startswith("vllm:request_success_total{"):
             total += float(line.rsplit(" ", 1)[1])
     return int(total)
-
-
-def wait_json(proc: Proc, event: str, timeout: float = 30) -> dict[str, Any]:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        for line in proc.log_path.read_text(errors="replace").splitlines():
-            with contextlib.suppress(ValueError):
-                rec = json.loads(line)
-                if isinstance(rec, dict) and rec.get("event") == event:
-                    return rec
-        if not proc.alive():
-            raise RuntimeError(f"{proc.name} exited:\n{proc.tail()}")
-        time.sleep(0.1)
-    raise RuntimeError(f"{proc.name}: no {event!r} within {timeout}s:\n{proc.tail()}")
 
 
 def pct(xs: list[float], q: float) -> float | None:
@@ -469,9 +512,16 @@ def fmt(x: float | None, pct_: bool = False) -> str:
     return f"{x:.1%}" if pct_ else f"{x:.3f}s"
 
 
-def summary(rows: list[dict[str, Any]]) -> str:
+def summary(rows: list[dict[str, Any]], calibration: dict[str, float]) -> str:
     """Per load and router: the mean over runs, and the spread (min-max) across runs."""
     lines = []
+    if calibration:
+        lines += [
+            f"Calibration: a cold 2K-token prefill took {calibration['prefill_2k_s']:.3f} s on one engine; "
+            f"mean prompt {calibration['mean_prompt_tokens']:.0f} tokens; two engines prefill "
+            f"{calibration['capacity_req_s_no_hits']:.2f} requests/s with no cache hits.",
+            "",
+        ]
     for load in dict.fromkeys(r["load"] for r in rows):
         sel = [r for r in rows if r["load"] == load]
         rate = sel[0]["rate"]
@@ -512,14 +562,19 @@ def main() -> int:
     p.add_argument("--out", type=Path, default=ROOT / "e2e" / "out-routing")
     p.add_argument("--routers", nargs="+", default=list(ROUTERS), choices=ROUTERS)
     p.add_argument("--loads", nargs="+", default=["light", "high"], choices=("light", "high"))
-    p.add_argument("--light-rate", type=float, default=0.6, help="requests/s offered at light load")
-    p.add_argument("--high-rate", type=float, default=1.6, help="requests/s offered near saturation")
+    p.add_argument(
+        "--light-rate", type=float, default=0.0, help="requests/s at light load (0: 35 %% of capacity)"
+    )
+    p.add_argument(
+        "--high-rate", type=float, default=0.0, help="requests/s near saturation (0: 90 %% of capacity)"
+    )
     p.add_argument("--duration", type=float, default=60.0, help="seconds of arrivals per run")
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--max-tokens", type=int, default=8)
     p.add_argument("--cache-blocks", type=int, default=400, help="KV blocks per engine (32 tokens each)")
     p.add_argument("--startup-timeout", type=float, default=300.0)
+    p.add_argument("--router-log-level", default="warning", help="vllm-router's (debug shows its picks)")
     args = p.parse_args()
     for path in (args.vllm_python, args.model_dir / "kvindex-e2e.json"):
         if not path.exists():

@@ -42,8 +42,12 @@ import grpc
 import msgpack
 import zmq
 
+from kvindex.tokenize import Tokenizers
 from kvindex.v1 import kvindex_pb2 as pb
 from kvindex.v1 import kvindex_pb2_grpc as pb_grpc
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import tokenize_check  # beside this script
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent  # the project's venv: kvindex and kvshim are its console scripts
@@ -403,6 +407,7 @@ class Run:
         self.sync_seen: dict[str, list[int]] = {}
         self.clears_before_reset = -1
         self.resets = 0
+        self.tokenize_results: list[tokenize_check.Result] = []
 
     # -- starting things ---------------------------------------------------------------------------
 
@@ -448,6 +453,7 @@ class Run:
         argv = [
             str(BIN / "kvindex"), "serve", "--grpc-host", "127.0.0.1", "--grpc-port", str(self.grpc_port),
             "--metrics-port", "-1", "--log-format", "json",
+            "--tokenizer", f"{MODEL}={self.args.model_dir}",
         ]  # fmt: skip
         proc = Proc("kvindex", argv, self.out / "kvindex.log")
         self.procs.append(proc)
@@ -747,6 +753,24 @@ class Run:
         for i in (len(prompts) - 1, 0):
             self.ask("after-load", f"load{i}", prompts[i])
 
+    # -- tokenization: kvindex's ids for text and chats vs the engine's (docs/tokenize.md) -------------
+
+    def tokenize_phase(self) -> None:
+        """Last, because its requests change the engine's cache: each case's ids from kvindex (Lookup),
+        vLLM's /tokenize, the engine's own prompt_token_ids and usage.prompt_tokens."""
+        assert self.stub is not None
+        if self.tap is not None:
+            self.settle(time.monotonic())
+        local = Tokenizers.from_dirs({MODEL: str(self.args.model_dir)})
+        self.tokenize_results = tokenize_check.check(
+            lambda url, body: http(url, body), self.base, self.stub, MODEL, local
+        )
+        bad = [r for r in self.tokenize_results if not r.agrees]
+        for r in bad:
+            self.failures.append(f"tokenization differs: {r.name}: {r.detail}")
+        n = len(self.tokenize_results)
+        log(f"tokenization: {n - len(bad)}/{n} requests agree")
+
     # -- the report --------------------------------------------------------------------------------
 
     def load_table(self) -> tuple[list[str], dict[str, Any]]:
@@ -891,6 +915,8 @@ class Run:
             )
         load_lines, load_summary = self.load_table()
         lines += ["", "Load, index vs engine (a burst of concurrent requests):", "", *load_lines]
+        if self.tokenize_results:
+            lines += ["", *tokenize_check.table(self.tokenize_results)]
         anomalies = self.tap.mirror.anomalies + self.tap.errors + self.failures
         for sync, seen in self.sync_seen.items():
             self.notes.append(
@@ -912,6 +938,7 @@ class Run:
                     "engine_samples": [asdict(s) for s in self.engine_samples],
                     "index_samples": [asdict(s) for s in self.index_samples],
                     "notes": self.notes,
+                    "tokenize": [asdict(r) for r in self.tokenize_results],
                     "anomalies": anomalies,
                     "timings": self.timings,
                 },
@@ -927,11 +954,17 @@ class Run:
         started = time.monotonic()
         try:
             self.start_vllm()
+            if self.args.tokenize_only:  # a quick check of the tokenization phase alone
+                self.start_index()
+                self.tokenize_phase()
+                print("\n".join(tokenize_check.table(self.tokenize_results)))
+                return 1 if self.failures else 0
             self.tap = EngineTap(f"tcp://127.0.0.1:{self.zmq_port}")
             self.start_index()
             self.start_shim()
             self.workload()
             self.load_phase()
+            self.tokenize_phase()
             return self.report(time.monotonic() - started)
         finally:
             if self.tap is not None:
@@ -957,6 +990,7 @@ def main() -> int:
     p.add_argument("--load-requests", type=int, default=16, help="concurrent requests of the load burst")
     p.add_argument("--load-prompt-tokens", type=int, default=64)
     p.add_argument("--load-output-tokens", type=int, default=440)
+    p.add_argument("--tokenize-only", action="store_true", help="only the tokenization comparison")
     args = p.parse_args()
     for path, what in ((args.vllm_python, "the vLLM venv"), (args.model_dir / "config.json", "the model")):
         if not path.exists():

@@ -14,7 +14,7 @@ import structlog
 
 from kvindex.api.security import add_client_options, add_server_options
 from kvindex.capture.cli import add_capture, add_replay, add_serve_capture, serve_capture_config
-from kvindex.config import NatsConfigError, NatsSettings, add_nats_arguments, parse_layered
+from kvindex.config import NatsConfigError, NatsConnectError, NatsSettings, add_nats_arguments, parse_layered
 from kvindex.observability.logs import configure_logging
 from kvindex.route.cli import add_route
 
@@ -69,6 +69,19 @@ def _add_serve(sub: Any) -> None:
     j.add_argument("--stream-max-age", type=float, default=3600.0, help="history kept in the stream (s)")
     j.add_argument("--stream-replicas", type=int, default=1, help="stream replicas in a NATS cluster (1-5)")
     add_serve_capture(p)
+    t = p.add_argument_group("text prompts (docs/tokenize.md)")
+    t.add_argument(
+        "--tokenizer",
+        action="append",
+        default=[],
+        metavar="MODEL=DIR",
+        help="tokenize prompt/messages requests for MODEL with DIR's tokenizer.json, tokenizer_config.json "
+        "and chat template (repeatable)",
+    )
+    t.add_argument(
+        "--tokenize-cache-mb", type=float, default=128.0, metavar="MIB", help="tokenization cache size"
+    )
+
     add_server_options(p)
     _add_readiness_shutdown(p)
 
@@ -86,6 +99,18 @@ def _static_instance(text: str) -> tuple[str, str]:
         return name, check_endpoint(endpoint)
     except BadEndpoint as exc:
         raise argparse.ArgumentTypeError(f"{text!r}: {exc}") from None
+
+
+def _tokenizer_dirs(specs: list[str]) -> dict[str, str]:
+    dirs: dict[str, str] = {}
+    for spec in specs:
+        model, sep, directory = spec.partition("=")
+        if not (sep and model and directory):
+            raise SystemExit(f"--tokenizer {spec!r}: expected MODEL=DIR")
+        if model in dirs:
+            raise SystemExit(f"--tokenizer: model {model!r} given twice")
+        dirs[model] = directory
+    return dirs
 
 
 def _add_readiness_shutdown(p: Any) -> None:
@@ -122,6 +147,10 @@ def _add_query(sub: Any, name: str, help_text: str, prompt: bool) -> None:
         g = p.add_mutually_exclusive_group(required=True)
         g.add_argument("--tokens", help="comma-separated token ids, or @FILE with a JSON list")
         g.add_argument("--keys", help="comma-separated block keys, or @FILE with a JSON list")
+        g.add_argument("--prompt", help="a completions prompt as text, or @FILE (needs serve --tokenizer)")
+        g.add_argument(
+            "--messages", help="an OpenAI chat messages JSON list, or @FILE (needs serve --tokenizer)"
+        )
         p.add_argument("--candidates", default="", help="comma-separated instance ids")
         if name == "score":
             p.add_argument("--top-k", type=int, default=0)
@@ -136,6 +165,10 @@ def _int_list(spec: str) -> list[int]:
             raise SystemExit(f"{spec[1:]}: expected a JSON list of integers")
         return [int(x) for x in data]
     return [int(x) for x in spec.replace(" ", "").split(",") if x]
+
+
+def _text(spec: str) -> str:
+    return Path(spec[1:]).read_text() if spec.startswith("@") else spec
 
 
 def _query(args: argparse.Namespace) -> int:
@@ -158,8 +191,12 @@ def _query(args: argparse.Namespace) -> int:
                 fields: dict[str, Any] = {"model": args.model, "lora": args.lora, "salt": args.salt}
                 if args.tokens is not None:
                     fields["token_ids"] = _int_list(args.tokens)
-                else:
+                elif args.keys is not None:
                     fields["block_keys"] = _int_list(args.keys)
+                elif args.prompt is not None:
+                    fields["prompt"] = _text(args.prompt)
+                else:
+                    fields["messages"] = _text(args.messages)
                 if args.candidates:
                     fields["candidates"] = [c for c in args.candidates.split(",") if c]
                 if args.command == "score":
@@ -180,9 +217,10 @@ def _query(args: argparse.Namespace) -> int:
 def _serve(args: argparse.Namespace) -> int:
     from kvindex.api.security import ServerSecurity
     from kvindex.ingest.nats_source import JetStreamConfig
+    from kvindex.lifecycle import Stop, run
     from kvindex.repair.nats_repair import RepairConfig
     from kvindex.scoring.router import RouterConfig
-    from kvindex.service.app import ServiceConfig, serve
+    from kvindex.service.app import CLEANUP_BUDGET, IndexService, ServiceConfig, serve_until_stopped
     from kvindex.service.readiness import ReadinessConfig
 
     configure_logging(args.log_format, args.log_level)
@@ -219,12 +257,31 @@ def _serve(args: argparse.Namespace) -> int:
         static_block_size=args.instance_block_size,
         static_capacity=args.instance_capacity,
         router=RouterConfig(predicted_ttl=args.predicted_ttl),
+        tokenizers=_tokenizer_dirs(args.tokenizer),
+        tokenize_cache_bytes=int(args.tokenize_cache_mb * (1 << 20)),
     )
     if args.instance and not args.instance_model:
         raise SystemExit("kvindex serve: --instance needs --instance-model (the model they serve)")
     config.readiness = ReadinessConfig(window=args.ready_window, grace=args.ready_grace)
     config.shutdown_grace = args.shutdown_grace
-    return serve(config)
+    from kvindex.tokenize import TokenizeError
+
+    try:
+        service = IndexService(config)
+    except TokenizeError as exc:
+        print(f"kvindex serve: {exc}", file=sys.stderr)
+        return 2
+
+    async def main(stop: Stop) -> int:
+        try:
+            await serve_until_stopped(service, stop)
+        except (NatsConfigError, NatsConnectError) as exc:
+            structlog.get_logger("kvindex").error("nats_connect_failed", error=str(exc))
+            return 2
+        return 0
+
+    # SIGTERM/SIGINT/SIGHUP or the parent's exit stop it within the grace (docs/deploy.md).
+    return run(main, grace=config.shutdown_grace + CLEANUP_BUDGET, name="kvindex-serve")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -34,7 +34,7 @@ from typing import Any
 import grpc
 import structlog
 
-from kvindex.lifecycle import Stop, die_with_parent
+from kvindex.lifecycle import Stop, die_with_parent, finish
 from kvindex.lifecycle import run as lifecycle_run
 from kvindex.service.natsd import free_port
 from kvindex.v1 import kvindex_pb2 as pb
@@ -309,9 +309,7 @@ async def run(args: argparse.Namespace, stop: Stop, tally: Tally) -> None:
                 # be stopping when we notice our own signal.
                 if not stop.requested:
                     raise
-            driver.cancel()
-            with contextlib.suppress(asyncio.CancelledError, grpc.aio.AioRpcError):
-                await driver
+            await finish([driver], 1.0)
             await fleet.close()  # no completions (and Releases) after this
             fleet = None
             for task in list(pending):

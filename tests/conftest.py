@@ -132,3 +132,19 @@ async def converged(svc: IndexService, *pubs: FaultyPublisher, timeout: float = 
         return True
 
     await wait_until(same, timeout, "index equal to what the workers hold")
+
+
+def mtls_token_config(nats_url: str, directory: Path, token: str = "s3cret") -> ServiceConfig:
+    """A service on ``nats_url`` with mutual TLS and a bearer token: certificates made at test time in
+    ``directory`` (ca.pem, server.pem/.key, client.pem/.key: kvtools.testing.natsauth.make_tls_files)
+    and the token in ``directory/token``."""
+    from kvindex.api.security import ServerSecurity, ServerTLS
+    from kvtools.testing.natsauth import make_tls_files
+
+    files = make_tls_files(directory)
+    (directory / "token").write_text(token + "\n")
+    config = ServiceConfig(nats_url=nats_url, grpc_host="127.0.0.1", grpc_port=0)
+    config.grpc_security = ServerSecurity(
+        ServerTLS(files.server_cert, files.server_key, client_ca=files.ca), token_file=directory / "token"
+    )
+    return config

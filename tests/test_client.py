@@ -27,7 +27,7 @@ from kvindex.client import (
 from kvindex.keys import block_keys
 from kvindex.service.app import IndexService, ServiceConfig
 from kvindex.service.natsd import EmbeddedNats
-from tests.conftest import wait_until
+from tests.conftest import mtls_token_config, wait_until
 from workers_shim.publisher import Publisher
 
 MODEL = "client-model"
@@ -150,7 +150,7 @@ async def test_bad_arguments_are_errors_not_fallbacks(index: IndexService, make_
     await fleet(index, make_publisher)
     async with AsyncKvIndexClient(index.grpc.address, timeout=5, refresh_interval=0) as client:
         await client.refresh_instances()
-        with pytest.raises(BadRequest, match="exactly one of token_ids and block_keys"):
+        with pytest.raises(BadRequest, match="exactly one of token_ids, block_keys, prompt and messages"):
             await client.score(MODEL, token_ids=PROMPT, block_keys=KEYS)
         with pytest.raises(BadRequest, match="commit needs a request_id"):
             await client.score(MODEL, token_ids=PROMPT, commit=True)
@@ -338,21 +338,9 @@ async def test_index_that_lost_a_known_model_is_treated_as_down(index: IndexServ
 async def test_mutual_tls_and_token(
     nats_server: EmbeddedNats, tmp_path: Path, make_publisher: MakePub
 ) -> None:
-    import trustme
+    from kvindex.api.security import ClientTLS
 
-    from kvindex.api.security import ClientTLS, ServerSecurity, ServerTLS
-
-    ca = trustme.CA()
-    ca.cert_pem.write_to_path(str(tmp_path / "ca.pem"))
-    for name, cert in (("server", ca.issue_cert("127.0.0.1")), ("client", ca.issue_cert("router.clients"))):
-        cert.cert_chain_pems[0].write_to_path(str(tmp_path / f"{name}.pem"))
-        cert.private_key_pem.write_to_path(str(tmp_path / f"{name}.key"))
-    (tmp_path / "token").write_text("s3cret\n")
-    config = ServiceConfig(nats_url=nats_server.url, grpc_host="127.0.0.1", grpc_port=0)
-    config.grpc_security = ServerSecurity(
-        ServerTLS(tmp_path / "server.pem", tmp_path / "server.key", client_ca=tmp_path / "ca.pem"),
-        token_file=tmp_path / "token",
-    )
+    config = mtls_token_config(nats_server.url, tmp_path)
     svc = IndexService(config)
     await svc.start()
     try:

@@ -230,10 +230,10 @@ async def test_invalid_arguments(
     await settle(service, pub)
     cases = [
         (pb.ScoreRequest(), "model is required"),
-        (pb.ScoreRequest(model=MODEL), "one of token_ids or block_keys is required"),
+        (pb.ScoreRequest(model=MODEL), "one of token_ids, block_keys, prompt or messages is required"),
         (
             pb.ScoreRequest(model=MODEL, token_ids=[1], block_keys=[2]),
-            "exactly one of token_ids and block_keys",
+            "exactly one of token_ids, block_keys, prompt and messages; got token_ids and block_keys",
         ),
         (pb.ScoreRequest(model=MODEL, block_keys=[2], lora="x"), "lora and salt apply to token_ids only"),
         (pb.ScoreRequest(model=MODEL, token_ids=[1], candidates=["bad id!"]), "candidate 'bad id!'"),
@@ -285,7 +285,11 @@ async def test_score_stream_answers_in_order_and_survives_bad_requests(
         assert ranking(streamed) == ranking(reply) and streamed.request_id == reply.request_id
     assert [(r.instance_id, r.matched_blocks) for r in replies[0].ranked] == [("a/0", 7), ("b/0", 3)]
     assert len(replies[1].ranked) == 1 and replies[1].ranked[0].matched_blocks == 2
-    assert "exactly one of token_ids and block_keys" in replies[2].error and not replies[2].ranked
+    assert (
+        "exactly one of token_ids, block_keys, prompt and messages; got token_ids and block_keys"
+        in replies[2].error
+        and not replies[2].ranked
+    )
     assert [r.instance_id for r in replies[3].ranked] == ["b/0"] and not replies[3].error
     assert replies[4].block_size == 0 and not replies[4].ranked and not replies[4].error
     assert replies[5].committed_instance_id == "a/0"

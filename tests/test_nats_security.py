@@ -497,3 +497,31 @@ async def test_kvshim_bridge_process_with_creds_and_tls(tmp_path: Path, servers:
             await proc.wait()
         await engine.close()
         await svc.stop()
+
+
+async def test_kvshim_sim_with_a_token_from_the_environment(
+    tmp_path: Path, servers: list[EmbeddedNats]
+) -> None:
+    server = await _serve_config(tmp_path, f'authorization {{ token: "{TOKEN}" }}\n')
+    servers.append(server)
+    settings = NatsSettings(servers=(server.url,), token=TOKEN)
+    svc = IndexService(ServiceConfig(nats_url=settings, grpc_host="127.0.0.1", grpc_port=0))
+    await svc.start()
+    kvshim = str(BIN / "kvshim")
+    argv = [kvshim, "sim", "--nats", server.url, "--workers", "1", "--gpu-blocks", "64", "--duration", "2"]
+    try:
+        wrong = await asyncio.create_subprocess_exec(
+            *argv, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
+            env={**os.environ, "KVINDEX_NATS_TOKEN": "not-it"},
+        )  # fmt: skip
+        out, _ = await asyncio.wait_for(wrong.communicate(), 30)
+        assert wrong.returncode == 1 and b"refused the credentials" in out
+        right = await asyncio.create_subprocess_exec(
+            *argv, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
+            env={**os.environ, "KVINDEX_NATS_TOKEN": TOKEN},
+        )  # fmt: skip
+        await wait_until(lambda: svc.registry.get(("sim-0", 0)) is not None, 20, "the simulated worker heard")
+        out, _ = await asyncio.wait_for(right.communicate(), 30)
+        assert right.returncode == 0 and TOKEN.encode() not in out
+    finally:
+        await svc.stop()

@@ -180,3 +180,37 @@ async def test_stop_goes_not_ready_first_and_lets_in_flight_rpcs_finish(
         assert time.monotonic() - started < 4.0
         with pytest.raises(grpc.aio.AioRpcError):
             await stub.Score(pb.ScoreRequest(model=MODEL, block_keys=keys), timeout=1.0)
+
+
+async def test_live_but_not_ready_while_nats_was_never_reached() -> None:
+    """Started before its NATS server (an orchestrator starting both at once): the gRPC port answers
+    liveness at once and readiness NOT_SERVING while the connection is retried; ready once it is up."""
+    from kvindex.service.app import ServiceConfig
+    from kvindex.service.natsd import free_port
+
+    port = free_port()
+    svc = IndexService(
+        ServiceConfig(
+            nats_url=f"nats://127.0.0.1:{port}",
+            grpc_host="127.0.0.1",
+            grpc_port=0,
+            readiness=ReadinessConfig(window=0.2, grace=10.0),
+        )
+    )
+    starting = asyncio.create_task(svc.start())
+    natsd = EmbeddedNats(port=port)
+    try:
+        await wait_until(lambda: svc.grpc.port != 0, 5.0, "the gRPC port bound")
+        await asyncio.sleep(0.5)  # connection attempts failing meanwhile
+        assert not starting.done()
+        assert await health(svc.grpc.address, "liveness") == SERVING
+        assert await health(svc.grpc.address, "readiness") == NOT_SERVING
+        assert svc.ready() == (False, "starting")
+        await natsd.start()
+        await asyncio.wait_for(starting, 10.0)
+        await wait_until(lambda: svc.grpc.ready, 5.0, "ready once NATS is reached")
+    finally:
+        if not starting.done():
+            starting.cancel()
+        await svc.stop()
+        await natsd.stop()

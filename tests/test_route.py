@@ -27,10 +27,10 @@ from kvindex.api.security import ClientTLS
 from kvindex.api.server import GrpcServer
 from kvindex.keys import block_keys
 from kvindex.route.proxy import RouteConfig, RouteProxy, _fields_taken
-from kvindex.service.app import IndexService, ServiceConfig
+from kvindex.service.app import IndexService
 from kvindex.service.natsd import EmbeddedNats
 from kvindex.v1 import kvindex_pb2 as pb
-from tests.conftest import ROOT, wait_until
+from tests.conftest import ROOT, mtls_token_config, wait_until
 from tests.fake_openai import FakeOpenAIEngine, sse_chunks
 from workers_shim.publisher import Publisher
 
@@ -546,21 +546,7 @@ async def test_cli_serves_and_exits_0_on_sigterm(fleet: Fleet) -> None:
 async def test_cli_over_mutual_tls_and_a_token(
     nats_server: EmbeddedNats, tmp_path: Path, make_publisher: MakePub
 ) -> None:
-    import trustme
-
-    from kvindex.api.security import ServerSecurity, ServerTLS
-
-    ca = trustme.CA()
-    ca.cert_pem.write_to_path(str(tmp_path / "ca.pem"))
-    for name, cert in (("server", ca.issue_cert("127.0.0.1")), ("client", ca.issue_cert("route.clients"))):
-        cert.cert_chain_pems[0].write_to_path(str(tmp_path / f"{name}.pem"))
-        cert.private_key_pem.write_to_path(str(tmp_path / f"{name}.key"))
-    (tmp_path / "token").write_text("s3cret\n")
-    config = ServiceConfig(nats_url=nats_server.url, grpc_host="127.0.0.1", grpc_port=0)
-    config.grpc_security = ServerSecurity(
-        ServerTLS(tmp_path / "server.pem", tmp_path / "server.key", client_ca=tmp_path / "ca.pem"),
-        token_file=tmp_path / "token",
-    )
+    config = mtls_token_config(nats_server.url, tmp_path)
     svc = IndexService(config)
     await svc.start()
     f = await start_fleet(svc, make_publisher, tls=ClientTLS(ca=tmp_path / "ca.pem"), token="s3cret")

@@ -24,7 +24,7 @@ from nats.aio.client import Client
 
 from kvindex.config.nats import NatsSettings
 from kvindex.config.nats import connect as nats_connect
-from kvindex.lifecycle import bounded, close_nats
+from kvindex.lifecycle import bounded, close_nats, finish
 from kvindex.wire import reconcile
 from kvindex.wire.codec import encode_batch, encode_status
 from kvindex.wire.endpoint import check_endpoint
@@ -451,11 +451,8 @@ class Publisher(WorkerLog):
         """
         if self._closed:
             return
-        for task in self._tasks:
-            task.cancel()
-        for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        # Not cancel-and-await: the flush loop's wait_for can lose a cancellation (Python 3.11).
+        await finish(self._tasks, timeout / 4)
         self._tasks = []
         self._closed = True
         if not self.nc.is_closed:

@@ -5,10 +5,11 @@ Runs on the same asyncio loop as ingestion, so every call sees a consistent inde
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import AsyncIterator, Sequence
 from functools import lru_cache
-from typing import Any, NoReturn
+from typing import Any, NamedTuple, NoReturn
 
 import grpc
 import numpy as np
@@ -21,6 +22,7 @@ from kvindex.scoring.base import DECODE_ROLE, PREFILL_ROLE, RouteRequest
 from kvindex.scoring.ledger import FINISHED, PREFILL
 from kvindex.scoring.policies import POLICY_NAMES
 from kvindex.scoring.router import Router
+from kvindex.tokenize import ChatOptions, TokenizeError, Tokenizers
 from kvindex.v1 import kvindex_pb2 as pb
 from kvindex.v1 import kvindex_pb2_grpc as pb_grpc
 from kvindex.wire.schema import MAX_MODEL_LEN
@@ -35,6 +37,54 @@ _seed = lru_cache(maxsize=4096)(model_seed)
 
 class BadRequest(ValueError):
     """An argument error; becomes INVALID_ARGUMENT with this message."""
+
+
+class Prompt(NamedTuple):
+    """A request's prompt resolved: block keys, length in tokens and, for text, the token ids."""
+
+    block_size: int  # 0 when the model is unknown
+    keys: list[int]
+    tokens: int  # L: the token count (given, tokenized, or whole blocks)
+    token_ids: np.ndarray | None = None  # computed from prompt or messages
+
+
+# The four prompt forms, in the order error messages name them.
+PROMPT_FORMS = ("token_ids", "block_keys", "prompt", "messages")
+# PromptOptions fields that only a chat uses.
+CHAT_OPTIONS = (
+    "add_generation_prompt",
+    "continue_final_message",
+    "chat_template_kwargs",
+    "tools",
+    "documents",
+)
+
+
+def _json_field(options: Any, name: str, kind: type) -> Any:
+    raw = getattr(options, name)
+    if not raw:
+        return None
+    try:
+        value = json.loads(raw)
+    except ValueError as exc:
+        raise BadRequest(f"prompt_options.{name} is not valid JSON: {exc}") from exc
+    if not isinstance(value, kind):
+        raise BadRequest(f"prompt_options.{name} must be a JSON {'object' if kind is dict else 'list'}")
+    return value
+
+
+def chat_options(options: Any) -> ChatOptions:
+    """PromptOptions -> ChatOptions with vLLM's chat defaults for what is not set."""
+    return ChatOptions(
+        add_generation_prompt=(
+            options.add_generation_prompt if options.HasField("add_generation_prompt") else True
+        ),
+        continue_final_message=options.continue_final_message,
+        chat_template_kwargs=_json_field(options, "chat_template_kwargs", dict),
+        tools=_json_field(options, "tools", list),
+        documents=_json_field(options, "documents", list),
+        add_special_tokens=options.HasField("add_special_tokens") and options.add_special_tokens,
+    )
 
 
 def _check_candidates(candidates: Sequence[str]) -> list[str] | None:
@@ -101,12 +151,14 @@ class KvIndexServicer(pb_grpc.KvIndexServicer):
         counters: IngestCounters,
         metrics: Metrics | None = None,
         router: Router | None = None,
+        tokenizers: Tokenizers | None = None,
     ) -> None:
         self.index = index
         self.registry = registry
         self.counters = counters
         self.metrics = metrics
         self.router = router or Router(index, registry)
+        self.tokenizers = tokenizers if tokenizers is not None else Tokenizers()
         # instance -> (load it was built from, instance_id, endpoint, RankedInstance with the
         # invariant fields)
         self._invariant: dict[InstanceKey, tuple[object, str, str | None, pb.RankedInstance]] = {}
@@ -119,6 +171,11 @@ class KvIndexServicer(pb_grpc.KvIndexServicer):
 
     def prompt_keys(self, request: Any) -> tuple[int, list[int]]:
         """(block_size, block keys) of the request's prompt; block_size 0 when the model is unknown."""
+        prompt = self.resolve(request)
+        return prompt.block_size, prompt.keys
+
+    def resolve(self, request: Any) -> Prompt:
+        """The request's prompt as block keys and a token count, from whichever form it was given in."""
         model = request.model
         if not model:
             raise BadRequest("model is required")
@@ -126,24 +183,71 @@ class KvIndexServicer(pb_grpc.KvIndexServicer):
             raise BadRequest(f"model name is longer than {MAX_MODEL_LEN} characters")
         n_tokens = len(request.token_ids)
         n_keys = len(request.block_keys)
-        if n_tokens and n_keys:
-            raise BadRequest("set exactly one of token_ids and block_keys, not both")
-        if not n_tokens and not n_keys:
-            raise BadRequest("one of token_ids or block_keys is required (the prompt is empty)")
+        text = request.prompt
+        chat = request.messages
+        if bool(n_tokens) + bool(n_keys) + bool(text) + bool(chat) != 1:
+            given = [f for f, v in zip(PROMPT_FORMS, (n_tokens, n_keys, text, chat), strict=True) if v]
+            if not given:
+                raise BadRequest(
+                    "one of token_ids, block_keys, prompt or messages is required (the prompt is empty)"
+                )
+            raise BadRequest(
+                f"set exactly one of token_ids, block_keys, prompt and messages; got {' and '.join(given)}"
+            )
         block_size = self.registry.block_size(model) or 0
         if n_keys:
             if request.lora or request.salt:
                 raise BadRequest("lora and salt apply to token_ids only; block_keys already include them")
             if n_keys > MAX_BLOCK_KEYS:
                 raise BadRequest(f"at most {MAX_BLOCK_KEYS} block_keys are allowed, got {n_keys}")
-            return block_size, list(request.block_keys)
-        if n_tokens > MAX_PROMPT_TOKENS:
-            raise BadRequest(f"at most {MAX_PROMPT_TOKENS} token_ids are allowed, got {n_tokens}")
+            if request.HasField("prompt_options"):
+                raise BadRequest("prompt_options apply to prompt or messages only")
+            keys = list(request.block_keys)
+            # LookupRequest has no prompt_tokens: whole blocks then.
+            given = getattr(request, "prompt_tokens", 0)
+            return Prompt(block_size, keys, given or len(keys) * block_size)
+        if n_tokens:
+            if n_tokens > MAX_PROMPT_TOKENS:
+                raise BadRequest(f"at most {MAX_PROMPT_TOKENS} token_ids are allowed, got {n_tokens}")
+            if request.HasField("prompt_options"):
+                raise BadRequest("prompt_options apply to prompt or messages only")
+            if not block_size:
+                return Prompt(0, [], n_tokens)
+            # Protobuf repeated fields expose __array__: numpy copies them without a Python int per token.
+            raw = np.array(request.token_ids, dtype=np.uint32).tobytes()
+            keys = keys_from_le_bytes(raw, block_size, _seed(model, request.lora, request.salt))
+            return Prompt(block_size, keys, n_tokens)
+        ids = self._tokenize(request)
+        if len(ids) > MAX_PROMPT_TOKENS:
+            raise BadRequest(f"the prompt has {len(ids)} tokens; at most {MAX_PROMPT_TOKENS} are allowed")
         if not block_size:
-            return 0, []
-        # Protobuf repeated fields expose __array__: numpy copies them without a Python int per token.
-        raw = np.array(request.token_ids, dtype=np.uint32).tobytes()
-        return block_size, keys_from_le_bytes(raw, block_size, _seed(model, request.lora, request.salt))
+            return Prompt(0, [], len(ids), ids)
+        keys = keys_from_le_bytes(ids.tobytes(), block_size, _seed(model, request.lora, request.salt))
+        return Prompt(block_size, keys, len(ids), ids)
+
+    def _tokenize(self, request: Any) -> np.ndarray:
+        """prompt or messages -> token ids, as vLLM's /v1/completions or /v1/chat/completions would."""
+        options = request.prompt_options
+        try:
+            if request.prompt:
+                for name in CHAT_OPTIONS:
+                    # add_generation_prompt has presence (false is a setting); the rest: set if non-empty.
+                    given = (
+                        options.HasField(name) if name == "add_generation_prompt" else getattr(options, name)
+                    )
+                    if given:
+                        raise BadRequest(f"prompt_options.{name} applies to messages only, not to a prompt")
+                special = options.add_special_tokens if options.HasField("add_special_tokens") else True
+                ids = self.tokenizers.encode_prompt(request.model, request.prompt, special)
+            else:
+                try:
+                    messages = json.loads(request.messages)
+                except ValueError as exc:
+                    raise BadRequest(f"messages is not valid JSON: {exc}") from exc
+                ids = self.tokenizers.encode_chat_options(request.model, messages, chat_options(options))
+        except TokenizeError as exc:
+            raise BadRequest(str(exc)) from exc
+        return ids
 
     async def _abort(self, context: grpc.aio.ServicerContext, exc: BadRequest) -> NoReturn:
         await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
@@ -159,7 +263,7 @@ class KvIndexServicer(pb_grpc.KvIndexServicer):
     def score_request(self, request: pb.ScoreRequest) -> pb.ScoreResponse:
         """One Score, unary or streamed: check the arguments (BadRequest), rank, build the response."""
         started = time.perf_counter()
-        block_size, keys = self.prompt_keys(request)
+        prompt = self.resolve(request)
         candidates = _check_candidates(request.candidates)
         policy = request.policy or None
         if policy is not None and policy not in POLICY_NAMES:
@@ -169,7 +273,9 @@ class KvIndexServicer(pb_grpc.KvIndexServicer):
             raise BadRequest(f"role must be {PREFILL_ROLE!r} or {DECODE_ROLE!r}, got {role!r}")
         if request.commit and not request.request_id:
             raise BadRequest("commit needs a request_id (Release refers to it)")
-        response = self.score(request, block_size, keys, candidates, policy, role)
+        response = self.score(
+            request, prompt.block_size, prompt.keys, candidates, policy, role, prompt_tokens=prompt.tokens
+        )
         self._observe("Score", started)
         return response
 
@@ -199,17 +305,22 @@ class KvIndexServicer(pb_grpc.KvIndexServicer):
         candidates: list[str] | None,
         policy: str | None,
         role: str,
+        prompt_tokens: int | None = None,
     ) -> pb.ScoreResponse:
         model = request.model
+        prompt = _prompt_tokens(request, block_size, keys) if prompt_tokens is None else prompt_tokens
         response = pb.ScoreResponse(
-            model=model, block_size=block_size, total_blocks=len(keys), request_id=request.request_id
+            model=model,
+            block_size=block_size,
+            total_blocks=len(keys),
+            request_id=request.request_id,
+            prompt_tokens=prompt,
         )
         chosen = self.router.policies["decode"] if role == DECODE_ROLE else self.router.policy(policy)
         response.policy = chosen.name
         response.cost_unit = chosen.cost_unit
         if not block_size:
             return response  # unknown model: empty ranking, not an error
-        prompt = _prompt_tokens(request, block_size, keys)
         route = RouteRequest(model, keys, prompt, block_size, request.request_id, role)
         result = self.router.score(route, candidates, policy, commit=request.commit)
         if result.committed is not None:
@@ -268,13 +379,13 @@ class KvIndexServicer(pb_grpc.KvIndexServicer):
             worker, sep, rank = request.instance_id.partition("/")
             if not (sep and WORKER_ID_RE.fullmatch(worker) and rank.isdigit() and rank.isascii()):
                 raise BadRequest(f"instance_id {request.instance_id!r} must be 'worker/dp_rank'")
-            block_size, keys = self.prompt_keys(request)
+            prompt = self.resolve(request)
         except BadRequest as exc:
             await self._abort(context, exc)
         ok = False
-        if block_size:
+        if prompt.block_size:
             route = RouteRequest(
-                request.model, keys, _prompt_tokens(request, block_size, keys), block_size, request.request_id
+                request.model, prompt.keys, prompt.tokens, prompt.block_size, request.request_id
             )
             ok = self.router.commit(route, (worker, int(rank)))
         self._observe("Commit", started)
@@ -295,13 +406,20 @@ class KvIndexServicer(pb_grpc.KvIndexServicer):
     async def Lookup(self, request: pb.LookupRequest, context: grpc.aio.ServicerContext) -> pb.LookupResponse:
         started = time.perf_counter()
         try:
-            block_size, keys = self.prompt_keys(request)
+            prompt = self.resolve(request)
             candidates = _check_candidates(request.candidates)
         except BadRequest as exc:
             await self._abort(context, exc)
+        block_size, keys = prompt.block_size, prompt.keys
         response = pb.LookupResponse(
-            model=request.model, block_size=block_size, total_blocks=len(keys), block_keys=keys
+            model=request.model,
+            block_size=block_size,
+            total_blocks=len(keys),
+            block_keys=keys,
+            prompt_tokens=prompt.tokens,
         )
+        if prompt.token_ids is not None:
+            response.token_ids.extend(prompt.token_ids.tolist())
         states = self.registry.of_model(request.model)
         if candidates is not None:
             wanted = set(candidates)

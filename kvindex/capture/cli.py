@@ -165,13 +165,16 @@ def run_capture(args: argparse.Namespace) -> int:
         print("error: capture needs --nats URL (or KVINDEX_NATS_URL)", file=sys.stderr)
         return 2
 
-    async def main(stop: Stop) -> None:
+    async def main(stop: Stop) -> int:
         cap = Capture(settings, CaptureConfig(args.out, args.max_bytes, args.zstd), args.subject_prefix)
         if args.duration > 0:
             asyncio.get_running_loop().call_later(args.duration, stop.request, "duration")
         try:
             await stop.run_or_stop(cap.start())  # a stop while NATS is unreachable cancels the start
             await stop.wait()
+        except (NatsConfigError, NatsConnectError) as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
         finally:
             await cap.stop()  # bounded NATS close, then the log is closed cleanly (a CLOSE record)
         w = cap.recorder.writer
@@ -180,16 +183,9 @@ def run_capture(args: argparse.Namespace) -> int:
             f"{w.segment + 1} segment(s)) to {args.out}",
             file=sys.stderr,
         )
-
-    async def main_or_refused(stop: Stop) -> int:
-        try:
-            await main(stop)
-        except (NatsConfigError, NatsConnectError) as exc:
-            print(f"error: {exc}", file=sys.stderr)
-            return 2
         return 0
 
-    return run(main_or_refused, grace=5.0, name="kvindex-capture")
+    return run(main, grace=5.0, name="kvindex-capture")
 
 
 # -- replay --------------------------------------------------------------------------------------

@@ -12,7 +12,6 @@ never stops the service: a write error disables the recorder (logged once) and i
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 import socket
 import time
@@ -31,6 +30,7 @@ from kvindex.config.nats import NatsSettings
 from kvindex.config.nats import connect as nats_connect
 from kvindex.index.base import InstanceKey
 from kvindex.lifecycle import close_nats
+from kvindex.lifecycle.bounded import finish
 from kvindex.wire.reconcile import Snapshot
 from kvindex.wire.subjects import EVENTS, STATUS
 
@@ -213,9 +213,7 @@ class Recorder:
 
     async def stop(self, reason: str = "stopped") -> None:
         if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+            await finish([self._task], 1.0)
             self._task = None
         self.close(reason)
 
@@ -260,17 +258,18 @@ class RecordingServicer(KvIndexServicer):
         return response
 
     def _compact(self, request: Any) -> bytes:
-        """The request with its prompt as block keys (and the token count) instead of token ids: the
-        same request to the router, several times smaller (one key per block of tokens)."""
-        if not len(request.token_ids):
+        """The request with its prompt as block keys (and the token count) instead of token ids or text:
+        the same request to the router, several times smaller (one key per block of tokens)."""
+        if not (len(request.token_ids) or request.prompt or request.messages):
             return request.SerializeToString()
-        _block_size, keys = self.prompt_keys(request)
+        prompt = self.resolve(request)  # text prompts: the tokenizer cache makes this a lookup
         compact = type(request)()
         compact.CopyFrom(request)
-        compact.ClearField("token_ids")
+        for name in ("token_ids", "prompt", "messages", "prompt_options"):
+            compact.ClearField(name)
         compact.lora = compact.salt = ""  # already folded into the keys
-        compact.block_keys.extend(keys)
-        compact.prompt_tokens = len(request.token_ids)
+        compact.block_keys.extend(prompt.keys)
+        compact.prompt_tokens = prompt.tokens
         return compact.SerializeToString()
 
     async def Release(self, request: Any, context: Any) -> Any:

@@ -20,7 +20,13 @@ _RETRY = 0.05  # seconds between repeated cancellations of a task that did not e
 
 
 async def finish(tasks: Iterable[asyncio.Future[Any]], timeout: float) -> bool:
-    """Cancel ``tasks`` (again every 50 ms) until all are done or ``timeout`` passes; True if done."""
+    """Cancel ``tasks`` (again every 50 ms) until all are done or ``timeout`` passes; True if done.
+
+    Use it instead of ``task.cancel(); await task``: a task whose cancellation is lost (a
+    ``wait_for`` whose inner future completed at the same moment, on Python 3.11) keeps running its
+    loop, and that ``await`` never returns. Errors the tasks ended with are retrieved, not raised.
+    """
+    tasks = list(tasks)
     pending = {t for t in tasks if not t.done()}
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
@@ -29,9 +35,12 @@ async def finish(tasks: Iterable[asyncio.Future[Any]], timeout: float) -> bool:
             task.cancel()
         remaining = deadline - loop.time()
         if remaining <= 0:
-            return False
+            break
         _done, pending = await asyncio.wait(pending, timeout=min(_RETRY, remaining))
-    return True
+    for task in tasks:
+        if task.done() and not task.cancelled():
+            task.exception()
+    return not pending
 
 
 async def bounded(work: Awaitable[Any], timeout: float, what: str, log: Any = None) -> bool:

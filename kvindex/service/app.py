@@ -15,19 +15,21 @@ from kvindex.api.security import ServerSecurity
 from kvindex.api.server import GrpcServer
 from kvindex.api.servicer import KvIndexServicer
 from kvindex.capture.recorder import CaptureConfig, Recorder, RecordingServicer, service_meta
-from kvindex.config.nats import NatsConfigError, NatsConnectError, NatsSettings
+from kvindex.config.nats import NatsSettings
 from kvindex.fleet.registry import Registry
 from kvindex.index.inverted import InvertedIndex
 from kvindex.ingest.consumer import Consumer
 from kvindex.ingest.nats_source import JetStreamConfig, NatsSource
-from kvindex.lifecycle import Stop, bounded, run
+from kvindex.lifecycle import Stop, bounded
 from kvindex.observability.counters import IngestCounters, Metrics
+from kvindex.observability.tokenize import TokenizeCollector
 from kvindex.repair.nats_repair import NatsRepairer, RepairConfig
 from kvindex.scoring.calibration import Calibrator
 from kvindex.scoring.router import Router, RouterConfig
 from kvindex.service.calibration_store import CalibrationStore
 from kvindex.service.natsd import EmbeddedNats
 from kvindex.service.readiness import Readiness, ReadinessConfig
+from kvindex.tokenize import DEFAULT_CACHE_BYTES, Tokenizers
 from kvindex.wire.schema import GPU
 from kvindex.wire.subjects import Subjects
 
@@ -56,6 +58,9 @@ class ServiceConfig:
     ext_proc_port: int | None = None  # Envoy ext_proc endpoint picker; None: off, 0: any free port
     ext_proc_host: str = "0.0.0.0"
     ext_proc_policy: str = ""  # ranking policy of the picker; "": the router's default (ttft)
+    # Text prompts: model -> tokenizer directory (serve --tokenizer MODEL=DIR), and the cache's bytes.
+    tokenizers: dict[str, str] = field(default_factory=dict)
+    tokenize_cache_bytes: int = DEFAULT_CACHE_BYTES
     readiness: ReadinessConfig = field(default_factory=ReadinessConfig)
     shutdown_grace: float = 5.0  # in-flight RPCs get this long once stopping (s)
 
@@ -91,6 +96,9 @@ class IndexService:
         self.registry = Registry()
         self.counters = IngestCounters()
         self.metrics = Metrics(self.counters, self._gauges)
+        # Loaded before anything starts: a bad tokenizer directory fails `serve` at once, clearly.
+        self.tokenizers = Tokenizers.from_dirs(config.tokenizers, config.tokenize_cache_bytes)
+        self.metrics.registry.register(TokenizeCollector(self.tokenizers))
         self.consumer = Consumer(self.index, self.registry, subjects=self.subjects, counters=self.counters)
         self.repairer = NatsRepairer(self.consumer, config.repair)
         self.calibrator = Calibrator(config.router.costs.default_prefill)
@@ -105,12 +113,11 @@ class IndexService:
             meta = _capture_meta(config)
             self.recorder = Recorder.open(config.capture, meta, self.registry.clock, self.consumer)
             self.repairer.recorder = self.recorder
+        args = (self.index, self.registry, self.counters, self.metrics, self.router)
         self.servicer = (
-            KvIndexServicer(self.index, self.registry, self.counters, self.metrics, self.router)
+            KvIndexServicer(*args, tokenizers=self.tokenizers)
             if self.recorder is None
-            else RecordingServicer(
-                self.recorder, self.index, self.registry, self.counters, self.metrics, self.router
-            )
+            else RecordingServicer(self.recorder, *args, tokenizers=self.tokenizers)
         )
         self.grpc = GrpcServer(
             self.servicer, config.grpc_host, config.grpc_port, config.grpc_security, ready=False
@@ -162,6 +169,11 @@ class IndexService:
             nats_settings = NatsSettings.from_url(self.natsd.url)
         else:
             nats_settings = NatsSettings.coerce(self.config.nats_url)
+        # Serving before NATS is reached: liveness answers (and readiness says "starting") while the
+        # connection is retried, so an orchestrator does not restart a process that only waits.
+        await self.grpc.start()
+        if self.ext_proc is not None:
+            await self.ext_proc.start(ready=False)  # its readiness follows the service's
         # Subscribe first, then repair: batches arriving while an instance resynchronises are held.
         self.source = NatsSource(
             self.consumer,
@@ -180,9 +192,6 @@ class IndexService:
         if self.recorder is not None:
             self.recorder.calibration(self.calibrator)
         self.readiness.start(time.monotonic())
-        await self.grpc.start()
-        if self.ext_proc is not None:
-            await self.ext_proc.start(ready=False)  # its readiness follows the service's
         self._readiness_task = asyncio.create_task(self._track_readiness(), name="kvindex-readiness")
         if self.config.metrics_port is not None:
             server, _thread = start_http_server(
@@ -260,17 +269,3 @@ async def serve_until_stopped(service: IndexService, stop: Stop) -> None:
         await stop.wait()  # at once if the stop came during the start
     finally:
         await service.stop()
-
-
-def serve(config: ServiceConfig) -> int:
-    """``kvindex serve``: run until SIGTERM/SIGINT/SIGHUP or the parent's exit; the exit code."""
-
-    async def main(stop: Stop) -> int:
-        try:
-            await serve_until_stopped(IndexService(config), stop)
-        except (NatsConfigError, NatsConnectError) as exc:  # refused or unusable: no retry helps
-            structlog.get_logger("kvindex").error("nats_connect_failed", error=str(exc))
-            return 2
-        return 0
-
-    return run(main, grace=config.shutdown_grace + CLEANUP_BUDGET, name="kvindex-serve")

@@ -32,8 +32,24 @@ class Load(_message.Message):
     status_age_s: float
     def __init__(self, running: _Optional[int] = ..., waiting: _Optional[int] = ..., waiting_prefill_tokens: _Optional[int] = ..., kv_usage: _Optional[float] = ..., status_age_s: _Optional[float] = ...) -> None: ...
 
+class PromptOptions(_message.Message):
+    __slots__ = ("add_generation_prompt", "continue_final_message", "chat_template_kwargs", "tools", "documents", "add_special_tokens")
+    ADD_GENERATION_PROMPT_FIELD_NUMBER: _ClassVar[int]
+    CONTINUE_FINAL_MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    CHAT_TEMPLATE_KWARGS_FIELD_NUMBER: _ClassVar[int]
+    TOOLS_FIELD_NUMBER: _ClassVar[int]
+    DOCUMENTS_FIELD_NUMBER: _ClassVar[int]
+    ADD_SPECIAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    add_generation_prompt: bool
+    continue_final_message: bool
+    chat_template_kwargs: str
+    tools: str
+    documents: str
+    add_special_tokens: bool
+    def __init__(self, add_generation_prompt: _Optional[bool] = ..., continue_final_message: _Optional[bool] = ..., chat_template_kwargs: _Optional[str] = ..., tools: _Optional[str] = ..., documents: _Optional[str] = ..., add_special_tokens: _Optional[bool] = ...) -> None: ...
+
 class ScoreRequest(_message.Message):
-    __slots__ = ("model", "lora", "salt", "token_ids", "block_keys", "candidates", "top_k", "policy", "explain", "role", "commit", "request_id", "prompt_tokens")
+    __slots__ = ("model", "lora", "salt", "token_ids", "block_keys", "candidates", "top_k", "policy", "explain", "role", "commit", "request_id", "prompt_tokens", "prompt", "messages", "prompt_options")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     LORA_FIELD_NUMBER: _ClassVar[int]
     SALT_FIELD_NUMBER: _ClassVar[int]
@@ -47,6 +63,9 @@ class ScoreRequest(_message.Message):
     COMMIT_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_FIELD_NUMBER: _ClassVar[int]
+    MESSAGES_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_OPTIONS_FIELD_NUMBER: _ClassVar[int]
     model: str
     lora: str
     salt: str
@@ -60,7 +79,10 @@ class ScoreRequest(_message.Message):
     commit: bool
     request_id: str
     prompt_tokens: int
-    def __init__(self, model: _Optional[str] = ..., lora: _Optional[str] = ..., salt: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., block_keys: _Optional[_Iterable[int]] = ..., candidates: _Optional[_Iterable[str]] = ..., top_k: _Optional[int] = ..., policy: _Optional[str] = ..., explain: _Optional[bool] = ..., role: _Optional[str] = ..., commit: _Optional[bool] = ..., request_id: _Optional[str] = ..., prompt_tokens: _Optional[int] = ...) -> None: ...
+    prompt: str
+    messages: str
+    prompt_options: PromptOptions
+    def __init__(self, model: _Optional[str] = ..., lora: _Optional[str] = ..., salt: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., block_keys: _Optional[_Iterable[int]] = ..., candidates: _Optional[_Iterable[str]] = ..., top_k: _Optional[int] = ..., policy: _Optional[str] = ..., explain: _Optional[bool] = ..., role: _Optional[str] = ..., commit: _Optional[bool] = ..., request_id: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., prompt: _Optional[str] = ..., messages: _Optional[str] = ..., prompt_options: _Optional[_Union[PromptOptions, _Mapping]] = ...) -> None: ...
 
 class RankedInstance(_message.Message):
     __slots__ = ("instance_id", "worker", "dp_rank", "cost", "matched_blocks", "matched", "matched_tokens", "load", "est_ttft_ms", "wait_ms", "prefill_ms", "fetch_ms", "matched_tokens_by_tier", "explain", "endpoint")
@@ -97,7 +119,7 @@ class RankedInstance(_message.Message):
     def __init__(self, instance_id: _Optional[str] = ..., worker: _Optional[str] = ..., dp_rank: _Optional[int] = ..., cost: _Optional[float] = ..., matched_blocks: _Optional[int] = ..., matched: _Optional[_Union[TierBlocks, _Mapping]] = ..., matched_tokens: _Optional[int] = ..., load: _Optional[_Union[Load, _Mapping]] = ..., est_ttft_ms: _Optional[float] = ..., wait_ms: _Optional[float] = ..., prefill_ms: _Optional[float] = ..., fetch_ms: _Optional[float] = ..., matched_tokens_by_tier: _Optional[_Union[TierBlocks, _Mapping]] = ..., explain: _Optional[str] = ..., endpoint: _Optional[str] = ...) -> None: ...
 
 class ScoreResponse(_message.Message):
-    __slots__ = ("model", "block_size", "total_blocks", "ranked", "cost_unit", "policy", "committed_instance_id", "request_id", "error")
+    __slots__ = ("model", "block_size", "total_blocks", "ranked", "cost_unit", "policy", "committed_instance_id", "request_id", "error", "prompt_tokens")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     TOTAL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -107,6 +129,7 @@ class ScoreResponse(_message.Message):
     COMMITTED_INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     model: str
     block_size: int
     total_blocks: int
@@ -116,10 +139,11 @@ class ScoreResponse(_message.Message):
     committed_instance_id: str
     request_id: str
     error: str
-    def __init__(self, model: _Optional[str] = ..., block_size: _Optional[int] = ..., total_blocks: _Optional[int] = ..., ranked: _Optional[_Iterable[_Union[RankedInstance, _Mapping]]] = ..., cost_unit: _Optional[str] = ..., policy: _Optional[str] = ..., committed_instance_id: _Optional[str] = ..., request_id: _Optional[str] = ..., error: _Optional[str] = ...) -> None: ...
+    prompt_tokens: int
+    def __init__(self, model: _Optional[str] = ..., block_size: _Optional[int] = ..., total_blocks: _Optional[int] = ..., ranked: _Optional[_Iterable[_Union[RankedInstance, _Mapping]]] = ..., cost_unit: _Optional[str] = ..., policy: _Optional[str] = ..., committed_instance_id: _Optional[str] = ..., request_id: _Optional[str] = ..., error: _Optional[str] = ..., prompt_tokens: _Optional[int] = ...) -> None: ...
 
 class CommitRequest(_message.Message):
-    __slots__ = ("request_id", "instance_id", "model", "lora", "salt", "token_ids", "block_keys", "prompt_tokens")
+    __slots__ = ("request_id", "instance_id", "model", "lora", "salt", "token_ids", "block_keys", "prompt_tokens", "prompt", "messages", "prompt_options")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
@@ -128,6 +152,9 @@ class CommitRequest(_message.Message):
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_KEYS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_FIELD_NUMBER: _ClassVar[int]
+    MESSAGES_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_OPTIONS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     instance_id: str
     model: str
@@ -136,7 +163,10 @@ class CommitRequest(_message.Message):
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     block_keys: _containers.RepeatedScalarFieldContainer[int]
     prompt_tokens: int
-    def __init__(self, request_id: _Optional[str] = ..., instance_id: _Optional[str] = ..., model: _Optional[str] = ..., lora: _Optional[str] = ..., salt: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., block_keys: _Optional[_Iterable[int]] = ..., prompt_tokens: _Optional[int] = ...) -> None: ...
+    prompt: str
+    messages: str
+    prompt_options: PromptOptions
+    def __init__(self, request_id: _Optional[str] = ..., instance_id: _Optional[str] = ..., model: _Optional[str] = ..., lora: _Optional[str] = ..., salt: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., block_keys: _Optional[_Iterable[int]] = ..., prompt_tokens: _Optional[int] = ..., prompt: _Optional[str] = ..., messages: _Optional[str] = ..., prompt_options: _Optional[_Union[PromptOptions, _Mapping]] = ...) -> None: ...
 
 class CommitResponse(_message.Message):
     __slots__ = ("committed",)
@@ -159,20 +189,26 @@ class ReleaseResponse(_message.Message):
     def __init__(self, found: _Optional[bool] = ...) -> None: ...
 
 class LookupRequest(_message.Message):
-    __slots__ = ("model", "lora", "salt", "token_ids", "block_keys", "candidates")
+    __slots__ = ("model", "lora", "salt", "token_ids", "block_keys", "candidates", "prompt", "messages", "prompt_options")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     LORA_FIELD_NUMBER: _ClassVar[int]
     SALT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_KEYS_FIELD_NUMBER: _ClassVar[int]
     CANDIDATES_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_FIELD_NUMBER: _ClassVar[int]
+    MESSAGES_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_OPTIONS_FIELD_NUMBER: _ClassVar[int]
     model: str
     lora: str
     salt: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     block_keys: _containers.RepeatedScalarFieldContainer[int]
     candidates: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, model: _Optional[str] = ..., lora: _Optional[str] = ..., salt: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., block_keys: _Optional[_Iterable[int]] = ..., candidates: _Optional[_Iterable[str]] = ...) -> None: ...
+    prompt: str
+    messages: str
+    prompt_options: PromptOptions
+    def __init__(self, model: _Optional[str] = ..., lora: _Optional[str] = ..., salt: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., block_keys: _Optional[_Iterable[int]] = ..., candidates: _Optional[_Iterable[str]] = ..., prompt: _Optional[str] = ..., messages: _Optional[str] = ..., prompt_options: _Optional[_Union[PromptOptions, _Mapping]] = ...) -> None: ...
 
 class InstanceMatch(_message.Message):
     __slots__ = ("instance_id", "worker", "dp_rank", "matched_blocks", "matched")
@@ -189,18 +225,22 @@ class InstanceMatch(_message.Message):
     def __init__(self, instance_id: _Optional[str] = ..., worker: _Optional[str] = ..., dp_rank: _Optional[int] = ..., matched_blocks: _Optional[int] = ..., matched: _Optional[_Union[TierBlocks, _Mapping]] = ...) -> None: ...
 
 class LookupResponse(_message.Message):
-    __slots__ = ("model", "block_size", "total_blocks", "block_keys", "matches")
+    __slots__ = ("model", "block_size", "total_blocks", "block_keys", "matches", "token_ids", "prompt_tokens")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     TOTAL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_KEYS_FIELD_NUMBER: _ClassVar[int]
     MATCHES_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     model: str
     block_size: int
     total_blocks: int
     block_keys: _containers.RepeatedScalarFieldContainer[int]
     matches: _containers.RepeatedCompositeFieldContainer[InstanceMatch]
-    def __init__(self, model: _Optional[str] = ..., block_size: _Optional[int] = ..., total_blocks: _Optional[int] = ..., block_keys: _Optional[_Iterable[int]] = ..., matches: _Optional[_Iterable[_Union[InstanceMatch, _Mapping]]] = ...) -> None: ...
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    prompt_tokens: int
+    def __init__(self, model: _Optional[str] = ..., block_size: _Optional[int] = ..., total_blocks: _Optional[int] = ..., block_keys: _Optional[_Iterable[int]] = ..., matches: _Optional[_Iterable[_Union[InstanceMatch, _Mapping]]] = ..., token_ids: _Optional[_Iterable[int]] = ..., prompt_tokens: _Optional[int] = ...) -> None: ...
 
 class ListInstancesRequest(_message.Message):
     __slots__ = ("model",)

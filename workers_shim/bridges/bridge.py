@@ -28,7 +28,6 @@ each engine life is checked against it; a conflict stops the bridge (:attr:`Brid
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
 import time
 from collections.abc import Iterable
@@ -41,7 +40,7 @@ import zmq.asyncio
 
 from kvindex.config.nats import NatsSettings
 from kvindex.config.nats import connect as nats_connect
-from kvindex.lifecycle import close_nats
+from kvindex.lifecycle import close_nats, finish
 from kvindex.wire.endpoint import check_endpoint, endpoint_from_url
 from workers_shim.bridges import blocksize
 from workers_shim.bridges.blocksize import BlockSizeConflict
@@ -586,11 +585,7 @@ class Bridge:
     async def stop(self) -> None:
         if self._stopped.is_set():  # a failed start stops the bridge, and its runner stops it again
             return
-        for task in self._tasks:
-            task.cancel()
-        for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
+        await finish(self._tasks, 1.0)  # repeated cancellation: one can be lost (kvindex/lifecycle)
         self._tasks = []
         for link in self.links:
             link.close()

@@ -15,15 +15,20 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import itertools
 import random
 import time
 
 import structlog
 
-from kvindex.config.nats import DEFAULT_URL, NatsSettings, add_nats_arguments
-from kvindex.lifecycle import Stop, run
+from kvindex.config.nats import (
+    DEFAULT_URL,
+    NatsConfigError,
+    NatsConnectError,
+    NatsSettings,
+    add_nats_arguments,
+)
+from kvindex.lifecycle import Stop, finish, run
 from workers_shim.sim.engine import Completion, EngineConfig, SimRequest
 from workers_shim.sim.fleet import SimFleet, run_fleet
 from workers_shim.sim.timemodel import PROFILES
@@ -85,7 +90,16 @@ def build_config(args: argparse.Namespace) -> EngineConfig:
 
 def main_sim(args: argparse.Namespace) -> int:
     """Run until ``--duration``, SIGTERM/SIGINT/SIGHUP or the parent's exit (kvindex/lifecycle)."""
-    return run(lambda stop: _main(args, stop), grace=5.0, name="kvsim")
+
+    async def main(stop: Stop) -> int:
+        try:
+            await _main(args, stop)
+        except (NatsConfigError, NatsConnectError) as exc:
+            log.error("kvshim_sim_failed", error=str(exc))
+            return 1
+        return 0
+
+    return run(main, grace=5.0, name="kvsim")
 
 
 async def _main(args: argparse.Namespace, stop: Stop) -> None:
@@ -122,11 +136,7 @@ async def _main(args: argparse.Namespace, stop: Stop) -> None:
     try:
         await stop.wait()
     finally:
-        for task in tasks:
-            task.cancel()
-        for task in tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await finish(tasks, 1.0)
         await fleet.close()
         log.info("sim_fleet_stopped", first_tokens=fleet.first_tokens, finished=fleet.completed)
 

@@ -1,0 +1,7 @@
+"""Text and chat prompts -> token ids, exactly as vLLM computes them (docs/tokenize.md)."""
+
+from kvindex.tokenize.chat import ChatOptions
+from kvindex.tokenize.errors import TokenizeError
+from kvindex.tokenize.registry import DEFAULT_CACHE_BYTES, Tokenizers
+
+__all__ = ["DEFAULT_CACHE_BYTES", "ChatOptions", "TokenizeError", "Tokenizers"]

@@ -1,0 +1,241 @@
+"""``Tokenizers``: every configured model's tokenizer, one piece cache, and the two entry points the API,
+the routing proxy and the ext_proc picker call in-process (``encode_prompt``, ``encode_chat``)."""
+
+from __future__ import annotations
+
+import re
+import threading
+import time
+from collections import Counter
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from kvindex.tokenize.cache import PieceCache
+from kvindex.tokenize.chat import ChatOptions, render_chat
+from kvindex.tokenize.errors import TokenizeError
+from kvindex.tokenize.loader import ModelTokenizer, load_model_tokenizer
+from kvindex.tokenize.segments import (
+    boundary_pattern,
+    boundary_tokens,
+    line_starts_safe,
+    special_wrap,
+    split,
+)
+
+DEFAULT_CACHE_BYTES = 128 << 20
+MAX_TEXT_CHARS = 32 << 20  # a prompt (or rendered chat) longer than this is refused, not encoded
+_EMPTY = np.zeros(0, dtype=np.uint32)
+
+
+@dataclass
+class _Model:
+    index: int  # part of the cache key: models share one cache
+    mt: ModelTokenizer
+    pattern: re.Pattern[str] | None
+    wrap: tuple[np.ndarray, np.ndarray] | None
+
+
+@dataclass
+class TokenizeStats:
+    requests: Counter[str] = field(default_factory=Counter)  # "prompt", "chat"
+    errors: Counter[str] = field(default_factory=Counter)  # same keys
+    seconds: Counter[str] = field(default_factory=Counter)  # time spent, same keys
+    direct_encodes: int = 0  # texts encoded whole because the post-processor is not a fixed wrap
+
+
+class Tokenizers:
+    """Models' tokenizers, loaded from local directories (``kvindex serve --tokenizer MODEL=DIR``).
+
+    ``encode_prompt`` gives the ids of vLLM's ``/v1/completions`` for a text prompt, ``encode_chat``
+    those of ``/v1/chat/completions`` for OpenAI messages (docs/tokenize.md says how exactly). Both
+    return a read-only uint32 numpy array (``.tolist()`` for a list) and raise ``TokenizeError`` on bad
+    input.
+    Safe to call from several threads.
+    """
+
+    def __init__(self, cache_bytes: int = DEFAULT_CACHE_BYTES) -> None:
+        self.cache = PieceCache(cache_bytes)
+        self.stats = TokenizeStats()
+        self._models: dict[str, _Model] = {}
+        self._stats_lock = threading.Lock()
+
+    @classmethod
+    def from_dirs(cls, dirs: Mapping[str, str | Path], cache_bytes: int = DEFAULT_CACHE_BYTES) -> Tokenizers:
+        tokenizers = cls(cache_bytes)
+        for model, directory in dirs.items():
+            tokenizers.load(model, directory)
+        return tokenizers
+
+    def load(self, model: str, directory: str | Path) -> ModelTokenizer:
+        """Load (or replace) ``model``'s tokenizer from ``directory``; TokenizeError if unusable."""
+        mt = load_model_tokenizer(model, directory)
+        pattern = boundary_pattern(boundary_tokens(mt.tokenizer), line_starts_safe(mt.tokenizer))
+        entry = _Model(len(self._models) + 1, mt, pattern, special_wrap(mt.tokenizer))
+        if model in self._models:
+            entry.index = max(m.index for m in self._models.values()) + 1  # old pieces age out
+        self._models[model] = entry
+        return mt
+
+    def __contains__(self, model: object) -> bool:
+        return model in self._models
+
+    def models(self) -> list[str]:
+        return sorted(self._models)
+
+    def get(self, model: str) -> ModelTokenizer:
+        return self._entry(model).mt
+
+    def boundaries(self, model: str) -> str:
+        """Where ``model``'s texts are cut into cached pieces: the pattern, or "" (cached whole)."""
+        pattern = self._entry(model).pattern
+        return "" if pattern is None else pattern.pattern
+
+    def _entry(self, model: str) -> _Model:
+        entry = self._models.get(model)
+        if entry is None:
+            configured = ", ".join(self.models()) or "none"
+            raise TokenizeError(
+                f"model {model!r} has no tokenizer configured (configured: {configured}); start kvindex "
+                f"serve with --tokenizer {model}=DIR, or send token_ids"
+            )
+        return entry
+
+    # -- entry points ----------------------------------------------------------------------------
+
+    def encode_prompt(self, model: str, prompt: str, add_special_tokens: bool = True) -> np.ndarray:
+        """Token ids of a ``/v1/completions`` text prompt (BOS added by the post-processor by default)."""
+        started = time.perf_counter()
+        try:
+            entry = self._entry(model)
+            if not isinstance(prompt, str):
+                raise TokenizeError("prompt must be a string")
+            ids = self._encode(entry, prompt, add_special_tokens)
+        except TokenizeError:
+            self._count("prompt", started, error=True)
+            raise
+        self._count("prompt", started)
+        return ids
+
+    def encode_chat(
+        self,
+        model: str,
+        messages: Any,
+        add_generation_prompt: bool = True,
+        chat_template_kwargs: dict[str, Any] | None = None,
+        tools: list[Any] | None = None,
+        continue_final_message: bool = False,
+        add_special_tokens: bool = False,
+        documents: list[Any] | None = None,
+    ) -> np.ndarray:
+        """Token ids of a ``/v1/chat/completions`` request: the template rendered, then encoded without
+        adding special tokens (vLLM's default; the template writes BOS)."""
+        options = ChatOptions(
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+            chat_template_kwargs=chat_template_kwargs,
+            tools=tools,
+            documents=documents,
+            add_special_tokens=add_special_tokens,
+        )
+        return self.encode_chat_options(model, messages, options)
+
+    def encode_chat_options(self, model: str, messages: Any, options: ChatOptions) -> np.ndarray:
+        started = time.perf_counter()
+        try:
+            entry = self._entry(model)
+            text = render_chat(entry.mt, messages, options)
+            ids = self._encode(entry, text, options.add_special_tokens)
+        except TokenizeError:
+            self._count("chat", started, error=True)
+            raise
+        self._count("chat", started)
+        return ids
+
+    def encode_openai(self, body: Mapping[str, Any], chat: bool, model: str | None = None) -> np.ndarray:
+        """The prompt ids of an OpenAI request body as vLLM computes them: ``/v1/chat/completions``
+        (``chat``) or ``/v1/completions``, with vLLM's defaults for the fields not given. For routers
+        that hold the parsed body (the routing proxy, the ext_proc picker). ``model`` overrides
+        ``body["model"]`` (a served name mapped to a tokenizer). A completions ``prompt`` of token ids is
+        returned as is; a batch of prompts is refused (route each prompt on its own)."""
+        name = model if model is not None else body.get("model")
+        if not isinstance(name, str) or not name:
+            raise TokenizeError("the request has no model")
+        if not chat:
+            prompt = body.get("prompt")
+            if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+                return np.array(prompt, dtype=np.uint32)
+            if not isinstance(prompt, str):
+                raise TokenizeError("prompt must be a string or a list of token ids (one prompt per request)")
+            return self.encode_prompt(name, prompt, bool(body.get("add_special_tokens", True)))
+        kwargs = body.get("chat_template_kwargs")
+        kwargs = dict(kwargs) if isinstance(kwargs, dict) else kwargs
+        effort = body.get("reasoning_effort")
+        if effort is not None and isinstance(kwargs, dict | None):
+            # vLLM passes reasoning_effort to the template and switches thinking on unless told.
+            user = kwargs or {}
+            kwargs = {**user, "reasoning_effort": effort}
+            if "enable_thinking" not in user:
+                kwargs["enable_thinking"] = effort != "none"
+        options = ChatOptions(
+            add_generation_prompt=bool(body.get("add_generation_prompt", True)),
+            continue_final_message=bool(body.get("continue_final_message", False)),
+            chat_template_kwargs=kwargs,
+            tools=body.get("tools"),
+            documents=body.get("documents"),
+            add_special_tokens=bool(body.get("add_special_tokens", False)),
+        )
+        return self.encode_chat_options(name, body.get("messages"), options)
+
+    def render_chat(self, model: str, messages: Any, options: ChatOptions | None = None) -> str:
+        """The prompt text of a chat, as vLLM renders it (for debugging and tests)."""
+        return render_chat(self._entry(model).mt, messages, options or ChatOptions())
+
+    # -- encoding --------------------------------------------------------------------------------
+
+    def _encode(self, entry: _Model, text: str, add_special_tokens: bool) -> np.ndarray:
+        if len(text) > MAX_TEXT_CHARS:
+            raise TokenizeError(
+                f"the prompt text has {len(text)} characters; at most {MAX_TEXT_CHARS} are allowed"
+            )
+        tokenizer = entry.mt.tokenizer
+        if add_special_tokens and entry.wrap is None:
+            with self._stats_lock:
+                self.stats.direct_encodes += 1
+            return np.array(tokenizer.encode(text, add_special_tokens=True).ids, dtype=np.uint32)
+        pieces = split(text, entry.pattern)
+        cache = self.cache
+        arrays: list[np.ndarray | None] = []
+        missing: list[int] = []
+        for i, piece in enumerate(pieces):
+            ids = cache.get((entry.index, piece))
+            if ids is None:
+                missing.append(i)
+            arrays.append(ids)
+        if missing:
+            # One batch call: the Rust side encodes the pieces in parallel and skips per-call overhead;
+            # the "fast" variant skips character offsets, which only the ids' consumers would need.
+            encode_batch = getattr(tokenizer, "encode_batch_fast", tokenizer.encode_batch)
+            encodings = encode_batch([pieces[i] for i in missing], add_special_tokens=False)
+            for i, enc in zip(missing, encodings, strict=True):
+                ids = np.array(enc.ids, dtype=np.uint32)
+                ids.flags.writeable = False  # shared by every prompt containing the piece
+                arrays[i] = ids
+                cache.put((entry.index, pieces[i]), ids)
+        parts = [a for a in arrays if a is not None]
+        if add_special_tokens:
+            assert entry.wrap is not None
+            parts = [entry.wrap[0], *parts, entry.wrap[1]]
+        if not parts:
+            return _EMPTY
+        return parts[0] if len(parts) == 1 else np.concatenate(parts)
+
+    def _count(self, form: str, started: float, error: bool = False) -> None:
+        with self._stats_lock:
+            self.stats.requests[form] += 1
+            self.stats.seconds[form] += time.perf_counter() - started
+            if error:
+                self.stats.errors[form] += 1

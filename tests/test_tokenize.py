@@ -1,0 +1,435 @@
+"""Text and chat tokenization (kvindex/tokenize) on tokenizers made here with the ``tokenizers`` library.
+
+What "exact" means is vLLM's rule (docs/tokenize.md), checked without transformers:
+
+- completions: the text encoded by tokenizer.json's own pipeline with special tokens added, i.e.
+  ``Tokenizer.encode(text)`` of the ``tokenizers`` library, which is what transformers' fast tokenizer
+  calls (BOS from the post-processor, once);
+- chats: the template's text, spelled out by hand below for a fixed conversation, encoded without
+  adding special tokens (the template writes BOS; vLLM's chat default add_special_tokens=False).
+
+The same fixtures were also compared with transformers 5.19's AutoTokenizer (5400 prompts and chats,
+no difference; docs/tokenize.md) and the e2e run compares with a real vLLM.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from tokenizers import Tokenizer
+
+from kvindex.tokenize import ChatOptions, TokenizeError, Tokenizers
+from kvindex.tokenize.chat import content_format
+from kvindex.tokenize.segments import LINE_START
+from kvtools.testing.tokenizer_fixtures import make_tokenizer_dir
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("tokenizers")
+    return {style: make_tokenizer_dir(root / style, style) for style in ("llama3", "chatml", "sentencepiece")}
+
+
+@pytest.fixture
+def toks(dirs: dict[str, Path]) -> Tokenizers:
+    return Tokenizers.from_dirs({name: str(d) for name, d in dirs.items()})
+
+
+@pytest.fixture(scope="module")
+def shared(dirs: dict[str, Path]) -> Tokenizers:
+    """One registry for every example of a property test: later examples hit pieces of earlier ones."""
+    return Tokenizers.from_dirs({name: str(d) for name, d in dirs.items()}, cache_bytes=1 << 20)
+
+
+_RAW: dict[Path, Tokenizer] = {}
+
+
+def raw(dirs: dict[str, Path], style: str) -> Tokenizer:
+    """The tokenizer.json as the tokenizers library loads it, nothing applied: the reference."""
+    path = dirs[style] / "tokenizer.json"
+    if path not in _RAW:
+        _RAW[path] = Tokenizer.from_file(str(path))
+    return _RAW[path]
+
+
+CHAT = [
+    {"role": "system", "content": "You are a helpful assistant."},
+    {"role": "user", "content": "What is a prefix cache?"},
+    {"role": "assistant", "content": "It keeps KV blocks of earlier prompts."},
+    {"role": "user", "content": "  And why route by it?  "},
+]
+
+
+# -- completions -------------------------------------------------------------------------------------
+
+
+def test_prompt_gets_bos_once_from_the_post_processor(toks: Tokenizers, dirs: dict[str, Path]) -> None:
+    tok = raw(dirs, "llama3")
+    bos = tok.token_to_id("<|begin_of_text|>")
+    text = "Hello world, the cache 東京 🙂\n\n  two spaces"
+    ids = toks.encode_prompt("llama3", text).tolist()
+    assert ids == tok.encode(text).ids
+    assert ids[0] == bos and ids.count(bos) == 1
+    assert tok.decode(ids[1:]) == text  # byte-level: every character is in the ids
+    assert toks.encode_prompt("llama3", text, add_special_tokens=False).tolist() == ids[1:]
+    # A prompt that already starts with the BOS text gets a second BOS, as in vLLM's completions API.
+    twice = toks.encode_prompt("llama3", "<|begin_of_text|>hi").tolist()
+    assert twice[:2] == [bos, bos]
+
+
+def test_chatml_prompt_has_no_bos(toks: Tokenizers, dirs: dict[str, Path]) -> None:
+    tok = raw(dirs, "chatml")
+    ids = toks.encode_prompt("chatml", "hello world").tolist()
+    assert ids == tok.encode("hello world", add_special_tokens=False).ids
+    assert tok.decode(ids) == "hello world"
+
+
+def test_add_bos_token_in_config_is_ignored_with_a_tokenizer_json(
+    toks: Tokenizers, dirs: dict[str, Path]
+) -> None:
+    # transformers 5 drops add_bos_token/add_eos_token from tokenizer_config.json when tokenizer.json is
+    # there (PreTrainedTokenizerBase._from_pretrained), and this tokenizer.json has no post-processor.
+    config = json.loads((dirs["sentencepiece"] / "tokenizer_config.json").read_text())
+    assert config["add_bos_token"] is True
+    tok = raw(dirs, "sentencepiece")
+    assert toks.encode_prompt("sentencepiece", "hello world").tolist() == tok.encode("hello world").ids
+    assert tok.token_to_id("<s>") not in toks.encode_prompt("sentencepiece", "hello world").tolist()
+
+
+def test_special_tokens_in_text_are_single_ids(toks: Tokenizers, dirs: dict[str, Path]) -> None:
+    tok = raw(dirs, "llama3")
+    eot = tok.token_to_id("<|eot_id|>")
+    ids = toks.encode_prompt("llama3", "a<|eot_id|>b", add_special_tokens=False).tolist()
+    assert ids == [tok.token_to_id("a"), eot, tok.token_to_id("b")]
+
+
+# -- chats -------------------------------------------------------------------------------------------
+
+
+def test_llama3_chat_is_the_template_text_encoded_without_adding_bos(
+    toks: Tokenizers, dirs: dict[str, Path]
+) -> None:
+    expected = (
+        "<|begin_of_text|>"
+        "<|start_header_id|>system<|end_header_id|>\n\nYou are a helpful assistant.<|eot_id|>"
+        "<|start_header_id|>user<|end_header_id|>\n\nWhat is a prefix cache?<|eot_id|>"
+        "<|start_header_id|>assistant<|end_header_id|>\n\nIt keeps KV blocks of earlier prompts.<|eot_id|>"
+        "<|start_header_id|>user<|end_header_id|>\n\nAnd why route by it?<|eot_id|>"
+        "<|start_header_id|>assistant<|end_header_id|>\n\n"
+    )
+    assert toks.render_chat("llama3", CHAT) == expected
+    tok = raw(dirs, "llama3")
+    ids = toks.encode_chat("llama3", CHAT).tolist()
+    assert ids == tok.encode(expected, add_special_tokens=False).ids
+    bos = tok.token_to_id("<|begin_of_text|>")
+    assert ids[0] == bos and ids.count(bos) == 1  # the template's BOS, not a second one
+    header = tok.encode("<|start_header_id|>assistant<|end_header_id|>\n\n", add_special_tokens=False).ids
+    assert ids[-len(header) :] == header
+    # vLLM's add_special_tokens=True on a chat adds the post-processor's BOS on top: two.
+    both = toks.encode_chat("llama3", CHAT, add_special_tokens=True).tolist()
+    assert both == [bos, *ids]
+
+
+def test_generation_prompt_and_continue_final_message(toks: Tokenizers) -> None:
+    no_prompt = toks.render_chat("chatml", CHAT, ChatOptions(add_generation_prompt=False))
+    assert no_prompt.endswith("<|im_start|>user\n  And why route by it?  <|im_end|>\n")
+    prefill = [*CHAT, {"role": "assistant", "content": "Because the"}]
+    text = toks.render_chat(
+        "chatml", prefill, ChatOptions(add_generation_prompt=False, continue_final_message=True)
+    )
+    assert text.endswith("<|im_start|>assistant\nBecause the")
+    with pytest.raises(TokenizeError, match="add_generation_prompt"):
+        toks.encode_chat("chatml", prefill, continue_final_message=True)  # vLLM: both true is an error
+
+
+def test_chatml_tools_and_tool_calls_as_vllm_passes_them(toks: Tokenizers) -> None:
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+    msgs = [
+        {"role": "user", "content": "Weather in Paris?"},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "c1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "c1", "content": [{"type": "text", "text": "sunny"}]},
+    ]
+    text = toks.render_chat("chatml", msgs, ChatOptions(tools=tools))
+    # The tool as ChatCompletionToolsParam.model_dump() gives it: description null, not absent.
+    dumped = {
+        "type": "function",
+        "function": {"name": "get_weather", "description": None, "parameters": {"type": "object"}},
+    }
+    assert "<tools>\n" + json.dumps(dumped) + "\n</tools>" in text
+    # Arguments parsed from their JSON string; the tool result's parts joined into a string.
+    assert '{"name": "get_weather", "arguments": {"city": "Paris"}}' in text
+    assert "<tool_response>\nsunny\n</tool_response>" in text
+    assert text.endswith("<|im_start|>assistant\n")
+
+
+def test_content_parts_joined_or_kept_as_the_template_expects(
+    toks: Tokenizers, dirs: dict[str, Path]
+) -> None:
+    parts = [{"role": "user", "content": [{"type": "text", "text": "one"}, {"type": "text", "text": "two"}]}]
+    assert "one\ntwo" in toks.render_chat("llama3", parts)
+    looping = (
+        "{% for message in messages %}{% for part in message['content'] %}[{{ part.type }}:{{ part.text }}]"
+        "{% endfor %}{% endfor %}"
+    )
+    assert content_format(looping) == "openai"
+    assert content_format(toks.get("llama3").templates["default"]) == "string"
+    d = dirs["llama3"].parent / "looping"
+    d.mkdir(exist_ok=True)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (d / name).write_bytes((dirs["llama3"] / name).read_bytes())
+    (d / "chat_template.jinja").write_text(looping)  # a template file wins over the config's template
+    toks.load("looping", d)
+    assert toks.render_chat("looping", parts) == "[text:one][text:two]"
+    assert toks.render_chat("looping", [{"role": "user", "content": "plain"}]) == "[text:plain]"
+
+
+def test_developer_role_becomes_system_when_the_template_lacks_it(toks: Tokenizers) -> None:
+    msgs = [{"role": "developer", "content": "Be brief."}, {"role": "user", "content": "hi"}]
+    assert toks.render_chat("chatml", msgs).startswith("<|im_start|>system\nBe brief.<|im_end|>\n")
+
+
+def test_chat_template_kwargs_reach_the_template_only_if_it_uses_them(toks: Tokenizers) -> None:
+    msgs = [{"role": "user", "content": "hi"}]
+    plain = toks.render_chat("chatml", msgs)
+    assert not plain.startswith("<|im_start|>system")
+    custom = toks.render_chat(
+        "chatml", msgs, ChatOptions(chat_template_kwargs={"default_system": "Be kind."})
+    )
+    assert custom.startswith("<|im_start|>system\nBe kind.<|im_end|>\n")
+    ignored = ChatOptions(chat_template_kwargs={"enable_thinking": False, "default_system": None})
+    assert toks.render_chat("chatml", msgs, ignored) == plain  # unused and None values are dropped
+    # The request's own bos_token variable overrides the tokenizer's, as in transformers.
+    swapped = toks.render_chat("llama3", msgs, ChatOptions(chat_template_kwargs={"bos_token": "<X>"}))
+    assert swapped.startswith("<X><|start_header_id|>")
+
+
+@pytest.mark.parametrize(
+    ("model", "messages", "options", "match"),
+    [
+        ("nope", CHAT, ChatOptions(), "no tokenizer configured"),
+        ("llama3", [], ChatOptions(), "at least one message"),
+        ("llama3", {"role": "user"}, ChatOptions(), "JSON list"),
+        ("llama3", [{"content": "x"}], ChatOptions(), r"messages\[0\]\.role"),
+        ("llama3", [{"role": "user", "content": 5}], ChatOptions(), "content must be"),
+        (
+            "llama3",
+            [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}],
+            ChatOptions(),
+            "only text parts",
+        ),
+        ("sentencepiece", [{"role": "assistant", "content": "x"}], ChatOptions(), "roles must alternate"),
+        ("llama3", CHAT, ChatOptions(chat_template_kwargs={"tokenize": True}), "may not set 'tokenize'"),
+        ("llama3", CHAT, ChatOptions(tools=[{"type": "function"}]), r"tools\[0\]"),
+    ],
+)
+def test_bad_chats_are_refused_with_the_reason(
+    toks: Tokenizers, model: str, messages: object, options: ChatOptions, match: str
+) -> None:
+    with pytest.raises(TokenizeError, match=match):
+        toks.encode_chat_options(model, messages, options)
+    assert toks.stats.errors["chat"] == 1
+
+
+def test_a_model_without_a_template_says_so(toks: Tokenizers, dirs: dict[str, Path], tmp_path: Path) -> None:
+    (tmp_path / "tokenizer.json").write_bytes((dirs["chatml"] / "tokenizer.json").read_bytes())
+    toks.load("bare", tmp_path)
+    assert toks.encode_prompt("bare", "hello").tolist() == raw(dirs, "chatml").encode("hello").ids
+    with pytest.raises(TokenizeError, match="no chat template"):
+        toks.encode_chat("bare", CHAT)
+    with pytest.raises(TokenizeError, match=r"no tokenizer\.json"):
+        toks.load("missing", tmp_path / "nowhere")
+
+
+# -- the cache ---------------------------------------------------------------------------------------
+
+
+def test_boundaries_only_where_splitting_is_safe(toks: Tokenizers) -> None:
+    assert re.escape("<|eot_id|>") in toks.boundaries("llama3")
+    assert re.escape("<|im_end|>") in toks.boundaries("chatml")
+    for style in ("llama3", "chatml"):
+        assert toks.boundaries(style).endswith(LINE_START)  # byte-level BPE: line starts too
+    # Metaspace with prepend_scheme "first" encodes a piece differently when it starts the text.
+    assert toks.boundaries("sentencepiece") == ""
+
+
+def test_a_document_asked_about_again_is_encoded_once(toks: Tokenizers, dirs: dict[str, Path]) -> None:
+    """A document with a new question, in one user message or as a completions prompt: its lines are
+    cut at line starts and reused; only the question is encoded again."""
+    tok = raw(dirs, "llama3")
+    document = "\n".join(
+        f"Line {i}: the cache keeps blocks of earlier prompts, {i * 7} of them." for i in range(80)
+    )
+    for n, question in enumerate(("What is kept?", "How many blocks?", "Why?")):
+        text = f"{document}\nQ: {question}"
+        for form in ("chat", "prompt"):
+            before = toks.cache.stats.miss_tokens, toks.cache.stats.hit_tokens
+            if form == "chat":
+                msgs = [{"role": "user", "content": text}]
+                ids = toks.encode_chat("llama3", msgs).tolist()
+                expected = tok.encode(toks.render_chat("llama3", msgs), add_special_tokens=False).ids
+            else:
+                ids = toks.encode_prompt("llama3", text).tolist()
+                expected = tok.encode(text).ids
+            assert ids == expected
+            encoded = toks.cache.stats.miss_tokens - before[0]
+            reused = toks.cache.stats.hit_tokens - before[1]
+            assert encoded + reused + (form == "prompt") == len(ids)  # + the BOS of the post-processor
+            if n:
+                assert encoded < 30 and reused > 20 * encoded, (form, encoded, reused)
+
+
+def test_a_growing_chat_encodes_only_its_new_turns(toks: Tokenizers, dirs: dict[str, Path]) -> None:
+    tok = raw(dirs, "llama3")
+    chat = [{"role": "system", "content": "You are a careful assistant. " * 40}]
+    for turn in range(6):
+        chat.append({"role": "user", "content": f"Question {turn}: how do caches help? " * 5})
+        before = toks.cache.stats.miss_tokens, toks.cache.stats.hit_tokens
+        ids = toks.encode_chat("llama3", chat).tolist()
+        assert ids == tok.encode(toks.render_chat("llama3", chat), add_special_tokens=False).ids
+        encoded = toks.cache.stats.miss_tokens - before[0]
+        reused = toks.cache.stats.hit_tokens - before[1]
+        assert encoded + reused == len(ids)
+        if turn:
+            new_turn = tok.encode(
+                f"<|start_header_id|>user<|end_header_id|>\n\n{chat[-1]['content'].strip()}<|eot_id|>",
+                add_special_tokens=False,
+            ).ids
+            # Only the new question (and the generation prompt's header pieces, if new) are encoded.
+            assert encoded <= len(new_turn) + 8 < reused
+        chat.append({"role": "assistant", "content": f"Answer {turn}."})
+    # The same chat twice: nothing encoded the second time.
+    first = toks.encode_chat("llama3", chat).tolist()
+    misses = toks.cache.stats.misses
+    assert toks.encode_chat("llama3", chat).tolist() == first
+    assert toks.cache.stats.misses == misses
+
+
+def test_the_cache_stays_within_its_bytes(dirs: dict[str, Path]) -> None:
+    toks = Tokenizers.from_dirs({"llama3": str(dirs["llama3"])}, cache_bytes=64 << 10)
+    tok = raw(dirs, "llama3")
+    for i in range(300):
+        text = f"prompt number {i} " * 20
+        assert toks.encode_prompt("llama3", text).tolist() == tok.encode(text).ids
+        assert toks.cache.bytes <= toks.cache.max_bytes
+    assert toks.cache.stats.evictions > 0
+    huge = "x y " * 20000  # more than a quarter of the cache: encoded, not kept
+    assert toks.encode_prompt("llama3", huge).tolist() == tok.encode(huge).ids
+    assert toks.cache.stats.uncached == 1
+
+
+_pieces = st.sampled_from(
+    [
+        "hello",
+        " world",
+        "\n\n",
+        "  ",
+        "東京",
+        "🙂",
+        "'s",
+        "12345",
+        "\t",
+        "<|eot_id|>",
+        "<|start_header_id|>",
+        "<|end_header_id|>",
+        "<|begin_of_text|>",
+        "<|im_start|>",
+        "<|im_end|>",
+        "<|endoftext|>",
+        "<s>",
+        "</s>",
+        "x",
+        " ",
+        "\n",
+        "<|",
+        "|>",
+        "é",
+        "Zebra",
+        "\n\n",
+        ".\n",
+    ]
+)
+_texts = st.lists(_pieces, max_size=40).map("".join)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(texts=st.lists(_texts, min_size=1, max_size=4), special=st.booleans())
+def test_piecewise_cached_encoding_equals_a_full_encode(
+    dirs: dict[str, Path], shared: Tokenizers, texts: list[str], special: bool
+) -> None:
+    toks = shared
+    for style in ("llama3", "chatml", "sentencepiece"):
+        tok = raw(dirs, style)
+        for text in texts:  # later texts reuse pieces of earlier ones
+            got = toks.encode_prompt(style, text, special)
+            assert got.dtype == np.uint32
+            assert got.tolist() == tok.encode(text, add_special_tokens=special).ids, (style, text)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(contents=st.lists(_texts, min_size=1, max_size=6))
+def test_cached_chats_equal_a_full_encode_of_the_rendered_text(
+    dirs: dict[str, Path], shared: Tokenizers, contents: list[str]
+) -> None:
+    toks = shared
+    msgs = [{"role": ("user", "assistant")[i % 2], "content": c} for i, c in enumerate(contents)]
+    for style in ("llama3", "chatml", "sentencepiece"):
+        tok = raw(dirs, style)
+        for n in range(1, len(msgs) + 1):  # the chat growing turn by turn
+            try:
+                text = toks.render_chat(style, msgs[:n])
+            except TokenizeError:
+                continue  # e.g. the [INST] template refusing an assistant message first
+            assert (
+                toks.encode_chat(style, msgs[:n]).tolist() == tok.encode(text, add_special_tokens=False).ids
+            )
+
+
+def test_openai_request_bodies_as_vllm_reads_them(toks: Tokenizers, dirs: dict[str, Path]) -> None:
+    """What the routing proxy and the ext_proc picker call with the body they parsed."""
+    body = {"model": "chatml", "messages": CHAT, "max_tokens": 5, "stream": True}
+    assert toks.encode_openai(body, chat=True).tolist() == toks.encode_chat("chatml", CHAT).tolist()
+    body = {
+        **body,
+        "add_generation_prompt": False,
+        "tools": [{"type": "function", "function": {"name": "f"}}],
+    }
+    expected = toks.encode_chat("chatml", CHAT, add_generation_prompt=False, tools=body["tools"])
+    assert toks.encode_openai(body, chat=True).tolist() == expected.tolist()
+    # reasoning_effort reaches a template that reads it, as vLLM passes it.
+    (dirs["chatml"].parent / "effort").mkdir(exist_ok=True)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (dirs["chatml"].parent / "effort" / name).write_bytes((dirs["chatml"] / name).read_bytes())
+    template = (
+        "{{ reasoning_effort }}/{{ enable_thinking }}:{% for m in messages %}{{ m.content }}{% endfor %}"
+    )
+    (dirs["chatml"].parent / "effort" / "chat_template.jinja").write_text(template)
+    toks.load("effort", dirs["chatml"].parent / "effort")
+    msgs = [{"role": "user", "content": "hi"}]
+    ids = toks.encode_openai({"model": "effort", "messages": msgs, "reasoning_effort": "low"}, chat=True)
+    assert raw(dirs, "chatml").decode(ids.tolist()) == "low/True:hi"
+    body = {"model": "x", "prompt": "Hello world"}
+    assert (
+        toks.encode_openai(body, chat=False, model="llama3").tolist()
+        == toks.encode_prompt("llama3", "Hello world").tolist()
+    )
+    assert toks.encode_openai({"model": "llama3", "prompt": [5, 6, 7]}, chat=False).tolist() == [5, 6, 7]
+    with pytest.raises(TokenizeError, match="one prompt per request"):
+        toks.encode_openai({"model": "llama3", "prompt": ["a", "b"]}, chat=False)
+    with pytest.raises(TokenizeError, match="no model"):
+        toks.encode_openai({"prompt": "a"}, chat=False)
