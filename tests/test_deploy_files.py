@@ -688,3 +688,31 @@ def test_config_map_variables_are_read_by_every_consumer() -> None:
         s["configMapRef"]["name"] for r in RUNS for s in r.container.get("envFrom", []) if "configMapRef" in s
     } | {s for _f, d in manifests() for s in iter_yaml_strings(d) if s in config_maps()}
     assert set(config_maps()) <= used, "every ConfigMap is used"
+
+
+def test_index_tokenizes_the_served_models() -> None:
+    """Text prompts (ext_proc, route) need a tokenizer per served model: each model a kvshim announces
+    has `--tokenizer MODEL=DIR`, and DIR is written by an init container fetching the tokenizer of the
+    model vLLM serves into a volume both containers mount (its Python script at least compiles)."""
+    serve = next(r for r in RUNS if r.ours and r.argv[:2] == ["kvindex", "serve"])
+    tokenizers = dict(spec.split("=", 1) for spec in parse(serve.argv, serve.env, serve.title).args.tokenizer)
+    served = {}
+    for shim in (r for r in RUNS if r.argv[:2] == ["kvshim", "vllm"]):
+        engine = next(r for r in RUNS if r.pod is shim.pod and r.argv[:2] == ["vllm", "serve"])
+        served[parse(shim.argv, shim.env, shim.title).args.model] = vllm_args(engine.argv[2:]).model
+    assert set(served) <= set(tokenizers), f"no --tokenizer for {sorted(set(served) - set(tokenizers))}"
+    mounts = {m["mountPath"].rstrip("/"): m["name"] for m in serve.container.get("volumeMounts", [])}
+    for model, directory in tokenizers.items():
+        volume = next((v for p, v in mounts.items() if directory.startswith(p + "/")), None)
+        assert volume is not None, f"--tokenizer {model}={directory}: not under a volume mount"
+        fillers = [
+            c
+            for c in serve.pod.spec.get("initContainers", [])
+            if any(m["name"] == volume for m in c.get("volumeMounts", []))
+            and {"name": "TOKENIZER_DIR", "value": directory} in c.get("env", [])
+        ]
+        assert fillers, f"--tokenizer {model}={directory}: no init container writes it"
+        env = {e["name"]: e.get("value") for e in fillers[0]["env"]}
+        assert env["TOKENIZER_REPO"] == served.get(model, env["TOKENIZER_REPO"]), "not the model vLLM serves"
+        assert fillers[0]["command"] == ["python", "-c"]
+        compile(fillers[0]["args"][0], f"{serve.title} init container {fillers[0]['name']}", "exec")

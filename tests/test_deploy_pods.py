@@ -2,9 +2,11 @@
 and environment: Secrets written as the files the pods mount (NATS .creds and CA, gRPC certificate
 and token), a real nats-server requiring JWT credentials and TLS, a fake vLLM publishing KV events.
 Only what a cluster would provide is substituted: mount paths, the NATS URL, free ports (the test
-cannot take 50051), the fake engine's ZMQ endpoints. What the probes and a router see is checked:
-liveness and readiness over TLS, the token required, the worker's blocks and endpoint in the index,
-and a clean exit on SIGTERM within the pod's grace period."""
+cannot take 50051), the fake engine's ZMQ endpoints, and the tokenizer the index's init container
+would fetch from the Hugging Face Hub (a ChatML fixture tokenizer in its place: no network here).
+What the probes and a router see is checked: liveness and readiness over TLS, the token required, the
+worker's blocks and endpoint in the index, a chat tokenized and ranked, and a clean exit on SIGTERM
+within the pod's grace period."""
 
 from __future__ import annotations
 
@@ -27,6 +29,7 @@ from kvindex.service.natsd import EmbeddedNats, free_port
 from kvindex.v1 import kvindex_pb2 as pb
 from kvindex.v1 import kvindex_pb2_grpc as pb_grpc
 from kvtools.testing.natsauth import Operator, make_tls_files
+from kvtools.testing.tokenizer_fixtures import make_tokenizer_dir
 from tests.test_bridge_fakes import FakeEngine, VllmBatch, VllmStored, encode, expect, fake_hash
 from tests.test_deploy_files import FIELD_SAMPLES, RUNS, Run, parse
 
@@ -64,9 +67,11 @@ def _pod_files(run: Run, root: Path, secrets: dict[tuple[str, str], bytes]) -> d
 
 
 def _local(value: str, mounts: dict[str, Path]) -> str:
+    """``value`` with a mounted path (also the DIR of ``MODEL=DIR``) moved to its local folder."""
+    head, sep, path = value.rpartition("=") if "=" in value and not value.startswith("/") else ("", "", value)
     for mount_path, folder in sorted(mounts.items(), key=lambda m: -len(m[0])):
-        if value.startswith(mount_path + "/"):
-            return str(folder) + value[len(mount_path) :]
+        if path.startswith(mount_path + "/"):
+            return head + sep + str(folder) + path[len(mount_path) :]
     return value
 
 
@@ -134,6 +139,8 @@ async def test_index_and_sidecar_containers_run_as_the_manifests_say(tmp_path: P
     try:
         # -- the index container
         mounts = _pod_files(index, tmp_path, secrets)
+        tokenizer_dir = _local(index.argv[index.argv.index("--tokenizer") + 1], mounts).split("=", 1)[1]
+        make_tokenizer_dir(Path(tokenizer_dir), style="chatml")
         grpc_port = free_port()
         argv = [_local(a, mounts) for a in index.argv]
         argv = _replace_option(argv, "--grpc-port", str(grpc_port))
@@ -194,6 +201,10 @@ async def test_index_and_sidecar_containers_run_as_the_manifests_say(tmp_path: P
             stub = pb_grpc.KvIndexStub(router)
             model = shim_argv[shim_argv.index("--model") + 1]
             await expect(stub, model, {"vllm-0/0": (3, (3, 0, 0, 0))}, timeout=10, token_ids=prompt)
+            # A chat as an OpenAI client sends it: tokenized by the index with the mounted tokenizer.
+            messages = json.dumps([{"role": "user", "content": "Where is my KV cache?"}])
+            chat = await stub.Score(pb.ScoreRequest(model=model, messages=messages), timeout=5)
+            assert [r.instance_id for r in chat.ranked] == ["vllm-0/0"]
             listed = await stub.ListInstances(pb.ListInstancesRequest(model=model), timeout=2)
             endpoints = {i.instance_id: i.endpoint for i in listed.instances}
             assert endpoints == {"vllm-0/0": f"{FIELD_SAMPLES['status.podIP']}:8000"}
