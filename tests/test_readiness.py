@@ -102,7 +102,8 @@ async def test_restarted_index_is_ready_only_when_its_answers_are_complete(
         assert all(c for _t, r, c in samples if r), "ready while some answers were incomplete"
         # The slow worker kept it out: incomplete and not ready past the first window.
         assert any(t > 0.6 and not r and not c for t, r, c in samples), samples[-5:]
-        assert became_ready >= 1.4, became_ready  # w0's snapshot answer came 1.5 s after its request
+        # w0 answers its snapshot request 1.5 s late; the request left at most moments after start.
+        assert became_ready >= 1.0, became_ready
 
         async with grpc.aio.insecure_channel(svc.grpc.address) as channel:
             assert await health(svc.grpc.address, "readiness") == SERVING

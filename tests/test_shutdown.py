@@ -457,3 +457,44 @@ def test_demo_takes_its_service_and_nats_server_along(how: str) -> None:
             if alive(pid):
                 os.kill(pid, signal.SIGKILL)
         demo.wait()
+
+
+async def test_publisher_close_is_bounded_whatever_nats_does() -> None:
+    """The publisher library's owner: ``Publisher.close(timeout)`` returns within its timeout and
+    leaves nothing of its connection running, with the server killed at a random moment before or
+    after the close starts, while the workers publish."""
+    from workers_shim.publisher import Publisher
+
+    rng = random.Random()
+    for i in range(8):
+        port = free_port()
+        server = start_nats(port)
+        pubs = [
+            await Publisher.connect(
+                f"nats://127.0.0.1:{port}",
+                worker=f"p{i}-{w}",
+                model="m",
+                block_size=4,
+                heartbeat_interval=0.05,
+            )
+            for w in range(3)
+        ]
+        for pub in pubs:
+            pub.stored([rng.getrandbits(63) for _ in range(50)])
+        kill_after = rng.uniform(-0.1, 0.1)  # negative: before the close starts
+        if kill_after < 0:
+            server.kill()
+            await asyncio.sleep(-kill_after)
+        else:
+            asyncio.get_running_loop().call_later(kill_after, server.kill)
+        started = time.monotonic()
+        await asyncio.gather(*(pub.close(timeout=1.0) for pub in pubs))
+        took = time.monotonic() - started
+        await asyncio.sleep(0.15)
+        server.kill()
+        await asyncio.to_thread(server.wait)
+        assert took < 1.5, f"round {i}: close took {took:.2f}s (server killed at {kill_after:+.2f}s)"
+        for pub in pubs:
+            task = pub.nc._reconnection_task
+            ended = pub.nc.is_closed and (task is None or task.done())
+            assert ended, f"round {i}: {pub.worker}'s connection still running"
