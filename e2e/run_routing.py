@@ -287,8 +287,16 @@ class Bench:
 
     def start_router(self, name: str) -> tuple[str, list[Proc]]:
         """Start one router in front of the engines; its OpenAI base URL and its processes."""
-        port = free_port()
         procs: list[Proc] = []
+        try:
+            return self._start_router(name, procs)
+        except BaseException:
+            for p in reversed(procs):  # whatever started before the failure goes too
+                p.stop()
+            raise
+
+    def _start_router(self, name: str, procs: list[Proc]) -> tuple[str, list[Proc]]:
+        port = free_port()
         if name == "kvindex":
             grpc_port = free_port()
             serve = Proc(

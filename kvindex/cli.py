@@ -64,6 +64,28 @@ def _add_serve(sub: Any) -> None:
     r.add_argument("--max-concurrent-snapshots", type=int, default=4)
     r.add_argument("--replay-timeout", type=float, default=2.0)
     r.add_argument("--snapshot-timeout", type=float, default=5.0)
+    rs = p.add_argument_group("replicas (docs/deploy.md#replicas)")
+    # Not BooleanOptionalAction: KVINDEX_ROUTING_SYNC / `routing-sync = false` (kvindex/config) must
+    # read as a switch, so the option takes an optional on/off value.
+    rs.add_argument(
+        "--routing-sync",
+        nargs="?",
+        const=True,
+        default=None,
+        type=_on_off,
+        metavar="on|off",
+        help="share routing state (in-flight ledger, speculative keys, prefix heat) with the other "
+        "replicas on the same NATS and prefix; default: on with --nats, off with the embedded server",
+    )
+    rs.add_argument(
+        "--no-routing-sync", dest="routing_sync", action="store_const", const=False, help="--routing-sync off"
+    )
+    rs.add_argument(
+        "--replica-id",
+        type=_replica_id,
+        default="",
+        help="this replica's name on {prefix}.routing.<id> ([A-Za-z0-9_-]{1,128}); default: hostname-pid",
+    )
     j = p.add_argument_group("JetStream (optional)")
     j.add_argument("--jetstream", action="store_true", help="keep event batches in a stream; rebuild from it")
     j.add_argument("--stream-max-age", type=float, default=3600.0, help="history kept in the stream (s)")
@@ -84,6 +106,24 @@ def _add_serve(sub: Any) -> None:
 
     add_server_options(p)
     _add_readiness_shutdown(p)
+
+
+def _on_off(text: str) -> bool:
+    word = text.strip().lower()
+    if word in ("1", "true", "yes", "on"):
+        return True
+    if word in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected on or off, got {text!r}")
+
+
+def _replica_id(text: str) -> str:
+    from kvindex.routing_sync.sync import check_replica_id
+
+    try:
+        return check_replica_id(text) if text else ""  # argparse converts the default "" too
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _static_instance(text: str) -> tuple[str, str]:
@@ -219,6 +259,7 @@ def _serve(args: argparse.Namespace) -> int:
     from kvindex.ingest.nats_source import JetStreamConfig
     from kvindex.lifecycle import Stop, run
     from kvindex.repair.nats_repair import RepairConfig
+    from kvindex.routing_sync.sync import SyncConfig
     from kvindex.scoring.router import RouterConfig
     from kvindex.service.app import CLEANUP_BUDGET, IndexService, ServiceConfig, serve_until_stopped
     from kvindex.service.readiness import ReadinessConfig
@@ -252,6 +293,7 @@ def _serve(args: argparse.Namespace) -> int:
         ext_proc_port=None if args.ext_proc_port < 0 else args.ext_proc_port,
         ext_proc_host=args.ext_proc_host,
         ext_proc_policy=args.ext_proc_policy,
+        routing_sync=SyncConfig(enabled=args.routing_sync, replica_id=args.replica_id),
         static_instances=args.instance,
         static_model=args.instance_model,
         static_block_size=args.instance_block_size,

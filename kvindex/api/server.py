@@ -23,17 +23,18 @@ _SERVING = health_pb2.HealthCheckResponse.SERVING
 _NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
 
-class GrpcServer:
+class GrpcPort:
+    """A ``grpc.aio`` server on one port with the health services: ``liveness`` while it answers, and
+    readiness under each name in ``ready_names``. Subclasses add their services in :meth:`register`."""
+
+    ready_names: tuple[str, ...] = (READINESS, "")
+    options: tuple[tuple[str, int], ...] = (("grpc.so_reuseport", 0),)
+    what = "gRPC"
+
     def __init__(
-        self,
-        servicer: KvIndexServicer,
-        host: str = "0.0.0.0",
-        port: int = 50051,
-        security: ServerSecurity | None = None,
-        ready: bool = True,
+        self, host: str, port: int, security: ServerSecurity | None = None, ready: bool = True
     ) -> None:
         """``ready``: readiness once started (False: the owner calls :meth:`set_ready` when it is)."""
-        self.servicer = servicer
         self.security = security or ServerSecurity()  # default: plaintext, no token
         self.ready = ready
         self.host = host
@@ -47,26 +48,16 @@ class GrpcServer:
         host = "127.0.0.1" if self.host in ("0.0.0.0", "::", "[::]") else self.host
         return f"{host}:{self.port}"
 
+    def register(self, server: grpc.aio.Server) -> None:
+        raise NotImplementedError
+
     async def start(self) -> None:
-        server = self.security.new_server(
-            options=[
-                ("grpc.max_receive_message_length", 64 * 1024 * 1024),
-                ("grpc.so_reuseport", 0),
-            ]
-        )
-        kvindex_pb2_grpc.add_KvIndexServicer_to_server(self.servicer, server)
+        server = self.security.new_server(options=list(self.options))
+        self.register(server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
-        reflection.enable_server_reflection(
-            (
-                SERVICE_NAME,
-                health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
-                reflection.SERVICE_NAME,
-            ),
-            server,
-        )
         self.port = self.security.add_port(server, f"{self.host}:{self.requested_port}")
         if not self.port:
-            raise OSError(f"cannot bind gRPC port {self.host}:{self.requested_port}")
+            raise OSError(f"cannot bind the {self.what} port {self.host}:{self.requested_port}")
         await server.start()
         self._server = server
         await self.health.set(LIVENESS, _SERVING)
@@ -75,7 +66,7 @@ class GrpcServer:
     async def set_ready(self, ready: bool) -> None:
         self.ready = ready
         status = _SERVING if ready else _NOT_SERVING
-        for name in (READINESS, "", SERVICE_NAME):
+        for name in self.ready_names:
             await self.health.set(name, status)
 
     async def stop(self, grace: float = 1.0) -> None:
@@ -84,3 +75,30 @@ class GrpcServer:
             await self.set_ready(False)
             await self._server.stop(grace)
             self._server = None
+
+
+class GrpcServer(GrpcPort):
+    ready_names = (READINESS, "", SERVICE_NAME)
+    options = (("grpc.max_receive_message_length", 64 * 1024 * 1024), ("grpc.so_reuseport", 0))
+
+    def __init__(
+        self,
+        servicer: KvIndexServicer,
+        host: str = "0.0.0.0",
+        port: int = 50051,
+        security: ServerSecurity | None = None,
+        ready: bool = True,
+    ) -> None:
+        super().__init__(host, port, security, ready)
+        self.servicer = servicer
+
+    def register(self, server: grpc.aio.Server) -> None:
+        kvindex_pb2_grpc.add_KvIndexServicer_to_server(self.servicer, server)
+        reflection.enable_server_reflection(
+            (
+                SERVICE_NAME,
+                health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+                reflection.SERVICE_NAME,
+            ),
+            server,
+        )

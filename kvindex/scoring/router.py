@@ -10,6 +10,7 @@ from __future__ import annotations
 import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from kvindex.fleet.registry import InstanceState, Registry
 from kvindex.index.base import NO_MATCH, InstanceKey, KvBlockIndex
@@ -31,6 +32,15 @@ class RouterConfig:
     # their capacity in blocks when they announce none (kvindex/scoring/approximate.py).
     predicted_ttl: float = 120.0
     predicted_capacity: int = 8192
+
+
+class RoutingObserver(Protocol):
+    """Told of every routing decision committed and released here (kvindex/routing_sync shares
+    them with the other index replicas)."""
+
+    def committed(self, request: RouteRequest, candidate: Candidate, policy: Policy) -> None: ...
+
+    def released(self, request_id: str, phase: str) -> None: ...
 
 
 @dataclass(slots=True)
@@ -63,6 +73,7 @@ class Router:
         )
         self.rng = random.Random(self.config.seed)
         self.policies: dict[str, Policy] = make_policies(policy_options or {})
+        self.observer: RoutingObserver | None = None  # None: a lone replica, nothing to share
         if self.config.default_policy not in self.policies:
             raise ValueError(f"unknown default policy {self.config.default_policy!r}")
 
@@ -201,11 +212,16 @@ class Router:
         if cand.state.approximate and request.keys:
             self.predicted.on_commit(cand.state, request.keys)
         policy.on_commit(request, cand, self)
+        if self.observer is not None:
+            self.observer.committed(request, cand, policy)
 
     def release(self, request_id: str, phase: str) -> bool:
         if phase not in (PREFILL, FINISHED):
             raise ValueError(f"phase must be {PREFILL!r} or {FINISHED!r}, got {phase!r}")
-        return self.ledger.release(request_id, phase) is not None
+        found = self.ledger.release(request_id, phase) is not None
+        if self.observer is not None:  # told even when not found: another replica may hold it
+            self.observer.released(request_id, phase)
+        return found
 
     def forget(self, instance: InstanceKey) -> None:
         self.speculative.forget(instance)

@@ -24,6 +24,9 @@ from kvindex.lifecycle import Stop, bounded
 from kvindex.observability.counters import IngestCounters, Metrics
 from kvindex.observability.tokenize import TokenizeCollector
 from kvindex.repair.nats_repair import NatsRepairer, RepairConfig
+from kvindex.routing_sync.metrics import SyncCollector
+from kvindex.routing_sync.nats_link import NatsRoutingLink
+from kvindex.routing_sync.sync import RoutingSync, SyncConfig
 from kvindex.scoring.calibration import Calibrator
 from kvindex.scoring.router import Router, RouterConfig
 from kvindex.service.calibration_store import CalibrationStore
@@ -63,6 +66,7 @@ class ServiceConfig:
     tokenize_cache_bytes: int = DEFAULT_CACHE_BYTES
     readiness: ReadinessConfig = field(default_factory=ReadinessConfig)
     shutdown_grace: float = 5.0  # in-flight RPCs get this long once stopping (s)
+    routing_sync: SyncConfig = field(default_factory=SyncConfig)  # replicas sharing routing state
 
 
 # Closing NATS (2 s), the capture file, the calibration save (1 s) and the embedded nats-server (1 s)
@@ -126,10 +130,20 @@ class IndexService:
         if config.ext_proc_port is not None:
             picker = EndpointPicker(self.servicer, policy=config.ext_proc_policy, log=self.log)
             self.ext_proc = ExtProcServer(
-                picker, config.ext_proc_host, config.ext_proc_port, config.grpc_security
+                picker, config.ext_proc_host, config.ext_proc_port, config.grpc_security, ready=False
             )
         self.readiness = Readiness(self.registry, self.consumer.sequencer, config.readiness)
         self._readiness_task: asyncio.Task[None] | None = None
+        # Replicas share their routing decisions (docs/deploy.md#replicas); by default only with an
+        # external NATS: nothing else can reach an embedded server's replica.
+        sync = config.routing_sync
+        self.routing_sync: RoutingSync | None = None
+        self.routing_link: NatsRoutingLink | None = None
+        if sync.enabled or (sync.enabled is None and config.nats_url):
+            self.routing_sync = RoutingSync(self.router, sync)
+            self.routing_link = NatsRoutingLink(self.routing_sync, self.subjects)
+            self.router.observer = self.routing_sync
+            self.metrics.registry.register(SyncCollector(self.routing_sync))
         self.natsd: EmbeddedNats | None = None
         self.source: NatsSource | None = None
         # The servers for logs and callers, secrets redacted (the settings themselves stay private).
@@ -173,7 +187,7 @@ class IndexService:
         # connection is retried, so an orchestrator does not restart a process that only waits.
         await self.grpc.start()
         if self.ext_proc is not None:
-            await self.ext_proc.start(ready=False)  # its readiness follows the service's
+            await self.ext_proc.start()  # not ready: its readiness follows the service's
         # Subscribe first, then repair: batches arriving while an instance resynchronises are held.
         self.source = NatsSource(
             self.consumer,
@@ -189,6 +203,8 @@ class IndexService:
         assert self.source.nc is not None
         self.repairer.start(self.source.nc)
         await self.calibration.start(self.source.nc)
+        if self.routing_link is not None:
+            await self.routing_link.start(self.source.nc)
         if self.recorder is not None:
             self.recorder.calibration(self.calibrator)
         self.readiness.start(time.monotonic())
@@ -209,6 +225,7 @@ class IndexService:
             subject_prefix=self.config.subject_prefix,
             metrics_port=self.metrics_port,
             ext_proc=self.ext_proc.address if self.ext_proc is not None else None,
+            routing_sync=self.routing_sync.replica_id if self.routing_sync is not None else None,
         )
 
     def ready(self) -> tuple[bool, str]:
@@ -243,6 +260,8 @@ class IndexService:
         await asyncio.gather(*servers)
         await bounded(self.repairer.stop(), 0.5, "repair_stop", self.log)
         await bounded(self.calibration.stop(), 1.0, "calibration_save", self.log)
+        if self.routing_link is not None:
+            await bounded(self.routing_link.stop(), 0.5, "routing_sync_stop", self.log)
         if self.source is not None:
             await self.source.stop()
         if self.recorder is not None:
