@@ -326,7 +326,8 @@ def _serve(args: argparse.Namespace) -> int:
     return run(main, grace=config.shutdown_grace + CLEANUP_BUDGET, name="kvindex-serve")
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """Every ``kvindex`` command (also what tests check deployment files against)."""
     parser = argparse.ArgumentParser(prog="kvindex", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     _add_serve(sub)
@@ -337,7 +338,11 @@ def main(argv: list[str] | None = None) -> int:
     add_capture(sub)
     add_replay(sub)
     add_route(sub)
-    args = parse_layered(parser, argv)  # command line, then KVINDEX_* environment, then --config TOML
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_layered(build_parser(), argv)  # command line, then KVINDEX_* environment, then --config TOML
     if args.command == "serve":
         return _serve(args)
     if args.command == "capture":
