@@ -11,6 +11,7 @@ extensions = [
     Extension(
         "kvindex.index._native",
         ["kvindex/index/_native.pyx"],
+        depends=["kvindex/_xxh3.h"],
         extra_compile_args=["-O3"],
         optional=True,
     ),

@@ -743,6 +743,171 @@ def profile_ours(sizes: Sizes, seed: int) -> None:
 HEADER = ["measurement", "unit", "ours", "Dynamo", "ratio", "target", "status"]
 
 
+# -- fleet-size sweep -----------------------------------------------------------------------------
+
+
+def sweep_child(instances: int, blocks: int, seed: int, calls: int) -> dict[str, Any]:
+    """Runs in a fresh interpreter: one model with ``instances`` instances sharing ``blocks`` distinct
+    background blocks (1.31 entries per block, as in the memory test), plus one instance holding a
+    512-block prompt. Measures the prompt's match, a cold prompt's match, memory per distinct block,
+    and the heartbeat path of the whole fleet."""
+    from kvindex.scoring.router import Router
+    from workers_shim.publisher import WorkerLog
+
+    quiet_logs()
+    rng = np.random.default_rng(seed)
+    keys = rng.integers(1, 2**63, size=blocks, dtype=np.uint64)
+    first = rng.integers(0, instances, size=blocks)
+    second = rng.integers(0, instances, size=blocks)
+    twice = rng.random(blocks) < 0.31
+    per: list[list[int]] = [[] for _ in range(instances)]
+    for k, a, b, t in zip(keys.tolist(), first.tolist(), second.tolist(), twice.tolist(), strict=True):
+        per[a].append(k)
+        if t and b != a:
+            per[b].append(k)
+    prompt = rng.integers(1, 2**63, size=512, dtype=np.uint64).tolist()
+    cold = rng.integers(1, 2**63, size=512, dtype=np.uint64).tolist()
+    holder = int(rng.integers(0, instances))
+    names = [(f"w{i:05d}", 0) for i in range(instances)]
+    gc.collect()
+    before = rss_bytes()
+    ix = new_index()
+    for inst, held in zip(names, per, strict=True):
+        ix.add_instance(inst, "m")
+        ix.store(inst, 0, held)
+    ix.store(names[holder], 0, prompt)
+    gc.collect()
+    rss = rss_bytes() - before
+    stats = ix.stats()
+    distinct = stats.distinct_blocks[0]
+    assert ix.match("m", prompt) == {names[holder]: InstanceMatch(512, (512, 0, 0, 0))}
+    assert ix.match("m", cold) == {}
+    settle()
+
+    def timed(fn: Callable[[], Any]) -> tuple[float, float]:
+        for _ in range(50):
+            fn()
+        samples = []
+        perf = time.perf_counter_ns
+        for _ in range(calls):
+            t0 = perf()
+            fn()
+            samples.append((perf() - t0) / 1000)
+        return percentile(samples, 50), percentile(samples, 99)
+
+    match = timed(lambda: ix.match("m", prompt))
+    cold_match = timed(lambda: ix.match("m", cold))
+    # The heartbeat path: every worker's status message through the consumer (steady state: the
+    # instances are known), then the router's per-model columns catching up with them.
+    registry = Registry()
+    consumer = Consumer(new_index(), registry)
+    router = Router(consumer.index, registry)
+    router.tables  # noqa: B018 - watching, as in a server that ranks with top_k
+    logs = [WorkerLog(worker=n[0], model="m", block_size=16, capacity={"gpu": 100_000}) for n in names]
+    for i, log in enumerate(logs):
+        log.set_load(running=i % 7, waiting=i % 3, waiting_prefill_tokens=(i * 977) % 8192)
+    for log in logs:
+        for subject, data in log.heartbeat_messages():
+            consumer.on_status(subject, data)
+    router.tables.refresh()
+    # A server refreshes the columns at each ranking: with 16 K heartbeats/s and ~500 Scores/s, about
+    # 32 rows at a time, soon after their heartbeats.
+    chunk = 32
+    rounds = []
+    for _ in range(5):
+        payloads = [m for log in logs for m in log.heartbeat_messages()]
+        status = refresh = 0.0
+        for start in range(0, len(payloads), chunk):
+            t0 = time.perf_counter()
+            for subject, data in payloads[start : start + chunk]:
+                consumer.on_status(subject, data)
+            t1 = time.perf_counter()
+            router.tables.refresh()
+            t2 = time.perf_counter()
+            status += t1 - t0
+            refresh += t2 - t1
+        rounds.append((status / len(payloads), refresh / len(payloads)))
+    status_s, refresh_s = min(r[0] for r in rounds), min(r[1] for r in rounds)
+    # The service's liveness sweep walks every instance 4 times a second (kvindex/repair): part of
+    # what a large fleet costs the server while idle, besides the heartbeats themselves.
+    from kvindex.fleet.liveness import sweep
+
+    t0 = time.perf_counter()
+    for _ in range(20):
+        sweep(registry.all(), time.monotonic(), 5.0, 120.0)
+    sweep_s = (time.perf_counter() - t0) / 20
+    return {
+        "sweep_ms": sweep_s * 1e3,
+        "instances": instances,
+        "distinct": distinct,
+        "entries": stats.entries[0],
+        "rss_per_block": rss / distinct,
+        "nbytes_per_block": stats.nbytes / distinct,
+        "match_p50_us": match[0],
+        "match_p99_us": match[1],
+        "cold_p50_us": cold_match[0],
+        "cold_p99_us": cold_match[1],
+        "heartbeat_us": status_s * 1e6,
+        "refresh_us": refresh_s * 1e6,
+    }
+
+
+def fleet_sweep(sizes: list[int], blocks: int, seed: int, calls: int) -> list[dict[str, Any]]:
+    rows = []
+    for n in sizes:
+        cmd = [sys.executable, __file__, "--sweep-child", str(n), "--blocks", str(blocks)]
+        cmd += ["--seed", str(seed), "--reps", str(calls)]
+        if TABLES is not None:
+            cmd += ["--backend", "python"]
+        proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+        line = next((x for x in reversed(proc.stdout.splitlines()) if x.startswith("SWEEP ")), None)
+        if line is None:
+            raise RuntimeError(f"sweep child {n} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
+        rows.append(json.loads(line[len("SWEEP ") :]))
+    base = rows[0]
+    header = [
+        "instances",
+        "match 512, 1 holder: p50 / p99 us",
+        "vs first",
+        "cold prompt: p50 / p99 us",
+        "B per distinct block (RSS / self-reported)",
+        "heartbeat: status + columns (32 per refresh), us",
+        "share of a core at 2 heartbeats/s each",
+        "liveness sweep, ms (4 per s)",
+    ]
+    table = []
+    for r in rows:
+        hb = r["heartbeat_us"] + r["refresh_us"]
+        table.append(
+            [
+                f"{r['instances']:,}",
+                f"{r['match_p50_us']:.1f} / {r['match_p99_us']:.1f}",
+                f"x{r['match_p50_us'] / base['match_p50_us']:.2f}",
+                f"{r['cold_p50_us']:.1f} / {r['cold_p99_us']:.1f}",
+                f"{r['rss_per_block']:.1f} / {r['nbytes_per_block']:.1f}",
+                f"{r['heartbeat_us']:.1f} + {r['refresh_us']:.1f}",
+                f"{hb * 2 * r['instances'] / 1e4:.1f} %",
+                f"{r['sweep_ms']:.2f}",
+            ]
+        )
+    render_table(
+        f"fleet-size sweep: {rows[0]['distinct']:,} distinct blocks, {rows[0]['entries']:,} entries; "
+        f"{calls} matches each, in process",
+        header,
+        table,
+    )
+    print(markdown_table(header, table))
+    for r in rows[1:]:
+        ratio = r["match_p50_us"] / base["match_p50_us"]
+        hb_share = (r["heartbeat_us"] + r["refresh_us"]) * 2 * r["instances"] / 1e6
+        print(
+            f"- match at {r['instances']:,} vs {base['instances']}: x{ratio:.2f} "
+            f"(target <= x2: {'met' if ratio <= 2 else 'MISSED'}); heartbeat ingest "
+            f"{hb_share * 100:.1f} % of a core (target < 10 %: {'met' if hb_share < 0.1 else 'MISSED'})"
+        )
+    return rows
+
+
 def table_rows(res: Results) -> list[list[str]]:
     rows = []
     for r in res.rows:
@@ -835,6 +1000,13 @@ def main() -> None:
     )
     ap.add_argument("--profile", action="store_true", help="cProfile our ingest and match paths, then exit")
     ap.add_argument("--write-readme", action="store_true", help=f"update the results block in {README}")
+    ap.add_argument(
+        "--sweep",
+        default="",
+        help="fleet sizes, e.g. 64,1024,8192: match, memory and heartbeat cost per size, then exit",
+    )
+    ap.add_argument("--sweep-blocks", type=int, default=1_000_000, help="distinct blocks in the sweep")
+    ap.add_argument("--sweep-child", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--memory-child", help=argparse.SUPPRESS)
     ap.add_argument("--blocks", type=int, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -844,6 +1016,19 @@ def main() -> None:
         from kvindex.index import _pytable
 
         TABLES = _pytable
+    if args.sweep_child:
+        child = sweep_child(args.sweep_child, args.blocks, args.seed, args.reps or 2000)
+        print("SWEEP " + json.dumps(child), flush=True)
+        return
+    if args.sweep:
+        quiet_logs()
+        pinned = None if args.no_pin else pin_to_one_cpu()
+        print(f"code: {code_version()}, {backend_name()} tables; pinned to CPU {pinned}")
+        print(f"load average {os.getloadavg()[0]:.2f}")
+        sizes_ = [int(x) for x in args.sweep.split(",") if x]
+        fleet_sweep(sizes_, args.sweep_blocks, args.seed, args.reps or 2000)
+        print(f"load average {os.getloadavg()[0]:.2f}")
+        return
     if args.memory_child:
         print("MEMORY " + json.dumps(memory_child(args.memory_child, args.blocks, args.seed)), flush=True)
         return

@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import gc
 import json
 import os
 import platform
@@ -245,14 +246,18 @@ class Fleet:
         return sum(self.prefix_blocks) + self.background * len(self.prefix_blocks)
 
 
-def make_fleet(instances: int, prompt_tokens: int, background: int, tiered: bool, seed: int) -> Fleet:
+def make_fleet(
+    instances: int, prompt_tokens: int, background: int, tiered: bool, seed: int, holders: int = 0
+) -> Fleet:
+    """``holders`` (0: all) of the instances hold a prefix of the prompt; the others only background."""
     rng = random.Random(seed)
     tokens = [rng.randrange(128_000) for _ in range(prompt_tokens)]
     keys = block_keys(tokens, BLOCK_SIZE, MODEL)
     n = len(keys)
+    holders = min(holders or instances, instances)
     # Evenly spread prefix lengths: the deepest worker holds the whole prompt, so the match loop walks
     # all n blocks before the last candidate drops out (the worst case for the index).
-    prefix = [max(1, round(n * (i + 1) / instances)) for i in range(instances)]
+    prefix = [max(1, round(n * (i + 1) / holders)) for i in range(holders)] + [0] * (instances - holders)
     rng.shuffle(prefix)
     return Fleet(tokens, keys, prefix, background, tiered)
 
@@ -277,7 +282,9 @@ async def publish_fleet(nc: Any, fleet: Fleet, seed: int, live: bool) -> list[Pu
         else:
             await pub.heartbeat()
         chain = fleet.keys[:depth]
-        if fleet.tiered and i % 4 == 0 and depth > 2:
+        if not chain:
+            pass
+        elif fleet.tiered and i % 4 == 0 and depth > 2:
             # Some workers offloaded the tail of their prefix to CPU: forces the tiered match path.
             half = depth // 2
             pub.stored(chain[:half], tier="gpu")
@@ -299,7 +306,9 @@ async def publish_fleet(nc: Any, fleet: Fleet, seed: int, live: bool) -> list[Pu
 async def fleet_main(args: argparse.Namespace) -> None:
     """``--role fleet``: the 64 workers, in their own process so that their heartbeats cost the
     benchmark client nothing; publishes, prints "ready", runs until stdin closes."""
-    fleet = make_fleet(args.instances, args.prompt_tokens, args.background, args.tiered, args.seed)
+    fleet = make_fleet(
+        args.instances, args.prompt_tokens, args.background, args.tiered, args.seed, args.holders
+    )
     nc = await nats.connect(args.nats)
     pubs = await publish_fleet(nc, fleet, args.seed, live=True)
     await nc.flush()
@@ -315,6 +324,7 @@ class FleetProcess:
         cmd = [sys.executable, os.path.abspath(__file__), "--role", "fleet", "--nats", nats_url]
         cmd += ["--instances", str(args.instances), "--prompt-tokens", str(args.prompt_tokens)]
         cmd += ["--background", str(args.background), "--seed", str(args.seed)]
+        cmd += ["--holders", str(args.holders)]
         cmd += ["--tiered"] if args.tiered else []
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
         assert self.proc.stdout is not None
@@ -646,6 +656,13 @@ def main() -> int:
     ap.add_argument("--hold", type=float, default=0.0, help="keep Score load running N s (for py-spy)")
     ap.add_argument("--json", type=Path, default=None, help="also write the results here")
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--holders", type=int, default=0, help="instances holding a prefix (0: all)")
+    ap.add_argument(
+        "--sweep",
+        default="",
+        help="fleet sizes, e.g. 64,1024,8192: Score latency, server CPU and heartbeat ingest per size "
+        "(--holders of them, default 64, hold prefixes; the rest only background blocks)",
+    )
     # Internal: the workers' process.
     ap.add_argument("--role", choices=("bench", "fleet"), default="bench", help=argparse.SUPPRESS)
     ap.add_argument("--nats", default="", help=argparse.SUPPRESS)
@@ -654,6 +671,8 @@ def main() -> int:
     if args.role == "fleet":
         asyncio.run(fleet_main(args))
         return 0  # the in-process breakdown's consumer logs every join
+    if args.sweep:
+        return sweep(args)
     seconds = args.seconds or (2.0 if args.quick else 6.0)
     n_calls = args.calls or (500 if args.quick else 3000)
     concurrency = [int(c) for c in args.concurrency.split(",") if c]
@@ -826,6 +845,144 @@ def main() -> int:
     print(f"\ndone in {time.perf_counter() - started:.0f} s (load average now {os.getloadavg()[0]:.2f})")
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))
+    return 0
+
+
+# -- fleet-size sweep --------------------------------------------------------------------------
+
+
+def _in_process(fleet: Fleet, seed: int, top_k: int, n: int) -> dict[str, float]:
+    """Server-side stages for this fleet, in process (no gRPC): match, ranking, the whole Score."""
+    servicer = build_local(fleet, seed)
+    router, index = servicer.router, servicer.index
+    route = RouteRequest(MODEL, fleet.keys, len(fleet.tokens), BLOCK_SIZE)
+    request = pb.ScoreRequest(model=MODEL, token_ids=fleet.tokens, top_k=top_k)
+    wire = request.SerializeToString()
+
+    def whole() -> bytes:
+        req = pb.ScoreRequest.FromString(wire)
+        bs, ks = servicer.prompt_keys(req)
+        return servicer.score(req, bs, ks, None, None, PREFILL_ROLE).SerializeToString()
+
+    # Both rankings from the same state: the same instant (queues drain with time) and weight.
+    ttft = router.policies["ttft"]
+    saved = (ttft._k, ttft._k_at)  # type: ignore[attr-defined]
+    clock, now = router.clock, router.clock()
+    router.clock = lambda: now
+    pruned = router.score(route, top_k=top_k).choices
+    ttft._k, ttft._k_at = saved  # type: ignore[attr-defined]
+    full = router.score(route).choices
+    router.clock = clock
+    gc.collect()
+    gc.freeze()  # time the code, not collections of the fleet's objects (see the README)
+    assert [c.candidate.state.key for c in pruned] == [c.candidate.state.key for c in full[:top_k]]
+    return {
+        "index.match": _time_us(lambda: index.match(MODEL, fleet.keys), n),
+        "router.score top_k": _time_us(lambda: router.score(route, top_k=top_k), n),
+        "router.score all (exhaustive)": _time_us(lambda: router.score(route), max(5, n // 20)),
+        "in-process Score (parse..serialize)": _time_us(whole, n),
+    }
+
+
+def sweep(args: argparse.Namespace) -> int:
+    """Score as the fleet grows with a fixed number of prefix holders; each size in a fresh server,
+    nats-server and fleet process (every worker heartbeating every 0.5 s)."""
+    sizes = [int(x) for x in args.sweep.split(",") if x]
+    holders = args.holders or 64
+    top_k = args.top_k or 4
+    n_calls = args.calls or (300 if args.quick else 1500)
+    idle_s = 4.0 if args.quick else 8.0
+    print(
+        f"kvindex Score fleet-size sweep: {args.prompt_tokens} tokens = {args.prompt_tokens // BLOCK_SIZE} "
+        f"blocks; {holders} instances hold prefixes of it, the others {args.background} background "
+        f"blocks each; top_k={top_k}; sizes {sizes}"
+    )
+    print(f"machine: {os.cpu_count()} cores, load average {os.getloadavg()[0]:.2f}; code: {code_version()}")
+    rows: list[dict[str, Any]] = []
+    for size in sizes:
+        args.instances = size
+        args.holders = min(holders, size)
+        fleet = make_fleet(size, args.prompt_tokens, args.background, args.tiered, args.seed, args.holders)
+        natsd = NatsProcess()
+        server = ServerProcess(natsd.url)
+        fleet_proc: FleetProcess | None = None
+        row: dict[str, Any] = {"instances": size, "holders": args.holders}
+        try:
+            server.wait_ready()
+            meter = CpuMeter({"server": server.pid, "client": os.getpid(), "nats-server": natsd.proc.pid})
+            t0 = time.perf_counter()
+            fleet_proc = FleetProcess(args, natsd.url)
+            meter.pids["fleet"] = fleet_proc.proc.pid
+            wait_applied(server.address, fleet, size, timeout=120 + size * 0.05)
+            row["populate_s"] = time.perf_counter() - t0
+            with grpc.insecure_channel(server.address) as channel:
+                stub = pb_grpc.KvIndexStub(channel)
+                time.sleep(2.0)  # let the first heartbeat round settle
+                s0, m0 = stub.Stats(pb.StatsRequest()), meter.snap()
+                time.sleep(idle_s)
+                s1, m1 = stub.Stats(pb.StatsRequest()), meter.snap()
+                shares = CpuMeter.shares(m0, m1)
+                wall = m1[0] - m0[0]
+                row["heartbeats_per_s"] = (s1.status_received - s0.status_received) / wall
+                row["idle_server_core"] = shares["server"]
+                row["idle_cpu"] = shares
+                token_req = pb.ScoreRequest(model=MODEL, token_ids=fleet.tokens, top_k=top_k)
+                reply = stub.Score(token_req, timeout=10)
+                assert len(reply.ranked) == min(top_k, size), reply
+                health = health_pb2_grpc.HealthStub(channel).Check
+                hreq = health_pb2.HealthCheckRequest(service="")
+                row["health"] = vars(
+                    measure_latency(lambda h=health, r=hreq: h(r), n_calls, 100, meter)  # type: ignore[misc]
+                )
+                lat = measure_latency(
+                    lambda s=stub, r=token_req: s.Score(r),  # type: ignore[misc]
+                    n_calls,
+                    100,
+                    meter,
+                )
+                row["score"] = vars(lat)
+                # The server also ingests the fleet's heartbeats meanwhile: its CPU per call net of
+                # that background (the idle share over the calls' wall time).
+                row["net_server_cpu_us"] = lat.server_cpu_us - row["idle_server_core"] * lat.mean_us
+                end = stub.Stats(pb.StatsRequest())
+                row["stale_at_end"] = end.instances_stale
+        finally:
+            if fleet_proc is not None:
+                fleet_proc.stop()
+            server.stop()
+            natsd.stop()
+        row["in_process_us"] = _in_process(fleet, args.seed, top_k, 100 if args.quick else 300)
+        rows.append(row)
+        sc, h = row["score"], row["health"]
+        print(
+            f"  {size:5d} instances: Score p50 {sc['p50_us']:6.0f} us p99 {sc['p99_us']:6.0f} us, server "
+            f"CPU/call {sc['server_cpu_us']:5.0f} us, net of heartbeat ingest "
+            f"{row['net_server_cpu_us']:5.0f} us (health p50 {h['p50_us']:4.0f} us, "
+            f"CPU {h['server_cpu_us']:4.0f});"
+            f" idle: {row['heartbeats_per_s']:6.0f} heartbeats/s cost the server "
+            f"{row['idle_server_core'] * 100:4.1f}% of a core; stale at end {row['stale_at_end']}; "
+            f"populated in {row['populate_s']:.0f} s"
+        )
+        print(f"        CPU during Score calls: {fmt_shares(sc['cpu'])}")
+        print("        in process: " + ", ".join(f"{k} {v:.0f} us" for k, v in row["in_process_us"].items()))
+    base = rows[0]
+    print(f"\nratios to the {base['instances']}-instance figures (same run):")
+    for row in rows[1:]:
+        r50 = row["score"]["p50_us"] / base["score"]["p50_us"]
+        rcpu = row["net_server_cpu_us"] / base["net_server_cpu_us"]
+        rh = row["health"]["p50_us"] / base["health"]["p50_us"]
+        limit = 1.25 if row["instances"] <= 1024 else 2.0
+        print(
+            f"  {row['instances']:5d}: Score p50 x{r50:.2f} (target <= x{limit}: {_ok(r50 <= limit)}), "
+            f"server CPU/call (net) x{rcpu:.2f}, health p50 x{rh:.2f}"
+        )
+    for row in rows:
+        print(
+            f"  heartbeat ingest at {row['instances']}: {row['idle_server_core'] * 100:.1f}% of a core "
+            f"(target < 10%: {_ok(row['idle_server_core'] < 0.10)})"
+        )
+    if args.json:
+        args.json.write_text(json.dumps({"config": vars(args) | {"json": None}, "sweep": rows}, indent=2))
     return 0
 
 

@@ -5,6 +5,7 @@
     .venv/bin/python benchmarks/routing_sim.py global-pool         # preset 2: local vs shared pool
     .venv/bin/python benchmarks/routing_sim.py loadaware           # preset 3: production-stack
     .venv/bin/python benchmarks/routing_sim.py llmd                # preset 4: llm-d's workload
+    .venv/bin/python benchmarks/routing_sim.py fleet256            # preset 5: Mooncake on 256 instances
     .venv/bin/python benchmarks/routing_sim.py mooncake --trace PATH --instances 16 --policies ttft,dynamo
 
 Virtual time, discrete events. The code under test is the real one, in process: simulated engines
@@ -171,6 +172,9 @@ class Cluster:
     loss: float = 0.0  # probability that a batch is lost on the way (the index repairs it)
     heartbeat_s: float = 0.5
     slo_s: float = 5.0  # TTFT objective for goodput
+    # Score's top_k: > 0 ranks only the holders and the best few others (pruned, forced on at every
+    # fleet size here so that the tables check it); 0 ranks every instance (--top-k 0).
+    top_k: int = 4
 
 
 @dataclass
@@ -246,7 +250,7 @@ class Simulation:
             self.index,
             self.registry,
             self.calibrator,
-            RouterConfig(default_policy=policy, seed=seed),
+            RouterConfig(default_policy=policy, seed=seed, prune_min_instances=0),
             clock=clock,
             policy_options=policy_options,
         )
@@ -337,7 +341,9 @@ class Simulation:
         if req.keys:
             self._hot[req.keys[home_block(len(req.keys), self.block_size, 2048)]] += 1
         route = RouteRequest(MODEL, req.keys, req.prompt_tokens, self.block_size, req.id)
-        result = self.router.score(route, commit=True)
+        # top_k as a router asks: policies that can rank only the holders and the best few others
+        # (ttft) do, and must place exactly as their full ranking would (tables byte-identical).
+        result = self.router.score(route, commit=True, top_k=self.cluster.top_k)
         assert result.committed is not None, "no routable instance"
         self.engines[result.committed.worker].submit(req, self.now)
 
@@ -527,7 +533,27 @@ def preset_llmd(args: argparse.Namespace) -> Experiment:
     return Experiment("llmd", levels, args.policies)
 
 
+def preset_fleet256(args: argparse.Namespace) -> Experiment:
+    """The Mooncake trace on 256 instances at 16x its rate: per instance, the load of the 16-instance
+    preset's near-saturation level, on a fleet where bounded spread and homes matter more and most
+    instances hold nothing of a given prompt (ttft ranks only holders and the best few others)."""
+    # The first 3,000 trace rows (--limit for more): all policies in the other presets' time budget.
+    limit = 1000 if args.quick else (args.limit or 3000)
+    n = args.instances or 256
+    cluster = Cluster(
+        n,
+        {"profile": "llama3-70b-8xa800", "block_size": 512},
+        slo_s=args.slo or 5.0,
+        loss=args.loss,
+        delay_s=args.delay,
+    )
+    scale = 0.38 * 16 / n
+    reqs = mooncake_requests(args.trace, model=MODEL, block_size=512, limit=limit, time_scale=scale)
+    return Experiment("fleet256", [(f"{n} inst (x{1 / scale:.0f})", reqs, cluster)], args.policies)
+
+
 PRESETS = {
+    "fleet256": preset_fleet256,
     "mooncake": preset_mooncake,
     "global-pool": preset_global_pool,
     "loadaware": preset_loadaware,
@@ -647,9 +673,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--loss", type=float, default=0.0, help="probability a batch is lost")
     parser.add_argument("--output-tokens", type=int, default=0, help="loadaware preset: output length")
     parser.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1))
+    parser.add_argument(
+        "--top-k", type=int, default=4, help="Score top_k (0: every instance ranked, no pruning)"
+    )
     args = parser.parse_args(argv)
     args.policies = tuple(p for p in args.policies.split(",") if p)
     exp = PRESETS[args.preset](args)
+    for _label, _reqs, cluster in exp.levels:
+        cluster.top_k = args.top_k
     jobs = [
         (p, label, reqs, cluster, args.seed, exp.options)
         for label, reqs, cluster in exp.levels

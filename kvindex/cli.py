@@ -5,7 +5,6 @@ is the OpenAI-compatible routing proxy."""
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import sys
 from pathlib import Path
@@ -65,6 +64,28 @@ def _add_serve(sub: Any) -> None:
     r.add_argument("--max-concurrent-snapshots", type=int, default=4)
     r.add_argument("--replay-timeout", type=float, default=2.0)
     r.add_argument("--snapshot-timeout", type=float, default=5.0)
+    rs = p.add_argument_group("replicas (docs/deploy.md#replicas)")
+    # Not BooleanOptionalAction: KVINDEX_ROUTING_SYNC / `routing-sync = false` (kvindex/config) must
+    # read as a switch, so the option takes an optional on/off value.
+    rs.add_argument(
+        "--routing-sync",
+        nargs="?",
+        const=True,
+        default=None,
+        type=_on_off,
+        metavar="on|off",
+        help="share routing state (in-flight ledger, speculative keys, prefix heat) with the other "
+        "replicas on the same NATS and prefix; default: on with --nats, off with the embedded server",
+    )
+    rs.add_argument(
+        "--no-routing-sync", dest="routing_sync", action="store_const", const=False, help="--routing-sync off"
+    )
+    rs.add_argument(
+        "--replica-id",
+        type=_replica_id,
+        default="",
+        help="this replica's name on {prefix}.routing.<id> ([A-Za-z0-9_-]{1,128}); default: hostname-pid",
+    )
     j = p.add_argument_group("JetStream (optional)")
     j.add_argument("--jetstream", action="store_true", help="keep event batches in a stream; rebuild from it")
     j.add_argument("--stream-max-age", type=float, default=3600.0, help="history kept in the stream (s)")
@@ -85,6 +106,25 @@ def _add_serve(sub: Any) -> None:
     )
 
     add_server_options(p)
+    _add_readiness_shutdown(p)
+
+
+def _on_off(text: str) -> bool:
+    word = text.strip().lower()
+    if word in ("1", "true", "yes", "on"):
+        return True
+    if word in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected on or off, got {text!r}")
+
+
+def _replica_id(text: str) -> str:
+    from kvindex.routing_sync.sync import check_replica_id
+
+    try:
+        return check_replica_id(text) if text else ""  # argparse converts the default "" too
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _static_instance(text: str) -> tuple[str, str]:
@@ -112,6 +152,28 @@ def _tokenizer_dirs(specs: list[str]) -> dict[str, str]:
             raise SystemExit(f"--tokenizer: model {model!r} given twice")
         dirs[model] = directory
     return dirs
+
+
+def _add_readiness_shutdown(p: Any) -> None:
+    g = p.add_argument_group("readiness and shutdown (docs/deploy.md)")
+    g.add_argument(
+        "--ready-window",
+        type=float,
+        default=1.0,
+        help="first heartbeat window (s): instances heard in it must be in sync before ready",
+    )
+    g.add_argument(
+        "--ready-grace",
+        type=float,
+        default=30.0,
+        help="ready at the latest this long after start (s), even if some instances are still syncing",
+    )
+    g.add_argument(
+        "--shutdown-grace",
+        type=float,
+        default=5.0,
+        help="on SIGTERM/SIGINT/SIGHUP in-flight RPCs get this long (s); cleanup takes at most ~4 s more",
+    )
 
 
 def _add_limits(p: Any) -> None:
@@ -223,9 +285,12 @@ def _query(args: argparse.Namespace) -> int:
 def _serve(args: argparse.Namespace) -> int:
     from kvindex.api.security import ServerSecurity
     from kvindex.ingest.nats_source import JetStreamConfig
+    from kvindex.lifecycle import Stop, run
     from kvindex.repair.nats_repair import RepairConfig
+    from kvindex.routing_sync.sync import SyncConfig
     from kvindex.scoring.router import RouterConfig
-    from kvindex.service.app import IndexService, ServiceConfig, serve_until_signalled
+    from kvindex.service.app import CLEANUP_BUDGET, IndexService, ServiceConfig, serve_until_stopped
+    from kvindex.service.readiness import ReadinessConfig
 
     configure_logging(args.log_format, args.log_level)
     try:
@@ -256,6 +321,7 @@ def _serve(args: argparse.Namespace) -> int:
         ext_proc_port=None if args.ext_proc_port < 0 else args.ext_proc_port,
         ext_proc_host=args.ext_proc_host,
         ext_proc_policy=args.ext_proc_policy,
+        routing_sync=SyncConfig(enabled=args.routing_sync, replica_id=args.replica_id),
         static_instances=args.instance,
         static_model=args.instance_model,
         static_block_size=args.instance_block_size,
@@ -267,6 +333,8 @@ def _serve(args: argparse.Namespace) -> int:
     )
     if args.instance and not args.instance_model:
         raise SystemExit("kvindex serve: --instance needs --instance-model (the model they serve)")
+    config.readiness = ReadinessConfig(window=args.ready_window, grace=args.ready_grace)
+    config.shutdown_grace = args.shutdown_grace
     from kvindex.tokenize import TokenizeError
 
     try:
@@ -274,15 +342,21 @@ def _serve(args: argparse.Namespace) -> int:
     except TokenizeError as exc:
         print(f"kvindex serve: {exc}", file=sys.stderr)
         return 2
-    try:
-        asyncio.run(serve_until_signalled(service))
-    except (NatsConfigError, NatsConnectError) as exc:
-        structlog.get_logger("kvindex").error("nats_connect_failed", error=str(exc))
-        return 2
-    return 0
+
+    async def main(stop: Stop) -> int:
+        try:
+            await serve_until_stopped(service, stop)
+        except (NatsConfigError, NatsConnectError) as exc:
+            structlog.get_logger("kvindex").error("nats_connect_failed", error=str(exc))
+            return 2
+        return 0
+
+    # SIGTERM/SIGINT/SIGHUP or the parent's exit stop it within the grace (docs/deploy.md).
+    return run(main, grace=config.shutdown_grace + CLEANUP_BUDGET, name="kvindex-serve")
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """Every ``kvindex`` command (also what tests check deployment files against)."""
     parser = argparse.ArgumentParser(prog="kvindex", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     _add_serve(sub)
@@ -293,7 +367,11 @@ def main(argv: list[str] | None = None) -> int:
     add_capture(sub)
     add_replay(sub)
     add_route(sub)
-    args = parse_layered(parser, argv)  # command line, then KVINDEX_* environment, then --config TOML
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_layered(build_parser(), argv)  # command line, then KVINDEX_* environment, then --config TOML
     if args.command == "serve":
         return _serve(args)
     if args.command == "capture":

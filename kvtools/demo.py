@@ -10,7 +10,8 @@ that replays the Mooncake conversation trace: every request is routed by the rea
 (policy `ttft`, committed), sent to the simulated instance it chose, and released at first token and
 at the end. The dashboard shows, per instance, what the index knows (blocks per tier, load, seq and
 epoch, repairs) and, overall, hit rate, estimated vs simulated TTFT and decisions per second.
-Ctrl-C stops everything cleanly.
+Ctrl-C (or closing the terminal, SIGTERM, or the parent's exit) stops everything cleanly: the
+demo, its `kvindex serve` and the embedded nats-server (docs/deploy.md).
 """
 
 from __future__ import annotations
@@ -33,6 +34,8 @@ from typing import Any
 import grpc
 import structlog
 
+from kvindex.lifecycle import Stop, die_with_parent, finish
+from kvindex.lifecycle import run as lifecycle_run
 from kvindex.service.natsd import free_port
 from kvindex.v1 import kvindex_pb2 as pb
 from kvindex.v1 import kvindex_pb2_grpc as pb_grpc
@@ -62,7 +65,7 @@ class Tally:
         return len(recent) / 5
 
 
-async def _start_service(args: argparse.Namespace) -> tuple[subprocess.Popen[str], str, str]:
+def _spawn_service(args: argparse.Namespace) -> tuple[subprocess.Popen[str], str]:
     port = args.grpc_port or free_port()
     exe = str(Path(sys.executable).with_name("kvindex"))
     cmd = [
@@ -78,10 +81,22 @@ async def _start_service(args: argparse.Namespace) -> tuple[subprocess.Popen[str
         "info",
         "--metrics-port",
         str(args.metrics_port),
+        "--shutdown-grace",
+        "1",  # our own calls are over by the time we stop it
     ]
     proc = subprocess.Popen(
-        cmd, stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"}
+        cmd,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        # Even a SIGKILLed demo takes its service (and so the embedded nats-server) along.
+        preexec_fn=die_with_parent(),
     )
+    return proc, f"127.0.0.1:{port}"
+
+
+async def _service_up(proc: subprocess.Popen[str]) -> str:
+    """Wait for ``kvindex serve`` to serve; its embedded NATS URL."""
     nats_url = ""
     assert proc.stderr is not None
     loop = asyncio.get_running_loop()
@@ -98,11 +113,22 @@ async def _start_service(args: argparse.Namespace) -> tuple[subprocess.Popen[str
                 break
     # Keep draining the service's log so it never blocks on a full pipe.
     loop.run_in_executor(None, lambda: [None for _ in proc.stderr])  # type: ignore[union-attr]
-    return proc, nats_url, f"127.0.0.1:{port}"
+    return nats_url
+
+
+async def _stop_service(proc: subprocess.Popen[str], timeout: float = 8.0) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + timeout
+    while proc.poll() is None and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
 
 
 async def _drive(
-    args: argparse.Namespace, fleet: Any, stub: pb_grpc.KvIndexStub, tally: Tally, stop: asyncio.Event
+    args: argparse.Namespace, fleet: Any, stub: pb_grpc.KvIndexStub, tally: Tally, stop: Stop
 ) -> None:
     from workers_shim.sim.trace import mooncake_requests
 
@@ -117,13 +143,13 @@ async def _drive(
     speed = args.speed
     start = time.monotonic()
     for req in reqs:
-        if stop.is_set():
+        if stop.requested:
             return
         delay = req.arrival / speed - (time.monotonic() - start)
         if delay > 0:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), delay)
-            if stop.is_set():
+            if stop.requested:
                 return
         try:
             reply = await stub.Score(
@@ -241,44 +267,49 @@ def _render(instances: list[Any], stats: Any, tally: Tally, events_per_s: float,
     return Group(t, o)
 
 
-async def run(args: argparse.Namespace) -> Tally:
+async def run(args: argparse.Namespace, stop: Stop, tally: Tally) -> None:
     from workers_shim.sim import EngineConfig
     from workers_shim.sim.fleet import run_fleet
 
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        with contextlib.suppress(NotImplementedError):
-            loop.add_signal_handler(sig, stop.set)
     if args.duration:
-        loop.call_later(args.duration, stop.set)
-    proc, nats_url, address = await _start_service(args)
-    tally = Tally()
+        asyncio.get_running_loop().call_later(args.duration, stop.request, "duration")
+    proc, address = _spawn_service(args)
     pending: set[asyncio.Task[Any]] = set()
     fleet = None
     try:
+        nats_url = await stop.run_or_stop(_service_up(proc))
+        if nats_url is None:
+            return
         async with grpc.aio.insecure_channel(address) as channel:
             stub = pb_grpc.KvIndexStub(channel)
             cfg = EngineConfig.from_profile(args.profile, args.block_size, cpu_blocks=args.cpu_blocks)
-            fleet = await run_fleet(
-                nats_url,
-                args.instances,
-                cfg,
-                model=MODEL,
-                speed=args.speed,
-                on_completion=_on_completion(tally, stub, pending),
+            fleet = await stop.run_or_stop(
+                run_fleet(
+                    nats_url,
+                    args.instances,
+                    cfg,
+                    model=MODEL,
+                    speed=args.speed,
+                    on_completion=_on_completion(tally, stub, pending),
+                )
             )
+            if fleet is None:
+                return
             for _ in range(100):  # every instance announced itself
                 listed = await stub.ListInstances(pb.ListInstancesRequest(model=MODEL))
-                if len(listed.instances) >= args.instances:
+                if len(listed.instances) >= args.instances or stop.requested:
                     break
                 await asyncio.sleep(0.05)
             driver = asyncio.create_task(_drive(args, fleet, stub, tally, stop))
-            await _watch(args, stub, tally, stop)
-            driver.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await driver
+            try:
+                await _watch(args, stub, tally, stop)
+            except grpc.aio.AioRpcError:
+                # Closing the terminal signals the whole process group: the service may already
+                # be stopping when we notice our own signal.
+                if not stop.requested:
+                    raise
+            await finish([driver], 1.0)
             await fleet.close()  # no completions (and Releases) after this
             fleet = None
             for task in list(pending):
@@ -287,17 +318,10 @@ async def run(args: argparse.Namespace) -> Tally:
     finally:
         if fleet is not None:
             await fleet.close()
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-    return tally
+        await _stop_service(proc)
 
 
-async def _watch(
-    args: argparse.Namespace, stub: pb_grpc.KvIndexStub, tally: Tally, stop: asyncio.Event
-) -> None:
+async def _watch(args: argparse.Namespace, stub: pb_grpc.KvIndexStub, tally: Tally, stop: Stop) -> None:
     started = time.monotonic()
     last_events, last_t = 0, started
     use_rich = not args.plain and sys.stdout.isatty()
@@ -308,7 +332,7 @@ async def _watch(
         live = Live(refresh_per_second=2, screen=False)
         live.start()
     try:
-        while not stop.is_set():
+        while not stop.requested:
             listed = await stub.ListInstances(pb.ListInstancesRequest(model=MODEL))
             stats = await stub.Stats(pb.StatsRequest())
             now = time.monotonic()
@@ -367,11 +391,13 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
-    tally = asyncio.run(run(args))
+    tally = Tally()
+    # SIGINT (Ctrl-C), SIGTERM, SIGHUP (terminal closed) or our parent's exit stop everything.
+    code = lifecycle_run(lambda stop: run(args, stop, tally), grace=12.0, name="kvtools-demo")
     print(
         f"stopped: {tally.routed} requests routed, {tally.first_tokens} first tokens, {tally.errors} errors"
     )
-    return 0
+    return code
 
 
 if __name__ == "__main__":

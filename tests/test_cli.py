@@ -41,7 +41,22 @@ def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
 def served() -> tuple[subprocess.Popen[str], str, str]:
     port = free_port()
     proc = subprocess.Popen(
-        [KVINDEX, "serve", "--grpc-host", "127.0.0.1", "--grpc-port", str(port), "--metrics-port", "-1"],
+        # The test's publisher says its piece and leaves: a long --stale-after keeps its instance
+        # ranked however slowly the CLI calls run on a loaded machine.
+        [
+            KVINDEX,
+            "serve",
+            "--grpc-host",
+            "127.0.0.1",
+            "--grpc-port",
+            str(port),
+            "--metrics-port",
+            "-1",
+            "--stale-after",
+            "120",
+            "--forget-after",
+            "300",
+        ],
         stderr=subprocess.PIPE,
         text=True,
         env={**os.environ, "PYTHONUNBUFFERED": "1"},

@@ -335,9 +335,14 @@ async def test_list_instances_health_reflection_and_metrics(
             assert list((await stub.ListInstances(pb.ListInstancesRequest(model="other"))).instances) == []
 
             health = health_pb2_grpc.HealthStub(channel)
-            for name in ("", "kvindex.v1.KvIndex"):
+            serving = health_pb2.HealthCheckResponse.SERVING
+            reply = await health.Check(health_pb2.HealthCheckRequest(service="liveness"))
+            assert reply.status == serving
+            # Ready after the first heartbeat window, w7 being in sync (tests/test_readiness.py).
+            await wait_until(lambda: svc.grpc.ready, 5.0, "readiness")
+            for name in ("", "readiness", "kvindex.v1.KvIndex"):
                 reply = await health.Check(health_pb2.HealthCheckRequest(service=name))
-                assert reply.status == health_pb2.HealthCheckResponse.SERVING
+                assert reply.status == serving
 
             refl = reflection_pb2_grpc.ServerReflectionStub(channel)
             call = refl.ServerReflectionInfo()

@@ -322,6 +322,8 @@ async def test_served_on_a_fallback_moves_the_ledger_entry(
 
 async def test_health_services_on_the_picker_port(picker_service: IndexService) -> None:
     assert picker_service.ext_proc is not None
+    # Readiness follows the service's (kvindex/service/readiness.py): after the first heartbeat window.
+    await wait_until(lambda: picker_service.grpc.ready, 5.0, "the service ready")
     async with grpc.aio.insecure_channel(picker_service.ext_proc.address) as channel:
         health = health_pb2_grpc.HealthStub(channel)
         for name in ("liveness", "readiness", SERVICE_NAME):

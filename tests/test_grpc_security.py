@@ -19,7 +19,7 @@ from typing import Any
 import grpc
 import pytest
 import trustme
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from kvindex.api.security import (
@@ -228,8 +228,13 @@ async def test_token_is_required_on_every_rpc_but_health(secured, tmp_path: Path
         assert err.value.code() == unauth
         # Health answers without a token (probes carry no secrets).
         health = health_pb2_grpc.HealthStub(bare)
-        reply = await health.Check(health_pb2.HealthCheckRequest(service="kvindex.v1.KvIndex"), timeout=5)
+        reply = await health.Check(health_pb2.HealthCheckRequest(service="liveness"), timeout=5)
         assert reply.status == health_pb2.HealthCheckResponse.SERVING
+        reply = await health.Check(health_pb2.HealthCheckRequest(service="kvindex.v1.KvIndex"), timeout=5)
+        assert reply.status in (
+            health_pb2.HealthCheckResponse.SERVING,
+            health_pb2.HealthCheckResponse.NOT_SERVING,
+        )
     assert security.interceptor is not None and security.interceptor.rejected == 9
 
     # With the token: unary, stream and reflection all served (aio channel, as routers use).
@@ -463,3 +468,28 @@ def test_cli_queries_a_mutual_tls_and_token_server(pki: Pki, tmp_path: Path, cap
     rest = proc.stderr.read()
     assert "grpc_unauthenticated" in rest or any("grpc_unauthenticated" in line for line in seen)
     assert TOKEN not in "".join(seen) + rest  # never logged
+
+
+async def test_one_security_serves_tls_on_two_ports(pki: Pki) -> None:
+    """`serve --ext-proc-port` with TLS: the API and the ext_proc port share one ServerSecurity. gRPC's
+    dynamic credentials give their initial certificate to the first port only, so a second port on
+    the same credentials failed to bind; each port now gets its own, and both handshake."""
+    security = ServerSecurity(ServerTLS(pki.server_cert, pki.server_key))
+    servers = []
+    try:
+        for _ in range(2):
+            server = security.new_server()
+            health_pb2_grpc.add_HealthServicer_to_server(health.HealthServicer(), server)
+            port = security.add_port(server, "127.0.0.1:0")
+            assert port > 0, "the port did not bind"
+            await server.start()
+            servers.append((server, port))
+        for _server, port in servers:
+            async with open_channel(f"127.0.0.1:{port}", ClientTLS(ca=pki.ca), aio=True) as channel:
+                reply = await health_pb2_grpc.HealthStub(channel).Check(
+                    health_pb2.HealthCheckRequest(), timeout=5
+                )
+                assert reply.status == health_pb2.HealthCheckResponse.SERVING
+    finally:
+        for server, _port in servers:
+            await server.stop(None)

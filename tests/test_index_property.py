@@ -293,3 +293,74 @@ def test_batch_apply_agrees_with_brute_force(backend: str, batches: list) -> Non
             assert ix.digest(inst, t) == (len(sets[t]), reduce(xor, sets[t], 0))
     for model in ("m1", "m2"):
         assert ix.match(model, POOL) == ref.match(model, POOL, INSTANCES)
+
+
+_TIER_NAME = {n: name for name, n in TIER_BY_NAME.items()}
+
+# Slots in banks 0, 1, 64 and 65 of one model: banks 64 and 65 share their summary bits with banks 0
+# and 1 (a summary value has one bit per bank % 64).
+_BANKED = [0, 1, 64, 64 * 64, 65 * 64 + 3]
+banked_st = st.sampled_from(range(len(_BANKED)))
+banked_op_st = st.one_of(
+    st.tuples(st.just("store"), banked_st, tier_st, keys_st),
+    st.tuples(st.just("remove"), banked_st, tier_st, keys_st),
+    st.tuples(st.just("clear"), banked_st, st.none() | tier_st, st.just([])),
+    st.tuples(st.just("apply"), banked_st, tier_st, keys_st),
+)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@settings(max_examples=15, deadline=None)
+@given(ops=st.lists(banked_op_st, max_size=30), queries=st.lists(keys_st, max_size=5))
+def test_bank_summaries_stay_exact(backend: str, ops: list, queries: list) -> None:
+    ix = InvertedIndex(BACKENDS[backend])
+    n = _BANKED[-1] + 1
+    names = [(f"f{s}", 0) for s in range(n)]
+    for inst in names:
+        ix.add_instance(inst, "m")
+    actors = [names[s] for s in _BANKED]
+    held = {a: [set() for _ in range(N_TIERS)] for a in actors}
+    for op, who, tier, keys in ops:
+        inst = actors[who]
+        if op == "store":
+            ix.store(inst, tier, keys)
+            held[inst][tier] |= set(keys)
+        elif op == "apply":
+            name = _TIER_NAME[tier]
+            ix.apply(inst, [Removed(keys=keys[:2], tier=name), Stored(keys=keys, tier=name)])
+            held[inst][tier] -= set(keys[:2])
+            held[inst][tier] |= set(keys)
+        elif op == "remove":
+            ix.remove(inst, tier, keys)
+            held[inst][tier] -= set(keys)
+        else:
+            ix.clear(inst, tier)
+            for t in range(N_TIERS) if tier is None else [tier]:
+                held[inst][t] = set()
+    shard = ix._shards["m"]
+    assert shard.summaries is not None
+    for t in range(N_TIERS):
+        want: dict[int, int] = {}
+        for b, bank in enumerate(shard.banks):
+            for key, _mask in bank.tiers[t].items():
+                want[key] = want.get(key, 0) | 1 << (b % 64)
+        assert dict(shard.summaries[t].items()) == want
+    pooled = set().union(*(h[SHARED] for h in held.values()))
+    for keys in queries:
+        expect = {}
+        for inst, tiers in held.items():
+            counts, n_held = [0, 0, 0, 0], 0
+            for k in keys:
+                t = next((t for t in range(3) if k in tiers[t]), SHARED if k in pooled else None)
+                if t is None:
+                    break
+                counts[t] += 1
+                n_held += 1
+            if n_held:
+                expect[inst] = InstanceMatch(n_held, tuple(counts))
+        if keys and keys[0] in pooled:  # every instance of the model matches the pool's blocks
+            got = {i: m for i, m in ix.match("m", keys).items() if i in held}
+        else:
+            got = ix.match("m", keys)
+        assert got == expect
+        assert ix.stats().distinct_blocks == tuple(len(s.items()) for s in shard.summaries)

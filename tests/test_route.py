@@ -395,10 +395,14 @@ async def test_static_instances_without_events_are_routed_by_predicted_caches(
             await held.read()
             await wait_until(lambda: len(svc.router.ledger) == 0, what="both idle again")
             engines[busy].gate = None
+            # The sibling is held in its prefill, so the unrelated request cannot go where it went
+            # merely because that instance is idle again (a race with the sibling's release).
+            engines[free].gate, engines[free].gate_before_first = asyncio.Event(), True
             sibling = await send(http, PROMPT[: 6 * BS] + [3] * (2 * BS))
             unrelated = await send(http, other(2))
             assert sibling.headers["x-kvindex-instance"] == f"{free}/0"  # the predicted cache
-            assert unrelated.headers["x-kvindex-instance"] == f"{busy}/0"  # the idle default
+            assert unrelated.headers["x-kvindex-instance"] == f"{busy}/0"  # the idle one
+            engines[free].gate.set()  # type: ignore[union-attr]
             for resp in (sibling, unrelated):
                 await resp.read()
                 resp.release()

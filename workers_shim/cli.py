@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import signal
 import sys
 from collections.abc import Callable
 from typing import Any
 
 from kvindex.config import NatsSettings, add_nats_arguments, parse_layered
 from kvindex.config.nats import DEFAULT_URL
+from kvindex.lifecycle import Stop, run
 from kvindex.observability.logs import configure_logging
 from kvindex.wire.endpoint import BadEndpoint, check_endpoint
 from workers_shim.bridges.bridge import Bridge, BridgeConfig
@@ -216,44 +216,62 @@ def config_from_args(args: argparse.Namespace) -> BridgeConfig:
     )
 
 
-async def serve_bridge(config: BridgeConfig, stats_port: int | None = None) -> None:
-    """Run a bridge until SIGINT/SIGTERM, then flush and stop; raises the bridge's fatal error
-    (e.g. a block size conflict) after stopping it."""
+# A bridge's stop: cancel its loops, each rank's bounded goodbye, a bounded NATS close (~4 s at most).
+STOP_GRACE = 5.0
+
+
+async def serve_bridge(config: BridgeConfig, stats_port: int | None = None, stop: Stop | None = None) -> None:
+    """Run a bridge until ``stop`` is requested (SIGTERM/SIGINT/SIGHUP or the parent's exit when run
+    by :func:`kvindex.lifecycle.run`) or it fails, then flush and stop; raises the bridge's fatal
+    error (e.g. a block size conflict) after stopping it. A stop request during the start (NATS
+    down, still connecting) cancels the start."""
+    stop = stop or Stop()
     bridge = Bridge(config)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    await bridge.start()  # raises (bridge stopped) when the engine's history already conflicts
-    if stats_port is not None:
-        port = serve_stats(bridge.stats, stats_port)
-        bridge.log.info("kvshim_stats_serving", port=port)
-    signalled = asyncio.ensure_future(stop.wait())
     failed = asyncio.ensure_future(bridge.failed.wait())
     try:
-        await asyncio.wait({signalled, failed}, return_when=asyncio.FIRST_COMPLETED)
+        # raises (bridge stopped) when the engine's history already conflicts
+        await stop.run_or_stop(bridge.start())
+        if stop.requested:
+            return
+        if stats_port is not None:
+            port = serve_stats(bridge.stats, stats_port)
+            bridge.log.info("kvshim_stats_serving", port=port)
+        signalled = asyncio.ensure_future(stop.wait())
+        try:
+            await asyncio.wait({signalled, failed}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            signalled.cancel()
     finally:
-        signalled.cancel()
         failed.cancel()
         await bridge.stop()
     if bridge.failure is not None:
         raise bridge.failure
 
 
+def _failed(args: argparse.Namespace, exc: Exception) -> int:
+    import structlog
+
+    log = structlog.get_logger("workers_shim.cli")
+    log.error("kvshim_failed", error=str(exc), error_type=type(exc).__name__)
+    print(f"kvshim {args.engine}: {exc}", file=sys.stderr)  # the last line an operator sees
+    return 1
+
+
 def run_engine(args: argparse.Namespace) -> int:
     configure_logging(args.log_format, args.log_level)
     try:
         config = config_from_args(args)
-        asyncio.run(serve_bridge(config, args.stats_port))
     except Exception as exc:
-        import structlog
+        return _failed(args, exc)
 
-        structlog.get_logger("workers_shim.cli").error(
-            "kvshim_failed", error=str(exc), error_type=type(exc).__name__
-        )
-        print(f"kvshim {args.engine}: {exc}", file=sys.stderr)  # the last line an operator sees
-        return 1
-    return 0
+    async def main(stop: Stop) -> int:
+        try:
+            await serve_bridge(config, args.stats_port, stop)
+        except Exception as exc:
+            return _failed(args, exc)
+        return 0
+
+    return run(main, grace=STOP_GRACE, name="kvshim")
 
 
 def main(argv: list[str] | None = None) -> int:

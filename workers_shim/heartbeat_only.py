@@ -15,11 +15,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import signal
 from typing import Any
 
 import structlog
 
+from kvindex.lifecycle import Stop, run
 from workers_shim.bridges.engines import ENGINES
 from workers_shim.bridges.load import LoadReader, scrape
 from workers_shim.publisher import Publisher
@@ -50,34 +50,34 @@ def add_heartbeat_command(sub: Any, parse_endpoint: Any, parse_capacity: Any, po
 
 
 def run_heartbeat(args: argparse.Namespace) -> int:
+    """Until SIGTERM/SIGINT/SIGHUP or the parent's exit; stops within 5 s (kvindex/lifecycle)."""
     from kvindex.observability.logs import configure_logging
 
     configure_logging(args.log_format, args.log_level)
-    asyncio.run(heartbeat_until_signalled(args))
-    return 0
+    return run(lambda stop: heartbeat_until_signalled(args, stop), grace=5.0, name="kvshim-heartbeat")
 
 
-async def heartbeat_until_signalled(args: argparse.Namespace) -> None:
+async def heartbeat_until_signalled(args: argparse.Namespace, stop: Stop) -> None:
     log = structlog.get_logger("workers_shim.heartbeat")
-    pub = await Publisher.connect(
-        args.nats,
-        worker=args.worker_id,
-        model=args.model,
-        block_size=args.block_size,
-        subject_prefix=args.subject_prefix,
-        capacity=args.capacity,
-        endpoint=args.endpoint,
-        events=False,
-        heartbeat_interval=args.heartbeat_interval,
+    pub = await stop.run_or_stop(  # a stop while NATS is unreachable cancels the connect
+        Publisher.connect(
+            args.nats,
+            worker=args.worker_id,
+            model=args.model,
+            block_size=args.block_size,
+            subject_prefix=args.subject_prefix,
+            capacity=args.capacity,
+            endpoint=args.endpoint,
+            events=False,
+            heartbeat_interval=args.heartbeat_interval,
+        )
     )
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-        loop.add_signal_handler(sig, stop.set)
+    if pub is None:
+        return
     log.info("kvshim_started", mode="heartbeat", worker=args.worker_id, endpoint=args.endpoint)
     reader = LoadReader(ENGINES[args.engine])
     try:
-        while not stop.is_set():
+        while not stop.requested:
             if args.metrics_url:
                 try:
                     load = reader.load(await scrape(args.metrics_url, 2.0), 0)

@@ -24,6 +24,7 @@ from nats.aio.client import Client
 
 from kvindex.config.nats import NatsSettings
 from kvindex.config.nats import connect as nats_connect
+from kvindex.lifecycle import bounded, close_nats, finish
 from kvindex.wire import reconcile
 from kvindex.wire.codec import encode_batch, encode_status
 from kvindex.wire.endpoint import check_endpoint
@@ -441,32 +442,38 @@ class Publisher(WorkerLog):
             except Exception as exc:
                 self.log.warning("heartbeat_failed", error=str(exc))
 
-    async def close(self) -> None:
-        """Flush, send a last heartbeat and stop (closing the NATS connection if we opened it)."""
+    async def close(self, timeout: float = 2.0) -> None:
+        """Flush, send a last heartbeat and stop (closing the NATS connection if we opened it).
+
+        Takes at most about ``timeout`` seconds whatever the connection's state: the goodbye is only
+        attempted on a live connection and bounded, and the connection is closed the bounded way
+        (kvindex/lifecycle: a reconnect loop left running would keep the owner from exiting).
+        """
         if self._closed:
             return
-        for task in self._tasks:
-            task.cancel()
-        for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        # Not cancel-and-await: the flush loop's wait_for can lose a cancellation (Python 3.11).
+        await finish(self._tasks, timeout / 4)
         self._tasks = []
-        if not self.nc.is_closed:
-            for sub in self._subs:
-                with contextlib.suppress(Exception):
-                    await sub.unsubscribe()
-            try:
-                await self.heartbeat()
-                await self.nc.flush(timeout=2)
-            except Exception as exc:  # reconnecting or gone: the index will notice the silence
-                self.log.warning("final_heartbeat_failed", error=str(exc) or type(exc).__name__)
         self._closed = True
-        if self._owns_nc and not self.nc.is_closed:
-            try:
-                await self.nc.drain()
-            except Exception:  # reconnecting or reset: just close
-                with contextlib.suppress(Exception):
-                    await self.nc.close()
+        if not self.nc.is_closed:
+            # On a shared connection the next epoch's publisher answers these subjects from now on.
+            await bounded(self._unsubscribe(), timeout / 4, "unsubscribe", self.log)
+            if self.nc.is_connected:
+                await bounded(self._goodbye(), timeout / 4, "final_heartbeat", self.log)
+            else:  # reconnecting: the index will notice the silence
+                self.log.warning("final_heartbeat_skipped", reason="nats not connected")
+        if self._owns_nc:
+            await close_nats(self.nc, timeout / 2, log=self.log)
+
+    async def _unsubscribe(self) -> None:
+        subs, self._subs = self._subs, []
+        for sub in subs:
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
+
+    async def _goodbye(self) -> None:
+        await self.heartbeat()
+        await self.nc.flush(timeout=2)
 
     async def __aenter__(self) -> Publisher:
         return self

@@ -42,12 +42,11 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 from envoy.type.v3 import http_status_pb2
 from google.protobuf import struct_pb2
-from grpc_health.v1 import health_pb2, health_pb2_grpc
-from grpc_health.v1.health import aio as health_aio
 from prometheus_client import Counter
 
 from kvindex.api.openai_body import BodyError, PromptSpec, parse_body
 from kvindex.api.security import ServerSecurity
+from kvindex.api.server import READINESS, GrpcPort
 from kvindex.api.servicer import BadRequest, KvIndexServicer
 from kvindex.fleet.registry import InstanceState
 from kvindex.scoring.ledger import FINISHED, PREFILL
@@ -379,9 +378,13 @@ def _streamed_body(data: bytes, phase: str, end: bool = True) -> list[ep.Process
     return out
 
 
-class ExtProcServer:
+class ExtProcServer(GrpcPort):
     """The picker on its own port (``kvindex serve --ext-proc-port``), with the health services the
-    Inference Extension probes: ``liveness``, ``readiness`` and the ExternalProcessor service."""
+    Inference Extension probes: ``liveness``, ``readiness`` and the ExternalProcessor service. The
+    service's TLS / mutual TLS / token settings apply to this port too (docs/deploy.md)."""
+
+    ready_names = (READINESS, "", SERVICE_NAME)
+    what = "ext_proc"
 
     def __init__(
         self,
@@ -389,43 +392,10 @@ class ExtProcServer:
         host: str = "0.0.0.0",
         port: int = 9002,
         security: ServerSecurity | None = None,
+        ready: bool = True,
     ) -> None:
+        super().__init__(host, port, security, ready)
         self.picker = picker
-        # The service's TLS / mutual TLS / token settings apply to this port too (docs/deploy.md).
-        self.security = security or ServerSecurity()
-        self.host = host
-        self.requested_port = port
-        self.port = 0
-        self.health = health_aio.HealthServicer()
-        self._server: grpc.aio.Server | None = None
 
-    @property
-    def address(self) -> str:
-        host = "127.0.0.1" if self.host in ("0.0.0.0", "::", "[::]") else self.host
-        return f"{host}:{self.port}"
-
-    async def start(self, ready: bool = True) -> None:
-        server = self.security.new_server(options=[("grpc.so_reuseport", 0)])
+    def register(self, server: grpc.aio.Server) -> None:
         ep_grpc.add_ExternalProcessorServicer_to_server(self.picker, server)
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
-        address = f"{self.host}:{self.requested_port}"
-        self.port = self.security.add_port(server, address)
-        if not self.port:
-            raise OSError(f"cannot bind the ext_proc port {address}")
-        await server.start()
-        self._server = server
-        await self.health.set("liveness", health_pb2.HealthCheckResponse.SERVING)
-        await self.set_ready(ready)
-
-    async def set_ready(self, ready: bool) -> None:
-        status = (
-            health_pb2.HealthCheckResponse.SERVING if ready else health_pb2.HealthCheckResponse.NOT_SERVING
-        )
-        for name in ("", "readiness", SERVICE_NAME):
-            await self.health.set(name, status)
-
-    async def stop(self, grace: float = 1.0) -> None:
-        if self._server is not None:
-            await self.set_ready(False)
-            await self._server.stop(grace)
-            self._server = None

@@ -259,6 +259,7 @@ class ServerSecurity:
         self.token = TokenFile(token_file, reload_interval) if token_file else None
         self.interceptor = TokenAuthInterceptor(self.token, exempt_services) if self.token else None
         self._credentials: grpc.ServerCredentials | None = None
+        self._reload_interval = reload_interval
         if self.token is not None and tls is None:
             # Legitimate behind a mesh sidecar that terminates TLS; otherwise the token crosses in clear.
             log.warning("auth_token_without_tls", hint="the token is sent in clear unless a proxy adds TLS")
@@ -296,9 +297,13 @@ class ServerSecurity:
 
     def add_port(self, server: grpc.aio.Server, address: str) -> int:
         """Bind ``address`` (TLS when configured); the bound port, 0 when binding failed."""
-        if self._credentials is None:
+        if self.tls is None:
             return server.add_insecure_port(address)
-        return server.add_secure_port(address, self._credentials)
+        # Dynamic credentials hand their initial configuration to the first port only (gRPC's fetcher
+        # wrapper); a second port sharing them fails to bind. Each port (API, ext_proc) gets its own.
+        credentials = self._credentials or self.tls.credentials(self._reload_interval)
+        self._credentials = None
+        return server.add_secure_port(address, credentials)
 
 
 # -- client --------------------------------------------------------------------------------------

@@ -1,4 +1,9 @@
-"""The gRPC server: KvIndex plus the standard health and reflection services (grpcurl works)."""
+"""The gRPC server: KvIndex plus the standard health and reflection services (grpcurl works).
+
+Health service names: ``liveness`` (SERVING while the process answers), ``readiness`` (whether the
+index should be asked: see kvindex/service/readiness.py), and ``""`` and ``kvindex.v1.KvIndex``
+reporting readiness (what a plain health check or a client of the KvIndex service wants to know).
+"""
 
 from __future__ import annotations
 
@@ -12,18 +17,26 @@ from kvindex.api.servicer import KvIndexServicer
 from kvindex.v1 import kvindex_pb2, kvindex_pb2_grpc
 
 SERVICE_NAME = kvindex_pb2.DESCRIPTOR.services_by_name["KvIndex"].full_name
+LIVENESS = "liveness"
+READINESS = "readiness"
+_SERVING = health_pb2.HealthCheckResponse.SERVING
+_NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
 
-class GrpcServer:
+class GrpcPort:
+    """A ``grpc.aio`` server on one port with the health services: ``liveness`` while it answers, and
+    readiness under each name in ``ready_names``. Subclasses add their services in :meth:`register`."""
+
+    ready_names: tuple[str, ...] = (READINESS, "")
+    options: tuple[tuple[str, int], ...] = (("grpc.so_reuseport", 0),)
+    what = "gRPC"
+
     def __init__(
-        self,
-        servicer: KvIndexServicer,
-        host: str = "0.0.0.0",
-        port: int = 50051,
-        security: ServerSecurity | None = None,
+        self, host: str, port: int, security: ServerSecurity | None = None, ready: bool = True
     ) -> None:
-        self.servicer = servicer
+        """``ready``: readiness once started (False: the owner calls :meth:`set_ready` when it is)."""
         self.security = security or ServerSecurity()  # default: plaintext, no token
+        self.ready = ready
         self.host = host
         self.requested_port = port
         self.port = 0
@@ -35,15 +48,52 @@ class GrpcServer:
         host = "127.0.0.1" if self.host in ("0.0.0.0", "::", "[::]") else self.host
         return f"{host}:{self.port}"
 
+    def register(self, server: grpc.aio.Server) -> None:
+        raise NotImplementedError
+
     async def start(self) -> None:
-        server = self.security.new_server(
-            options=[
-                ("grpc.max_receive_message_length", 64 * 1024 * 1024),
-                ("grpc.so_reuseport", 0),
-            ]
-        )
-        kvindex_pb2_grpc.add_KvIndexServicer_to_server(self.servicer, server)
+        server = self.security.new_server(options=list(self.options))
+        self.register(server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        self.port = self.security.add_port(server, f"{self.host}:{self.requested_port}")
+        if not self.port:
+            raise OSError(f"cannot bind the {self.what} port {self.host}:{self.requested_port}")
+        await server.start()
+        self._server = server
+        await self.health.set(LIVENESS, _SERVING)
+        await self.set_ready(self.ready)
+
+    async def set_ready(self, ready: bool) -> None:
+        self.ready = ready
+        status = _SERVING if ready else _NOT_SERVING
+        for name in self.ready_names:
+            await self.health.set(name, status)
+
+    async def stop(self, grace: float = 1.0) -> None:
+        """Not ready first, then in-flight RPCs get up to ``grace`` seconds; new ones are refused."""
+        if self._server is not None:
+            await self.set_ready(False)
+            await self._server.stop(grace)
+            self._server = None
+
+
+class GrpcServer(GrpcPort):
+    ready_names = (READINESS, "", SERVICE_NAME)
+    options = (("grpc.max_receive_message_length", 64 * 1024 * 1024), ("grpc.so_reuseport", 0))
+
+    def __init__(
+        self,
+        servicer: KvIndexServicer,
+        host: str = "0.0.0.0",
+        port: int = 50051,
+        security: ServerSecurity | None = None,
+        ready: bool = True,
+    ) -> None:
+        super().__init__(host, port, security, ready)
+        self.servicer = servicer
+
+    def register(self, server: grpc.aio.Server) -> None:
+        kvindex_pb2_grpc.add_KvIndexServicer_to_server(self.servicer, server)
         reflection.enable_server_reflection(
             (
                 SERVICE_NAME,
@@ -52,22 +102,3 @@ class GrpcServer:
             ),
             server,
         )
-        self.port = self.security.add_port(server, f"{self.host}:{self.requested_port}")
-        if not self.port:
-            raise OSError(f"cannot bind gRPC port {self.host}:{self.requested_port}")
-        await server.start()
-        self._server = server
-        await self.set_serving(True)
-
-    async def set_serving(self, serving: bool) -> None:
-        status = (
-            health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
-        )
-        await self.health.set("", status)
-        await self.health.set(SERVICE_NAME, status)
-
-    async def stop(self, grace: float = 1.0) -> None:
-        if self._server is not None:
-            await self.set_serving(False)
-            await self._server.stop(grace)
-            self._server = None

@@ -322,7 +322,7 @@ class KvIndexServicer(pb_grpc.KvIndexServicer):
         if not block_size:
             return response  # unknown model: empty ranking, not an error
         route = RouteRequest(model, keys, prompt, block_size, request.request_id, role)
-        result = self.router.score(route, candidates, policy, commit=request.commit)
+        result = self.router.score(route, candidates, policy, commit=request.commit, top_k=request.top_k)
         if result.committed is not None:
             response.committed_instance_id = result.committed.instance_id
         choices = result.choices[: request.top_k] if request.top_k else result.choices

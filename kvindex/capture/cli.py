@@ -8,10 +8,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
 import re
-import signal
 import sys
 import time
 from datetime import datetime
@@ -21,6 +19,7 @@ from typing import Any
 from kvindex.api.security import add_server_options
 from kvindex.capture.format import LogError, zstd_available
 from kvindex.config.nats import NatsConfigError, NatsConnectError, NatsSettings, add_nats_arguments
+from kvindex.lifecycle import Stop, run
 
 _UNITS = {"": 1.0, "s": 1.0, "m": 60.0, "h": 3600.0, "ms": 0.001}
 _DURATION_RE = re.compile(r"(\d+(?:\.\d*)?)(ms|s|m|h)?")
@@ -166,33 +165,27 @@ def run_capture(args: argparse.Namespace) -> int:
         print("error: capture needs --nats URL (or KVINDEX_NATS_URL)", file=sys.stderr)
         return 2
 
-    async def main() -> None:
+    async def main(stop: Stop) -> int:
         cap = Capture(settings, CaptureConfig(args.out, args.max_bytes, args.zstd), args.subject_prefix)
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            with contextlib.suppress(NotImplementedError):
-                loop.add_signal_handler(sig, stop.set)
         if args.duration > 0:
-            loop.call_later(args.duration, stop.set)
-        await cap.start()
+            asyncio.get_running_loop().call_later(args.duration, stop.request, "duration")
         try:
+            await stop.run_or_stop(cap.start())  # a stop while NATS is unreachable cancels the start
             await stop.wait()
+        except (NatsConfigError, NatsConnectError) as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
         finally:
-            await cap.stop()
+            await cap.stop()  # bounded NATS close, then the log is closed cleanly (a CLOSE record)
         w = cap.recorder.writer
         print(
             f"captured {cap.recorder.messages} messages ({w.records} records, {w.bytes_written} bytes, "
             f"{w.segment + 1} segment(s)) to {args.out}",
             file=sys.stderr,
         )
+        return 0
 
-    try:
-        asyncio.run(main())
-    except (NatsConfigError, NatsConnectError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    return 0
+    return run(main, grace=5.0, name="kvindex-capture")
 
 
 # -- replay --------------------------------------------------------------------------------------
@@ -320,7 +313,9 @@ def run_replay(args: argparse.Namespace) -> int:
     if show != "none":
         out.line("timeline:", "bold")
     if args.serve:
-        return asyncio.run(_replay_and_serve(driver, args, out, queries))
+        return run(
+            lambda stop: _replay_and_serve(driver, args, out, queries, stop), grace=2.0, name="kvindex-replay"
+        )
     _drive(driver, args, out)
     return _report(driver, args, out, queries)
 
@@ -345,7 +340,9 @@ def _drive(driver: Any, args: argparse.Namespace, out: Output) -> None:
         progress.update(task, completed=stats.bytes_total)
 
 
-async def _replay_and_serve(driver: Any, args: argparse.Namespace, out: Output, queries: list) -> int:
+async def _replay_and_serve(
+    driver: Any, args: argparse.Namespace, out: Output, queries: list, stop: Stop
+) -> int:
     """Serve the API while replaying (``--speed`` N: watch the state evolve), then keep serving."""
     from kvindex.api.security import ServerSecurity
     from kvindex.capture.serve import serve_replayed
@@ -353,15 +350,10 @@ async def _replay_and_serve(driver: Any, args: argparse.Namespace, out: Output, 
     security = ServerSecurity.from_args(args)
     server = await serve_replayed(driver.replayer, args.grpc_host, args.grpc_port, security)
     out.line(f"serving the replayed state on {server.address} (gRPC KvIndex; Ctrl-C stops)", "bold")
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        with contextlib.suppress(NotImplementedError):
-            loop.add_signal_handler(sig, stop.set)
     try:
         previous = None
         n = 0
-        while not stop.is_set() and (mono := driver.step()) is not None:
+        while not stop.requested and (mono := driver.step()) is not None:
             n += 1
             if args.speed > 0 and previous is not None and mono > previous:
                 await asyncio.sleep((mono - previous) / args.speed)
@@ -369,7 +361,7 @@ async def _replay_and_serve(driver: Any, args: argparse.Namespace, out: Output, 
                 await asyncio.sleep(0)  # let queries in
             previous = mono
         code = _report(driver, args, out, queries)
-        if not stop.is_set():
+        if not stop.requested:
             out.line(f"replay done; still serving on {server.address}", "bold")
             await stop.wait()
         return code

@@ -12,7 +12,6 @@ never stops the service: a write error disables the recorder (logged once) and i
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 import socket
 import time
@@ -30,6 +29,8 @@ from kvindex.capture.format import LogWriter
 from kvindex.config.nats import NatsSettings
 from kvindex.config.nats import connect as nats_connect
 from kvindex.index.base import InstanceKey
+from kvindex.lifecycle import close_nats
+from kvindex.lifecycle.bounded import finish
 from kvindex.wire.reconcile import Snapshot
 from kvindex.wire.subjects import EVENTS, STATUS
 
@@ -224,9 +225,7 @@ class Recorder:
 
     async def stop(self, reason: str = "stopped") -> None:
         if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+            await finish([self._task], 1.0)
             self._task = None
         self.close(reason)
 
@@ -326,8 +325,7 @@ class Capture:
             self.recorder.message(msg.subject, msg.data)
 
     async def stop(self) -> None:
-        if self.nc is not None:
-            nc, self.nc = self.nc, None
-            with contextlib.suppress(Exception):
-                await nc.drain()
+        """Drain what NATS already delivered (bounded, whatever its state), then close the log."""
+        nc, self.nc = self.nc, None
+        await close_nats(nc, 2.0, log=self.log)
         await self.recorder.stop()

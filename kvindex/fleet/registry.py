@@ -5,14 +5,37 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from operator import attrgetter
+from typing import TYPE_CHECKING
 
 from kvindex.index.base import InstanceKey
-from kvindex.wire.schema import LOCAL_TIERS, SHARED, Load
+from kvindex.wire.schema import CPU, DISK, GPU, SHARED, Load
 
 
 def instance_id(instance: InstanceKey) -> str:
     """The id the API reports: ``worker/dp_rank`` ('/' never occurs in a worker id)."""
     return f"{instance[0]}/{instance[1]}"
+
+
+# The fields a ranking depends on (load, heartbeat time, health, capacity). Setting one tells the
+# registry's watchers which instance changed, so that rankers can keep per-instance state up to date
+# at heartbeats instead of re-reading every instance on every request (kvindex/scoring/fleet_table.py).
+# (local_blocks_seen is not watched: the consumer sets it on every batch with local blocks, and it
+# only matters while no capacity is reported; rankers re-read it for those few instances.)
+_WATCHED = ("load", "last_status_at", "stale", "capacity")
+
+
+def _watched(name: str) -> property:
+    slot = "_" + name
+    store = getattr(InstanceState, slot).__set__  # the slot's own descriptor
+
+    def set_(self: InstanceState, value: object) -> None:
+        store(self, value)
+        for changed in self._watchers:
+            changed.add(self.key)
+
+    # Reads stay in C (attrgetter): candidates read load and last_status_at of every instance.
+    return property(attrgetter(slot), set_)
 
 
 @dataclass(slots=True)
@@ -24,10 +47,10 @@ class InstanceState:
     last_seq: int = 0
     last_event_ts: float = 0.0
     first_seen: float = 0.0
-    last_status_at: float | None = None  # local monotonic time of the last heartbeat
+    _last_status_at: float | None = None  # local monotonic time of the last heartbeat
     last_status_ts: float = 0.0  # worker's own timestamp in that heartbeat
-    load: Load = field(default_factory=Load)
-    capacity: dict[int, int] = field(default_factory=dict)
+    _load: Load = field(default_factory=Load)
+    _capacity: dict[int, int] = field(default_factory=dict)
     reported_digest: dict[int, tuple[int, int]] = field(default_factory=dict)
     reported_seq: int = 0
     batches: int = 0
@@ -36,19 +59,27 @@ class InstanceState:
     restarts: int = 0
     local_blocks_seen: bool = False
     sync: str = "synced"  # synced | replay | snapshot: what the index is doing to stay exact
-    stale: bool = False  # no heartbeat for a while: excluded from rankings
     # Where routers send this instance's requests ("host:port", from its heartbeats); None: unknown.
     endpoint: str | None = None
     # No KV events from this instance (heartbeat-only worker, or a static --instance): its blocks in
     # the index are predicted from routing decisions (kvindex/scoring/approximate.py).
     approximate: bool = False
     static: bool = False  # registered from the command line: never stale, never forgotten
+    _stale: bool = False  # no heartbeat for a while: excluded from rankings
+    # Sets the registry's watchers drain (Registry.watch); each gets the key of a changed instance.
+    _watchers: tuple[set[InstanceKey], ...] = ()
+
     # Most blocks the index keeps per tier for this instance (kvindex/ingest/limits.py), and the
     # tiers (bit 1 << tier) where stores were refused: the index holds a subset of the worker's
     # blocks there, so the digest check skips them until the worker reports fitting again.
     # None until the consumer first needs it (instances registered elsewhere, e.g. static ones).
     block_limits: tuple[int, int, int, int] | None = None
     capped: int = 0
+    if TYPE_CHECKING:  # properties installed below the class (watched fields)
+        load: Load
+        last_status_at: float | None
+        capacity: dict[int, int]
+        stale: bool
 
     @property
     def instance_id(self) -> str:
@@ -65,12 +96,19 @@ class InstanceState:
     @property
     def is_pool(self) -> bool:
         """A shared-pool publisher (e.g. a bridge in front of Mooncake Store): not routable."""
-        if self.capacity:
-            return SHARED in self.capacity and not any(self.capacity.get(t) for t in LOCAL_TIERS)
+        capacity = self.capacity
+        if capacity:
+            get = capacity.get  # (no generator: rankers ask this per instance)
+            return SHARED in capacity and not (get(GPU) or get(CPU) or get(DISK))
         return not self.local_blocks_seen and self.batches > 0
 
     def status_age(self, now: float) -> float | None:
         return None if self.last_status_at is None else max(0.0, now - self.last_status_at)
+
+
+# Assigning a new Load (as heartbeats do) is seen; mutating one in place is not.
+for _name in _WATCHED:
+    setattr(InstanceState, _name, _watched(_name))
 
 
 class Registry:
@@ -82,6 +120,16 @@ class Registry:
         self._by_model: dict[str, dict[InstanceKey, InstanceState]] = {}
         # endpoint -> instances announcing it (the ranks of one data-parallel engine share its server)
         self._by_endpoint: dict[str, dict[InstanceKey, InstanceState]] = {}
+        self._watchers: tuple[set[InstanceKey], ...] = ()
+
+    def watch(self) -> set[InstanceKey]:
+        """A set that receives the key of every instance added, removed or assigned a watched field
+        (load, heartbeat time, staleness, capacity) from now on; the caller drains it."""
+        changed: set[InstanceKey] = set(self._states)
+        self._watchers = (*self._watchers, changed)
+        for state in self._states.values():
+            state._watchers = self._watchers
+        return changed
 
     def __len__(self) -> int:
         return len(self._states)
@@ -103,7 +151,10 @@ class Registry:
 
     def add(self, instance: InstanceKey, model: str, block_size: int) -> InstanceState:
         state = InstanceState(instance, model, block_size, first_seen=self.clock())
+        state._watchers = self._watchers
         self._states[instance] = state
+        for changed in self._watchers:
+            changed.add(instance)
         self._by_model.setdefault(model, {})[instance] = state
         return state
 
@@ -111,11 +162,18 @@ class Registry:
         state = self._states.pop(instance, None)
         if state is not None:
             self.set_endpoint(state, None)
+            for changed in self._watchers:
+                changed.add(instance)
+            state._watchers = ()
             members = self._by_model[state.model]
             del members[instance]
             if not members:
                 del self._by_model[state.model]
         return state
+
+    def members(self, model: str) -> dict[InstanceKey, InstanceState]:
+        """The model's instances by key (a live view: do not modify)."""
+        return self._by_model.get(model, {})
 
     def count(self, model: str) -> int:
         """Instances of ``model``."""

@@ -84,6 +84,23 @@ cdef uint64_t* _key_array(list keys) except NULL:
     return out
 
 
+cdef class KeyArray:
+    """A request's keys as u64, converted once per match and shared by the banks it walks."""
+
+    cdef uint64_t* data
+    cdef Py_ssize_t n
+
+    def __cinit__(self, list keys):
+        self.data = _key_array(keys)
+        self.n = len(keys)
+
+    def __dealloc__(self):
+        free(self.data)
+
+    def __len__(self):
+        return self.n
+
+
 cdef class KeyLog:
     """Append-only u64 buffer: the keys one (instance, tier) added, for O(own blocks) clearing."""
 
@@ -135,6 +152,12 @@ cdef class BlockTable:
     cdef Cell* cells
     cdef uint64_t mask
     cdef Py_ssize_t count
+    # Models with more than one bank: a table per tier saying which banks hold each key (bit
+    # bank % 64), kept here as keys appear and disappear, so that a match walks only those banks.
+    # ``siblings`` are the other banks' tables of this tier sharing this bank's bit (> 64 banks).
+    cdef BlockTable summary
+    cdef uint64_t group_bit
+    cdef list siblings
 
     def __cinit__(self, Py_ssize_t capacity=16):
         cdef uint64_t cap = 16
@@ -143,6 +166,9 @@ cdef class BlockTable:
         self.cells = _alloc_cells(cap)
         self.mask = cap - 1
         self.count = 0
+        self.summary = None
+        self.group_bit = 0
+        self.siblings = []
 
     def __dealloc__(self):
         free(self.cells)
@@ -209,9 +235,50 @@ cdef class BlockTable:
         cells[i].key = 0
         self.count -= 1
 
+    cdef int _or_bits(self, uint64_t key, uint64_t bits) except -1:
+        cdef Cell* cell
+        self._reserve_one()
+        cell = &self.cells[self._slot(key)]
+        if cell.val == 0:
+            cell.key = key
+            cell.val = bits
+            self.count += 1
+        else:
+            cell.val |= bits
+        return 0
+
+    cdef int _gone(self, uint64_t key) except -1:
+        """``key`` left this table: drop this bank's bit from the summary unless a sibling holds it."""
+        cdef BlockTable sib
+        cdef uint64_t i
+        for sib in self.siblings:
+            if sib.get(key):
+                return 0
+        i = self.summary._slot(key)
+        if self.summary.cells[i].val:
+            self.summary.cells[i].val &= ~self.group_bit
+            if self.summary.cells[i].val == 0:
+                self.summary._delete_at(i)
+        return 0
+
+    def link_summary(self, BlockTable summary, uint64_t group_bit):
+        """Report this table's keys to ``summary`` under ``group_bit`` from now on (and now)."""
+        cdef uint64_t i
+        self.summary = summary
+        self.group_bit = group_bit
+        summary._rehash_for(self.count)
+        for i in range(self.mask + 1):
+            if self.cells[i].val:
+                summary._or_bits(self.cells[i].key, group_bit)
+
+    def set_siblings(self, list siblings):
+        self.siblings = siblings
+
     cdef int _maybe_shrink(self) except -1:
         # Halve when under 1/8 full so that a fleet that shrinks gives memory back.
         cdef uint64_t cap = self.mask + 1
+        if self.summary is not None:
+            self.summary._maybe_shrink()
         if cap > 1024 and <uint64_t>self.count * 8 < cap:
             while cap > 1024 and <uint64_t>self.count * 4 < cap:
                 cap >>= 1
@@ -229,6 +296,8 @@ cdef class BlockTable:
             cell.key = key
             cell.val = bit
             self.count += 1
+            if self.summary is not None:
+                self.summary._or_bits(key, self.group_bit)
         elif cell.val & bit:
             return 0
         else:
@@ -236,15 +305,17 @@ cdef class BlockTable:
         log.push(key)
         return 1
 
-    cdef inline bint _unset(self, uint64_t key, uint64_t bit) noexcept nogil:
-        """Clear ``bit`` on ``key``; whether it was set. The caller shrinks afterwards."""
+    cdef inline int _unset(self, uint64_t key, uint64_t bit) except -1:
+        """Clear ``bit`` on ``key``; 1 when it was set. The caller shrinks afterwards."""
         cdef uint64_t i = self._slot(key)
         if self.cells[i].val & bit:
             self.cells[i].val ^= bit
             if self.cells[i].val == 0:
                 self._delete_at(i)
-            return True
-        return False
+                if self.summary is not None:
+                    self._gone(key)
+            return 1
+        return 0
 
     def add_bit(self, object keys, uint64_t bit, KeyLog log):
         """Set ``bit`` on every key; returns (newly set count, xor of those keys). Logs new keys."""
@@ -280,6 +351,8 @@ cdef class BlockTable:
                 self.cells[i].val ^= bit
                 if self.cells[i].val == 0:
                     self._delete_at(i)
+                    if self.summary is not None:
+                        self._gone(log.data[n])
                 cleared += 1
         self._maybe_shrink()
         return cleared
@@ -470,7 +543,7 @@ cdef int _walk_gpu(BlockTable gpu, uint64_t* karr, Py_ssize_t n, uint64_t alive,
     return count
 
 
-def match_gpu_into(BlockTable gpu, list keys, uint64_t alive, list owners, dict out, dict same,
+def match_gpu_into(BlockTable gpu, KeyArray keys, uint64_t alive, list owners, dict out, dict same,
                    object match_type):
     """Longest consecutive prefix of ``keys`` per slot in ``alive``, one table (a 64-slot bank),
     stored straight into ``out``: ``owners[slot]`` -> ``match_type(n, (n, 0, 0, 0))`` for slots
@@ -479,11 +552,7 @@ def match_gpu_into(BlockTable gpu, list keys, uint64_t alive, list owners, dict 
     cdef int slots[64]
     cdef Py_ssize_t lens[64]
     cdef int count, j
-    cdef uint64_t* karr = _key_array(keys)
-    try:
-        count = _walk_gpu(gpu, karr, len(keys), alive, slots, lens)
-    finally:
-        free(karr)
+    count = _walk_gpu(gpu, keys.data, keys.n, alive, slots, lens)
     for j in range(count):
         n = lens[j]
         m = same.get(n)
@@ -508,7 +577,7 @@ cdef inline bint _in_pool(list pools, uint64_t key):
     return False
 
 
-def match_tiered(BlockTable gpu, BlockTable cpu, BlockTable disk, list pools, list keys, uint64_t alive):
+def match_tiered(BlockTable gpu, BlockTable cpu, BlockTable disk, list pools, KeyArray keys, uint64_t alive):
     """Like match_gpu_into, but a block counts if it is on any local tier of the slot or in the pool.
 
     ``pools`` are the model's shared-tier tables (one per bank): any holder there makes the block
@@ -516,13 +585,13 @@ def match_tiered(BlockTable gpu, BlockTable cpu, BlockTable disk, list pools, li
     attributed to the fastest tier holding it. Per-tier counts are accumulated over runs of equal
     holder patterns, so per-slot work happens only where the pattern changes.
     """
-    cdef Py_ssize_t n = len(keys), i, run = 0
+    cdef Py_ssize_t n = keys.n, i, run = 0
     cdef long long counts[256]
     cdef long long lengths[64]
     cdef uint64_t key, on_gpu, on_cpu, on_disk, in_pool, rest, still
     cdef uint64_t p_gpu = 0, p_cpu = 0, p_disk = 0, p_pool = 0, dropped
     cdef int slot
-    cdef uint64_t* karr = _key_array(keys)
+    cdef uint64_t* karr = keys.data
     for i in range(256):
         counts[i] = 0
     for i in range(64):
@@ -558,7 +627,6 @@ def match_tiered(BlockTable gpu, BlockTable cpu, BlockTable disk, list pools, li
             alive = still
             if not alive:
                 break
-    free(karr)
     if run:
         _add_run(counts, p_gpu, 0, run)
         _add_run(counts, p_cpu, 1, run)
@@ -754,3 +822,27 @@ def apply_events(list events, dict tier_numbers, list tables, list logs, uint64_
         n_ev[2],
         local == 1,
     ))
+
+
+# -- rendezvous weights (kvindex.scoring.home) ------------------------------------------------------
+
+cdef extern from *:
+    """
+    #include "../_xxh3.h"
+    """
+    uint64_t kvx_xxh3_64(const void* data, size_t length, uint64_t seed) nogil
+
+from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_GET_SIZE
+
+
+def rendezvous_weights(list ids, uint64_t seed, uint64_t[::1] out):
+    """``out[i] = xxh3_64(ids[i], seed)`` (bytes ids): the rendezvous weights of kvindex.scoring.home
+    for a whole fleet in one loop, for the pruned rankings' home lookups (kvindex/scoring/fleet_table.py).
+    Here rather than in a module of its own because this is the index's one native extension."""
+    cdef Py_ssize_t i, n = len(ids)
+    cdef bytes b
+    if out.shape[0] < n:
+        raise ValueError("out is shorter than ids")
+    for i in range(n):
+        b = <bytes>ids[i]
+        out[i] = kvx_xxh3_64(PyBytes_AS_STRING(b), PyBytes_GET_SIZE(b), seed)

@@ -36,6 +36,14 @@ class KeyLog:
         self.data = array("Q")
 
 
+def KeyArray(keys: list[int]) -> list[int]:  # named like the native class
+    """See _native.KeyArray: the keys, checked once per match."""
+    for key in keys:
+        if not 0 <= key < 1 << 64:
+            raise OverflowError("keys are unsigned 64-bit integers")
+    return keys
+
+
 def _bits(mask: int) -> Iterator[int]:
     while mask:
         low = mask & -mask
@@ -54,10 +62,32 @@ class Differ:
 
 
 class BlockTable:
-    __slots__ = ("_d",)
+    __slots__ = ("_d", "group_bit", "siblings", "summary")
 
     def __init__(self, capacity: int = 16) -> None:
         self._d: dict[int, int] = {}
+        self.summary: BlockTable | None = None  # see _native.BlockTable: banks holding each key
+        self.group_bit = 0
+        self.siblings: list[BlockTable] = []
+
+    def link_summary(self, summary: BlockTable, group_bit: int) -> None:
+        self.summary = summary
+        self.group_bit = group_bit
+        for key in self._d:
+            summary._d[key] = summary._d.get(key, 0) | group_bit
+
+    def set_siblings(self, siblings: list[BlockTable]) -> None:
+        self.siblings = siblings
+
+    def _gone(self, key: int) -> None:
+        summary = self.summary
+        if summary is None or any(key in sib._d for sib in self.siblings):
+            return
+        held = summary._d.get(key, 0) & ~self.group_bit
+        if held:
+            summary._d[key] = held
+        else:
+            summary._d.pop(key, None)
 
     def add_bit(self, keys: Iterable[int], bit: int, log: KeyLog) -> tuple[int, int]:
         d = self._d
@@ -71,6 +101,9 @@ class BlockTable:
             if held & bit:
                 continue
             d[key] = held | bit
+            if not held and self.summary is not None:
+                sd = self.summary._d
+                sd[key] = sd.get(key, 0) | self.group_bit
             added += 1
             x ^= key
             push(key)
@@ -85,6 +118,7 @@ class BlockTable:
             if held & bit:
                 if held == bit:
                     del d[key]
+                    self._gone(key)
                 else:
                     d[key] = held ^ bit
                 removed += 1

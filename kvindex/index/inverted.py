@@ -48,10 +48,22 @@ class _Bank:
 class _Shard:
     """All instances of one model: slot allocation and the banks."""
 
-    __slots__ = ("bank_masks", "bank_owners", "banks", "free_slots", "impl", "next_slot", "slot_owner")
+    __slots__ = (
+        "bank_masks",
+        "bank_owners",
+        "banks",
+        "free_slots",
+        "impl",
+        "next_slot",
+        "slot_owner",
+        "summaries",
+    )
 
     def __init__(self, impl: Any) -> None:
         self.impl = impl
+        # With more than one bank, per tier: key -> banks holding it (bit bank % 64), kept by the
+        # banks' tables themselves; a match then walks only the banks that hold the first block.
+        self.summaries: list[Any] | None = None
         self.banks: list[_Bank] = []
         self.bank_masks: list[int] = []  # occupied slots per bank
         self.bank_owners: list[list[InstanceKey | None]] = []  # per bank, the instance in each slot
@@ -71,10 +83,52 @@ class _Shard:
             self.banks.append(_Bank(self.impl))
             self.bank_masks.append(0)
             self.bank_owners.append([None] * BANK_SLOTS)
+            self._link_summaries()
         self.slot_owner[slot] = instance
         self.bank_owners[slot // BANK_SLOTS][slot % BANK_SLOTS] = instance
         self.bank_masks[slot // BANK_SLOTS] |= 1 << (slot % BANK_SLOTS)
         return slot
+
+    def _link_summaries(self) -> None:
+        """Banks came into being: the model's second bank starts the summaries (from what bank 0
+        already holds); every bank reports to them, and banks sharing a bit know each other."""
+        if len(self.banks) < 2:
+            return
+        if self.summaries is None:
+            self.summaries = [self.impl.BlockTable() for _ in range(_N_TIERS)]
+            linked = 0
+        else:
+            linked = len(self.banks) - 1
+        for b in range(linked, len(self.banks)):
+            for t, table in enumerate(self.banks[b].tiers):
+                table.link_summary(self.summaries[t], 1 << (b % BANK_SLOTS))
+        for b in range(linked, len(self.banks)):
+            group = [g for g in range(b % BANK_SLOTS, len(self.banks), BANK_SLOTS)]
+            if len(group) < 2:
+                continue
+            for t in range(_N_TIERS):
+                for g in group:
+                    self.banks[g].tiers[t].set_siblings([self.banks[o].tiers[t] for o in group if o != g])
+
+    def holding_banks(self, first_key: int, alive: list[int]) -> list[int]:
+        """Banks with candidates that hold ``first_key`` on a local tier (from the summaries; all
+        banks with candidates when the shared pool holds it: then every instance matches it)."""
+        sums = self.summaries
+        if sums is None:
+            return [b for b, mask in enumerate(alive) if mask]
+        if sums[_SHARED].get_mask(first_key):
+            return [b for b, mask in enumerate(alive) if mask]
+        groups = sums[0].get_mask(first_key) | sums[1].get_mask(first_key) | sums[2].get_mask(first_key)
+        out = []
+        n = len(alive)
+        while groups:
+            low = groups & -groups
+            for b in range(low.bit_length() - 1, n, BANK_SLOTS):
+                if alive[b]:
+                    out.append(b)
+            groups ^= low
+        out.sort()
+        return out
 
     def release(self, slot: int) -> None:
         del self.slot_owner[slot]
@@ -223,22 +277,28 @@ class InvertedIndex:
                 holder = holders.get(inst)
                 if holder is not None and holder.shard is shard:
                     alive[holder.slot // BANK_SLOTS] |= holder.bit
-        pools = [bank.tiers[_SHARED] for bank in shard.banks if len(bank.tiers[_SHARED])]
+        if shard.summaries is not None:  # the shared tier's summary: "in some bank's pool"
+            pool = shard.summaries[_SHARED]
+            pools = [pool] if len(pool) else []
+        else:
+            pools = [bank.tiers[_SHARED] for bank in shard.banks if len(bank.tiers[_SHARED])]
         owner = shard.slot_owner
         out: dict[InstanceKey, InstanceMatch] = {}
         same: dict[int, InstanceMatch] = {}
         new = tuple.__new__  # skips the namedtuple's Python-level __new__ on this hot path
-        for b, mask in enumerate(alive):
-            if not mask:
-                continue
+        karr = self.impl.KeyArray(keys)  # converted once for every bank walked
+        # Only the banks holding the first block (or all, if the pool does) can match anything; each
+        # bank's walk stops at its first block that none of its instances holds.
+        for b in shard.holding_banks(keys[0], alive):
+            mask = alive[b]
             base = b * BANK_SLOTS
             gpu, cpu, disk, _pool = shard.banks[b].tiers
             if pools or len(cpu) or len(disk):
-                for slot, n, g, c, d, s in self.impl.match_tiered(gpu, cpu, disk, pools, keys, mask):
+                for slot, n, g, c, d, s in self.impl.match_tiered(gpu, cpu, disk, pools, karr, mask):
                     out[owner[base + slot]] = new(InstanceMatch, (n, (g, c, d, s)))
             else:
                 # Matches of one length are equal and immutable: each is built once.
-                self.impl.match_gpu_into(gpu, keys, mask, shard.bank_owners[b], out, same, InstanceMatch)
+                self.impl.match_gpu_into(gpu, karr, mask, shard.bank_owners[b], out, same, InstanceMatch)
         return out
 
     def block_counts(self, instance: InstanceKey) -> tuple[int, int, int, int]:
@@ -275,12 +335,16 @@ class InvertedIndex:
         return iter(list(log))
 
     def stats(self) -> IndexStats:
-        # Distinct keys are counted per bank: exact for models with up to 64 instances.
         distinct = [0] * _N_TIERS
         nbytes = 0
         for shard in self._shards.values():
             for bank in shard.banks:
                 for t, table in enumerate(bank.tiers):
+                    if shard.summaries is None:
+                        distinct[t] += len(table)
+                    nbytes += table.nbytes()
+            if shard.summaries is not None:  # a summary holds each of the model's keys once
+                for t, table in enumerate(shard.summaries):
                     distinct[t] += len(table)
                     nbytes += table.nbytes()
         entries = [0] * _N_TIERS

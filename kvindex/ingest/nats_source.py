@@ -29,6 +29,7 @@ from nats.js.errors import NotFoundError
 from kvindex.config.nats import NatsSettings, redact_url
 from kvindex.config.nats import connect as nats_connect
 from kvindex.ingest.consumer import Consumer
+from kvindex.lifecycle import close_nats
 from kvindex.wire.subjects import EVENTS, STATUS
 
 # Generous client-side buffer: a burst must wait in memory rather than be dropped as a slow consumer.
@@ -169,12 +170,7 @@ class NatsSource:
         if self._on_reconnect_hook is not None and self.jetstream is None:
             self._on_reconnect_hook()
 
-    async def stop(self) -> None:
-        if self.nc is not None:
-            nc, self.nc = self.nc, None
-            if nc.is_closed:
-                return
-            try:
-                await nc.drain()
-            except Exception:  # reconnecting or already gone: nothing left to drain
-                await nc.close()
+    async def stop(self, timeout: float = 2.0) -> None:
+        """Drain and close within ``timeout`` whatever the connection's state (kvindex/lifecycle)."""
+        nc, self.nc = self.nc, None
+        await close_nats(nc, timeout, log=self.log)

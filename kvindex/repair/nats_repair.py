@@ -22,6 +22,7 @@ from nats.aio.client import Client
 from kvindex.fleet.liveness import sweep
 from kvindex.index.base import InstanceKey
 from kvindex.ingest.consumer import SNAPSHOT, Consumer
+from kvindex.lifecycle.bounded import finish
 from kvindex.wire import reconcile
 from kvindex.wire.reconcile import Snapshot
 from kvindex.wire.schema import TIER_BY_NAME
@@ -74,11 +75,7 @@ class NatsRepairer:
 
     async def stop(self) -> None:
         tasks = [t for t in (self._loop_task, *self._tasks.values()) if t is not None]
-        for task in tasks:
-            task.cancel()
-        for task in tasks:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
+        await finish(tasks, 1.0)  # not cancel-and-await: a lost cancellation must not hang the stop
         self._tasks.clear()
         self._loop_task = None
 

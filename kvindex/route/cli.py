@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
+import sys
 from typing import Any
 
 from kvindex.api.security import ClientTLS, SecurityConfigError, add_client_options, token_from_args
+from kvindex.lifecycle import Stop, run
 from kvindex.observability.logs import configure_logging
 
 
@@ -38,7 +39,7 @@ def add_route(sub: Any) -> None:
 
 
 def run_route(args: argparse.Namespace) -> int:
-    from kvindex.route.proxy import RouteConfig, RouteProxy, serve_until_signalled
+    from kvindex.route.proxy import RouteConfig, RouteProxy, serve_until_stopped
 
     configure_logging(args.log_format, args.log_level)
     try:
@@ -61,8 +62,15 @@ def run_route(args: argparse.Namespace) -> int:
         tls=tls,
         token=token_from_args(args),
     )
-    try:
-        asyncio.run(serve_until_signalled(RouteProxy(config)))
-    except OSError as exc:  # the port is taken, the host is not ours
-        raise SystemExit(f"kvindex route: error: cannot listen on {args.host}:{args.port}: {exc}") from None
-    return 0
+
+    async def main(stop: Stop) -> int:
+        try:
+            await serve_until_stopped(RouteProxy(config), stop)
+        except OSError as exc:  # the port is taken, the host is not ours
+            print(f"kvindex route: error: cannot listen on {args.host}:{args.port}: {exc}", file=sys.stderr)
+            return 1
+        return 0
+
+    # SIGTERM/SIGINT/SIGHUP or the parent's exit: in-flight requests get --grace, then releases are
+    # sent and connections closed (bounded); forced out 3 s after that (kvindex/lifecycle).
+    return run(main, grace=args.grace + 5.0, name="kvindex-route")

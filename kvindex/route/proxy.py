@@ -10,7 +10,6 @@ when the request ends, however it ends. Design and failure modes: README.md in t
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import time
 import uuid
@@ -38,6 +37,7 @@ from kvindex.client import (
     Target,
     prefix_key,
 )
+from kvindex.lifecycle import Stop
 from kvindex.observability.logs import RateLimitedLog
 from kvindex.route.metrics import RouteMetrics
 from kvindex.scoring.ledger import FINISHED, PREFILL
@@ -579,23 +579,13 @@ def _error_kind(exc: BaseException) -> str:
     return "other"
 
 
-async def serve_until_signalled(proxy: RouteProxy) -> None:
-    """Run until SIGTERM, SIGINT or SIGHUP, then finish in-flight requests within the grace and
-    return (exit 0). The one place signals are handled, to swap for a shared shutdown helper."""
-    import signal
-
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-        with contextlib.suppress(NotImplementedError):
-            loop.add_signal_handler(sig, stop.set)
+async def serve_until_stopped(proxy: RouteProxy, stop: Stop) -> None:
+    """Serve until ``stop`` is requested (SIGTERM, SIGINT, SIGHUP or the parent's exit, under
+    :func:`kvindex.lifecycle.run`), then finish in-flight requests within the grace and return."""
     try:
-        await proxy.start()
-    except BaseException:
-        await proxy.stop()  # what did start (index channel, engine session) is closed
-        raise
-    try:
-        await stop.wait()
-        log.info("route_draining", grace=proxy.config.grace)
+        await stop.run_or_stop(proxy.start())
+        if not stop.requested:
+            await stop.wait()
+            log.info("route_draining", grace=proxy.config.grace)
     finally:
-        await proxy.stop()
+        await proxy.stop()  # what did start (index channel, engine session) is closed

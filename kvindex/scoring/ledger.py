@@ -45,6 +45,18 @@ class Ledger:
         self._entries: OrderedDict[str, Entry] = OrderedDict()  # oldest first, for expiry
         self._by_instance: dict[InstanceKey, dict[str, Entry]] = {}
         self.expired = 0
+        self._watchers: tuple[set[InstanceKey], ...] = ()
+
+    def watch(self) -> set[InstanceKey]:
+        """A set that receives every instance whose entries change from now on (the caller drains
+        it): rankers keep per-instance aggregates of ``pending`` without a walk per request."""
+        changed: set[InstanceKey] = set(self._by_instance)
+        self._watchers = (*self._watchers, changed)
+        return changed
+
+    def _changed(self, instance: InstanceKey) -> None:
+        for changed in self._watchers:
+            changed.add(instance)
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -56,10 +68,12 @@ class Ledger:
         old = self._entries.pop(request_id, None)
         if old is not None:
             self._by_instance.get(old.instance, {}).pop(request_id, None)
+            self._changed(old.instance)
         now = self.clock()
         entry = Entry(request_id, instance, model, prompt_tokens, miss_tokens, now, now + self.ttl)
         self._entries[request_id] = entry
         self._by_instance.setdefault(instance, {})[request_id] = entry
+        self._changed(instance)
         while len(self._entries) > self.max_entries:
             self._drop(next(iter(self._entries)))
             self.expired += 1
@@ -72,12 +86,14 @@ class Ledger:
             return None
         if phase == PREFILL:
             entry.prefill_done = True
+            self._changed(entry.instance)
         else:
             self._drop(request_id)
         return entry
 
     def _drop(self, request_id: str) -> None:
         entry = self._entries.pop(request_id)
+        self._changed(entry.instance)
         per = self._by_instance.get(entry.instance)
         if per is not None:
             per.pop(request_id, None)

@@ -10,13 +10,17 @@ from __future__ import annotations
 import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import numpy as np
 
 from kvindex.fleet.registry import InstanceState, Registry
-from kvindex.index.base import NO_MATCH, InstanceKey, KvBlockIndex
+from kvindex.index.base import NO_MATCH, InstanceKey, InstanceMatch, KvBlockIndex
 from kvindex.scoring.approximate import PredictedCache
 from kvindex.scoring.base import DECODE_ROLE, Candidate, Choice, Policy, RouteRequest
 from kvindex.scoring.calibration import Calibrator
 from kvindex.scoring.costs import CostConfig, queue_ms
+from kvindex.scoring.fleet_table import FleetTables, ModelTable, smallest
 from kvindex.scoring.ledger import FINISHED, PREFILL, Ledger, SpeculativeKeys
 from kvindex.scoring.policies import make_policies
 
@@ -31,6 +35,18 @@ class RouterConfig:
     # their capacity in blocks when they announce none (kvindex/scoring/approximate.py).
     predicted_ttl: float = 120.0
     predicted_capacity: int = 8192
+    # Score with top_k ranks only the holders and the best few others (Router.pool) from this many
+    # instances of the model on; below it the full ranking is as cheap (0: always prune).
+    prune_min_instances: int = 128
+
+
+class RoutingObserver(Protocol):
+    """Told of every routing decision committed and released here (kvindex/routing_sync shares
+    them with the other index replicas)."""
+
+    def committed(self, request: RouteRequest, candidate: Candidate, policy: Policy) -> None: ...
+
+    def released(self, request_id: str, phase: str) -> None: ...
 
 
 @dataclass(slots=True)
@@ -63,19 +79,28 @@ class Router:
         )
         self.rng = random.Random(self.config.seed)
         self.policies: dict[str, Policy] = make_policies(policy_options or {})
+        self.observer: RoutingObserver | None = None  # None: a lone replica, nothing to share
+        self._tables: FleetTables | None = None
         if self.config.default_policy not in self.policies:
             raise ValueError(f"unknown default policy {self.config.default_policy!r}")
 
     # -- candidates -----------------------------------------------------------------------------
 
     def candidates(
-        self, request: RouteRequest, states: list[InstanceState], spec_ttl: float, every: bool = False
+        self,
+        request: RouteRequest,
+        states: list[InstanceState],
+        spec_ttl: float,
+        every: bool = False,
+        matches: dict[InstanceKey, InstanceMatch] | None = None,
     ) -> list[Candidate]:
         """``every``: ``states`` are all the model's routable instances, so the index may match all
         of its instances (the extra ones, stale or pools, are not looked at) instead of building a
-        mask from the list."""
+        mask from the list. ``matches``: the index's answer, when the caller already has it."""
         keys = request.keys
-        if keys:
+        if matches is not None:
+            pass
+        elif keys:
             matches = self.index.match(request.model, keys, None if every else [s.key for s in states])
         else:
             matches = {}
@@ -166,19 +191,85 @@ class Router:
         candidates: list[str] | None = None,
         policy: str | None = None,
         commit: bool = False,
+        top_k: int = 0,
     ) -> ScoreResult:
+        """Rank the routable instances (all of them, or ``candidates``) for ``request``.
+
+        ``top_k`` > 0 asks for the best ``top_k`` only: a policy that can (``rank_top``) then looks
+        at the instances holding some of the prompt and the few best others, not the whole fleet
+        (the answer is the same as the first ``top_k`` of the full ranking)."""
         # Disaggregated decode instances are chosen for KV headroom, not for prefix overlap.
         chosen = self.policies["decode"] if request.role == DECODE_ROLE else self.policy(policy)
         self.predicted.expire()
-        states = self.registry.routable(request.model, candidates)
-        cands = self.candidates(request, states, chosen.speculative_ttl, every=candidates is None)
-        choices = chosen.rank(request, cands, self) if cands else []
+        rank_top = getattr(chosen, "rank_top", None)
+        if (
+            top_k > 0
+            and rank_top is not None
+            and len(self.registry.members(request.model)) >= self.config.prune_min_instances
+        ):
+            pool = self.pool(request, candidates, chosen.speculative_ttl)
+            choices = rank_top(request, pool, self, top_k) if pool is not None else []
+        else:
+            states = self.registry.routable(request.model, candidates)
+            cands = self.candidates(request, states, chosen.speculative_ttl, every=candidates is None)
+            choices = chosen.rank(request, cands, self) if cands else []
+            if top_k > 0:
+                choices = choices[:top_k]
         result = ScoreResult(request, chosen.name, choices)
         if commit and choices:
             top = choices[0].candidate
             self._commit(request, top, chosen)
             result.committed = top.state
         return result
+
+    # -- pruned rankings ------------------------------------------------------------------------
+
+    @property
+    def tables(self) -> FleetTables:
+        """Per-model columns of instance state (made on first use: they watch the registry)."""
+        tables = self._tables
+        if tables is None:
+            tables = self._tables = FleetTables(self.registry, self.ledger)
+        return tables
+
+    def pool(
+        self, request: RouteRequest, candidates: list[str] | None, spec_ttl: float
+    ) -> CandidatePool | None:
+        """The request's candidates for a pruned ranking: full ``Candidate`` objects for the
+        instances that hold some of the prompt (in the index, or speculatively), columns for the
+        others; None when no instance is routable."""
+        table = self.tables.get(request.model)
+        if table is None:
+            return None
+        n = table.n
+        mask = table.routable[:n].copy()
+        if candidates is not None:
+            wanted = np.zeros(n, dtype=bool)
+            wanted[table.rows_of(set(candidates))] = True
+            mask &= wanted
+        if not mask.any():
+            return None
+        keys = request.keys
+        states = table.states
+        row = table.row
+        if keys:
+            restrict = None if candidates is None else [states[i].key for i in np.flatnonzero(mask)]
+            matches = self.index.match(request.model, keys, restrict)
+        else:
+            matches = {}
+        rows = [i for k in matches if (i := row.get(k)) is not None and mask[i]]
+        if spec_ttl > 0 and keys:
+            # An instance whose speculative keys start the prompt extends its match past 0 blocks.
+            now = self.clock()
+            first = keys[0]
+            for inst, held in self.speculative._keys.items():
+                expiry = held.get(first)
+                if expiry is not None and expiry > now and inst not in matches:
+                    i = row.get(inst)
+                    if i is not None and mask[i]:
+                        rows.append(i)
+        explicit = self.candidates(request, [states[i] for i in rows], spec_ttl, matches=matches)
+        return CandidatePool(self, request, table, mask, explicit, rows, spec_ttl)
 
     def commit(self, request: RouteRequest, instance: InstanceKey, policy: str | None = None) -> bool:
         """Record that ``request`` was sent to ``instance`` (outside a Score with commit)."""
@@ -201,15 +292,113 @@ class Router:
         if cand.state.approximate and request.keys:
             self.predicted.on_commit(cand.state, request.keys)
         policy.on_commit(request, cand, self)
+        if self.observer is not None:
+            self.observer.committed(request, cand, policy)
 
     def release(self, request_id: str, phase: str) -> bool:
         if phase not in (PREFILL, FINISHED):
             raise ValueError(f"phase must be {PREFILL!r} or {FINISHED!r}, got {phase!r}")
-        return self.ledger.release(request_id, phase) is not None
+        found = self.ledger.release(request_id, phase) is not None
+        if self.observer is not None:  # told even when not found: another replica may hold it
+            self.observer.released(request_id, phase)
+        return found
 
     def forget(self, instance: InstanceKey) -> None:
         self.speculative.forget(instance)
         self.predicted.forget(instance)
+
+
+class CandidatePool:
+    """One request's candidates, for a pruned ranking (Policy ``rank_top``).
+
+    ``explicit`` are full candidates: every routable instance that holds some of the prompt. The
+    others hold nothing of it, so their terms are those of ``Router.candidates`` with no match:
+    ``wait`` and ``prefill`` (of the whole prompt) per table row, computed here with the same
+    float64 operations in the same order, hence bit-identical. ``materialize`` turns rows into
+    full candidates through ``Router.candidates`` itself.
+    """
+
+    def __init__(
+        self,
+        router: Router,
+        request: RouteRequest,
+        table: ModelTable,
+        mask: np.ndarray,
+        explicit: list[Candidate],
+        explicit_rows: list[int],
+        spec_ttl: float,
+    ) -> None:
+        self.router = router
+        self.request = request
+        self.table = table
+        self.mask = mask  # the request's candidates, by row
+        self.explicit = explicit
+        self.explicit_rows = np.array(explicit_rows, dtype=np.int64)
+        self.spec_ttl = spec_ttl
+        rest = mask.copy()
+        rest[self.explicit_rows] = False
+        self.rest = rest  # candidates that hold nothing of the prompt
+        self.count = int(np.count_nonzero(mask))
+        n = table.n
+        model = router.calibrator.prefill(request.model)
+        costs = router.config.costs
+        shape = costs.engine
+        b_ms = model.b_ms_per_token
+        chunk, dps = shape.chunk_tokens, shape.decode_ms_per_seq
+        drain_rate = 1000 / b_ms if costs.drain_reported_queue and b_ms > 0 else 0.0
+        now = router.clock()
+        if drain_rate and table.drains[:n].any():
+            # max(0, reported - (now - heartbeat) * rate) + routed since, where the queue drains.
+            drained = now - table.status_at[:n]
+            drained *= drain_rate
+            np.subtract(table.queued[:n], drained, out=drained)
+            np.maximum(drained, 0.0, out=drained)
+            drained += table.tokens_new[:n]
+            queued = np.where(table.drains[:n], drained, table.queued_now[:n])
+        else:
+            queued = table.queued_now[:n]
+        running = table.running_now[:n]
+        steps = np.negative(queued)
+        np.floor_divide(steps, chunk, out=steps)
+        np.negative(steps, out=steps)
+        # b * queued + steps * (step_ms + dps * running), as queue_ms computes it.
+        wait = dps * running
+        wait += shape.step_ms
+        wait *= steps
+        wait += b_ms * queued
+        wait[queued <= 0] = 0.0
+        self.wait = wait
+        prompt = request.prompt_tokens
+        if prompt > 0:
+            prefill = (-(-prompt // chunk) * dps) * running
+            prefill += model.ms(prompt, prompt)
+            self.prefill = prefill
+        else:
+            self.prefill = np.zeros(n)
+        self.est = self.wait + self.prefill  # Candidate.est_ttft_ms (no fetch: nothing held)
+        # Tie-breaks of the rankings: emptier cache, fewer requests (reported + in flight), key.
+        self.kv = table.kv[:n]
+        self.load = table.load[:n]
+        self.key_rank = table.ranks()
+
+    def materialize(self, rows: list[int] | np.ndarray) -> list[Candidate]:
+        states = self.table.states
+        return self.router.candidates(self.request, [states[i] for i in rows], self.spec_ttl, matches={})
+
+    def top(self, columns: list[np.ndarray], key: Callable[[Candidate], Any], top_k: int) -> list[Candidate]:
+        """The first ``top_k`` candidates in ``key`` order: the explicit ones and the best ``top_k``
+        others, chosen on ``columns`` (per row, the others' values of ``key``'s leading terms, in
+        order; the instance key, ``key``'s last term, is added here)."""
+        rows = smallest([*columns, self.key_rank], np.flatnonzero(self.rest), top_k)
+        cands = self.explicit + self.materialize(rows)
+        cands.sort(key=key)
+        return cands[:top_k]
+
+    def column(self, rest: np.ndarray, explicit: list[float]) -> np.ndarray:
+        """A per-row column: ``rest`` for the others, ``explicit`` at the explicit candidates' rows."""
+        out = rest.copy()
+        out[self.explicit_rows] = explicit
+        return out
 
 
 def _trim(by_tier: tuple[int, int, int, int], over: int) -> tuple[int, int, int, int]:

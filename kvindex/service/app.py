@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
-import signal
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,13 +22,18 @@ from kvindex.index.inverted import InvertedIndex
 from kvindex.ingest.consumer import Consumer
 from kvindex.ingest.limits import IngestLimits
 from kvindex.ingest.nats_source import JetStreamConfig, NatsSource
+from kvindex.lifecycle import Stop, bounded
 from kvindex.observability.counters import IngestCounters, Metrics
 from kvindex.observability.tokenize import TokenizeCollector
 from kvindex.repair.nats_repair import NatsRepairer, RepairConfig
+from kvindex.routing_sync.metrics import SyncCollector
+from kvindex.routing_sync.nats_link import NatsRoutingLink
+from kvindex.routing_sync.sync import RoutingSync, SyncConfig
 from kvindex.scoring.calibration import Calibrator
 from kvindex.scoring.router import Router, RouterConfig
 from kvindex.service.calibration_store import CalibrationStore
 from kvindex.service.natsd import EmbeddedNats
+from kvindex.service.readiness import Readiness, ReadinessConfig
 from kvindex.tokenize import DEFAULT_CACHE_BYTES, Tokenizers
 from kvindex.wire.schema import GPU
 from kvindex.wire.subjects import Subjects
@@ -63,6 +67,14 @@ class ServiceConfig:
     # Text prompts: model -> tokenizer directory (serve --tokenizer MODEL=DIR), and the cache's bytes.
     tokenizers: dict[str, str] = field(default_factory=dict)
     tokenize_cache_bytes: int = DEFAULT_CACHE_BYTES
+    readiness: ReadinessConfig = field(default_factory=ReadinessConfig)
+    shutdown_grace: float = 5.0  # in-flight RPCs get this long once stopping (s)
+    routing_sync: SyncConfig = field(default_factory=SyncConfig)  # replicas sharing routing state
+
+
+# Closing NATS (2 s), the capture file, the calibration save (1 s) and the embedded nats-server (1 s)
+# after the RPC grace: the time a stop may take beyond ``shutdown_grace``.
+CLEANUP_BUDGET = 4.0
 
 
 def _capture_meta(config: ServiceConfig) -> dict[str, Any]:
@@ -121,13 +133,27 @@ class IndexService:
             if self.recorder is None
             else RecordingServicer(self.recorder, *args, tokenizers=self.tokenizers)
         )
-        self.grpc = GrpcServer(self.servicer, config.grpc_host, config.grpc_port, config.grpc_security)
+        self.grpc = GrpcServer(
+            self.servicer, config.grpc_host, config.grpc_port, config.grpc_security, ready=False
+        )
         self.ext_proc: ExtProcServer | None = None
         if config.ext_proc_port is not None:
             picker = EndpointPicker(self.servicer, policy=config.ext_proc_policy, log=self.log)
             self.ext_proc = ExtProcServer(
-                picker, config.ext_proc_host, config.ext_proc_port, config.grpc_security
+                picker, config.ext_proc_host, config.ext_proc_port, config.grpc_security, ready=False
             )
+        self.readiness = Readiness(self.registry, self.consumer.sequencer, config.readiness)
+        self._readiness_task: asyncio.Task[None] | None = None
+        # Replicas share their routing decisions (docs/deploy.md#replicas); by default only with an
+        # external NATS: nothing else can reach an embedded server's replica.
+        sync = config.routing_sync
+        self.routing_sync: RoutingSync | None = None
+        self.routing_link: NatsRoutingLink | None = None
+        if sync.enabled or (sync.enabled is None and config.nats_url):
+            self.routing_sync = RoutingSync(self.router, sync)
+            self.routing_link = NatsRoutingLink(self.routing_sync, self.subjects)
+            self.router.observer = self.routing_sync
+            self.metrics.registry.register(SyncCollector(self.routing_sync))
         self.natsd: EmbeddedNats | None = None
         self.source: NatsSource | None = None
         # The servers for logs and callers, secrets redacted (the settings themselves stay private).
@@ -167,6 +193,11 @@ class IndexService:
             nats_settings = NatsSettings.from_url(self.natsd.url)
         else:
             nats_settings = NatsSettings.coerce(self.config.nats_url)
+        # Serving before NATS is reached: liveness answers (and readiness says "starting") while the
+        # connection is retried, so an orchestrator does not restart a process that only waits.
+        await self.grpc.start()
+        if self.ext_proc is not None:
+            await self.ext_proc.start()  # not ready: its readiness follows the service's
         # Subscribe first, then repair: batches arriving while an instance resynchronises are held.
         self.source = NatsSource(
             self.consumer,
@@ -182,11 +213,12 @@ class IndexService:
         assert self.source.nc is not None
         self.repairer.start(self.source.nc)
         await self.calibration.start(self.source.nc)
+        if self.routing_link is not None:
+            await self.routing_link.start(self.source.nc)
         if self.recorder is not None:
             self.recorder.calibration(self.calibrator)
-        await self.grpc.start()
-        if self.ext_proc is not None:
-            await self.ext_proc.start()
+        self.readiness.start(time.monotonic())
+        self._readiness_task = asyncio.create_task(self._track_readiness(), name="kvindex-readiness")
         if self.config.metrics_port is not None:
             server, _thread = start_http_server(
                 self.config.metrics_port, addr=self.config.metrics_host, registry=self.metrics.registry
@@ -203,23 +235,52 @@ class IndexService:
             subject_prefix=self.config.subject_prefix,
             metrics_port=self.metrics_port,
             ext_proc=self.ext_proc.address if self.ext_proc is not None else None,
+            routing_sync=self.routing_sync.replica_id if self.routing_sync is not None else None,
         )
 
-    async def stop(self) -> None:
+    def ready(self) -> tuple[bool, str]:
+        source = self.source
+        connected = source is not None and source.nc is not None and source.nc.is_connected
+        caught_up = source is None or source.caught_up
+        return self.readiness.evaluate(time.monotonic(), connected, caught_up)
+
+    async def _track_readiness(self) -> None:
+        while True:
+            ready, reason = self.ready()
+            if ready != self.grpc.ready:
+                await self.grpc.set_ready(ready)
+                if self.ext_proc is not None:
+                    await self.ext_proc.set_ready(ready)
+                self.log.info("readiness_changed", ready=ready, reason=reason)
+            await asyncio.sleep(self.readiness.config.tick)
+
+    async def stop(self, grace: float | None = None) -> None:
+        """Not ready at once; in-flight RPCs get ``grace`` (default: the configured shutdown grace);
+        then NATS, the capture file and the embedded nats-server are closed, each step bounded, so
+        the whole stop takes at most ``grace`` + CLEANUP_BUDGET whatever state NATS is in."""
+        grace = self.config.shutdown_grace if grace is None else grace
+        self.readiness.stopping = True
+        if self._readiness_task is not None:
+            self._readiness_task.cancel()
+            self._readiness_task = None
+        # Both ports at once: readiness off on each, then their in-flight calls share the grace.
+        servers = [self.grpc.stop(grace)]
         if self.ext_proc is not None:
-            await self.ext_proc.stop()
-        await self.grpc.stop()
-        await self.repairer.stop()
-        await self.calibration.stop()
+            servers.append(self.ext_proc.stop(grace))
+        await asyncio.gather(*servers)
+        await bounded(self.repairer.stop(), 0.5, "repair_stop", self.log)
+        await bounded(self.calibration.stop(), 1.0, "calibration_save", self.log)
+        if self.routing_link is not None:
+            await bounded(self.routing_link.stop(), 0.5, "routing_sync_stop", self.log)
         if self.source is not None:
             await self.source.stop()
         if self.recorder is not None:
-            await self.recorder.stop()
+            await bounded(self.recorder.stop(), 1.0, "capture_close", self.log)
         if self._metrics_server is not None:
             self._metrics_server.shutdown()
             self._metrics_server = None
         if self.natsd is not None:
-            await self.natsd.stop()
+            await self.natsd.stop(timeout=1.0)
         self.log.info("kvindex_stopped")
 
     async def __aenter__(self) -> IndexService:
@@ -230,15 +291,10 @@ class IndexService:
         await self.stop()
 
 
-async def serve_until_signalled(service: IndexService) -> None:
-    """Run until SIGINT/SIGTERM, then shut down cleanly."""
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        with contextlib.suppress(NotImplementedError):
-            loop.add_signal_handler(sig, stop.set)
-    await service.start()
+async def serve_until_stopped(service: IndexService, stop: Stop) -> None:
+    """Start (a stop request meanwhile cancels the start), serve until asked to stop, stop cleanly."""
     try:
-        await stop.wait()
+        await stop.run_or_stop(service.start())
+        await stop.wait()  # at once if the stop came during the start
     finally:
         await service.stop()

@@ -18,6 +18,7 @@ import structlog
 from nats.aio.client import Client
 from nats.js.errors import BucketNotFoundError, NoKeysError
 
+from kvindex.lifecycle.bounded import finish
 from kvindex.scoring.calibration import Calibrator
 
 BUCKET = "kvindex_calibration"
@@ -91,9 +92,7 @@ class CalibrationStore:
 
     async def stop(self) -> None:
         if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+            await finish([self._task], 1.0)
             self._task = None
         if self.kv is not None:
             with contextlib.suppress(Exception):

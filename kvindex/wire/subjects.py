@@ -15,6 +15,8 @@ STATUS = "status"
 SNAPSHOT = "snapshot"
 REPLAY = "replay"
 KINDS = (EVENTS, STATUS, SNAPSHOT, REPLAY)
+# Index replica -> index replicas: routing state (kvindex/routing_sync); the last token is a replica id.
+ROUTING = "routing"
 
 
 def valid_worker_id(worker: object) -> bool:
@@ -47,6 +49,9 @@ class Subjects:
 
     def replay(self, worker: str) -> str:
         return self.for_worker(REPLAY, worker)
+
+    def routing(self, replica: str) -> str:
+        return self.for_worker(ROUTING, replica)
 
     def wildcard(self, kind: str) -> str:
         return f"{self.prefix}.{kind}.*"

@@ -28,7 +28,6 @@ each engine life is checked against it; a conflict stops the bridge (:attr:`Brid
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
 import time
 from collections.abc import Iterable
@@ -41,6 +40,7 @@ import zmq.asyncio
 
 from kvindex.config.nats import NatsSettings
 from kvindex.config.nats import connect as nats_connect
+from kvindex.lifecycle import close_nats, finish
 from kvindex.wire.endpoint import check_endpoint, endpoint_from_url
 from workers_shim.bridges import blocksize
 from workers_shim.bridges.blocksize import BlockSizeConflict
@@ -583,22 +583,17 @@ class Bridge:
             raise self.failure
 
     async def stop(self) -> None:
-        for task in self._tasks:
-            task.cancel()
-        for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
+        if self._stopped.is_set():  # a failed start stops the bridge, and its runner stops it again
+            return
+        await finish(self._tasks, 1.0)  # repeated cancellation: one can be lost (kvindex/lifecycle)
         self._tasks = []
         for link in self.links:
             link.close()
-        for rank in self.ranks.values():
-            with contextlib.suppress(Exception):
-                await rank.close()
-        if self._owns_nc and self.nc is not None and not self.nc.is_closed:
-            try:
-                await self.nc.drain()
-            except Exception:
-                await self.nc.close()
+        # Each rank's goodbye is bounded (workers_shim/publisher.py); in parallel, so a bridge of
+        # many ranks stops as fast as one, whatever state NATS is in.
+        await asyncio.gather(*(rank.close() for rank in self.ranks.values()), return_exceptions=True)
+        if self._owns_nc:
+            await close_nats(self.nc, 2.0, log=self.log)
         self.ctx.destroy(linger=0)
         self.log.info("kvshim_stopped", stats=self.stats.snapshot())
         self._stopped.set()

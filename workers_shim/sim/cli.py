@@ -15,10 +15,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import itertools
 import random
-import signal
 import time
 
 import structlog
@@ -30,6 +28,7 @@ from kvindex.config.nats import (
     NatsSettings,
     add_nats_arguments,
 )
+from kvindex.lifecycle import Stop, finish, run
 from workers_shim.sim.engine import Completion, EngineConfig, SimRequest
 from workers_shim.sim.fleet import SimFleet, run_fleet
 from workers_shim.sim.timemodel import PROFILES
@@ -90,59 +89,59 @@ def build_config(args: argparse.Namespace) -> EngineConfig:
 
 
 def main_sim(args: argparse.Namespace) -> int:
-    with contextlib.suppress(KeyboardInterrupt):
+    """Run until ``--duration``, SIGTERM/SIGINT/SIGHUP or the parent's exit (kvindex/lifecycle)."""
+
+    async def main(stop: Stop) -> int:
         try:
-            asyncio.run(_main(args))
+            await _main(args, stop)
         except (NatsConfigError, NatsConnectError) as exc:
             log.error("kvshim_sim_failed", error=str(exc))
             return 1
-    return 0
+        return 0
+
+    return run(main, grace=5.0, name="kvsim")
 
 
-async def _main(args: argparse.Namespace) -> None:
+async def _main(args: argparse.Namespace, stop: Stop) -> None:
     cfg = build_config(args)
-    stop = asyncio.Event()
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        with contextlib.suppress(NotImplementedError):
-            loop.add_signal_handler(sig, stop.set)
     ttfts: list[float] = []
 
     def on_completion(worker: str, c: Completion) -> None:
         if c.kind == "first_token":
             ttfts.append(c.ttft)
 
-    fleet = await run_fleet(
-        NatsSettings.from_args(args) or DEFAULT_URL,
-        args.workers,
-        cfg,
-        model=args.model,
-        speed=args.speed,
-        pool_blocks=args.pool_blocks,
-        subject_prefix=args.subject_prefix,
-        worker_prefix=args.worker_prefix,
-        heartbeat_interval=args.heartbeat_interval,
-        on_completion=on_completion,
-        endpoint_base=args.endpoint_base,
+    fleet = await stop.run_or_stop(
+        run_fleet(
+            NatsSettings.from_args(args) or DEFAULT_URL,
+            args.workers,
+            cfg,
+            model=args.model,
+            speed=args.speed,
+            pool_blocks=args.pool_blocks,
+            subject_prefix=args.subject_prefix,
+            worker_prefix=args.worker_prefix,
+            heartbeat_interval=args.heartbeat_interval,
+            on_completion=on_completion,
+            endpoint_base=args.endpoint_base,
+        )
     )
+    if fleet is None:  # stopped while connecting
+        return
     tasks = [asyncio.create_task(_report(fleet, ttfts))]
     if args.trace:
         tasks.append(asyncio.create_task(_replay(fleet, args, stop)))
     if args.duration > 0:
-        loop.call_later(args.duration, stop.set)
+        loop.call_later(args.duration, stop.request, "duration")
     try:
         await stop.wait()
     finally:
-        for task in tasks:
-            task.cancel()
-        for task in tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await finish(tasks, 1.0)
         await fleet.close()
         log.info("sim_fleet_stopped", first_tokens=fleet.first_tokens, finished=fleet.completed)
 
 
-async def _replay(fleet: SimFleet, args: argparse.Namespace, stop: asyncio.Event) -> None:
+async def _replay(fleet: SimFleet, args: argparse.Namespace, stop: Stop) -> None:
     reqs = mooncake_requests(
         args.trace,
         model=args.model,
@@ -171,7 +170,7 @@ async def _replay(fleet: SimFleet, args: argparse.Namespace, stop: asyncio.Event
     while fleet.completed < len(reqs):
         await asyncio.sleep(0.2)
     if args.duration <= 0:
-        stop.set()
+        stop.request("trace_done")
 
 
 async def _report(fleet: SimFleet, ttfts: list[float], every: float = 10.0) -> None:

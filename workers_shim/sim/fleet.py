@@ -22,6 +22,7 @@ from typing import Any
 import structlog
 
 from kvindex.config.nats import NatsSettings
+from kvindex.lifecycle import finish
 from kvindex.wire.endpoint import format_endpoint, parse_endpoint
 from workers_shim.publisher import Publisher
 from workers_shim.sim.engine import Completion, EngineConfig, Load, SimEngine, SimRequest
@@ -153,11 +154,11 @@ class SimFleet:
             return
         self._closed = True
         if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-        for pub in self._all_publishers():
-            await pub.close()
+            # Not cancel-and-await: the engine loop's wait_for can lose a cancellation when a wake-up
+            # arrives at the same moment (Python 3.11), and the close would then wait for ever.
+            await finish([self._task], 1.0)
+        # In parallel: each close is bounded (publisher.py), so a fleet stops as fast as one worker.
+        await asyncio.gather(*(pub.close() for pub in self._all_publishers()), return_exceptions=True)
 
     async def __aenter__(self) -> SimFleet:
         return self

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 from kvindex.scoring.base import Candidate, Choice, RouteRequest
 
 if TYPE_CHECKING:
-    from kvindex.scoring.router import Router
+    from kvindex.scoring.router import CandidatePool, Router
 
 
 class DecodeHeadroom:
@@ -32,6 +34,19 @@ class DecodeHeadroom:
             (Choice(c, cost(c), "headroom") for c in candidates),
             key=lambda ch: (ch.cost, ch.candidate.state.key),
         )
+
+    def rank_top(
+        self, request: RouteRequest, pool: CandidatePool, router: Router, top_k: int
+    ) -> list[Choice]:
+        """``rank``'s first ``top_k``: headroom is the instance's own state."""
+        kv = pool.kv
+        rest = np.where(kv >= self.full, 1.0, 0.0) + kv + 0.001 * pool.load
+        top = pool.top([rest], lambda c: (self._cost(c), c.state.key), top_k)
+        return [Choice(c, self._cost(c), "headroom") for c in top]
+
+    def _cost(self, c: Candidate) -> float:
+        usage = c.state.load.kv_usage
+        return (1.0 if usage >= self.full else 0.0) + usage + 0.001 * c.load
 
     def on_commit(self, request: RouteRequest, instance: Candidate, router: Router) -> None:
         return None

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 from kvindex.scoring.base import Candidate, Choice, RouteRequest
 
 if TYPE_CHECKING:
-    from kvindex.scoring.router import Router
+    from kvindex.scoring.router import CandidatePool, Router
 
 
 class KvAware:
@@ -22,6 +22,13 @@ class KvAware:
     def rank(self, request: RouteRequest, candidates: list[Candidate], router: Router) -> list[Choice]:
         ordered = sorted(candidates, key=lambda c: (-c.hit_tokens, c.load, c.state.key))
         return [Choice(c, -c.hit_tokens) for c in ordered]
+
+    def rank_top(
+        self, request: RouteRequest, pool: CandidatePool, router: Router, top_k: int
+    ) -> list[Choice]:
+        """``rank``'s first ``top_k``: the others match nothing, so they follow by load."""
+        top = pool.top([pool.load], lambda c: (-c.hit_tokens, c.load, c.state.key), top_k)
+        return [Choice(c, -c.hit_tokens) for c in top]
 
     def on_commit(self, request: RouteRequest, instance: Candidate, router: Router) -> None:
         return None

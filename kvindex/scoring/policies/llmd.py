@@ -10,10 +10,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 from kvindex.scoring.base import Candidate, Choice, RouteRequest
 
 if TYPE_CHECKING:
-    from kvindex.scoring.router import Router
+    from kvindex.scoring.router import CandidatePool, Router
 
 TIER_WEIGHT = (1.0, 0.8, 0.8, 0.8)
 
@@ -50,6 +52,37 @@ class LlmdPrecise:
             )
             out.append(Choice(c, -score))
         return sorted(out, key=lambda ch: (ch.cost, ch.candidate.state.key))
+
+    def rank_top(
+        self, request: RouteRequest, pool: CandidatePool, router: Router, top_k: int
+    ) -> list[Choice]:
+        """``rank``'s first ``top_k``; the queue range is taken over the columns."""
+        b = request.block_size
+        total = max(1, len(request.keys))
+        table = pool.table
+        queues = table.queue[: table.n]
+        everyone = queues[pool.mask]
+        qmax, qmin = float(everyone.max()), float(everyone.min())
+
+        def queue(q: float) -> float:
+            return 1.0 if qmax == qmin else (qmax - q) / (qmax - qmin)
+
+        rest_queue = np.ones(table.n) if qmax == qmin else (qmax - queues) / (qmax - qmin)
+        rest = -(
+            self.prefix_weight * 0.0 / total + self.kv_weight * (1 - pool.kv) + self.queue_weight * rest_queue
+        )
+
+        def cost(c: Candidate) -> float:
+            weighted = sum(w * t for w, t in zip(TIER_WEIGHT, c.tokens_by_tier, strict=True)) / b
+            score = (
+                self.prefix_weight * weighted / total
+                + self.kv_weight * (1 - c.state.load.kv_usage)
+                + self.queue_weight * queue(c.state.load.waiting + c.inflight)
+            )
+            return -score
+
+        top = pool.top([rest], lambda c: (cost(c), c.state.key), top_k)
+        return [Choice(c, cost(c)) for c in top]
 
     def on_commit(self, request: RouteRequest, instance: Candidate, router: Router) -> None:
         return None

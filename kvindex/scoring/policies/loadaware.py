@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 from kvindex.scoring.base import Candidate, Choice, RouteRequest
 
 if TYPE_CHECKING:
-    from kvindex.scoring.router import Router
+    from kvindex.scoring.router import CandidatePool, Router
 
 
 class LoadAware:
@@ -32,6 +32,20 @@ class LoadAware:
             score = min(c.hit_tokens, p) / max(p, 1) - self.beta * (c.load - mean) / max(1.0, mean)
             scored.append(Choice(c, -score))
         return sorted(scored, key=lambda ch: (ch.cost, ch.candidate.state.key))
+
+    def rank_top(
+        self, request: RouteRequest, pool: CandidatePool, router: Router, top_k: int
+    ) -> list[Choice]:
+        """``rank``'s first ``top_k``; the fleet's mean load is a sum over the columns."""
+        p = request.prompt_tokens
+        mean = float(pool.load[pool.mask].sum()) / pool.count
+        rest = -(0.0 - self.beta * (pool.load - mean) / max(1.0, mean))
+
+        def cost(c: Candidate) -> float:
+            return -(min(c.hit_tokens, p) / max(p, 1) - self.beta * (c.load - mean) / max(1.0, mean))
+
+        top = pool.top([rest], lambda c: (cost(c), c.state.key), top_k)
+        return [Choice(c, cost(c)) for c in top]
 
     def on_commit(self, request: RouteRequest, instance: Candidate, router: Router) -> None:
         return None

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 from kvindex.scoring.base import Candidate, Choice, RouteRequest
 
 if TYPE_CHECKING:
-    from kvindex.scoring.router import Router
+    from kvindex.scoring.router import CandidatePool, Router
 
 TIER_WEIGHTS = (0.0, 0.1, 0.4, 0.3)
 
@@ -34,6 +34,27 @@ class Overlap:
             queued = c.state.load.waiting_prefill_tokens + c.routed_tokens
             out.append(Choice(c, queued / b + c.miss_tokens / b + fetch))
         return sorted(out, key=lambda ch: (ch.cost, ch.candidate.state.load.kv_usage, ch.candidate.state.key))
+
+    def rank_top(
+        self, request: RouteRequest, pool: CandidatePool, router: Router, top_k: int
+    ) -> list[Choice]:
+        """``rank``'s first ``top_k``: the others' cost is their queue plus the whole prompt."""
+        b = request.block_size
+        table = pool.table
+        n = table.n
+        rest = table.queued_now[:n] / b + request.prompt_tokens / b
+        top = pool.top(
+            [rest, pool.kv], lambda c: (self._cost(c, b), c.state.load.kv_usage, c.state.key), top_k
+        )
+        return [Choice(c, self._cost(c, b)) for c in top]
+
+    @staticmethod
+    def _cost(c: Candidate, b: int) -> float:
+        w = TIER_WEIGHTS
+        t = c.tokens_by_tier
+        fetch = (w[1] * t[1] + w[2] * t[2] + w[3] * t[3]) / b
+        queued = c.state.load.waiting_prefill_tokens + c.routed_tokens
+        return queued / b + c.miss_tokens / b + fetch
 
     def on_commit(self, request: RouteRequest, instance: Candidate, router: Router) -> None:
         return None

@@ -23,11 +23,14 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 from kvindex.scoring.base import Candidate, Choice, RouteRequest
+from kvindex.scoring.fleet_table import median_of, smallest
 from kvindex.scoring.home import home_block, rendezvous_order
 
 if TYPE_CHECKING:
-    from kvindex.scoring.router import Router
+    from kvindex.scoring.router import CandidatePool, Router
 
 
 class Ttft:
@@ -137,15 +140,135 @@ class Ttft:
 
     def _congestion_weight(self, candidates: list[Candidate], now: float) -> float:
         """The weight in force (from earlier requests), then fold in what these candidates show."""
-        k = self._k
         wait = statistics.median([c.wait_ms for c in candidates])
         work = statistics.median([c.prefill_ms for c in candidates]) or 1.0
+        return self._fold_congestion(wait, work, now)
+
+    def _fold_congestion(self, wait: float, work: float, now: float) -> float:
+        k = self._k
         target = self.congestion * max(0.0, wait / work - 1.0)
         dt = max(0.0, now - self._k_at) if self._k_at is not None else self.congestion_tau
         blend = 1.0 - math.exp(-dt / self.congestion_tau)
         self._k = k + (target - k) * blend
         self._k_at = now
         return k
+
+    def rank_top(
+        self, request: RouteRequest, pool: CandidatePool, router: Router, top_k: int
+    ) -> list[Choice]:
+        """The first ``top_k`` of ``rank`` without a candidate per instance (Router.score).
+
+        Only the prompt's holders are full candidates; the others hold nothing, so they are ranked by
+        their own columns (pool) and only the best ``top_k`` of them, and a rendezvous home when the
+        placement rules pick one, become candidates. The fleet-wide medians of the congestion weight
+        are taken over the columns (a partition, not a sort)."""
+        explicit = pool.explicit
+        rows = np.flatnonzero(pool.rest)
+        k = 0.0
+        if self.congestion:
+            everyone = pool.mask
+            wait = median_of(pool.column(pool.wait, [c.wait_ms for c in explicit])[everyone])
+            work = median_of(pool.column(pool.prefill, [c.prefill_ms for c in explicit])[everyone]) or 1.0
+            k = self._fold_congestion(wait, work, router.clock())
+        est_e = [c.wait_ms + c.prefill_ms + c.fetch_ms for c in explicit]
+        if k:
+            cost_e = [e + k * (c.prefill_ms + c.fetch_ms) for e, c in zip(est_e, explicit, strict=True)]
+            cost_rest = pool.est + k * (pool.prefill + 0.0)
+        else:
+            cost_e = est_e
+            cost_rest = pool.est
+        chosen_rows = smallest([cost_rest, pool.kv, pool.load, pool.key_rank], rows, top_k)
+        others = pool.materialize(chosen_rows)
+        est_o = [c.wait_ms + c.prefill_ms + c.fetch_ms for c in others]
+        if k:
+            est_o = [e + k * (c.prefill_ms + c.fetch_ms) for e, c in zip(est_o, others, strict=True)]
+        candidates = explicit + others
+        costs = cost_e + est_o
+        cost = {c.state.key: x for c, x in zip(candidates, costs, strict=True)}
+        decorated = sorted(
+            [
+                (x, (ld := c.state.load).kv_usage, ld.running + ld.waiting + c.inflight, c.state.key, i)
+                for i, (c, x) in enumerate(zip(candidates, costs, strict=True))
+            ]
+        )
+        ordered = [candidates[d[4]] for d in decorated]
+        best = ordered[0]
+        limit = cost[best.state.key] * (1 + self.margin) + self.margin_ms
+        pick, reason = best, "fastest"
+        keys = request.keys
+        if keys:
+            h = home_block(len(keys), request.block_size, self.home_tokens)
+            longest = max((c.blocks for c in explicit), default=0)
+            held = min(h + 1, longest)
+            useful = max(1, min(self.useful_tokens // request.block_size, (len(keys) + 1) // 2))
+            if longest < useful:
+                pick, reason = self._first_home(pool, explicit, cost_e, cost_rest, limit, keys[h], 0, "home")
+            elif best.blocks < held:
+                holders = [c for c in ordered if c.blocks >= held]  # all explicit (held >= 1)
+                dup = max(0.0, best.prefill_ms - holders[0].prefill_ms)
+                hot = min(1.0, self._heat(keys[h], router.clock()) / self.hot_requests)
+                slack = (
+                    cost[best.state.key] * (1 + self.margin) + self.margin_ms + self.replica_cost * hot * dup
+                )
+                within = [c for c in holders if cost[c.state.key] <= slack]
+                if within:
+                    pick, reason = within[0], "replica"
+                elif len(holders) < self.max_replicas:
+                    pick, reason = self._first_home(
+                        pool, explicit, cost_e, cost_rest, limit, keys[h], held, "spill"
+                    )
+                elif cost[holders[0].state.key] <= cost[best.state.key] * self.overflow:
+                    pick, reason = holders[0], "capped"
+                else:
+                    pick, reason = best, "overflow"
+            else:
+                reason = "cache"
+        out = [Choice(pick, pick.est_ttft_ms, reason)]
+        picked = pick.state.key
+        for c in ordered:
+            if len(out) >= top_k:
+                break
+            if c.state.key != picked:
+                out.append(Choice(c, c.wait_ms + c.prefill_ms + c.fetch_ms, ""))
+        return out
+
+    def _first_home(
+        self,
+        pool: CandidatePool,
+        explicit: list[Candidate],
+        cost_e: list[float],
+        cost_rest: np.ndarray,
+        limit: float,
+        key: int,
+        held: int,
+        what: str,
+    ) -> tuple[Candidate, str]:
+        """``_first`` over rendezvous order (``held`` > 0: of the instances holding fewer than ``held``
+        blocks), on columns: the first candidate within ``limit`` is the one with the highest weight
+        among those within it; its rank counts the candidates with higher weights."""
+        table = pool.table
+        weights = table.weights(key & 0xFFFFFFFFFFFFFFFF)
+        eligible = pool.mask.copy()
+        if held:
+            eligible[pool.explicit_rows] = [c.blocks < held for c in explicit]
+        within = pool.column(cost_rest <= limit, [x <= limit for x in cost_e]) & eligible
+        target = within if within.any() else eligible
+        rows = np.flatnonzero(target)
+        w = weights[rows]
+        top = w.max()
+        ids = table.ids
+        # Highest weight first, then the smaller id (rendezvous_order's key); equal weights are rare.
+        row = min((int(i) for i in rows[w == top]), key=lambda i: ids[i].decode())
+        rank = 0
+        if target is within:
+            mine = weights[row]
+            ahead = eligible & (weights > mine)
+            rank = int(np.count_nonzero(ahead))
+            ties = np.flatnonzero(eligible & (weights == mine))
+            rank += sum(1 for i in ties if ids[i].decode() < ids[row].decode())
+        at = np.flatnonzero(pool.explicit_rows == row)
+        pick = explicit[int(at[0])] if len(at) else pool.materialize([row])[0]
+        return pick, what if rank == 0 else f"{what}+{rank}"
 
     def _heat(self, key: int, now: float) -> float:
         entry = self._hot.get(key)

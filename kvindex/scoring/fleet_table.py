@@ -1,0 +1,297 @@
+"""Per-model columns of instance state, kept current at heartbeats and commits, for pruned rankings.
+
+An instance that holds nothing of a prompt costs ``wait + prefill(all) + 0 fetch``: its terms depend
+only on its own state (last heartbeat's load, requests routed since) and on the request's length.
+This table keeps that state in numpy columns, one row per instance of a model, updated when it
+changes: the registry and the ledger report which instances changed (``Registry.watch``,
+``Ledger.watch``) and ``refresh`` rewrites just those rows before the next ranking. A ranking then
+builds full ``Candidate`` objects only for the instances that hold some of the prompt and for the
+few best others, and selects those others with a handful of vector operations instead of a Python
+object per instance (router.py, ``Router.score`` with ``top_k``).
+
+The vector formulas repeat ``Router.candidates`` operation for operation in float64, so a value
+computed here is bit-identical to the scalar one (tests/test_pruned_ranking.py checks rankings
+against the exhaustive path over random fleets).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import numpy as np
+import xxhash
+
+from kvindex.fleet.registry import InstanceState, Registry
+from kvindex.index.base import InstanceKey
+from kvindex.scoring.ledger import Ledger
+
+try:
+    from kvindex.index._native import rendezvous_weights as _native_weights
+except ImportError:  # no compiler at install time
+    _native_weights = None
+
+_xxh3 = xxhash.xxh3_64_intdigest
+# Per row, what the rankings read (sums are kept here: a sum per row at a heartbeat is cheaper than a
+# vector sum per request). Written by ``ModelTable.write``, in this order.
+_FLOAT_COLS = (
+    "queued",  # waiting_prefill_tokens of the last heartbeat
+    "status_at",  # its local time (0 when none)
+    "tokens_new",  # ledger: prefill tokens routed since that heartbeat
+    "queued_now",  # queued + tokens_new (the wait's input where the queue does not drain)
+    "running_now",  # running + requests routed since
+    "kv",  # kv_usage
+    "load",  # running + waiting + in flight (Candidate.load)
+    "queue",  # waiting + in flight (llmd's queue)
+)
+_BOOL_COLS = ("drains", "routable")  # a reported queue and a heartbeat time; not a pool, not stale
+
+
+def rendezvous_weights(ids: list[bytes], seed: int) -> np.ndarray:
+    """kvindex.scoring.home's weights, ``xxh3_64(id, seed)`` per id, as a uint64 array."""
+    out = np.empty(len(ids), dtype=np.uint64)
+    if _native_weights is not None:
+        _native_weights(ids, seed & 0xFFFFFFFFFFFFFFFF, out)
+    else:
+        out[:] = [_xxh3(i, seed & 0xFFFFFFFFFFFFFFFF) for i in ids]
+    return out
+
+
+class ModelTable:
+    """One model's instances as rows; columns are float64 (exact for the integers involved)."""
+
+    def __init__(self, model: str) -> None:
+        self.model = model
+        self.n = 0
+        self.version = 0  # bumped when rows move (membership): cached per-row data is then stale
+        self.row: dict[InstanceKey, int] = {}
+        self.states: list[InstanceState] = []
+        self.ids: list[bytes] = []
+        self.by_worker: dict[str, set[InstanceKey]] = {}
+        cap = 16
+        for name in _FLOAT_COLS:
+            setattr(self, name, np.zeros(cap))
+        for name in _BOOL_COLS:
+            setattr(self, name, np.zeros(cap, dtype=bool))
+        self.key_rank = np.zeros(cap, dtype=np.int64)
+        self._ranks_stale = False
+        self._weights: OrderedDict[int, np.ndarray] = OrderedDict()
+
+    # -- membership --------------------------------------------------------------------------
+
+    def _grow(self) -> None:
+        cap = 2 * len(self.routable)
+        for name in (*_FLOAT_COLS, *_BOOL_COLS, "key_rank"):
+            old = getattr(self, name)
+            new = np.zeros(cap, dtype=old.dtype)
+            new[: self.n] = old[: self.n]
+            setattr(self, name, new)
+
+    def add(self, state: InstanceState) -> int:
+        if self.n == len(self.routable):
+            self._grow()
+        i = self.n
+        self.n += 1
+        self.row[state.key] = i
+        self.states.append(state)
+        self.ids.append(state.instance_id.encode())
+        self.by_worker.setdefault(state.worker, set()).add(state.key)
+        self._moved()
+        return i
+
+    def remove(self, key: InstanceKey) -> None:
+        i = self.row.pop(key)
+        last = self.n - 1
+        if i != last:  # the last row fills the hole
+            moved = self.states[last]
+            self.states[i] = moved
+            self.ids[i] = self.ids[last]
+            self.row[moved.key] = i
+            for name in (*_FLOAT_COLS, *_BOOL_COLS):
+                col = getattr(self, name)
+                col[i] = col[last]
+        self.states.pop()
+        self.ids.pop()
+        self.routable[last] = False
+        self.n = last
+        workers = self.by_worker[key[0]]
+        workers.discard(key)
+        if not workers:
+            del self.by_worker[key[0]]
+        self._moved()
+
+    def _moved(self) -> None:
+        self.version += 1
+        self._ranks_stale = True
+        self._weights.clear()
+
+    def ranks(self) -> np.ndarray:
+        """Each row's position in instance-key order (the rankings' last tie-break)."""
+        if self._ranks_stale:
+            order = sorted(range(self.n), key=lambda i: self.states[i].key)
+            self.key_rank[order] = np.arange(self.n)
+            self._ranks_stale = False
+        return self.key_rank[: self.n]
+
+    def weights(self, seed: int) -> np.ndarray:
+        """Rendezvous weights of every row for ``seed`` (cached per seed until rows move)."""
+        w = self._weights.get(seed)
+        if w is None:
+            w = self._weights[seed] = rendezvous_weights(self.ids, seed)
+            if len(self._weights) > 32:  # 8 B per instance each: 2 MB at 8,192 instances
+                self._weights.popitem(last=False)
+        else:
+            self._weights.move_to_end(seed)
+        return w
+
+    def rows_of(self, wanted: set[str]) -> list[int]:
+        """Rows named by a candidate list (instance ids ``worker/rank`` or bare worker ids)."""
+        rows = set()
+        for name in wanted:
+            for key in self.by_worker.get(name, ()):
+                rows.add(self.row[key])
+            worker, sep, rank = name.rpartition("/")
+            if sep and rank.isdigit():
+                i = self.row.get((worker, int(rank)))
+                if i is not None:
+                    rows.add(i)
+        return sorted(rows)
+
+    # -- state -------------------------------------------------------------------------------
+
+    def write(self, rows: list[int], values: list[tuple]) -> None:
+        """Rows' new values (``row_values``), one vector assignment per column for all of them."""
+        columns = list(zip(*values, strict=True))
+        for name, column in zip((*_FLOAT_COLS, *_BOOL_COLS), columns, strict=True):
+            getattr(self, name)[rows] = column
+
+
+def row_values(state: InstanceState, ledger: Ledger) -> tuple:
+    """An instance's row, in column order (_FLOAT_COLS, then _BOOL_COLS)."""
+    load = state.load
+    at = state.last_status_at
+    if state.key in ledger.busy:
+        n_new, tokens_new, inflight = ledger.pending(state.key, at)
+    else:
+        n_new = tokens_new = inflight = 0
+    q = load.waiting_prefill_tokens
+    running, waiting = load.running, load.waiting
+    return (
+        q,
+        0.0 if at is None else at,
+        tokens_new,
+        q + tokens_new,
+        running + n_new,
+        load.kv_usage,
+        running + waiting + inflight,
+        waiting + inflight,
+        bool(q) and at is not None,
+        not state.is_pool and not state.stale,
+    )
+
+
+class FleetTables:
+    """The tables of every model, fed by the registry's and the ledger's change sets."""
+
+    def __init__(self, registry: Registry, ledger: Ledger) -> None:
+        self.registry = registry
+        self.ledger = ledger
+        self.tables: dict[str, ModelTable] = {}
+        self._model_of: dict[InstanceKey, str] = {}
+        self._registry_changes = registry.watch()
+        self._ledger_changes = ledger.watch()
+        # Instances that report no capacity and have not published a local block: whether they are
+        # pools follows from local blocks seen and batches, which change on every batch and are not
+        # watched; those are re-read for them at each refresh (once a local block is seen, only a
+        # capacity, which is watched, can change it; bridges report capacity anyway).
+        self._unsure: set[InstanceKey] = set()
+
+    def refresh(self) -> None:
+        """Bring the rows of every instance that changed since the last call up to date."""
+        changed = self._registry_changes
+        if self._ledger_changes:
+            changed |= self._ledger_changes
+            self._ledger_changes.clear()
+        get = self.registry.get
+        if self._unsure:
+            for key in self._unsure:
+                state = get(key)
+                if state is None:
+                    changed.add(key)
+                    continue
+                table = self.tables.get(state.model)
+                i = None if table is None else table.row.get(key)
+                if i is None or table.routable[i] != (not state.is_pool and not state.stale):  # type: ignore[union-attr]
+                    changed.add(key)
+        if not changed:
+            return
+        keys = list(changed)
+        changed.clear()
+        # Membership first (a removal moves the last row), then every changed row's values, written
+        # one column at a time for all of them.
+        live = []
+        for key in keys:
+            state = get(key)
+            model = self._model_of.get(key)
+            if model is not None and (state is None or state.model != model):
+                table = self.tables[model]
+                table.remove(key)
+                del self._model_of[key]
+                if not table.n:
+                    del self.tables[model]
+            if state is None:
+                self._unsure.discard(key)
+                continue
+            table = self.tables.get(state.model)
+            if table is None:
+                table = self.tables[state.model] = ModelTable(state.model)
+            if key not in table.row:
+                table.add(state)
+                self._model_of[key] = state.model
+            live.append(state)
+            if not state.capacity and not state.local_blocks_seen:
+                self._unsure.add(key)
+            else:
+                self._unsure.discard(key)
+        ledger = self.ledger
+        pending: dict[str, tuple[list[int], list[tuple]]] = {}
+        for state in live:
+            rows, values = pending.setdefault(state.model, ([], []))
+            rows.append(self.tables[state.model].row[state.key])
+            values.append(row_values(state, ledger))
+        for model, (rows, values) in pending.items():
+            self.tables[model].write(rows, values)
+
+    def get(self, model: str) -> ModelTable | None:
+        self.refresh()
+        return self.tables.get(model)
+
+
+def smallest(columns: list[np.ndarray], rows: np.ndarray, m: int) -> np.ndarray:
+    """The ``m`` rows (of ``rows``) that come first in lexicographic order of ``columns``
+    (indexed by row), unordered. Exact with ties: a tie on one column is broken by the next, and the
+    last column must be unique (the key rank)."""
+    if m <= 0 or not len(rows):
+        return rows[:0]
+    if len(rows) <= m:
+        return rows
+    col = columns[0][rows]
+    pivot = np.partition(col, m - 1)[m - 1]
+    below = rows[col < pivot]
+    ties = rows[col == pivot]
+    need = m - len(below)
+    if len(ties) > need and len(columns) > 1:
+        ties = smallest(columns[1:], ties, need)
+    return np.concatenate((below, ties))
+
+
+def median_of(values: np.ndarray) -> float:
+    """statistics.median of the values, with its arithmetic (mean of the two middle ones)."""
+    n = len(values)
+    i = n // 2
+    if n % 2:
+        return float(np.partition(values, i)[i])
+    part = np.partition(values, (i - 1, i))
+    return (float(part[i - 1]) + float(part[i])) / 2
+
+
+__all__ = ["FleetTables", "ModelTable", "median_of", "rendezvous_weights", "smallest"]

@@ -1,0 +1,220 @@
+"""Pruned rankings (Router.score with top_k: holders + the best few others) give the same first
+top_k as the exhaustive ranking of every instance, over random fleets."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvindex.fleet.registry import Registry
+from kvindex.index import InvertedIndex, _pytable
+from kvindex.scoring.base import Choice, RouteRequest
+from kvindex.scoring.fleet_table import median_of, rendezvous_weights, smallest
+from kvindex.scoring.policies import POLICY_CLASSES, POLICY_NAMES
+from kvindex.scoring.router import Router, RouterConfig
+from kvindex.wire.schema import CPU, DISK, GPU, SHARED, Load
+
+MODEL = "m"
+BS = 16
+PRUNED = [name for name in (*POLICY_NAMES, "decode") if hasattr(POLICY_CLASSES[name], "rank_top")]
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def _view(choices: list[Choice]) -> list[tuple]:
+    return [
+        (
+            ch.candidate.state.key,
+            ch.cost,
+            ch.reason,
+            ch.candidate.blocks,
+            ch.candidate.tokens_by_tier,
+            ch.candidate.wait_ms,
+            ch.candidate.prefill_ms,
+            ch.candidate.fetch_ms,
+            ch.candidate.inflight,
+        )
+        for ch in choices
+    ]
+
+
+def _policy_state(router: Router, name: str) -> tuple:
+    p = router.policies[name]
+    return tuple(getattr(p, a) for a in ("_k", "_k_at") if hasattr(p, a))
+
+
+def _restore(router: Router, name: str, saved: tuple) -> None:
+    p = router.policies[name]
+    if saved:
+        p._k, p._k_at = saved  # type: ignore[attr-defined]
+
+
+def build_fleet(
+    rng: random.Random, n: int, n_prompts: int, backend: str
+) -> tuple[Router, list[list[int]], Clock]:
+    clock = Clock()
+    index = InvertedIndex(_pytable if backend == "python" else None)
+    registry = Registry(clock=clock)
+    router = Router(index, registry, config=RouterConfig(prune_min_instances=0), clock=clock)
+    router.tables  # noqa: B018 - start watching before the fleet is built, as a server would
+    prompts = [[rng.getrandbits(64) for _ in range(rng.randint(0, 40))] for _ in range(n_prompts)]
+    for i in range(n):
+        key = (f"w{rng.randint(0, n * 2)}-{i}", rng.randint(0, 2))
+        index.add_instance(key, MODEL)
+        state = registry.add(key, MODEL, BS)
+        kind = rng.random()
+        if kind < 0.05:
+            state.capacity = {SHARED: 1000}  # a pool: never ranked
+        elif kind < 0.1:
+            pass  # never heard from: routable until it publishes only shared blocks
+        else:
+            state.capacity = {GPU: 10_000}
+            state.local_blocks_seen = True
+        if rng.random() < 0.9:
+            state.last_status_at = clock.t - rng.random() * 2
+        if rng.random() < 0.05:
+            state.stale = True
+        busy = rng.random()
+        if busy < 0.3:
+            state.load = Load()  # idle: many exact ties
+        else:
+            state.load = Load(
+                running=rng.randint(0, 40),
+                waiting=rng.randint(0, 10),
+                waiting_prefill_tokens=rng.choice([0, rng.randint(0, 60_000)]),
+                kv_usage=rng.choice([0.0, 0.5, rng.random()]),
+            )
+        # Holders: a prefix of some prompt, on a random tier.
+        for keys in prompts:
+            if keys and rng.random() < 3 / max(n, 3):
+                depth = rng.randint(1, len(keys))
+                tier = rng.choice([GPU, GPU, CPU, DISK, SHARED])
+                index.store(key, tier, keys[:depth])
+    return router, prompts, clock
+
+
+def _requests(rng: random.Random, router: Router, prompts: list[list[int]]) -> list[RouteRequest]:
+    out = []
+    for j, keys in enumerate(prompts):
+        tokens = len(keys) * BS + rng.choice([0, 0, 7])
+        out.append(RouteRequest(MODEL, keys, tokens, BS, f"r{j}-{rng.random()}"))
+    return out
+
+
+def _check(router: Router, name: str, req: RouteRequest, candidates: list[str] | None, top_k: int) -> None:
+    saved = _policy_state(router, name)
+    full = router.score(req, candidates, name).choices
+    after_full = _policy_state(router, name)
+    _restore(router, name, saved)
+    pruned = router.score(req, candidates, name, top_k=top_k).choices
+    assert _policy_state(router, name) == after_full
+    assert _view(pruned) == _view(full[:top_k])
+
+
+def _exercise(
+    rng: random.Random, router: Router, prompts: list[list[int]], clock: Clock, top_ks: list[int]
+) -> None:
+    registry = router.registry
+    states = registry.all()
+    for step in range(6):
+        for req in _requests(rng, router, prompts):
+            name = rng.choice(PRUNED)
+            candidates = None
+            if rng.random() < 0.25 and states:
+                picked = rng.sample(states, min(len(states), rng.randint(1, 6)))
+                candidates = [s.instance_id if rng.random() < 0.7 else s.worker for s in picked]
+                candidates.append("nobody/0")
+            for top_k in top_ks:
+                _check(router, name, req, candidates, top_k)
+            # Evolve: commit (ledger + speculative keys + heat), release, heartbeats, time.
+            if rng.random() < 0.6:
+                router.score(req, None, name, commit=True, top_k=rng.choice(top_ks))
+            if rng.random() < 0.3 and len(router.ledger):
+                rid = rng.choice(list(router.ledger._entries))
+                router.release(rid, rng.choice(["prefill", "finished"]))
+        clock.t += rng.choice([0.01, 0.2, 1.0, 7.0])
+        for state in rng.sample(states, min(len(states), 5)):
+            state.last_status_at = clock.t
+            state.load = Load(running=rng.randint(0, 30), waiting_prefill_tokens=rng.randint(0, 30_000))
+            if rng.random() < 0.2:
+                state.stale = not state.stale
+        # Without a reported capacity, a first batch without local blocks makes an instance a pool,
+        # and a later local block makes it routable again (neither field is watched: re-read).
+        unsure = [s for s in states if not s.capacity and not s.local_blocks_seen]
+        if unsure and rng.random() < 0.5:
+            who = rng.choice(unsure)
+            if who.batches and rng.random() < 0.5:
+                who.local_blocks_seen = True
+            else:
+                who.batches += 1
+        if step == 3 and states:
+            gone = rng.choice(states)
+            registry.remove(gone.key)
+            router.index.drop_instance(gone.key)
+            states.remove(gone)
+
+
+@pytest.mark.parametrize("backend", ["native", "python"])
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 2**32 - 1), n=st.integers(1, 120), congestion=st.sampled_from([0.0, 10.0]))
+def test_pruned_top_k_equals_exhaustive_small_fleets(
+    backend: str, seed: int, n: int, congestion: float
+) -> None:
+    rng = random.Random(seed)
+    router, prompts, clock = build_fleet(rng, n, 4, backend)
+    ttft = router.policies["ttft"]
+    ttft.congestion = congestion  # type: ignore[attr-defined]
+    ttft._k = rng.choice([0.0, 0.5, 3.0])  # type: ignore[attr-defined]
+    _exercise(rng, router, prompts, clock, [1, 2, 4, 9])
+
+
+@settings(max_examples=3, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 2**32 - 1))
+def test_pruned_top_k_equals_exhaustive_thousands(seed: int) -> None:
+    rng = random.Random(seed)
+    router, prompts, clock = build_fleet(rng, rng.choice([700, 2500]), 3, "native")
+    _exercise(rng, router, prompts, clock, [1, 4])
+
+
+def test_smallest_is_exact_with_ties() -> None:
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        n = int(rng.integers(1, 60))
+        cols = [rng.integers(0, 3, n).astype(float), rng.integers(0, 3, n).astype(float), rng.permutation(n)]
+        rows = np.flatnonzero(rng.random(n) < 0.8)
+        m = int(rng.integers(1, 10))
+        got = sorted(smallest(cols, rows, m).tolist())
+        want = sorted(sorted(rows.tolist(), key=lambda i: (cols[0][i], cols[1][i], cols[2][i]))[:m])
+        assert got == want
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_median_and_weights_match_the_reference(native: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    import statistics
+
+    import numpy as np
+    import xxhash
+
+    from kvindex.scoring import fleet_table
+
+    if not native:  # the fallback without the extension: one Python call per id
+        monkeypatch.setattr(fleet_table, "_native_weights", None)
+    rng = random.Random(1)
+    for n in (1, 2, 3, 10, 11):
+        vals = [rng.choice([0.0, 1.5, rng.random()]) for _ in range(n)]
+        assert median_of(np.array(vals)) == statistics.median(vals)
+    ids = [f"w{i}/0".encode() for i in range(50)]
+    assert rendezvous_weights(ids, 2**64 - 5).tolist() == [
+        xxhash.xxh3_64_intdigest(i, 2**64 - 5) for i in ids
+    ]
