@@ -18,7 +18,7 @@ from kvindex.keys import block_keys
 from kvindex.service.app import IndexService
 from kvindex.service.natsd import EmbeddedNats, free_port
 from tests.conftest import wait_until
-from tests.test_cli import KVINDEX, read_log_until
+from tests.test_cli import KVINDEX, read_log_until, serve_argv
 from workers_shim.publisher import Publisher
 from workers_shim.sim import EngineConfig, SimRequest, TimeModel
 from workers_shim.sim.fleet import run_fleet
@@ -84,14 +84,7 @@ def test_serve_capture_rotates_compresses_and_replays(tmp_path: Path, capsys) ->
     port = free_port()
     proc = subprocess.Popen(
         [
-            KVINDEX,
-            "serve",
-            "--grpc-host",
-            "127.0.0.1",
-            "--grpc-port",
-            str(port),
-            "--metrics-port",
-            "-1",
+            *serve_argv(port),
             "--capture",
             str(path),
             "--capture-max-bytes",

@@ -20,6 +20,11 @@ from workers_shim.publisher import Publisher
 KVINDEX = str(Path(sys.executable).with_name("kvindex"))
 
 
+def serve_argv(port: int) -> list[str]:
+    """``kvindex serve`` on 127.0.0.1:``port`` with its embedded NATS and no metrics port."""
+    return [KVINDEX, "serve", "--grpc-host", "127.0.0.1", "--grpc-port", str(port), "--metrics-port", "-1"]
+
+
 def read_log_until(proc: subprocess.Popen[str], event: str, timeout: float = 20.0) -> dict:
     deadline = time.monotonic() + timeout
     assert proc.stderr is not None
@@ -44,14 +49,7 @@ def served() -> tuple[subprocess.Popen[str], str, str]:
         # The test's publisher says its piece and leaves: a long --stale-after keeps its instance
         # ranked however slowly the CLI calls run on a loaded machine.
         [
-            KVINDEX,
-            "serve",
-            "--grpc-host",
-            "127.0.0.1",
-            "--grpc-port",
-            str(port),
-            "--metrics-port",
-            "-1",
+            *serve_argv(port),
             "--stale-after",
             "120",
             "--forget-after",

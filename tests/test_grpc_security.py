@@ -9,7 +9,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
@@ -41,9 +40,9 @@ from kvindex.service.natsd import EmbeddedNats, free_port
 from kvindex.v1 import kvindex_pb2 as pb
 from kvindex.v1 import kvindex_pb2_grpc as pb_grpc
 from tests.conftest import wait_until
+from tests.test_cli import KVINDEX, serve_argv
 from workers_shim.publisher import Publisher
 
-KVINDEX = str(Path(sys.executable).with_name("kvindex"))
 TOKEN = "s3cret-token.Abc_123"
 TOKENS = list(range(64))
 
@@ -384,14 +383,7 @@ def test_cli_queries_a_mutual_tls_and_token_server(pki: Pki, tmp_path: Path, cap
     port = free_port()
     proc = subprocess.Popen(
         [
-            KVINDEX,
-            "serve",
-            "--grpc-host",
-            "127.0.0.1",
-            "--grpc-port",
-            str(port),
-            "--metrics-port",
-            "-1",
+            *serve_argv(port),
             "--log-format",
             "json",
             "--tls-cert",
