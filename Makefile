@@ -45,7 +45,7 @@ bench: $(BENCH_STAMP)
 # .fuzz/<target>, crashes in .fuzz/crashes. make test runs every target for a second.
 FUZZ_SECONDS ?= 180
 fuzz: $(STAMP)
-	$(PY) fuzz/run.py --all --seconds $(FUZZ_SECONDS) --corpus .fuzz --artifacts .fuzz/crashes $(ARGS)
+	$(PY) tests/fuzz/run.py --all --seconds $(FUZZ_SECONDS) --corpus .fuzz --artifacts .fuzz/crashes $(ARGS)
 
 # Hundreds of randomized fault schedules, then sustained load (see kvtools/testing/soak.py for knobs).
 soak: $(STAMP)

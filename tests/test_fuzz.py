@@ -1,4 +1,4 @@
-"""A short run of every fuzz target (fuzz/harness.py) under atheris, each in its own process; long
+"""A short run of every fuzz target (tests/fuzz/harness.py) under atheris, each in its own process; long
 runs are `make fuzz` (docs/fuzzing.md). Also: every seed passes its target uninstrumented."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "fuzz"))
+sys.path.insert(0, str(ROOT / "tests" / "fuzz"))
 
 import harness  # noqa: E402
 
@@ -28,7 +28,7 @@ def test_fuzz_targets_short_run(tmp_path: Path) -> None:
     proc = subprocess.run(
         [
             sys.executable,
-            str(ROOT / "fuzz" / "run.py"),
+            str(ROOT / "tests" / "fuzz" / "run.py"),
             "--all",
             "--seconds",
             "1",

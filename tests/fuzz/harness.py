@@ -58,7 +58,7 @@ from workers_shim.bridges.stats import BridgeStats
 from workers_shim.bridges.stream import FrameError, parse_live, parse_replay
 from workers_shim.bridges.translate import NullSink, Translator
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]  # tests/fuzz/ -> the repository
 MODEL = "fuzz-model"
 BS = 4
 # Small limits, so that fuzzing reaches every refusal path.

@@ -1,9 +1,9 @@
-"""Run the fuzz targets (fuzz/harness.py) with atheris, each in its own process.
+"""Run the fuzz targets (tests/fuzz/harness.py) with atheris, each in its own process.
 
-    python fuzz/run.py --list
-    python fuzz/run.py batch -max_total_time=60            # one target; libFuzzer flags after the name
-    python fuzz/run.py --all --seconds 2                   # every target in turn (make test runs this)
-    python fuzz/run.py --all --seconds 300 --corpus .fuzz  # long runs (make fuzz): corpus kept
+    python tests/fuzz/run.py --list
+    python tests/fuzz/run.py batch -max_total_time=60            # one target; libFuzzer flags after the name
+    python tests/fuzz/run.py --all --seconds 2                   # every target in turn (make test runs this)
+    python tests/fuzz/run.py --all --seconds 300 --corpus .fuzz  # long runs (make fuzz): corpus kept
 
 Each target starts from its seeds (written to a temporary folder at every run) plus, with --corpus,
 the inputs earlier runs found. A crash, an undocumented exception or a broken invariant makes
@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent
+ROOT = HERE.parents[1]
 
 
 def _fuzz_one(name: str, libfuzzer_args: list[str]) -> None:
