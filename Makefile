@@ -119,7 +119,7 @@ $(E2E_STAMP): $(STAMP)
 
 $(ROUTING_MODEL)/kvindex-e2e.json: $(VLLM_STAMP) e2e/make_model.py
 	rm -rf $(ROUTING_MODEL)
-	$(VLLM_PY) e2e/make_model.py --out $(ROUTING_MODEL) --hidden 384 --intermediate 1024 --layers 4 --heads 6 --vocab 4096
+	$(VLLM_PY) e2e/make_model.py --out $(ROUTING_MODEL) --hidden 512 --intermediate 1536 --layers 6 --heads 8 --vocab 4096
 
 e2e-routing: $(E2E_STAMP) $(ROUTER_STAMP) $(ROUTING_MODEL)/kvindex-e2e.json
 	$(PY) e2e/run_routing.py --vllm-python $(VLLM_PY) --vllm-router $(ROUTER_VENV)/bin/vllm-router --model-dir $(ROUTING_MODEL) $(ARGS)

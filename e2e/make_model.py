@@ -6,8 +6,8 @@ random (seeded), so generations are gibberish, but the engine's KV cache, prefix
 behave exactly as with a real model: they depend on token ids and block sizes, not on what is said.
 
     .venv-vllm/bin/python e2e/make_model.py --out e2e/tiny-llama
-    .venv-vllm/bin/python e2e/make_model.py --out e2e/routing-llama --hidden 384 --intermediate 1024 \
-        --layers 4 --heads 6 --vocab 4096      # make e2e-routing's: a 2K-token prefill ~0.5 s on a core
+    .venv-vllm/bin/python e2e/make_model.py --out e2e/routing-llama --hidden 512 --intermediate 1536 \
+        --layers 6 --heads 8 --vocab 4096      # make e2e-routing's: a 2K-token prefill ~0.56 s on a core
 """
 
 from __future__ import annotations
