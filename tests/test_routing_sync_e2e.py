@@ -33,7 +33,7 @@ from kvindex.v1 import kvindex_pb2 as pb
 from kvindex.v1 import kvindex_pb2_grpc as pb_grpc
 from tests.conftest import wait_until
 from tests.test_cli import KVINDEX, read_log_until
-from tests.test_nats_authorization import CONFIG, PASSWORDS, as_user
+from tests.test_nats_authorization import PASSWORDS, as_user, secured  # noqa: F401 (the fixture, shared)
 from workers_shim.publisher import Publisher
 
 MODEL = "replica-model"
@@ -341,20 +341,7 @@ async def test_two_serve_processes_share_routing_state(
                 proc.wait()
 
 
-@pytest.fixture
-async def secured(monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[EmbeddedNats]:
-    """A nats-server running the shipped deploy/nats/nats-server.conf (secrets from the environment)."""
-    for user, password in PASSWORDS.items():
-        monkeypatch.setenv(f"KVINDEX_{user.upper().replace('-', '_')}_PASSWORD", password)
-    server = EmbeddedNats(config=CONFIG)
-    await server.start()
-    try:
-        yield server
-    finally:
-        await server.stop()
-
-
-async def test_replicas_share_under_the_shipped_nats_permissions(secured: EmbeddedNats) -> None:
+async def test_replicas_share_under_the_shipped_nats_permissions(secured: EmbeddedNats) -> None:  # noqa: F811
     """deploy/nats/nats-server.conf lets the index user publish its routing decisions, and refuses a
     worker that tries to publish some."""
     made = []

@@ -15,12 +15,8 @@ from typing import Annotated, Final, Literal
 import msgspec
 from msgspec import Meta, Struct
 
+from kvindex.wire.codec import decode_error
 from kvindex.wire.errors import (
-    BAD_TYPE,
-    BAD_VALUE,
-    MALFORMED,
-    MISSING_FIELD,
-    NOT_A_MAP,
     SUBJECT_MISMATCH,
     UNSUPPORTED_VERSION,
     WireError,
@@ -94,19 +90,12 @@ def op_size(op: Op) -> int:
 
 
 def _error(exc: msgspec.MsgspecError, payload: bytes) -> WireError:
-    text = str(exc)
-    try:
-        generic = msgspec.msgpack.decode(payload)
-    except msgspec.DecodeError as inner:
-        return WireError(MALFORMED, f"payload is not valid msgpack ({inner})")
-    version = generic.get("v", SYNC_VERSION) if isinstance(generic, dict) else SYNC_VERSION
-    if version != SYNC_VERSION:
-        return WireError(UNSUPPORTED_VERSION, f"routing message version {version!r} is not {SYNC_VERSION}")
-    if "missing required field" in text:
-        return WireError(MISSING_FIELD, text)
-    if text.startswith("Expected `object`, got"):
-        return WireError(NOT_A_MAP, text)
-    return WireError(BAD_TYPE if ", got `" in text else BAD_VALUE, text)
+    return decode_error(
+        exc,
+        payload,
+        SYNC_VERSION,
+        lambda v: WireError(UNSUPPORTED_VERSION, f"routing message version {v!r} is not {SYNC_VERSION}"),
+    )
 
 
 def header(payload: bytes) -> Header:

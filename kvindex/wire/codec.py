@@ -9,7 +9,7 @@ newer publishers keep working with older indexes.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Annotated, Any
 
@@ -98,6 +98,17 @@ def _unsupported(version: Any) -> WireError:
 
 def _decode_error(exc: msgspec.MsgspecError, payload: bytes) -> WireError:
     """Map a msgspec error to a rejection reason (keeping msgspec's message, which names the path)."""
+    return decode_error(exc, payload, WIRE_VERSION, _unsupported)
+
+
+def decode_error(
+    exc: msgspec.MsgspecError,
+    payload: bytes,
+    version_expected: int,
+    unsupported: Callable[[Any], WireError],
+) -> WireError:
+    """A typed msgspec decode failure as a rejection reason, for any message with a ``v`` field:
+    garbage, another version (``unsupported``), a missing field, not a map, a bad type or value."""
     text = str(exc)
     # Typed decoding stops at the first value of the wrong type; look at the whole payload to tell
     # garbage from a well-formed message of the wrong shape, or of another wire version.
@@ -105,9 +116,9 @@ def _decode_error(exc: msgspec.MsgspecError, payload: bytes) -> WireError:
         generic = msgspec.msgpack.decode(payload)
     except msgspec.DecodeError as inner:
         return WireError(MALFORMED, f"payload is not valid msgpack ({inner})")
-    version = generic.get("v", WIRE_VERSION) if isinstance(generic, dict) else WIRE_VERSION
-    if version != WIRE_VERSION:
-        return _unsupported(version)
+    version = generic.get("v", version_expected) if isinstance(generic, dict) else version_expected
+    if version != version_expected:
+        return unsupported(version)
     if "missing required field" in text:
         reason = MISSING_FIELD
     elif text.startswith("Expected `object`, got"):
