@@ -548,6 +548,7 @@ class _CaptureNats:
     """Stands in for a NATS connection: keeps what the publishers send, in order."""
 
     is_closed = False
+    is_connected = True  # the publisher's close() sends its goodbye only on a live connection
 
     def __init__(self) -> None:
         self.sent: list[tuple[str, bytes]] = []
