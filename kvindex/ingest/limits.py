@@ -38,7 +38,7 @@ class IngestLimits:
     capacity_slack: float = 1.25
     default_tier_blocks: int = 1 << 20
     max_tier_blocks: int = 1 << 24
-    max_instances_per_model: int = 4096
+    max_instances_per_model: int = 16384  # twice the 8,192-instance fleet the design is measured at
     max_models: int = 256
     # Batches held per instance while it is repaired, and the keys they carry.
     max_held_batches: int = 4096
