@@ -28,6 +28,7 @@ from nats.js.errors import NotFoundError
 
 from kvindex.config.nats import NatsSettings, redact_url
 from kvindex.config.nats import connect as nats_connect
+from kvindex.ingest import direct_dispatch
 from kvindex.ingest.consumer import Consumer
 from kvindex.lifecycle import close_nats
 from kvindex.wire.subjects import EVENTS, STATUS
@@ -62,6 +63,8 @@ class NatsSource:
         self.log = log or structlog.get_logger("kvindex.nats")
         self.nc: Client | None = None
         self._head = consumer.subjects.prefix + "."
+        self._head_len = len(self._head)
+        self.direct: direct_dispatch.DirectParser | None = None  # the short path's counters
         self.reconnects = 0
         self._on_reconnect_hook = on_reconnect
         self.jetstream = jetstream
@@ -84,14 +87,17 @@ class NatsSource:
         if self.jetstream is not None:
             await self._start_jetstream(self.jetstream)
             return
-        await self.nc.subscribe(
+        sub = await self.nc.subscribe(
             self._head + ">",
             cb=self._on_msg,
             pending_msgs_limit=_PENDING_MSGS,
             pending_bytes_limit=_PENDING_BYTES,
         )
+        self.direct = direct_dispatch.install(self.nc, sub, self._on_raw, self.log)
         await self.nc.flush()
-        self.log.info("nats_subscribed", url=self.url, subject=self._head + ">")
+        self.log.info(
+            "nats_subscribed", url=self.url, subject=self._head + ">", direct=self.direct is not None
+        )
 
     async def _start_jetstream(self, cfg: JetStreamConfig) -> None:
         assert self.nc is not None
@@ -116,12 +122,15 @@ class NatsSource:
         self.caught_up = info.state.messages == 0
         self.consumer.heartbeat_repairs = self.caught_up
         self.consumer.status_in_order = False
-        await self.nc.subscribe(
+        sub = await self.nc.subscribe(
             self._head + STATUS + ".*",
             cb=self._on_msg,
             pending_msgs_limit=_PENDING_MSGS,
             pending_bytes_limit=_PENDING_BYTES,
         )
+        # Heartbeats only: the stream's messages carry JetStream metadata and flow control that
+        # only nats-py's own path handles.
+        self.direct = direct_dispatch.install(self.nc, sub, self._on_raw, self.log)
         await js.subscribe(
             events,
             stream=self.stream,
@@ -146,14 +155,18 @@ class NatsSource:
             self.log.info("jetstream_caught_up", stream=self.stream, stream_seq=msg.metadata.sequence.stream)
 
     async def _on_msg(self, msg: Msg) -> None:
-        subject = msg.subject
-        kind = subject[len(self._head) :].partition(".")[0]
+        """nats-py's ordinary delivery: messages that could not take the direct path (see
+        kvindex/ingest/direct_dispatch.py), or all of them when it is unavailable."""
+        self._on_raw(msg.subject, msg.data)
+
+    def _on_raw(self, subject: str, payload: bytes) -> None:
+        kind = subject[self._head_len :].partition(".")[0]
         if self.tap is not None and kind in (EVENTS, STATUS):
-            self.tap(subject, msg.data, time.time())
+            self.tap(subject, payload, time.time())
         if kind == EVENTS:
-            self.consumer.on_events(subject, msg.data)
+            self.consumer.on_events(subject, payload)
         elif kind == STATUS:
-            self.consumer.on_status(subject, msg.data)
+            self.consumer.on_status(subject, payload)
         # snapshot/replay requests between other parties are not ours to handle.
 
     async def _on_error(self, exc: Exception) -> None:
