@@ -262,8 +262,13 @@ def make_fleet(
     return Fleet(tokens, keys, prefix, background, tiered)
 
 
-async def publish_fleet(nc: Any, fleet: Fleet, seed: int, live: bool) -> list[Publisher]:
+async def publish_fleet(
+    nc: Any, fleet: Fleet, seed: int, live: bool, part: tuple[int, int] = (0, 1)
+) -> list[Publisher]:
     """Publish the fleet through the real publisher library, all publishers sharing ``nc``.
+
+    part: (i, n) publishes only the workers whose index is i modulo n (the fleet spread over n
+    processes); what each worker holds does not depend on n.
 
     live: each publisher runs as a worker does (heartbeats every 0.5 s, snapshot/replay responders
     where the library has them), because the index stops ranking an instance that goes silent.
@@ -272,6 +277,10 @@ async def publish_fleet(nc: Any, fleet: Fleet, seed: int, live: bool) -> list[Pu
     rng = np.random.default_rng(seed)
     pubs = []
     for i, depth in enumerate(fleet.prefix_blocks):
+        if fleet.background:  # drawn for every worker, so that a worker's blocks do not depend on n
+            other = rng.integers(1, 2**63, size=fleet.background, dtype=np.uint64).tolist()
+        if i % part[1] != part[0]:
+            continue
         pub = Publisher(nc, worker=f"w{i:03d}", model=MODEL, block_size=BLOCK_SIZE)
         # Different queued prefill per worker, so ranking is not all ties.
         pub.set_load(
@@ -292,7 +301,6 @@ async def publish_fleet(nc: Any, fleet: Fleet, seed: int, live: bool) -> list[Pu
         else:
             pub.stored(chain, tier="gpu")
         if fleet.background:
-            other = rng.integers(1, 2**63, size=fleet.background, dtype=np.uint64).tolist()
             pub.stored(other, tier="gpu")
         if live:
             await pub.heartbeat()  # flushes the batches, then a heartbeat consistent with them
@@ -310,7 +318,7 @@ async def fleet_main(args: argparse.Namespace) -> None:
         args.instances, args.prompt_tokens, args.background, args.tiered, args.seed, args.holders
     )
     nc = await nats.connect(args.nats)
-    pubs = await publish_fleet(nc, fleet, args.seed, live=True)
+    pubs = await publish_fleet(nc, fleet, args.seed, live=True, part=(args.fleet_part, args.fleet_procs))
     await nc.flush()
     print("ready", flush=True)
     await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)
@@ -320,28 +328,43 @@ async def fleet_main(args: argparse.Namespace) -> None:
 
 
 class FleetProcess:
-    def __init__(self, args: argparse.Namespace, nats_url: str) -> None:
+    """The workers, in ``procs`` processes of their own (one Python process cannot send the
+    16.4 K heartbeats per second of 8,192 workers on a loaded 2-core machine)."""
+
+    def __init__(self, args: argparse.Namespace, nats_url: str, procs: int = 1) -> None:
         cmd = [sys.executable, os.path.abspath(__file__), "--role", "fleet", "--nats", nats_url]
         cmd += ["--instances", str(args.instances), "--prompt-tokens", str(args.prompt_tokens)]
         cmd += ["--background", str(args.background), "--seed", str(args.seed)]
-        cmd += ["--holders", str(args.holders)]
+        cmd += ["--holders", str(args.holders), "--fleet-procs", str(procs)]
         cmd += ["--tiered"] if args.tiered else []
-        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
-        assert self.proc.stdout is not None
-        line = self.proc.stdout.readline()
-        if line.strip() != b"ready":
-            self.stop()
-            raise RuntimeError(f"fleet process failed: {line!r}")
+        self.procs = [
+            subprocess.Popen([*cmd, "--fleet-part", str(i)], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+            for i in range(procs)
+        ]
+        for proc in self.procs:
+            assert proc.stdout is not None
+            line = proc.stdout.readline()
+            if line.strip() != b"ready":
+                self.stop()
+                raise RuntimeError(f"fleet process failed: {line!r}")
+
+    @property
+    def pids(self) -> dict[str, int]:
+        if len(self.procs) == 1:
+            return {"fleet": self.procs[0].pid}
+        return {f"fleet{i}": p.pid for i, p in enumerate(self.procs)}
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            assert self.proc.stdin is not None
-            self.proc.stdin.close()
+        for proc in self.procs:
+            if proc.poll() is None:
+                assert proc.stdin is not None
+                proc.stdin.close()
+        for proc in self.procs:
             try:
-                self.proc.wait(30)
+                proc.wait(30)
             except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+                proc.kill()
+                proc.wait()
 
 
 def wait_applied(address: str, fleet: Fleet, n_instances: int, timeout: float = 120.0) -> pb.StatsResponse:
@@ -667,6 +690,8 @@ def main() -> int:
     # Internal: the workers' process.
     ap.add_argument("--role", choices=("bench", "fleet"), default="bench", help=argparse.SUPPRESS)
     ap.add_argument("--nats", default="", help=argparse.SUPPRESS)
+    ap.add_argument("--fleet-procs", type=int, default=1, help=argparse.SUPPRESS)
+    ap.add_argument("--fleet-part", type=int, default=0, help=argparse.SUPPRESS)
     args = ap.parse_args()
     configure_logging("console", "warning")
     if args.role == "fleet":
@@ -703,7 +728,7 @@ def main() -> int:
         print(f"server pid {server.pid} on {server.address}, nats {natsd.url}")
         meter = CpuMeter({"server": server.pid, "client": os.getpid(), "nats-server": natsd.proc.pid})
         fleet_proc = FleetProcess(args, natsd.url)
-        meter.pids["fleet"] = fleet_proc.proc.pid
+        meter.pids |= fleet_proc.pids
         t0 = time.perf_counter()
         stats = wait_applied(server.address, fleet, args.instances)
         print(
@@ -912,8 +937,8 @@ def sweep(args: argparse.Namespace) -> int:
             server.wait_ready()
             meter = CpuMeter({"server": server.pid, "client": os.getpid(), "nats-server": natsd.proc.pid})
             t0 = time.perf_counter()
-            fleet_proc = FleetProcess(args, natsd.url)
-            meter.pids["fleet"] = fleet_proc.proc.pid
+            fleet_proc = FleetProcess(args, natsd.url, procs=max(1, min(4, size // 2048)))
+            meter.pids |= fleet_proc.pids
             wait_applied(server.address, fleet, size, timeout=120 + size * 0.05)
             row["populate_s"] = time.perf_counter() - t0
             with grpc.insecure_channel(server.address) as channel:

@@ -200,3 +200,56 @@ async def test_periodic_reconciliation_restores_silent_loss(make_service: MakeSe
     await converged(svc, w, timeout=3)
     assert svc.counters.drift_detected == 0
     assert svc.counters.snapshots_requested["periodic"] > before
+
+
+def test_periodic_checks_each_instance_once_per_interval_and_only_what_is_due() -> None:
+    """The reconciliation schedule: new instances spread over one interval, then every 0.8-1.2
+    intervals; forgotten ones dropped; a tick looks only at what is due (kvindex/repair)."""
+    import random
+
+    from kvindex.fleet.registry import Registry
+    from kvindex.index.inverted import InvertedIndex
+    from kvindex.ingest.consumer import Consumer
+    from kvindex.repair.nats_repair import NatsRepairer
+
+    registry = Registry()
+    consumer = Consumer(InvertedIndex(), registry)
+    repairer = NatsRepairer(consumer, RepairConfig(reconcile_interval=60.0), rng=random.Random(7))
+    checked: list[tuple[str, int]] = []
+    consumer.reconcile = lambda key, cause: checked.append(key)  # type: ignore[method-assign]
+    keys = [(f"w{i}", 0) for i in range(500)]
+    for key in keys:
+        registry.add(key, "m", 16)
+        consumer.sequencer.open(key, 1)
+    t = 0.0
+    repairer._periodic(t)  # schedules all 500, checks none
+    assert checked == [] and len(repairer._next_reconcile) == 500
+    while t < 60.0:
+        t += 0.25
+        repairer._periodic(t)
+    # Each at least once in the first interval (first checks spread over it), at most twice (the
+    # next one comes 0.8-1.2 intervals later).
+    first = {k: checked.count(k) for k in keys}
+    assert set(checked) == set(keys) and max(first.values()) == 2 and min(first.values()) == 1
+    # A late joiner is scheduled at the next tick; a forgotten instance is never checked again.
+    late = ("late", 0)
+    registry.add(late, "m", 16)
+    consumer.sequencer.open(late, 1)
+    gone = keys[0]
+    consumer.sequencer.forget(gone)
+    checked.clear()
+    while t < 60.0 * 2.3:
+        t += 0.25
+        repairer._periodic(t)
+    counts = {k: checked.count(k) for k in set(checked)}
+    assert gone not in counts and counts.get(late) in (1, 2, 3)
+    assert all(1 <= c <= 3 for c in counts.values()) and len(counts) == 500
+    assert gone not in repairer._next_reconcile
+    # A busy instance (repair in flight) is rescheduled, not checked.
+    busy = keys[1]
+    consumer.sequencer.cursor(busy).repairing = "snapshot"  # type: ignore[union-attr]
+    checked.clear()
+    while t < 60.0 * 4:
+        t += 0.25
+        repairer._periodic(t)
+    assert busy not in checked and len(repairer._due) <= 2 * len(repairer._next_reconcile) + 64

@@ -71,6 +71,9 @@ class Sequencer:
 
     def __init__(self) -> None:
         self._cursors: dict[InstanceKey, Cursor] = {}
+        # Instances opened since the periodic reconciliation last looked (``take_opened``), so that
+        # it schedules new instances without walking every cursor each tick.
+        self._opened: dict[InstanceKey, None] = {}
 
     def cursor(self, instance: InstanceKey) -> Cursor | None:
         return self._cursors.get(instance)
@@ -80,6 +83,12 @@ class Sequencer:
 
     def forget(self, instance: InstanceKey) -> None:
         self._cursors.pop(instance, None)
+        self._opened.pop(instance, None)
+
+    def take_opened(self) -> list[InstanceKey]:
+        """The instances opened (first or again) since the last call, oldest first."""
+        opened, self._opened = list(self._opened), {}
+        return opened
 
     def open(self, instance: InstanceKey, epoch: int, applied: int = 0) -> Cursor:
         """Start (or restart, retiring the old epoch) the cursor of an instance at ``epoch``."""
@@ -90,4 +99,5 @@ class Sequencer:
             if old.epoch != epoch:
                 cursor.retired.append(old.epoch)
         self._cursors[instance] = cursor
+        self._opened[instance] = None
         return cursor
