@@ -320,7 +320,7 @@ class Consumer:
             cursor.repair_started = self.registry.clock()
             cursor.rounds = 0
             cursor.cause = cause
-        cursor.repairing = how
+        self.sequencer.set_repairing(state.key, cursor, how)
         cursor.rounds += 1
         cursor.target = max(cursor.target, upto)
         state.sync = how
@@ -345,10 +345,7 @@ class Consumer:
             self.repair.request_snapshot(state.key, cause)
 
     def _repairs_full(self) -> bool:
-        cursors = self.sequencer.cursors()
-        limit = self.ingest_limits.max_pending_repairs
-        # Counting costs O(instances), so only when there are more instances than the limit.
-        return len(cursors) > limit and sum(1 for c in cursors.values() if c.repairing is not None) >= limit
+        return self.sequencer.repairs() >= self.ingest_limits.max_pending_repairs
 
     def _settle(self, state: InstanceState, cursor: Cursor) -> None:
         """Apply held batches that are now in order; finish the repair or start the next round."""
@@ -375,7 +372,7 @@ class Consumer:
                 seconds=round(took, 4),
                 applied=cursor.applied,
             )
-            cursor.repairing = None
+            self.sequencer.set_repairing(state.key, cursor, None)
             state.sync = "synced"
             return
         if buffer:
@@ -538,7 +535,7 @@ class Consumer:
         # What is known lost stays lost; do not ask for it again on every heartbeat.
         cursor.applied = max(cursor.applied, cursor.target)
         state.last_seq = cursor.applied
-        cursor.repairing = None
+        self.sequencer.set_repairing(state.key, cursor, None)
         state.sync = "synced"
 
     # -- status heartbeats -----------------------------------------------------------------------

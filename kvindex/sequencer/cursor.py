@@ -74,6 +74,9 @@ class Sequencer:
         # Instances opened since the periodic reconciliation last looked (``take_opened``), so that
         # it schedules new instances without walking every cursor each tick.
         self._opened: dict[InstanceKey, None] = {}
+        # Instances whose cursor is being repaired: the repair limit is checked at every repair
+        # start, and counting over every cursor made that O(instances).
+        self._repairing: set[InstanceKey] = set()
 
     def cursor(self, instance: InstanceKey) -> Cursor | None:
         return self._cursors.get(instance)
@@ -84,6 +87,19 @@ class Sequencer:
     def forget(self, instance: InstanceKey) -> None:
         self._cursors.pop(instance, None)
         self._opened.pop(instance, None)
+        self._repairing.discard(instance)
+
+    def set_repairing(self, instance: InstanceKey, cursor: Cursor, how: str | None) -> None:
+        """``cursor.repairing = how``, counted (``repairs``)."""
+        cursor.repairing = how
+        if how is None:
+            self._repairing.discard(instance)
+        elif self._cursors.get(instance) is cursor:
+            self._repairing.add(instance)
+
+    def repairs(self) -> int:
+        """Instances being repaired now."""
+        return len(self._repairing)
 
     def take_opened(self) -> list[InstanceKey]:
         """The instances opened (first or again) since the last call, oldest first."""
@@ -100,4 +116,5 @@ class Sequencer:
                 cursor.retired.append(old.epoch)
         self._cursors[instance] = cursor
         self._opened[instance] = None
+        self._repairing.discard(instance)  # a new cursor starts in sync
         return cursor
