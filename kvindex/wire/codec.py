@@ -15,7 +15,7 @@ from typing import Annotated, Any
 
 import msgpack
 import msgspec
-from msgspec import Meta, Struct
+from msgspec import Meta, Raw, Struct
 
 from kvindex.wire.endpoint import BadEndpoint, parse_endpoint
 from kvindex.wire.errors import (
@@ -82,8 +82,39 @@ class _StatusMsg(Struct, gc=False):
     events: bool = True
 
 
+_NOT_SENT = Raw(b"")
+
+
+class StatusPeek(Struct, gc=False):
+    """A heartbeat with its maps left undecoded (``Raw``: their bytes, absent -> ``_NOT_SENT``).
+
+    A worker's heartbeats mostly repeat the previous one's capacity, digest and endpoint; comparing
+    those as bytes (``decode_status_into``) spares building them again at every heartbeat. Only for
+    that comparison: worker, model, block size and rank are not validated here (the worker's
+    pattern alone costs more than the rest of the decoding), so a peek may be used only where they
+    equal those of a heartbeat decode_status accepted; the other fields are typed as in _StatusMsg.
+    """
+
+    v: int
+    worker: str
+    model: str
+    epoch: U64
+    seq: U64
+    ts: float
+    block_size: int
+    dp_rank: int = 0
+    load: Raw = _NOT_SENT
+    capacity: Raw = _NOT_SENT
+    digest: Raw = _NOT_SENT
+    prefill: Annotated[list[tuple[U64, U64, float]], Meta(max_length=MAX_PREFILL_SAMPLES)] = []
+    endpoint: Any = None
+    events: bool = True
+
+
 _batch_decoder = msgspec.msgpack.Decoder(EventBatch)
 _status_decoder = msgspec.msgpack.Decoder(_StatusMsg)
+_peek_decoder = msgspec.msgpack.Decoder(StatusPeek)
+_load_decoder = msgspec.msgpack.Decoder(dict[str, int | float])
 
 
 def _subject_mismatch(worker: str, subject_worker: str) -> WireError:
@@ -199,6 +230,53 @@ def decode_status(payload: bytes, subject_worker: str | None = None) -> StatusRe
         *_endpoint(msg.endpoint),
         events=msg.events,
     )
+
+
+def peek_status(payload: bytes) -> StatusPeek | None:
+    """The heartbeat with its maps undecoded; None when it does not decode so (decode_status then
+    says why) or when ``payload`` is not ``bytes`` (a ``Raw`` would point into a buffer its owner
+    may reuse, and then compare equal to its own next message)."""
+    if type(payload) is not bytes:
+        return None
+    try:
+        return _peek_decoder.decode(payload)
+    except msgspec.MsgspecError:
+        return None
+
+
+def decode_status_into(peek: StatusPeek, previous: StatusPeek, report: StatusReport) -> bool:
+    """Make ``report``, decode_status's result for the heartbeat ``previous`` peeked at, what it
+    returns for ``peek``'s: True then; False, and ``report`` untouched, when that needs the full
+    decoder (capacity or digest changed: rare; or a load that does not decode, which decode_status
+    then names). Capacity and digest stay the same objects, and the load too when its bytes are the
+    same: a steady heartbeat builds nothing that outlives it.
+
+    The caller checks that ``peek`` has decode_status's ``v``, worker (the subject's), model,
+    block size and rank: those of ``previous``.
+    """
+    if peek.capacity != previous.capacity or peek.digest != previous.digest:
+        return False
+    raw = peek.load
+    if raw == previous.load:
+        load = report.load
+    elif raw is _NOT_SENT:
+        load = Load()
+    else:
+        try:
+            load = _load(_load_decoder.decode(raw))
+        except (msgspec.MsgspecError, WireError):
+            return False
+    endpoint = peek.endpoint
+    # parse_endpoint depends on the string alone: the same string needs no second look.
+    if endpoint is None or type(endpoint) is not str or endpoint != previous.endpoint:
+        report.endpoint, report.endpoint_error = _endpoint(endpoint)
+    report.epoch = peek.epoch
+    report.seq = peek.seq
+    report.ts = peek.ts
+    report.load = load
+    report.prefill = peek.prefill
+    report.events = peek.events
+    return True
 
 
 def _endpoint(raw: Any) -> tuple[str | None, str | None]:
