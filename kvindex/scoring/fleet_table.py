@@ -68,23 +68,34 @@ class ModelTable:
         self.ids: list[bytes] = []
         self.by_worker: dict[str, set[InstanceKey]] = {}
         cap = 16
-        for name in _FLOAT_COLS:
-            setattr(self, name, np.zeros(cap))
-        for name in _BOOL_COLS:
-            setattr(self, name, np.zeros(cap, dtype=bool))
+        # The columns are rows of two blocks (views), so that a refresh writes all of them for all
+        # its rows in two assignments; each column stays contiguous for the rankings' vector work.
+        self._floats = np.zeros((len(_FLOAT_COLS), cap))
+        self._bools = np.zeros((len(_BOOL_COLS), cap), dtype=bool)
+        self._views()
         self.key_rank = np.zeros(cap, dtype=np.int64)
         self._ranks_stale = False
         self._weights: OrderedDict[int, np.ndarray] = OrderedDict()
 
     # -- membership --------------------------------------------------------------------------
 
+    def _views(self) -> None:
+        for i, name in enumerate(_FLOAT_COLS):
+            setattr(self, name, self._floats[i])
+        for i, name in enumerate(_BOOL_COLS):
+            setattr(self, name, self._bools[i])
+
     def _grow(self) -> None:
         cap = 2 * len(self.routable)
-        for name in (*_FLOAT_COLS, *_BOOL_COLS, "key_rank"):
+        for name in ("_floats", "_bools"):
             old = getattr(self, name)
-            new = np.zeros(cap, dtype=old.dtype)
-            new[: self.n] = old[: self.n]
+            new = np.zeros((len(old), cap), dtype=old.dtype)
+            new[:, : self.n] = old[:, : self.n]
             setattr(self, name, new)
+        self._views()
+        key_rank = np.zeros(cap, dtype=np.int64)
+        key_rank[: self.n] = self.key_rank[: self.n]
+        self.key_rank = key_rank
 
     def add(self, state: InstanceState) -> int:
         if self.n == len(self.routable):
@@ -106,9 +117,8 @@ class ModelTable:
             self.states[i] = moved
             self.ids[i] = self.ids[last]
             self.row[moved.key] = i
-            for name in (*_FLOAT_COLS, *_BOOL_COLS):
-                col = getattr(self, name)
-                col[i] = col[last]
+            self._floats[:, i] = self._floats[:, last]
+            self._bools[:, i] = self._bools[:, last]
         self.states.pop()
         self.ids.pop()
         self.routable[last] = False
@@ -159,10 +169,13 @@ class ModelTable:
     # -- state -------------------------------------------------------------------------------
 
     def write(self, rows: list[int], values: list[tuple]) -> None:
-        """Rows' new values (``row_values``), one vector assignment per column for all of them."""
-        columns = list(zip(*values, strict=True))
-        for name, column in zip((*_FLOAT_COLS, *_BOOL_COLS), columns, strict=True):
-            getattr(self, name)[rows] = column
+        """Rows' new values (``row_values``): one conversion, one assignment per block."""
+        # float64 holds every value exactly as the column assignments did (ints below 2**53, bools
+        # as 0.0 / 1.0, which convert back to the same bools).
+        block = np.array(values, dtype=np.float64).T
+        nf = len(_FLOAT_COLS)
+        self._floats[:, rows] = block[:nf]
+        self._bools[:, rows] = block[nf:]
 
 
 def row_values(state: InstanceState, ledger: Ledger) -> tuple:
@@ -227,39 +240,43 @@ class FleetTables:
         keys = list(changed)
         changed.clear()
         # Membership first (a removal moves the last row), then every changed row's values, written
-        # one column at a time for all of them.
+        # one block at a time for all of them.
+        tables, model_of, unsure = self.tables, self._model_of, self._unsure
         live = []
         for key in keys:
             state = get(key)
-            model = self._model_of.get(key)
-            if model is not None and (state is None or state.model != model):
-                table = self.tables[model]
-                table.remove(key)
-                del self._model_of[key]
-                if not table.n:
-                    del self.tables[model]
-            if state is None:
-                self._unsure.discard(key)
-                continue
-            table = self.tables.get(state.model)
-            if table is None:
-                table = self.tables[state.model] = ModelTable(state.model)
-            if key not in table.row:
+            model = model_of.get(key)
+            # Mostly a heartbeat of a member: its row stays where it is.
+            if state is None or state.model != model:
+                if model is not None:
+                    table = tables[model]
+                    table.remove(key)
+                    del model_of[key]
+                    if not table.n:
+                        del tables[model]
+                if state is None:
+                    unsure.discard(key)
+                    continue
+                table = tables.get(state.model)
+                if table is None:
+                    table = tables[state.model] = ModelTable(state.model)
                 table.add(state)
-                self._model_of[key] = state.model
+                model_of[key] = state.model
             live.append(state)
             if not state.capacity and not state.local_blocks_seen:
-                self._unsure.add(key)
-            else:
-                self._unsure.discard(key)
+                unsure.add(key)
+            elif unsure:
+                unsure.discard(key)
         ledger = self.ledger
-        pending: dict[str, tuple[list[int], list[tuple]]] = {}
+        pending: dict[str, tuple[dict[InstanceKey, int], list[int], list[tuple]]] = {}
         for state in live:
-            rows, values = pending.setdefault(state.model, ([], []))
-            rows.append(self.tables[state.model].row[state.key])
-            values.append(row_values(state, ledger))
-        for model, (rows, values) in pending.items():
-            self.tables[model].write(rows, values)
+            entry = pending.get(state.model)
+            if entry is None:
+                entry = pending[state.model] = (tables[state.model].row, [], [])
+            entry[1].append(entry[0][state.key])
+            entry[2].append(row_values(state, ledger))
+        for model, (_, rows, values) in pending.items():
+            tables[model].write(rows, values)
 
     def get(self, model: str) -> ModelTable | None:
         self.refresh()
