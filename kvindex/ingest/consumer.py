@@ -33,6 +33,7 @@ from kvindex.wire import errors
 from kvindex.wire.codec import (
     DEFAULT_LIMITS,
     Limits,
+    StatusMemory,
     StatusPeek,
     decode_batch,
     decode_status,
@@ -577,10 +578,8 @@ class Consumer:
                 and state.block_size == peek.block_size
             ):
                 memo: _StatusMemo = state.status_memo
-                report = memo.report
-                if decode_status_into(peek, memo.peek, report):
-                    memo.peek = peek
-                    return self._accept_status(subject, state, report)
+                if decode_status_into(peek, memo):
+                    return self._accept_status(subject, state, memo.report)
         worker = None
         try:
             worker = self.subjects.worker_of(subject, STATUS)
@@ -597,7 +596,7 @@ class Consumer:
         elif memo is None:
             state.status_memo = _StatusMemo(peek, report)
         else:
-            memo.replace(peek, report)
+            memo.renew(peek, report)
         return self._accept_status(subject, state, report)
 
     def _accept_status(self, subject: str, state: InstanceState, report: StatusReport) -> bool:
@@ -826,27 +825,23 @@ class Consumer:
         )
 
 
-class _StatusMemo:
-    """An instance's last accepted heartbeat, as peeked and as decoded (kept on its InstanceState):
-    what the next heartbeat's maps are compared with, and the report it updates in place
-    (codec.decode_status_into) when only its load, seq and times moved."""
+class _StatusMemo(StatusMemory):
+    """StatusMemory (kept on the InstanceState), and the reported digest as the index compares it."""
 
-    __slots__ = ("_lists", "matched", "peek", "report")
+    __slots__ = ("_lists", "matched")
 
     def __init__(self, peek: StatusPeek, report: StatusReport) -> None:
-        self.peek = peek
         self.report = report
         self._lists: tuple[list[int], list[int]] | None = None
         # The index's digest_version when it last equalled report.digest (-1: not since it changed).
         self.matched = -1
+        super().__init__(peek, report)
 
-    def replace(self, peek: StatusPeek, report: StatusReport) -> None:
-        """A heartbeat decoded in full: a new report, perhaps with another digest."""
-        self.peek = peek
+    def renew(self, peek: StatusPeek, report: StatusReport) -> None:
         if report.digest != self.report.digest:
             self._lists = None
             self.matched = -1
-        self.report = report
+        super().renew(peek, report)
 
     def digest_lists(self) -> tuple[list[int], list[int]]:
         """The report's digest as (counts, xors) per tier, (0, 0) for the tiers it leaves out."""

@@ -242,41 +242,55 @@ class FleetTables:
         # Membership first (a removal moves the last row), then every changed row's values, written
         # one block at a time for all of them.
         tables, model_of, unsure = self.tables, self._model_of, self._unsure
-        live = []
+        live: list[InstanceState] = []
+        rows: list[int] = []  # live's rows, while no row has moved
+        moved = False
         for key in keys:
             state = get(key)
-            model = model_of.get(key)
-            # Mostly a heartbeat of a member: its row stays where it is.
-            if state is None or state.model != model:
-                if model is not None:
-                    table = tables[model]
-                    table.remove(key)
-                    del model_of[key]
-                    if not table.n:
-                        del tables[model]
-                if state is None:
-                    unsure.discard(key)
-                    continue
+            if state is not None:
+                # Mostly a heartbeat of a member: its row stays where it is.
                 table = tables.get(state.model)
-                if table is None:
-                    table = tables[state.model] = ModelTable(state.model)
-                table.add(state)
-                model_of[key] = state.model
+                i = None if table is None else table.row.get(key)
+                if i is not None:
+                    live.append(state)
+                    rows.append(i)
+                    if not state.capacity and not state.local_blocks_seen:
+                        unsure.add(key)
+                    elif unsure:
+                        unsure.discard(key)
+                    continue
+            moved = True
+            model = model_of.get(key)
+            if model is not None:
+                table = tables[model]
+                table.remove(key)
+                del model_of[key]
+                if not table.n:
+                    del tables[model]
+            if state is None:
+                unsure.discard(key)
+                continue
+            table = tables.get(state.model)
+            if table is None:
+                table = tables[state.model] = ModelTable(state.model)
+            table.add(state)
+            model_of[key] = state.model
             live.append(state)
+            rows.append(-1)
             if not state.capacity and not state.local_blocks_seen:
                 unsure.add(key)
             elif unsure:
                 unsure.discard(key)
         ledger = self.ledger
-        pending: dict[str, tuple[dict[InstanceKey, int], list[int], list[tuple]]] = {}
-        for state in live:
+        pending: dict[str, tuple[list[int], list[tuple]]] = {}
+        for state, i in zip(live, rows, strict=True):
             entry = pending.get(state.model)
             if entry is None:
-                entry = pending[state.model] = (tables[state.model].row, [], [])
-            entry[1].append(entry[0][state.key])
-            entry[2].append(row_values(state, ledger))
-        for model, (_, rows, values) in pending.items():
-            tables[model].write(rows, values)
+                entry = pending[state.model] = ([], [])
+            entry[0].append(tables[state.model].row[state.key] if moved else i)
+            entry[1].append(row_values(state, ledger))
+        for model, (model_rows, values) in pending.items():
+            tables[model].write(model_rows, values)
 
     def get(self, model: str) -> ModelTable | None:
         self.refresh()

@@ -244,32 +244,62 @@ def peek_status(payload: bytes) -> StatusPeek | None:
         return None
 
 
-def decode_status_into(peek: StatusPeek, previous: StatusPeek, report: StatusReport) -> bool:
-    """Make ``report``, decode_status's result for the heartbeat ``previous`` peeked at, what it
-    returns for ``peek``'s: True then; False, and ``report`` untouched, when that needs the full
-    decoder (capacity or digest changed: rare; or a load that does not decode, which decode_status
-    then names). Capacity and digest stay the same objects, and the load too when its bytes are the
-    same: a steady heartbeat builds nothing that outlives it.
+# Never the first byte of a msgpack value: marks an absent map in StatusMemory.maps, so that no
+# concatenation of present ones can equal it (msgpack values delimit themselves).
+_ABSENT = b"\xc1"
 
-    The caller checks that ``peek`` has decode_status's ``v``, worker (the subject's), model,
-    block size and rank: those of ``previous``.
+
+def _maps_of(peek: StatusPeek) -> bytes:
+    return b"".join((peek.capacity or _ABSENT, peek.digest or _ABSENT))
+
+
+class StatusMemory:
+    """What a heartbeat decode_status accepted leaves for the next one of its instance: the bytes of
+    its maps (copies: a peek's would hold its whole payload) and its report, which
+    ``decode_status_into`` updates in place."""
+
+    __slots__ = ("endpoint", "load", "maps", "report")
+
+    def __init__(self, peek: StatusPeek, report: StatusReport) -> None:
+        self.renew(peek, report)
+
+    def renew(self, peek: StatusPeek, report: StatusReport) -> None:
+        """``report`` is decode_status's result for the heartbeat ``peek`` was taken from."""
+        self.report = report
+        self.maps = _maps_of(peek)
+        self.load = bytes(peek.load)
+        self.endpoint = peek.endpoint
+
+
+def decode_status_into(peek: StatusPeek, memory: StatusMemory) -> bool:
+    """Make ``memory.report`` what decode_status returns for the heartbeat ``peek`` was taken from:
+    True then; False, and the memory untouched, when that needs the full decoder (capacity or
+    digest changed: rare; or a load that does not decode, which decode_status then names).
+    Capacity and digest stay the same objects, and the load too when its bytes are the same: a
+    steady heartbeat builds nothing that outlives it.
+
+    The caller checks that ``peek`` has decode_status's ``v``, worker (the subject's), model, block
+    size and rank: those of the report's heartbeat.
     """
-    if peek.capacity != previous.capacity or peek.digest != previous.digest:
+    if _maps_of(peek) != memory.maps:
         return False
-    raw = peek.load
-    if raw == previous.load:
+    report = memory.report
+    raw = bytes(peek.load)
+    if raw == memory.load:
         load = report.load
-    elif raw is _NOT_SENT:
+    elif not raw:
         load = Load()
     else:
         try:
             load = _load(_load_decoder.decode(raw))
         except (msgspec.MsgspecError, WireError):
             return False
+        memory.load = raw
     endpoint = peek.endpoint
     # parse_endpoint depends on the string alone: the same string needs no second look.
-    if endpoint is None or type(endpoint) is not str or endpoint != previous.endpoint:
+    if endpoint is None or type(endpoint) is not str or endpoint != memory.endpoint:
         report.endpoint, report.endpoint_error = _endpoint(endpoint)
+        memory.endpoint = endpoint
     report.epoch = peek.epoch
     report.seq = peek.seq
     report.ts = peek.ts
