@@ -287,11 +287,9 @@ def decode_status_into(peek: StatusPeek, memory: StatusMemory) -> bool:
     raw = bytes(peek.load)
     if raw == memory.load:
         load = report.load
-    elif not raw:
-        load = Load()
     else:
         try:
-            load = _load(_load_decoder.decode(raw))
+            load = _load(_load_decoder.decode(raw)) if raw else Load()  # (b"": not sent)
         except (msgspec.MsgspecError, WireError):
             return False
         memory.load = raw
