@@ -409,3 +409,41 @@ def test_steady_path_matches_the_full_decoder(seed: int) -> None:
         assert fast.repair.asked == full.repair.asked  # type: ignore[attr-defined]
     # The sequences exercised both paths.
     assert any(s.status_memo is not None for s in fast.registry.all())
+
+
+def test_load_decoding_matches_decode_status() -> None:
+    from kvindex.wire import decode_status
+    from kvindex.wire.codec import _load_of
+
+    rng = random.Random(3)
+    names = ["running", "waiting", "waiting_prefill_tokens", "kv_usage", "other"]
+    values: list[Any] = [
+        0,
+        1,
+        7,
+        2**64 - 1,
+        -1,
+        0.0,
+        0.5,
+        1.0,
+        1.5,
+        -0.0,
+        float("nan"),
+        float("inf"),
+        True,
+        "x",
+        None,
+    ]
+    loads: list[Any] = [[], {}, 3]
+    for _ in range(2000):
+        loads.append({rng.choice(names): rng.choice(values) for _ in range(rng.randrange(1, 5))})
+    loads.append(b"\x82\xa7running\x01\xa7running\x02")  # a duplicate key: the last one counts
+    for load in loads:
+        raw = load if isinstance(load, bytes) else msgpack.packb(load)
+        empty = status(load={})
+        assert empty.count(b"\xa4load\x80") == 1
+        try:
+            expected = decode_status(empty.replace(b"\xa4load\x80", b"\xa4load" + raw)).load
+        except Exception:
+            expected = None
+        assert repr(_load_of(raw)) == repr(expected), load  # (repr: nan equals itself there)

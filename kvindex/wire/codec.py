@@ -271,6 +271,30 @@ class StatusMemory:
         self.endpoint = peek.endpoint
 
 
+class _KnownLoad(Struct, forbid_unknown_fields=True, gc=False):
+    """A load of the four known fields, as _load accepts them (other names: _load itself)."""
+
+    running: U64 = 0
+    waiting: U64 = 0
+    waiting_prefill_tokens: U64 = 0
+    kv_usage: Annotated[float, Meta(ge=0.0, le=1.0)] = 0.0
+
+
+_known_load_decoder = msgspec.msgpack.Decoder(_KnownLoad)
+
+
+def _load_of(raw: bytes) -> Load | None:
+    """The Load of a heartbeat's load map, as decode_status makes it; None if it rejects it."""
+    try:
+        k = _known_load_decoder.decode(raw)  # typed in C: a third of _load's cost
+    except msgspec.MsgspecError:
+        try:
+            return _load(_load_decoder.decode(raw))
+        except (msgspec.MsgspecError, WireError):
+            return None
+    return Load(k.running, k.waiting, k.waiting_prefill_tokens, k.kv_usage)
+
+
 def decode_status_into(peek: StatusPeek, memory: StatusMemory) -> bool:
     """Make ``memory.report`` what decode_status returns for the heartbeat ``peek`` was taken from:
     True then; False, and the memory untouched, when that needs the full decoder (capacity or
@@ -288,9 +312,8 @@ def decode_status_into(peek: StatusPeek, memory: StatusMemory) -> bool:
     if raw == memory.load:
         load = report.load
     else:
-        try:
-            load = _load(_load_decoder.decode(raw)) if raw else Load()  # (b"": not sent)
-        except (msgspec.MsgspecError, WireError):
+        load = _load_of(raw) if raw else Load()  # (b"": not sent)
+        if load is None:
             return False
         memory.load = raw
     endpoint = peek.endpoint
