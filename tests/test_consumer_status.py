@@ -447,3 +447,82 @@ def test_load_decoding_matches_decode_status() -> None:
         except Exception:
             expected = None
         assert repr(_load_of(raw)) == repr(expected), load  # (repr: nan equals itself there)
+
+
+# -- the router's columns, kept at heartbeats ---------------------------------------------------
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_fleet_tables_rows_equal_row_values_through_heartbeats(seed: int) -> None:
+    """FleetTables.refresh computes rows inline and rewrites only the heartbeat time of a row whose
+    heartbeat changed nothing else: every row must still be row_values of its instance."""
+    import numpy as np
+
+    from kvindex.scoring.fleet_table import _BOOL_COLS, _FLOAT_COLS, FleetTables, row_values
+    from kvindex.scoring.ledger import Ledger
+
+    rng = random.Random(seed)
+    clock = Clock()
+    c = Consumer(InvertedIndex(), Registry(clock=clock))
+    ledger = Ledger(clock)
+    tables = FleetTables(c.registry, ledger)
+    workers = [f"w{i}" for i in range(40)]
+    loads = [{"running": 1}, {"running": 2, "waiting_prefill_tokens": 50}, {}, {"kv_usage": 0.5}]
+    capacities = [{"gpu": 10}, {"gpu": 10}, {}, {"shared": 5}]
+    chosen = {w: (rng.choice(loads), rng.choice(capacities)) for w in workers}
+    requests = 0
+    for _ in range(1500):
+        r = rng.random()
+        w = rng.choice(workers)
+        if r < 0.6:
+            if rng.random() < 0.1:
+                chosen[w] = (rng.choice(loads), rng.choice(capacities))
+            load, capacity = chosen[w]
+            c.on_status(f"kvindex.status.{w}", status(w, load=load, capacity=capacity, ts=rng.random()))
+        elif r < 0.7:
+            requests += 1
+            ledger.commit(f"r{requests}", (w, 0), "m", 100, rng.randrange(0, 100))
+        elif r < 0.78 and requests:
+            ledger.release(f"r{rng.randrange(1, requests + 1)}", rng.choice(["prefill", "finished"]))
+        elif r < 0.82:
+            state = c.registry.get((w, 0))
+            if state is not None:
+                c.mark_stale(state)
+        elif r < 0.84:
+            if c.registry.get((w, 0)) is not None:
+                c.forget((w, 0))
+        elif r < 0.86:
+            c.on_events(
+                f"kvindex.events.{w}", batch(1, rng.randrange(1, 50), worker=w, epoch=rng.randrange(1, 9))
+            )
+        if rng.random() < 0.3:
+            table = tables.get("m")
+            if table is None:
+                continue
+            assert table.n == c.registry.count("m")
+            for i, state in enumerate(table.states):
+                expected = row_values(state, ledger)
+                got = [getattr(table, name)[i] for name in (*_FLOAT_COLS, *_BOOL_COLS)]
+                assert got == [np.float64(v) if n < len(_FLOAT_COLS) else v for n, v in enumerate(expected)]
+
+
+def test_fleet_tables_follow_an_instance_forgotten_and_back_between_refreshes() -> None:
+    from kvindex.scoring.fleet_table import FleetTables
+    from kvindex.scoring.ledger import Ledger
+
+    clock = Clock()
+    c = Consumer(InvertedIndex(), Registry(clock=clock))
+    tables = FleetTables(c.registry, Ledger(clock))
+    assert c.on_status(SUBJECT, status(load={"running": 1}))
+    old = c.registry.get(("w1", 0))
+    assert old is not None
+    c.mark_stale(old)
+    table = tables.get("m")
+    assert table is not None and table.states == [old] and not table.routable[0]
+    c.forget(("w1", 0))
+    assert c.on_status(SUBJECT, status(load={"running": 5}))  # back before any ranking refreshed
+    new = c.registry.get(("w1", 0))
+    table = tables.get("m")
+    assert table is not None and new is not old
+    # The rankings read the instance's state through its row: the new one, not the forgotten one.
+    assert table.states == [new] and table.routable[0] and table.running_now[0] == 5

@@ -65,6 +65,11 @@ class ModelTable:
         self.version = 0  # bumped when rows move (membership): cached per-row data is then stale
         self.row: dict[InstanceKey, int] = {}
         self.states: list[InstanceState] = []
+        # Per row, the Load and capacity its values were last computed from, when only its heartbeat
+        # time can change them while those stay (see FleetTables.refresh); None: not so. Lists, not
+        # a tuple per row: no container is made per heartbeat that the collector would track.
+        self.basis_load: list[object] = []
+        self.basis_capacity: list[object] = []
         self.ids: list[bytes] = []
         self.by_worker: dict[str, set[InstanceKey]] = {}
         cap = 16
@@ -104,6 +109,8 @@ class ModelTable:
         self.n += 1
         self.row[state.key] = i
         self.states.append(state)
+        self.basis_load.append(None)
+        self.basis_capacity.append(None)
         self.ids.append(state.instance_id.encode())
         self.by_worker.setdefault(state.worker, set()).add(state.key)
         self._moved()
@@ -115,11 +122,15 @@ class ModelTable:
         if i != last:  # the last row fills the hole
             moved = self.states[last]
             self.states[i] = moved
+            self.basis_load[i] = self.basis_load[last]
+            self.basis_capacity[i] = self.basis_capacity[last]
             self.ids[i] = self.ids[last]
             self.row[moved.key] = i
             self._floats[:, i] = self._floats[:, last]
             self._bools[:, i] = self._bools[:, last]
         self.states.pop()
+        self.basis_load.pop()
+        self.basis_capacity.pop()
         self.ids.pop()
         self.routable[last] = False
         self.n = last
@@ -179,7 +190,8 @@ class ModelTable:
 
 
 def row_values(state: InstanceState, ledger: Ledger) -> tuple:
-    """An instance's row, in column order (_FLOAT_COLS, then _BOOL_COLS)."""
+    """An instance's row, in column order (_FLOAT_COLS, then _BOOL_COLS). (FleetTables.refresh
+    computes the same inline; tests/test_consumer_status.py checks the tables against this.)"""
     load = state.load
     at = state.last_status_at
     if state.key in ledger.busy:
@@ -251,7 +263,9 @@ class FleetTables:
                 # Mostly a heartbeat of a member: its row stays where it is.
                 table = tables.get(state.model)
                 i = None if table is None else table.row.get(key)
-                if i is not None:
+                # (Another state under the same key: forgotten and back since the last refresh. Its
+                # row must not keep reading the old one: it is moved like any membership change.)
+                if i is not None and table.states[i] is state:  # type: ignore[union-attr]
                     live.append(state)
                     rows.append(i)
                     if not state.capacity and not state.local_blocks_seen:
@@ -282,15 +296,63 @@ class FleetTables:
             elif unsure:
                 unsure.discard(key)
         ledger = self.ledger
-        pending: dict[str, tuple[list[int], list[tuple]]] = {}
+        busy = ledger.busy
+        # Per model: rows rewritten whole and their values; rows whose heartbeat time alone moved.
+        pending: dict[str, tuple[ModelTable, list[int], list[tuple], list[int], list[float]]] = {}
         for state, i in zip(live, rows, strict=True):
             entry = pending.get(state.model)
             if entry is None:
-                entry = pending[state.model] = ([], [])
-            entry[0].append(tables[state.model].row[state.key] if moved else i)
-            entry[1].append(row_values(state, ledger))
-        for model, (model_rows, values) in pending.items():
-            tables[model].write(model_rows, values)
+                entry = pending[state.model] = (tables[state.model], [], [], [], [])
+            table = entry[0]
+            key = state.key
+            if moved:
+                i = table.row[key]
+            # row_values, inline: its reads serve the test below too.
+            load, at, capacity, stale = state.load, state.last_status_at, state.capacity, state.stale
+            if key in busy:
+                n_new, tokens_new, inflight = ledger.pending(key, at)
+                steady = False
+            else:
+                # A heartbeat that changed nothing else (a Load and a capacity are replaced, never
+                # modified): every other value of the row is what it was. A non-empty capacity
+                # alone decides is_pool; no ledger entry, then or now: no requests since either.
+                if (
+                    table.basis_load[i] is load
+                    and table.basis_capacity[i] is capacity
+                    and at is not None
+                    and not stale
+                ):
+                    entry[3].append(i)
+                    entry[4].append(at)
+                    continue
+                n_new = tokens_new = inflight = 0
+                steady = bool(capacity) and at is not None and not stale
+            q = load.waiting_prefill_tokens
+            running, waiting = load.running, load.waiting
+            entry[1].append(i)
+            entry[2].append(
+                (
+                    q,
+                    0.0 if at is None else at,
+                    tokens_new,
+                    q + tokens_new,
+                    running + n_new,
+                    load.kv_usage,
+                    running + waiting + inflight,
+                    waiting + inflight,
+                    bool(q) and at is not None,
+                    not state.is_pool and not stale,
+                )
+            )
+            if steady:
+                table.basis_load[i], table.basis_capacity[i] = load, capacity
+            else:
+                table.basis_load[i] = table.basis_capacity[i] = None
+        for table, full, values, timed, times in pending.values():
+            if full:
+                table.write(full, values)
+            if timed:
+                table.status_at[timed] = times
 
     def get(self, model: str) -> ModelTable | None:
         self.refresh()
