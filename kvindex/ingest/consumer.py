@@ -12,6 +12,7 @@ from collections.abc import Callable
 from time import time as _now
 from typing import Any, Protocol
 
+import msgspec
 import structlog
 
 from kvindex.fleet.registry import InstanceState, Registry, instance_id
@@ -38,7 +39,7 @@ from kvindex.wire.codec import (
     decode_batch,
     decode_status,
     decode_status_into,
-    peek_status,
+    peek_decoder,
 )
 from kvindex.wire.errors import WireError
 from kvindex.wire.reconcile import REPLAY_OK, Snapshot
@@ -560,7 +561,13 @@ class Consumer:
         # Steady state: a known instance whose heartbeat repeats the previous one's maps (all but
         # its load, mostly) takes them from the previous report instead of decoding them again.
         head = self._status_head
-        peek = peek_status(payload)
+        if type(payload) is bytes:  # (codec.peek_status, inline)
+            try:
+                peek = _peek(payload)
+            except msgspec.MsgspecError:
+                peek = None
+        else:
+            peek = None
         if (
             peek is not None
             and peek.v == WIRE_VERSION
@@ -579,7 +586,11 @@ class Consumer:
             ):
                 memo: _StatusMemo = state.status_memo
                 if decode_status_into(peek, memo):
-                    return self._accept_status(subject, state, memo.report)
+                    report = memo.report
+                    if report.endpoint_error is None:  # (else _accept_status: counted, logged)
+                        self._apply_status(state, report)
+                        return True
+                    return self._accept_status(subject, state, report)
         worker = None
         try:
             worker = self.subjects.worker_of(subject, STATUS)
@@ -678,25 +689,27 @@ class Consumer:
             self._gap(state, (cursor.applied + 1, report.seq), "behind heartbeat")
             self._begin(state, cursor, REPLAY, "tail", upto=report.seq)
             return
-        if report.seq == cursor.applied and not self._digest_matches(state, report):
-            self.counters.drift_detected += 1
-            self.log.warning("digest_drift", worker=state.worker, dp_rank=state.dp_rank, seq=report.seq)
-            self._begin(state, cursor, SNAPSHOT, "drift")
+        if report.seq != cursor.applied:
+            return
+        memo = state.status_memo
+        if memo is not None and memo.report is report and not state.capped:
+            # Steady state: a digest found equal stays so until either side changes (the report's
+            # digest is replaced by an unequal one, or the index's version moves).
+            version = self.index.digest_version(key)
+            if version == memo.matched:
+                return
+            if self.index.digest_equals(key, *memo.digest_lists()):
+                memo.matched = version
+                return
+        elif self._digest_matches(state, report):
+            return
+        self.counters.drift_detected += 1
+        self.log.warning("digest_drift", worker=state.worker, dp_rank=state.dp_rank, seq=report.seq)
+        self._begin(state, cursor, SNAPSHOT, "drift")
 
     def _digest_matches(self, state: InstanceState, report: StatusReport) -> bool:
         """Digests agree on every tier, except capped ones (the index keeps a subset there)."""
         reported, key, capped = report.digest, state.key, state.capped
-        memo = state.status_memo
-        if not capped and memo is not None and memo.report is report:
-            # Steady state: a digest found equal stays so until either side changes (the report's
-            # digest object is replaced by a different one, the index's version moves).
-            version = self.index.digest_version(key)
-            if version == memo.matched:
-                return True
-            if self.index.digest_equals(key, *memo.digest_lists()):
-                memo.matched = version
-                return True
-            return False
         return all(
             reported.get(tier, (0, 0)) == self.index.digest(key, tier)
             for tier in range(4)
@@ -823,6 +836,9 @@ class Consumer:
             reason=exc.reason,
             error=exc.message,
         )
+
+
+_peek = peek_decoder.decode
 
 
 class _StatusMemo(StatusMemory):

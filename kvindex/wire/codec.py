@@ -113,7 +113,7 @@ class StatusPeek(Struct, gc=False):
 
 _batch_decoder = msgspec.msgpack.Decoder(EventBatch)
 _status_decoder = msgspec.msgpack.Decoder(_StatusMsg)
-_peek_decoder = msgspec.msgpack.Decoder(StatusPeek)
+peek_decoder = msgspec.msgpack.Decoder(StatusPeek)  # (peek_status without the checks; the consumer's)
 _load_decoder = msgspec.msgpack.Decoder(dict[str, int | float])
 
 
@@ -239,7 +239,7 @@ def peek_status(payload: bytes) -> StatusPeek | None:
     if type(payload) is not bytes:
         return None
     try:
-        return _peek_decoder.decode(payload)
+        return peek_decoder.decode(payload)
     except msgspec.MsgspecError:
         return None
 
