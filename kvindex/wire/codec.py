@@ -250,15 +250,16 @@ _ABSENT = b"\xc1"
 
 
 def _maps_of(peek: StatusPeek) -> bytes:
-    return b"".join((peek.capacity or _ABSENT, peek.digest or _ABSENT))
+    """The load, capacity and digest maps' bytes, one after the other (absent: _ABSENT)."""
+    return b"".join((peek.load or _ABSENT, peek.capacity or _ABSENT, peek.digest or _ABSENT))
 
 
 class StatusMemory:
     """What a heartbeat decode_status accepted leaves for the next one of its instance: the bytes of
-    its maps (copies: a peek's would hold its whole payload) and its report, which
-    ``decode_status_into`` updates in place."""
+    its maps (a copy: a peek's would hold its whole payload), where the load's end, and its
+    report, which ``decode_status_into`` updates in place."""
 
-    __slots__ = ("endpoint", "load", "maps", "report")
+    __slots__ = ("endpoint", "maps", "report", "split")
 
     def __init__(self, peek: StatusPeek, report: StatusReport) -> None:
         self.renew(peek, report)
@@ -267,7 +268,7 @@ class StatusMemory:
         """``report`` is decode_status's result for the heartbeat ``peek`` was taken from."""
         self.report = report
         self.maps = _maps_of(peek)
-        self.load = bytes(peek.load)
+        self.split = len(peek.load) or 1
         self.endpoint = peek.endpoint
 
 
@@ -305,17 +306,18 @@ def decode_status_into(peek: StatusPeek, memory: StatusMemory) -> bool:
     The caller checks that ``peek`` has decode_status's ``v``, worker (the subject's), model, block
     size and rank: those of the report's heartbeat.
     """
-    if _maps_of(peek) != memory.maps:
-        return False
+    maps = _maps_of(peek)
     report = memory.report
-    raw = bytes(peek.load)
-    if raw == memory.load:
+    if maps == memory.maps:  # one comparison for the three maps: the steady state
         load = report.load
     else:
-        load = _load_of(raw) if raw else Load()  # (b"": not sent)
+        split = len(peek.load) or 1
+        if maps[split:] != memory.maps[memory.split :]:
+            return False  # capacity or digest
+        load = _load_of(maps[:split]) if peek.load else Load()  # (not sent: the defaults)
         if load is None:
             return False
-        memory.load = raw
+        memory.maps, memory.split = maps, split
     endpoint = peek.endpoint
     # parse_endpoint depends on the string alone: the same string needs no second look.
     if endpoint is None or type(endpoint) is not str or endpoint != memory.endpoint:
