@@ -623,8 +623,8 @@ class Consumer:
         cursor = self.sequencer.cursor(key)
         state.last_status_at = self.registry.clock()
         state.last_status_ts = report.ts
-        # The same objects as the previous report's when unchanged (decode_status_like): assigning
-        # them again would only notify the watchers a second time.
+        # The same objects as the previous report's when unchanged (codec.decode_status_into):
+        # assigning them again would only notify the watchers a second time.
         if report.load is not state.load:
             state.load = report.load
         if report.capacity is not state.capacity:
@@ -847,17 +847,16 @@ class _StatusMemo(StatusMemory):
     __slots__ = ("_lists", "matched")
 
     def __init__(self, peek: StatusPeek, report: StatusReport) -> None:
-        self.report = report
         self._lists: tuple[list[int], list[int]] | None = None
         # The index's digest_version when it last equalled report.digest (-1: not since it changed).
         self.matched = -1
-        super().__init__(peek, report)
+        StatusMemory.renew(self, peek, report)
 
     def renew(self, peek: StatusPeek, report: StatusReport) -> None:
         if report.digest != self.report.digest:
             self._lists = None
             self.matched = -1
-        super().renew(peek, report)
+        StatusMemory.renew(self, peek, report)
 
     def digest_lists(self) -> tuple[list[int], list[int]]:
         """The report's digest as (counts, xors) per tier, (0, 0) for the tiers it leaves out."""

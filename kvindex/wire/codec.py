@@ -256,8 +256,8 @@ def _maps_of(peek: StatusPeek) -> bytes:
 
 class StatusMemory:
     """What a heartbeat decode_status accepted leaves for the next one of its instance: the bytes of
-    its maps (a copy: a peek's would hold its whole payload), where the load's end, and its
-    report, which ``decode_status_into`` updates in place."""
+    its maps (a copy: a peek's would hold its whole payload), where the load's bytes end in them,
+    and its report, which ``decode_status_into`` updates in place."""
 
     __slots__ = ("endpoint", "maps", "report", "split")
 
