@@ -6,7 +6,7 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from operator import attrgetter
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from kvindex.index.base import InstanceKey
 from kvindex.wire.schema import CPU, DISK, GPU, SHARED, Load
@@ -75,6 +75,9 @@ class InstanceState:
     # None until the consumer first needs it (instances registered elsewhere, e.g. static ones).
     block_limits: tuple[int, int, int, int] | None = None
     capped: int = 0
+    # The consumer's memory of the last accepted heartbeat (kvindex.ingest.consumer._StatusMemo): the
+    # next one reuses its decoded maps when their bytes are the same. Goes with the state.
+    status_memo: Any = None
     if TYPE_CHECKING:  # properties installed below the class (watched fields)
         load: Load
         last_status_at: float | None

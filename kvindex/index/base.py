@@ -87,6 +87,14 @@ class KvBlockIndex(Protocol):
     def digest(self, instance: InstanceKey, tier: int) -> tuple[int, int]:
         """(count, xor of keys) of the instance's blocks on ``tier``: comparable to a heartbeat's digest."""
 
+    def digest_version(self, instance: InstanceKey) -> int:
+        """A number that changes whenever the instance's digests may have (any change of its blocks,
+        its registration): equal twice, its digests are the same (0: an unknown instance)."""
+
+    def digest_equals(self, instance: InstanceKey, counts: list[int], xors: list[int]) -> bool:
+        """Whether ``digest(instance, tier) == (counts[tier], xors[tier])`` on all four tiers (one
+        call per heartbeat instead of four)."""
+
     def diff(self, instance: InstanceKey, tier: int, keys: list[int]) -> tuple[list[int], list[int]]:
         """(keys missing from the instance's tier, keys it holds there that are not in ``keys``)."""
 

@@ -140,7 +140,7 @@ class _Shard:
 class _Holder:
     """Per-instance bookkeeping: slot, per-tier counts, xor digests and key logs."""
 
-    __slots__ = ("bank", "bit", "counts", "logs", "model", "shard", "slot", "xors")
+    __slots__ = ("bank", "bit", "counts", "logs", "model", "shard", "slot", "version", "xors")
 
     def __init__(self, model: str, shard: _Shard, slot: int) -> None:
         self.model = model
@@ -151,6 +151,7 @@ class _Holder:
         self.counts = [0] * _N_TIERS
         self.xors = [0] * _N_TIERS
         self.logs = [shard.impl.KeyLog() for _ in range(_N_TIERS)]
+        self.version = 0  # InvertedIndex.digest_version
 
 
 class InvertedIndex:
@@ -165,6 +166,9 @@ class InvertedIndex:
         self.native = self.impl is not _pytable
         self._shards: dict[str, _Shard] = {}
         self._holders: dict[InstanceKey, _Holder] = {}
+        # Stamped on a holder at each change of its blocks; one sequence for all, so that a version
+        # is never seen twice, even across a drop and re-add (see digest_version).
+        self._version = 0
 
     # -- instances ------------------------------------------------------------------------------
 
@@ -177,7 +181,9 @@ class InvertedIndex:
         shard = self._shards.get(model)
         if shard is None:
             shard = self._shards[model] = _Shard(self.impl)
-        self._holders[instance] = _Holder(model, shard, shard.allocate(instance))
+        holder = self._holders[instance] = _Holder(model, shard, shard.allocate(instance))
+        self._version += 1
+        holder.version = self._version
 
     def drop_instance(self, instance: InstanceKey) -> int:
         holder = self._holders.get(instance)
@@ -214,6 +220,8 @@ class InvertedIndex:
         if added:
             holder.counts[tier] += added
             holder.xors[tier] ^= x
+            self._version += 1
+            holder.version = self._version
         return added
 
     def remove(self, instance: InstanceKey, tier: int, keys: Iterable[int]) -> int:
@@ -223,11 +231,15 @@ class InvertedIndex:
         if removed:
             holder.counts[tier] -= removed
             holder.xors[tier] ^= x
+            self._version += 1
+            holder.version = self._version
             self._maybe_compact(holder, tier)
         return removed
 
     def apply(self, instance: InstanceKey, events: Sequence[Any]) -> Applied:
         holder = self._holders[instance]
+        self._version += 1
+        holder.version = self._version
         # One native call for the whole batch (clears and log compaction included).
         return self.impl.apply_events(  # type: ignore[no-any-return]
             events,
@@ -250,6 +262,8 @@ class InvertedIndex:
         holder = self._holders.get(instance)
         if holder is None:
             return 0
+        self._version += 1
+        holder.version = self._version
         cleared = 0
         for t in range(_N_TIERS) if tier is None else (tier,):
             if holder.counts[t]:
@@ -313,6 +327,16 @@ class InvertedIndex:
         if holder is None:
             return (0, 0)
         return (holder.counts[tier], holder.xors[tier])
+
+    def digest_version(self, instance: InstanceKey) -> int:
+        holder = self._holders.get(instance)
+        return 0 if holder is None else holder.version
+
+    def digest_equals(self, instance: InstanceKey, counts: list[int], xors: list[int]) -> bool:
+        holder = self._holders.get(instance)
+        if holder is None:
+            return not any(counts) and not any(xors)
+        return holder.counts == counts and holder.xors == xors
 
     def diff(self, instance: InstanceKey, tier: int, keys: list[int]) -> tuple[list[int], list[int]]:
         d = self.differ(instance, tier, keys)

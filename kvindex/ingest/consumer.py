@@ -12,6 +12,7 @@ from collections.abc import Callable
 from time import time as _now
 from typing import Any, Protocol
 
+import msgspec
 import structlog
 
 from kvindex.fleet.registry import InstanceState, Registry, instance_id
@@ -30,7 +31,16 @@ from kvindex.observability.counters import IngestCounters
 from kvindex.observability.logs import RateLimitedLog
 from kvindex.sequencer.cursor import Cursor, Sequencer, Verdict, decide
 from kvindex.wire import errors
-from kvindex.wire.codec import DEFAULT_LIMITS, Limits, decode_batch, decode_status
+from kvindex.wire.codec import (
+    DEFAULT_LIMITS,
+    Limits,
+    StatusMemory,
+    StatusPeek,
+    decode_batch,
+    decode_status,
+    decode_status_into,
+    peek_decoder,
+)
 from kvindex.wire.errors import WireError
 from kvindex.wire.reconcile import REPLAY_OK, Snapshot
 from kvindex.wire.schema import (
@@ -39,6 +49,7 @@ from kvindex.wire.schema import (
     SHARED,
     STORED,
     TIER_NAMES,
+    WIRE_VERSION,
     EventBatch,
     StatusReport,
 )
@@ -103,6 +114,7 @@ class Consumer:
         # Refusals by a limit: once per (instance, reason) per minute, with the count suppressed.
         self._limit_log = RateLimitedLog(self.log, interval=60.0)
         self._events_head = f"{self.subjects.prefix}.{EVENTS}."
+        self._status_head = f"{self.subjects.prefix}.{STATUS}."
         # Heartbeats drive repairs (tail loss, drift, discovery) unless the event source is still
         # replaying history; and when they do not share one ordered subscription with the batches,
         # a heartbeat ahead of the batches must be seen twice before it counts as a lost tail.
@@ -543,6 +555,39 @@ class Consumer:
     def on_status(self, subject: str, payload: bytes) -> bool:
         """Handle one status heartbeat; True when accepted."""
         self.counters.status_received += 1
+        # Steady state: a known instance whose heartbeat repeats the previous one's maps (all but
+        # its load, mostly) takes them from the previous report instead of decoding them again.
+        head = self._status_head
+        if type(payload) is bytes:  # (codec.peek_status, inline)
+            try:
+                peek = _peek(payload)
+            except msgspec.MsgspecError:
+                peek = None
+        else:
+            peek = None
+        if (
+            peek is not None
+            and peek.v == WIRE_VERSION
+            and subject.startswith(head)
+            # Equal to the envelope's worker, which the decoder validated: a valid subject.
+            and peek.worker == subject[len(head) :]
+        ):
+            state = self.registry.get((peek.worker, peek.dp_rank))
+            # A memo means decode_status accepted a heartbeat of this instance: the worker, rank,
+            # model and block size the peek leaves unchecked are valid when they equal its own.
+            if (
+                state is not None
+                and state.status_memo is not None
+                and state.model == peek.model
+                and state.block_size == peek.block_size
+            ):
+                memo: _StatusMemo = state.status_memo
+                if decode_status_into(peek, memo):
+                    report = memo.report
+                    if report.endpoint_error is None:  # (else _accept_status: counted, logged)
+                        self._apply_status(state, report)
+                        return True
+                    return self._accept_status(subject, state, report)
         worker = None
         try:
             worker = self.subjects.worker_of(subject, STATUS)
@@ -553,10 +598,20 @@ class Consumer:
         except WireError as exc:
             self._reject(worker, subject, exc)
             return False
+        memo = state.status_memo
+        if peek is None:
+            state.status_memo = None  # (a payload that is not bytes: nothing to compare the next with)
+        elif memo is None:
+            state.status_memo = _StatusMemo(peek, report)
+        else:
+            memo.renew(peek, report)
+        return self._accept_status(subject, state, report)
+
+    def _accept_status(self, subject: str, state: InstanceState, report: StatusReport) -> bool:
         if report.endpoint_error is not None:
             # The heartbeat still counts (load, digest, liveness); only the endpoint is dropped, so
             # routers never see an address they could not connect to.
-            self._reject(worker, subject, WireError(errors.BAD_ENDPOINT, report.endpoint_error))
+            self._reject(state.worker, subject, WireError(errors.BAD_ENDPOINT, report.endpoint_error))
         self._apply_status(state, report)
         return True
 
@@ -565,10 +620,14 @@ class Consumer:
         cursor = self.sequencer.cursor(key)
         state.last_status_at = self.registry.clock()
         state.last_status_ts = report.ts
-        state.load = report.load
-        if report.capacity != state.capacity:
-            state.block_limits = None  # from the new capacity, when next needed
-        state.capacity = report.capacity
+        # The same objects as the previous report's when unchanged (codec.decode_status_into):
+        # assigning them again would only notify the watchers a second time.
+        if report.load is not state.load:
+            state.load = report.load
+        if report.capacity is not state.capacity:
+            if report.capacity != state.capacity:
+                state.block_limits = None  # from the new capacity, when next needed
+            state.capacity = report.capacity
         if state.capped:
             # A capped tier whose worker now fits within the limit gets its digest checked again:
             # the drift it shows brings a snapshot, which makes the tier exact.
@@ -627,10 +686,23 @@ class Consumer:
             self._gap(state, (cursor.applied + 1, report.seq), "behind heartbeat")
             self._begin(state, cursor, REPLAY, "tail", upto=report.seq)
             return
-        if report.seq == cursor.applied and not self._digest_matches(state, report):
-            self.counters.drift_detected += 1
-            self.log.warning("digest_drift", worker=state.worker, dp_rank=state.dp_rank, seq=report.seq)
-            self._begin(state, cursor, SNAPSHOT, "drift")
+        if report.seq != cursor.applied:
+            return
+        memo = state.status_memo
+        if memo is not None and memo.report is report and not state.capped:
+            # Steady state: a digest found equal stays so until either side changes (the report's
+            # digest is replaced by an unequal one, or the index's version moves).
+            version = self.index.digest_version(key)
+            if version == memo.matched:
+                return
+            if self.index.digest_equals(key, *memo.digest_lists()):
+                memo.matched = version
+                return
+        elif self._digest_matches(state, report):
+            return
+        self.counters.drift_detected += 1
+        self.log.warning("digest_drift", worker=state.worker, dp_rank=state.dp_rank, seq=report.seq)
+        self._begin(state, cursor, SNAPSHOT, "drift")
 
     def _digest_matches(self, state: InstanceState, report: StatusReport) -> bool:
         """Digests agree on every tier, except capped ones (the index keeps a subset there)."""
@@ -697,8 +769,9 @@ class Consumer:
                 )
 
     def _model_block_size(self, model: str, exclude: InstanceKey) -> int | None:
-        for other in self.registry.of_model(model):
-            if other.key != exclude:
+        # The live view, not a copy: this runs at every join, and the first or second member answers.
+        for key, other in self.registry.members(model).items():
+            if key != exclude:
                 return other.block_size
         return None
 
@@ -760,6 +833,35 @@ class Consumer:
             reason=exc.reason,
             error=exc.message,
         )
+
+
+_peek = peek_decoder.decode
+
+
+class _StatusMemo(StatusMemory):
+    """StatusMemory (kept on the InstanceState), and the reported digest as the index compares it."""
+
+    __slots__ = ("_lists", "matched")
+
+    def __init__(self, peek: StatusPeek, report: StatusReport) -> None:
+        self._lists: tuple[list[int], list[int]] | None = None
+        # The index's digest_version when it last equalled report.digest (-1: not since it changed).
+        self.matched = -1
+        StatusMemory.renew(self, peek, report)
+
+    def renew(self, peek: StatusPeek, report: StatusReport) -> None:
+        if report.digest != self.report.digest:
+            self._lists = None
+            self.matched = -1
+        StatusMemory.renew(self, peek, report)
+
+    def digest_lists(self) -> tuple[list[int], list[int]]:
+        """The report's digest as (counts, xors) per tier, (0, 0) for the tiers it leaves out."""
+        if self._lists is None:
+            get = self.report.digest.get
+            pairs = [get(tier, (0, 0)) for tier in range(4)]
+            self._lists = ([p[0] for p in pairs], [p[1] for p in pairs])
+        return self._lists
 
 
 def _n_keys(batch: EventBatch) -> int:

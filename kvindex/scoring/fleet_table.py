@@ -65,26 +65,42 @@ class ModelTable:
         self.version = 0  # bumped when rows move (membership): cached per-row data is then stale
         self.row: dict[InstanceKey, int] = {}
         self.states: list[InstanceState] = []
+        # Per row, the Load and capacity its values were last computed from, when only its heartbeat
+        # time can change them while those stay (see FleetTables.refresh); None: not so. Lists, not
+        # a tuple per row: no container is made per heartbeat that the collector would track.
+        self.basis_load: list[object] = []
+        self.basis_capacity: list[object] = []
         self.ids: list[bytes] = []
         self.by_worker: dict[str, set[InstanceKey]] = {}
         cap = 16
-        for name in _FLOAT_COLS:
-            setattr(self, name, np.zeros(cap))
-        for name in _BOOL_COLS:
-            setattr(self, name, np.zeros(cap, dtype=bool))
+        # The columns are rows of two blocks (views), so that a refresh writes all of them for all
+        # its rows in two assignments; each column stays contiguous for the rankings' vector work.
+        self._floats = np.zeros((len(_FLOAT_COLS), cap))
+        self._bools = np.zeros((len(_BOOL_COLS), cap), dtype=bool)
+        self._views()
         self.key_rank = np.zeros(cap, dtype=np.int64)
         self._ranks_stale = False
         self._weights: OrderedDict[int, np.ndarray] = OrderedDict()
 
     # -- membership --------------------------------------------------------------------------
 
+    def _views(self) -> None:
+        for i, name in enumerate(_FLOAT_COLS):
+            setattr(self, name, self._floats[i])
+        for i, name in enumerate(_BOOL_COLS):
+            setattr(self, name, self._bools[i])
+
     def _grow(self) -> None:
         cap = 2 * len(self.routable)
-        for name in (*_FLOAT_COLS, *_BOOL_COLS, "key_rank"):
+        for name in ("_floats", "_bools"):
             old = getattr(self, name)
-            new = np.zeros(cap, dtype=old.dtype)
-            new[: self.n] = old[: self.n]
+            new = np.zeros((len(old), cap), dtype=old.dtype)
+            new[:, : self.n] = old[:, : self.n]
             setattr(self, name, new)
+        self._views()
+        key_rank = np.zeros(cap, dtype=np.int64)
+        key_rank[: self.n] = self.key_rank[: self.n]
+        self.key_rank = key_rank
 
     def add(self, state: InstanceState) -> int:
         if self.n == len(self.routable):
@@ -93,6 +109,8 @@ class ModelTable:
         self.n += 1
         self.row[state.key] = i
         self.states.append(state)
+        self.basis_load.append(None)
+        self.basis_capacity.append(None)
         self.ids.append(state.instance_id.encode())
         self.by_worker.setdefault(state.worker, set()).add(state.key)
         self._moved()
@@ -104,12 +122,15 @@ class ModelTable:
         if i != last:  # the last row fills the hole
             moved = self.states[last]
             self.states[i] = moved
+            self.basis_load[i] = self.basis_load[last]
+            self.basis_capacity[i] = self.basis_capacity[last]
             self.ids[i] = self.ids[last]
             self.row[moved.key] = i
-            for name in (*_FLOAT_COLS, *_BOOL_COLS):
-                col = getattr(self, name)
-                col[i] = col[last]
+            self._floats[:, i] = self._floats[:, last]
+            self._bools[:, i] = self._bools[:, last]
         self.states.pop()
+        self.basis_load.pop()
+        self.basis_capacity.pop()
         self.ids.pop()
         self.routable[last] = False
         self.n = last
@@ -159,14 +180,18 @@ class ModelTable:
     # -- state -------------------------------------------------------------------------------
 
     def write(self, rows: list[int], values: list[tuple]) -> None:
-        """Rows' new values (``row_values``), one vector assignment per column for all of them."""
-        columns = list(zip(*values, strict=True))
-        for name, column in zip((*_FLOAT_COLS, *_BOOL_COLS), columns, strict=True):
-            getattr(self, name)[rows] = column
+        """Rows' new values (``row_values``): one conversion, one assignment per block."""
+        # float64 holds every value exactly as the column assignments did (ints below 2**53, bools
+        # as 0.0 / 1.0, which convert back to the same bools).
+        block = np.array(values, dtype=np.float64).T
+        nf = len(_FLOAT_COLS)
+        self._floats[:, rows] = block[:nf]
+        self._bools[:, rows] = block[nf:]
 
 
 def row_values(state: InstanceState, ledger: Ledger) -> tuple:
-    """An instance's row, in column order (_FLOAT_COLS, then _BOOL_COLS)."""
+    """An instance's row, in column order (_FLOAT_COLS, then _BOOL_COLS). (FleetTables.refresh
+    computes the same inline; tests/test_consumer_status.py checks the tables against this.)"""
     load = state.load
     at = state.last_status_at
     if state.key in ledger.busy:
@@ -227,39 +252,107 @@ class FleetTables:
         keys = list(changed)
         changed.clear()
         # Membership first (a removal moves the last row), then every changed row's values, written
-        # one column at a time for all of them.
-        live = []
+        # one block at a time for all of them.
+        tables, model_of, unsure = self.tables, self._model_of, self._unsure
+        live: list[InstanceState] = []
+        rows: list[int] = []  # live's rows, while no row has moved
+        moved = False
         for key in keys:
             state = get(key)
-            model = self._model_of.get(key)
-            if model is not None and (state is None or state.model != model):
-                table = self.tables[model]
+            if state is not None:
+                # Mostly a heartbeat of a member: its row stays where it is.
+                table = tables.get(state.model)
+                i = None if table is None else table.row.get(key)
+                # (Another state under the same key: forgotten and back since the last refresh. Its
+                # row must not keep reading the old one: it is moved like any membership change.)
+                if i is not None and table.states[i] is state:  # type: ignore[union-attr]
+                    live.append(state)
+                    rows.append(i)
+                    if not state.capacity and not state.local_blocks_seen:
+                        unsure.add(key)
+                    elif unsure:
+                        unsure.discard(key)
+                    continue
+            moved = True
+            model = model_of.get(key)
+            if model is not None:
+                table = tables[model]
                 table.remove(key)
-                del self._model_of[key]
+                del model_of[key]
                 if not table.n:
-                    del self.tables[model]
+                    del tables[model]
             if state is None:
-                self._unsure.discard(key)
+                unsure.discard(key)
                 continue
-            table = self.tables.get(state.model)
+            table = tables.get(state.model)
             if table is None:
-                table = self.tables[state.model] = ModelTable(state.model)
-            if key not in table.row:
-                table.add(state)
-                self._model_of[key] = state.model
+                table = tables[state.model] = ModelTable(state.model)
+            table.add(state)
+            model_of[key] = state.model
             live.append(state)
+            rows.append(-1)
             if not state.capacity and not state.local_blocks_seen:
-                self._unsure.add(key)
-            else:
-                self._unsure.discard(key)
+                unsure.add(key)
+            elif unsure:
+                unsure.discard(key)
         ledger = self.ledger
-        pending: dict[str, tuple[list[int], list[tuple]]] = {}
-        for state in live:
-            rows, values = pending.setdefault(state.model, ([], []))
-            rows.append(self.tables[state.model].row[state.key])
-            values.append(row_values(state, ledger))
-        for model, (rows, values) in pending.items():
-            self.tables[model].write(rows, values)
+        busy = ledger.busy
+        # Per model: rows rewritten whole and their values; rows whose heartbeat time alone moved.
+        pending: dict[str, tuple[ModelTable, list[int], list[tuple], list[int], list[float]]] = {}
+        for state, i in zip(live, rows, strict=True):
+            entry = pending.get(state.model)
+            if entry is None:
+                entry = pending[state.model] = (tables[state.model], [], [], [], [])
+            table = entry[0]
+            key = state.key
+            if moved:
+                i = table.row[key]
+            # row_values, inline: its reads serve the test below too.
+            load, at, capacity, stale = state.load, state.last_status_at, state.capacity, state.stale
+            if key in busy:
+                n_new, tokens_new, inflight = ledger.pending(key, at)
+                steady = False
+            else:
+                # A heartbeat that changed nothing else (a Load and a capacity are replaced, never
+                # modified): every other value of the row is what it was. A non-empty capacity
+                # alone decides is_pool; no ledger entry, then or now: no requests since either.
+                if (
+                    table.basis_load[i] is load
+                    and table.basis_capacity[i] is capacity
+                    and at is not None
+                    and not stale
+                ):
+                    entry[3].append(i)
+                    entry[4].append(at)
+                    continue
+                n_new = tokens_new = inflight = 0
+                steady = bool(capacity) and at is not None and not stale
+            q = load.waiting_prefill_tokens
+            running, waiting = load.running, load.waiting
+            entry[1].append(i)
+            entry[2].append(
+                (
+                    q,
+                    0.0 if at is None else at,
+                    tokens_new,
+                    q + tokens_new,
+                    running + n_new,
+                    load.kv_usage,
+                    running + waiting + inflight,
+                    waiting + inflight,
+                    bool(q) and at is not None,
+                    not state.is_pool and not stale,
+                )
+            )
+            if steady:
+                table.basis_load[i], table.basis_capacity[i] = load, capacity
+            else:
+                table.basis_load[i] = table.basis_capacity[i] = None
+        for table, full, values, timed, times in pending.values():
+            if full:
+                table.write(full, values)
+            if timed:
+                table.status_at[timed] = times
 
     def get(self, model: str) -> ModelTable | None:
         self.refresh()

@@ -15,7 +15,7 @@ from typing import Annotated, Any
 
 import msgpack
 import msgspec
-from msgspec import Meta, Struct
+from msgspec import Meta, Raw, Struct
 
 from kvindex.wire.endpoint import BadEndpoint, parse_endpoint
 from kvindex.wire.errors import (
@@ -82,8 +82,39 @@ class _StatusMsg(Struct, gc=False):
     events: bool = True
 
 
+_NOT_SENT = Raw(b"")
+
+
+class StatusPeek(Struct, gc=False):
+    """A heartbeat with its maps left undecoded (``Raw``: their bytes, absent -> ``_NOT_SENT``).
+
+    A worker's heartbeats mostly repeat the previous one's capacity, digest and endpoint; comparing
+    those as bytes (``decode_status_into``) spares building them again at every heartbeat. Only for
+    that comparison: worker, model, block size and rank are not validated here (the worker's
+    pattern alone costs more than the rest of the decoding), so a peek may be used only where they
+    equal those of a heartbeat decode_status accepted; the other fields are typed as in _StatusMsg.
+    """
+
+    v: int
+    worker: str
+    model: str
+    epoch: U64
+    seq: U64
+    ts: float
+    block_size: int
+    dp_rank: int = 0
+    load: Raw = _NOT_SENT
+    capacity: Raw = _NOT_SENT
+    digest: Raw = _NOT_SENT
+    prefill: Annotated[list[tuple[U64, U64, float]], Meta(max_length=MAX_PREFILL_SAMPLES)] = []
+    endpoint: Any = None
+    events: bool = True
+
+
 _batch_decoder = msgspec.msgpack.Decoder(EventBatch)
 _status_decoder = msgspec.msgpack.Decoder(_StatusMsg)
+peek_decoder = msgspec.msgpack.Decoder(StatusPeek)  # (peek_status without the checks; the consumer's)
+_load_decoder = msgspec.msgpack.Decoder(dict[str, int | float])
 
 
 def _subject_mismatch(worker: str, subject_worker: str) -> WireError:
@@ -199,6 +230,106 @@ def decode_status(payload: bytes, subject_worker: str | None = None) -> StatusRe
         *_endpoint(msg.endpoint),
         events=msg.events,
     )
+
+
+def peek_status(payload: bytes) -> StatusPeek | None:
+    """The heartbeat with its maps undecoded; None when it does not decode so (decode_status then
+    says why) or when ``payload`` is not ``bytes`` (a ``Raw`` would point into a buffer its owner
+    may reuse, and then compare equal to its own next message)."""
+    if type(payload) is not bytes:
+        return None
+    try:
+        return peek_decoder.decode(payload)
+    except msgspec.MsgspecError:
+        return None
+
+
+# Never the first byte of a msgpack value: marks an absent map in StatusMemory.maps, so that no
+# concatenation of present ones can equal it (msgpack values delimit themselves).
+_ABSENT = b"\xc1"
+
+
+def _maps_of(peek: StatusPeek) -> bytes:
+    """The load, capacity and digest maps' bytes, one after the other (absent: _ABSENT)."""
+    return b"".join((peek.load or _ABSENT, peek.capacity or _ABSENT, peek.digest or _ABSENT))
+
+
+class StatusMemory:
+    """What a heartbeat decode_status accepted leaves for the next one of its instance: the bytes of
+    its maps (a copy: a peek's would hold its whole payload), where the load's bytes end in them,
+    and its report, which ``decode_status_into`` updates in place."""
+
+    __slots__ = ("endpoint", "maps", "report", "split")
+
+    def __init__(self, peek: StatusPeek, report: StatusReport) -> None:
+        self.renew(peek, report)
+
+    def renew(self, peek: StatusPeek, report: StatusReport) -> None:
+        """``report`` is decode_status's result for the heartbeat ``peek`` was taken from."""
+        self.report = report
+        self.maps = _maps_of(peek)
+        self.split = len(peek.load) or 1
+        self.endpoint = peek.endpoint
+
+
+class _KnownLoad(Struct, forbid_unknown_fields=True, gc=False):
+    """A load of the four known fields, as _load accepts them (other names: _load itself)."""
+
+    running: U64 = 0
+    waiting: U64 = 0
+    waiting_prefill_tokens: U64 = 0
+    kv_usage: Annotated[float, Meta(ge=0.0, le=1.0)] = 0.0
+
+
+_known_load_decoder = msgspec.msgpack.Decoder(_KnownLoad)
+
+
+def _load_of(raw: bytes) -> Load | None:
+    """The Load of a heartbeat's load map, as decode_status makes it; None if it rejects it."""
+    try:
+        k = _known_load_decoder.decode(raw)  # typed in C: a third of _load's cost
+    except msgspec.MsgspecError:
+        try:
+            return _load(_load_decoder.decode(raw))
+        except (msgspec.MsgspecError, WireError):
+            return None
+    return Load(k.running, k.waiting, k.waiting_prefill_tokens, k.kv_usage)
+
+
+def decode_status_into(peek: StatusPeek, memory: StatusMemory) -> bool:
+    """Make ``memory.report`` what decode_status returns for the heartbeat ``peek`` was taken from:
+    True then; False, and the memory untouched, when that needs the full decoder (capacity or
+    digest changed: rare; or a load that does not decode, which decode_status then names).
+    Capacity and digest stay the same objects, and the load too when its bytes are the same: a
+    steady heartbeat builds nothing that outlives it.
+
+    The caller checks that ``peek`` has decode_status's ``v``, worker (the subject's), model, block
+    size and rank: those of the report's heartbeat.
+    """
+    maps = _maps_of(peek)
+    report = memory.report
+    if maps == memory.maps:  # one comparison for the three maps: the steady state
+        load = report.load
+    else:
+        split = len(peek.load) or 1
+        if maps[split:] != memory.maps[memory.split :]:
+            return False  # capacity or digest
+        load = _load_of(maps[:split]) if peek.load else Load()  # (not sent: the defaults)
+        if load is None:
+            return False
+        memory.maps, memory.split = maps, split
+    endpoint = peek.endpoint
+    # parse_endpoint depends on the string alone: the same string needs no second look.
+    if endpoint is None or type(endpoint) is not str or endpoint != memory.endpoint:
+        report.endpoint, report.endpoint_error = _endpoint(endpoint)
+        memory.endpoint = endpoint
+    report.epoch = peek.epoch
+    report.seq = peek.seq
+    report.ts = peek.ts
+    report.load = load
+    report.prefill = peek.prefill
+    report.events = peek.events
+    return True
 
 
 def _endpoint(raw: Any) -> tuple[str | None, str | None]:
