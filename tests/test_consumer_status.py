@@ -526,3 +526,120 @@ def test_fleet_tables_follow_an_instance_forgotten_and_back_between_refreshes() 
     assert table is not None and new is not old
     # The rankings read the instance's state through its row: the new one, not the forgotten one.
     assert table.states == [new] and table.routable[0] and table.running_now[0] == 5
+
+
+# -- repeated heartbeats (consumer._Repeat) --------------------------------------------------------
+
+
+def _repeat_setup():
+    from kvindex.fleet.registry import Registry
+    from kvindex.index import InvertedIndex
+    from kvindex.ingest.consumer import Consumer
+    from kvindex.wire.codec import encode_batch, encode_status
+
+    c = Consumer(InvertedIndex(), Registry())
+
+    def hb(ts: float, seq: int = 0, running: int = 1, digest=(0, 0)) -> bytes:
+        return encode_status(
+            worker="w1",
+            model="m",
+            epoch=1,
+            seq=seq,
+            ts=ts,
+            block_size=16,
+            load={"running": running, "waiting": 0},
+            capacity={"gpu": 1000},
+            digest={"gpu": digest},
+            endpoint="10.0.0.1:8000",
+        )
+
+    def batch(seq: int, keys: list[int]) -> bytes:
+        ev = [{"type": "stored", "tier": "gpu", "keys": keys, "parent": None}]
+        return encode_batch(worker="w1", model="m", epoch=1, seq=seq, ts=1.0, block_size=16, events=ev)
+
+    return c, hb, batch
+
+
+def test_a_repeated_heartbeat_only_refreshes_liveness() -> None:
+    c, hb, _ = _repeat_setup()
+    subject = "kvindex.status.w1"
+    for t in (1.0, 2.0, 3.0):  # join; digest found equal; then remembered as a repeat
+        assert c.on_status(subject, hb(t))
+    assert subject in c._repeats
+    state = c.registry.get(("w1", 0))
+    assert state is not None
+    before = state.last_status_at
+    assert c.on_status(subject, hb(4.5))
+    assert state.last_status_ts == 4.5 and state.last_status_at >= before
+    assert c.counters.status_received == 4
+
+
+def test_a_repeat_is_dropped_when_anything_moves() -> None:
+    c, hb, batch = _repeat_setup()
+    subject = "kvindex.status.w1"
+    for t in (1.0, 2.0, 3.0):
+        c.on_status(subject, hb(t))
+    state = c.registry.get(("w1", 0))
+    # Another load: the full path (the load is updated), the repeat forgotten.
+    assert c.on_status(subject, hb(4.0, running=5))
+    assert state.load.running == 5 and subject not in c._repeats
+    for t in (5.0, 6.0):
+        c.on_status(subject, hb(t, running=5))
+    assert subject in c._repeats
+    # A batch moves the cursor and the index: the same heartbeat again is checked in full, and a
+    # heartbeat whose digest no longer matches the index brings a snapshot.
+    assert c.on_events("kvindex.events.w1", batch(1, [11, 12]))
+    c.on_status(subject, hb(7.0, running=5))  # seq 0 < applied 1: an old heartbeat, nothing to do
+    assert subject not in c._repeats
+    drift = c.counters.drift_detected
+    c.on_status(subject, hb(8.0, seq=1, running=5, digest=(2, 11 ^ 12)))
+    c.on_status(subject, hb(9.0, seq=1, running=5, digest=(2, 11 ^ 12)))
+    c.on_status(subject, hb(10.0, seq=1, running=5, digest=(2, 11 ^ 12)))
+    assert c.counters.drift_detected == drift and subject in c._repeats
+    # The index loses a block behind the worker's back (drift): the repeat must not hide it.
+    c.index.clear(("w1", 0))
+    c.on_status(subject, hb(11.0, seq=1, running=5, digest=(2, 11 ^ 12)))
+    assert c.counters.drift_detected == drift + 1
+
+
+def test_a_stale_or_forgotten_instance_takes_the_full_path() -> None:
+    c, hb, _ = _repeat_setup()
+    subject = "kvindex.status.w1"
+    for t in (1.0, 2.0, 3.0):
+        c.on_status(subject, hb(t))
+    state = c.registry.get(("w1", 0))
+    c.mark_stale(state)
+    c.on_status(subject, hb(4.0))
+    assert not state.stale  # alive again, as the full path says
+    for t in (5.0, 6.0):
+        c.on_status(subject, hb(t))
+    assert subject in c._repeats
+    c.forget(("w1", 0))
+    assert subject not in c._repeats
+    assert c.on_status(subject, hb(7.0))
+    assert c.registry.get(("w1", 0)) is not state  # back as a new instance
+
+
+def test_a_look_alike_of_the_ts_field_is_not_taken_for_it() -> None:
+    # "\xa2ts\xcb" inside the endpoint-less worker's model name: the repeat must find the real field
+    # or none at all, never treat other bytes as the timestamp.
+    from kvindex.ingest.consumer import _Repeat
+    from kvindex.wire.codec import encode_status
+
+    payload = encode_status(
+        worker="w1",
+        model="m\u00a2ts\u02c9x",  # UTF-8 contains a2 74 73 cb
+        epoch=1,
+        seq=0,
+        ts=1.0,
+        block_size=16,
+        load={},
+        capacity={},
+        digest={},
+    )
+    assert b"\xa2ts\xcb" in payload
+    from kvindex.fleet.registry import Registry
+    from kvindex.sequencer.cursor import Cursor
+
+    state = Registry().add(("w1", 0), "m", 16)
+    assert _Repeat.of(payload, 1.0, state, Cursor(1), 0) is None
