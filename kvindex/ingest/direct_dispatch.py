@@ -24,6 +24,7 @@ How it stays correct:
 
 from __future__ import annotations
 
+import collections
 from collections.abc import Callable
 from typing import Any
 
@@ -42,12 +43,28 @@ _HMSG = b"HMSG "
 
 
 class _Target:
-    __slots__ = ("handler", "queue", "sub")
+    __slots__ = ("backlog", "handler", "queue", "sub")
 
     def __init__(self, sub: Any, handler: Handler) -> None:
         self.sub = sub
         self.handler = handler
         self.queue = sub._pending_queue
+        # The queue's own deque when it has one (asyncio.Queue does): its truth value is a C-level
+        # length check, a tenth of a qsize() call, paid on every message.
+        backlog = getattr(self.queue, "_queue", None)
+        self.backlog = backlog if isinstance(backlog, collections.deque) else _Sized(self.queue)
+
+
+class _Sized:
+    """Truthy while the queue holds messages (for a queue without the usual deque)."""
+
+    __slots__ = ("queue",)
+
+    def __init__(self, queue: Any) -> None:
+        self.queue = queue
+
+    def __bool__(self) -> bool:
+        return bool(self.queue.qsize())
 
 
 def _frame_end(data: bytes, pos: int, eol: int) -> int:
@@ -76,24 +93,26 @@ if _np is not None:
             n = len(whole)
             pos = 0
             direct = self.direct
+            find, startswith = whole.find, whole.startswith
+            taken = 0
             try:
                 while pos < n:
-                    eol = whole.find(_CRLF, pos)
+                    eol = find(_CRLF, pos)
                     if eol < 0:
                         if n - pos > _np.MAX_CONTROL_LINE_SIZE:
                             await self._library(whole, pos, n)  # raises the library's ProtocolError
                             pos = n
                         break
-                    if whole.startswith(_MSG, pos):
+                    if startswith(_MSG, pos):
                         parts = whole[pos + 4 : eol].split()
                         target = direct.get(parts[1]) if len(parts) in (3, 4) else None
-                        if target is not None and not target.queue.qsize() and parts[-1].isdigit():
+                        if target is not None and not target.backlog and parts[-1].isdigit():
                             start = eol + 2
                             stop = start + int(parts[-1])
                             if stop + 2 > n:
                                 break  # the payload is still on its way
                             pos = stop + 2
-                            self.direct_msgs += 1
+                            taken += 1
                             try:
                                 target.handler(parts[0].decode(), whole[start:stop])
                             except Exception as exc:  # never let it stop nats-py's read loop
@@ -109,6 +128,7 @@ if _np is not None:
                     await self._library(whole, pos, end)
                     pos = end
             finally:
+                self.direct_msgs += taken
                 self.buf = buf
                 del buf[:pos]
 
