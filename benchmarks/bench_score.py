@@ -175,7 +175,7 @@ class NatsProcess:
 class ServerProcess:
     """``kvindex serve`` in a child process, logging to a temp file (a full pipe would stall it)."""
 
-    def __init__(self, nats_url: str) -> None:
+    def __init__(self, nats_url: str, extra: list[str] | None = None) -> None:
         self.port = free_port()
         self.address = f"127.0.0.1:{self.port}"
         # Lives as long as the server process; closed and removed in stop().
@@ -200,6 +200,7 @@ class ServerProcess:
                 "json",
                 "--log-level",
                 "warning",
+                *(extra or []),
             ],
             stdout=self.log_file,
             stderr=subprocess.STDOUT,
@@ -690,6 +691,13 @@ def main() -> int:
     # Internal: the workers' process.
     ap.add_argument("--role", choices=("bench", "fleet"), default="bench", help=argparse.SUPPRESS)
     ap.add_argument("--nats", default="", help=argparse.SUPPRESS)
+    ap.add_argument(
+        "--serve-arg",
+        action="append",
+        default=[],
+        help="extra `kvindex serve` argument for the sweep's server (repeatable), e.g. "
+        "--serve-arg=--reconcile-interval --serve-arg=0",
+    )
     ap.add_argument("--fleet-procs", type=int, default=1, help=argparse.SUPPRESS)
     ap.add_argument("--fleet-part", type=int, default=0, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -930,7 +938,7 @@ def sweep(args: argparse.Namespace) -> int:
         args.holders = min(holders, size)
         fleet = make_fleet(size, args.prompt_tokens, args.background, args.tiered, args.seed, args.holders)
         natsd = NatsProcess()
-        server = ServerProcess(natsd.url)
+        server = ServerProcess(natsd.url, args.serve_arg)
         fleet_proc: FleetProcess | None = None
         row: dict[str, Any] = {"instances": size, "holders": args.holders}
         try:
