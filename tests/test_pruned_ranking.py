@@ -59,7 +59,7 @@ def _restore(router: Router, name: str, saved: tuple) -> None:
 
 
 def build_fleet(
-    rng: random.Random, n: int, n_prompts: int, backend: str
+    rng: random.Random, n: int, n_prompts: int, backend: str, all_routable: bool = False
 ) -> tuple[Router, list[list[int]], Clock]:
     clock = Clock()
     index = InvertedIndex(_pytable if backend == "python" else None)
@@ -71,7 +71,7 @@ def build_fleet(
         key = (f"w{rng.randint(0, n * 2)}-{i}", rng.randint(0, 2))
         index.add_instance(key, MODEL)
         state = registry.add(key, MODEL, BS)
-        kind = rng.random()
+        kind = 1.0 if all_routable else rng.random()
         if kind < 0.05:
             state.capacity = {SHARED: 1000}  # a pool: never ranked
         elif kind < 0.1:
@@ -81,7 +81,7 @@ def build_fleet(
             state.local_blocks_seen = True
         if rng.random() < 0.9:
             state.last_status_at = clock.t - rng.random() * 2
-        if rng.random() < 0.05:
+        if rng.random() < 0.05 and not all_routable:
             state.stale = True
         busy = rng.random()
         if busy < 0.3:
@@ -183,6 +183,20 @@ def test_pruned_top_k_equals_exhaustive_thousands(seed: int) -> None:
     rng = random.Random(seed)
     router, prompts, clock = build_fleet(rng, rng.choice([700, 2500]), 3, "native")
     _exercise(rng, router, prompts, clock, [1, 4])
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 2**32 - 1), n=st.integers(1, 400), congestion=st.sampled_from([0.0, 10.0]))
+def test_pruned_top_k_equals_exhaustive_every_instance_routable(seed: int, n: int, congestion: float) -> None:
+    """No pools or stale instances at first: the pruned ranking's shortcuts for a fleet where every
+    row is a candidate (selection without listing the others, the congestion bound, cached waits
+    and tie order) run, with many idle instances tied on cost."""
+    rng = random.Random(seed)
+    router, prompts, clock = build_fleet(rng, n, 4, "native", all_routable=True)
+    ttft = router.policies["ttft"]
+    ttft.congestion = congestion  # type: ignore[attr-defined]
+    ttft._k = rng.choice([0.0, 0.5, 3.0])  # type: ignore[attr-defined]
+    _exercise(rng, router, prompts, clock, [1, 2, 4, 9])
 
 
 def test_smallest_is_exact_with_ties() -> None:

@@ -577,25 +577,16 @@ cdef inline bint _in_pool(list pools, uint64_t key):
     return False
 
 
-def match_tiered(BlockTable gpu, BlockTable cpu, BlockTable disk, list pools, KeyArray keys, uint64_t alive):
-    """Like match_gpu_into, but a block counts if it is on any local tier of the slot or in the pool.
-
-    ``pools`` are the model's shared-tier tables (one per bank): any holder there makes the block
-    loadable by every instance. Returns (slot, matched, gpu, cpu, disk, shared) per matched slot, each block
-    attributed to the fastest tier holding it. Per-tier counts are accumulated over runs of equal
-    holder patterns, so per-slot work happens only where the pattern changes.
-    """
-    cdef Py_ssize_t n = keys.n, i, run = 0
-    cdef long long counts[256]
-    cdef long long lengths[64]
+cdef int _walk_tiered(BlockTable gpu, BlockTable cpu, BlockTable disk, list pools, uint64_t* karr,
+                      Py_ssize_t n, uint64_t alive, long long* counts, long long* lengths) except -1:
+    """The tiered walk: ``lengths[slot]`` (blocks matched) and ``counts[slot * 4 + tier]`` for every
+    slot of ``alive``; both arrays are zeroed here."""
+    cdef Py_ssize_t i, run = 0
     cdef uint64_t key, on_gpu, on_cpu, on_disk, in_pool, rest, still
     cdef uint64_t p_gpu = 0, p_cpu = 0, p_disk = 0, p_pool = 0, dropped
     cdef int slot
-    cdef uint64_t* karr = keys.data
-    for i in range(256):
-        counts[i] = 0
-    for i in range(64):
-        lengths[i] = 0
+    memset(counts, 0, 256 * sizeof(long long))
+    memset(lengths, 0, 64 * sizeof(long long))
     for i in range(min(n, PREFETCH)):
         _prefetch(gpu, karr[i])
     for i in range(n):
@@ -636,12 +627,82 @@ def match_tiered(BlockTable gpu, BlockTable cpu, BlockTable disk, list pools, Ke
         slot = __builtin_ctzll(alive)
         lengths[slot] = n
         alive &= alive - 1
+    return 0
+
+
+def match_tiered(BlockTable gpu, BlockTable cpu, BlockTable disk, list pools, KeyArray keys, uint64_t alive):
+    """Like match_gpu_into, but a block counts if it is on any local tier of the slot or in the pool.
+
+    ``pools`` are the model's shared-tier tables (one per bank): any holder there makes the block
+    loadable by every instance. Returns (slot, matched, gpu, cpu, disk, shared) per matched slot, each block
+    attributed to the fastest tier holding it. Per-tier counts are accumulated over runs of equal
+    holder patterns, so per-slot work happens only where the pattern changes.
+    """
+    cdef long long counts[256]
+    cdef long long lengths[64]
+    cdef int slot
+    _walk_tiered(gpu, cpu, disk, pools, keys.data, keys.n, alive, counts, lengths)
     out = []
     for slot in range(64):
         if lengths[slot]:
             out.append((slot, lengths[slot], counts[slot * 4], counts[slot * 4 + 1],
                         counts[slot * 4 + 2], counts[slot * 4 + 3]))
     return out
+
+
+def match_banks_into(list bank_tiers, list alive, list bank_owners, list summaries, list pools,
+                     KeyArray keys, dict out, dict same, object match_type):
+    """A whole match over a model's banks in one call (inverted.InvertedIndex.match): which banks to
+    walk, each bank's walk, and the results stored into ``out`` (``owner -> match_type(n, (gpu, cpu,
+    disk, shared))``, equal GPU-only matches shared through ``same``).
+
+    ``bank_tiers[b]`` are bank b's four tables, ``alive[b]`` its candidate slots and
+    ``bank_owners[b]`` the instance in each slot. ``summaries`` (per tier, key -> banks holding it,
+    bit b % 64; None with a single bank) narrow the walk to the banks holding the first block on a
+    local tier, or every bank with candidates when the pool holds it. ``pools`` are the shared-tier
+    tables to consult (the shared summary, or each bank's). Done natively because at thousands of
+    instances the Python loop around the per-bank walks cost more than the walks themselves."""
+    cdef Py_ssize_t b, nb = len(bank_tiers), j
+    cdef uint64_t mask, groups = 0xFFFFFFFFFFFFFFFFULL, first
+    cdef int slots[64]
+    cdef Py_ssize_t lens[64]
+    cdef long long counts[256]
+    cdef long long lengths[64]
+    cdef int count, slot
+    cdef BlockTable gpu, cpu, disk
+    cdef list tiers, owners
+    cdef bint any_pool = len(pools) > 0
+    if keys.n == 0:
+        return
+    first = keys.data[0]
+    if summaries is not None and not (<BlockTable>summaries[3]).get(first):
+        groups = ((<BlockTable>summaries[0]).get(first) | (<BlockTable>summaries[1]).get(first)
+                  | (<BlockTable>summaries[2]).get(first))
+    for b in range(nb):
+        if not (groups >> (b & 63)) & 1:
+            continue
+        mask = alive[b]
+        if not mask:
+            continue
+        tiers = <list>bank_tiers[b]
+        owners = <list>bank_owners[b]
+        gpu = <BlockTable>tiers[0]
+        cpu = <BlockTable>tiers[1]
+        disk = <BlockTable>tiers[2]
+        if any_pool or cpu.count or disk.count:
+            _walk_tiered(gpu, cpu, disk, pools, keys.data, keys.n, mask, counts, lengths)
+            for slot in range(64):
+                if lengths[slot]:
+                    out[owners[slot]] = tuple.__new__(match_type, (lengths[slot], (
+                        counts[slot * 4], counts[slot * 4 + 1], counts[slot * 4 + 2], counts[slot * 4 + 3])))
+        else:
+            count = _walk_gpu(gpu, keys.data, keys.n, mask, slots, lens)
+            for j in range(count):
+                n = lens[j]
+                m = same.get(n)
+                if m is None:
+                    m = same[n] = tuple.__new__(match_type, (n, (n, 0, 0, 0)))
+                out[owners[slots[j]]] = m
 
 
 # -- a batch's events in one call (the ingest hot path for small events) ----------------------------

@@ -75,6 +75,17 @@ class ModelTable:
         self.key_rank = np.zeros(cap, dtype=np.int64)
         self._ranks_stale = False
         self._weights: OrderedDict[int, np.ndarray] = OrderedDict()
+        # Derived per-row data kept across requests (a large fleet mostly does not change between
+        # two requests): ``writes`` counts every change of the rows' values or membership.
+        self.writes = 0
+        self._written: list[int] = []  # rows written since the waits were last brought up to date
+        self._waits: _Waits | None = None
+        self._tie: np.ndarray | None = None  # see tie_order
+        self._tie_writes = -1
+        self._tie_asked = -1
+        self._routable_rows: np.ndarray | None = None
+        self._unroutable_rows: np.ndarray | None = None
+        self._routable_writes = -1
 
     # -- membership --------------------------------------------------------------------------
 
@@ -121,6 +132,7 @@ class ModelTable:
 
     def _moved(self) -> None:
         self.version += 1
+        self.writes += 1
         self._ranks_stale = True
         self._weights.clear()
 
@@ -163,6 +175,136 @@ class ModelTable:
         columns = list(zip(*values, strict=True))
         for name, column in zip((*_FLOAT_COLS, *_BOOL_COLS), columns, strict=True):
             getattr(self, name)[rows] = column
+        self.writes += 1
+        if len(self._written) <= self.n:  # beyond that, the next waits() recomputes every row
+            self._written += rows
+
+    # -- derived columns ---------------------------------------------------------------------
+
+    def routable_rows(self) -> np.ndarray:
+        """The routable rows, ascending (cached until the table changes)."""
+        if self._routable_writes != self.writes or self._routable_rows is None:
+            self._cache_routable()
+        return self._routable_rows  # type: ignore[return-value]
+
+    def unroutable_rows(self) -> np.ndarray:
+        """The other rows (pools, stale instances), ascending (cached until the table changes)."""
+        if self._routable_writes != self.writes or self._unroutable_rows is None:
+            self._cache_routable()
+        return self._unroutable_rows  # type: ignore[return-value]
+
+    def _cache_routable(self) -> None:
+        routable = self.routable[: self.n]
+        self._routable_rows = np.flatnonzero(routable)
+        self._unroutable_rows = np.flatnonzero(~routable)
+        self._routable_writes = self.writes
+
+    def waits(
+        self, now: float, b_ms: float, step_ms: float, chunk: int, dps: float, drain_rate: float
+    ) -> np.ndarray:
+        """Per row, ``Router.candidates``' wait (queue_ms of the reported queue drained until ``now``,
+        plus what was routed since), with the same float64 operations, hence bit-identical.
+
+        Kept across calls: a row's value changes only when the row is written or while its
+        reported queue is still draining. The drained queue ``max(0, q - (now - at) * rate)`` is
+        non-increasing in ``now`` (every rounding step is monotone), so once it reaches 0 it stays 0
+        and the row is not recomputed again until written; a clock that goes back, other engine
+        parameters or moved rows recompute everything. The array is the cache itself: read it, do
+        not keep or modify it."""
+        params = (b_ms, step_ms, chunk, dps, drain_rate)
+        cache = self._waits
+        n = self.n
+        if (
+            cache is None
+            or cache.params != params
+            or cache.version != self.version
+            or now < cache.now
+            or len(self._written) > n
+        ):
+            wait, draining = _wait_rows(self, slice(0, n), now, params)
+            active = np.flatnonzero(draining) if draining is not None else _NO_ROWS
+            self._waits = _Waits(params, self.version, now, wait, active)
+            self._written = []
+            return wait
+        cache.now = now
+        if self._written:
+            rows = np.unique(np.concatenate((cache.active, np.array(self._written, dtype=np.int64))))
+            self._written = []
+        elif len(cache.active):
+            rows = cache.active
+        else:
+            return cache.wait
+        wait, draining = _wait_rows(self, rows, now, params)
+        cache.wait[rows] = wait
+        cache.active = rows[draining] if draining is not None else _NO_ROWS
+        return cache.wait
+
+    def tie_order(self) -> np.ndarray | None:
+        """Each row's position in (kv, load, instance key) order, the rankings' tie-breaks after the
+        cost, as one unique column; None while the table keeps changing between requests.
+
+        Sorting costs more than one selection, so it is made only once the table was seen unchanged
+        twice in a row (a quiet fleet), and then serves every request until the next change."""
+        if self._tie_writes == self.writes:
+            return self._tie
+        if self._tie_asked != self.writes:
+            self._tie_asked = self.writes
+            return None
+        n = self.n
+        order = np.lexsort((self.ranks(), self.load[:n], self.kv[:n]))
+        tie = np.empty(n, dtype=np.int64)
+        tie[order] = np.arange(n)
+        self._tie = tie
+        self._tie_writes = self.writes
+        return tie
+
+
+_NO_ROWS = np.zeros(0, dtype=np.int64)
+
+
+class _Waits:
+    """ModelTable.waits' cache: the wait column at ``now`` and the rows still draining."""
+
+    __slots__ = ("active", "now", "params", "version", "wait")
+
+    def __init__(self, params: tuple, version: int, now: float, wait: np.ndarray, active: np.ndarray) -> None:
+        self.params = params
+        self.version = version
+        self.now = now
+        self.wait = wait
+        self.active = active
+
+
+def _wait_rows(
+    table: ModelTable, rows: slice | np.ndarray, now: float, params: tuple
+) -> tuple[np.ndarray, np.ndarray | None]:
+    """The wait of ``rows`` (Router.candidates with no match, operation for operation), and which of
+    them have a reported queue still draining (None: none can)."""
+    b_ms, step_ms, chunk, dps, drain_rate = params
+    drains = table.drains[rows]
+    draining = None
+    if drain_rate and drains.any():
+        # max(0, reported - (now - heartbeat) * rate) + routed since, where the queue drains.
+        drained = now - table.status_at[rows]
+        drained *= drain_rate
+        np.subtract(table.queued[rows], drained, out=drained)
+        np.maximum(drained, 0.0, out=drained)
+        draining = drains & (drained > 0)
+        drained += table.tokens_new[rows]
+        queued = np.where(drains, drained, table.queued_now[rows])
+    else:
+        queued = table.queued_now[rows]
+    running = table.running_now[rows]
+    steps = np.negative(queued)
+    np.floor_divide(steps, chunk, out=steps)
+    np.negative(steps, out=steps)
+    # b * queued + steps * (step_ms + dps * running), as queue_ms computes it.
+    wait = dps * running
+    wait += step_ms
+    wait *= steps
+    wait += b_ms * queued
+    wait[queued <= 0] = 0.0
+    return wait, draining
 
 
 def row_values(state: InstanceState, ledger: Ledger) -> tuple:

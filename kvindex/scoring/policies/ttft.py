@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from kvindex.scoring.base import Candidate, Choice, RouteRequest
-from kvindex.scoring.fleet_table import median_of, smallest
+from kvindex.scoring.fleet_table import median_of
 from kvindex.scoring.home import home_block, rendezvous_order
 
 if TYPE_CHECKING:
@@ -145,8 +145,10 @@ class Ttft:
         return self._fold_congestion(wait, work, now)
 
     def _fold_congestion(self, wait: float, work: float, now: float) -> float:
+        return self._fold_target(self.congestion * max(0.0, wait / work - 1.0), now)
+
+    def _fold_target(self, target: float, now: float) -> float:
         k = self._k
-        target = self.congestion * max(0.0, wait / work - 1.0)
         dt = max(0.0, now - self._k_at) if self._k_at is not None else self.congestion_tau
         blend = 1.0 - math.exp(-dt / self.congestion_tau)
         self._k = k + (target - k) * blend
@@ -163,13 +165,14 @@ class Ttft:
         placement rules pick one, become candidates. The fleet-wide medians of the congestion weight
         are taken over the columns (a partition, not a sort)."""
         explicit = pool.explicit
-        rows = np.flatnonzero(pool.rest)
         k = 0.0
         if self.congestion:
-            everyone = pool.mask
-            wait = median_of(pool.column(pool.wait, [c.wait_ms for c in explicit])[everyone])
-            work = median_of(pool.column(pool.prefill, [c.prefill_ms for c in explicit])[everyone]) or 1.0
-            k = self._fold_congestion(wait, work, router.clock())
+            if _uncongested(pool):
+                k = self._fold_target(0.0, router.clock())
+            else:
+                wait = median_of(pool.of_everyone(pool.wait, [c.wait_ms for c in explicit]))
+                work = median_of(pool.of_everyone(pool.prefill, [c.prefill_ms for c in explicit])) or 1.0
+                k = self._fold_congestion(wait, work, router.clock())
         est_e = [c.wait_ms + c.prefill_ms + c.fetch_ms for c in explicit]
         if k:
             cost_e = [e + k * (c.prefill_ms + c.fetch_ms) for e, c in zip(est_e, explicit, strict=True)]
@@ -177,7 +180,7 @@ class Ttft:
         else:
             cost_e = est_e
             cost_rest = pool.est
-        chosen_rows = smallest([cost_rest, pool.kv, pool.load, pool.key_rank], rows, top_k)
+        chosen_rows = pool.smallest(cost_rest, top_k)
         others = pool.materialize(chosen_rows)
         est_o = [c.wait_ms + c.prefill_ms + c.fetch_ms for c in others]
         if k:
@@ -287,6 +290,32 @@ class Ttft:
         self._hot.move_to_end(key)
         while len(self._hot) > self.max_tracked:
             self._hot.popitem(last=False)
+
+
+def _uncongested(pool: CandidatePool) -> bool:
+    """Whether the median wait over the candidates is at most their median prefill (then the
+    congestion target is exactly 0: ``max(0.0, wait / work - 1.0)`` with ``wait <= work``), shown
+    by counts instead of the two medians, which cost a partition of the whole fleet each.
+
+    With a threshold T at most every other's prefill (the column's minimum): the median prefill is
+    >= T when at most (N - 1) // 2 candidates have a prefill below T (only explicit ones can), and
+    the median wait is <= T when at least N // 2 + 1 candidates wait at most T (counted low: every
+    row that is not one of the others is assumed to wait longer). Both medians of two middle values
+    keep the bound (their mean lies between them). False when this cannot be shown."""
+    prefill = pool.prefill
+    if not len(prefill) or pool.count < 2:
+        return False
+    threshold = float(prefill.min())
+    if threshold <= 0.0:
+        return False
+    explicit = pool.explicit
+    n = pool.count
+    if sum(1 for c in explicit if c.prefill_ms < threshold) > (n - 1) // 2:
+        return False
+    others = n - len(explicit)
+    waiting_less = int(np.count_nonzero(pool.wait <= threshold)) - (len(prefill) - others)
+    waiting_less += sum(1 for c in explicit if c.wait_ms <= threshold)
+    return waiting_less >= n // 2 + 1
 
 
 def _first(order: list[Candidate], ok: Callable[[Candidate], bool], what: str) -> tuple[Candidate, str]:
