@@ -85,17 +85,27 @@ cdef uint64_t* _key_array(list keys) except NULL:
 
 
 cdef class KeyArray:
-    """A request's keys as u64, converted once per match and shared by the banks it walks."""
+    """A request's keys as u64, converted once per match and shared by the banks it walks, with
+    their mixed hashes (``_mix``): a match over many banks probes each key in every one of them."""
 
     cdef uint64_t* data
+    cdef uint64_t* mixed
     cdef Py_ssize_t n
 
     def __cinit__(self, list keys):
+        cdef Py_ssize_t i
+        self.mixed = NULL
         self.data = _key_array(keys)
         self.n = len(keys)
+        self.mixed = <uint64_t*>malloc((self.n if self.n else 1) * sizeof(uint64_t))
+        if self.mixed == NULL:
+            raise MemoryError()
+        for i in range(self.n):
+            self.mixed[i] = _mix(self.data[i])
 
     def __dealloc__(self):
         free(self.data)
+        free(self.mixed)
 
     def __len__(self):
         return self.n
@@ -185,6 +195,14 @@ cdef class BlockTable:
 
     cdef inline uint64_t get(self, uint64_t key) noexcept nogil:
         return self.cells[self._slot(key)].val
+
+    cdef inline uint64_t get_mixed(self, uint64_t key, uint64_t mixed) noexcept nogil:
+        """``get`` with the key's ``_mix`` already computed."""
+        cdef uint64_t i = mixed & self.mask
+        cdef Cell* cells = self.cells
+        while cells[i].val != 0 and cells[i].key != key:
+            i = (i + 1) & self.mask
+        return cells[i].val
 
     cdef int _rehash(self, uint64_t cap) except -1:
         cdef Cell* old = self.cells
@@ -407,6 +425,10 @@ cdef inline void _prefetch(BlockTable table, uint64_t key) noexcept nogil:
     __builtin_prefetch(&table.cells[_mix(key) & table.mask])
 
 
+cdef inline void _prefetch_mixed(BlockTable table, uint64_t mixed) noexcept nogil:
+    __builtin_prefetch(&table.cells[mixed & table.mask])
+
+
 cdef class Differ:
     """Compares what one (instance, tier) holds with a snapshot, a bounded number of keys per step.
 
@@ -511,19 +533,22 @@ cdef class Differ:
         return self.log_pos >= size
 
 
-cdef int _walk_gpu(BlockTable gpu, uint64_t* karr, Py_ssize_t n, uint64_t alive,
+cdef int _walk_gpu(BlockTable gpu, KeyArray keys, uint64_t alive,
                    int* slots, Py_ssize_t* lens) noexcept:
     """The GPU walk: fills (slot, matched blocks) for slots that matched at least one block (at most
     64, one bank) and returns how many."""
     cdef Py_ssize_t i
     cdef uint64_t still, dropped
     cdef int count = 0
+    cdef Py_ssize_t n = keys.n
+    cdef uint64_t* karr = keys.data
+    cdef uint64_t* mixed = keys.mixed
     for i in range(min(n, PREFETCH)):
-        _prefetch(gpu, karr[i])
+        _prefetch_mixed(gpu, mixed[i])
     for i in range(n):
         if i + PREFETCH < n:
-            _prefetch(gpu, karr[i + PREFETCH])
-        still = alive & gpu.get(karr[i])
+            _prefetch_mixed(gpu, mixed[i + PREFETCH])
+        still = alive & gpu.get_mixed(karr[i], mixed[i])
         if still != alive:
             dropped = alive ^ still
             if i:
@@ -552,7 +577,7 @@ def match_gpu_into(BlockTable gpu, KeyArray keys, uint64_t alive, list owners, d
     cdef int slots[64]
     cdef Py_ssize_t lens[64]
     cdef int count, j
-    count = _walk_gpu(gpu, keys.data, keys.n, alive, slots, lens)
+    count = _walk_gpu(gpu, keys, alive, slots, lens)
     for j in range(count):
         n = lens[j]
         m = same.get(n)
@@ -569,37 +594,42 @@ cdef inline void _add_run(long long* counts, uint64_t mask, int tier, long long 
         mask &= mask - 1
 
 
-cdef inline bint _in_pool(list pools, uint64_t key):
+cdef inline bint _in_pool(list pools, uint64_t key, uint64_t mixed):
     cdef BlockTable table
     for table in pools:
-        if table.count and table.get(key):
+        if table.count and table.get_mixed(key, mixed):
             return True
     return False
 
 
-cdef int _walk_tiered(BlockTable gpu, BlockTable cpu, BlockTable disk, list pools, uint64_t* karr,
-                      Py_ssize_t n, uint64_t alive, long long* counts, long long* lengths) except -1:
+cdef int _walk_tiered(BlockTable gpu, BlockTable cpu, BlockTable disk, list pools, KeyArray keys,
+                      uint64_t alive, long long* counts, long long* lengths) except -1:
     """The tiered walk: ``lengths[slot]`` (blocks matched) and ``counts[slot * 4 + tier]`` for every
     slot of ``alive``; both arrays are zeroed here."""
     cdef Py_ssize_t i, run = 0
     cdef uint64_t key, on_gpu, on_cpu, on_disk, in_pool, rest, still
     cdef uint64_t p_gpu = 0, p_cpu = 0, p_disk = 0, p_pool = 0, dropped
     cdef int slot
+    cdef Py_ssize_t n = keys.n
+    cdef uint64_t* karr = keys.data
+    cdef uint64_t* mixed = keys.mixed
+    cdef uint64_t h
     memset(counts, 0, 256 * sizeof(long long))
     memset(lengths, 0, 64 * sizeof(long long))
     for i in range(min(n, PREFETCH)):
-        _prefetch(gpu, karr[i])
+        _prefetch_mixed(gpu, mixed[i])
     for i in range(n):
         key = karr[i]
+        h = mixed[i]
         if i + PREFETCH < n:
-            _prefetch(gpu, karr[i + PREFETCH])
-        on_gpu = alive & gpu.get(key)
+            _prefetch_mixed(gpu, mixed[i + PREFETCH])
+        on_gpu = alive & gpu.get_mixed(key, h)
         rest = alive ^ on_gpu
-        on_cpu = rest & cpu.get(key) if rest and cpu.count else 0
+        on_cpu = rest & cpu.get_mixed(key, h) if rest and cpu.count else 0
         rest ^= on_cpu
-        on_disk = rest & disk.get(key) if rest and disk.count else 0
+        on_disk = rest & disk.get_mixed(key, h) if rest and disk.count else 0
         rest ^= on_disk
-        in_pool = rest if rest and pools and _in_pool(pools, key) else 0
+        in_pool = rest if rest and pools and _in_pool(pools, key, h) else 0
         still = alive ^ rest ^ in_pool
         if on_gpu != p_gpu or on_cpu != p_cpu or on_disk != p_disk or in_pool != p_pool:
             if run:
@@ -641,7 +671,7 @@ def match_tiered(BlockTable gpu, BlockTable cpu, BlockTable disk, list pools, Ke
     cdef long long counts[256]
     cdef long long lengths[64]
     cdef int slot
-    _walk_tiered(gpu, cpu, disk, pools, keys.data, keys.n, alive, counts, lengths)
+    _walk_tiered(gpu, cpu, disk, pools, keys, alive, counts, lengths)
     out = []
     for slot in range(64):
         if lengths[slot]:
@@ -690,13 +720,13 @@ def match_banks_into(list bank_tiers, list alive, list bank_owners, list summari
         cpu = <BlockTable>tiers[1]
         disk = <BlockTable>tiers[2]
         if any_pool or cpu.count or disk.count:
-            _walk_tiered(gpu, cpu, disk, pools, keys.data, keys.n, mask, counts, lengths)
+            _walk_tiered(gpu, cpu, disk, pools, keys, mask, counts, lengths)
             for slot in range(64):
                 if lengths[slot]:
                     out[owners[slot]] = tuple.__new__(match_type, (lengths[slot], (
                         counts[slot * 4], counts[slot * 4 + 1], counts[slot * 4 + 2], counts[slot * 4 + 3])))
         else:
-            count = _walk_gpu(gpu, keys.data, keys.n, mask, slots, lens)
+            count = _walk_gpu(gpu, keys, mask, slots, lens)
             for j in range(count):
                 n = lens[j]
                 m = same.get(n)

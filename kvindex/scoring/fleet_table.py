@@ -85,6 +85,7 @@ class ModelTable:
         self._tie_asked = -1
         self._routable_rows: np.ndarray | None = None
         self._unroutable_rows: np.ndarray | None = None
+        self._unroutable_set: set[int] = set()
         self._routable_writes = -1
 
     # -- membership --------------------------------------------------------------------------
@@ -193,10 +194,17 @@ class ModelTable:
             self._cache_routable()
         return self._unroutable_rows  # type: ignore[return-value]
 
+    def unroutable_set(self) -> set[int]:
+        """``unroutable_rows`` as a set (cached until the table changes)."""
+        if self._routable_writes != self.writes or self._unroutable_rows is None:
+            self._cache_routable()
+        return self._unroutable_set
+
     def _cache_routable(self) -> None:
         routable = self.routable[: self.n]
         self._routable_rows = np.flatnonzero(routable)
         self._unroutable_rows = np.flatnonzero(~routable)
+        self._unroutable_set = set(self._unroutable_rows.tolist())
         self._routable_writes = self.writes
 
     def waits(

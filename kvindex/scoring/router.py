@@ -243,13 +243,21 @@ class Router:
         if table is None:
             return None
         n = table.n
-        mask = table.routable[:n].copy()
-        if candidates is not None:
+        if candidates is None:
+            count = len(table.routable_rows())
+            if not count:
+                return None
+            mask = table.routable[:n]  # a view (nothing modifies a pool's mask)
+            everyone = True
+        else:
+            mask = table.routable[:n].copy()
             wanted = np.zeros(n, dtype=bool)
             wanted[table.rows_of(set(candidates))] = True
             mask &= wanted
-        if not mask.any():
-            return None
+            count = int(np.count_nonzero(mask))
+            if not count:
+                return None
+            everyone = count == len(table.routable_rows())
         keys = request.keys
         states = table.states
         row = table.row
@@ -258,7 +266,11 @@ class Router:
             matches = self.index.match(request.model, keys, restrict)
         else:
             matches = {}
-        rows = [i for k in matches if (i := row.get(k)) is not None and mask[i]]
+        if everyone:  # a set lookup per holder rather than a numpy scalar read
+            out = table.unroutable_set()
+            rows = [i for k in matches if (i := row.get(k)) is not None and i not in out]
+        else:
+            rows = [i for k in matches if (i := row.get(k)) is not None and mask[i]]
         if spec_ttl > 0 and keys:
             # An instance whose speculative keys start the prompt extends its match past 0 blocks.
             now = self.clock()
@@ -270,7 +282,7 @@ class Router:
                     if i is not None and mask[i]:
                         rows.append(i)
         explicit = self.candidates(request, [states[i] for i in rows], spec_ttl, matches=matches)
-        return CandidatePool(self, request, table, mask, explicit, rows, spec_ttl)
+        return CandidatePool(self, request, table, mask, count, everyone, explicit, rows, spec_ttl)
 
     def commit(self, request: RouteRequest, instance: InstanceKey, policy: str | None = None) -> bool:
         """Record that ``request`` was sent to ``instance`` (outside a Score with commit)."""
@@ -325,6 +337,8 @@ class CandidatePool:
         request: RouteRequest,
         table: ModelTable,
         mask: np.ndarray,
+        count: int,
+        everyone: bool,
         explicit: list[Candidate],
         explicit_rows: list[int],
         spec_ttl: float,
@@ -332,17 +346,13 @@ class CandidatePool:
         self.router = router
         self.request = request
         self.table = table
-        self.mask = mask  # the request's candidates, by row
+        self.mask = mask  # the request's candidates, by row (read only: may be the table's own)
+        self.count = count  # how many
+        # Every routable row is a candidate (no candidate list, the common case): shortcuts apply.
+        self.everyone = everyone
         self.explicit = explicit
         self.explicit_rows = np.array(explicit_rows, dtype=np.int64)
         self.spec_ttl = spec_ttl
-        rest = mask.copy()
-        rest[self.explicit_rows] = False
-        self.rest = rest  # candidates that hold nothing of the prompt
-        self.count = int(np.count_nonzero(mask))
-        # Every routable row is a candidate (no candidate list, the common case): per-row columns
-        # of "everyone" need no mask then.
-        self.everyone = self.count == len(table.routable_rows())
         # Tie-breaks of the rankings: emptier cache, fewer requests (reported + in flight), key.
         n = table.n
         self.kv = table.kv[:n]
@@ -437,6 +447,13 @@ class CandidatePool:
         if len(ties) > need:
             ties = ties[np.argpartition(tie[ties], need - 1)[:need]]
         return np.concatenate((below, ties)) if len(below) else ties
+
+    @cached_property
+    def rest(self) -> np.ndarray:
+        """Per row, whether it is a candidate that holds nothing of the prompt."""
+        rest = self.mask.copy()
+        rest[self.explicit_rows] = False
+        return rest
 
     @cached_property
     def rest_rows(self) -> np.ndarray:

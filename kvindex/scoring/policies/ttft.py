@@ -17,6 +17,7 @@ docs/scoring.md explains them). Placement rules on top of the estimate:
 
 from __future__ import annotations
 
+import heapq
 import math
 import statistics
 from collections import OrderedDict
@@ -187,16 +188,16 @@ class Ttft:
             est_o = [e + k * (c.prefill_ms + c.fetch_ms) for e, c in zip(est_o, others, strict=True)]
         candidates = explicit + others
         costs = cost_e + est_o
-        cost = {c.state.key: x for c, x in zip(candidates, costs, strict=True)}
-        decorated = sorted(
-            [
-                (x, (ld := c.state.load).kv_usage, ld.running + ld.waiting + c.inflight, c.state.key, i)
-                for i, (c, x) in enumerate(zip(candidates, costs, strict=True))
-            ]
-        )
-        ordered = [candidates[d[4]] for d in decorated]
+        # Only the first top_k are reported (after the pick): unless the holders' own order is
+        # needed (a new replica), only the candidates costing at most the (top_k + 1)-th lowest
+        # cost can be among them, and only those are ordered.
+        first = min(top_k + 1, len(candidates))
+        bound = heapq.nsmallest(first, costs)[-1]
+        order = _order(candidates, costs, bound)
+        ordered = [candidates[i] for i in order]
         best = ordered[0]
-        limit = cost[best.state.key] * (1 + self.margin) + self.margin_ms
+        best_cost = costs[order[0]]
+        limit = best_cost * (1 + self.margin) + self.margin_ms
         pick, reason = best, "fastest"
         keys = request.keys
         if keys:
@@ -207,12 +208,12 @@ class Ttft:
             if longest < useful:
                 pick, reason = self._first_home(pool, explicit, cost_e, cost_rest, limit, keys[h], 0, "home")
             elif best.blocks < held:
+                ordered = [candidates[i] for i in _order(candidates, costs, math.inf)]
+                cost = {c.state.key: x for c, x in zip(candidates, costs, strict=True)}
                 holders = [c for c in ordered if c.blocks >= held]  # all explicit (held >= 1)
                 dup = max(0.0, best.prefill_ms - holders[0].prefill_ms)
                 hot = min(1.0, self._heat(keys[h], router.clock()) / self.hot_requests)
-                slack = (
-                    cost[best.state.key] * (1 + self.margin) + self.margin_ms + self.replica_cost * hot * dup
-                )
+                slack = best_cost * (1 + self.margin) + self.margin_ms + self.replica_cost * hot * dup
                 within = [c for c in holders if cost[c.state.key] <= slack]
                 if within:
                     pick, reason = within[0], "replica"
@@ -220,7 +221,7 @@ class Ttft:
                     pick, reason = self._first_home(
                         pool, explicit, cost_e, cost_rest, limit, keys[h], held, "spill"
                     )
-                elif cost[holders[0].state.key] <= cost[best.state.key] * self.overflow:
+                elif cost[holders[0].state.key] <= best_cost * self.overflow:
                     pick, reason = holders[0], "capped"
                 else:
                     pick, reason = best, "overflow"
@@ -292,6 +293,19 @@ class Ttft:
             self._hot.popitem(last=False)
 
 
+def _order(candidates: list[Candidate], costs: list[float], bound: float) -> list[int]:
+    """Positions of the candidates costing at most ``bound``, in ``rank``'s order: cost, then the
+    emptier cache, then the less busy instance (Candidate.load), then the instance key (unique)."""
+    decorated = sorted(
+        [
+            (x, (ld := c.state.load).kv_usage, ld.running + ld.waiting + c.inflight, c.state.key, i)
+            for i, (c, x) in enumerate(zip(candidates, costs, strict=True))
+            if x <= bound
+        ]
+    )
+    return [d[4] for d in decorated]
+
+
 def _uncongested(pool: CandidatePool) -> bool:
     """Whether the median wait over the candidates is at most their median prefill (then the
     congestion target is exactly 0: ``max(0.0, wait / work - 1.0)`` with ``wait <= work``), shown
@@ -310,11 +324,13 @@ def _uncongested(pool: CandidatePool) -> bool:
         return False
     explicit = pool.explicit
     n = pool.count
-    if sum(1 for c in explicit if c.prefill_ms < threshold) > (n - 1) // 2:
+    # (The explicit candidates are counted only when their number could change the answer.)
+    if len(explicit) > (n - 1) // 2 and len([c for c in explicit if c.prefill_ms < threshold]) > (n - 1) // 2:
         return False
     others = n - len(explicit)
     waiting_less = int(np.count_nonzero(pool.wait <= threshold)) - (len(prefill) - others)
-    waiting_less += sum(1 for c in explicit if c.wait_ms <= threshold)
+    if waiting_less < n // 2 + 1:
+        waiting_less += len([c for c in explicit if c.wait_ms <= threshold])
     return waiting_less >= n // 2 + 1
 
 
