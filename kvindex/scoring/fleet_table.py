@@ -27,8 +27,10 @@ from kvindex.scoring.ledger import Ledger
 
 try:
     from kvindex.index._native import rendezvous_weights as _native_weights
+    from kvindex.index._native import wait_rows as _native_waits
 except ImportError:  # no compiler at install time
     _native_weights = None
+    _native_waits = None
 
 _xxh3 = xxhash.xxh3_64_intdigest
 # Per row, what the rankings read (sums are kept here: a sum per row at a heartbeat is cheaper than a
@@ -229,22 +231,45 @@ class ModelTable:
             or now < cache.now
             or len(self._written) > n
         ):
-            wait, draining = _wait_rows(self, slice(0, n), now, params)
-            active = np.flatnonzero(draining) if draining is not None else _NO_ROWS
-            self._waits = _Waits(params, self.version, now, wait, active)
-            self._written = []
-            return wait
-        cache.now = now
-        if self._written:
+            rows = None
+        elif self._written:
             rows = np.unique(np.concatenate((cache.active, np.array(self._written, dtype=np.int64))))
-            self._written = []
         elif len(cache.active):
             rows = cache.active
         else:
+            cache.now = now
             return cache.wait
-        wait, draining = _wait_rows(self, rows, now, params)
-        cache.wait[rows] = wait
-        cache.active = rows[draining] if draining is not None else _NO_ROWS
+        self._written = []
+        if rows is None:
+            cache = self._waits = _Waits(params, self.version, now, np.empty(n), _NO_ROWS)
+        cache.now = now
+        if _native_waits is not None:
+            draining = np.empty(n if rows is None else len(rows), dtype=np.int64)
+            found = _native_waits(
+                self.queued,
+                self.status_at,
+                self.tokens_new,
+                self.queued_now,
+                self.running_now,
+                self.drains.view(np.uint8),
+                _NO_ROWS if rows is None else rows,
+                n if rows is None else len(rows),
+                now,
+                b_ms,
+                step_ms,
+                float(chunk),
+                dps,
+                drain_rate,
+                cache.wait,
+                draining,
+            )
+            cache.active = draining[:found]
+        elif rows is None:
+            cache.wait[:], still = _wait_rows(self, slice(0, n), now, params)
+            cache.active = np.flatnonzero(still) if still is not None else _NO_ROWS
+        else:
+            cache.wait[rows], still = _wait_rows(self, rows, now, params)
+            cache.active = rows[still] if still is not None else _NO_ROWS
         return cache.wait
 
     def tie_order(self) -> np.ndarray | None:
