@@ -3,7 +3,9 @@ top_k as the exhaustive ranking of every instance, over random fleets."""
 
 from __future__ import annotations
 
+import contextlib
 import random
+from collections.abc import Iterator
 from unittest import mock
 
 import pytest
@@ -13,6 +15,7 @@ from hypothesis import strategies as st
 from kvindex.fleet.registry import Registry
 from kvindex.index import InvertedIndex, _pytable
 from kvindex.scoring import fleet_table
+from kvindex.scoring import router as router_module
 from kvindex.scoring.base import Choice, RouteRequest
 from kvindex.scoring.fleet_table import median_of, rendezvous_weights, smallest
 from kvindex.scoring.policies import POLICY_CLASSES, POLICY_NAMES
@@ -122,6 +125,19 @@ def _check(router: Router, name: str, req: RouteRequest, candidates: list[str] |
     assert _view(pruned) == _view(full[:top_k])
 
 
+@contextlib.contextmanager
+def _natives(backend: str) -> Iterator[None]:
+    """ "python": no native code at all, as without a compiler (the rankings' numpy twins run)."""
+    if backend == "native":
+        yield
+        return
+    with (
+        mock.patch.object(fleet_table, "_native_waits", None),
+        mock.patch.object(router_module, "_native_rank_others", None),
+    ):
+        yield
+
+
 def _exercise(
     rng: random.Random, router: Router, prompts: list[list[int]], clock: Clock, top_ks: list[int]
 ) -> None:
@@ -176,10 +192,7 @@ def test_pruned_top_k_equals_exhaustive_small_fleets(
     ttft = router.policies["ttft"]
     ttft.congestion = congestion  # type: ignore[attr-defined]
     ttft._k = rng.choice([0.0, 0.5, 3.0])  # type: ignore[attr-defined]
-    # "python": no native code at all, as without a compiler (the waits' numpy twin included).
-    with mock.patch.object(
-        fleet_table, "_native_waits", None if backend == "python" else fleet_table._native_waits
-    ):
+    with _natives(backend):
         _exercise(rng, router, prompts, clock, [1, 2, 4, 9])
 
 
@@ -191,18 +204,22 @@ def test_pruned_top_k_equals_exhaustive_thousands(seed: int) -> None:
     _exercise(rng, router, prompts, clock, [1, 4])
 
 
+@pytest.mark.parametrize("backend", ["native", "python"])
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(seed=st.integers(0, 2**32 - 1), n=st.integers(1, 400), congestion=st.sampled_from([0.0, 10.0]))
-def test_pruned_top_k_equals_exhaustive_every_instance_routable(seed: int, n: int, congestion: float) -> None:
+def test_pruned_top_k_equals_exhaustive_every_instance_routable(
+    backend: str, seed: int, n: int, congestion: float
+) -> None:
     """No pools or stale instances at first: the pruned ranking's shortcuts for a fleet where every
     row is a candidate (selection without listing the others, the congestion bound, cached waits
     and tie order) run, with many idle instances tied on cost."""
     rng = random.Random(seed)
-    router, prompts, clock = build_fleet(rng, n, 4, "native", all_routable=True)
+    router, prompts, clock = build_fleet(rng, n, 4, backend, all_routable=True)
     ttft = router.policies["ttft"]
     ttft.congestion = congestion  # type: ignore[attr-defined]
     ttft._k = rng.choice([0.0, 0.5, 3.0])  # type: ignore[attr-defined]
-    _exercise(rng, router, prompts, clock, [1, 2, 4, 9])
+    with _natives(backend):
+        _exercise(rng, router, prompts, clock, [1, 2, 4, 9])
 
 
 def test_smallest_is_exact_with_ties() -> None:

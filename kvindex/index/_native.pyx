@@ -1000,3 +1000,84 @@ def wait_rows(const double[::1] queued, const double[::1] status_at, const doubl
             w = 0.0
         wait[i] = w
     return out
+
+
+cdef inline bint _before(double c1, double kv1, double ld1, long long r1,
+                         double c2, double kv2, double ld2, long long r2) noexcept nogil:
+    """(cost, kv, load, key rank) order."""
+    if c1 != c2:
+        return c1 < c2
+    if kv1 != kv2:
+        return kv1 < kv2
+    if ld1 != ld2:
+        return ld1 < ld2
+    return r1 < r2
+
+
+def rank_others(const double[::1] wait, const double[::1] running, const unsigned char[::1] mask,
+                const long long[::1] explicit_rows, bint has_prompt, double a, double b, double k,
+                const double[::1] kv, const double[::1] load, const long long[::1] key_rank,
+                long long[::1] out):
+    """The ttft policy's pruned ranking over the rows that hold nothing of the prompt (the request's
+    candidates in ``mask`` that are not in ``explicit_rows``, sorted), in one pass instead of a
+    dozen numpy ones (kvindex/scoring/policies/ttft.py, ``rank_top``).
+
+    Per row: prefill = a * running + b (0 without a prompt), est = wait + prefill, cost = est +
+    k * (prefill + 0.0) when k, else est: the operations of CandidatePool's columns in order. Puts
+    the first ``len(out)`` rows in (cost, kv, load, key rank) order into ``out`` (unordered) and
+    returns (how many, the lowest prefill of every row, how many rows wait at most that long): the
+    last two are what the congestion bound (``_uncongested``) counts."""
+    cdef Py_ssize_t n = wait.shape[0], top_k = out.shape[0], i, j, filled = 0, e = 0
+    cdef Py_ssize_t n_explicit = explicit_rows.shape[0], waiting = 0
+    cdef double low = 0.0, p, c
+    cdef double* bc = <double*>malloc((top_k + 1) * 3 * sizeof(double))
+    cdef long long* br = <long long*>malloc((top_k + 1) * 2 * sizeof(long long))
+    if bc == NULL or br == NULL:
+        free(bc)
+        free(br)
+        raise MemoryError()
+    try:
+        # The lowest prefill of every row (monotone in running, but computed as the column is).
+        for i in range(n):
+            p = a * running[i] + b if has_prompt else 0.0
+            if i == 0 or p < low:
+                low = p
+        for i in range(n):
+            if wait[i] <= low:
+                waiting += 1
+            while e < n_explicit and explicit_rows[e] < i:
+                e += 1
+            if not mask[i] or (e < n_explicit and explicit_rows[e] == i):
+                continue
+            p = a * running[i] + b if has_prompt else 0.0
+            c = wait[i] + p
+            if k:
+                c = c + k * (p + 0.0)
+            # Insert into the sorted buffer of the best ``top_k`` so far (bc: cost, kv, load;
+            # br: key rank, row), unless it comes after all of them in a full buffer.
+            if filled == top_k and not _before(c, kv[i], load[i], key_rank[i],
+                                               bc[3 * (filled - 1)], bc[3 * (filled - 1) + 1],
+                                               bc[3 * (filled - 1) + 2], br[2 * (filled - 1)]):
+                continue
+            j = filled if filled < top_k else top_k - 1
+            while j > 0 and _before(c, kv[i], load[i], key_rank[i], bc[3 * (j - 1)],
+                                    bc[3 * (j - 1) + 1], bc[3 * (j - 1) + 2], br[2 * (j - 1)]):
+                bc[3 * j] = bc[3 * (j - 1)]
+                bc[3 * j + 1] = bc[3 * (j - 1) + 1]
+                bc[3 * j + 2] = bc[3 * (j - 1) + 2]
+                br[2 * j] = br[2 * (j - 1)]
+                br[2 * j + 1] = br[2 * (j - 1) + 1]
+                j -= 1
+            bc[3 * j] = c
+            bc[3 * j + 1] = kv[i]
+            bc[3 * j + 2] = load[i]
+            br[2 * j] = key_rank[i]
+            br[2 * j + 1] = i
+            if filled < top_k:
+                filled += 1
+        for j in range(filled):
+            out[j] = br[2 * j + 1]
+    finally:
+        free(bc)
+        free(br)
+    return filled, low, waiting

@@ -22,6 +22,11 @@ from kvindex.scoring.base import DECODE_ROLE, Candidate, Choice, Policy, RouteRe
 from kvindex.scoring.calibration import Calibrator
 from kvindex.scoring.costs import CostConfig, queue_ms
 from kvindex.scoring.fleet_table import FleetTables, ModelTable, smallest
+
+try:
+    from kvindex.index._native import rank_others as _native_rank_others
+except ImportError:  # no compiler at install time: numpy columns (CandidatePool.smallest)
+    _native_rank_others = None
 from kvindex.scoring.ledger import FINISHED, PREFILL, Ledger, SpeculativeKeys
 from kvindex.scoring.policies import make_policies
 
@@ -392,6 +397,39 @@ class CandidatePool:
     def est(self) -> np.ndarray:
         """Candidate.est_ttft_ms per row (no fetch: nothing held)."""
         return self.wait + self.prefill
+
+    def cost(self, k: float) -> np.ndarray:
+        """The ttft policy's cost per row with congestion weight ``k``."""
+        return self.est + k * (self.prefill + 0.0) if k else self.est
+
+    def rank_others(self, k: float, top_k: int) -> tuple[np.ndarray, float, int] | None:
+        """The ttft policy's selection of the others in one native pass (``_native.rank_others``):
+        the ``top_k`` rows first in (``cost(k)``, kv, load, key) order, the lowest prefill of any
+        row and how many rows wait at most that long; None without the extension (or for a large
+        ``top_k``, where its insertion into a sorted buffer would not pay): then the columns."""
+        if _native_rank_others is None or not 0 < top_k <= 64:
+            return None
+        table = self.table
+        prompt = self.request.prompt_tokens
+        model = self.router.calibrator.prefill(self.request.model)
+        shape = self.router.config.costs.engine
+        n = table.n
+        out = np.empty(top_k, dtype=np.int64)
+        found, low, waiting = _native_rank_others(
+            self.wait,
+            table.running_now[:n],
+            self.mask.view(np.uint8),
+            np.sort(self.explicit_rows),
+            prompt > 0,
+            (-(-prompt // shape.chunk_tokens) * shape.decode_ms_per_seq) if prompt > 0 else 0.0,
+            model.ms(prompt, prompt) if prompt > 0 else 0.0,
+            k,
+            self.kv,
+            self.load,
+            self.key_rank,
+            out,
+        )
+        return out[:found], low, waiting
 
     def materialize(self, rows: list[int] | np.ndarray) -> list[Candidate]:
         states = self.table.states

@@ -166,22 +166,23 @@ class Ttft:
         placement rules pick one, become candidates. The fleet-wide medians of the congestion weight
         are taken over the columns (a partition, not a sort)."""
         explicit = pool.explicit
-        k = 0.0
+        # The weight in force is the one from earlier requests (the fold returns it unchanged), so
+        # the others can be selected before these candidates are folded in.
+        k = self._k if self.congestion else 0.0
+        native = pool.rank_others(k, top_k)
         if self.congestion:
-            if _uncongested(pool):
-                k = self._fold_target(0.0, router.clock())
+            if _uncongested(pool, None if native is None else native[1:]):
+                self._fold_target(0.0, router.clock())
             else:
                 wait = median_of(pool.of_everyone(pool.wait, [c.wait_ms for c in explicit]))
                 work = median_of(pool.of_everyone(pool.prefill, [c.prefill_ms for c in explicit])) or 1.0
-                k = self._fold_congestion(wait, work, router.clock())
+                self._fold_congestion(wait, work, router.clock())
         est_e = [c.wait_ms + c.prefill_ms + c.fetch_ms for c in explicit]
         if k:
             cost_e = [e + k * (c.prefill_ms + c.fetch_ms) for e, c in zip(est_e, explicit, strict=True)]
-            cost_rest = pool.est + k * (pool.prefill + 0.0)
         else:
             cost_e = est_e
-            cost_rest = pool.est
-        chosen_rows = pool.smallest(cost_rest, top_k)
+        chosen_rows = native[0] if native is not None else pool.smallest(pool.cost(k), top_k)
         others = pool.materialize(chosen_rows)
         est_o = [c.wait_ms + c.prefill_ms + c.fetch_ms for c in others]
         if k:
@@ -206,7 +207,9 @@ class Ttft:
             held = min(h + 1, longest)
             useful = max(1, min(self.useful_tokens // request.block_size, (len(keys) + 1) // 2))
             if longest < useful:
-                pick, reason = self._first_home(pool, explicit, cost_e, cost_rest, limit, keys[h], 0, "home")
+                pick, reason = self._first_home(
+                    pool, explicit, cost_e, pool.cost(k), limit, keys[h], 0, "home"
+                )
             elif best.blocks < held:
                 ordered = [candidates[i] for i in _order(candidates, costs, math.inf)]
                 cost = {c.state.key: x for c, x in zip(candidates, costs, strict=True)}
@@ -219,7 +222,7 @@ class Ttft:
                     pick, reason = within[0], "replica"
                 elif len(holders) < self.max_replicas:
                     pick, reason = self._first_home(
-                        pool, explicit, cost_e, cost_rest, limit, keys[h], held, "spill"
+                        pool, explicit, cost_e, pool.cost(k), limit, keys[h], held, "spill"
                     )
                 elif cost[holders[0].state.key] <= best_cost * self.overflow:
                     pick, reason = holders[0], "capped"
@@ -306,7 +309,7 @@ def _order(candidates: list[Candidate], costs: list[float], bound: float) -> lis
     return [d[4] for d in decorated]
 
 
-def _uncongested(pool: CandidatePool) -> bool:
+def _uncongested(pool: CandidatePool, counted: tuple[float, int] | None = None) -> bool:
     """Whether the median wait over the candidates is at most their median prefill (then the
     congestion target is exactly 0: ``max(0.0, wait / work - 1.0)`` with ``wait <= work``), shown
     by counts instead of the two medians, which cost a partition of the whole fleet each.
@@ -316,10 +319,11 @@ def _uncongested(pool: CandidatePool) -> bool:
     the median wait is <= T when at least N // 2 + 1 candidates wait at most T (counted low: every
     row that is not one of the others is assumed to wait longer). Both medians of two middle values
     keep the bound (their mean lies between them). False when this cannot be shown."""
-    prefill = pool.prefill
-    if not len(prefill) or pool.count < 2:
+    rows = pool.table.n
+    if not rows or pool.count < 2:
         return False
-    threshold = float(prefill.min())
+    # ``counted``: the threshold and the rows waiting at most that long, from rank_others.
+    threshold = float(pool.prefill.min()) if counted is None else counted[0]
     if threshold <= 0.0:
         return False
     explicit = pool.explicit
@@ -328,7 +332,8 @@ def _uncongested(pool: CandidatePool) -> bool:
     if len(explicit) > (n - 1) // 2 and len([c for c in explicit if c.prefill_ms < threshold]) > (n - 1) // 2:
         return False
     others = n - len(explicit)
-    waiting_less = int(np.count_nonzero(pool.wait <= threshold)) - (len(prefill) - others)
+    waiting = int(np.count_nonzero(pool.wait <= threshold)) if counted is None else counted[1]
+    waiting_less = waiting - (rows - others)
     if waiting_less < n // 2 + 1:
         waiting_less += len([c for c in explicit if c.wait_ms <= threshold])
     return waiting_less >= n // 2 + 1
