@@ -1014,20 +1014,32 @@ cdef inline bint _before(double c1, double kv1, double ld1, long long r1,
     return r1 < r2
 
 
+cdef inline bint _listed(const long long[::1] rows, Py_ssize_t n, long long row) noexcept nogil:
+    """Whether ``row`` is in the ascending ``rows[:n]`` (binary search)."""
+    cdef Py_ssize_t lo = 0, hi = n, mid
+    while lo < hi:
+        mid = (lo + hi) >> 1
+        if rows[mid] < row:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo < n and rows[lo] == row
+
+
 def rank_others(const double[::1] wait, const double[::1] running, const unsigned char[::1] mask,
                 const long long[::1] explicit_rows, bint has_prompt, double a, double b, double k,
                 const double[::1] kv, const double[::1] load, const long long[::1] key_rank,
                 long long[::1] out):
     """The ttft policy's pruned ranking over the rows that hold nothing of the prompt (the request's
-    candidates in ``mask`` that are not in ``explicit_rows``, sorted), in one pass instead of a
-    dozen numpy ones (kvindex/scoring/policies/ttft.py, ``rank_top``).
+    candidates in ``mask`` that are not in ``explicit_rows``, sorted), in one loop (and a count)
+    instead of a dozen numpy passes (kvindex/scoring/policies/ttft.py, ``rank_top``).
 
     Per row: prefill = a * running + b (0 without a prompt), est = wait + prefill, cost = est +
     k * (prefill + 0.0) when k, else est: the operations of CandidatePool's columns in order. Puts
     the first ``len(out)`` rows in (cost, kv, load, key rank) order into ``out`` (unordered) and
     returns (how many, the lowest prefill of every row, how many rows wait at most that long): the
     last two are what the congestion bound (``_uncongested``) counts."""
-    cdef Py_ssize_t n = wait.shape[0], top_k = out.shape[0], i, j, filled = 0, e = 0
+    cdef Py_ssize_t n = wait.shape[0], top_k = out.shape[0], i, j, filled = 0
     cdef Py_ssize_t n_explicit = explicit_rows.shape[0], waiting = 0
     cdef double low = 0.0, p, c
     cdef double* bc = <double*>malloc((top_k + 1) * 3 * sizeof(double))
@@ -1037,22 +1049,19 @@ def rank_others(const double[::1] wait, const double[::1] running, const unsigne
         free(br)
         raise MemoryError()
     try:
-        # The lowest prefill of every row (monotone in running, but computed as the column is).
+        if not has_prompt:  # every prefill is 0.0, as 0.0 * running + 0.0 is
+            a = b = 0.0
         for i in range(n):
-            p = a * running[i] + b if has_prompt else 0.0
-            if i == 0 or p < low:
+            p = a * running[i] + b
+            if i == 0 or p < low:  # the lowest prefill of every row
                 low = p
-        for i in range(n):
-            if wait[i] <= low:
-                waiting += 1
-            while e < n_explicit and explicit_rows[e] < i:
-                e += 1
-            if not mask[i] or (e < n_explicit and explicit_rows[e] == i):
-                continue
-            p = a * running[i] + b if has_prompt else 0.0
             c = wait[i] + p
             if k:
                 c = c + k * (p + 0.0)
+            if filled == top_k and c > bc[3 * (filled - 1)]:
+                continue  # after every buffered row whatever the tie-breaks (the common case)
+            if not mask[i] or _listed(explicit_rows, n_explicit, i):
+                continue
             # Insert into the sorted buffer of the best ``top_k`` so far (bc: cost, kv, load;
             # br: key rank, row), unless it comes after all of them in a full buffer.
             if filled == top_k and not _before(c, kv[i], load[i], key_rank[i],
@@ -1075,6 +1084,8 @@ def rank_others(const double[::1] wait, const double[::1] running, const unsigne
             br[2 * j + 1] = i
             if filled < top_k:
                 filled += 1
+        for i in range(n):
+            waiting += wait[i] <= low
         for j in range(filled):
             out[j] = br[2 * j + 1]
     finally:
