@@ -164,7 +164,8 @@ class Ttft:
         Only the prompt's holders are full candidates; the others hold nothing, so they are ranked by
         their own columns (pool) and only the best ``top_k`` of them, and a rendezvous home when the
         placement rules pick one, become candidates. The fleet-wide medians of the congestion weight
-        are taken over the columns (a partition, not a sort)."""
+        are skipped when counts show the weight's target is 0 (``_uncongested``), else taken over the
+        columns (a partition, not a sort)."""
         explicit = pool.explicit
         # The weight in force is the one from earlier requests (the fold returns it unchanged), so
         # the others can be selected before these candidates are folded in.
