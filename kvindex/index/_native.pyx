@@ -965,10 +965,11 @@ def wait_rows(const double[::1] queued, const double[::1] status_at, const doubl
               const double[::1] queued_now, const double[::1] running_now,
               const unsigned char[::1] drains, const long long[::1] rows, Py_ssize_t count,
               double now, double b_ms, double step_ms, double chunk, double dps, double drain_rate,
-              double[::1] wait, long long[::1] draining):
+              double[::1] wait, long long[::1] draining, unsigned char[::1] seen):
     """The pruned rankings' queue wait of ``count`` rows (``rows[:count]``, or rows 0..count-1 when
-    ``rows`` is empty), written to ``wait[row]``; the rows whose reported queue is still draining
-    go to ``draining``, and their number is returned.
+    ``rows`` is empty; a row listed twice is computed twice, to the same value), written to
+    ``wait[row]``; the rows whose reported queue is still draining go to ``draining`` once each
+    (``seen``: a zeroed flag per row, zeroed again on return), and their number is returned.
 
     Per row, the operations of ``Router.candidates`` and ``kvindex.scoring.costs.queue_ms`` in
     the same order (the build turns off FMA contraction), so the values are bit-identical to the
@@ -985,8 +986,10 @@ def wait_rows(const double[::1] queued, const double[::1] status_at, const doubl
         if drain_rate != 0 and drains[i]:
             q = queued[i] - (now - status_at[i]) * drain_rate
             if q > 0:
-                draining[out] = i
-                out += 1
+                if not seen[i]:
+                    seen[i] = 1
+                    draining[out] = i
+                    out += 1
             else:
                 q = 0.0
             q = q + tokens_new[i]
@@ -999,6 +1002,8 @@ def wait_rows(const double[::1] queued, const double[::1] status_at, const doubl
         else:
             w = 0.0
         wait[i] = w
+    for j in range(out):
+        seen[draining[j]] = 0
     return out
 
 

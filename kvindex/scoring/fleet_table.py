@@ -88,7 +88,8 @@ class ModelTable:
         self._routable_rows: np.ndarray | None = None
         self._unroutable_rows: np.ndarray | None = None
         self._unroutable_set: set[int] = set()
-        self._routable_writes = -1
+        self._routable_listed = -1  # _routable_changes when the routable rows were listed
+        self._routable_changes = 0  # bumped when a row's routable flag (or any row) moves
 
     # -- membership --------------------------------------------------------------------------
 
@@ -136,6 +137,7 @@ class ModelTable:
     def _moved(self) -> None:
         self.version += 1
         self.writes += 1
+        self._routable_changes += 1
         self._ranks_stale = True
         self._weights.clear()
 
@@ -176,6 +178,8 @@ class ModelTable:
     def write(self, rows: list[int], values: list[tuple]) -> None:
         """Rows' new values (``row_values``), one vector assignment per column for all of them."""
         columns = list(zip(*values, strict=True))
+        if list(self.routable[rows]) != list(columns[-1]):  # (heartbeats rarely change it)
+            self._routable_changes += 1
         for name, column in zip((*_FLOAT_COLS, *_BOOL_COLS), columns, strict=True):
             getattr(self, name)[rows] = column
         self.writes += 1
@@ -186,19 +190,19 @@ class ModelTable:
 
     def routable_rows(self) -> np.ndarray:
         """The routable rows, ascending (cached until the table changes)."""
-        if self._routable_writes != self.writes or self._routable_rows is None:
+        if self._routable_listed != self._routable_changes or self._routable_rows is None:
             self._cache_routable()
         return self._routable_rows  # type: ignore[return-value]
 
     def unroutable_rows(self) -> np.ndarray:
         """The other rows (pools, stale instances), ascending (cached until the table changes)."""
-        if self._routable_writes != self.writes or self._unroutable_rows is None:
+        if self._routable_listed != self._routable_changes or self._unroutable_rows is None:
             self._cache_routable()
         return self._unroutable_rows  # type: ignore[return-value]
 
     def unroutable_set(self) -> set[int]:
         """``unroutable_rows`` as a set (cached until the table changes)."""
-        if self._routable_writes != self.writes or self._unroutable_rows is None:
+        if self._routable_listed != self._routable_changes or self._unroutable_rows is None:
             self._cache_routable()
         return self._unroutable_set
 
@@ -207,7 +211,7 @@ class ModelTable:
         self._routable_rows = np.flatnonzero(routable)
         self._unroutable_rows = np.flatnonzero(~routable)
         self._unroutable_set = set(self._unroutable_rows.tolist())
-        self._routable_writes = self.writes
+        self._routable_listed = self._routable_changes
 
     def waits(
         self, now: float, b_ms: float, step_ms: float, chunk: int, dps: float, drain_rate: float
@@ -233,7 +237,9 @@ class ModelTable:
         ):
             rows = None
         elif self._written:
-            rows = np.unique(np.concatenate((cache.active, np.array(self._written, dtype=np.int64))))
+            rows = np.concatenate((cache.active, np.array(self._written, dtype=np.int64)))
+            if _native_waits is None:  # (the native loop lists each draining row once itself)
+                rows = np.unique(rows)
         elif len(cache.active):
             rows = cache.active
         else:
@@ -241,7 +247,11 @@ class ModelTable:
             return cache.wait
         self._written = []
         if rows is None:
-            cache = self._waits = _Waits(params, self.version, now, np.empty(n), _NO_ROWS)
+            cache = self._waits = _Waits(
+                params, self.version, now, np.empty(n), _NO_ROWS, np.zeros(n, np.uint8)
+            )
+        elif len(rows) > n // 2 and _native_waits is not None:
+            rows = None  # most rows (queues draining between heartbeats): one pass in row order
         cache.now = now
         if _native_waits is not None:
             draining = np.empty(n if rows is None else len(rows), dtype=np.int64)
@@ -262,6 +272,7 @@ class ModelTable:
                 drain_rate,
                 cache.wait,
                 draining,
+                cache.seen,
             )
             cache.active = draining[:found]
         elif rows is None:
@@ -296,16 +307,20 @@ _NO_ROWS = np.zeros(0, dtype=np.int64)
 
 
 class _Waits:
-    """ModelTable.waits' cache: the wait column at ``now`` and the rows still draining."""
+    """ModelTable.waits' cache: the wait column at ``now`` and the rows still draining (``seen``:
+    the native loop's scratch flags, one per row)."""
 
-    __slots__ = ("active", "now", "params", "version", "wait")
+    __slots__ = ("active", "now", "params", "seen", "version", "wait")
 
-    def __init__(self, params: tuple, version: int, now: float, wait: np.ndarray, active: np.ndarray) -> None:
+    def __init__(
+        self, params: tuple, version: int, now: float, wait: np.ndarray, active: np.ndarray, seen: np.ndarray
+    ) -> None:
         self.params = params
         self.version = version
         self.now = now
         self.wait = wait
         self.active = active
+        self.seen = seen
 
 
 def _wait_rows(
