@@ -996,7 +996,9 @@ def wait_rows(const double[::1] queued, const double[::1] status_at, const doubl
         else:
             q = queued_now[i]
         if q > 0:
-            steps = -_py_floordiv(-q, chunk)
+            # ceil(q / chunk) as -(-q // chunk): 1 for 0 < q <= chunk (what the floor division
+            # gives there, exactly), without its fmod for the usual queue shorter than a chunk.
+            steps = 1.0 if q <= chunk else -_py_floordiv(-q, chunk)
             w = (dps * running_now[i] + step_ms) * steps
             w = w + b_ms * q
         else:

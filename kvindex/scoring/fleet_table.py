@@ -178,7 +178,7 @@ class ModelTable:
     def write(self, rows: list[int], values: list[tuple]) -> None:
         """Rows' new values (``row_values``), one vector assignment per column for all of them."""
         columns = list(zip(*values, strict=True))
-        if list(self.routable[rows]) != list(columns[-1]):  # (heartbeats rarely change it)
+        if self.routable[rows].tolist() != list(columns[-1]):  # (heartbeats rarely change it)
             self._routable_changes += 1
         for name, column in zip((*_FLOAT_COLS, *_BOOL_COLS), columns, strict=True):
             getattr(self, name)[rows] = column
@@ -250,8 +250,6 @@ class ModelTable:
             cache = self._waits = _Waits(
                 params, self.version, now, np.empty(n), _NO_ROWS, np.zeros(n, np.uint8)
             )
-        elif len(rows) > n // 2 and _native_waits is not None:
-            rows = None  # most rows (queues draining between heartbeats): one pass in row order
         cache.now = now
         if _native_waits is not None:
             draining = np.empty(n if rows is None else len(rows), dtype=np.int64)
