@@ -3,7 +3,10 @@ top_k as the exhaustive ranking of every instance, over random fleets."""
 
 from __future__ import annotations
 
+import contextlib
 import random
+from collections.abc import Iterator
+from unittest import mock
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -11,6 +14,8 @@ from hypothesis import strategies as st
 
 from kvindex.fleet.registry import Registry
 from kvindex.index import InvertedIndex, _pytable
+from kvindex.scoring import fleet_table
+from kvindex.scoring import router as router_module
 from kvindex.scoring.base import Choice, RouteRequest
 from kvindex.scoring.fleet_table import median_of, rendezvous_weights, smallest
 from kvindex.scoring.policies import POLICY_CLASSES, POLICY_NAMES
@@ -59,7 +64,7 @@ def _restore(router: Router, name: str, saved: tuple) -> None:
 
 
 def build_fleet(
-    rng: random.Random, n: int, n_prompts: int, backend: str
+    rng: random.Random, n: int, n_prompts: int, backend: str, all_routable: bool = False
 ) -> tuple[Router, list[list[int]], Clock]:
     clock = Clock()
     index = InvertedIndex(_pytable if backend == "python" else None)
@@ -71,7 +76,7 @@ def build_fleet(
         key = (f"w{rng.randint(0, n * 2)}-{i}", rng.randint(0, 2))
         index.add_instance(key, MODEL)
         state = registry.add(key, MODEL, BS)
-        kind = rng.random()
+        kind = 1.0 if all_routable else rng.random()
         if kind < 0.05:
             state.capacity = {SHARED: 1000}  # a pool: never ranked
         elif kind < 0.1:
@@ -81,7 +86,7 @@ def build_fleet(
             state.local_blocks_seen = True
         if rng.random() < 0.9:
             state.last_status_at = clock.t - rng.random() * 2
-        if rng.random() < 0.05:
+        if rng.random() < 0.05 and not all_routable:
             state.stale = True
         busy = rng.random()
         if busy < 0.3:
@@ -120,6 +125,19 @@ def _check(router: Router, name: str, req: RouteRequest, candidates: list[str] |
     assert _view(pruned) == _view(full[:top_k])
 
 
+@contextlib.contextmanager
+def _natives(backend: str) -> Iterator[None]:
+    """ "python": no native code at all, as without a compiler (the rankings' numpy twins run)."""
+    if backend == "native":
+        yield
+        return
+    with (
+        mock.patch.object(fleet_table, "_native_waits", None),
+        mock.patch.object(router_module, "_native_rank_others", None),
+    ):
+        yield
+
+
 def _exercise(
     rng: random.Random, router: Router, prompts: list[list[int]], clock: Clock, top_ks: list[int]
 ) -> None:
@@ -144,6 +162,8 @@ def _exercise(
         clock.t += rng.choice([0.01, 0.2, 1.0, 7.0])
         for state in rng.sample(states, min(len(states), 5)):
             state.last_status_at = clock.t
+            if rng.random() < 0.4:
+                continue  # a heartbeat that moved only its time (the tables' time-only rows)
             state.load = Load(running=rng.randint(0, 30), waiting_prefill_tokens=rng.randint(0, 30_000))
             if rng.random() < 0.2:
                 state.stale = not state.stale
@@ -174,7 +194,8 @@ def test_pruned_top_k_equals_exhaustive_small_fleets(
     ttft = router.policies["ttft"]
     ttft.congestion = congestion  # type: ignore[attr-defined]
     ttft._k = rng.choice([0.0, 0.5, 3.0])  # type: ignore[attr-defined]
-    _exercise(rng, router, prompts, clock, [1, 2, 4, 9])
+    with _natives(backend):
+        _exercise(rng, router, prompts, clock, [1, 2, 4, 9])
 
 
 @settings(max_examples=3, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -183,6 +204,24 @@ def test_pruned_top_k_equals_exhaustive_thousands(seed: int) -> None:
     rng = random.Random(seed)
     router, prompts, clock = build_fleet(rng, rng.choice([700, 2500]), 3, "native")
     _exercise(rng, router, prompts, clock, [1, 4])
+
+
+@pytest.mark.parametrize("backend", ["native", "python"])
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 2**32 - 1), n=st.integers(1, 400), congestion=st.sampled_from([0.0, 10.0]))
+def test_pruned_top_k_equals_exhaustive_every_instance_routable(
+    backend: str, seed: int, n: int, congestion: float
+) -> None:
+    """No pools or stale instances at first: the pruned ranking's shortcuts for a fleet where every
+    row is a candidate (selection without listing the others, the congestion bound, cached waits
+    and tie order) run, with many idle instances tied on cost."""
+    rng = random.Random(seed)
+    router, prompts, clock = build_fleet(rng, n, 4, backend, all_routable=True)
+    ttft = router.policies["ttft"]
+    ttft.congestion = congestion  # type: ignore[attr-defined]
+    ttft._k = rng.choice([0.0, 0.5, 3.0])  # type: ignore[attr-defined]
+    with _natives(backend):
+        _exercise(rng, router, prompts, clock, [1, 2, 4, 9])
 
 
 def test_smallest_is_exact_with_ties() -> None:
@@ -218,3 +257,39 @@ def test_median_and_weights_match_the_reference(native: bool, monkeypatch: pytes
     assert rendezvous_weights(ids, 2**64 - 5).tolist() == [
         xxhash.xxh3_64_intdigest(i, 2**64 - 5) for i in ids
     ]
+
+
+@pytest.mark.parametrize("backend", ["native", "python"])
+def test_a_heartbeat_that_moves_only_its_time_refreshes_a_draining_wait(backend: str) -> None:
+    """A heartbeat with the same Load object (the tables write its time alone) restarts the drain
+    of its reported queue: the kept wait column must see it (ModelTable.write_times)."""
+    with _natives(backend):
+        clock = Clock()
+        index = InvertedIndex(_pytable if backend == "python" else None)
+        registry = Registry(clock=clock)
+        router = Router(index, registry, config=RouterConfig(prune_min_instances=0), clock=clock)
+        router.tables  # noqa: B018 - watching before the fleet is built
+        states = []
+        for i in range(200):
+            key = (f"w{i:03d}", 0)
+            index.add_instance(key, MODEL)
+            state = registry.add(key, MODEL, BS)
+            state.capacity = {GPU: 10_000}
+            state.local_blocks_seen = True
+            state.last_status_at = clock.t
+            # Everyone but w000 has a small queue that is still draining; w000's is the largest.
+            state.load = Load(running=2, waiting_prefill_tokens=60_000 if i == 0 else 2_000 + i)
+            states.append(state)
+        req = RouteRequest(MODEL, [], 4096, BS, "r")
+        first = router.score(req).choices
+        assert _view(router.score(req, top_k=4).choices) == _view(first[:4])
+        clock.t += 600.0  # every reported queue has drained to 0: no row is still draining
+        drained = router.score(req).choices
+        assert _view(router.score(req, top_k=4).choices) == _view(drained[:4])
+        assert drained[0].candidate.state.key == ("w000", 0)  # all tied: key order
+        states[0].last_status_at = clock.t  # its queue is 60 K again (same Load object)
+        again = router.score(req).choices
+        assert _view(router.score(req, top_k=4).choices) == _view(again[:4])
+        rank = {c.candidate.state.key: i for i, c in enumerate(again)}
+        assert rank[("w000", 0)] == 199  # last again, as before the drain
+        assert {c.candidate.state.key: i for i, c in enumerate(first)}[("w000", 0)] == 199

@@ -85,17 +85,27 @@ cdef uint64_t* _key_array(list keys) except NULL:
 
 
 cdef class KeyArray:
-    """A request's keys as u64, converted once per match and shared by the banks it walks."""
+    """A request's keys as u64, converted once per match and shared by the banks it walks, with
+    their mixed hashes (``_mix``): a match over many banks probes each key in every one of them."""
 
     cdef uint64_t* data
+    cdef uint64_t* mixed
     cdef Py_ssize_t n
 
     def __cinit__(self, list keys):
+        cdef Py_ssize_t i
+        self.mixed = NULL
         self.data = _key_array(keys)
         self.n = len(keys)
+        self.mixed = <uint64_t*>malloc((self.n if self.n else 1) * sizeof(uint64_t))
+        if self.mixed == NULL:
+            raise MemoryError()
+        for i in range(self.n):
+            self.mixed[i] = _mix(self.data[i])
 
     def __dealloc__(self):
         free(self.data)
+        free(self.mixed)
 
     def __len__(self):
         return self.n
@@ -185,6 +195,14 @@ cdef class BlockTable:
 
     cdef inline uint64_t get(self, uint64_t key) noexcept nogil:
         return self.cells[self._slot(key)].val
+
+    cdef inline uint64_t get_mixed(self, uint64_t key, uint64_t mixed) noexcept nogil:
+        """``get`` with the key's ``_mix`` already computed."""
+        cdef uint64_t i = mixed & self.mask
+        cdef Cell* cells = self.cells
+        while cells[i].val != 0 and cells[i].key != key:
+            i = (i + 1) & self.mask
+        return cells[i].val
 
     cdef int _rehash(self, uint64_t cap) except -1:
         cdef Cell* old = self.cells
@@ -407,6 +425,10 @@ cdef inline void _prefetch(BlockTable table, uint64_t key) noexcept nogil:
     __builtin_prefetch(&table.cells[_mix(key) & table.mask])
 
 
+cdef inline void _prefetch_mixed(BlockTable table, uint64_t mixed) noexcept nogil:
+    __builtin_prefetch(&table.cells[mixed & table.mask])
+
+
 cdef class Differ:
     """Compares what one (instance, tier) holds with a snapshot, a bounded number of keys per step.
 
@@ -511,19 +533,22 @@ cdef class Differ:
         return self.log_pos >= size
 
 
-cdef int _walk_gpu(BlockTable gpu, uint64_t* karr, Py_ssize_t n, uint64_t alive,
+cdef int _walk_gpu(BlockTable gpu, KeyArray keys, uint64_t alive,
                    int* slots, Py_ssize_t* lens) noexcept:
     """The GPU walk: fills (slot, matched blocks) for slots that matched at least one block (at most
     64, one bank) and returns how many."""
     cdef Py_ssize_t i
     cdef uint64_t still, dropped
     cdef int count = 0
+    cdef Py_ssize_t n = keys.n
+    cdef uint64_t* karr = keys.data
+    cdef uint64_t* mixed = keys.mixed
     for i in range(min(n, PREFETCH)):
-        _prefetch(gpu, karr[i])
+        _prefetch_mixed(gpu, mixed[i])
     for i in range(n):
         if i + PREFETCH < n:
-            _prefetch(gpu, karr[i + PREFETCH])
-        still = alive & gpu.get(karr[i])
+            _prefetch_mixed(gpu, mixed[i + PREFETCH])
+        still = alive & gpu.get_mixed(karr[i], mixed[i])
         if still != alive:
             dropped = alive ^ still
             if i:
@@ -552,7 +577,7 @@ def match_gpu_into(BlockTable gpu, KeyArray keys, uint64_t alive, list owners, d
     cdef int slots[64]
     cdef Py_ssize_t lens[64]
     cdef int count, j
-    count = _walk_gpu(gpu, keys.data, keys.n, alive, slots, lens)
+    count = _walk_gpu(gpu, keys, alive, slots, lens)
     for j in range(count):
         n = lens[j]
         m = same.get(n)
@@ -569,46 +594,42 @@ cdef inline void _add_run(long long* counts, uint64_t mask, int tier, long long 
         mask &= mask - 1
 
 
-cdef inline bint _in_pool(list pools, uint64_t key):
+cdef inline bint _in_pool(list pools, uint64_t key, uint64_t mixed):
     cdef BlockTable table
     for table in pools:
-        if table.count and table.get(key):
+        if table.count and table.get_mixed(key, mixed):
             return True
     return False
 
 
-def match_tiered(BlockTable gpu, BlockTable cpu, BlockTable disk, list pools, KeyArray keys, uint64_t alive):
-    """Like match_gpu_into, but a block counts if it is on any local tier of the slot or in the pool.
-
-    ``pools`` are the model's shared-tier tables (one per bank): any holder there makes the block
-    loadable by every instance. Returns (slot, matched, gpu, cpu, disk, shared) per matched slot, each block
-    attributed to the fastest tier holding it. Per-tier counts are accumulated over runs of equal
-    holder patterns, so per-slot work happens only where the pattern changes.
-    """
-    cdef Py_ssize_t n = keys.n, i, run = 0
-    cdef long long counts[256]
-    cdef long long lengths[64]
+cdef int _walk_tiered(BlockTable gpu, BlockTable cpu, BlockTable disk, list pools, KeyArray keys,
+                      uint64_t alive, long long* counts, long long* lengths) except -1:
+    """The tiered walk: ``lengths[slot]`` (blocks matched) and ``counts[slot * 4 + tier]`` for every
+    slot of ``alive``; both arrays are zeroed here."""
+    cdef Py_ssize_t i, run = 0
     cdef uint64_t key, on_gpu, on_cpu, on_disk, in_pool, rest, still
     cdef uint64_t p_gpu = 0, p_cpu = 0, p_disk = 0, p_pool = 0, dropped
     cdef int slot
+    cdef Py_ssize_t n = keys.n
     cdef uint64_t* karr = keys.data
-    for i in range(256):
-        counts[i] = 0
-    for i in range(64):
-        lengths[i] = 0
+    cdef uint64_t* mixed = keys.mixed
+    cdef uint64_t h
+    memset(counts, 0, 256 * sizeof(long long))
+    memset(lengths, 0, 64 * sizeof(long long))
     for i in range(min(n, PREFETCH)):
-        _prefetch(gpu, karr[i])
+        _prefetch_mixed(gpu, mixed[i])
     for i in range(n):
         key = karr[i]
+        h = mixed[i]
         if i + PREFETCH < n:
-            _prefetch(gpu, karr[i + PREFETCH])
-        on_gpu = alive & gpu.get(key)
+            _prefetch_mixed(gpu, mixed[i + PREFETCH])
+        on_gpu = alive & gpu.get_mixed(key, h)
         rest = alive ^ on_gpu
-        on_cpu = rest & cpu.get(key) if rest and cpu.count else 0
+        on_cpu = rest & cpu.get_mixed(key, h) if rest and cpu.count else 0
         rest ^= on_cpu
-        on_disk = rest & disk.get(key) if rest and disk.count else 0
+        on_disk = rest & disk.get_mixed(key, h) if rest and disk.count else 0
         rest ^= on_disk
-        in_pool = rest if rest and pools and _in_pool(pools, key) else 0
+        in_pool = rest if rest and pools and _in_pool(pools, key, h) else 0
         still = alive ^ rest ^ in_pool
         if on_gpu != p_gpu or on_cpu != p_cpu or on_disk != p_disk or in_pool != p_pool:
             if run:
@@ -636,12 +657,82 @@ def match_tiered(BlockTable gpu, BlockTable cpu, BlockTable disk, list pools, Ke
         slot = __builtin_ctzll(alive)
         lengths[slot] = n
         alive &= alive - 1
+    return 0
+
+
+def match_tiered(BlockTable gpu, BlockTable cpu, BlockTable disk, list pools, KeyArray keys, uint64_t alive):
+    """Like match_gpu_into, but a block counts if it is on any local tier of the slot or in the pool.
+
+    ``pools`` are the model's shared-tier tables (one per bank): any holder there makes the block
+    loadable by every instance. Returns (slot, matched, gpu, cpu, disk, shared) per matched slot, each block
+    attributed to the fastest tier holding it. Per-tier counts are accumulated over runs of equal
+    holder patterns, so per-slot work happens only where the pattern changes.
+    """
+    cdef long long counts[256]
+    cdef long long lengths[64]
+    cdef int slot
+    _walk_tiered(gpu, cpu, disk, pools, keys, alive, counts, lengths)
     out = []
     for slot in range(64):
         if lengths[slot]:
             out.append((slot, lengths[slot], counts[slot * 4], counts[slot * 4 + 1],
                         counts[slot * 4 + 2], counts[slot * 4 + 3]))
     return out
+
+
+def match_banks_into(list bank_tiers, list alive, list bank_owners, list summaries, list pools,
+                     KeyArray keys, dict out, dict same, object match_type):
+    """A whole match over a model's banks in one call (inverted.InvertedIndex.match): which banks to
+    walk, each bank's walk, and the results stored into ``out`` (``owner -> match_type(n, (gpu, cpu,
+    disk, shared))``, equal GPU-only matches shared through ``same``).
+
+    ``bank_tiers[b]`` are bank b's four tables, ``alive[b]`` its candidate slots and
+    ``bank_owners[b]`` the instance in each slot. ``summaries`` (per tier, key -> banks holding it,
+    bit b % 64; None with a single bank) narrow the walk to the banks holding the first block on a
+    local tier, or every bank with candidates when the pool holds it. ``pools`` are the shared-tier
+    tables to consult (the shared summary, or each bank's). Done natively because at thousands of
+    instances the Python loop around the per-bank walks cost more than the walks themselves."""
+    cdef Py_ssize_t b, nb = len(bank_tiers), j
+    cdef uint64_t mask, groups = 0xFFFFFFFFFFFFFFFFULL, first
+    cdef int slots[64]
+    cdef Py_ssize_t lens[64]
+    cdef long long counts[256]
+    cdef long long lengths[64]
+    cdef int count, slot
+    cdef BlockTable gpu, cpu, disk
+    cdef list tiers, owners
+    cdef bint any_pool = len(pools) > 0
+    if keys.n == 0:
+        return
+    first = keys.data[0]
+    if summaries is not None and not (<BlockTable>summaries[3]).get(first):
+        groups = ((<BlockTable>summaries[0]).get(first) | (<BlockTable>summaries[1]).get(first)
+                  | (<BlockTable>summaries[2]).get(first))
+    for b in range(nb):
+        if not (groups >> (b & 63)) & 1:
+            continue
+        mask = alive[b]
+        if not mask:
+            continue
+        tiers = <list>bank_tiers[b]
+        owners = <list>bank_owners[b]
+        gpu = <BlockTable>tiers[0]
+        cpu = <BlockTable>tiers[1]
+        disk = <BlockTable>tiers[2]
+        if any_pool or cpu.count or disk.count:
+            _walk_tiered(gpu, cpu, disk, pools, keys, mask, counts, lengths)
+            for slot in range(64):
+                if lengths[slot]:
+                    out[owners[slot]] = tuple.__new__(match_type, (lengths[slot], (
+                        counts[slot * 4], counts[slot * 4 + 1], counts[slot * 4 + 2], counts[slot * 4 + 3])))
+        else:
+            count = _walk_gpu(gpu, keys, mask, slots, lens)
+            for j in range(count):
+                n = lens[j]
+                m = same.get(n)
+                if m is None:
+                    m = same[n] = tuple.__new__(match_type, (n, (n, 0, 0, 0)))
+                out[owners[slots[j]]] = m
 
 
 # -- a batch's events in one call (the ingest hot path for small events) ----------------------------
@@ -846,3 +937,165 @@ def rendezvous_weights(list ids, uint64_t seed, uint64_t[::1] out):
     for i in range(n):
         b = <bytes>ids[i]
         out[i] = kvx_xxh3_64(PyBytes_AS_STRING(b), PyBytes_GET_SIZE(b), seed)
+
+
+# -- queue waits of a fleet's rows (kvindex/scoring/fleet_table.py) ---------------------------------
+
+from libc.math cimport copysign, floor, fmod
+
+
+cdef inline double _py_floordiv(double vx, double wx) noexcept nogil:
+    """Python's float ``vx // wx`` (CPython's float_floor_div, also numpy's floor_divide), wx != 0."""
+    cdef double mod = fmod(vx, wx)
+    cdef double div = (vx - mod) / wx
+    cdef double floordiv
+    if mod:
+        if (wx < 0) != (mod < 0):
+            div -= 1.0
+    if div:
+        floordiv = floor(div)
+        if div - floordiv > 0.5:
+            floordiv += 1.0
+    else:
+        floordiv = copysign(0.0, vx / wx)
+    return floordiv
+
+
+def wait_rows(const double[::1] queued, const double[::1] status_at, const double[::1] tokens_new,
+              const double[::1] queued_now, const double[::1] running_now,
+              const unsigned char[::1] drains, const long long[::1] rows, Py_ssize_t count,
+              double now, double b_ms, double step_ms, double chunk, double dps, double drain_rate,
+              double[::1] wait, long long[::1] draining, unsigned char[::1] seen):
+    """The pruned rankings' queue wait of ``count`` rows (``rows[:count]``, or rows 0..count-1 when
+    ``rows`` is empty; a row listed twice is computed twice, to the same value), written to
+    ``wait[row]``; the rows whose reported queue is still draining go to ``draining`` once each
+    (``seen``: a zeroed flag per row, zeroed again on return), and their number is returned.
+
+    Per row, the operations of ``Router.candidates`` and ``kvindex.scoring.costs.queue_ms`` in
+    the same order (the build turns off FMA contraction), so the values are bit-identical to the
+    scalar ones: queued = max(0, reported - (now - heartbeat) * rate) + routed since where the
+    queue drains, else reported + routed since; wait = b * queued + ceil(queued / chunk) *
+    (step + dps * running), 0 without a queue. One loop instead of some twenty numpy passes."""
+    cdef Py_ssize_t j, i, out = 0
+    cdef bint listed = rows.shape[0] > 0
+    cdef double q, steps, w
+    if chunk == 0:
+        raise ZeroDivisionError("chunk_tokens is 0")
+    for j in range(count):
+        i = rows[j] if listed else j
+        if drain_rate != 0 and drains[i]:
+            q = queued[i] - (now - status_at[i]) * drain_rate
+            if q > 0:
+                if not seen[i]:
+                    seen[i] = 1
+                    draining[out] = i
+                    out += 1
+            else:
+                q = 0.0
+            q = q + tokens_new[i]
+        else:
+            q = queued_now[i]
+        if q > 0:
+            # ceil(q / chunk) as -(-q // chunk): 1 for 0 < q <= chunk (what the floor division
+            # gives there, exactly), without its fmod for the usual queue shorter than a chunk.
+            steps = 1.0 if q <= chunk else -_py_floordiv(-q, chunk)
+            w = (dps * running_now[i] + step_ms) * steps
+            w = w + b_ms * q
+        else:
+            w = 0.0
+        wait[i] = w
+    for j in range(out):
+        seen[draining[j]] = 0
+    return out
+
+
+cdef inline bint _before(double c1, double kv1, double ld1, long long r1,
+                         double c2, double kv2, double ld2, long long r2) noexcept nogil:
+    """(cost, kv, load, key rank) order."""
+    if c1 != c2:
+        return c1 < c2
+    if kv1 != kv2:
+        return kv1 < kv2
+    if ld1 != ld2:
+        return ld1 < ld2
+    return r1 < r2
+
+
+cdef inline bint _listed(const long long[::1] rows, Py_ssize_t n, long long row) noexcept nogil:
+    """Whether ``row`` is in the ascending ``rows[:n]`` (binary search)."""
+    cdef Py_ssize_t lo = 0, hi = n, mid
+    while lo < hi:
+        mid = (lo + hi) >> 1
+        if rows[mid] < row:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo < n and rows[lo] == row
+
+
+def rank_others(const double[::1] wait, const double[::1] running, const unsigned char[::1] mask,
+                const long long[::1] explicit_rows, bint has_prompt, double a, double b, double k,
+                const double[::1] kv, const double[::1] load, const long long[::1] key_rank,
+                long long[::1] out):
+    """The ttft policy's pruned ranking over the rows that hold nothing of the prompt (the request's
+    candidates in ``mask`` that are not in ``explicit_rows``, sorted), in one loop (and a count)
+    instead of a dozen numpy passes (kvindex/scoring/policies/ttft.py, ``rank_top``).
+
+    Per row: prefill = a * running + b (0 without a prompt), est = wait + prefill, cost = est +
+    k * (prefill + 0.0) when k, else est: the operations of CandidatePool's columns in order. Puts
+    the first ``len(out)`` rows in (cost, kv, load, key rank) order into ``out`` (unordered) and
+    returns (how many, the lowest prefill of every row, how many rows wait at most that long): the
+    last two are what the congestion bound (``_uncongested``) counts."""
+    cdef Py_ssize_t n = wait.shape[0], top_k = out.shape[0], i, j, filled = 0
+    cdef Py_ssize_t n_explicit = explicit_rows.shape[0], waiting = 0
+    cdef double low = 0.0, p, c
+    cdef double* bc = <double*>malloc((top_k + 1) * 3 * sizeof(double))
+    cdef long long* br = <long long*>malloc((top_k + 1) * 2 * sizeof(long long))
+    if bc == NULL or br == NULL:
+        free(bc)
+        free(br)
+        raise MemoryError()
+    try:
+        if not has_prompt:  # every prefill is 0.0, as 0.0 * running + 0.0 is
+            a = b = 0.0
+        for i in range(n):
+            p = a * running[i] + b
+            if i == 0 or p < low:  # the lowest prefill of every row
+                low = p
+            c = wait[i] + p
+            if k:
+                c = c + k * (p + 0.0)
+            if filled == top_k and c > bc[3 * (filled - 1)]:
+                continue  # after every buffered row whatever the tie-breaks (the common case)
+            if not mask[i] or _listed(explicit_rows, n_explicit, i):
+                continue
+            # Insert into the sorted buffer of the best ``top_k`` so far (bc: cost, kv, load;
+            # br: key rank, row), unless it comes after all of them in a full buffer.
+            if filled == top_k and not _before(c, kv[i], load[i], key_rank[i],
+                                               bc[3 * (filled - 1)], bc[3 * (filled - 1) + 1],
+                                               bc[3 * (filled - 1) + 2], br[2 * (filled - 1)]):
+                continue
+            j = filled if filled < top_k else top_k - 1
+            while j > 0 and _before(c, kv[i], load[i], key_rank[i], bc[3 * (j - 1)],
+                                    bc[3 * (j - 1) + 1], bc[3 * (j - 1) + 2], br[2 * (j - 1)]):
+                bc[3 * j] = bc[3 * (j - 1)]
+                bc[3 * j + 1] = bc[3 * (j - 1) + 1]
+                bc[3 * j + 2] = bc[3 * (j - 1) + 2]
+                br[2 * j] = br[2 * (j - 1)]
+                br[2 * j + 1] = br[2 * (j - 1) + 1]
+                j -= 1
+            bc[3 * j] = c
+            bc[3 * j + 1] = kv[i]
+            bc[3 * j + 2] = load[i]
+            br[2 * j] = key_rank[i]
+            br[2 * j + 1] = i
+            if filled < top_k:
+                filled += 1
+        for i in range(n):
+            waiting += wait[i] <= low
+        for j in range(filled):
+            out[j] = br[2 * j + 1]
+    finally:
+        free(bc)
+        free(br)
+    return filled, low, waiting

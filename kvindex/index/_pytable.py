@@ -258,3 +258,34 @@ def match_tiered(
     for slot in _bits(alive):
         lengths[slot] = n
     return [(slot, m, *counts[slot]) for slot, m in sorted(lengths.items()) if m]
+
+
+def match_banks_into(
+    bank_tiers: list[list[BlockTable]],
+    alive: list[int],
+    bank_owners: list[list[Any]],
+    summaries: list[BlockTable] | None,
+    pools: list[BlockTable],
+    keys: list[int],
+    out: dict[Any, Any],
+    same: dict[int, Any],
+    match_type: Any,
+) -> None:
+    """See _native.match_banks_into: the banks holding the first block (summaries), each walked."""
+    if not keys:
+        return
+    first = keys[0]
+    groups = -1  # every bank
+    if summaries is not None and not summaries[_SHARED].get_mask(first):
+        groups = summaries[0].get_mask(first) | summaries[1].get_mask(first) | summaries[2].get_mask(first)
+    for b, tiers in enumerate(bank_tiers):
+        mask = alive[b]
+        if not mask or not (groups >> (b % 64)) & 1:
+            continue
+        gpu, cpu, disk = tiers[0], tiers[1], tiers[2]
+        owners = bank_owners[b]
+        if pools or len(cpu) or len(disk):
+            for slot, n, g, c, d, s in match_tiered(gpu, cpu, disk, pools, keys, mask):
+                out[owners[slot]] = tuple.__new__(match_type, (n, (g, c, d, s)))
+        else:
+            match_gpu_into(gpu, keys, mask, owners, out, same, match_type)

@@ -51,6 +51,7 @@ class _Shard:
     __slots__ = (
         "bank_masks",
         "bank_owners",
+        "bank_tiers",
         "banks",
         "free_slots",
         "impl",
@@ -65,6 +66,7 @@ class _Shard:
         # banks' tables themselves; a match then walks only the banks that hold the first block.
         self.summaries: list[Any] | None = None
         self.banks: list[_Bank] = []
+        self.bank_tiers: list[list[Any]] = []  # per bank, its tables (banks[b].tiers), for the match
         self.bank_masks: list[int] = []  # occupied slots per bank
         self.bank_owners: list[list[InstanceKey | None]] = []  # per bank, the instance in each slot
         self.slot_owner: dict[int, InstanceKey] = {}
@@ -81,6 +83,7 @@ class _Shard:
             self.next_slot += 1
         while len(self.banks) <= slot // BANK_SLOTS:
             self.banks.append(_Bank(self.impl))
+            self.bank_tiers.append(self.banks[-1].tiers)
             self.bank_masks.append(0)
             self.bank_owners.append([None] * BANK_SLOTS)
             self._link_summaries()
@@ -109,26 +112,6 @@ class _Shard:
             for t in range(_N_TIERS):
                 for g in group:
                     self.banks[g].tiers[t].set_siblings([self.banks[o].tiers[t] for o in group if o != g])
-
-    def holding_banks(self, first_key: int, alive: list[int]) -> list[int]:
-        """Banks with candidates that hold ``first_key`` on a local tier (from the summaries; all
-        banks with candidates when the shared pool holds it: then every instance matches it)."""
-        sums = self.summaries
-        if sums is None:
-            return [b for b, mask in enumerate(alive) if mask]
-        if sums[_SHARED].get_mask(first_key):
-            return [b for b, mask in enumerate(alive) if mask]
-        groups = sums[0].get_mask(first_key) | sums[1].get_mask(first_key) | sums[2].get_mask(first_key)
-        out = []
-        n = len(alive)
-        while groups:
-            low = groups & -groups
-            for b in range(low.bit_length() - 1, n, BANK_SLOTS):
-                if alive[b]:
-                    out.append(b)
-            groups ^= low
-        out.sort()
-        return out
 
     def release(self, slot: int) -> None:
         del self.slot_owner[slot]
@@ -296,23 +279,21 @@ class InvertedIndex:
             pools = [pool] if len(pool) else []
         else:
             pools = [bank.tiers[_SHARED] for bank in shard.banks if len(bank.tiers[_SHARED])]
-        owner = shard.slot_owner
         out: dict[InstanceKey, InstanceMatch] = {}
-        same: dict[int, InstanceMatch] = {}
-        new = tuple.__new__  # skips the namedtuple's Python-level __new__ on this hot path
-        karr = self.impl.KeyArray(keys)  # converted once for every bank walked
-        # Only the banks holding the first block (or all, if the pool does) can match anything; each
-        # bank's walk stops at its first block that none of its instances holds.
-        for b in shard.holding_banks(keys[0], alive):
-            mask = alive[b]
-            base = b * BANK_SLOTS
-            gpu, cpu, disk, _pool = shard.banks[b].tiers
-            if pools or len(cpu) or len(disk):
-                for slot, n, g, c, d, s in self.impl.match_tiered(gpu, cpu, disk, pools, karr, mask):
-                    out[owner[base + slot]] = new(InstanceMatch, (n, (g, c, d, s)))
-            else:
-                # Matches of one length are equal and immutable: each is built once.
-                self.impl.match_gpu_into(gpu, karr, mask, shard.bank_owners[b], out, same, InstanceMatch)
+        # One native call: only the banks holding the first block (or all, if the pool does) can
+        # match anything; each bank's walk stops at its first block that none of its instances
+        # holds; the keys are converted to u64 once for every bank walked.
+        self.impl.match_banks_into(
+            shard.bank_tiers,
+            alive,
+            shard.bank_owners,
+            shard.summaries,
+            pools,
+            self.impl.KeyArray(keys),
+            out,
+            {},  # matches of one length are equal and immutable: each GPU-only one is built once
+            InstanceMatch,
+        )
         return out
 
     def block_counts(self, instance: InstanceKey) -> tuple[int, int, int, int]:

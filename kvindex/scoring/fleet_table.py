@@ -27,8 +27,10 @@ from kvindex.scoring.ledger import Ledger
 
 try:
     from kvindex.index._native import rendezvous_weights as _native_weights
+    from kvindex.index._native import wait_rows as _native_waits
 except ImportError:  # no compiler at install time
     _native_weights = None
+    _native_waits = None
 
 _xxh3 = xxhash.xxh3_64_intdigest
 # Per row, what the rankings read (sums are kept here: a sum per row at a heartbeat is cheaper than a
@@ -81,6 +83,19 @@ class ModelTable:
         self.key_rank = np.zeros(cap, dtype=np.int64)
         self._ranks_stale = False
         self._weights: OrderedDict[int, np.ndarray] = OrderedDict()
+        # Derived per-row data kept across requests (a large fleet mostly does not change between
+        # two requests): ``writes`` counts every change of the rows' values or membership.
+        self.writes = 0
+        self._written: list[int] = []  # rows written since the waits were last brought up to date
+        self._waits: _Waits | None = None
+        self._tie: np.ndarray | None = None  # see tie_order
+        self._tie_writes = -1
+        self._tie_asked = -1
+        self._routable_rows: np.ndarray | None = None
+        self._unroutable_rows: np.ndarray | None = None
+        self._unroutable_set: set[int] = set()
+        self._routable_listed = -1  # _routable_changes when the routable rows were listed
+        self._routable_changes = 0  # bumped when a row's routable flag (or any row) moves
 
     # -- membership --------------------------------------------------------------------------
 
@@ -142,6 +157,8 @@ class ModelTable:
 
     def _moved(self) -> None:
         self.version += 1
+        self.writes += 1
+        self._routable_changes += 1
         self._ranks_stale = True
         self._weights.clear()
 
@@ -185,8 +202,188 @@ class ModelTable:
         # as 0.0 / 1.0, which convert back to the same bools).
         block = np.array(values, dtype=np.float64).T
         nf = len(_FLOAT_COLS)
+        routable = block[-1] != 0.0
+        if not np.array_equal(self.routable[rows], routable):  # (heartbeats rarely change it)
+            self._routable_changes += 1
         self._floats[:, rows] = block[:nf]
         self._bools[:, rows] = block[nf:]
+        self.writes += 1
+        if len(self._written) <= self.n:  # beyond that, the next waits() recomputes every row
+            self._written += rows
+
+    def write_times(self, rows: list[int], times: list[float]) -> None:
+        """Rows whose heartbeat time alone moved (their other values are what they were). Only a
+        row whose reported queue drains reads the time (its wait), so only those are recomputed."""
+        self.status_at[rows] = times
+        if len(self._written) <= self.n:
+            index = np.array(rows, dtype=np.int64)
+            self._written += index[self.drains[index]].tolist()
+
+    # -- derived columns ---------------------------------------------------------------------
+
+    def routable_rows(self) -> np.ndarray:
+        """The routable rows, ascending (cached until the table changes)."""
+        if self._routable_listed != self._routable_changes or self._routable_rows is None:
+            self._cache_routable()
+        return self._routable_rows  # type: ignore[return-value]
+
+    def unroutable_rows(self) -> np.ndarray:
+        """The other rows (pools, stale instances), ascending (cached until the table changes)."""
+        if self._routable_listed != self._routable_changes or self._unroutable_rows is None:
+            self._cache_routable()
+        return self._unroutable_rows  # type: ignore[return-value]
+
+    def unroutable_set(self) -> set[int]:
+        """``unroutable_rows`` as a set (cached until the table changes)."""
+        if self._routable_listed != self._routable_changes or self._unroutable_rows is None:
+            self._cache_routable()
+        return self._unroutable_set
+
+    def _cache_routable(self) -> None:
+        routable = self.routable[: self.n]
+        self._routable_rows = np.flatnonzero(routable)
+        self._unroutable_rows = np.flatnonzero(~routable)
+        self._unroutable_set = set(self._unroutable_rows.tolist())
+        self._routable_listed = self._routable_changes
+
+    def waits(
+        self, now: float, b_ms: float, step_ms: float, chunk: int, dps: float, drain_rate: float
+    ) -> np.ndarray:
+        """Per row, ``Router.candidates``' wait (queue_ms of the reported queue drained until ``now``,
+        plus what was routed since), with the same float64 operations, hence bit-identical.
+
+        Kept across calls: a row's value changes only when the row is written or while its
+        reported queue is still draining. The drained queue ``max(0, q - (now - at) * rate)`` is
+        non-increasing in ``now`` (every rounding step is monotone), so once it reaches 0 it stays 0
+        and the row is not recomputed again until written; a clock that goes back, other engine
+        parameters or moved rows recompute everything. The array is the cache itself: read it, do
+        not keep or modify it."""
+        params = (b_ms, step_ms, chunk, dps, drain_rate)
+        cache = self._waits
+        n = self.n
+        if (
+            cache is None
+            or cache.params != params
+            or cache.version != self.version
+            or now < cache.now
+            or len(self._written) > n
+        ):
+            rows = None
+        elif self._written:
+            rows = np.concatenate((cache.active, np.array(self._written, dtype=np.int64)))
+            if _native_waits is None:  # (the native loop lists each draining row once itself)
+                rows = np.unique(rows)
+        elif len(cache.active):
+            rows = cache.active
+        else:
+            cache.now = now
+            return cache.wait
+        self._written = []
+        if rows is None:
+            cache = self._waits = _Waits(
+                params, self.version, now, np.empty(n), _NO_ROWS, np.zeros(n, np.uint8)
+            )
+        cache.now = now
+        if _native_waits is not None:
+            draining = np.empty(n if rows is None else len(rows), dtype=np.int64)
+            found = _native_waits(
+                self.queued,
+                self.status_at,
+                self.tokens_new,
+                self.queued_now,
+                self.running_now,
+                self.drains.view(np.uint8),
+                _NO_ROWS if rows is None else rows,
+                n if rows is None else len(rows),
+                now,
+                b_ms,
+                step_ms,
+                float(chunk),
+                dps,
+                drain_rate,
+                cache.wait,
+                draining,
+                cache.seen,
+            )
+            cache.active = draining[:found]
+        elif rows is None:
+            cache.wait[:], still = _wait_rows(self, slice(0, n), now, params)
+            cache.active = np.flatnonzero(still) if still is not None else _NO_ROWS
+        else:
+            cache.wait[rows], still = _wait_rows(self, rows, now, params)
+            cache.active = rows[still] if still is not None else _NO_ROWS
+        return cache.wait
+
+    def tie_order(self) -> np.ndarray | None:
+        """Each row's position in (kv, load, instance key) order, the rankings' tie-breaks after the
+        cost, as one unique column; None while the table keeps changing between requests.
+
+        Sorting costs more than one selection, so it is made only once the table was seen unchanged
+        twice in a row (a quiet fleet), and then serves every request until the next change."""
+        if self._tie_writes == self.writes:
+            return self._tie
+        if self._tie_asked != self.writes:
+            self._tie_asked = self.writes
+            return None
+        n = self.n
+        order = np.lexsort((self.ranks(), self.load[:n], self.kv[:n]))
+        tie = np.empty(n, dtype=np.int64)
+        tie[order] = np.arange(n)
+        self._tie = tie
+        self._tie_writes = self.writes
+        return tie
+
+
+_NO_ROWS = np.zeros(0, dtype=np.int64)
+
+
+class _Waits:
+    """ModelTable.waits' cache: the wait column at ``now`` and the rows still draining (``seen``:
+    the native loop's scratch flags, one per row)."""
+
+    __slots__ = ("active", "now", "params", "seen", "version", "wait")
+
+    def __init__(
+        self, params: tuple, version: int, now: float, wait: np.ndarray, active: np.ndarray, seen: np.ndarray
+    ) -> None:
+        self.params = params
+        self.version = version
+        self.now = now
+        self.wait = wait
+        self.active = active
+        self.seen = seen
+
+
+def _wait_rows(
+    table: ModelTable, rows: slice | np.ndarray, now: float, params: tuple
+) -> tuple[np.ndarray, np.ndarray | None]:
+    """The wait of ``rows`` (Router.candidates with no match, operation for operation), and which of
+    them have a reported queue still draining (None: none can)."""
+    b_ms, step_ms, chunk, dps, drain_rate = params
+    drains = table.drains[rows]
+    draining = None
+    if drain_rate and drains.any():
+        # max(0, reported - (now - heartbeat) * rate) + routed since, where the queue drains.
+        drained = now - table.status_at[rows]
+        drained *= drain_rate
+        np.subtract(table.queued[rows], drained, out=drained)
+        np.maximum(drained, 0.0, out=drained)
+        draining = drains & (drained > 0)
+        drained += table.tokens_new[rows]
+        queued = np.where(drains, drained, table.queued_now[rows])
+    else:
+        queued = table.queued_now[rows]
+    running = table.running_now[rows]
+    steps = np.negative(queued)
+    np.floor_divide(steps, chunk, out=steps)
+    np.negative(steps, out=steps)
+    # b * queued + steps * (step_ms + dps * running), as queue_ms computes it.
+    wait = dps * running
+    wait += step_ms
+    wait *= steps
+    wait += b_ms * queued
+    wait[queued <= 0] = 0.0
+    return wait, draining
 
 
 def row_values(state: InstanceState, ledger: Ledger) -> tuple:
@@ -352,7 +549,7 @@ class FleetTables:
             if full:
                 table.write(full, values)
             if timed:
-                table.status_at[timed] = times
+                table.write_times(timed, times)
 
     def get(self, model: str) -> ModelTable | None:
         self.refresh()

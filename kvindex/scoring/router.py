@@ -10,6 +10,7 @@ from __future__ import annotations
 import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any, Protocol
 
 import numpy as np
@@ -21,6 +22,11 @@ from kvindex.scoring.base import DECODE_ROLE, Candidate, Choice, Policy, RouteRe
 from kvindex.scoring.calibration import Calibrator
 from kvindex.scoring.costs import CostConfig, queue_ms
 from kvindex.scoring.fleet_table import FleetTables, ModelTable, smallest
+
+try:
+    from kvindex.index._native import rank_others as _native_rank_others
+except ImportError:  # no compiler at install time: numpy columns (CandidatePool.smallest)
+    _native_rank_others = None
 from kvindex.scoring.ledger import FINISHED, PREFILL, Ledger, SpeculativeKeys
 from kvindex.scoring.policies import make_policies
 
@@ -242,13 +248,21 @@ class Router:
         if table is None:
             return None
         n = table.n
-        mask = table.routable[:n].copy()
-        if candidates is not None:
+        if candidates is None:
+            count = len(table.routable_rows())
+            if not count:
+                return None
+            mask = table.routable[:n]  # a view (nothing modifies a pool's mask)
+            everyone = True
+        else:
+            mask = table.routable[:n].copy()
             wanted = np.zeros(n, dtype=bool)
             wanted[table.rows_of(set(candidates))] = True
             mask &= wanted
-        if not mask.any():
-            return None
+            count = int(np.count_nonzero(mask))
+            if not count:
+                return None
+            everyone = count == len(table.routable_rows())
         keys = request.keys
         states = table.states
         row = table.row
@@ -257,7 +271,11 @@ class Router:
             matches = self.index.match(request.model, keys, restrict)
         else:
             matches = {}
-        rows = [i for k in matches if (i := row.get(k)) is not None and mask[i]]
+        if everyone:  # a set lookup per holder rather than a numpy scalar read
+            out = table.unroutable_set()
+            rows = [i for k in matches if (i := row.get(k)) is not None and i not in out]
+        else:
+            rows = [i for k in matches if (i := row.get(k)) is not None and mask[i]]
         if spec_ttl > 0 and keys:
             # An instance whose speculative keys start the prompt extends its match past 0 blocks.
             now = self.clock()
@@ -269,7 +287,7 @@ class Router:
                     if i is not None and mask[i]:
                         rows.append(i)
         explicit = self.candidates(request, [states[i] for i in rows], spec_ttl, matches=matches)
-        return CandidatePool(self, request, table, mask, explicit, rows, spec_ttl)
+        return CandidatePool(self, request, table, mask, count, everyone, explicit, rows, spec_ttl)
 
     def commit(self, request: RouteRequest, instance: InstanceKey, policy: str | None = None) -> bool:
         """Record that ``request`` was sent to ``instance`` (outside a Score with commit)."""
@@ -324,6 +342,8 @@ class CandidatePool:
         request: RouteRequest,
         table: ModelTable,
         mask: np.ndarray,
+        count: int,
+        everyone: bool,
         explicit: list[Candidate],
         explicit_rows: list[int],
         spec_ttl: float,
@@ -331,55 +351,85 @@ class CandidatePool:
         self.router = router
         self.request = request
         self.table = table
-        self.mask = mask  # the request's candidates, by row
+        self.mask = mask  # the request's candidates, by row (read only: may be the table's own)
+        self.count = count  # how many
+        # Every routable row is a candidate (no candidate list, the common case): shortcuts apply.
+        self.everyone = everyone
         self.explicit = explicit
         self.explicit_rows = np.array(explicit_rows, dtype=np.int64)
         self.spec_ttl = spec_ttl
-        rest = mask.copy()
-        rest[self.explicit_rows] = False
-        self.rest = rest  # candidates that hold nothing of the prompt
-        self.count = int(np.count_nonzero(mask))
-        n = table.n
-        model = router.calibrator.prefill(request.model)
-        costs = router.config.costs
-        shape = costs.engine
-        b_ms = model.b_ms_per_token
-        chunk, dps = shape.chunk_tokens, shape.decode_ms_per_seq
-        drain_rate = 1000 / b_ms if costs.drain_reported_queue and b_ms > 0 else 0.0
-        now = router.clock()
-        if drain_rate and table.drains[:n].any():
-            # max(0, reported - (now - heartbeat) * rate) + routed since, where the queue drains.
-            drained = now - table.status_at[:n]
-            drained *= drain_rate
-            np.subtract(table.queued[:n], drained, out=drained)
-            np.maximum(drained, 0.0, out=drained)
-            drained += table.tokens_new[:n]
-            queued = np.where(table.drains[:n], drained, table.queued_now[:n])
-        else:
-            queued = table.queued_now[:n]
-        running = table.running_now[:n]
-        steps = np.negative(queued)
-        np.floor_divide(steps, chunk, out=steps)
-        np.negative(steps, out=steps)
-        # b * queued + steps * (step_ms + dps * running), as queue_ms computes it.
-        wait = dps * running
-        wait += shape.step_ms
-        wait *= steps
-        wait += b_ms * queued
-        wait[queued <= 0] = 0.0
-        self.wait = wait
-        prompt = request.prompt_tokens
-        if prompt > 0:
-            prefill = (-(-prompt // chunk) * dps) * running
-            prefill += model.ms(prompt, prompt)
-            self.prefill = prefill
-        else:
-            self.prefill = np.zeros(n)
-        self.est = self.wait + self.prefill  # Candidate.est_ttft_ms (no fetch: nothing held)
         # Tie-breaks of the rankings: emptier cache, fewer requests (reported + in flight), key.
+        n = table.n
         self.kv = table.kv[:n]
         self.load = table.load[:n]
         self.key_rank = table.ranks()
+
+    # The cost terms of the others, per row (only the ttft policy reads them: made on first use).
+
+    @cached_property
+    def wait(self) -> np.ndarray:
+        """Router.candidates' wait per row (the table's cache: do not modify)."""
+        router = self.router
+        model = router.calibrator.prefill(self.request.model)
+        costs = router.config.costs
+        shape = costs.engine
+        b_ms = model.b_ms_per_token
+        drain_rate = 1000 / b_ms if costs.drain_reported_queue and b_ms > 0 else 0.0
+        return self.table.waits(
+            router.clock(), b_ms, shape.step_ms, shape.chunk_tokens, shape.decode_ms_per_seq, drain_rate
+        )[: self.table.n]
+
+    @cached_property
+    def prefill(self) -> np.ndarray:
+        """Router.candidates' prefill of the whole prompt per row."""
+        table = self.table
+        n = table.n
+        prompt = self.request.prompt_tokens
+        if prompt <= 0:
+            return np.zeros(n)
+        model = self.router.calibrator.prefill(self.request.model)
+        shape = self.router.config.costs.engine
+        prefill = (-(-prompt // shape.chunk_tokens) * shape.decode_ms_per_seq) * table.running_now[:n]
+        prefill += model.ms(prompt, prompt)
+        return prefill
+
+    @cached_property
+    def est(self) -> np.ndarray:
+        """Candidate.est_ttft_ms per row (no fetch: nothing held)."""
+        return self.wait + self.prefill
+
+    def cost(self, k: float) -> np.ndarray:
+        """The ttft policy's cost per row with congestion weight ``k``."""
+        return self.est + k * (self.prefill + 0.0) if k else self.est
+
+    def rank_others(self, k: float, top_k: int) -> tuple[np.ndarray, float, int] | None:
+        """The ttft policy's selection of the others in one native pass (``_native.rank_others``):
+        the ``top_k`` rows first in (``cost(k)``, kv, load, key) order, the lowest prefill of any
+        row and how many rows wait at most that long; None without the extension (or for a large
+        ``top_k``, where its insertion into a sorted buffer would not pay): then the columns."""
+        if _native_rank_others is None or not 0 < top_k <= 64:
+            return None
+        table = self.table
+        prompt = self.request.prompt_tokens
+        model = self.router.calibrator.prefill(self.request.model)
+        shape = self.router.config.costs.engine
+        n = table.n
+        out = np.empty(top_k, dtype=np.int64)
+        found, low, waiting = _native_rank_others(
+            self.wait,
+            table.running_now[:n],
+            self.mask.view(np.uint8),
+            np.sort(self.explicit_rows),
+            prompt > 0,
+            (-(-prompt // shape.chunk_tokens) * shape.decode_ms_per_seq) if prompt > 0 else 0.0,
+            model.ms(prompt, prompt) if prompt > 0 else 0.0,
+            k,
+            self.kv,
+            self.load,
+            self.key_rank,
+            out,
+        )
+        return out[:found], low, waiting
 
     def materialize(self, rows: list[int] | np.ndarray) -> list[Candidate]:
         states = self.table.states
@@ -389,7 +439,7 @@ class CandidatePool:
         """The first ``top_k`` candidates in ``key`` order: the explicit ones and the best ``top_k``
         others, chosen on ``columns`` (per row, the others' values of ``key``'s leading terms, in
         order; the instance key, ``key``'s last term, is added here)."""
-        rows = smallest([*columns, self.key_rank], np.flatnonzero(self.rest), top_k)
+        rows = smallest([*columns, self.key_rank], self.rest_rows, top_k)
         cands = self.explicit + self.materialize(rows)
         cands.sort(key=key)
         return cands[:top_k]
@@ -399,6 +449,63 @@ class CandidatePool:
         out = rest.copy()
         out[self.explicit_rows] = explicit
         return out
+
+    def of_everyone(self, rest: np.ndarray, explicit: list[float]) -> np.ndarray:
+        """``column`` at the request's candidates only (in row order)."""
+        out = self.column(rest, explicit)
+        return out if self.everyone and len(out) == self.count else out[self.mask]
+
+    def smallest(self, cost: np.ndarray, top_k: int) -> np.ndarray:
+        """The ``top_k`` others first in (``cost``, kv, load, instance key) order, unordered."""
+        table = self.table
+        tie = table.tie_order()
+        n = table.n
+        others = self.count - len(self.explicit)
+        if tie is None or not self.everyone or others <= top_k or top_k <= 0:
+            columns = [cost, self.kv, self.load, self.key_rank] if tie is None else [cost, tie]
+            return smallest(columns, self.rest_rows, top_k)
+        # Every routable row is a candidate: the explicit ones and the unroutable rows are set aside
+        # at +inf instead of listing the others' rows, and the common case (an idle fleet: at least
+        # top_k others tied on the lowest cost) is a minimum and one comparison, not a partition of
+        # the whole fleet.
+        c = cost.copy()
+        c[self.explicit_rows] = np.inf
+        if self.count != n:
+            c[table.unroutable_rows()] = np.inf
+        low = c.min()
+        at_low = c == low
+        if np.count_nonzero(at_low) >= top_k:
+            below = _NO_ROWS
+            ties = np.flatnonzero(at_low)
+        else:
+            pivot = np.partition(c, top_k - 1)[top_k - 1]
+            below = np.flatnonzero(c < pivot)
+            ties = np.flatnonzero(c == pivot)
+        need = top_k - len(below)
+        if len(ties) > need:
+            ties = ties[np.argpartition(tie[ties], need - 1)[:need]]
+        return np.concatenate((below, ties)) if len(below) else ties
+
+    @cached_property
+    def rest(self) -> np.ndarray:
+        """Per row, whether it is a candidate that holds nothing of the prompt."""
+        rest = self.mask.copy()
+        rest[self.explicit_rows] = False
+        return rest
+
+    @cached_property
+    def rest_rows(self) -> np.ndarray:
+        """The others' rows, ascending."""
+        if self.everyone:
+            rows = self.table.routable_rows()
+            if not len(self.explicit_rows):
+                return rows
+            keep = self.rest[rows]
+            return rows[keep]
+        return np.flatnonzero(self.rest)
+
+
+_NO_ROWS = np.zeros(0, dtype=np.int64)
 
 
 def _trim(by_tier: tuple[int, int, int, int], over: int) -> tuple[int, int, int, int]:

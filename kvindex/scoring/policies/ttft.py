@@ -17,6 +17,7 @@ docs/scoring.md explains them). Placement rules on top of the estimate:
 
 from __future__ import annotations
 
+import heapq
 import math
 import statistics
 from collections import OrderedDict
@@ -26,7 +27,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from kvindex.scoring.base import Candidate, Choice, RouteRequest
-from kvindex.scoring.fleet_table import median_of, smallest
+from kvindex.scoring.fleet_table import median_of
 from kvindex.scoring.home import home_block, rendezvous_order
 
 if TYPE_CHECKING:
@@ -145,8 +146,10 @@ class Ttft:
         return self._fold_congestion(wait, work, now)
 
     def _fold_congestion(self, wait: float, work: float, now: float) -> float:
+        return self._fold_target(self.congestion * max(0.0, wait / work - 1.0), now)
+
+    def _fold_target(self, target: float, now: float) -> float:
         k = self._k
-        target = self.congestion * max(0.0, wait / work - 1.0)
         dt = max(0.0, now - self._k_at) if self._k_at is not None else self.congestion_tau
         blend = 1.0 - math.exp(-dt / self.congestion_tau)
         self._k = k + (target - k) * blend
@@ -161,39 +164,42 @@ class Ttft:
         Only the prompt's holders are full candidates; the others hold nothing, so they are ranked by
         their own columns (pool) and only the best ``top_k`` of them, and a rendezvous home when the
         placement rules pick one, become candidates. The fleet-wide medians of the congestion weight
-        are taken over the columns (a partition, not a sort)."""
+        are skipped when counts show the weight's target is 0 (``_uncongested``), else taken over the
+        columns (a partition, not a sort)."""
         explicit = pool.explicit
-        rows = np.flatnonzero(pool.rest)
-        k = 0.0
+        # The weight in force is the one from earlier requests (the fold returns it unchanged), so
+        # the others can be selected before these candidates are folded in.
+        k = self._k if self.congestion else 0.0
+        native = pool.rank_others(k, top_k)
         if self.congestion:
-            everyone = pool.mask
-            wait = median_of(pool.column(pool.wait, [c.wait_ms for c in explicit])[everyone])
-            work = median_of(pool.column(pool.prefill, [c.prefill_ms for c in explicit])[everyone]) or 1.0
-            k = self._fold_congestion(wait, work, router.clock())
+            if _uncongested(pool, None if native is None else native[1:]):
+                self._fold_target(0.0, router.clock())
+            else:
+                wait = median_of(pool.of_everyone(pool.wait, [c.wait_ms for c in explicit]))
+                work = median_of(pool.of_everyone(pool.prefill, [c.prefill_ms for c in explicit])) or 1.0
+                self._fold_congestion(wait, work, router.clock())
         est_e = [c.wait_ms + c.prefill_ms + c.fetch_ms for c in explicit]
         if k:
             cost_e = [e + k * (c.prefill_ms + c.fetch_ms) for e, c in zip(est_e, explicit, strict=True)]
-            cost_rest = pool.est + k * (pool.prefill + 0.0)
         else:
             cost_e = est_e
-            cost_rest = pool.est
-        chosen_rows = smallest([cost_rest, pool.kv, pool.load, pool.key_rank], rows, top_k)
+        chosen_rows = native[0] if native is not None else pool.smallest(pool.cost(k), top_k)
         others = pool.materialize(chosen_rows)
         est_o = [c.wait_ms + c.prefill_ms + c.fetch_ms for c in others]
         if k:
             est_o = [e + k * (c.prefill_ms + c.fetch_ms) for e, c in zip(est_o, others, strict=True)]
         candidates = explicit + others
         costs = cost_e + est_o
-        cost = {c.state.key: x for c, x in zip(candidates, costs, strict=True)}
-        decorated = sorted(
-            [
-                (x, (ld := c.state.load).kv_usage, ld.running + ld.waiting + c.inflight, c.state.key, i)
-                for i, (c, x) in enumerate(zip(candidates, costs, strict=True))
-            ]
-        )
-        ordered = [candidates[d[4]] for d in decorated]
+        # Only the first top_k are reported (after the pick): unless the holders' own order is
+        # needed (a new replica), only the candidates costing at most the (top_k + 1)-th lowest
+        # cost can be among them, and only those are ordered.
+        first = min(top_k + 1, len(candidates))
+        bound = heapq.nsmallest(first, costs)[-1]
+        order = _order(candidates, costs, bound)
+        ordered = [candidates[i] for i in order]
         best = ordered[0]
-        limit = cost[best.state.key] * (1 + self.margin) + self.margin_ms
+        best_cost = costs[order[0]]
+        limit = best_cost * (1 + self.margin) + self.margin_ms
         pick, reason = best, "fastest"
         keys = request.keys
         if keys:
@@ -202,22 +208,24 @@ class Ttft:
             held = min(h + 1, longest)
             useful = max(1, min(self.useful_tokens // request.block_size, (len(keys) + 1) // 2))
             if longest < useful:
-                pick, reason = self._first_home(pool, explicit, cost_e, cost_rest, limit, keys[h], 0, "home")
+                pick, reason = self._first_home(
+                    pool, explicit, cost_e, pool.cost(k), limit, keys[h], 0, "home"
+                )
             elif best.blocks < held:
+                ordered = [candidates[i] for i in _order(candidates, costs, math.inf)]
+                cost = {c.state.key: x for c, x in zip(candidates, costs, strict=True)}
                 holders = [c for c in ordered if c.blocks >= held]  # all explicit (held >= 1)
                 dup = max(0.0, best.prefill_ms - holders[0].prefill_ms)
                 hot = min(1.0, self._heat(keys[h], router.clock()) / self.hot_requests)
-                slack = (
-                    cost[best.state.key] * (1 + self.margin) + self.margin_ms + self.replica_cost * hot * dup
-                )
+                slack = best_cost * (1 + self.margin) + self.margin_ms + self.replica_cost * hot * dup
                 within = [c for c in holders if cost[c.state.key] <= slack]
                 if within:
                     pick, reason = within[0], "replica"
                 elif len(holders) < self.max_replicas:
                     pick, reason = self._first_home(
-                        pool, explicit, cost_e, cost_rest, limit, keys[h], held, "spill"
+                        pool, explicit, cost_e, pool.cost(k), limit, keys[h], held, "spill"
                     )
-                elif cost[holders[0].state.key] <= cost[best.state.key] * self.overflow:
+                elif cost[holders[0].state.key] <= best_cost * self.overflow:
                     pick, reason = holders[0], "capped"
                 else:
                     pick, reason = best, "overflow"
@@ -287,6 +295,49 @@ class Ttft:
         self._hot.move_to_end(key)
         while len(self._hot) > self.max_tracked:
             self._hot.popitem(last=False)
+
+
+def _order(candidates: list[Candidate], costs: list[float], bound: float) -> list[int]:
+    """Positions of the candidates costing at most ``bound``, in ``rank``'s order: cost, then the
+    emptier cache, then the less busy instance (Candidate.load), then the instance key (unique)."""
+    decorated = sorted(
+        [
+            (x, (ld := c.state.load).kv_usage, ld.running + ld.waiting + c.inflight, c.state.key, i)
+            for i, (c, x) in enumerate(zip(candidates, costs, strict=True))
+            if x <= bound
+        ]
+    )
+    return [d[4] for d in decorated]
+
+
+def _uncongested(pool: CandidatePool, counted: tuple[float, int] | None = None) -> bool:
+    """Whether the median wait over the candidates is at most their median prefill (then the
+    congestion target is exactly 0: ``max(0.0, wait / work - 1.0)`` with ``wait <= work``), shown
+    by counts instead of the two medians, which cost a partition of the whole fleet each.
+
+    With a threshold T at most every other's prefill (the column's minimum): the median prefill is
+    >= T when at most (N - 1) // 2 candidates have a prefill below T (only explicit ones can), and
+    the median wait is <= T when at least N // 2 + 1 candidates wait at most T (counted low: every
+    row that is not one of the others is assumed to wait longer). Both medians of two middle values
+    keep the bound (their mean lies between them). False when this cannot be shown."""
+    rows = pool.table.n
+    if not rows or pool.count < 2:
+        return False
+    # ``counted``: the threshold and the rows waiting at most that long, from rank_others.
+    threshold = float(pool.prefill.min()) if counted is None else counted[0]
+    if threshold <= 0.0:
+        return False
+    explicit = pool.explicit
+    n = pool.count
+    # (The explicit candidates are counted only when their number could change the answer.)
+    if len(explicit) > (n - 1) // 2 and len([c for c in explicit if c.prefill_ms < threshold]) > (n - 1) // 2:
+        return False
+    others = n - len(explicit)
+    waiting = int(np.count_nonzero(pool.wait <= threshold)) if counted is None else counted[1]
+    waiting_less = waiting - (rows - others)
+    if waiting_less < n // 2 + 1:
+        waiting_less += len([c for c in explicit if c.wait_ms <= threshold])
+    return waiting_less >= n // 2 + 1
 
 
 def _first(order: list[Candidate], ok: Callable[[Candidate], bool], what: str) -> tuple[Candidate, str]:
