@@ -78,6 +78,9 @@ class InstanceState:
     # The consumer's memory of the last accepted heartbeat (kvindex.ingest.consumer._StatusMemo): the
     # next one reuses its decoded maps when their bytes are the same. Goes with the state.
     status_memo: Any = None
+    # No longer the registry's entry for its key (removed, or replaced by a new one): whoever kept
+    # it (the consumer's repeated-heartbeat path) learns so without a lookup.
+    removed: bool = False
     if TYPE_CHECKING:  # properties installed below the class (watched fields)
         load: Load
         last_status_at: float | None
@@ -155,6 +158,9 @@ class Registry:
     def add(self, instance: InstanceKey, model: str, block_size: int) -> InstanceState:
         state = InstanceState(instance, model, block_size, first_seen=self.clock())
         state._watchers = self._watchers
+        old = self._states.get(instance)
+        if old is not None:
+            old.removed = True
         self._states[instance] = state
         for changed in self._watchers:
             changed.add(instance)
@@ -164,6 +170,7 @@ class Registry:
     def remove(self, instance: InstanceKey) -> InstanceState | None:
         state = self._states.pop(instance, None)
         if state is not None:
+            state.removed = True
             self.set_endpoint(state, None)
             for changed in self._watchers:
                 changed.add(instance)

@@ -948,15 +948,14 @@ class _Repeat:
     def still(self, consumer: Consumer) -> bool:
         """Nothing it was checked against moved: same instance, cursor (seq, no repair), blocks."""
         state, cursor = self.state, self.cursor
-        key = state.key
         return (
             not state.stale
             and not state.capped
+            and not state.removed
+            and not cursor.closed
             and cursor.repairing is None
             and cursor.applied == self.applied
-            and consumer.registry.get(key) is state
-            and consumer.sequencer.cursor(key) is cursor
-            and consumer.index.digest_version(key) == self.version
+            and consumer.index.digest_version(state.key) == self.version
             and consumer.heartbeat_repairs
         )
 

@@ -44,6 +44,7 @@ class Cursor:
     buffer: SortedDict = field(default_factory=SortedDict)  # seq -> decoded batch
     held_keys: int = 0  # block keys in ``buffer`` (bounded by the consumer's limits)
     retired: deque[int] = field(default_factory=lambda: deque(maxlen=_RETIRED_EPOCHS_KEPT))
+    closed: bool = False  # replaced by a new cursor or forgotten (whoever kept it can tell)
 
     def hole(self) -> tuple[int, int] | None:
         """The seqs missing between what is applied and the first buffered batch, if any."""
@@ -85,7 +86,9 @@ class Sequencer:
         return self._cursors
 
     def forget(self, instance: InstanceKey) -> None:
-        self._cursors.pop(instance, None)
+        old = self._cursors.pop(instance, None)
+        if old is not None:
+            old.closed = True
         self._opened.pop(instance, None)
         self._repairing.discard(instance)
 
@@ -111,6 +114,7 @@ class Sequencer:
         old = self._cursors.get(instance)
         cursor = Cursor(epoch, applied)
         if old is not None:
+            old.closed = True
             cursor.retired = old.retired
             if old.epoch != epoch:
                 cursor.retired.append(old.epoch)

@@ -183,6 +183,8 @@ def invariants(c: Consumer, capacity_fixed: bool = True) -> None:
         check(
             len(cur.buffer) <= LIMITS.max_held_batches and held <= LIMITS.max_held_keys, "held beyond limits"
         )
+    check(not any(s.removed for s in c.registry.all()), "a registered instance marked removed")
+    check(not any(cur.closed for cur in c.sequencer.cursors().values()), "a live cursor marked closed")
     repairing = sum(1 for cur in c.sequencer.cursors().values() if cur.repairing is not None)
     check(c.sequencer.repairs() == repairing, f"repairs() {c.sequencer.repairs()} != {repairing} cursors")
     check(set(c.counters.rejects) <= KNOWN_REASONS, f"unknown reject reason {set(c.counters.rejects)}")
