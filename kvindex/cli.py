@@ -57,6 +57,13 @@ def _add_serve(sub: Any) -> None:
     r.add_argument(
         "--reconcile-interval", type=float, default=60.0, help="periodic snapshot per instance (s); 0 off"
     )
+    r.add_argument(
+        "--reconcile-rate",
+        type=float,
+        default=8.0,
+        help="at most this many periodic snapshots per second over the fleet (a large fleet's "
+        "instances are then checked less often than --reconcile-interval); 0: no cap",
+    )
     r.add_argument("--stale-after", type=float, default=5.0, help="no heartbeat this long: not ranked (s)")
     r.add_argument(
         "--forget-after", type=float, default=120.0, help="no heartbeat this long: blocks dropped (s)"
@@ -307,6 +314,7 @@ def _serve(args: argparse.Namespace) -> int:
         metrics_host=args.metrics_host,
         repair=RepairConfig(
             reconcile_interval=args.reconcile_interval,
+            reconcile_rate=args.reconcile_rate,
             stale_after=args.stale_after,
             forget_after=args.forget_after,
             max_concurrent_snapshots=args.max_concurrent_snapshots,

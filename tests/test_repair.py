@@ -214,7 +214,8 @@ def test_periodic_checks_each_instance_once_per_interval_and_only_what_is_due() 
 
     registry = Registry()
     consumer = Consumer(InvertedIndex(), registry)
-    repairer = NatsRepairer(consumer, RepairConfig(reconcile_interval=60.0), rng=random.Random(7))
+    cfg = RepairConfig(reconcile_interval=60.0, reconcile_rate=0)
+    repairer = NatsRepairer(consumer, cfg, rng=random.Random(7))
     checked: list[tuple[str, int]] = []
     consumer.reconcile = lambda key, cause: checked.append(key)  # type: ignore[method-assign]
     keys = [(f"w{i}", 0) for i in range(500)]
@@ -253,3 +254,33 @@ def test_periodic_checks_each_instance_once_per_interval_and_only_what_is_due() 
         t += 0.25
         repairer._periodic(t)
     assert busy not in checked and len(repairer._due) <= 2 * len(repairer._next_reconcile) + 64
+
+
+def test_periodic_checks_of_a_large_fleet_keep_to_the_rate() -> None:
+    """Beyond reconcile_rate x interval instances, each is checked less often so that the fleet as a
+    whole gets at most reconcile_rate periodic snapshots a second."""
+    import random
+
+    from kvindex.fleet.registry import Registry
+    from kvindex.index.inverted import InvertedIndex
+    from kvindex.ingest.consumer import Consumer
+    from kvindex.repair.nats_repair import NatsRepairer
+
+    registry = Registry()
+    consumer = Consumer(InvertedIndex(), registry)
+    cfg = RepairConfig(reconcile_interval=60.0, reconcile_rate=8.0)
+    repairer = NatsRepairer(consumer, cfg, rng=random.Random(3))
+    checked: list[tuple[str, int]] = []
+    consumer.reconcile = lambda key, cause: checked.append(key)  # type: ignore[method-assign]
+    for i in range(2_000):
+        key = (f"w{i}", 0)
+        registry.add(key, "m", 16)
+        consumer.sequencer.open(key, 1)
+    assert repairer.reconcile_every() == 250.0  # 2,000 / 8 per s, not 60 s
+    t = 0.0
+    while t < 1_000.0:
+        t += 0.25
+        repairer._periodic(t)
+    rate = len(checked) / 1_000.0
+    assert 6.0 <= rate <= 8.5, rate  # ~8 a second on average (jitter +-20 %), not 33
+    assert len(set(checked)) == 2_000  # everyone within the first 250 s (+ jitter)

@@ -87,6 +87,7 @@ def _capture_meta(config: ServiceConfig) -> dict[str, Any]:
             "stale_after": r.stale_after,
             "forget_after": r.forget_after,
             "reconcile_interval": r.reconcile_interval,
+            "reconcile_rate": r.reconcile_rate,
             "replay_timeout": r.replay_timeout,
             "snapshot_timeout": r.snapshot_timeout,
         },
