@@ -1,7 +1,8 @@
 """Builds the index's native extension; everything else is in pyproject.toml.
 
 The extensions are optional: without a C compiler the install still succeeds and kvindex uses the
-pure-Python twins (kvindex/index/_pytable.py, the loop in kvindex/keys.py), several times slower.
+pure-Python twins (kvindex/index/_pytable.py, the loop in kvindex/keys.py, the frame loop in
+kvindex/ingest/direct_dispatch.py), several times slower.
 """
 
 from Cython.Build import cythonize
@@ -14,6 +15,12 @@ extensions = [
         depends=["kvindex/_xxh3.h"],
         # No fused multiply-add: the pruned rankings' waits (wait_rows) must round as Python does.
         extra_compile_args=["-O3", "-ffp-contract=off"],
+        optional=True,
+    ),
+    Extension(
+        "kvindex.ingest._frames",
+        ["kvindex/ingest/_frames.pyx"],
+        extra_compile_args=["-O3"],
         optional=True,
     ),
     Extension(

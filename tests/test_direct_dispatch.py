@@ -17,6 +17,17 @@ from kvindex.ingest import direct_dispatch
 from kvindex.ingest.direct_dispatch import DirectParser, install
 from kvindex.service.natsd import EmbeddedNats
 
+@pytest.fixture(autouse=True, params=["c", "python"])
+def frame_loop(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Every test with the C frame loop (kvindex/ingest/_frames.pyx) and with the Python one (what
+    an install without a compiler runs)."""
+    if request.param == "python":
+        monkeypatch.setattr(direct_dispatch, "_scan", None)
+    else:
+        assert direct_dispatch._scan is not None, "the C frame loop was not built"
+    return request.param
+
+
 # -- against a real server ------------------------------------------------------------------------
 
 
@@ -285,3 +296,21 @@ def _parser_with_target(sub: _Sub) -> DirectParser:
     parser = DirectParser(_Client({1: sub}))
     parser.direct[b"1"] = direct_dispatch._Target(sub, lambda s, p: None)
     return parser
+
+
+async def test_a_subject_that_is_not_utf8_reaches_the_handler_replaced() -> None:
+    mine = _Sub(1)
+    got: list[tuple[str, bytes]] = []
+    parser = DirectParser(_Client({1: mine}))
+    parser.direct[b"1"] = direct_dispatch._Target(mine, lambda s, p: got.append((s, p)))
+    await parser.parse(b"MSG a.\xff 1 1\r\nx\r\nMSG a.ok 1 1\r\ny\r\n")
+    assert got == [("a.\ufffd", b"x"), ("a.ok", b"y")]
+
+
+async def test_tabs_and_extra_spaces_in_the_control_line() -> None:
+    mine = _Sub(1)
+    got: list[tuple[str, bytes]] = []
+    parser = DirectParser(_Client({1: mine}))
+    parser.direct[b"1"] = direct_dispatch._Target(mine, lambda s, p: got.append((s, p)))
+    await parser.parse(b"MSG  a.1\t1   _INBOX.x\t 3\r\nabc\r\n")
+    assert got == [("a.1", b"abc")]

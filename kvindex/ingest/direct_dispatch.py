@@ -30,6 +30,11 @@ from typing import Any
 
 import structlog
 
+try:  # the frame loop in C (optional: without a compiler the Python loop below runs)
+    from kvindex.ingest._frames import scan as _scan
+except ImportError:  # pragma: no cover - built without a compiler
+    _scan = None
+
 try:  # the internals this relies on (checked again in ``install``)
     from nats.protocol import parser as _np
 except ImportError:  # pragma: no cover - nats-py moved its parser: the ordinary path is used
@@ -97,6 +102,12 @@ if _np is not None:
             taken = 0
             try:
                 while pos < n:
+                    if _scan is not None:
+                        pos, k, more = _scan(whole, pos, direct, self._failed)
+                        taken += k
+                        if not more:
+                            break  # the end, or a frame still incomplete
+                        # A frame for the library (or malformed) at pos: the loop below, once.
                     eol = find(_CRLF, pos)
                     if eol < 0:
                         if n - pos > _np.MAX_CONTROL_LINE_SIZE:
@@ -114,10 +125,9 @@ if _np is not None:
                             pos = stop + 2
                             taken += 1
                             try:
-                                target.handler(parts[0].decode(), whole[start:stop])
+                                target.handler(parts[0].decode(errors="replace"), whole[start:stop])
                             except Exception as exc:  # never let it stop nats-py's read loop
-                                self.handler_errors += 1
-                                self.log.error("direct_dispatch_handler_failed", error=repr(exc))
+                                self._failed(exc)
                             continue
                     try:
                         end = _frame_end(whole, pos, eol)
@@ -131,6 +141,10 @@ if _np is not None:
                 self.direct_msgs += taken
                 self.buf = buf
                 del buf[:pos]
+
+        def _failed(self, exc: Exception) -> None:
+            self.handler_errors += 1
+            self.log.error("direct_dispatch_handler_failed", error=repr(exc))
 
         async def _library(self, whole: bytes, start: int, end: int) -> None:
             """nats-py's own parsing of whole[start:end] (complete frames), on a buffer of their own."""
