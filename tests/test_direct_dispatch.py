@@ -17,6 +17,7 @@ from kvindex.ingest import direct_dispatch
 from kvindex.ingest.direct_dispatch import DirectParser, install
 from kvindex.service.natsd import EmbeddedNats
 
+
 @pytest.fixture(autouse=True, params=["c", "python"])
 def frame_loop(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     """Every test with the C frame loop (kvindex/ingest/_frames.pyx) and with the Python one (what
