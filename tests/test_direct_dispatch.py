@@ -33,13 +33,9 @@ def frame_loop(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) 
 
 
 @pytest.fixture
-async def natsd():
-    server = EmbeddedNats()
-    await server.start()
-    try:
-        yield server
-    finally:
-        await server.stop()
+def natsd(nats_server: EmbeddedNats) -> EmbeddedNats:
+    """tests/conftest.py's nats-server (a test here kills and restarts it)."""
+    return nats_server
 
 
 def _payload(i: int) -> bytes:
