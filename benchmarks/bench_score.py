@@ -321,11 +321,29 @@ async def fleet_main(args: argparse.Namespace) -> None:
     nc = await nats.connect(args.nats)
     pubs = await publish_fleet(nc, fleet, args.seed, live=True, part=(args.fleet_part, args.fleet_procs))
     await nc.flush()
+    busy = asyncio.create_task(_busy_loads(pubs, args.seed)) if args.busy_fleet else None
     print("ready", flush=True)
     await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)
+    if busy is not None:
+        busy.cancel()
     for pub in pubs:
         await pub.close()
     await nc.drain()
+
+
+async def _busy_loads(pubs: list[Publisher], seed: int) -> None:
+    """``--busy-fleet``: every worker's load changes between two of its heartbeats (as a loaded
+    engine's running and waiting counts do), so no heartbeat repeats the previous one."""
+    rng = random.Random(seed)
+    while True:
+        for pub in pubs:
+            pub.set_load(
+                running=rng.randrange(64),
+                waiting=rng.randrange(16),
+                waiting_prefill_tokens=rng.randrange(16_384),
+                kv_usage=rng.random(),
+            )
+        await asyncio.sleep(0.2)
 
 
 class FleetProcess:
@@ -337,6 +355,7 @@ class FleetProcess:
         cmd += ["--instances", str(args.instances), "--prompt-tokens", str(args.prompt_tokens)]
         cmd += ["--background", str(args.background), "--seed", str(args.seed)]
         cmd += ["--holders", str(args.holders), "--fleet-procs", str(procs)]
+        cmd += ["--busy-fleet"] if getattr(args, "busy_fleet", False) else []
         cmd += ["--tiered"] if args.tiered else []
         self.procs = [
             subprocess.Popen([*cmd, "--fleet-part", str(i)], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
@@ -697,6 +716,11 @@ def main() -> int:
         default=[],
         help="extra `kvindex serve` argument for the sweep's server (repeatable), e.g. "
         "--serve-arg=--reconcile-interval --serve-arg=0",
+    )
+    ap.add_argument(
+        "--busy-fleet",
+        action="store_true",
+        help="every worker's load changes between its heartbeats (default: constant loads, an idle fleet)",
     )
     ap.add_argument("--fleet-procs", type=int, default=1, help=argparse.SUPPRESS)
     ap.add_argument("--fleet-part", type=int, default=0, help=argparse.SUPPRESS)

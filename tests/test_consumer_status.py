@@ -413,7 +413,7 @@ def test_steady_path_matches_the_full_decoder(seed: int) -> None:
 
 def test_load_decoding_matches_decode_status() -> None:
     from kvindex.wire import decode_status
-    from kvindex.wire.codec import _load_of
+    from kvindex.wire.codec import load_of
 
     rng = random.Random(3)
     names = ["running", "waiting", "waiting_prefill_tokens", "kv_usage", "other"]
@@ -446,7 +446,7 @@ def test_load_decoding_matches_decode_status() -> None:
             expected = decode_status(empty.replace(b"\xa4load\x80", b"\xa4load" + raw)).load
         except Exception:
             expected = None
-        assert repr(_load_of(raw)) == repr(expected), load  # (repr: nan equals itself there)
+        assert repr(load_of(raw)) == repr(expected), load  # (repr: nan equals itself there)
 
 
 # -- the router's columns, kept at heartbeats ---------------------------------------------------
@@ -580,9 +580,9 @@ def test_a_repeat_is_dropped_when_anything_moves() -> None:
     for t in (1.0, 2.0, 3.0):
         c.on_status(subject, hb(t))
     state = c.registry.get(("w1", 0))
-    # Another load: the full path (the load is updated), the repeat forgotten.
+    # Another load (a busy worker): the short path still, with the new load.
     assert c.on_status(subject, hb(4.0, running=5))
-    assert state.load.running == 5 and subject not in c._repeats
+    assert state.load.running == 5 and subject in c._repeats
     for t in (5.0, 6.0):
         c.on_status(subject, hb(t, running=5))
     assert subject in c._repeats
@@ -621,25 +621,68 @@ def test_a_stale_or_forgotten_instance_takes_the_full_path() -> None:
 
 
 def test_a_look_alike_of_the_ts_field_is_not_taken_for_it() -> None:
-    # "\xa2ts\xcb" inside the endpoint-less worker's model name: the repeat must find the real field
-    # or none at all, never treat other bytes as the timestamp.
-    from kvindex.ingest.consumer import _Repeat
-    from kvindex.wire.codec import encode_status
+    """The short path finds the real ts and load fields or none at all, never bytes inside a string
+    that look like them."""
+    import msgpack
 
-    payload = encode_status(
-        worker="w1",
-        model="m\u00a2ts\u02c9x",  # UTF-8 contains a2 74 73 cb
-        epoch=1,
-        seq=0,
-        ts=1.0,
-        block_size=16,
-        load={},
-        capacity={},
-        digest={},
-    )
-    assert b"\xa2ts\xcb" in payload
     from kvindex.fleet.registry import Registry
+    from kvindex.ingest.consumer import _Repeat
     from kvindex.sequencer.cursor import Cursor
+    from kvindex.wire.codec import encode_status, load_of
 
     state = Registry().add(("w1", 0), "m", 16)
-    assert _Repeat.of(payload, 1.0, state, Cursor(1), 0) is None
+    look_alike = "m\u00a2ts\u02c9abcdef\u00a4load"  # UTF-8: ... a2 74 73 cb <8 bytes> a4 6c 6f 61 64
+    assert b"\xa2ts\xcb" in look_alike.encode() and b"\xa4load" in look_alike.encode()
+
+    def status(ts: float, running: int) -> bytes:
+        return encode_status(
+            worker="w1", model=look_alike, epoch=1, seq=0, ts=ts, block_size=16,
+            load={"running": running}, capacity={}, digest={},
+        )  # fmt: skip
+
+    # Our encoder (ts and load last): the real fields are found, whatever the model says.
+    first = status(1.0, 1)
+    repeat = _Repeat.of(first, 1.0, load_of(msgpack.packb({"running": 1})), state, Cursor(1), 0)
+    assert repeat is not None
+    assert repeat.tail_of(status(2.5, 7)) == (2.5, msgpack.packb({"running": 7}))
+    # Another encoder, with a look-alike after the real fields: not taken (no short path).
+    other = msgpack.packb(
+        {
+            "v": 1, "worker": "w1", "model": "m", "epoch": 1, "seq": 0, "ts": 1.0, "block_size": 16,
+            "load": {"running": 1}, "endpoint": look_alike,
+        }
+    )  # fmt: skip
+    assert _Repeat.of(other, 1.0, load_of(msgpack.packb({"running": 1})), state, Cursor(1), 0) is None
+
+
+def test_a_busy_worker_s_loads_are_applied_and_a_bad_one_rejected() -> None:
+    from kvindex.wire.codec import encode_status
+
+    c, hb, _ = _repeat_setup()
+    subject = "kvindex.status.w1"
+    for t in (1.0, 2.0, 3.0):
+        c.on_status(subject, hb(t))
+    assert subject in c._repeats
+    state = c.registry.get(("w1", 0))
+    for i, running in enumerate([7, 9, 9, 0, 31]):
+        assert c.on_status(subject, hb(4.0 + i, running=running))
+        assert state.load.running == running and state.last_status_ts == 4.0 + i
+    assert subject in c._repeats
+    # A load decode_status refuses: the full path says so (counted, with the worker id), nothing
+    # is applied, and the short path is gone.
+    bad = encode_status(
+        worker="w1",
+        model="m",
+        epoch=1,
+        seq=0,
+        ts=10.0,
+        block_size=16,
+        load={"running": 1, "waiting": 0, "kv_usage": 2.0},
+        capacity={"gpu": 1000},
+        digest={"gpu": (0, 0)},
+        endpoint="10.0.0.1:8000",
+    )
+    before = sum(c.counters.rejects.values())
+    assert not c.on_status(subject, bad)
+    assert sum(c.counters.rejects.values()) == before + 1
+    assert state.load.running == 31 and subject not in c._repeats

@@ -284,7 +284,7 @@ class _KnownLoad(Struct, forbid_unknown_fields=True, gc=False):
 _known_load_decoder = msgspec.msgpack.Decoder(_KnownLoad)
 
 
-def _load_of(raw: bytes) -> Load | None:
+def load_of(raw: bytes) -> Load | None:
     """The Load of a heartbeat's load map, as decode_status makes it; None if it rejects it."""
     try:
         k = _known_load_decoder.decode(raw)  # typed in C: a third of _load's cost
@@ -314,7 +314,7 @@ def decode_status_into(peek: StatusPeek, memory: StatusMemory) -> bool:
         split = len(peek.load) or 1
         if maps[split:] != memory.maps[memory.split :]:
             return False  # capacity or digest
-        load = _load_of(maps[:split]) if peek.load else Load()  # (not sent: the defaults)
+        load = load_of(maps[:split]) if peek.load else Load()  # (not sent: the defaults)
         if load is None:
             return False
         memory.maps, memory.split = maps, split
@@ -406,12 +406,16 @@ def encode_status(
         "model": model,
         "epoch": epoch,
         "seq": seq,
-        "ts": ts,
         "block_size": block_size,
         "dp_rank": dp_rank,
-        "load": dict(load),
         "capacity": dict(capacity),
         "digest": {tier: [count, xor] for tier, (count, xor) in digest.items()},
     }
     msg.update(extra)
+    # ts and load last (any order is valid): what changes between two heartbeats of a steady worker
+    # is then the payload's tail, which the index compares and decodes alone (consumer._Repeat).
+    msg.pop("ts", None)
+    msg.pop("load", None)
+    msg["ts"] = ts
+    msg["load"] = dict(load)
     return _packb(msg)
