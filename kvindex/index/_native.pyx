@@ -576,14 +576,21 @@ def match_gpu_into(BlockTable gpu, KeyArray keys, uint64_t alive, list owners, d
     are immutable and shared). No tuple per instance and no Python loop around the walk."""
     cdef int slots[64]
     cdef Py_ssize_t lens[64]
-    cdef int count, j
-    count = _walk_gpu(gpu, keys, alive, slots, lens)
+    cdef int count = _walk_gpu(gpu, keys, alive, slots, lens)
+    _emit_gpu(count, slots, lens, owners, out, same, match_type)
+
+
+cdef inline int _emit_gpu(int count, int* slots, Py_ssize_t* lens, list owners, dict out, dict same,
+                          object match_type) except -1:
+    """_walk_gpu's matches into ``out``, one shared match object per matched length."""
+    cdef int j
     for j in range(count):
         n = lens[j]
         m = same.get(n)
         if m is None:
             m = same[n] = tuple.__new__(match_type, (n, (n, 0, 0, 0)))
         out[owners[slots[j]]] = m
+    return 0
 
 
 cdef inline void _add_run(long long* counts, uint64_t mask, int tier, long long run) noexcept nogil:
@@ -727,12 +734,7 @@ def match_banks_into(list bank_tiers, list alive, list bank_owners, list summari
                         counts[slot * 4], counts[slot * 4 + 1], counts[slot * 4 + 2], counts[slot * 4 + 3])))
         else:
             count = _walk_gpu(gpu, keys, mask, slots, lens)
-            for j in range(count):
-                n = lens[j]
-                m = same.get(n)
-                if m is None:
-                    m = same[n] = tuple.__new__(match_type, (n, (n, 0, 0, 0)))
-                out[owners[slots[j]]] = m
+            _emit_gpu(count, slots, lens, owners, out, same, match_type)
 
 
 # -- a batch's events in one call (the ingest hot path for small events) ----------------------------
