@@ -20,6 +20,7 @@ from typing import Any
 
 import nats
 
+from kvindex.lifecycle import close_nats
 from kvindex.repair.nats_repair import RepairConfig
 from kvindex.service.app import IndexService, ServiceConfig
 from kvindex.service.natsd import EmbeddedNats
@@ -103,7 +104,9 @@ class _Worker:
         for task in pub._tasks:
             task.cancel()
         pub._closed = True
-        await pub.nc.close()
+        # Bounded and never raising: the connection may already be gone (a NATS restart or a
+        # network fault of the same schedule), and nats-py's close() then raised ConnectionResetError.
+        await close_nats(pub.nc, drain=False)
         return held
 
     def act(self) -> None:
