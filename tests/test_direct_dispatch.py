@@ -229,15 +229,20 @@ def _stream() -> tuple[bytes, list[tuple[str, bytes]]]:
     return wire, ours
 
 
+def _recording(mine: _Sub, *others: _Sub) -> tuple[DirectParser, _Client, list[tuple[str, bytes]]]:
+    """A parser whose client knows ``mine`` (sid 1, registered for the short path, its messages
+    recorded in the returned list) and ``others`` (the library's way)."""
+    client = _Client({s._id: s for s in (mine, *others)})
+    parser = DirectParser(client)
+    got: list[tuple[str, bytes]] = []
+    parser.direct[b"1"] = direct_dispatch._Target(mine, lambda s, p: got.append((s, p)))
+    return parser, client, got
+
+
 @pytest.mark.parametrize("cut", range(0, 203))
 async def test_every_split_point(cut: int) -> None:
     wire, ours = _stream()
-    mine, other = _Sub(1), _Sub(2)
-    client = _Client({1: mine, 2: other})
-    parser = DirectParser(client)
-    got: list[tuple[str, bytes]] = []
-    direct_dispatch._init_direct(parser, parser.log)
-    parser.direct[b"1"] = direct_dispatch._Target(mine, lambda s, p: got.append((s, p)))
+    parser, client, got = _recording(_Sub(1), _Sub(2))
     assert len(wire) == 202  # every split point, both ends included
     await parser.parse(wire[:cut])
     await parser.parse(wire[cut:])
@@ -249,11 +254,7 @@ async def test_every_split_point(cut: int) -> None:
 
 async def test_byte_at_a_time() -> None:
     wire, ours = _stream()
-    mine = _Sub(1)
-    client = _Client({1: mine, 2: _Sub(2)})
-    parser = DirectParser(client)
-    got: list[tuple[str, bytes]] = []
-    parser.direct[b"1"] = direct_dispatch._Target(mine, lambda s, p: got.append((s, p)))
+    parser, _, got = _recording(_Sub(1), _Sub(2))
     for i in range(len(wire)):
         await parser.parse(wire[i : i + 1])
     assert got == ours
@@ -264,10 +265,7 @@ async def test_a_message_queued_keeps_the_next_ones_behind_it() -> None:
     # next ones must queue behind it, not overtake it.
     mine = _Sub(1)
     mine._pending_queue.put_nowait(("a.0", b"early"))
-    client = _Client({1: mine})
-    parser = DirectParser(client)
-    got: list[tuple[str, bytes]] = []
-    parser.direct[b"1"] = direct_dispatch._Target(mine, lambda s, p: got.append((s, p)))
+    parser, _, got = _recording(mine)
     await parser.parse(b"MSG a.1 1 1\r\nx\r\nMSG a.2 1 1\r\ny\r\n")
     assert got == []
     assert [mine._pending_queue.get_nowait() for _ in range(3)] == [
@@ -280,34 +278,19 @@ async def test_a_message_queued_keeps_the_next_ones_behind_it() -> None:
 
 
 async def test_a_malformed_frame_is_the_library_s_protocol_error() -> None:
-    mine = _Sub(1)
-    parser = DirectParser(_Client({1: mine}))
-    parser.direct[b"1"] = direct_dispatch._Target(mine, lambda s, p: None)
     with pytest.raises(nats.errors.ProtocolError):
-        await parser.parse(b"MSG a.1 1 notanumber\r\nx\r\n")
+        await _recording(_Sub(1))[0].parse(b"MSG a.1 1 notanumber\r\nx\r\n")
     with pytest.raises(nats.errors.ProtocolError):
-        await _parser_with_target(mine).parse(b"BOGUS " + os.urandom(8).hex().encode() + b"\r\n")
-
-
-def _parser_with_target(sub: _Sub) -> DirectParser:
-    parser = DirectParser(_Client({1: sub}))
-    parser.direct[b"1"] = direct_dispatch._Target(sub, lambda s, p: None)
-    return parser
+        await _recording(_Sub(1))[0].parse(b"BOGUS " + os.urandom(8).hex().encode() + b"\r\n")
 
 
 async def test_a_subject_that_is_not_utf8_reaches_the_handler_replaced() -> None:
-    mine = _Sub(1)
-    got: list[tuple[str, bytes]] = []
-    parser = DirectParser(_Client({1: mine}))
-    parser.direct[b"1"] = direct_dispatch._Target(mine, lambda s, p: got.append((s, p)))
+    parser, _, got = _recording(_Sub(1))
     await parser.parse(b"MSG a.\xff 1 1\r\nx\r\nMSG a.ok 1 1\r\ny\r\n")
     assert got == [("a.\ufffd", b"x"), ("a.ok", b"y")]
 
 
 async def test_tabs_and_extra_spaces_in_the_control_line() -> None:
-    mine = _Sub(1)
-    got: list[tuple[str, bytes]] = []
-    parser = DirectParser(_Client({1: mine}))
-    parser.direct[b"1"] = direct_dispatch._Target(mine, lambda s, p: got.append((s, p)))
+    parser, _, got = _recording(_Sub(1))
     await parser.parse(b"MSG  a.1\t1   _INBOX.x\t 3\r\nabc\r\n")
     assert got == [("a.1", b"abc")]

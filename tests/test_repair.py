@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 import grpc
 import pytest
@@ -202,9 +203,9 @@ async def test_periodic_reconciliation_restores_silent_loss(make_service: MakeSe
     assert svc.counters.snapshots_requested["periodic"] > before
 
 
-def test_periodic_checks_each_instance_once_per_interval_and_only_what_is_due() -> None:
-    """The reconciliation schedule: new instances spread over one interval, then every 0.8-1.2
-    intervals; forgotten ones dropped; a tick looks only at what is due (kvindex/repair)."""
+def _scheduled_fleet(n: int, cfg: RepairConfig, seed: int) -> tuple[Any, Any, list[tuple[str, int]]]:
+    """A repairer over ``n`` synced instances whose periodic checks are recorded, not sent:
+    (repairer, consumer, checked keys in order)."""
     import random
 
     from kvindex.fleet.registry import Registry
@@ -212,16 +213,27 @@ def test_periodic_checks_each_instance_once_per_interval_and_only_what_is_due() 
     from kvindex.ingest.consumer import Consumer
     from kvindex.repair.nats_repair import NatsRepairer
 
-    registry = Registry()
-    consumer = Consumer(InvertedIndex(), registry)
-    cfg = RepairConfig(reconcile_interval=60.0, reconcile_rate=0)
-    repairer = NatsRepairer(consumer, cfg, rng=random.Random(7))
+    consumer = Consumer(InvertedIndex(), Registry())
+    repairer = NatsRepairer(consumer, cfg, rng=random.Random(seed))
     checked: list[tuple[str, int]] = []
     consumer.reconcile = lambda key, cause: checked.append(key)  # type: ignore[method-assign]
+    for i in range(n):
+        join(consumer, (f"w{i}", 0))
+    return repairer, consumer, checked
+
+
+def join(consumer: Any, key: tuple[str, int]) -> None:
+    """A synced instance, as a heartbeat at seq 0 leaves it."""
+    consumer.registry.add(key, "m", 16)
+    consumer.sequencer.open(key, 1)
+
+
+def test_periodic_checks_each_instance_once_per_interval_and_only_what_is_due() -> None:
+    """The reconciliation schedule: new instances spread over one interval, then every 0.8-1.2
+    intervals; forgotten ones dropped; a tick looks only at what is due (kvindex/repair)."""
+    cfg = RepairConfig(reconcile_interval=60.0, reconcile_rate=0)
+    repairer, consumer, checked = _scheduled_fleet(500, cfg, 7)
     keys = [(f"w{i}", 0) for i in range(500)]
-    for key in keys:
-        registry.add(key, "m", 16)
-        consumer.sequencer.open(key, 1)
     t = 0.0
     repairer._periodic(t)  # schedules all 500, checks none
     assert checked == [] and len(repairer._next_reconcile) == 500
@@ -234,8 +246,7 @@ def test_periodic_checks_each_instance_once_per_interval_and_only_what_is_due() 
     assert set(checked) == set(keys) and max(first.values()) == 2 and min(first.values()) == 1
     # A late joiner is scheduled at the next tick; a forgotten instance is never checked again.
     late = ("late", 0)
-    registry.add(late, "m", 16)
-    consumer.sequencer.open(late, 1)
+    join(consumer, late)
     gone = keys[0]
     consumer.sequencer.forget(gone)
     checked.clear()
@@ -259,23 +270,8 @@ def test_periodic_checks_each_instance_once_per_interval_and_only_what_is_due() 
 def test_periodic_checks_of_a_large_fleet_keep_to_the_rate() -> None:
     """Beyond reconcile_rate x interval instances, each is checked less often so that the fleet as a
     whole gets at most reconcile_rate periodic snapshots a second."""
-    import random
-
-    from kvindex.fleet.registry import Registry
-    from kvindex.index.inverted import InvertedIndex
-    from kvindex.ingest.consumer import Consumer
-    from kvindex.repair.nats_repair import NatsRepairer
-
-    registry = Registry()
-    consumer = Consumer(InvertedIndex(), registry)
     cfg = RepairConfig(reconcile_interval=60.0, reconcile_rate=8.0)
-    repairer = NatsRepairer(consumer, cfg, rng=random.Random(3))
-    checked: list[tuple[str, int]] = []
-    consumer.reconcile = lambda key, cause: checked.append(key)  # type: ignore[method-assign]
-    for i in range(2_000):
-        key = (f"w{i}", 0)
-        registry.add(key, "m", 16)
-        consumer.sequencer.open(key, 1)
+    repairer, _, checked = _scheduled_fleet(2_000, cfg, 3)
     assert repairer.reconcile_every() == 250.0  # 2,000 / 8 per s, not 60 s
     t = 0.0
     while t < 1_000.0:

@@ -228,6 +228,23 @@ def _msg(**over: object) -> bytes:
     return msgpack.packb(base)
 
 
+def _commit_op(**over: object) -> dict[str, object]:
+    """A well-formed commit op, with ``over`` changed."""
+    op: dict[str, object] = {
+        "op": "commit",
+        "id": "r1",
+        "model": MODEL,
+        "worker": "w0",
+        "dp_rank": 0,
+        "block_size": BS,
+        "prompt_tokens": 10,
+        "miss_tokens": 1,
+        "policy": "ttft",
+    }
+    op.update(over)
+    return op
+
+
 @pytest.mark.parametrize(
     ("payload", "reason"),
     [
@@ -247,38 +264,13 @@ def _msg(**over: object) -> bytes:
             _msg(
                 ops=[
                     {"op": "release", "id": "r0", "phase": "finished"},
-                    {
-                        "op": "commit",
-                        "id": "r1",
-                        "model": MODEL,
-                        "worker": "w0",
-                        "dp_rank": 0,
-                        "block_size": BS,
-                        "prompt_tokens": 10,
-                        "miss_tokens": -1,
-                        "policy": "ttft",
-                    },
+                    _commit_op(miss_tokens=-1),
                 ]
             ),
             BAD_VALUE,
         ),
         (
-            _msg(
-                ops=[
-                    {
-                        "op": "commit",
-                        "id": "r1",
-                        "model": MODEL,
-                        "worker": "w0",
-                        "dp_rank": 0,
-                        "block_size": BS,
-                        "prompt_tokens": 10,
-                        "miss_tokens": 1,
-                        "policy": "ttft",
-                        "keys": list(range(MAX_KEYS + 1)),
-                    }
-                ]
-            ),
+            _msg(ops=[_commit_op(keys=list(range(MAX_KEYS + 1)))]),
             BAD_VALUE,
         ),
     ],

@@ -31,8 +31,9 @@ from kvindex.service.app import IndexService, ServiceConfig
 from kvindex.service.natsd import EmbeddedNats, free_port
 from kvindex.v1 import kvindex_pb2 as pb
 from kvindex.v1 import kvindex_pb2_grpc as pb_grpc
+from kvtools.testing.serve import serve_argv
 from tests.conftest import wait_until
-from tests.test_cli import KVINDEX, read_log_until
+from tests.test_cli import read_log_until
 from tests.test_nats_authorization import PASSWORDS, as_user, secured  # noqa: F401 (the fixture, shared)
 from workers_shim.publisher import Publisher
 
@@ -282,22 +283,7 @@ async def test_two_serve_processes_share_routing_state(
         for name in ("pod-a", "pod-b"):
             grpc_port, metrics_port = free_port(), free_port()
             proc = subprocess.Popen(
-                [
-                    KVINDEX,
-                    "serve",
-                    "--nats",
-                    nats_server.url,
-                    "--grpc-host",
-                    "127.0.0.1",
-                    "--grpc-port",
-                    str(grpc_port),
-                    "--metrics-host",
-                    "127.0.0.1",
-                    "--metrics-port",
-                    str(metrics_port),
-                    "--replica-id",
-                    name,
-                ],
+                serve_argv(nats_server.url, grpc_port, metrics_port, "--replica-id", name),
                 stderr=subprocess.PIPE,
                 text=True,
                 env={**os.environ, "PYTHONUNBUFFERED": "1"},

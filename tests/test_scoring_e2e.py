@@ -18,8 +18,9 @@ from kvindex.service.app import IndexService, ServiceConfig
 from kvindex.service.natsd import EmbeddedNats, free_port
 from kvindex.v1 import kvindex_pb2 as pb
 from kvindex.v1 import kvindex_pb2_grpc as pb_grpc
+from kvtools.testing.serve import serve_argv
 from tests.conftest import wait_until
-from tests.test_cli import KVINDEX, read_log_until
+from tests.test_cli import read_log_until
 from workers_shim.publisher import Publisher
 
 MODEL = "score-model"
@@ -176,18 +177,7 @@ async def test_cold_homes_agree_across_two_index_processes(
     ports = [free_port(), free_port()]
     procs = [
         subprocess.Popen(
-            [
-                KVINDEX,
-                "serve",
-                "--nats",
-                nats_server.url,
-                "--grpc-host",
-                "127.0.0.1",
-                "--grpc-port",
-                str(p),
-                "--metrics-port",
-                "-1",
-            ],
+            serve_argv(nats_server.url, p),
             stderr=subprocess.PIPE,
             text=True,
             env={**os.environ, "PYTHONUNBUFFERED": "1"},

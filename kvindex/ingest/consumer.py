@@ -856,19 +856,16 @@ class Consumer:
 
     def _reject(self, worker: str | None, subject: str, exc: WireError) -> None:
         self.counters.reject(exc.reason, worker)
-        if isinstance(exc, LimitExceeded):
-            self._limit_log.warning(
-                (worker or subject, exc.reason),
-                "limit_refused",
-                worker=worker,
-                subject=subject,
-                reason=exc.reason,
-                error=exc.message,
-            )
-            return
-        self._reject_log.warning(
+        # Limit refusals are logged once per minute per (instance, reason); other rejects by the
+        # general rate limit.
+        log, event = (
+            (self._limit_log, "limit_refused")
+            if isinstance(exc, LimitExceeded)
+            else (self._reject_log, "message_rejected")
+        )
+        log.warning(
             (worker or subject, exc.reason),
-            "message_rejected",
+            event,
             worker=worker,
             subject=subject,
             reason=exc.reason,

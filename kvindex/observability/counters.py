@@ -107,6 +107,26 @@ class IngestCounters:
         return sum(self.rejects.values())
 
 
+CounterMaker = Callable[[str, str, float], CounterMetricFamily]
+LabeledMaker = Callable[[str, str, str, Mapping[str, int]], CounterMetricFamily]
+
+
+def counter_makers(prefix: str) -> tuple[CounterMaker, LabeledMaker]:
+    """Two helpers for a collector's counters named ``prefix + name``: a plain one, and one with a
+    label whose values are a mapping (sorted, so scrapes are stable)."""
+
+    def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+        return CounterMetricFamily(prefix + name, doc, value=value)
+
+    def labeled(name: str, doc: str, label: str, values: Mapping[str, int]) -> CounterMetricFamily:
+        family = CounterMetricFamily(prefix + name, doc, labels=[label])
+        for key, n in sorted(values.items()):
+            family.add_metric([key], n)
+        return family
+
+    return counter, labeled
+
+
 class _Collector(Collector):
     def __init__(self, counters: IngestCounters, gauges: Callable[[], dict[str, Any]]) -> None:
         self._c = counters
@@ -115,14 +135,7 @@ class _Collector(Collector):
     def collect(self) -> Iterator[Any]:
         c = self._c
 
-        def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
-            return CounterMetricFamily(f"kvindex_{name}", doc, value=value)
-
-        def labeled(name: str, doc: str, label: str, values: Mapping[str, int]) -> CounterMetricFamily:
-            family = CounterMetricFamily(f"kvindex_{name}", doc, labels=[label])
-            for key, n in sorted(values.items()):
-                family.add_metric([key], n)
-            return family
+        counter, labeled = counter_makers("kvindex_")
 
         yield counter("batches_received", "Event batches received from the wire", c.batches_received)
         yield counter("batches_applied", "Event batches applied to the index", c.batches_applied)

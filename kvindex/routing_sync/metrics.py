@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from typing import Any
 
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
+from kvindex.observability.counters import counter_makers
 from kvindex.routing_sync.sync import DELAY_BUCKETS, RoutingSync
 
 
@@ -18,14 +19,7 @@ class SyncCollector(Collector):
     def collect(self) -> Iterator[Any]:
         s = self.sync
 
-        def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
-            return CounterMetricFamily(f"kvindex_routing_sync_{name}", doc, value=value)
-
-        def labeled(name: str, doc: str, label: str, values: Mapping[str, int]) -> CounterMetricFamily:
-            family = CounterMetricFamily(f"kvindex_routing_sync_{name}", doc, labels=[label])
-            for key, n in sorted(values.items()):
-                family.add_metric([key], n)
-            return family
+        counter, labeled = counter_makers("kvindex_routing_sync_")
 
         yield labeled("published", "Routing decisions published to the other replicas", "op", s.published)
         yield counter("messages_published", "Routing-sync messages published", s.messages_published)

@@ -24,6 +24,7 @@ import xxhash
 from kvindex.fleet.registry import InstanceState, Registry
 from kvindex.index.base import InstanceKey
 from kvindex.scoring.ledger import Ledger
+from kvindex.wire.schema import Load
 
 try:
     from kvindex.index._native import rendezvous_weights as _native_weights
@@ -388,13 +389,17 @@ def _wait_rows(
 
 def row_values(state: InstanceState, ledger: Ledger) -> tuple:
     """An instance's row, in column order (_FLOAT_COLS, then _BOOL_COLS). (FleetTables.refresh
-    computes the same inline; tests/test_consumer_status.py checks the tables against this.)"""
+    builds its rows with the same _row; tests/test_consumer_status.py checks the tables against this.)"""
     load = state.load
     at = state.last_status_at
     if state.key in ledger.busy:
         n_new, tokens_new, inflight = ledger.pending(state.key, at)
     else:
         n_new = tokens_new = inflight = 0
+    return _row(load, at, n_new, tokens_new, inflight, not state.is_pool and not state.stale)
+
+
+def _row(load: Load, at: float | None, n_new: int, tokens_new: int, inflight: int, routable: bool) -> tuple:
     q = load.waiting_prefill_tokens
     running, waiting = load.running, load.waiting
     return (
@@ -407,7 +412,7 @@ def row_values(state: InstanceState, ledger: Ledger) -> tuple:
         running + waiting + inflight,
         waiting + inflight,
         bool(q) and at is not None,
-        not state.is_pool and not state.stale,
+        routable,
     )
 
 
@@ -504,7 +509,7 @@ class FleetTables:
             key = state.key
             if moved:
                 i = table.row[key]
-            # row_values, inline: its reads serve the test below too.
+            # row_values' reads, inline: they serve the test below too.
             load, at, capacity, stale = state.load, state.last_status_at, state.capacity, state.stale
             if key in busy:
                 n_new, tokens_new, inflight = ledger.pending(key, at)
@@ -524,23 +529,8 @@ class FleetTables:
                     continue
                 n_new = tokens_new = inflight = 0
                 steady = bool(capacity) and at is not None and not stale
-            q = load.waiting_prefill_tokens
-            running, waiting = load.running, load.waiting
             entry[1].append(i)
-            entry[2].append(
-                (
-                    q,
-                    0.0 if at is None else at,
-                    tokens_new,
-                    q + tokens_new,
-                    running + n_new,
-                    load.kv_usage,
-                    running + waiting + inflight,
-                    waiting + inflight,
-                    bool(q) and at is not None,
-                    not state.is_pool and not stale,
-                )
-            )
+            entry[2].append(_row(load, at, n_new, tokens_new, inflight, not state.is_pool and not stale))
             if steady:
                 table.basis_load[i], table.basis_capacity[i] = load, capacity
             else:

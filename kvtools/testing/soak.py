@@ -148,30 +148,21 @@ async def sustained(
     from kvindex.service.natsd import EmbeddedNats, free_port
     from kvindex.v1 import kvindex_pb2 as pb
     from kvindex.v1 import kvindex_pb2_grpc as pb_grpc
+    from kvtools.testing.serve import serve_argv
 
     natsd = EmbeddedNats()
     await natsd.start()
     grpc_port, metrics_port = free_port(), free_port()
-    exe = str(Path(sys.executable).with_name("kvindex"))
     service = subprocess.Popen(
-        [
-            exe,
-            "serve",
-            "--nats",
+        serve_argv(
             natsd.url,
-            "--grpc-host",
-            "127.0.0.1",
-            "--grpc-port",
-            str(grpc_port),
-            "--metrics-host",
-            "127.0.0.1",
-            "--metrics-port",
-            str(metrics_port),
+            grpc_port,
+            metrics_port,
             "--log-level",
             "info" if service_log else "warning",
             "--log-format",
             "json",
-        ],
+        ),
         stderr=open(service_log, "w") if service_log else subprocess.DEVNULL,  # noqa: SIM115
     )
     loaders: list[subprocess.Popen[str]] = []
