@@ -9,6 +9,7 @@ from typing import Any
 from kvindex.api.security import ClientTLS, SecurityConfigError, add_client_options, token_from_args
 from kvindex.lifecycle import Stop, run
 from kvindex.observability.logs import configure_logging
+from kvindex.scoring.admission import add_admission_options, admission_from_args
 
 
 def add_route(sub: Any) -> None:
@@ -36,6 +37,10 @@ def add_route(sub: Any) -> None:
     p.add_argument("--log-format", choices=("auto", "json", "console"), default="auto")
     p.add_argument("--log-level", default="info")
     add_client_options(p)
+    add_admission_options(
+        p.add_argument_group("admission: TTFT objectives, priorities, queueing and shedding (429)"),
+        named=True,
+    )
 
 
 def run_route(args: argparse.Namespace) -> int:
@@ -46,7 +51,8 @@ def run_route(args: argparse.Namespace) -> int:
         tls = ClientTLS.from_args(args)
         if tls is not None:
             tls.credentials()  # read the files now: a bad path is a clear error, not a traceback
-    except SecurityConfigError as exc:
+        admission, objectives = admission_from_args(args)
+    except (SecurityConfigError, ValueError) as exc:
         raise SystemExit(f"kvindex route: error: {exc}") from None
     config = RouteConfig(
         index=args.index,
@@ -61,6 +67,8 @@ def run_route(args: argparse.Namespace) -> int:
         policy=args.policy,
         tls=tls,
         token=token_from_args(args),
+        admission=admission,
+        objectives=objectives,
     )
 
     async def main(stop: Stop) -> int:

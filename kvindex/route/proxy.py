@@ -14,7 +14,7 @@ import json
 import time
 import uuid
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
@@ -40,6 +40,16 @@ from kvindex.client import (
 from kvindex.lifecycle import Stop
 from kvindex.observability.logs import RateLimitedLog
 from kvindex.route.metrics import RouteMetrics
+from kvindex.scoring.admission import (
+    AdmissionConfig,
+    AdmissionGate,
+    AdmissionMetrics,
+    Estimate,
+    Objective,
+    ObjectiveDefaults,
+    ObjectiveError,
+    Shed,
+)
 from kvindex.scoring.ledger import FINISHED, PREFILL
 from kvindex.v1 import kvindex_pb2 as pb
 
@@ -96,12 +106,31 @@ class RouteConfig:
     # bearer token (--auth-token-file), as every kvindex client takes them.
     tls: ClientTLS | None = None
     token: str | None = None
+    # Admission (kvindex/scoring/admission.py): TTFT objectives and priorities per model (a
+    # request's headers override them), the margin, queue threshold and queue bounds.
+    admission: AdmissionConfig = field(default_factory=AdmissionConfig)
+    objectives: ObjectiveDefaults = field(default_factory=ObjectiveDefaults)
 
 
-def openai_error(status: int, message: str, kind: str, code: str | None = None) -> web.Response:
+def openai_error(
+    status: int, message: str, kind: str, code: str | None = None, param: str | None = None
+) -> web.Response:
     """An error in OpenAI's shape (what the official clients parse and show)."""
-    body = {"error": {"message": message, "type": kind, "param": None, "code": code or str(status)}}
+    body = {"error": {"message": message, "type": kind, "param": param, "code": code or str(status)}}
     return web.json_response(body, status=status)
+
+
+def _lower(headers: CIMultiDictProxy[str]) -> dict[str, str]:
+    return {k.lower(): v for k, v in headers.items()}
+
+
+def _estimates(trial: tuple[Decision | None, str]) -> list[Estimate]:
+    """Admission's view of a decision: the index's estimates, or none (a fallback cannot judge)."""
+    decision = trial[0]
+    if decision is None or decision.source != "index" or decision.response is None:
+        return []
+    by_id = {r.instance_id: r for r in decision.response.ranked}
+    return [Estimate.of(by_id[t.instance_id]) for t in decision.targets if t.instance_id in by_id]
 
 
 def forward_headers(headers: CIMultiDictProxy[str]) -> CIMultiDict[str]:
@@ -151,9 +180,13 @@ class _LedgerOps:
     """One request's ledger calls (re-commit, releases), run in order in the background: the
     response never waits for them, and a release cannot overtake the commit it releases."""
 
-    def __init__(self, proxy: RouteProxy, request_id: str) -> None:
+    def __init__(
+        self, proxy: RouteProxy, request_id: str, model: str = "", objective: Objective | None = None
+    ) -> None:
         self.proxy = proxy
         self.request_id = request_id
+        self.model = model
+        self.objective = objective or Objective()  # its TTFT is judged against it at the first byte
         self._tail: asyncio.Task[None] | None = None
         # The index may hold an entry for the request (Score committed it, or may have): only then
         # are releases sent (a fallback decision while the index is down has nothing to release).
@@ -192,6 +225,10 @@ class RouteProxy:
         self.config = config
         self._client = client
         self.metrics = RouteMetrics(lambda: self._client.stats if self._client is not None else None)
+        self.admission_metrics = AdmissionMetrics("kvindex_route", self.metrics.registry)
+        self.gate: AdmissionGate[tuple[Decision | None, str]] = AdmissionGate(
+            config.admission, self.admission_metrics
+        )
         self.draining = False
         self._tasks: set[asyncio.Task[None]] = set()
         self._session: aiohttp.ClientSession | None = None
@@ -234,6 +271,7 @@ class RouteProxy:
         if not await self.client.refresh_instances(timeout=max(1.0, cfg.score_timeout)):
             log.warning("index_unreachable_at_start", index=cfg.index)
         self.client.start()
+        self.gate.start()
         # auto_decompress off: the engine's bytes reach the client as sent (Content-Encoding kept).
         self._session = aiohttp.ClientSession(
             # Idle engine connections are dropped before uvicorn (vLLM's server) drops them at 5 s:
@@ -262,6 +300,7 @@ class RouteProxy:
         if self._runner is not None:
             await self._runner.cleanup()  # waits up to shutdown_timeout = grace for handlers
             self._runner = None
+        await self.gate.stop()
         if self._tasks:
             await asyncio.wait(list(self._tasks), timeout=self.config.release_timeout + 1.0)
         if self._session is not None:
@@ -278,13 +317,19 @@ class RouteProxy:
 
     # -- ledger ------------------------------------------------------------------------------------
 
-    async def release(self, request_id: str, phase: str) -> None:
+    async def release(self, request_id: str, phase: str, wake: bool = True) -> None:
         try:
             found = await self.client.release(request_id, phase, timeout=self.config.release_timeout)
         except (IndexUnavailable, BadRequest) as exc:
             self.metrics.releases.labels(phase, "error").inc()
             log.debug("release_failed", request_id=request_id, phase=phase, error=str(exc))
             return
+        finally:
+            # An engine has room (its prefill is done, or the request left): queued requests may
+            # fit now. Only after the index has the release, so their new Score sees it. Not for
+            # the release of a request going back to the queue (that would spin).
+            if wake:
+                self.gate.wake()
         self.metrics.releases.labels(phase, "found" if found else "not_found").inc()
 
     async def recommit(self, request_id: str, target: Target, spec: PromptSpec) -> None:
@@ -300,6 +345,29 @@ class RouteProxy:
         self.metrics.recommits.labels("committed" if ok else "failed").inc()
         if not ok:  # the entry would count against an instance that is not serving the request
             await self.release(request_id, FINISHED)
+
+    async def _commit_first(self, decision: Decision, spec: PromptSpec, request_id: str) -> None:
+        """A request admitted from the queue was re-scored without commit: commit it where it goes
+        before it is sent (an instance that refuses the connection then moves it, as always)."""
+        target = next((t for t in decision.targets if t.endpoint), None)
+        fields = _fields_taken(pb.CommitRequest, spec)
+        if target is None or fields is None:
+            return
+        try:
+            ok = await self.client.commit(
+                request_id, target.instance_id, spec.model, timeout=self.config.release_timeout, **fields
+            )
+        except (IndexUnavailable, BadRequest, TypeError) as exc:
+            log.debug("commit_failed", request_id=request_id, error=str(exc))
+            return
+        if ok:
+            decision.committed_instance_id = target.instance_id
+
+    async def _undo(self, trial: tuple[Decision | None, str], request_id: str) -> None:
+        """A decision not acted on (the request is queued or shed): its commit must not count."""
+        decision = trial[0]
+        if decision is not None and (decision.committed or decision.reason in _MAYBE_COMMITTED):
+            await self.release(request_id, FINISHED, wake=False)
 
     # -- deciding ----------------------------------------------------------------------------------
 
@@ -320,7 +388,9 @@ class RouteProxy:
         targets = [Target(k.instance_id, k.endpoint) for k in chosen]
         return Decision(spec.model, targets, source="fallback", reason=reason, request_id=request_id)
 
-    async def decide(self, spec: PromptSpec, request_id: str) -> tuple[Decision | None, str]:
+    async def decide(
+        self, spec: PromptSpec, request_id: str, commit: bool = True
+    ) -> tuple[Decision | None, str]:
         """The decision, or None and why there is none (no instance of the model is known)."""
         started = time.monotonic()
         why = ""
@@ -334,7 +404,7 @@ class RouteProxy:
                 decision = await self.client.score(
                     spec.model,
                     top_k=self.config.top_k,
-                    commit=True,
+                    commit=commit,
                     request_id=request_id,
                     timeout=self.config.score_timeout,
                     **fields,
@@ -376,9 +446,35 @@ class RouteProxy:
             except BodyError as exc:
                 code = "400"
                 return openai_error(400, str(exc), "invalid_request_error")
+            try:
+                objective = self.config.objectives.of(spec.model, _lower(request.headers))
+            except ObjectiveError as exc:
+                code = "400"
+                self._limited_log.warning(("bad_objective", exc.header), "bad_objective", error=str(exc))
+                return openai_error(400, str(exc), "invalid_request_error", param=exc.header)
             request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
-            ledger = _LedgerOps(self, request_id)
-            decision, why = await self.decide(spec, request_id)
+            ledger = _LedgerOps(self, request_id, spec.model, objective)
+            admitted = await self.gate.admit(
+                spec.model,
+                objective,
+                received,
+                lambda commit: self.decide(spec, request_id, commit),
+                _estimates,
+                lambda trial: self._undo(trial, request_id),
+            )
+            if isinstance(admitted, Shed):
+                code = "429"
+                response = openai_error(429, admitted.message, "rate_limit_error", admitted.reason)
+                response.headers["Retry-After"] = str(admitted.retry_after_s)
+                return response
+            decision, why = admitted.trial
+            if decision is not None and admitted.pick:
+                # Admission chose a later-ranked instance (the first within the objective): it goes
+                # first, and the ledger entry follows it there (_forward's re-commit).
+                t = decision.targets
+                decision.targets = [t[admitted.pick], *t[: admitted.pick], *t[admitted.pick + 1 :]]
+            if decision is not None and not admitted.committed and decision.source == "index":
+                await self._commit_first(decision, spec, request_id)
             ledger.active = decision is not None and (
                 decision.committed or decision.reason in _MAYBE_COMMITTED
             )
@@ -489,14 +585,18 @@ class RouteProxy:
                 return response, "502"
             if first:
                 first = False
-                self.metrics.ttft.labels(stream).observe(time.monotonic() - received)
+                ttft = time.monotonic() - received  # queue time included
+                self.metrics.ttft.labels(stream).observe(ttft)
+                self.admission_metrics.observe_ttft(ledger.model, ledger.objective, ttft)
                 ledger.release(PREFILL)  # the first token (stream) or the whole answer is out
             try:
                 await response.write(chunk)
             except ConnectionResetError:
                 return response, "499"  # the client went away while we wrote
         if first:
-            self.metrics.ttft.labels(stream).observe(time.monotonic() - received)
+            ttft = time.monotonic() - received
+            self.metrics.ttft.labels(stream).observe(ttft)
+            self.admission_metrics.observe_ttft(ledger.model, ledger.objective, ttft)
         try:
             await response.write_eof()
         except ConnectionResetError:

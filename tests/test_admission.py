@@ -1,0 +1,296 @@
+"""Admission: the rule and the queue (pure), and ``kvindex route`` admitting, queueing and shedding
+requests by their TTFT objective against fake engines announcing their load in real heartbeats to a
+real index (nats-server, gRPC over a socket). The picker's side: tests/test_ext_proc.py."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator
+
+import pytest
+
+from kvindex.scoring.admission import (
+    ADMIT,
+    DEADLINE,
+    OVER_OBJECTIVE,
+    QUEUE,
+    QUEUE_FULL,
+    SATURATED,
+    SHED,
+    SHEDDABLE,
+    TIMEOUT,
+    UNATTAINABLE,
+    AdmissionConfig,
+    AdmissionQueue,
+    Estimate,
+    Objective,
+    ObjectiveDefaults,
+    ObjectiveError,
+    QueueEntry,
+    deadline_of,
+    judge,
+)
+from kvindex.service.app import IndexService
+from tests.conftest import wait_until
+from tests.test_route import MODEL, PROMPT, Fleet, MakePub, sample, start_fleet
+
+CFG = AdmissionConfig()
+
+
+def est(total: float, own: float) -> Estimate:
+    return Estimate(est_ttft_ms=total, service_ms=own, wait_ms=total - own)
+
+
+# -- the rule -------------------------------------------------------------------------------------
+
+
+def test_admits_the_first_ranked_instance_within_the_objective() -> None:
+    v = judge(Objective(1000), 0, [est(1500, 100), est(900, 300), est(500, 200)], CFG)
+    assert (v.action, v.pick, v.can_meet) == (ADMIT, 1, True)
+    # Time already spent (queued) counts against the objective.
+    v = judge(Objective(1000), 200, [est(1500, 100), est(900, 300)], CFG)
+    assert (v.action, v.reason) == (QUEUE, OVER_OBJECTIVE)
+    # The margin widens it.
+    v = judge(Objective(1000), 200, [est(1500, 100), est(900, 300)], AdmissionConfig(margin=0.2))
+    assert (v.action, v.pick) == (ADMIT, 1)
+
+
+def test_without_an_objective_or_estimates_everything_is_admitted() -> None:
+    assert judge(Objective(), 0, [est(60_000, 100)], CFG).action == ADMIT
+    assert judge(Objective(10), 0, [], CFG).action == ADMIT  # the index did not rank: cannot judge
+
+
+def test_never_shed_while_an_idle_instance_could_meet_it() -> None:
+    v = judge(Objective(1000), 0, [est(5000, 400), est(7000, 900)], CFG)
+    assert (v.action, v.reason) == (QUEUE, OVER_OBJECTIVE)
+    v = judge(Objective(1000), 0, [est(5000, 1200), est(7000, 1100)], CFG)
+    assert (v.action, v.reason) == (SHED, UNATTAINABLE)
+    assert v.retry_after_s == 4  # the shortest queue, rounded up to whole seconds
+    # Sheddable requests (negative priority) are not held: shed when none meets, served when one does.
+    assert judge(Objective(1000, -1), 0, [est(5000, 400)], CFG).reason == SHEDDABLE
+    assert judge(Objective(1000, -1), 0, [est(900, 400)], AdmissionConfig(queue_threshold_ms=1)).action == ADMIT
+
+
+def test_queue_threshold_holds_requests_when_every_queue_is_past_it() -> None:
+    cfg = AdmissionConfig(queue_threshold_ms=2000)
+    v = judge(Objective(), 0, [est(3000, 500), est(2600, 100)], cfg)
+    assert (v.action, v.reason) == (QUEUE, SATURATED)
+    assert judge(Objective(), 0, [est(3000, 500), est(1000, 100)], cfg).action == ADMIT
+    v = judge(Objective(5000), 0, [est(3000, 500), est(2600, 100)], cfg)
+    assert (v.action, v.reason, v.can_meet) == (QUEUE, SATURATED, True)
+
+
+def test_objective_defaults_and_headers() -> None:
+    d = ObjectiveDefaults.from_flags(["2000", "big=8000"], ["big=-1"], ["premium=5:500", "batch=-2"])
+    assert d.of("small", {}) == Objective(2000, 0)
+    assert d.of("big", {}) == Objective(8000, -1)
+    assert d.of("big", {"x-gateway-inference-objective": "premium"}) == Objective(500, 5)
+    assert d.of("big", {"x-gateway-inference-objective": "batch"}) == Objective(8000, -2)
+    assert d.of("big", {"x-gateway-inference-objective": "unknown"}) == Objective(8000, -1)
+    own = {"x-kvindex-ttft-slo-ms": " 750.5", "x-kvindex-priority": "3"}
+    assert d.of("big", own) == Objective(750.5, 3)
+    for header, value in (
+        ("x-kvindex-ttft-slo-ms", "fast"),
+        ("x-kvindex-ttft-slo-ms", "0"),
+        ("x-kvindex-ttft-slo-ms", "nan"),
+        ("x-kvindex-ttft-slo-ms", "-5"),
+        ("x-kvindex-priority", "1.5"),
+        ("x-kvindex-priority", "high"),
+        ("x-kvindex-priority", "1000"),
+    ):
+        with pytest.raises(ObjectiveError) as err:
+            d.of("big", {header: value})
+        assert err.value.header == header and header in str(err.value)
+    with pytest.raises(ObjectiveError, match="--objective"):
+        ObjectiveDefaults.from_flags(objectives=["nameonly"])
+    with pytest.raises(ObjectiveError, match="--ttft-slo-ms"):
+        ObjectiveDefaults.from_flags(ttft=["m=soon"])
+
+
+def _entry(q: AdmissionQueue, prio: int, ttft: float | None, arrived: float = 0.0) -> QueueEntry:
+    o = Objective(ttft, prio)
+    return QueueEntry(o, MODEL, arrived, deadline_of(o, arrived, CFG), q.next_seq())
+
+
+def test_queue_orders_by_priority_then_deadline_and_displaces_the_last() -> None:
+    q = AdmissionQueue(3)
+    a = _entry(q, 0, 5000)
+    b = _entry(q, 0, 1000)
+    c = _entry(q, 1, 9000)
+    for e in (a, b, c):
+        assert q.push(e) is None
+    assert list(q) == [c, b, a]
+    assert q.ahead_of(_entry(q, 0, 2000).key) and not q.ahead_of(_entry(q, 2, 9000).key)
+    d = _entry(q, 0, 3000)
+    assert q.push(d) is a  # full: the last-ranked leaves
+    assert list(q) == [c, b, d]
+    e = _entry(q, -1, 100)
+    assert q.push(e) is e  # ranks last: not held
+    assert q.remove(b) and not q.remove(b)
+    assert list(q) == [c, d]
+
+
+def test_queue_expiry() -> None:
+    q = AdmissionQueue(8)
+    late = _entry(q, 0, 1000)
+    late.service_ms = 300
+    patient = _entry(q, 0, None)
+    for e in (late, patient):
+        q.push(e)
+    assert q.expired(0.5, CFG) == []
+    assert q.expired(0.75, CFG) == [(late, DEADLINE)]  # 250 ms left, 300 ms of own work
+    assert q.expired(CFG.max_wait_s, CFG) == [(late, DEADLINE), (patient, TIMEOUT)]
+
+
+# -- the proxy ------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+async def slo_fleet(service: IndexService, make_publisher: MakePub) -> AsyncIterator[Fleet]:
+    f = await start_fleet(service, make_publisher, admission=AdmissionConfig(max_queue=2, tick_s=0.02))
+    try:
+        yield f
+    finally:
+        await f.http.close()
+        await f.proxy.stop()
+        for e in f.engines.values():
+            await e.close()
+
+
+async def overload(fleet: Fleet, tokens: int) -> None:
+    """Every engine reports ``tokens`` of prefill queued (~0.11 ms each before calibration)."""
+    for p in fleet.pubs.values():
+        p.set_load(waiting=tokens // 1000, waiting_prefill_tokens=tokens)
+    await wait_until(
+        lambda: all(s.load.waiting_prefill_tokens == tokens for s in fleet.service.registry.all()),
+        what=f"every instance reporting {tokens} queued tokens",
+    )
+
+
+def body(prompt: list[int] = PROMPT) -> dict[str, object]:
+    return {"model": MODEL, "prompt": prompt, "max_tokens": 2}
+
+
+async def test_objective_met_when_the_fleet_has_room(slo_fleet: Fleet) -> None:
+    async with await slo_fleet.post(body(), headers={"x-kvindex-ttft-slo-ms": "5000"}) as resp:
+        assert resp.status == 200
+        await resp.read()
+    m = await slo_fleet.metrics()
+    assert sample(m, "kvindex_route_slo_requests_total", model=MODEL, priority="0", result="met") == 1
+    assert sum(v for (n, _), v in m.items() if n == "kvindex_route_admission_queued_total") == 0
+
+
+async def test_malformed_objective_headers_400_naming_the_header_nothing_queued(slo_fleet: Fleet) -> None:
+    for header, value in (("x-kvindex-ttft-slo-ms", "soon"), ("x-kvindex-priority", "urgent")):
+        async with await slo_fleet.post(body(), headers={header: value}) as resp:
+            assert resp.status == 400
+            error = (await resp.json())["error"]
+        assert error["param"] == header and header in error["message"]
+    assert all(not e.bodies for e in slo_fleet.engines.values())
+    assert slo_fleet.ledger() == 0
+    m = await slo_fleet.metrics()
+    assert sample(m, "kvindex_route_requests_total", path="/v1/completions", code="400") == 2
+    assert sum(v for (n, _), v in m.items() if n.startswith("kvindex_route_admission_queued")) == 0
+
+
+async def test_unattainable_objective_is_shed_429_retry_after_commit_undone(slo_fleet: Fleet) -> None:
+    await overload(slo_fleet, 30_000)
+    # 1 ms: not even an idle engine prefills the prompt that fast (the model's fixed 25 ms alone).
+    async with await slo_fleet.post(body(), headers={"x-kvindex-ttft-slo-ms": "1"}) as resp:
+        assert resp.status == 429
+        assert int(resp.headers["Retry-After"]) >= 3  # ~3.3 s of queue on the shortest
+        assert (await resp.json())["error"]["code"] == UNATTAINABLE
+    assert all(not e.bodies for e in slo_fleet.engines.values())
+    await wait_until(lambda: slo_fleet.ledger() == 0, what="the Score's commit released")
+    m = await slo_fleet.metrics()
+    assert sample(m, "kvindex_route_admission_shed_total", model=MODEL, priority="0", reason=UNATTAINABLE) == 1
+    assert sample(m, "kvindex_route_slo_requests_total", model=MODEL, priority="0", result="shed") == 1
+    # A sheddable request (negative priority) is not held either.
+    headers = {"x-kvindex-ttft-slo-ms": "1000", "x-kvindex-priority": "-1"}
+    async with await slo_fleet.post(body(), headers=headers) as resp:
+        assert resp.status == 429 and (await resp.json())["error"]["code"] == SHEDDABLE
+
+
+async def test_queued_until_the_fleet_frees_then_served_queue_time_in_ttft(slo_fleet: Fleet) -> None:
+    await overload(slo_fleet, 30_000)
+    started = time.monotonic()
+    post = asyncio.ensure_future(slo_fleet.post(body(), headers={"x-kvindex-ttft-slo-ms": "3000"}))
+    await wait_until(lambda: len(slo_fleet.proxy.gate.queue) == 1, what="the request queued")
+    await asyncio.sleep(0.3)
+    assert not post.done() and all(not e.bodies for e in slo_fleet.engines.values())
+    assert slo_fleet.ledger() == 0  # not counted against any instance while it waits
+    await overload(slo_fleet, 0)
+    async with await post as resp:
+        assert resp.status == 200
+        await resp.read()
+    waited = time.monotonic() - started
+    m = await slo_fleet.metrics()
+    assert sample(m, "kvindex_route_admission_queued_total", model=MODEL, priority="0", reason=OVER_OBJECTIVE) == 1
+    assert sample(m, "kvindex_route_admission_queue_wait_seconds_count", outcome="admitted") == 1
+    assert 0.3 <= sample(m, "kvindex_route_admission_queue_wait_seconds_sum", outcome="admitted") <= waited
+    # The TTFT measured includes the time queued: at least the 0.3 s held.
+    assert sample(m, "kvindex_route_ttft_seconds_sum", stream="false") >= 0.3
+    assert sample(m, "kvindex_route_slo_requests_total", model=MODEL, priority="0", result="met") == 1
+    await wait_until(lambda: slo_fleet.ledger() == 0, what="ledger released")
+
+
+async def test_queued_request_shed_when_its_deadline_can_no_longer_be_met(slo_fleet: Fleet) -> None:
+    await overload(slo_fleet, 30_000)
+    started = time.monotonic()
+    async with await slo_fleet.post(body(), headers={"x-kvindex-ttft-slo-ms": "400"}) as resp:
+        assert resp.status == 429
+        assert (await resp.json())["error"]["code"] == DEADLINE
+    # Shed once what is left of 400 ms is below its own prefill: not before, not long after.
+    assert 0.2 <= time.monotonic() - started <= 1.5
+    m = await slo_fleet.metrics()
+    assert sample(m, "kvindex_route_admission_shed_total", model=MODEL, priority="0", reason=DEADLINE) == 1
+    assert sample(m, "kvindex_route_admission_queue_wait_seconds_count", outcome="shed") == 1
+    assert len(slo_fleet.proxy.gate.queue) == 0 and slo_fleet.ledger() == 0
+
+
+async def test_full_queue_sheds_the_lowest_priority_and_serves_by_priority(slo_fleet: Fleet) -> None:
+    await overload(slo_fleet, 300_000)  # ~33 s of queue: past the 20 s objective
+
+    def send(prio: int) -> asyncio.Future[tuple[int, str]]:
+        async def go() -> tuple[int, str]:
+            headers = {"x-kvindex-ttft-slo-ms": "20000", "x-kvindex-priority": str(prio)}
+            async with await slo_fleet.post(body(), headers=headers) as resp:
+                text = await resp.text()
+                return resp.status, (json.loads(text)["error"]["code"] if resp.status != 200 else "")
+
+        return asyncio.ensure_future(go())
+
+    low = send(0)
+    await wait_until(lambda: len(slo_fleet.proxy.gate.queue) == 1, what="first queued")
+    mid = send(1)
+    await wait_until(lambda: len(slo_fleet.proxy.gate.queue) == 2, what="second queued")
+    high = send(2)  # the queue holds 2: the lowest priority leaves
+    assert await asyncio.wait_for(low, 5) == (429, QUEUE_FULL)
+    assert [e.objective.priority for e in slo_fleet.proxy.gate.queue] == [2, 1]
+    await overload(slo_fleet, 0)
+    assert await asyncio.wait_for(high, 5) == (200, "")
+    assert await asyncio.wait_for(mid, 5) == (200, "")
+    m = await slo_fleet.metrics()
+    assert sample(m, "kvindex_route_admission_shed_total", model=MODEL, priority="0", reason=QUEUE_FULL) == 1
+
+
+async def test_queue_threshold_without_objective_times_out(service: IndexService, make_publisher: MakePub) -> None:
+    admission = AdmissionConfig(queue_threshold_ms=1000, max_wait_s=0.3, tick_s=0.02)
+    f = await start_fleet(service, make_publisher, admission=admission)
+    try:
+        async with await f.post(body()) as resp:  # idle fleet: straight through
+            assert resp.status == 200
+        await overload(f, 30_000)
+        async with await f.post(body()) as resp:
+            assert resp.status == 429 and (await resp.json())["error"]["code"] == TIMEOUT
+        m = await f.metrics()
+        assert sample(m, "kvindex_route_admission_queued_total", model=MODEL, priority="0", reason=SATURATED) == 1
+        # No objective: not part of the goodput counts.
+        assert sum(v for (n, _), v in m.items() if n == "kvindex_route_slo_requests_total") == 0
+    finally:
+        await f.http.close()
+        await f.proxy.stop()
+        for e in f.engines.values():
+            await e.close()
