@@ -36,6 +36,12 @@ from kvindex.service.app import IndexService
 from tests.conftest import wait_until
 from tests.test_route import MODEL, PROMPT, Fleet, MakePub, sample, start_fleet
 
+
+def count(m: dict, what: str, reason: str) -> float:
+    """``kvindex_route_admission_{what}_total`` of the test model at priority 0."""
+    return sample(m, f"kvindex_route_admission_{what}_total", model=MODEL, priority="0", reason=reason)
+
+
 CFG = AdmissionConfig()
 
 
@@ -70,7 +76,8 @@ def test_never_shed_while_an_idle_instance_could_meet_it() -> None:
     assert v.retry_after_s == 4  # the shortest queue, rounded up to whole seconds
     # Sheddable requests (negative priority) are not held: shed when none meets, served when one does.
     assert judge(Objective(1000, -1), 0, [est(5000, 400)], CFG).reason == SHEDDABLE
-    assert judge(Objective(1000, -1), 0, [est(900, 400)], AdmissionConfig(queue_threshold_ms=1)).action == ADMIT
+    saturated = AdmissionConfig(queue_threshold_ms=1)
+    assert judge(Objective(1000, -1), 0, [est(900, 400)], saturated).action == ADMIT
 
 
 def test_queue_threshold_holds_requests_when_every_queue_is_past_it() -> None:
@@ -205,7 +212,7 @@ async def test_unattainable_objective_is_shed_429_retry_after_commit_undone(slo_
     assert all(not e.bodies for e in slo_fleet.engines.values())
     await wait_until(lambda: slo_fleet.ledger() == 0, what="the Score's commit released")
     m = await slo_fleet.metrics()
-    assert sample(m, "kvindex_route_admission_shed_total", model=MODEL, priority="0", reason=UNATTAINABLE) == 1
+    assert count(m, "shed", UNATTAINABLE) == 1
     assert sample(m, "kvindex_route_slo_requests_total", model=MODEL, priority="0", result="shed") == 1
     # A sheddable request (negative priority) is not held either.
     headers = {"x-kvindex-ttft-slo-ms": "1000", "x-kvindex-priority": "-1"}
@@ -227,7 +234,7 @@ async def test_queued_until_the_fleet_frees_then_served_queue_time_in_ttft(slo_f
         await resp.read()
     waited = time.monotonic() - started
     m = await slo_fleet.metrics()
-    assert sample(m, "kvindex_route_admission_queued_total", model=MODEL, priority="0", reason=OVER_OBJECTIVE) == 1
+    assert count(m, "queued", OVER_OBJECTIVE) == 1
     assert sample(m, "kvindex_route_admission_queue_wait_seconds_count", outcome="admitted") == 1
     assert 0.3 <= sample(m, "kvindex_route_admission_queue_wait_seconds_sum", outcome="admitted") <= waited
     # The TTFT measured includes the time queued: at least the 0.3 s held.
@@ -245,7 +252,7 @@ async def test_queued_request_shed_when_its_deadline_can_no_longer_be_met(slo_fl
     # Shed once what is left of 400 ms is below its own prefill: not before, not long after.
     assert 0.2 <= time.monotonic() - started <= 1.5
     m = await slo_fleet.metrics()
-    assert sample(m, "kvindex_route_admission_shed_total", model=MODEL, priority="0", reason=DEADLINE) == 1
+    assert count(m, "shed", DEADLINE) == 1
     assert sample(m, "kvindex_route_admission_queue_wait_seconds_count", outcome="shed") == 1
     assert len(slo_fleet.proxy.gate.queue) == 0 and slo_fleet.ledger() == 0
 
@@ -273,10 +280,12 @@ async def test_full_queue_sheds_the_lowest_priority_and_serves_by_priority(slo_f
     assert await asyncio.wait_for(high, 5) == (200, "")
     assert await asyncio.wait_for(mid, 5) == (200, "")
     m = await slo_fleet.metrics()
-    assert sample(m, "kvindex_route_admission_shed_total", model=MODEL, priority="0", reason=QUEUE_FULL) == 1
+    assert count(m, "shed", QUEUE_FULL) == 1
 
 
-async def test_queue_threshold_without_objective_times_out(service: IndexService, make_publisher: MakePub) -> None:
+async def test_queue_threshold_without_objective_times_out(
+    service: IndexService, make_publisher: MakePub
+) -> None:
     admission = AdmissionConfig(queue_threshold_ms=1000, max_wait_s=0.3, tick_s=0.02)
     f = await start_fleet(service, make_publisher, admission=admission)
     try:
@@ -286,7 +295,7 @@ async def test_queue_threshold_without_objective_times_out(service: IndexService
         async with await f.post(body()) as resp:
             assert resp.status == 429 and (await resp.json())["error"]["code"] == TIMEOUT
         m = await f.metrics()
-        assert sample(m, "kvindex_route_admission_queued_total", model=MODEL, priority="0", reason=SATURATED) == 1
+        assert count(m, "queued", SATURATED) == 1
         # No objective: not part of the goodput counts.
         assert sum(v for (n, _), v in m.items() if n == "kvindex_route_slo_requests_total") == 0
     finally:
