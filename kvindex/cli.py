@@ -17,6 +17,7 @@ from kvindex.capture.cli import add_capture, add_replay, add_serve_capture, serv
 from kvindex.config import NatsConfigError, NatsConnectError, NatsSettings, add_nats_arguments, parse_layered
 from kvindex.observability.logs import configure_logging
 from kvindex.route.cli import add_route
+from kvindex.scoring.admission import add_admission_options, admission_from_args
 
 
 def _add_serve(sub: Any) -> None:
@@ -38,6 +39,7 @@ def _add_serve(sub: Any) -> None:
     e.add_argument("--ext-proc-port", type=int, default=-1, help="serve the picker on this port; -1: off")
     e.add_argument("--ext-proc-host", default="0.0.0.0")
     e.add_argument("--ext-proc-policy", default="", help="ranking policy for picks (default: ttft)")
+    add_admission_options(e, named=True)
     a = p.add_argument_group("engines without KV events (approximate mode, docs/scoring.md)")
     a.add_argument(
         "--instance",
@@ -305,6 +307,11 @@ def _serve(args: argparse.Namespace) -> int:
     except NatsConfigError as exc:
         structlog.get_logger("kvindex").error("nats_connect_failed", error=str(exc))
         return 2
+    try:
+        admission, objectives = admission_from_args(args)
+    except ValueError as exc:
+        structlog.get_logger("kvindex").error("bad_admission_option", error=str(exc))
+        return 2
     config = ServiceConfig(
         nats_url=nats,
         grpc_host=args.grpc_host,
@@ -329,6 +336,8 @@ def _serve(args: argparse.Namespace) -> int:
         ext_proc_port=None if args.ext_proc_port < 0 else args.ext_proc_port,
         ext_proc_host=args.ext_proc_host,
         ext_proc_policy=args.ext_proc_policy,
+        ext_proc_admission=admission,
+        ext_proc_objectives=objectives,
         routing_sync=SyncConfig(enabled=args.routing_sync, replica_id=args.replica_id),
         static_instances=args.instance,
         static_model=args.instance_model,

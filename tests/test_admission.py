@@ -7,9 +7,13 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 
+import grpc
 import pytest
+from envoy.config.core.v3 import base_pb2 as core_pb2
+from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 
 from kvindex.scoring.admission import (
     ADMIT,
@@ -34,7 +38,11 @@ from kvindex.scoring.admission import (
 )
 from kvindex.service.app import IndexService
 from tests.conftest import wait_until
+from tests.test_ext_proc import MODEL as PICKER_MODEL
+from tests.test_ext_proc import Envoy, destination, tokens
+from tests.test_ext_proc import fleet as picker_fleet
 from tests.test_route import MODEL, PROMPT, Fleet, MakePub, sample, start_fleet
+from workers_shim.publisher import Publisher
 
 
 def count(m: dict, what: str, reason: str) -> float:
@@ -303,3 +311,111 @@ async def test_queue_threshold_without_objective_times_out(
         await f.proxy.stop()
         for e in f.engines.values():
             await e.close()
+
+
+# -- the ext_proc picker (over a real gRPC socket, driven as Envoy drives it) ----------------------
+
+
+@pytest.fixture
+async def slo_picker(
+    make_service: Callable[..., Awaitable[IndexService]],
+) -> AsyncIterator[tuple[IndexService, ep_grpc.ExternalProcessorStub]]:
+    svc = await make_service(
+        ext_proc_port=0,
+        ext_proc_host="127.0.0.1",
+        ext_proc_admission=AdmissionConfig(tick_s=0.02),
+        ext_proc_objectives=ObjectiveDefaults.from_flags(objectives=["premium=5:3000", "batch=-1"]),
+    )
+    assert svc.ext_proc is not None
+    async with grpc.aio.insecure_channel(svc.ext_proc.address) as channel:
+        yield svc, ep_grpc.ExternalProcessorStub(channel)
+
+
+async def picker_overload(pubs: list[Publisher], svc: IndexService, tokens: int) -> None:
+    for p in pubs:
+        p.set_load(waiting=tokens // 1000, waiting_prefill_tokens=tokens)
+    await wait_until(
+        lambda: all(s.load.waiting_prefill_tokens == tokens for s in svc.registry.all()),
+        what=f"every instance reporting {tokens} queued tokens",
+    )
+
+
+def with_headers(envoy: Envoy, extra: dict[str, str]) -> None:
+    """Add request headers to what ``envoy.request`` sends (the objective headers)."""
+    send = envoy.send
+
+    async def patched(*msgs: ep.ProcessingRequest) -> None:
+        for m in msgs:
+            if m.HasField("request_headers"):
+                for k, v in extra.items():
+                    m.request_headers.headers.headers.append(
+                        core_pb2.HeaderValue(key=k, raw_value=v.encode())
+                    )
+        await send(*msgs)
+
+    envoy.send = patched  # type: ignore[method-assign]
+
+
+def picker_sample(svc: IndexService, name: str, **labels: str) -> float:
+    assert svc.metrics is not None
+    return svc.metrics.registry.get_sample_value(name, labels) or 0.0
+
+
+async def test_picker_sheds_with_an_immediate_429_and_retry_after(
+    slo_picker: tuple[IndexService, ep_grpc.ExternalProcessorStub], make_publisher: MakePub
+) -> None:
+    svc, stub = slo_picker
+    pubs = await picker_fleet(make_publisher, svc)
+    await picker_overload(pubs, svc, 30_000)
+    envoy = Envoy(stub)
+    with_headers(envoy, {"x-kvindex-ttft-slo-ms": "1"})
+    pick, _ = await envoy.request({"model": PICKER_MODEL, "prompt": tokens(4 * 16, 1)})
+    immediate = pick.immediate_response
+    assert immediate.status.code == 429 and UNATTAINABLE in immediate.details
+    got = {h.header.key: h.header.raw_value.decode() for h in immediate.headers.set_headers}
+    assert int(got["retry-after"]) >= 3
+    assert len(svc.router.ledger) == 0
+    # A named objective whose priority is negative (GIE: sheddable) is shed rather than held.
+    envoy = Envoy(stub)
+    with_headers(envoy, {"x-gateway-inference-objective": "batch", "x-kvindex-ttft-slo-ms": "1000"})
+    pick, _ = await envoy.request({"model": PICKER_MODEL, "prompt": tokens(4 * 16, 2)})
+    assert pick.immediate_response.status.code == 429 and SHEDDABLE in pick.immediate_response.details
+    labels = {"model": PICKER_MODEL, "priority": "-1", "reason": SHEDDABLE}
+    assert picker_sample(svc, "kvindex_ext_proc_admission_shed_total", **labels) == 1
+    # A malformed objective header: 400 naming it, nothing held.
+    envoy = Envoy(stub)
+    with_headers(envoy, {"x-kvindex-priority": "first"})
+    pick, _ = await envoy.request({"model": PICKER_MODEL, "prompt": tokens(4 * 16, 3)})
+    assert pick.immediate_response.status.code == 400
+    assert "x-kvindex-priority" in pick.immediate_response.details
+    assert len(svc.ext_proc.picker.gate.queue) == 0  # type: ignore[union-attr]
+
+
+async def test_picker_holds_the_request_until_an_instance_can_meet_its_objective(
+    slo_picker: tuple[IndexService, ep_grpc.ExternalProcessorStub], make_publisher: MakePub
+) -> None:
+    svc, stub = slo_picker
+    picker = svc.ext_proc.picker  # type: ignore[union-attr]
+    pubs = await picker_fleet(make_publisher, svc)
+    await picker_overload(pubs, svc, 60_000)  # ~6.6 s of queue everywhere: past the 3 s objective
+    envoy = Envoy(stub)
+    with_headers(envoy, {"x-gateway-inference-objective": "premium"})  # priority 5, 3000 ms
+    body = {"model": PICKER_MODEL, "prompt": tokens(4 * 16, 4), "stream": True}
+    request = asyncio.ensure_future(envoy.request(body))
+    await wait_until(lambda: len(picker.gate.queue) == 1, what="the request held")
+    (held,) = list(picker.gate.queue)
+    assert held.objective == Objective(3000, 5)
+    await asyncio.sleep(0.2)
+    assert not request.done() and len(svc.router.ledger) == 0  # unanswered, counted nowhere
+    await picker_overload(pubs, svc, 0)
+    pick, echoed = await asyncio.wait_for(request, 5)
+    header, meta = destination(pick, "request_headers")
+    assert header == meta and echoed == json.dumps(body).encode()
+    assert len(svc.router.ledger) == 1  # committed where it goes
+    await envoy.response(header.split(",")[0], [b"data: x\n\n", b"data: [DONE]\n\n"])
+    assert len(svc.router.ledger) == 0
+    labels = {"model": PICKER_MODEL, "priority": "5"}
+    assert picker_sample(svc, "kvindex_ext_proc_slo_requests_total", **labels, result="met") == 1
+    assert picker_sample(svc, "kvindex_ext_proc_admission_queued_total", **labels, reason=OVER_OBJECTIVE) == 1
+    assert picker_sample(svc, "kvindex_ext_proc_admission_queue_wait_seconds_count", outcome="admitted") == 1
+    await envoy.close()

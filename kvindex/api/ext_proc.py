@@ -29,6 +29,7 @@ message); without it, full duplex is assumed, as the Inference Extension's own p
 from __future__ import annotations
 
 import json
+import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -49,6 +50,16 @@ from kvindex.api.security import ServerSecurity
 from kvindex.api.server import READINESS, GrpcPort
 from kvindex.api.servicer import BadRequest, KvIndexServicer
 from kvindex.fleet.registry import InstanceState
+from kvindex.scoring.admission import (
+    AdmissionConfig,
+    AdmissionGate,
+    AdmissionMetrics,
+    Estimate,
+    Objective,
+    ObjectiveDefaults,
+    ObjectiveError,
+    Shed,
+)
 from kvindex.scoring.ledger import FINISHED, PREFILL
 from kvindex.v1 import kvindex_pb2 as pb
 
@@ -78,6 +89,9 @@ class _Exchange:
     committed: str = ""  # instance id holding the ledger entry
     released_prefill: bool = False
     finished: bool = False
+    arrived: float = field(default_factory=time.monotonic)  # the request headers: TTFT starts here
+    model: str = ""
+    objective: Objective = field(default_factory=Objective)
 
 
 class PickerMetrics:
@@ -101,6 +115,8 @@ class EndpointPicker(ep_grpc.ExternalProcessorServicer):
         policy: str = "",
         max_body_bytes: int = 16 * 1024 * 1024,
         log: Any = None,
+        admission: AdmissionConfig | None = None,
+        objectives: ObjectiveDefaults | None = None,
     ) -> None:
         self.servicer = servicer
         self.registry = servicer.registry
@@ -109,6 +125,15 @@ class EndpointPicker(ep_grpc.ExternalProcessorServicer):
         self.max_body_bytes = max_body_bytes
         self.log = log or structlog.get_logger("kvindex.ext_proc")
         self.metrics = PickerMetrics(servicer.metrics.registry if servicer.metrics else None)
+        # Admission (kvindex/scoring/admission.py): a request held is an ext_proc stream not yet
+        # answered; a request shed is answered 429 at once (the Inference Extension's protocol).
+        self.objectives = objectives or ObjectiveDefaults()
+        self.admission_metrics = AdmissionMetrics(
+            "kvindex_ext_proc", servicer.metrics.registry if servicer.metrics else None
+        )
+        self.gate: AdmissionGate[pb.ScoreResponse] = AdmissionGate(
+            admission or AdmissionConfig(), self.admission_metrics
+        )
 
     # -- the stream ----------------------------------------------------------------------------
 
@@ -127,7 +152,7 @@ class EndpointPicker(ep_grpc.ExternalProcessorServicer):
                         or cfg.request_body_mode == _NONE
                     )
                 kind = msg.WhichOneof("request")
-                for response in self._handle(ex, kind, msg):
+                for response in await self._handle(ex, kind, msg):
                     yield response
                     if response.HasField("immediate_response"):
                         return
@@ -136,7 +161,7 @@ class EndpointPicker(ep_grpc.ExternalProcessorServicer):
             # the request leaves the in-flight ledger.
             self._finish(ex)
 
-    def _handle(
+    async def _handle(
         self, ex: _Exchange, kind: str | None, msg: ep.ProcessingRequest
     ) -> list[ep.ProcessingResponse]:
         if kind == "request_headers":
@@ -144,7 +169,7 @@ class EndpointPicker(ep_grpc.ExternalProcessorServicer):
             ex.subset = _subset(msg.metadata_context)
             ex.request_id = ex.headers.get(REQUEST_ID_HEADER) or uuid.uuid4().hex
             if msg.request_headers.end_of_stream:  # no body (GET /v1/models, ...): pick by load
-                return [self._pick(ex, phase="request_headers")]
+                return [await self._pick(ex, phase="request_headers")]
             if not ex.full_duplex:  # Envoy waits for this answer before it sends the body
                 return [ep.ProcessingResponse(request_headers=ep.HeadersResponse())]
             return []
@@ -157,8 +182,8 @@ class EndpointPicker(ep_grpc.ExternalProcessorServicer):
             if not body.end_of_stream:
                 return []
             if not ex.full_duplex:
-                return [self._pick(ex, phase="request_body")]
-            picked = self._pick(ex, phase="request_headers")
+                return [await self._pick(ex, phase="request_body")]
+            picked = await self._pick(ex, phase="request_headers")
             if picked.HasField("immediate_response"):
                 return [picked]
             return [picked, *_streamed_body(bytes(ex.body), "request_body")]
@@ -172,7 +197,9 @@ class EndpointPicker(ep_grpc.ExternalProcessorServicer):
         if kind == "response_body":
             body = msg.response_body
             if not ex.released_prefill and (body.body or body.end_of_stream):
-                self._release(ex, PREFILL)  # the first bytes of the answer: the prefill is done
+                # The first bytes of the answer: the prefill is done (time queued included).
+                self.admission_metrics.observe_ttft(ex.model, ex.objective, time.monotonic() - ex.arrived)
+                self._release(ex, PREFILL)
             if body.end_of_stream:
                 self._finish(ex)
             if ex.full_duplex:
@@ -185,13 +212,16 @@ class EndpointPicker(ep_grpc.ExternalProcessorServicer):
 
     # -- picking -------------------------------------------------------------------------------
 
-    def _pick(self, ex: _Exchange, phase: str) -> ep.ProcessingResponse:
+    async def _pick(self, ex: _Exchange, phase: str) -> ep.ProcessingResponse:
         """Rank, commit, and answer ``phase`` (request_headers or request_body) with the destination."""
         try:
-            endpoints = self._rank(ex)
-        except (BodyError, BadRequest) as exc:
+            endpoints = await self._rank(ex)
+        except (BodyError, BadRequest, ObjectiveError) as exc:
             self.metrics.picks.labels("bad_request").inc()
             return _immediate(400, str(exc))
+        if isinstance(endpoints, Shed):
+            self.metrics.picks.labels("shed").inc()
+            return _immediate(429, endpoints.message, {"retry-after": str(endpoints.retry_after_s)})
         if not endpoints:
             self.metrics.picks.labels("no_endpoint").inc()
             reason = "no ready endpoint in the subset hint" if ex.subset is not None else "no ready endpoint"
@@ -215,20 +245,46 @@ class EndpointPicker(ep_grpc.ExternalProcessorServicer):
             )
         return ep.ProcessingResponse(request_body=ep.BodyResponse(response=common), dynamic_metadata=metadata)
 
-    def _rank(self, ex: _Exchange) -> list[str]:
-        """Endpoints best first (the pick and up to ``fallbacks`` more); [] when none is eligible."""
+    async def _rank(self, ex: _Exchange) -> list[str] | Shed:
+        """Endpoints best first (the pick and up to ``fallbacks`` more); [] when none is eligible;
+        Shed when admission sheds the request."""
         eligible = self._eligible(ex.subset)
         if not eligible:
             return []
         if not ex.body:  # a request without a body: the least loaded eligible instance
             return self._by_load(eligible)
         spec = parse_body(bytes(ex.body), ex.headers.get(":path", ""))
+        ex.model = spec.model
+        ex.objective = self.objectives.of(spec.model, ex.headers)
         candidates = sorted(s.instance_id for s in eligible)
-        request = self._score_request(spec, ex, candidates)
-        response = self.servicer.score_request(request)
-        if response.committed_instance_id:
-            ex.request = request
-            ex.committed = response.committed_instance_id
+
+        async def attempt(commit: bool) -> pb.ScoreResponse:
+            request = self._score_request(spec, ex, candidates, commit)
+            response = self.servicer.score_request(request)
+            if response.committed_instance_id:
+                ex.request = request
+                ex.committed = response.committed_instance_id
+            return response
+
+        admitted = await self.gate.admit(
+            spec.model,
+            ex.objective,
+            ex.arrived,
+            attempt,
+            lambda r: [Estimate.of(x) for x in r.ranked] if r.block_size else [],
+            self._undo(ex),
+        )
+        if isinstance(admitted, Shed):
+            return admitted
+        response = admitted.trial
+        if response.block_size and (admitted.pick or not admitted.committed):
+            # Admission chose a later-ranked instance (the first within the objective), or the
+            # request was re-scored without commit after waiting: commit it where it goes.
+            self._commit_on(ex, spec, candidates, response.ranked[admitted.pick].instance_id)
+            picked = response.ranked[admitted.pick]
+            rest = [r for i, r in enumerate(response.ranked) if i != admitted.pick]
+            del response.ranked[:]
+            response.ranked.extend([picked, *rest])
         if not response.block_size:
             # A model the index has not heard of: any eligible endpoint may still serve it.
             return self._by_load(eligible)
@@ -236,17 +292,43 @@ class EndpointPicker(ep_grpc.ExternalProcessorServicer):
         ranked = list(dict.fromkeys(r.endpoint for r in response.ranked if r.endpoint))
         return ranked[: 1 + self.fallbacks]
 
-    def _score_request(self, spec: PromptSpec, ex: _Exchange, candidates: list[str]) -> pb.ScoreRequest:
+    def _score_request(
+        self, spec: PromptSpec, ex: _Exchange, candidates: list[str], commit: bool = True
+    ) -> pb.ScoreRequest:
         request = pb.ScoreRequest(
             model=spec.model,
             salt=spec.salt,
             candidates=candidates,
             policy=self.policy,
-            commit=True,
+            commit=commit,
             request_id=ex.request_id,
         )
         apply_prompt(request, spec)
         return request
+
+    def _commit_on(self, ex: _Exchange, spec: PromptSpec, candidates: list[str], instance: str) -> None:
+        """Commit the request on ``instance`` (a Score with commit restricted to it replaces any
+        entry the request had)."""
+        if ex.committed and ex.committed != instance:
+            self.servicer.router.release(ex.request_id, FINISHED)
+            ex.committed = ""
+        if ex.committed == instance:
+            return
+        request = self._score_request(spec, ex, [instance])
+        response = self.servicer.score_request(request)
+        if response.committed_instance_id:
+            ex.request = request
+            ex.committed = response.committed_instance_id
+
+    def _undo(self, ex: _Exchange) -> Any:
+        """A pick not acted on (held or shed): its commit must not count against the instance."""
+
+        async def undo(_response: pb.ScoreResponse) -> None:
+            if ex.committed:
+                self.servicer.router.release(ex.request_id, FINISHED)  # no wake: it goes back to the queue
+                ex.committed = ""
+
+        return undo
 
     def _eligible(self, subset: list[str] | None) -> list[InstanceState]:
         """Routable instances that announced where they serve (within the subset hint, if any)."""
@@ -289,6 +371,7 @@ class EndpointPicker(ep_grpc.ExternalProcessorServicer):
             ex.released_prefill = True
         if ex.committed:
             self.servicer.router.release(ex.request_id, phase)
+            self.gate.wake()  # an instance has room: held requests may fit now
 
     def _finish(self, ex: _Exchange) -> None:
         if not ex.finished:
@@ -347,8 +430,9 @@ def _subset(metadata: core_pb2.Metadata) -> list[str] | None:
     return []
 
 
-def _immediate(status: int, details: str) -> ep.ProcessingResponse:
+def _immediate(status: int, details: str, headers: dict[str, str] | None = None) -> ep.ProcessingResponse:
     body = json.dumps({"error": {"message": details, "type": "kvindex_endpoint_picker", "code": status}})
+    values = {"content-type": "application/json", **(headers or {})}
     return ep.ProcessingResponse(
         immediate_response=ep.ImmediateResponse(
             status=http_status_pb2.HttpStatus(code=status),
@@ -356,9 +440,8 @@ def _immediate(status: int, details: str) -> ep.ProcessingResponse:
             details=details,
             headers=ep.HeaderMutation(
                 set_headers=[
-                    core_pb2.HeaderValueOption(
-                        header=core_pb2.HeaderValue(key="content-type", raw_value=b"application/json")
-                    )
+                    core_pb2.HeaderValueOption(header=core_pb2.HeaderValue(key=k, raw_value=v.encode()))
+                    for k, v in values.items()
                 ]
             ),
         )

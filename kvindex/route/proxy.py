@@ -271,7 +271,6 @@ class RouteProxy:
         if not await self.client.refresh_instances(timeout=max(1.0, cfg.score_timeout)):
             log.warning("index_unreachable_at_start", index=cfg.index)
         self.client.start()
-        self.gate.start()
         # auto_decompress off: the engine's bytes reach the client as sent (Content-Encoding kept).
         self._session = aiohttp.ClientSession(
             # Idle engine connections are dropped before uvicorn (vLLM's server) drops them at 5 s:

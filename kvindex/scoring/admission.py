@@ -420,10 +420,10 @@ class AdmissionGate(Generic[T]):
         self._trying: set[int] = set()
         self._task: asyncio.Task[None] | None = None
 
-    # -- lifecycle
+    # -- lifecycle (the turn-giving task runs only while something is queued)
 
-    def start(self) -> None:
-        if self._task is None:
+    def _start(self) -> None:
+        if self._task is None or self._task.done():
             self._task = asyncio.ensure_future(self._run())
 
     async def stop(self) -> None:
@@ -504,6 +504,7 @@ class AdmissionGate(Generic[T]):
             self.metrics.queued.labels(model, objective.label, reason).inc()
             self.metrics.depth.set(len(self.queue))
         turn = self._turns[entry.seq] = asyncio.Event()
+        self._start()
         try:
             return await self._held(entry, turn, attempt, estimates, undo)
         finally:
@@ -559,12 +560,10 @@ class AdmissionGate(Generic[T]):
     async def _run(self) -> None:
         """Gives queued requests their turn: on a wake, and every ``tick_s``; sheds the expired."""
         cfg = self.config
-        while True:
+        while self.queue:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), timeout=cfg.tick_s)
             self._wake.clear()
-            if not self.queue:
-                continue
             now = self.clock()
             for entry, reason in self.queue.expired(now, cfg):
                 if entry.seq not in self._trying:

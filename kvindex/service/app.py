@@ -29,6 +29,7 @@ from kvindex.repair.nats_repair import NatsRepairer, RepairConfig
 from kvindex.routing_sync.metrics import SyncCollector
 from kvindex.routing_sync.nats_link import NatsRoutingLink
 from kvindex.routing_sync.sync import RoutingSync, SyncConfig
+from kvindex.scoring.admission import AdmissionConfig, ObjectiveDefaults
 from kvindex.scoring.calibration import Calibrator
 from kvindex.scoring.router import Router, RouterConfig
 from kvindex.service.calibration_store import CalibrationStore
@@ -64,6 +65,9 @@ class ServiceConfig:
     ext_proc_port: int | None = None  # Envoy ext_proc endpoint picker; None: off, 0: any free port
     ext_proc_host: str = "0.0.0.0"
     ext_proc_policy: str = ""  # ranking policy of the picker; "": the router's default (ttft)
+    # The picker's admission: TTFT objectives, priorities, queue (kvindex/scoring/admission.py).
+    ext_proc_admission: AdmissionConfig = field(default_factory=AdmissionConfig)
+    ext_proc_objectives: ObjectiveDefaults = field(default_factory=ObjectiveDefaults)
     # Text prompts: model -> tokenizer directory (serve --tokenizer MODEL=DIR), and the cache's bytes.
     tokenizers: dict[str, str] = field(default_factory=dict)
     tokenize_cache_bytes: int = DEFAULT_CACHE_BYTES
@@ -139,7 +143,13 @@ class IndexService:
         )
         self.ext_proc: ExtProcServer | None = None
         if config.ext_proc_port is not None:
-            picker = EndpointPicker(self.servicer, policy=config.ext_proc_policy, log=self.log)
+            picker = EndpointPicker(
+                self.servicer,
+                policy=config.ext_proc_policy,
+                log=self.log,
+                admission=config.ext_proc_admission,
+                objectives=config.ext_proc_objectives,
+            )
             self.ext_proc = ExtProcServer(
                 picker, config.ext_proc_host, config.ext_proc_port, config.grpc_security, ready=False
             )
