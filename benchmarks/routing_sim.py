@@ -19,6 +19,12 @@ own state all matter, as they would in production.
 Outputs per policy: TTFT mean/p50/p90/p99, SLO goodput, prefix hit rate, prefill GPU-seconds,
 busiest/idlest running-request ratio, max replicas of hot prefixes; a CSV and PNG plots in
 benchmarks/out/. Deterministic for a seed.
+
+Admission (kvindex/scoring/admission.py): the policy ``ttft+admit`` is ``ttft`` with the router's
+admission in front (the same rule and queue as ``kvindex route`` and the ext_proc picker, in virtual
+time): each request has a TTFT objective (its trace row's ``ttft_slo_ms``, else ``--slo`` or the
+preset's), and is served, held in the router's queue, or shed. A second table gives every policy's
+SLO goodput counted over all arrivals (a shed request is a missed one).
 """
 
 from __future__ import annotations
@@ -47,6 +53,21 @@ from kvindex.fleet.registry import Registry
 from kvindex.index import InvertedIndex
 from kvindex.ingest.consumer import Consumer
 from kvindex.keys import block_keys
+from kvindex.scoring.admission import (
+    ADMIT,
+    BEST_EFFORT,
+    DEADLINE,
+    QUEUE_FULL,
+    SHED,
+    UNATTAINABLE,
+    AdmissionConfig,
+    AdmissionQueue,
+    Estimate,
+    Objective,
+    QueueEntry,
+    deadline_of,
+    judge,
+)
 from kvindex.scoring.base import RouteRequest
 from kvindex.scoring.calibration import Calibrator
 from kvindex.scoring.home import home_block
@@ -64,7 +85,8 @@ ROOT = Path(__file__).resolve().parents[1]
 TRACE = mooncake_trace()
 OUT = ROOT / "benchmarks" / "out"
 MODEL = "sim-model"
-DEFAULT_POLICIES = tuple(POLICY_NAMES)
+ADMIT_SUFFIX = "+admit"  # a policy name with it: that policy with admission in front
+DEFAULT_POLICIES = (*POLICY_NAMES, "ttft" + ADMIT_SUFFIX)
 
 
 # -- workloads ----------------------------------------------------------------------------------------
@@ -175,6 +197,7 @@ class Cluster:
     # Score's top_k: > 0 ranks only the holders and the best few others (pruned, forced on at every
     # fleet size here so that the tables check it); 0 ranks every instance (--top-k 0).
     top_k: int = 4
+    slo_margin: float = 0.0  # admission (policies "...+admit"): admit within objective x (1 + margin)
 
 
 @dataclass
@@ -191,6 +214,14 @@ class RunResult:
     repairs: dict[str, int]
     wall_s: float
     ttfts: list[float] = field(default_factory=list, repr=False)
+    # Every policy: arrivals, those that met their own objective (shed ones did not), the arrivals'
+    # time span; with admission: how many were shed and how many waited in the router's queue.
+    arrivals: int = 0
+    slo_met: int = 0
+    span_s: float = 0.0
+    shed: int = 0
+    queued: int = 0
+    shed_reasons: dict[str, int] = field(default_factory=dict)
 
 
 class _SimRepair:
@@ -240,6 +271,15 @@ class Simulation:
         self.cluster = cluster
         self.now = 0.0
         self.rng = random.Random(seed)
+        base = policy.removesuffix(ADMIT_SUFFIX)
+        self.admission: AdmissionConfig | None = None
+        if base != policy:
+            self.admission = AdmissionConfig(margin=cluster.slo_margin)
+        self.queue = AdmissionQueue(self.admission.max_queue if self.admission else 1)
+        self.held: dict[int, SimRequest] = {}  # queue entry seq -> request
+        self.shed: Counter[str] = Counter()
+        self.queued = 0
+        self._ticking = False
         clock = self.clock
         self.index = InvertedIndex()
         self.registry = Registry(clock=clock)
@@ -250,7 +290,7 @@ class Simulation:
             self.index,
             self.registry,
             self.calibrator,
-            RouterConfig(default_policy=policy, seed=seed, prune_min_instances=0),
+            RouterConfig(default_policy=base, seed=seed, prune_min_instances=0),
             clock=clock,
             policy_options=policy_options,
         )
@@ -341,11 +381,120 @@ class Simulation:
         if req.keys:
             self._hot[req.keys[home_block(len(req.keys), self.block_size, 2048)]] += 1
         route = RouteRequest(MODEL, req.keys, req.prompt_tokens, self.block_size, req.id)
+        if self.admission is not None:
+            self._admit(req, route)
+            return
         # top_k as a router asks: policies that can rank only the holders and the best few others
         # (ttft) do, and must place exactly as their full ranking would (tables byte-identical).
         result = self.router.score(route, commit=True, top_k=self.cluster.top_k)
         assert result.committed is not None, "no routable instance"
         self.engines[result.committed.worker].submit(req, self.now)
+
+    # -- admission ----------------------------------------------------------------------------------
+
+    def objective(self, req: SimRequest) -> Objective:
+        return Objective(1000.0 * (req.ttft_slo_s or self.cluster.slo_s))
+
+    def _look(self, req: SimRequest, route: RouteRequest, elapsed_s: float) -> tuple[Any, Any]:
+        """Score without commit, and admission's verdict on it."""
+        assert self.admission is not None
+        result = self.router.score(route, top_k=self.cluster.top_k)
+        estimates = [Estimate.of(c.candidate) for c in result.choices]
+        return result, judge(self.objective(req), elapsed_s * 1000.0, estimates, self.admission)
+
+    def _serve(self, req: SimRequest, route: RouteRequest, result: Any, pick: int) -> None:
+        state = result.choices[pick].candidate.state
+        assert self.router.commit(route, state.key), "no routable instance"
+        self.engines[state.worker].submit(req, self.now)
+
+    def _admit(self, req: SimRequest, route: RouteRequest) -> None:
+        cfg = self.admission
+        assert cfg is not None
+        result, verdict = self._look(req, route, 0.0)
+        objective = self.objective(req)
+        entry = QueueEntry(
+            objective,
+            MODEL,
+            req.arrival,
+            deadline_of(objective, req.arrival, cfg),
+            self.queue.next_seq(),
+            service_ms=min(
+                (c.candidate.prefill_ms + c.candidate.fetch_ms for c in result.choices), default=0.0
+            ),
+            can_meet=verdict.can_meet,
+        )
+        if verdict.action == ADMIT and not self.queue.ahead_of(entry.key):
+            self._serve(req, route, result, verdict.pick)
+            return
+        if verdict.action == SHED:
+            self.shed[verdict.reason] += 1
+            return
+        displaced = self.queue.push(entry)
+        if displaced is entry:
+            if verdict.can_meet:
+                self._serve(req, route, result, verdict.pick)
+            else:
+                self.shed[QUEUE_FULL] += 1
+            return
+        self.held[entry.seq] = req
+        self.queued += 1
+        if displaced is not None:
+            self._evict(displaced)
+        if not self._ticking:
+            self._ticking = True
+            self.later(cfg.tick_s, self._tick)
+
+    def _route_of(self, req: SimRequest) -> RouteRequest:
+        return RouteRequest(MODEL, req.keys, req.prompt_tokens, self.block_size, req.id)
+
+    def _evict(self, entry: QueueEntry) -> None:
+        """Displaced from a full queue: served if an instance can meet it now, else shed."""
+        req = self.held.pop(entry.seq)
+        route = self._route_of(req)
+        result, verdict = self._look(req, route, self.now - req.arrival)
+        if verdict.can_meet:
+            self._serve(req, route, result, verdict.pick)
+        else:
+            self.shed[QUEUE_FULL] += 1
+
+    def _tick(self) -> None:
+        self._drain()
+        if self.queue:
+            assert self.admission is not None
+            self.later(self.admission.tick_s, self._tick)
+        else:
+            self._ticking = False
+
+    def _drain(self) -> None:
+        """Queued requests' turn (after a release, and every tick): the expired are shed, the first
+        few re-scored, and served if they fit now."""
+        cfg = self.admission
+        if cfg is None or not self.queue:
+            return
+        for entry, reason in self.queue.expired(self.now, cfg):
+            self.queue.remove(entry)
+            req = self.held.pop(entry.seq)
+            route = self._route_of(req)
+            result, verdict = self._look(req, route, self.now - req.arrival)
+            if verdict.reason == BEST_EFFORT:  # a last look: an idle instance serves it anyway
+                self._serve(req, route, result, verdict.pick)
+            else:
+                self.shed[reason] += 1
+        for entry in list(self.queue)[: cfg.scan]:
+            req = self.held[entry.seq]
+            route = self._route_of(req)
+            result, verdict = self._look(req, route, self.now - req.arrival)
+            entry.service_ms = min(
+                (c.candidate.prefill_ms + c.candidate.fetch_ms for c in result.choices), default=0.0
+            )
+            if verdict.action == ADMIT:
+                self.queue.remove(entry)
+                del self.held[entry.seq]
+                self._serve(req, route, result, verdict.pick)
+            elif verdict.action == SHED:
+                self.queue.remove(entry)
+                del self.held[entry.seq]
+                self.shed[DEADLINE if verdict.reason == UNATTAINABLE else verdict.reason] += 1
 
     def run(self) -> None:
         arrivals = sorted(self.requests, key=lambda r: r.arrival)
@@ -376,6 +525,7 @@ class Simulation:
                         for done in e.advance(t):
                             self._complete(done)
                 self._flush()
+                self._drain()  # instances have room: held requests may fit now
             while self._events and self._events[0][0] <= t:
                 _t, _n, action = heapq.heappop(self._events)
                 action()
@@ -383,7 +533,7 @@ class Simulation:
                 self._arrive(arrivals[i])
                 i += 1
                 self._flush()
-            if i >= len(arrivals) and all(e.next_time() is None for e in engines):
+            if i >= len(arrivals) and all(e.next_time() is None for e in engines) and not self.queue:
                 break
 
     def _complete(self, done: Any) -> None:
@@ -412,6 +562,8 @@ class Simulation:
         means = [np.mean(v) for v in self._running_samples.values() if v]
         ratio = (max(means) / min(means)) if means and min(means) > 0 else float("inf")
         c = self.consumer.counters
+        met = sum(1 for x in firsts if x.ttft <= (x.request.ttft_slo_s or self.cluster.slo_s))
+        times = [r.arrival for r in self.requests]
         return RunResult(
             policy=self.policy,
             label=label,
@@ -434,6 +586,12 @@ class Simulation:
             },
             wall_s=wall,
             ttfts=[float(x) for x in ttfts],
+            arrivals=len(self.requests),
+            slo_met=met,
+            span_s=(max(times) - min(times)) if times else 0.0,
+            shed=sum(self.shed.values()),
+            queued=self.queued,
+            shed_reasons=dict(self.shed),
         )
 
 
@@ -579,6 +737,23 @@ def table(results: list[RunResult]) -> str:
     return "\n".join(lines)
 
 
+def goodput_table(results: list[RunResult]) -> str:
+    """SLO goodput over every arrival (shed = missed), and what admission did."""
+    head = (
+        f"{'level':<22} {'policy':<13} {'goodput':>8} {'req/s':>7} {'shed':>6} {'queued':>7} "
+        f"{'served p90':>10}"
+    )
+    lines = [head, "-" * len(head)]
+    for r in results:
+        share = r.slo_met / r.arrivals if r.arrivals else 0.0
+        rate = r.slo_met / r.span_s if r.span_s else 0.0
+        lines.append(
+            f"{r.label:<22} {r.policy:<13} {share:8.1%} {rate:7.2f} {r.shed / max(r.arrivals, 1):6.1%} "
+            f"{r.queued / max(r.arrivals, 1):7.1%} {r.ttft['p90']:10.2f}"
+        )
+    return "\n".join(lines)
+
+
 def write_outputs(exp: Experiment, results: list[RunResult]) -> None:
     OUT.mkdir(parents=True, exist_ok=True)
     with open(OUT / f"{exp.name}.csv", "w", newline="") as f:
@@ -669,6 +844,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--policies", default=",".join(DEFAULT_POLICIES))
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--slo", type=float, default=0.0, help="TTFT objective (s) for goodput")
+    parser.add_argument(
+        "--slo-margin", type=float, default=0.0, help="admission (ttft+admit): objective x (1 + margin)"
+    )
     parser.add_argument("--delay", type=float, default=0.005, help="event propagation delay (s)")
     parser.add_argument("--loss", type=float, default=0.0, help="probability a batch is lost")
     parser.add_argument("--output-tokens", type=int, default=0, help="loadaware preset: output length")
@@ -681,6 +859,7 @@ def main(argv: list[str] | None = None) -> int:
     exp = PRESETS[args.preset](args)
     for _label, _reqs, cluster in exp.levels:
         cluster.top_k = args.top_k
+        cluster.slo_margin = args.slo_margin
     jobs = [
         (p, label, reqs, cluster, args.seed, exp.options)
         for label, reqs, cluster in exp.levels
@@ -705,6 +884,9 @@ def main(argv: list[str] | None = None) -> int:
     order = {(label, p): i for i, (p, label, *_rest) in enumerate(jobs)}
     results.sort(key=lambda r: order[(r.label, r.policy)])
     print(table(results))
+    print()
+    print("SLO goodput: requests within their TTFT objective over all arrivals (a shed request is missed)")
+    print(goodput_table(results))
     print(f"({len(jobs)} runs, {time.perf_counter() - started:.0f} s; outputs in {OUT.relative_to(ROOT)}/)")
     write_outputs(exp, results)
     with open(OUT / f"{exp.name}.json", "w") as f:

@@ -15,6 +15,10 @@ instance an estimated TTFT (queue wait + prefill + fetch). The rule (docs/scorin
   and the request ranks last; a request without an objective is shed after ``max_wait_s`` in the
   queue. A request is never shed while an instance could meet its objective. Negative priorities
   are "sheddable" (GIE): never queued, shed when they could not be served within the objective.
+- **best effort**: a request no instance could meet is still served when an instance has nothing
+  queued (``idle_wait_ms``): idle capacity costs no one else their objective, and what it leaves in
+  the cache is what the conversation's next, shorter turns reuse (shedding a long first turn sheds
+  the cheap turns after it too).
 
 Everything here but :class:`AdmissionGate` is pure logic on plain numbers, so the routing
 simulation runs the same rule in virtual time (benchmarks/routing_sim.py).
@@ -49,6 +53,8 @@ QUEUE_FULL = "queue_full"  # the queue was full and the request ranked last
 TIMEOUT = "timeout"  # no objective: queued longer than max_wait_s
 SHEDDABLE = "sheddable"  # negative priority, and no instance within the objective / threshold
 SHED_REASONS = (UNATTAINABLE, DEADLINE, QUEUE_FULL, TIMEOUT, SHEDDABLE)
+
+BEST_EFFORT = "best_effort"  # admitted although no instance can meet its objective: one is idle
 
 # Why a request was queued.
 OVER_OBJECTIVE = "over_objective"  # no instance's estimate within the objective
@@ -192,7 +198,7 @@ class AdmissionConfig:
     estimates); ``queue_threshold_ms``: every candidate's estimated queue wait past it → queue
     (0: off); ``max_queue``: requests held at most; ``max_wait_s``: how long a request without an
     objective may be held; ``scan``: queued requests re-scored per turn; ``tick_s``: how often the
-    queue is looked at when nothing wakes it."""
+    queue is looked at when nothing wakes it; ``idle_wait_ms``: best effort (above)."""
 
     margin: float = 0.0
     queue_threshold_ms: float = 0.0
@@ -200,6 +206,9 @@ class AdmissionConfig:
     max_wait_s: float = 30.0
     scan: int = 8
     tick_s: float = 0.05
+    # Serve a request no instance can meet on an instance whose estimated queue wait is at most
+    # this (ms); negative: never (shed it).
+    idle_wait_ms: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -235,6 +244,9 @@ def judge(
         return Verdict(ADMIT, pick=meets, can_meet=True)
     retry = max(1, math.ceil(min(e.wait_ms for e in estimates) / 1000.0))
     if not any(e.service_ms <= budget for e in estimates):
+        idle = next((i for i, e in enumerate(estimates) if e.wait_ms <= config.idle_wait_ms), None)
+        if idle is not None:
+            return Verdict(ADMIT, BEST_EFFORT, pick=idle)
         return Verdict(SHED, UNATTAINABLE, retry_after_s=retry)
     if objective.priority < 0:
         return Verdict(SHED, SHEDDABLE, retry_after_s=retry)
@@ -357,6 +369,10 @@ class AdmissionMetrics:
             ["outcome"], buckets=WAIT_BUCKETS, **kw,
         )  # fmt: skip
         self.depth = Gauge(f"{prefix}_admission_queue_depth", "requests held in the queue now", **kw)
+        self.best_effort = Counter(
+            f"{prefix}_admission_best_effort", "requests no instance could serve within their objective, "
+            "served on an idle instance instead of shed", ["model", "priority"], **kw,
+        )  # fmt: skip
         self.slo = Counter(
             f"{prefix}_slo_requests",
             "requests with a TTFT objective by model, priority and result: met (goodput), missed "
@@ -483,6 +499,8 @@ class AdmissionGate(Generic[T]):
         )
         if verdict.action == ADMIT:
             if objective.priority < 0 or not self.queue.ahead_of(entry.key):
+                if verdict.reason == BEST_EFFORT and self.metrics is not None:
+                    self.metrics.best_effort.labels(model, objective.label).inc()
                 return Admitted(trial, verdict.pick, 0.0)
             reason = BEHIND
         elif verdict.action == SHED:
@@ -529,8 +547,6 @@ class AdmissionGate(Generic[T]):
             turn.clear()
             now = self.clock()
             waited = now - entry.arrived
-            if entry.expired:
-                return self._shed(model, objective, entry.expired, 1, waited)
             self._trying.add(entry.seq)
             trial = await attempt(False)
             ests = estimates(trial)
@@ -539,9 +555,13 @@ class AdmissionGate(Generic[T]):
             verdict = judge(objective, waited * 1000.0, ests, cfg)
             entry.service_ms = min((e.service_ms for e in ests), default=0.0)
             entry.can_meet = verdict.can_meet
+            if entry.expired and verdict.reason != BEST_EFFORT:
+                return self._shed(model, objective, entry.expired, 1, waited)
             if verdict.action == ADMIT or (entry.evicted and verdict.can_meet):
                 if self.metrics is not None:
                     self.metrics.queue_wait.labels("admitted").observe(waited)
+                    if verdict.reason == BEST_EFFORT:
+                        self.metrics.best_effort.labels(model, objective.label).inc()
                 return Admitted(trial, verdict.pick, waited, committed=False)
             if entry.evicted:
                 return self._shed(model, objective, QUEUE_FULL, verdict.retry_after_s or 1, waited)

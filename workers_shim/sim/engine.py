@@ -54,6 +54,7 @@ class SimRequest:
     output_tokens: int
     arrival: float = 0.0
     meta: Any = None
+    ttft_slo_s: float | None = None  # its TTFT objective, when the trace gives one (goodput, admission)
 
 
 @dataclass(slots=True)

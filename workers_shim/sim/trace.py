@@ -1,7 +1,8 @@
 """Mooncake-format traces as simulated requests.
 
-A row is ``{"timestamp": ms, "input_length": n, "output_length": m, "hash_ids": [...]}`` with one
-hash id per 512-token block (the last one possibly partial); equal ids mean equal prefixes. Each id is
+A row is ``{"timestamp": ms, "input_length": n, "output_length": m, "hash_ids": [...]}`` (and
+``"ttft_slo_ms": ms`` if the trace sets objectives) with one hash id per 512-token block (the last
+one possibly partial); equal ids mean equal prefixes. Each id is
 turned into 512 deterministic token ids (id h → h·512 … h·512+511, mod 2^32), so the prompt has real
 tokens and its keys are the wire's keys (``kvindex.keys.block_keys``) at any block size: a router
 that asks kvindex with these tokens, and the engines that cache them, agree.
@@ -64,6 +65,7 @@ def mooncake_requests(
                 output_tokens=max(1, int(row["output_length"])),
                 arrival=row["timestamp"] / 1000.0 * time_scale,
                 meta=row["hash_ids"],
+                ttft_slo_s=float(row["ttft_slo_ms"]) / 1000.0 if row.get("ttft_slo_ms") else None,
             )
         )
     return out
