@@ -62,6 +62,7 @@ from kvindex.scoring.admission import (
     UNATTAINABLE,
     AdmissionConfig,
     AdmissionQueue,
+    Correction,
     Estimate,
     Objective,
     QueueEntry,
@@ -280,6 +281,8 @@ class Simulation:
         self.shed: Counter[str] = Counter()
         self.queued = 0
         self._ticking = False
+        self.correction = Correction()  # as the proxy: measured / estimated TTFT of what it served
+        self._estimated: dict[str, tuple[float, float]] = {}  # request id -> (estimate ms, decided at)
         clock = self.clock
         self.index = InvertedIndex()
         self.registry = Registry(clock=clock)
@@ -399,10 +402,11 @@ class Simulation:
         """Score without commit, and admission's verdict on it."""
         assert self.admission is not None
         result = self.router.score(route, top_k=self.cluster.top_k)
-        estimates = [Estimate.of(c.candidate) for c in result.choices]
+        estimates = self.correction.apply(MODEL, [Estimate.of(c.candidate) for c in result.choices])
         return result, judge(self.objective(req), elapsed_s * 1000.0, estimates, self.admission)
 
     def _serve(self, req: SimRequest, route: RouteRequest, result: Any, pick: int) -> None:
+        self._estimated[req.id] = (result.choices[pick].candidate.est_ttft_ms, self.now)
         state = result.choices[pick].candidate.state
         assert self.router.commit(route, state.key), "no routable instance"
         self.engines[state.worker].submit(req, self.now)
@@ -541,6 +545,9 @@ class Simulation:
         if done.kind == "first_token":
             self.completions[rid] = done
             self.router.release(rid, "prefill")
+            estimated = self._estimated.pop(rid, None)
+            if estimated is not None:
+                self.correction.observe(MODEL, estimated[0], (done.first_token_at - estimated[1]) * 1000.0)
         else:
             self.completions[rid + "#end"] = done
             self.router.release(rid, "finished")

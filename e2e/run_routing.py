@@ -15,6 +15,12 @@ load: TTFT mean / p50 / p90 at the client (time to the first streamed content ch
 own prefix-cache hit rate (``vllm:prefix_cache_hits_total`` / ``queries``), completed requests/s, and
 the CPU share of everything that is not an engine while it ran. ``make e2e-routing`` runs it;
 docs/e2e-routing.md explains the method and shows the tables.
+
+SLO goodput: every request carries a TTFT objective (header ``x-kvindex-ttft-slo-ms``; ``--slo-ms``,
+by default 2.5x this machine's cold 2K-token prefill, about 4x the light-load p90), which
+``kvindex route`` admits, queues or sheds by (kvindex/scoring/admission.py) and vllm-router ignores.
+Goodput is the requests whose TTFT met it over all arrivals: a shed (429) or failed request missed
+it. The ``overload`` level offers more than the engines can serve.
 """
 
 from __future__ import annotations
@@ -129,9 +135,12 @@ class Result:
     ttft: float | None  # seconds; None: failed
     total: float | None
     error: str = ""
+    status: int | None = None  # HTTP status of a failed request (429: shed by admission)
 
 
-async def send_all(base_url: str, requests: list[Request], max_tokens: int) -> list[Result]:
+async def send_all(
+    base_url: str, requests: list[Request], max_tokens: int, headers: dict[str, str] | None = None
+) -> list[Result]:
     """Each request at its arrival time, streamed; TTFT = first chunk with content (or a finish)."""
     from openai import AsyncOpenAI
 
@@ -151,6 +160,7 @@ async def send_all(base_url: str, requests: list[Request], max_tokens: int) -> l
                 max_tokens=max_tokens,
                 temperature=0,
                 stream=True,
+                extra_headers=headers,
             )
             async for chunk in stream:
                 if (
@@ -161,7 +171,8 @@ async def send_all(base_url: str, requests: list[Request], max_tokens: int) -> l
                     ttft = time.perf_counter() - sent
             return Result(req.at, req.kind, ttft, time.perf_counter() - sent)
         except Exception as exc:  # a failed request is reported, not retried
-            return Result(req.at, req.kind, None, None, f"{type(exc).__name__}: {exc}"[:200])
+            error = f"{type(exc).__name__}: {exc}"[:200]
+            return Result(req.at, req.kind, None, None, error, getattr(exc, "status_code", None))
 
     results = await asyncio.gather(*(one(r) for r in requests))
     await client.close()
@@ -225,6 +236,7 @@ class Bench:
         self.procs: list[Proc] = []
         self.words = Text(args.model_dir)
         self.calibration: dict[str, float] = {}
+        self.slo_s = args.slo_ms / 1000.0  # 0: set from the calibration
 
     def log(self, msg: str) -> None:
         print(f"[e2e-routing {time.strftime('%H:%M:%S')}] {msg}", flush=True)
@@ -389,7 +401,8 @@ class Bench:
         served_before = [served(e.base) for e in self.engines]
         engine_pids = [p for e in self.engines if e.proc for p in tree_pids(e.proc.popen.pid)]
         ticks0, engine0, wall0 = machine_ticks(), sum(cpu_ticks(p) for p in engine_pids), time.monotonic()
-        results = asyncio.run(send_all(base + "/v1", requests, self.args.max_tokens))
+        objective = {"x-kvindex-ttft-slo-ms": f"{self.slo_s * 1000:.0f}"} if self.slo_s else None
+        results = asyncio.run(send_all(base + "/v1", requests, self.args.max_tokens, objective))
         wall = time.monotonic() - wall0
         busy = machine_ticks() - ticks0
         engines_busy = sum(cpu_ticks(p) for p in engine_pids) - engine0
@@ -426,13 +439,19 @@ class Bench:
             "per_engine": per_engine,
             "cpu_other_share": (busy - engines_busy) / max(busy, 1),
             "cpu_busy_cores": busy / hz / wall,
+            # Goodput: within the objective, over every arrival (shed and failed ones missed it).
+            "duration_s": self.args.duration,
+            "slo_s": self.slo_s,
+            "slo_met": sum(1 for r in ok if r.ttft is not None and r.ttft <= self.slo_s),
+            "shed": sum(1 for r in results if r.status == 429),
             "results": [asdict(r) for r in results],
         }
         self.log(
             f"{router:12s} {load:5s} run {run}: TTFT mean {fmt(row['ttft_mean'])} p50 {fmt(row['ttft_p50'])} "
             f"p90 {fmt(row['ttft_p90'])}, hit {fmt(row['hit_rate'], pct_=True)}, "
             f"{row['req_per_s']:.2f} req/s, "
-            f"failed {row['failed']}, per engine {per_engine}, other CPU {row['cpu_other_share']:.0%}"
+            f"failed {row['failed']} (shed {row['shed']}), goodput {row['slo_met']}/{len(results)} within "
+            f"{self.slo_s:.2f}s, per engine {per_engine}, other CPU {row['cpu_other_share']:.0%}"
         )
         return row
 
@@ -441,7 +460,8 @@ class Bench:
         gives the time per prompt token, hence what two engines can prefill with no cache hits at the
         workload's mean prompt length. "light" offers 20 % of that, "high" 80 % and "peak" 140 %:
         with the 62-66 % of prompt tokens round robin gets from the cache here, its engines' queues
-        build at peak without running away (measured: 2.5x that overloads them)."""
+        build at peak without running away (measured: 2.5x that overloads them): "overload" offers
+        2.5x. The TTFT objective (unless ``--slo-ms``): 2.5x the 2K-token prefill."""
         rng = random.Random(12345)
         samples = []
         for _ in range(4):
@@ -459,10 +479,13 @@ class Bench:
             sum(len(m["content"].split()) for m in r.messages) * self.words.tokens_per_word for r in probe
         )
         capacity = len(self.engines) / (mean_tokens * per_token)  # requests/s, no cache hits
+        if not self.slo_s:
+            self.slo_s = round(2.5 * statistics.median(samples), 2)
         self.calibration = {
             "prefill_2k_s": statistics.median(samples),
             "mean_prompt_tokens": mean_tokens,
             "capacity_req_s_no_hits": capacity,
+            "slo_s": self.slo_s,
         }
         self.log(
             f"calibration: 2K-token prefill {self.calibration['prefill_2k_s']:.3f} s, mean prompt "
@@ -472,6 +495,7 @@ class Bench:
             "light": self.args.light_rate or round(0.2 * capacity, 2),
             "high": self.args.high_rate or round(0.8 * capacity, 2),
             "peak": self.args.peak_rate or round(1.4 * capacity, 2),
+            "overload": self.args.overload_rate or round(2.5 * capacity, 2),
         }
 
     def main(self) -> int:
@@ -496,7 +520,7 @@ class Bench:
         finally:
             for p in reversed(self.procs):
                 p.stop()
-        table = summary(rows, self.calibration)
+        table = summary(rows, self.calibration) + "\n" + goodput_summary(rows)
         (self.out / "table.md").write_text(table)
         print(table)
         return 0
@@ -569,6 +593,33 @@ def summary(rows: list[dict[str, Any]], calibration: dict[str, float]) -> str:
     return "\n".join(lines)
 
 
+def goodput_summary(rows: list[dict[str, Any]]) -> str:
+    """Per load and router: SLO goodput over all arrivals, mean over runs (min-max), and shed."""
+    if not rows:
+        return ""
+    lines = [
+        f"### SLO goodput (TTFT objective {rows[0]['slo_s']:.2f} s; a shed or failed request missed it)",
+        "",
+        "| load | router | goodput | goodput (req/s) | shed | TTFT p90 of served (s) |",
+        "|---|---|---|---|---|---|",
+    ]
+    for load in dict.fromkeys(r["load"] for r in rows):
+        sel = [r for r in rows if r["load"] == load]
+        for router in dict.fromkeys(r["router"] for r in sel):
+            rr = [r for r in sel if r["router"] == router]
+            shares = [r["slo_met"] / r["requests"] for r in rr if r["requests"]]
+            rates = [r["slo_met"] / r["duration_s"] for r in rr]  # per second of arrivals
+            name = "kvindex route (ttft, admission)" if router == "kvindex" else f"vllm-router {router}"
+            p90s = [r["ttft_p90"] for r in rr if r["ttft_p90"] is not None]
+            lines.append(
+                f"| {load} ({rr[0]['rate']} req/s) | {name} | {statistics.fmean(shares):.1%} "
+                f"({min(shares):.1%}-{max(shares):.1%}) | {statistics.fmean(rates):.2f} | "
+                f"{sum(r['shed'] for r in rr)}/{sum(r['requests'] for r in rr)} | "
+                f"{statistics.fmean(p90s) if p90s else float('nan'):.3f} |"
+            )
+    return "\n".join(lines) + "\n"
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--vllm-python", type=Path, default=ROOT / ".venv-vllm" / "bin" / "python")
@@ -576,7 +627,9 @@ def main() -> int:
     p.add_argument("--model-dir", type=Path, default=ROOT / "e2e" / "routing-llama")
     p.add_argument("--out", type=Path, default=ROOT / "e2e" / "out-routing")
     p.add_argument("--routers", nargs="+", default=list(ROUTERS), choices=ROUTERS)
-    p.add_argument("--loads", nargs="+", default=["light", "high"], choices=("light", "high", "peak"))
+    p.add_argument(
+        "--loads", nargs="+", default=["light", "high"], choices=("light", "high", "peak", "overload")
+    )
     p.add_argument(
         "--light-rate", type=float, default=0.0, help="requests/s at light load (0: 20 %% of no-hit capacity)"
     )
@@ -585,6 +638,12 @@ def main() -> int:
     )
     p.add_argument(
         "--peak-rate", type=float, default=0.0, help="req/s at peak (0: 140 %% of no-hit capacity)"
+    )
+    p.add_argument(
+        "--overload-rate", type=float, default=0.0, help="req/s at overload (0: 250 %% of no-hit capacity)"
+    )
+    p.add_argument(
+        "--slo-ms", type=float, default=0.0, help="TTFT objective of every request (0: 2.5x a 2K prefill)"
     )
     p.add_argument("--duration", type=float, default=60.0, help="seconds of arrivals per run")
     p.add_argument("--runs", type=int, default=3)

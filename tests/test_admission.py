@@ -17,6 +17,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 
 from kvindex.scoring.admission import (
     ADMIT,
+    BEST_EFFORT,
     DEADLINE,
     OVER_OBJECTIVE,
     QUEUE,
@@ -86,6 +87,17 @@ def test_never_shed_while_an_idle_instance_could_meet_it() -> None:
     assert judge(Objective(1000, -1), 0, [est(5000, 400)], CFG).reason == SHEDDABLE
     saturated = AdmissionConfig(queue_threshold_ms=1)
     assert judge(Objective(1000, -1), 0, [est(900, 400)], saturated).action == ADMIT
+
+
+def test_best_effort_on_an_idle_instance_for_what_no_instance_can_meet() -> None:
+    # Its own prefill (6 s) is past the 5 s objective everywhere; the second instance is idle.
+    v = judge(Objective(5000), 0, [est(9000, 6000), est(6500, 6500)], CFG)
+    assert (v.action, v.reason, v.pick, v.can_meet) == (ADMIT, BEST_EFFORT, 1, False)
+    assert (
+        judge(Objective(5000), 0, [est(9000, 6000), est(6500, 6500)], AdmissionConfig(idle_wait_ms=-1)).action
+        == SHED
+    )
+    assert judge(Objective(5000), 0, [est(9000, 6000), est(6600, 6500)], CFG).action == SHED
 
 
 def test_queue_threshold_holds_requests_when_every_queue_is_past_it() -> None:

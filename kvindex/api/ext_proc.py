@@ -92,6 +92,9 @@ class _Exchange:
     arrived: float = field(default_factory=time.monotonic)  # the request headers: TTFT starts here
     model: str = ""
     objective: Objective = field(default_factory=Objective)
+    est_ms: float = 0.0  # the index's TTFT estimate for the pick, and when it was made
+    decided_at: float = 0.0
+    streaming: bool = False  # the response is an event stream: its first body chunk is the first token
 
 
 class PickerMetrics:
@@ -191,6 +194,8 @@ class EndpointPicker(ep_grpc.ExternalProcessorServicer):
             return [ep.ProcessingResponse(request_trailers=ep.TrailersResponse())]
         if kind == "response_headers":
             self._served(ex, msg.metadata_context)
+            ctype = _headers(msg.response_headers.headers).get("content-type", "")
+            ex.streaming = ctype.startswith("text/event-stream")
             if msg.response_headers.end_of_stream:
                 self._finish(ex)
             return [ep.ProcessingResponse(response_headers=ep.HeadersResponse())]
@@ -198,7 +203,10 @@ class EndpointPicker(ep_grpc.ExternalProcessorServicer):
             body = msg.response_body
             if not ex.released_prefill and (body.body or body.end_of_stream):
                 # The first bytes of the answer: the prefill is done (time queued included).
-                self.admission_metrics.observe_ttft(ex.model, ex.objective, time.monotonic() - ex.arrived)
+                now = time.monotonic()
+                self.admission_metrics.observe_ttft(ex.model, ex.objective, now - ex.arrived)
+                if ex.streaming and ex.est_ms:
+                    self.gate.observe(ex.model, ex.est_ms, now - ex.decided_at)
                 self._release(ex, PREFILL)
             if body.end_of_stream:
                 self._finish(ex)
@@ -277,6 +285,7 @@ class EndpointPicker(ep_grpc.ExternalProcessorServicer):
         if isinstance(admitted, Shed):
             return admitted
         response = admitted.trial
+        ex.est_ms, ex.decided_at = admitted.est_ms, time.monotonic()
         if response.block_size and (admitted.pick or not admitted.committed):
             # Admission chose a later-ranked instance (the first within the objective), or the
             # request was re-scored without commit after waiting: commit it where it goes.

@@ -187,6 +187,8 @@ class _LedgerOps:
         self.request_id = request_id
         self.model = model
         self.objective = objective or Objective()  # its TTFT is judged against it at the first byte
+        self.est_ms = 0.0  # the index's TTFT estimate for the instance chosen, and when it was chosen
+        self.decided_at = 0.0
         self._tail: asyncio.Task[None] | None = None
         # The index may hold an entry for the request (Score committed it, or may have): only then
         # are releases sent (a fallback decision while the index is down has nothing to release).
@@ -467,6 +469,7 @@ class RouteProxy:
                 response.headers["Retry-After"] = str(admitted.retry_after_s)
                 return response
             decision, why = admitted.trial
+            ledger.est_ms, ledger.decided_at = admitted.est_ms, time.monotonic()
             if decision is not None and admitted.pick:
                 # Admission chose a later-ranked instance (the first within the objective): it goes
                 # first, and the ledger entry follows it there (_forward's re-commit).
@@ -584,9 +587,13 @@ class RouteProxy:
                 return response, "502"
             if first:
                 first = False
-                ttft = time.monotonic() - received  # queue time included
+                now = time.monotonic()
+                ttft = now - received  # queue time included
                 self.metrics.ttft.labels(stream).observe(ttft)
                 self.admission_metrics.observe_ttft(ledger.model, ledger.objective, ttft)
+                if stream == "true" and ledger.est_ms and reason != "retry":
+                    # The first chunk of a stream is the first token: how good was the estimate?
+                    self.gate.observe(ledger.model, ledger.est_ms, now - ledger.decided_at)
                 ledger.release(PREFILL)  # the first token (stream) or the whole answer is out
             try:
                 await response.write(chunk)

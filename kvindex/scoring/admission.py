@@ -20,6 +20,11 @@ instance an estimated TTFT (queue wait + prefill + fetch). The rule (docs/scorin
   the cache is what the conversation's next, shorter turns reuse (shedding a long first turn sheds
   the cheap turns after it too).
 
+Estimates are corrected by what the router measures (:class:`Correction`): the ratio of measured
+to estimated TTFT of the streams it served, per model, so that an index whose prefill model is not
+calibrated to the engines (no prefill samples from their bridge, say) does not admit what the
+engines cannot serve in time, nor shed what they can.
+
 Everything here but :class:`AdmissionGate` is pure logic on plain numbers, so the routing
 simulation runs the same rule in virtual time (benchmarks/routing_sim.py).
 """
@@ -190,6 +195,37 @@ class Estimate:
         """From a ``RankedInstance`` (gRPC) or a scoring ``Candidate`` (in process)."""
         own = float(ranked.prefill_ms + ranked.fetch_ms)
         return cls(float(ranked.est_ttft_ms), own, float(ranked.wait_ms))
+
+
+class Correction:
+    """Measured / estimated TTFT per model: ratio of exponentially weighted sums (so that long
+    prefills, where the estimate matters, weigh more than a few ms of overhead on a cached prompt),
+    clamped to [lo, hi], 1 until ``min_samples`` were seen. Only time the estimate covers counts:
+    from the decision to the first token, not time queued in the router."""
+
+    def __init__(self, keep: float = 0.98, lo: float = 0.25, hi: float = 8.0, min_samples: int = 8) -> None:
+        self.keep, self.lo, self.hi, self.min_samples = keep, lo, hi, min_samples
+        self._sums: dict[str, list[float]] = {}  # model -> [measured, estimated, samples]
+
+    def observe(self, model: str, est_ms: float, measured_ms: float) -> None:
+        if not (est_ms > 0 and measured_ms > 0 and math.isfinite(est_ms) and math.isfinite(measured_ms)):
+            return
+        s = self._sums.setdefault(model, [0.0, 0.0, 0])
+        s[0] = s[0] * self.keep + measured_ms
+        s[1] = s[1] * self.keep + est_ms
+        s[2] += 1
+
+    def factor(self, model: str) -> float:
+        s = self._sums.get(model)
+        if s is None or s[2] < self.min_samples or s[1] <= 0:
+            return 1.0
+        return min(self.hi, max(self.lo, s[0] / s[1]))
+
+    def apply(self, model: str, estimates: Sequence[Estimate]) -> list[Estimate]:
+        k = self.factor(model)
+        if k == 1.0:
+            return list(estimates)
+        return [Estimate(e.est_ttft_ms * k, e.service_ms * k, e.wait_ms * k) for e in estimates]
 
 
 @dataclass
@@ -394,12 +430,14 @@ T = TypeVar("T")
 class Admitted(Generic[T]):
     """Serve ``trial`` on its ranked instance ``pick``. ``committed``: the trial was made with
     commit (the first look); a request admitted from the queue was re-scored without one, so the
-    caller commits it where it sends it."""
+    caller commits it where it sends it. ``est_ms``: the (uncorrected) estimate of the pick, for
+    :meth:`AdmissionGate.observe` (0: none)."""
 
     trial: T
     pick: int
     waited_s: float
     committed: bool = True
+    est_ms: float = 0.0
 
 
 @dataclass
@@ -431,6 +469,7 @@ class AdmissionGate(Generic[T]):
         self.metrics = metrics
         self.clock = clock
         self.queue = AdmissionQueue(config.max_queue)
+        self.correction = Correction()
         self._wake = asyncio.Event()
         self._turns: dict[int, asyncio.Event] = {}
         self._trying: set[int] = set()
@@ -447,6 +486,10 @@ class AdmissionGate(Generic[T]):
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
             self._task = None
+
+    def observe(self, model: str, est_ms: float, measured_s: float) -> None:
+        """A stream's first token came ``measured_s`` after the decision estimated ``est_ms``."""
+        self.correction.observe(model, est_ms, measured_s * 1000.0)
 
     def wake(self) -> None:
         """Something was released: queued requests may fit now."""
@@ -482,12 +525,14 @@ class AdmissionGate(Generic[T]):
     ) -> Admitted[T] | Shed:
         cfg = self.config
         trial = await attempt(True)
+        raw = estimates(trial)
         # Nothing to hold for: no objective, no threshold, nobody queued (the common case, unchanged).
         if objective.ttft_ms is None and cfg.queue_threshold_ms <= 0 and not self.queue:
-            return Admitted(trial, 0, 0.0)
-        ests = estimates(trial)
+            return Admitted(trial, 0, 0.0, est_ms=raw[0].est_ttft_ms if raw else 0.0)
+        ests = self.correction.apply(model, raw)
         now = self.clock()
         verdict = judge(objective, (now - arrived) * 1000.0, ests, cfg)
+        est_ms = raw[verdict.pick].est_ttft_ms if raw else 0.0
         entry = QueueEntry(
             objective,
             model,
@@ -501,7 +546,7 @@ class AdmissionGate(Generic[T]):
             if objective.priority < 0 or not self.queue.ahead_of(entry.key):
                 if verdict.reason == BEST_EFFORT and self.metrics is not None:
                     self.metrics.best_effort.labels(model, objective.label).inc()
-                return Admitted(trial, verdict.pick, 0.0)
+                return Admitted(trial, verdict.pick, 0.0, est_ms=est_ms)
             reason = BEHIND
         elif verdict.action == SHED:
             await undo(trial)
@@ -510,8 +555,8 @@ class AdmissionGate(Generic[T]):
             reason = verdict.reason
         displaced = self.queue.push(entry)
         if displaced is entry:  # full, and this one ranks last
-            if verdict.can_meet:
-                return Admitted(trial, verdict.pick, 0.0)  # never shed while an instance could meet
+            if verdict.can_meet:  # never shed while an instance could meet
+                return Admitted(trial, verdict.pick, 0.0, est_ms=est_ms)
             await undo(trial)
             return self._shed(model, objective, QUEUE_FULL, verdict.retry_after_s or 1, None)
         await undo(trial)
@@ -549,7 +594,8 @@ class AdmissionGate(Generic[T]):
             waited = now - entry.arrived
             self._trying.add(entry.seq)
             trial = await attempt(False)
-            ests = estimates(trial)
+            raw = estimates(trial)
+            ests = self.correction.apply(model, raw)
             now = self.clock()
             waited = now - entry.arrived
             verdict = judge(objective, waited * 1000.0, ests, cfg)
@@ -562,7 +608,8 @@ class AdmissionGate(Generic[T]):
                     self.metrics.queue_wait.labels("admitted").observe(waited)
                     if verdict.reason == BEST_EFFORT:
                         self.metrics.best_effort.labels(model, objective.label).inc()
-                return Admitted(trial, verdict.pick, waited, committed=False)
+                est_ms = raw[verdict.pick].est_ttft_ms if raw else 0.0
+                return Admitted(trial, verdict.pick, waited, committed=False, est_ms=est_ms)
             if entry.evicted:
                 return self._shed(model, objective, QUEUE_FULL, verdict.retry_after_s or 1, waited)
             if verdict.action == SHED:
