@@ -29,6 +29,7 @@ from kvindex.scoring.admission import (
     UNATTAINABLE,
     AdmissionConfig,
     AdmissionQueue,
+    Correction,
     Estimate,
     Objective,
     ObjectiveDefaults,
@@ -107,6 +108,25 @@ def test_queue_threshold_holds_requests_when_every_queue_is_past_it() -> None:
     assert judge(Objective(), 0, [est(3000, 500), est(1000, 100)], cfg).action == ADMIT
     v = judge(Objective(5000), 0, [est(3000, 500), est(2600, 100)], cfg)
     assert (v.action, v.reason, v.can_meet) == (QUEUE, SATURATED, True)
+
+
+def test_correction_by_measured_ttft() -> None:
+    c = Correction(min_samples=3)
+    for _ in range(2):
+        c.observe("m", est_ms=100, measured_ms=300)
+    assert c.factor("m") == 1.0  # too few samples yet
+    c.observe("m", est_ms=100, measured_ms=300)
+    assert c.factor("m") == pytest.approx(3.0)
+    (scaled,) = c.apply("m", [est(1000, 400)])
+    assert (scaled.est_ttft_ms, scaled.service_ms, scaled.wait_ms) == pytest.approx((3000, 1200, 1800))
+    # Long prefills weigh more than a few ms of overhead on cached prompts (a ratio of sums).
+    c.observe("m", est_ms=1, measured_ms=50)
+    assert c.factor("m") < 3.2
+    c.observe("m", est_ms=0, measured_ms=50)  # nothing to compare: ignored
+    assert c.factor("other") == 1.0
+    for _ in range(50):
+        c.observe("m", est_ms=10, measured_ms=1000)
+    assert c.factor("m") == 8.0  # clamped
 
 
 def test_objective_defaults_and_headers() -> None:
@@ -206,6 +226,13 @@ async def test_objective_met_when_the_fleet_has_room(slo_fleet: Fleet) -> None:
         await resp.read()
     m = await slo_fleet.metrics()
     assert sample(m, "kvindex_route_slo_requests_total", model=MODEL, priority="0", result="met") == 1
+    # Streams teach the correction: the fake engines answer far faster than the default model says.
+    gate = slo_fleet.proxy.gate
+    for _ in range(gate.correction.min_samples):
+        async with await slo_fleet.post({**body(), "stream": True}) as resp:
+            assert resp.status == 200
+            await resp.read()
+    assert gate.correction.factor(MODEL) < 1.0
     assert sum(v for (n, _), v in m.items() if n == "kvindex_route_admission_queued_total") == 0
 
 
