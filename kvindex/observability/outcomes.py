@@ -66,7 +66,9 @@ class OutcomeCollector(Collector):
         yield ratio
         states = self._states()
         by_state = GaugeMetricFamily(
-            "kvindex_instances_by_state", "Instances per state: exact, degraded, approximate", ["state"]
+            "kvindex_instances_by_state",
+            "Instances per state: exact, degraded, approximate",
+            labels=["state"],
         )
         each = GaugeMetricFamily(
             "kvindex_instance_state", "1 for each instance's current state", labels=["instance", "state"]
