@@ -154,6 +154,10 @@ class Run:
         index_argv = [
             str(BIN / "kvindex"), "serve", "--grpc-host", "127.0.0.1", "--grpc-port", str(self.grpc_port),
             "--metrics-port", "-1", "--log-format", "json",
+            # The periodic snapshot (every 60 s, first at a random moment) also repairs the loss (it
+            # asks the bridge, which asks the engine's replay buffer): off, so that what finds the
+            # loss here is the engine's answers.
+            "--reconcile-interval", "0",
         ]  # fmt: skip
         index = Proc("kvindex", index_argv, self.out / "kvindex.log")
         self.procs.append(index)
