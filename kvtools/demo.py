@@ -215,9 +215,7 @@ def _on_completion(tally: Tally, stub: pb_grpc.KvIndexStub, pending: set[asyncio
             est = tally.est_ms.pop(rid, None)
             if est is not None:
                 tally.pairs.append((est / 1000, c.ttft))
-            # What vLLM reports as usage.prompt_tokens_details.cached_tokens: the hit of the request's
-            # first admission (a preempted request's later ones find its own blocks again).
-            cached = sum((c.first_cached_tokens or c.cached_tokens).values())
+            cached = c.reported_cached_tokens  # as vLLM's usage.prompt_tokens_details.cached_tokens
             predicted = tally.predicted.pop(rid, None)
             if predicted is not None:
                 tally.cache_errors.append(cached - predicted)

@@ -74,8 +74,7 @@ async def test_lost_events_degrade_then_a_snapshot_repairs(
             finished[rid] = loop.create_future()
             await fleet.submit(worker, SimRequest(rid, block_keys(tokens, BS, MODEL), len(tokens), 2))
             c = await asyncio.wait_for(finished[rid], 10)
-            # vLLM's cached_tokens: the hit of the first admission (none was preempted here anyway).
-            cached = sum((c.first_cached_tokens or c.cached_tokens).values())
+            cached = c.reported_cached_tokens  # vLLM's: the first admission's hit
             found, status = await client.release_reported(
                 rid, "finished", cached_tokens=cached, ttft_ms=c.ttft * 1000, prompt_tokens=len(tokens)
             )
