@@ -467,6 +467,8 @@ class KvIndexServicer(pb_grpc.KvIndexServicer):
                 sync=state.sync,
                 endpoint=state.endpoint or "",
                 approximate=state.approximate,
+                role=state.role,
+                pd_group=state.pd_group or "",
             )
         self._observe("ListInstances", started)
         return response
