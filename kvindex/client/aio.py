@@ -191,6 +191,7 @@ def _message(cls: Any, fields: dict[str, Any]) -> Any:
         if (
             field_desc is not None
             and field_desc.type == field_desc.TYPE_STRING
+            and not field_desc.is_repeated  # (candidates: a list of strings is what it takes)
             and isinstance(value, list | dict | tuple)
         ):
             value = _json(value)
