@@ -80,7 +80,8 @@ def add_sim_arguments(parser: argparse.ArgumentParser) -> None:
         "--transfer-ms-per-block",
         type=float,
         default=None,
-        help="time to receive one block's KV from a prefill instance (default: the profile's CPU load time)",
+        help="ms to receive one block's KV from a prefill instance (default: over the profile's RDMA "
+        "link, as its shared-pool loads)",
     )
     e = parser.add_argument_group("engine")
     e.add_argument("--profile", choices=sorted(PROFILES), default="llama3-8b-h100")
@@ -116,7 +117,8 @@ def build_config(args: argparse.Namespace) -> EngineConfig:
     cfg = EngineConfig.from_profile(args.profile, args.block_size, **overrides)
     transfer = getattr(args, "transfer_ms_per_block", None)
     fetch = dict(cfg.fetch_ms_per_block)
-    fetch["remote"] = transfer if transfer is not None else fetch.get("cpu", 0.0)
+    # Default: the profile's RDMA link (its "shared" one): prefill and decode engines talk over it.
+    fetch["remote"] = transfer if transfer is not None else fetch.get("shared", 0.0)
     cfg.fetch_ms_per_block = fetch
     return cfg
 
