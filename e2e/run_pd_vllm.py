@@ -60,6 +60,30 @@ def post(url: str, body: dict[str, Any], timeout: float = 300.0) -> tuple[int, d
         return exc.code, dict(exc.headers), exc.read(), time.monotonic() - started
 
 
+def wait_roles(grpc_port: int, procs: list[Proc]) -> None:
+    """Until the index lists both engines with an endpoint and the role their shim announces."""
+    import grpc
+
+    from kvindex.v1 import kvindex_pb2 as pb
+    from kvindex.v1 import kvindex_pb2_grpc as pb_grpc
+
+    deadline = time.monotonic() + 90
+    with grpc.insecure_channel(f"127.0.0.1:{grpc_port}") as ch:
+        stub = pb_grpc.KvIndexStub(ch)
+        while time.monotonic() < deadline:
+            try:
+                got = stub.ListInstances(pb.ListInstancesRequest(model=MODEL), timeout=2).instances
+                if {(i.instance_id, i.role) for i in got if i.endpoint} == {
+                    ("vllm0/0", "prefill"),
+                    ("vllm1/0", "decode"),
+                }:
+                    return
+            except grpc.RpcError:
+                pass
+            time.sleep(0.3)
+    raise RuntimeError("the shims did not announce the engines' roles in time:\n" + procs[-1].tail(20))
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--vllm-python", type=Path, default=ROOT / ".venv-vllm" / "bin" / "python")
@@ -140,7 +164,18 @@ def main() -> int:
             )
         )  # fmt: skip
         route = f"http://127.0.0.1:{route_port}"
-        time.sleep(3.0)  # heartbeats (0.5 s) and the proxy's instance refresh (2 s)
+        wait_roles(grpc_port, procs)
+        deadline = time.monotonic() + 60
+        while True:  # the proxy listens, and has refreshed its instance list (every 2 s) since
+            try:
+                if http(f"{route}/health", timeout=2)[0] == 200:
+                    break
+            except OSError:
+                pass
+            if time.monotonic() > deadline or not procs[-1].alive():
+                raise RuntimeError(f"kvindex route not up:\n{procs[-1].tail(20)}")
+            time.sleep(0.3)
+        time.sleep(2.5)
         words = " ".join(f"w{i % 97}" for i in range(400))
         xfers0 = metric(bases[1], "vllm:nixl_xfer_time_seconds_count")
         rows = []
