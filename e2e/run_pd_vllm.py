@@ -5,7 +5,7 @@ that move KV with NixlConnector (UCX over a CPU buffer).
   events on, the random Llama of ``make e2e-routing``); both run ``--kv-transfer-config
   {"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_buffer_device": "cpu"}``;
 - ``kvindex serve`` (embedded NATS, the model's tokenizer) and ``kvindex route --pd`` with a low
-  ``--pd-min-input-tokens`` so that the prompts here (about 600 tokens) take two steps;
+  ``--pd-min-input-tokens`` (256) so that the chat requests here (about 1,100 tokens) take two steps;
 - requests (chat, greedy) go through the proxy: long ones must be served in two steps (header
   ``x-kvindex-pd: remote``), NIXL transfers must show on the decode engine
   (``vllm:nixl_xfer_time_seconds_count``), and each answer must equal the one the prefill engine
