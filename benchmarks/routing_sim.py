@@ -496,6 +496,8 @@ class PdSimulation(Simulation):
             return
         from kvindex.route.pd import PrefillOption, choose_prefill, decide_local, decode_candidates
 
+        if req.keys:
+            self._hot[req.keys[home_block(len(req.keys), self.block_size, 2048)]] += 1
         members = self._members()
         decodes = decode_candidates(members)
         route = RouteRequest(MODEL, req.keys, req.prompt_tokens, self.block_size, req.id, "decode")
