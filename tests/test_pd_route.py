@@ -174,3 +174,60 @@ async def test_concurrent_requests_all_pair_within_their_group(pd: PdFleet) -> N
     failed = sum([(await pd.stats(w))["kv_pulls_failed"] for w in ("sim-2", "sim-3")])
     assert pulls == len(prompts) and failed == 0
     await wait_until(lambda: len(pd.service.router.ledger) == 0, what="ledger empty")
+
+
+async def test_a_failed_prefill_step_never_fails_the_request(
+    service: IndexService, make_publisher: Any
+) -> None:
+    """Against fake engines (real aiohttp servers): a prefill instance that answers without
+    kv_transfer_params (no KV connector), fails (500) or is unreachable: the decode instance gets the
+    client's own request and prefills itself; every path counted; the ledger ends empty."""
+    from kvindex.route.pd import PdConfig
+    from kvindex.route.proxy import RouteConfig, RouteProxy
+    from tests.fake_openai import FakeOpenAIEngine
+
+    model = "pd-fake"
+    engines = {w: await FakeOpenAIEngine(w, model).start() for w in ("p1", "d1")}
+    for w, role in (("p1", "prefill"), ("d1", "decode")):
+        await make_publisher(worker=w, model=model, block_size=4, capacity={"gpu": 100},
+                             endpoint=engines[w].endpoint, role=role)  # fmt: skip
+    await wait_until(lambda: all(service.registry.endpoint(f"{w}/0") for w in engines), what="endpoints")
+    config = RouteConfig(index=service.grpc.address, host="127.0.0.1", port=0, score_timeout=2.0,
+                         refresh_interval=0.2, pd=PdConfig(min_input_tokens=8))  # fmt: skip
+    proxy = RouteProxy(config)
+    await proxy.start()
+    body = {"model": model, "prompt": list(range(100, 140)), "max_tokens": 5, "stream": True}
+    try:
+        async with aiohttp.ClientSession() as http:
+
+            async def post() -> aiohttp.ClientResponse:
+                async with http.post(f"http://127.0.0.1:{proxy.port}/v1/completions", json=body) as resp:
+                    await resp.read()
+                    return resp
+
+            await wait_until(lambda: len(proxy.client.instances.instances(model)) == 2, what="roles known")
+            resp = await post()  # a prefill without a KV connector: 200 but no kv_transfer_params
+            assert resp.status == 200
+            assert resp.headers["x-kvindex-pd"] == "local;reason=no_kv_transfer_params"
+            sent = json.loads(engines["p1"].bodies[-1])
+            assert sent["max_tokens"] == 1 and sent["stream"] is False
+            assert sent["kv_transfer_params"]["do_remote_decode"] is True
+            assert json.loads(engines["d1"].bodies[-1]) == body  # the client's request, as sent
+
+            engines["p1"].status = 500
+            resp = await post()
+            assert resp.status == 200 and resp.headers["x-kvindex-pd"] == "local;reason=prefill_failed"
+
+            await engines["p1"].close()  # unreachable now
+            resp = await post()
+            assert resp.status == 200 and resp.headers["x-kvindex-pd"] == "local;reason=prefill_failed"
+            assert len(engines["d1"].bodies) == 3
+            await wait_until(lambda: len(service.router.ledger) == 0, what="ledger empty")
+            async with http.get(f"http://127.0.0.1:{proxy.port}/metrics") as m:
+                text = await m.text()
+            assert 'kvindex_route_pd_requests_total{path="local",reason="prefill_failed"} 2.0' in text
+            assert 'kvindex_route_pd_requests_total{path="local",reason="no_kv_transfer_params"} 1.0' in text
+    finally:
+        await proxy.stop()
+        for e in engines.values():
+            await e.close()
