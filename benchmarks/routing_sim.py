@@ -521,10 +521,13 @@ class PdSimulation(Simulation):
         decode = state.worker
         prefills = [m for m in members if m.role in ("prefill", "both") and m.worker != decode]
         if local is not None or not prefills:
-            if self.mode != "pd-rr":  # a whole request there now: its entry becomes a prefill's
-                self.router.commit(
-                    RouteRequest(MODEL, req.keys, req.prompt_tokens, self.block_size, req.id), state.key
-                )
+            if self.mode != "pd-rr":
+                # A whole request now: the decode instance to serve it by the TTFT ranking (as
+                # kvindex route --pd does; it may hold the prompt's prefix), committed whole.
+                whole = RouteRequest(MODEL, req.keys, req.prompt_tokens, self.block_size, req.id)
+                res = self.router.score(whole, decodes, commit=True, top_k=self.cluster.top_k)
+                assert res.committed is not None
+                decode = res.committed.worker
             self.engines[decode].submit(req, self.now)
             return
         self.remote += 1

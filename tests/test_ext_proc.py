@@ -350,16 +350,21 @@ async def test_pd_mode_returns_the_decode_pick_and_the_prefiller_in_a_header(
         )
         for w, role, ep_ in roles
     }
-    # p1 already holds the prompt's first 30 blocks: it prefills cheapest.
+    # p1 already holds the prompt's first 30 blocks: it prefills cheapest. d1 holds a short prompt.
     prompt = tokens(32 * BS, seed=9)
     pubs["p1"].stored(block_keys(prompt, BS, MODEL)[:30])
+    short = tokens(4 * BS, seed=10)
+    pubs["d1"].stored(block_keys(short, BS, MODEL)[:3])
     for p in pubs.values():
         await p.flush()
         await p.heartbeat()
     await wait_until(
         lambda: sum(1 for s in svc.registry.all() if s.endpoint and s.role != "both") == 4, what="roles known"
     )
-    await wait_until(lambda: svc.index.block_counts(("p1", 0))[0] == 30, what="blocks indexed")
+    await wait_until(
+        lambda: svc.index.block_counts(("p1", 0))[0] == 30 and svc.index.block_counts(("d1", 0))[0] == 3,
+        what="blocks indexed",
+    )
     assert svc.ext_proc is not None
     async with grpc.aio.insecure_channel(svc.ext_proc.address) as channel:
         stub = ep_grpc.ExternalProcessorStub(channel)
@@ -383,7 +388,11 @@ async def test_pd_mode_returns_the_decode_pick_and_the_prefiller_in_a_header(
         await envoy.close()
 
         envoy = Envoy(stub)
-        pick, _ = await envoy.request({"model": MODEL, "prompt": tokens(4 * BS, seed=10)})
+        pick, _ = await envoy.request({"model": MODEL, "prompt": short})
+        # Served whole by a decode instance: the one the TTFT ranking prefers (d1 holds the prefix;
+        # by KV headroom alone the two decode instances tie and d0 would come first).
+        header, _ = destination(pick, "request_headers")
+        assert header.split(",") == ["10.0.2.2:8000", "10.0.2.1:8000"]
         common = pick.request_headers.response
         assert PREFILLER not in [h.header.key for h in common.header_mutation.set_headers]
         assert PREFILLER in list(common.header_mutation.remove_headers)

@@ -276,7 +276,7 @@ class EndpointPicker(ep_grpc.ExternalProcessorServicer):
             # A model the index has not heard of: any eligible endpoint may still serve it.
             return self._by_load(eligible)
         if self.pd is not None and response.ranked:
-            self._plan_prefill(ex, spec, request, response, eligible)
+            response = self._plan_prefill(ex, spec, request, response, eligible)
         # Ranks of one data-parallel engine share its endpoint: each endpoint once, at its best rank.
         ranked = list(dict.fromkeys(r.endpoint for r in response.ranked if r.endpoint))
         return ranked[: 1 + self.fallbacks]
@@ -288,9 +288,11 @@ class EndpointPicker(ep_grpc.ExternalProcessorServicer):
         decode_request: pb.ScoreRequest,
         decoded: pb.ScoreResponse,
         eligible: list[InstanceState],
-    ) -> None:
-        """PD: pick the prefill instance for the decode pick (``ex.prefiller``), or leave it to the
-        decode instance itself (conditional disaggregation, kvindex/route/pd.py)."""
+    ) -> pb.ScoreResponse:
+        """PD: pick the prefill instance for the decode pick (``ex.prefiller``), or leave the prefill
+        to a decode instance (conditional disaggregation, kvindex/route/pd.py): then the request is a
+        whole one, and the decode instances are ranked again by TTFT (prefix held, queue). Returns
+        the ranking whose endpoints are the destination."""
         assert self.pd is not None and self.pd_costs is not None and self.pd_metrics is not None
         top = decoded.ranked[0]
         prompt_tokens = decoded.prompt_tokens or decoded.total_blocks * decoded.block_size
@@ -328,10 +330,23 @@ class EndpointPicker(ep_grpc.ExternalProcessorServicer):
                 elif ex.prefill_committed:
                     self.servicer.router.release(request.request_id, FINISHED)
                     ex.prefill_committed = False
-        if why != REMOTE and ex.committed:
-            # The decode instance prefills itself: its entry becomes a whole request's.
-            self._recommit(ex, ex.committed, decode_request)
         self.pd_metrics.served(why)
+        if why == REMOTE:
+            return decoded
+        whole = pb.ScoreRequest()
+        whole.CopyFrom(decode_request)
+        whole.role = ""  # ranked and committed as a whole request, among the decode instances
+        try:
+            ranked = self.servicer.score_request(whole)
+        except BadRequest:
+            ranked = None
+        if ranked is None or not ranked.ranked:
+            if ex.committed:
+                self._recommit(ex, ex.committed, decode_request)
+            return decoded
+        ex.request = whole
+        ex.committed = ranked.committed_instance_id
+        return ranked
 
     def _score_request(self, spec: PromptSpec, ex: _Exchange, candidates: list[str]) -> pb.ScoreRequest:
         request = pb.ScoreRequest(

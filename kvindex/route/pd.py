@@ -16,8 +16,8 @@ Which instances (``decide_local``, ``choose_prefill``, pure functions shared by 
   among instances announcing role ``decode`` or ``both``;
 - **conditional disaggregation**: when the part of the prompt the decode instance does not hold is
   short — fewer than ``min_input_tokens`` prompt tokens (default 2,048), or an uncached share below
-  ``min_uncached_share`` (default 0.7), Dynamo's defaults — the decode instance prefills itself (one
-  step, the plain request);
+  ``min_uncached_share`` (default 0.7), Dynamo's defaults — a decode instance prefills it (one step,
+  the plain request), the one the TTFT ranking prefers among them (it may hold the prefix);
 - otherwise the prefill instance with the lowest estimated TTFT *including the KV transfer*: the
   index's ``est_ttft_ms`` (queue, prefill of the uncached part, loads) plus the transfer of the
   tokens the decode instance lacks, at a cost per (prefill, decode) pair (``PairCosts``: given per

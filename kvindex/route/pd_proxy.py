@@ -23,11 +23,13 @@ from aiohttp import web
 from kvindex.api.openai_body import PromptSpec
 from kvindex.client import BadRequest, Decision, IndexUnavailable, Target
 from kvindex.route.pd import (
+    CACHED_ON_DECODE,
     NO_ESTIMATE,
     NO_KV_PARAMS,
     NO_PREFILL_INSTANCE,
     PREFILL_FAILED,
     REMOTE,
+    SHORT_INPUT,
     PairCosts,
     PdConfig,
     PdMetrics,
@@ -52,6 +54,9 @@ log = structlog.get_logger("kvindex.route.pd")
 PD_HEADER = "x-kvindex-pd"  # "remote", or "local;reason=..." (the decode instance prefilled itself)
 PREFILL_INSTANCE_HEADER = "x-kvindex-prefill-instance"
 PREFILL_SUFFIX = ":prefill"  # the prefill step's ledger id: the request's id + this
+# Planned local (not after a failed prefill step): the request is a whole one, and the decode
+# instance to prefill it is chosen again by the TTFT ranking (it may hold the prompt's prefix).
+WHOLE_BY_TTFT = frozenset({SHORT_INPUT, CACHED_ON_DECODE, NO_PREFILL_INSTANCE})
 
 # A first-byte callback the proxy calls with the decode target that answered.
 FirstByte = Callable[[Target], None]
@@ -86,8 +91,10 @@ class PdRoute:
         decision: Decision,
         ledger: _LedgerOps,
         headers: Any,
-    ) -> tuple[bytes, dict[str, str], FirstByte | None]:
-        """(the decode step's body, response headers to add, first-byte callback)."""
+    ) -> tuple[bytes, dict[str, str], FirstByte | None, Decision]:
+        """(the body to send, response headers to add, first-byte callback, the decision whose
+        targets to send it to: the decode pick's, or, when a decode instance prefills the request
+        itself, the TTFT ranking of the decode instances)."""
         plan = await self.plan(spec, decision, ledger.request_id)
         if plan.remote:
             assert plan.prefill is not None
@@ -95,13 +102,44 @@ class PdRoute:
             params, why = await self._prefill(request, body, plan, ledger.request_id, headers)
             if params is not None:
                 self.metrics.served(REMOTE)
-                return self._remote(body, params, plan)
+                return (*self._remote(body, params, plan), decision)
             plan.reason, plan.prefill = why, None
         self.metrics.served(plan.reason)
+        if plan.reason in WHOLE_BY_TTFT:
+            whole = await self._whole(spec, decision, ledger.request_id)
+            if whole is not None:
+                return raw, {PD_HEADER: plan.header()}, None, whole
         if decision.committed and decision.targets:
             # The decode instance prefills too: its ledger entry becomes a whole request's.
             ledger.move(decision.targets[0], spec)
-        return raw, {PD_HEADER: plan.header()}, None
+        return raw, {PD_HEADER: plan.header()}, None, decision
+
+    async def _whole(self, spec: PromptSpec, decision: Decision, request_id: str) -> Decision | None:
+        """The request served whole by a decode instance: the one the TTFT ranking (prefix held,
+        queue) puts first among them, committed as a whole request under the request's id (the
+        decode pick's entry is replaced). None when the index cannot rank it now."""
+        fields = self._fields_of(pb.ScoreRequest, spec)
+        if fields is None or decision.response is None:
+            return None
+        if self.proxy.config.policy:
+            fields["policy"] = self.proxy.config.policy
+        decodes = decode_candidates(self.proxy.client.instances.instances(spec.model))
+        try:
+            whole = await self.proxy.client.score(
+                spec.model,
+                candidates=decodes or None,
+                top_k=self.proxy.config.top_k,
+                commit=True,
+                request_id=request_id,
+                timeout=self.proxy.config.score_timeout,
+                **fields,
+            )
+        except (BadRequest, IndexUnavailable) as exc:
+            log.debug("pd_whole_score_failed", request_id=request_id, error=str(exc))
+            return None
+        if whole.source != "index" or not whole.targets:
+            return None
+        return whole
 
     def _remote(
         self, body: dict[str, Any], params: dict[str, Any], plan: PdPlan

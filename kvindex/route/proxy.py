@@ -402,7 +402,9 @@ class RouteProxy:
             first_byte: FirstByte | None = None
             if pd is not None:
                 headers = forward_headers(request.headers)
-                raw, added, first_byte = await pd.prepare(request, raw, spec, decision, ledger, headers)
+                raw, added, first_byte, decision = await pd.prepare(
+                    request, raw, spec, decision, ledger, headers
+                )
             response, code = await self._forward(
                 request, raw, spec, decision, ledger, received, added, first_byte
             )
