@@ -116,10 +116,8 @@ def build_config(args: argparse.Namespace) -> EngineConfig:
         overrides["gpu_blocks"] = args.gpu_blocks
     cfg = EngineConfig.from_profile(args.profile, args.block_size, **overrides)
     transfer = getattr(args, "transfer_ms_per_block", None)
-    fetch = dict(cfg.fetch_ms_per_block)
-    # Default: the profile's RDMA link (its "shared" one): prefill and decode engines talk over it.
-    fetch["remote"] = transfer if transfer is not None else fetch.get("shared", 0.0)
-    cfg.fetch_ms_per_block = fetch
+    if transfer is not None:  # (default: the profile's RDMA link, timemodel.PROFILES)
+        cfg.fetch_ms_per_block = {**cfg.fetch_ms_per_block, "remote": transfer}
     return cfg
 
 
