@@ -725,9 +725,13 @@ def preset_pd(args: argparse.Namespace) -> Experiment:
     documents. kvindex's PD routing against every request in two steps, vllm-router's PD mode
     (round robin, local under 256 uncached tokens) and the same 8 instances serving whole requests."""
     n = 600 if args.quick else 2000
+    # Transfers overlap compute (fetch_overlap): vLLM's NIXL reads are asynchronous, a request
+    # waits for its KV while the batch runs (the engine's loads are otherwise synchronous with
+    # admission, stalling every decoding sequence of the step: --pd-sync-transfers).
+    engine = {"profile": "llama3-8b-h100", "block_size": 16, "fetch_overlap": not args.pd_sync_transfers}
     cluster = Cluster(
         8,
-        {"profile": "llama3-8b-h100", "block_size": 16},
+        engine,
         slo_s=args.slo or 1.0,
         roles=("prefill",) * args.pd_prefill + ("decode",) * (8 - args.pd_prefill),
     )
@@ -874,6 +878,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1))
     parser.add_argument(
         "--pd-prefill", type=int, default=4, choices=range(1, 8), help="pd preset: prefill instances of 8"
+    )
+    parser.add_argument(
+        "--pd-sync-transfers",
+        action="store_true",
+        help="pd preset: KV transfers stall the receiving step (default: they overlap compute)",
     )
     parser.add_argument(
         "--top-k", type=int, default=4, help="Score top_k (0: every instance ranked, no pruning)"
