@@ -484,6 +484,8 @@ class KvIndexServicer(pb_grpc.KvIndexServicer):
                 sync=state.sync,
                 endpoint=state.endpoint or "",
                 approximate=state.approximate,
+                role=state.role,
+                pd_group=state.pd_group or "",
             )
             info = response.instances[-1]
             info.state, info.state_reason = self.router.state_of(state)

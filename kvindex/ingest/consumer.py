@@ -632,7 +632,7 @@ class Consumer:
                 memo: _StatusMemo = state.status_memo
                 if decode_status_into(peek, memo):
                     report = memo.report
-                    if report.endpoint_error is None:  # (else _accept_status: counted, logged)
+                    if report.endpoint_error is None and report.role_error is None:  # (else counted)
                         self._apply_status(state, report, payload)
                         return True
                     return self._accept_status(subject, state, report)
@@ -660,6 +660,9 @@ class Consumer:
             # The heartbeat still counts (load, digest, liveness); only the endpoint is dropped, so
             # routers never see an address they could not connect to.
             self._reject(state.worker, subject, WireError(errors.BAD_ENDPOINT, report.endpoint_error))
+        if report.role_error is not None:
+            # Likewise a role or group that cannot be read: the instance serves whole requests.
+            self._reject(state.worker, subject, WireError(errors.BAD_ROLE, report.role_error))
         self._apply_status(state, report)
         return True
 
@@ -694,6 +697,15 @@ class Consumer:
                 "instance_endpoint", worker=state.worker, dp_rank=state.dp_rank, endpoint=report.endpoint
             )
             self.registry.set_endpoint(state, report.endpoint)
+        if report.role != state.role or report.pd_group != state.pd_group:  # rare: announced or changed
+            self.log.info(
+                "instance_role",
+                worker=state.worker,
+                dp_rank=state.dp_rank,
+                role=report.role,
+                pd_group=report.pd_group,
+            )
+            self.registry.set_role(state, report.role, report.pd_group)
         if report.prefill and self.prefill_samples is not None:
             self.prefill_samples(state.model, report.prefill)
         if state.stale:

@@ -44,6 +44,8 @@ from kvindex.client import (
 from kvindex.lifecycle import Stop
 from kvindex.observability.logs import RateLimitedLog
 from kvindex.route.metrics import RouteMetrics
+from kvindex.route.pd import PdConfig
+from kvindex.route.pd_proxy import FirstByte, PdRoute
 from kvindex.scoring.ledger import FINISHED, PREFILL
 from kvindex.v1 import kvindex_pb2 as pb
 
@@ -100,6 +102,9 @@ class RouteConfig:
     # bearer token (--auth-token-file), as every kvindex client takes them.
     tls: ClientTLS | None = None
     token: str | None = None
+    # Prefill/decode disaggregation (--pd): each request's prefill and decode on two instances
+    # (kvindex/route/pd.py); None serves every request whole on one instance.
+    pd: PdConfig | None = None
 
 
 def openai_error(status: int, message: str, kind: str, code: str | None = None) -> web.Response:
@@ -210,6 +215,7 @@ class RouteProxy:
         # An engine down or an index rejecting a model fails every request alike: log once per key
         # and interval (with a count of the rest); the metrics count every one.
         self._limited_log = RateLimitedLog(log)
+        self.pd = PdRoute(self, config.pd, _fields_taken) if config.pd is not None else None
         self.app = web.Application(client_max_size=MAX_BODY_BYTES)
         for path in COMPLETION_PATHS:
             self.app.router.add_post(path, self.handle_completion)
@@ -339,8 +345,9 @@ class RouteProxy:
         targets = [Target(k.instance_id, k.endpoint) for k in chosen]
         return Decision(spec.model, targets, source="fallback", reason=reason, request_id=request_id)
 
-    async def decide(self, spec: PromptSpec, request_id: str) -> tuple[Decision | None, str]:
-        """The decision, or None and why there is none (no instance of the model is known)."""
+    async def decide(self, spec: PromptSpec, request_id: str, **extra: Any) -> tuple[Decision | None, str]:
+        """The decision, or None and why there is none (no instance of the model is known).
+        ``extra``: more ScoreRequest fields (the decode pick's role and candidates)."""
         started = time.monotonic()
         why = ""
         try:
@@ -350,6 +357,7 @@ class RouteProxy:
             else:
                 if self.config.policy:
                     fields["policy"] = self.config.policy
+                fields.update(extra)
                 decision = await self.client.score(
                     spec.model,
                     top_k=self.config.top_k,
@@ -397,7 +405,9 @@ class RouteProxy:
                 return openai_error(400, str(exc), "invalid_request_error")
             request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
             ledger = _LedgerOps(self, request_id)
-            decision, why = await self.decide(spec, request_id)
+            pd = self.pd
+            extra = pd.decode_fields(spec.model) if pd is not None else {}
+            decision, why = await self.decide(spec, request_id, **extra)
             ledger.active = decision is not None and (
                 decision.committed or decision.reason in _MAYBE_COMMITTED
             )
@@ -414,7 +424,20 @@ class RouteProxy:
                     503, f"no instance serves model {spec.model!r}" + (f": {why}" if why else ""),
                     "service_unavailable", "no_instance",
                 )  # fmt: skip
-            response, code = await self._forward(request, raw, spec, decision, ledger, received, strip_usage)
+            added: dict[str, str] | None = None
+            first_byte: FirstByte | None = None
+            if pd is not None:
+                headers = forward_headers(request.headers)
+                raw, added, first_byte, decision = await pd.prepare(
+                    request, raw, spec, decision, ledger, headers
+                )
+                if first_byte is not None:
+                    # Prefilled elsewhere: the decode engine's cached tokens count the transferred KV,
+                    # which its own prediction never promised; comparing them would only mislead.
+                    ledger.reportable = False
+            response, code = await self._forward(
+                request, raw, spec, decision, ledger, received, strip_usage, added, first_byte
+            )
             return response
         except asyncio.CancelledError:
             code = "499"  # the client went away (or shutdown's grace ran out)
@@ -436,7 +459,11 @@ class RouteProxy:
         ledger: _LedgerOps,
         received: float,
         strip_usage: bool = False,
+        added: dict[str, str] | None = None,
+        first_byte: FirstByte | None = None,
     ) -> tuple[web.StreamResponse, str]:
+        """Send ``raw`` to the decision's first reachable target and relay its answer, with the
+        ``added`` response headers; ``first_byte`` is called with the target at its first byte."""
         assert self._session is not None
         targets = [t for t in decision.targets if t.endpoint]
         if not targets:
@@ -470,7 +497,9 @@ class RouteProxy:
         if decision.committed and target.instance_id != decision.committed_instance_id:
             ledger.move(target, spec)
         try:
-            return await self._relay(request, upstream, target, reason, ledger, received, strip_usage)
+            return await self._relay(
+                request, upstream, target, reason, ledger, received, strip_usage, added, first_byte
+            )
         finally:
             upstream.close()  # a no-op after a full read (the connection went back to the pool)
 
@@ -483,6 +512,8 @@ class RouteProxy:
         ledger: _LedgerOps,
         received: float,
         strip_usage: bool = False,
+        added: dict[str, str] | None = None,
+        first_byte: FirstByte | None = None,
     ) -> tuple[web.StreamResponse, str]:
         if upstream.status >= 500:
             self.metrics.upstream_errors.labels("http_5xx").inc()
@@ -501,6 +532,8 @@ class RouteProxy:
         response.headers["x-kvindex-instance"] = target.instance_id
         response.headers["x-kvindex-decision"] = reason
         response.headers["x-kvindex-request-id"] = ledger.request_id
+        if added:
+            response.headers.update(added)
         await response.prepare(request)
         first = True
         first_at = received
@@ -525,6 +558,8 @@ class RouteProxy:
                 first = False
                 first_at = time.monotonic()
                 self.metrics.ttft.labels(stream).observe(first_at - received)
+                if first_byte is not None:
+                    first_byte(target)
                 ledger.release(PREFILL)  # the first token (stream) or the whole answer is out
             if reader is not None:
                 chunk = reader.feed(chunk)

@@ -328,9 +328,10 @@ class Router:
     def _commit(self, request: RouteRequest, cand: Candidate, policy: Policy) -> None:
         key = cand.state.key
         if request.request_id:
-            entry = self.ledger.commit(
-                request.request_id, key, request.model, request.prompt_tokens, cand.miss_tokens
-            )
+            # A disaggregated decode receives the prompt's KV from a prefill instance: it queues no
+            # prefill work there (a decode instance prefilling itself is committed as a prefill).
+            miss = 0 if request.role == DECODE_ROLE else cand.miss_tokens
+            entry = self.ledger.commit(request.request_id, key, request.model, request.prompt_tokens, miss)
             entry.prediction = Prediction(
                 key,
                 request.model,

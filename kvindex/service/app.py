@@ -28,6 +28,7 @@ from kvindex.observability.counters import IngestCounters, Metrics
 from kvindex.observability.outcomes import OutcomeCollector
 from kvindex.observability.tokenize import TokenizeCollector
 from kvindex.repair.nats_repair import NatsRepairer, RepairConfig
+from kvindex.route.pd import PdConfig
 from kvindex.routing_sync.metrics import SyncCollector
 from kvindex.routing_sync.nats_link import NatsRoutingLink
 from kvindex.routing_sync.sync import RoutingSync, SyncConfig
@@ -66,6 +67,7 @@ class ServiceConfig:
     ext_proc_port: int | None = None  # Envoy ext_proc endpoint picker; None: off, 0: any free port
     ext_proc_host: str = "0.0.0.0"
     ext_proc_policy: str = ""  # ranking policy of the picker; "": the router's default (ttft)
+    ext_proc_pd: PdConfig | None = None  # disaggregated prefill/decode picks (x-prefiller-host-port)
     # Text prompts: model -> tokenizer directory (serve --tokenizer MODEL=DIR), and the cache's bytes.
     tokenizers: dict[str, str] = field(default_factory=dict)
     tokenize_cache_bytes: int = DEFAULT_CACHE_BYTES
@@ -147,7 +149,9 @@ class IndexService:
         )
         self.ext_proc: ExtProcServer | None = None
         if config.ext_proc_port is not None:
-            picker = EndpointPicker(self.servicer, policy=config.ext_proc_policy, log=self.log)
+            picker = EndpointPicker(
+                self.servicer, policy=config.ext_proc_policy, log=self.log, pd=config.ext_proc_pd
+            )
             self.ext_proc = ExtProcServer(
                 picker, config.ext_proc_host, config.ext_proc_port, config.grpc_security, ready=False
             )

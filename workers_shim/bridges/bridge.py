@@ -76,6 +76,10 @@ class BridgeConfig:
     block_size: int | None = None  # None: learned from the engine's events or /metrics
     # "host:port" routers send this worker's requests to; default: the host and port of metrics_url.
     endpoint: str | None = None
+    # Prefill/decode disaggregation, announced in heartbeats: "prefill", "decode" or "both" (None:
+    # not announced, which the index reads as both), and the KV-transfer group.
+    role: str | None = None
+    pd_group: str | None = None
     subject_prefix: str = "kvindex"
     capacity: dict[str, int] = field(default_factory=dict)
     media: dict[str, str] = field(default_factory=dict)  # medium -> tier overrides
@@ -125,6 +129,8 @@ class Rank:
             worker=cfg.worker_id,
             model=cfg.model,
             endpoint=self.bridge.endpoint,
+            role=cfg.role,
+            pd_group=cfg.pd_group,
             block_size=self.bridge.block_size,
             dp_rank=self.dp_rank,
             subject_prefix=cfg.subject_prefix,
