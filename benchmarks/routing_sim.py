@@ -56,7 +56,6 @@ from kvindex.ingest.consumer import Consumer
 from kvindex.keys import block_keys
 from kvindex.scoring.admission import (
     ADMIT,
-    BEST_EFFORT,
     DEADLINE,
     QUEUE_FULL,
     SHED,
@@ -491,7 +490,7 @@ class Simulation:
             req = self.held.pop(entry.seq)
             route = self._route_of(req)
             result, verdict = self._look(req, route, self.now - req.arrival)
-            if verdict.reason == BEST_EFFORT:  # a last look: an idle instance serves it anyway
+            if verdict.action == ADMIT:  # a last look: it fits after all, or an idle instance takes it
                 self._serve(req, route, result, verdict.pick)
             else:
                 self.shed[reason] += 1

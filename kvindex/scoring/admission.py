@@ -590,8 +590,6 @@ class AdmissionGate(Generic[T]):
         while True:
             await turn.wait()
             turn.clear()
-            now = self.clock()
-            waited = now - entry.arrived
             self._trying.add(entry.seq)
             trial = await attempt(False)
             raw = estimates(trial)
@@ -601,7 +599,7 @@ class AdmissionGate(Generic[T]):
             verdict = judge(objective, waited * 1000.0, ests, cfg)
             entry.service_ms = min((e.service_ms for e in ests), default=0.0)
             entry.can_meet = verdict.can_meet
-            if entry.expired and verdict.reason != BEST_EFFORT:
+            if entry.expired and verdict.action != ADMIT:  # a last look found no way in (best effort)
                 return self._shed(model, objective, entry.expired, 1, waited)
             if verdict.action == ADMIT or (entry.evicted and verdict.can_meet):
                 if self.metrics is not None:
