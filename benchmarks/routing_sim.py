@@ -412,11 +412,13 @@ class Simulation:
         """Score without commit, and admission's verdict on it."""
         assert self.admission is not None
         result = self.router.score(route, top_k=self.cluster.top_k)
-        estimates = self.correction.apply(MODEL, [Estimate.of(c.candidate) for c in result.choices])
+        estimates = self.correction.apply(MODEL, [Estimate.of(c.candidate) for c in result.choices], self.now)
         return result, judge(self.objective(req), elapsed_s * 1000.0, estimates, self.admission)
 
     def _serve(self, req: SimRequest, route: RouteRequest, result: Any, pick: int) -> None:
-        self._estimated[req.id] = (result.choices[pick].candidate.est_ttft_ms, self.now)
+        est_ms = result.choices[pick].candidate.est_ttft_ms
+        self._estimated[req.id] = (est_ms, self.now)
+        self.correction.start(MODEL, req.id, est_ms, self.now)
         state = result.choices[pick].candidate.state
         assert self.router.commit(route, state.key), "no routable instance"
         self.engines[state.worker].submit(req, self.now)
@@ -557,6 +559,7 @@ class Simulation:
             self.router.release(rid, "prefill")
             estimated = self._estimated.pop(rid, None)
             if estimated is not None:
+                self.correction.finish(MODEL, rid)
                 self.correction.observe(MODEL, estimated[0], (done.first_token_at - estimated[1]) * 1000.0)
         else:
             self.completions[rid + "#end"] = done

@@ -126,7 +126,18 @@ def test_correction_by_measured_ttft() -> None:
     assert c.factor("other") == 1.0
     for _ in range(50):
         c.observe("m", est_ms=10, measured_ms=1000)
-    assert c.factor("m") == 8.0  # clamped
+    assert c.factor("m") == 32.0  # clamped
+
+
+def test_correction_counts_late_first_tokens_before_they_come() -> None:
+    c = Correction(min_samples=4)
+    for key in range(4):
+        c.start("m", key, est_ms=100, since_s=10.0)
+    assert c.factor("m", now_s=10.05) == 1.0  # within their estimates: nothing learnt yet
+    assert c.factor("m", now_s=11.0) == pytest.approx(10.0)  # 1 s waited so far, 0.1 s estimated
+    for key in range(4):
+        c.finish("m", key)
+    assert c.factor("m", now_s=11.0) == 1.0
 
 
 def test_objective_defaults_and_headers() -> None:

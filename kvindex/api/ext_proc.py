@@ -251,8 +251,9 @@ class EndpointPicker(ep_grpc.ExternalProcessorServicer):
                 # The first bytes of the answer: the prefill is done (time queued included).
                 now = ex.first_byte_at = time.monotonic()
                 self.admission_metrics.observe_ttft(ex.model, ex.objective, now - ex.arrived)
-                if ex.streaming and ex.est_ms and not ex.prefiller:
-                    self.gate.observe(ex.model, ex.est_ms, now - ex.decided_at)
+                if ex.est_ms:
+                    counts = ex.streaming and not ex.prefiller
+                    self.gate.observe(ex.model, id(ex), ex.est_ms, now - ex.decided_at if counts else None)
                 self._release(ex, PREFILL)
             if ex.reader is not None:
                 ex.reader.feed(body.body)
@@ -357,6 +358,8 @@ class EndpointPicker(ep_grpc.ExternalProcessorServicer):
         request.commit = True  # what PD's later picks copy (a held request was looked at without)
         ex.est_ms, ex.decided_at = admitted.est_ms, time.monotonic()
         ex.picked_at = ex.decided_at
+        if spec.stream and ex.est_ms:
+            self.gate.awaiting(spec.model, id(ex), ex.est_ms, ex.decided_at)
         if response.block_size and (admitted.pick or not admitted.committed):
             # Admission chose a later-ranked instance (the first within the objective), or the
             # request was re-scored without commit after waiting: commit it where it goes.
@@ -551,6 +554,7 @@ class EndpointPicker(ep_grpc.ExternalProcessorServicer):
         if not ex.finished:
             ex.finished = True
             self._release(ex, FINISHED)
+            self.gate.correction.finish(ex.model, id(ex))  # no first token awaited any more
 
 
 def apply_prompt(request: Any, spec: PromptSpec) -> None:

@@ -502,6 +502,8 @@ class RouteProxy:
                 return response
             decision, why = admitted.trial
             ledger.est_ms, ledger.decided_at = admitted.est_ms, time.monotonic()
+            if spec.stream and ledger.est_ms:
+                self.gate.awaiting(spec.model, ledger, ledger.est_ms, ledger.decided_at)
             if decision is not None and admitted.pick:
                 # Admission chose a later-ranked instance (the first within the objective): it goes
                 # first, and the ledger entry follows it there (_forward's re-commit).
@@ -548,6 +550,7 @@ class RouteProxy:
         finally:
             if ledger is not None:
                 ledger.release(FINISHED)  # however the request ended: the ledger must not leak
+                self.gate.correction.finish(ledger.model, ledger)  # no first token awaited any more
             self.metrics.in_flight.dec()
             self.metrics.requests.labels(path, code).inc()
 
@@ -661,9 +664,11 @@ class RouteProxy:
                 ttft = first_at - received  # queue time included
                 self.metrics.ttft.labels(stream).observe(ttft)
                 self.admission_metrics.observe_ttft(ledger.model, ledger.objective, ttft)
-                if stream == "true" and ledger.est_ms and reason != "retry" and first_byte is None:
+                if ledger.est_ms:
                     # The first chunk of a stream is the first token: how good was the estimate?
-                    self.gate.observe(ledger.model, ledger.est_ms, first_at - ledger.decided_at)
+                    counts = stream == "true" and reason != "retry" and first_byte is None
+                    measured = first_at - ledger.decided_at if counts else None
+                    self.gate.observe(ledger.model, ledger, ledger.est_ms, measured)
                 if first_byte is not None:
                     first_byte(target)
                 ledger.release(PREFILL)  # the first token (stream) or the whole answer is out

@@ -201,11 +201,28 @@ class Correction:
     """Measured / estimated TTFT per model: ratio of exponentially weighted sums (so that long
     prefills, where the estimate matters, weigh more than a few ms of overhead on a cached prompt),
     clamped to [lo, hi], 1 until ``min_samples`` were seen. Only time the estimate covers counts:
-    from the decision to the first token, not time queued in the router."""
+    from the decision to the first token, not time queued in the router.
 
-    def __init__(self, keep: float = 0.98, lo: float = 0.25, hi: float = 8.0, min_samples: int = 8) -> None:
+    Requests still waiting for their first token count too, once they are late (waited longer than
+    their estimate), with the time waited so far as a lower bound of their TTFT: in an overload the
+    first tokens come late, and a correction that waited for them would learn only after the fleet
+    is already far past every objective (:meth:`start` and :meth:`finish` track them)."""
+
+    def __init__(self, keep: float = 0.98, lo: float = 0.25, hi: float = 32.0, min_samples: int = 8) -> None:
         self.keep, self.lo, self.hi, self.min_samples = keep, lo, hi, min_samples
         self._sums: dict[str, list[float]] = {}  # model -> [measured, estimated, samples]
+        self._waiting: dict[str, dict[Any, tuple[float, float]]] = {}  # model -> key -> (est ms, since s)
+
+    def start(self, model: str, key: Any, est_ms: float, since_s: float) -> None:
+        """A decision whose first token is awaited (estimated ``est_ms`` at clock ``since_s``)."""
+        if est_ms > 0 and math.isfinite(est_ms):
+            self._waiting.setdefault(model, {})[key] = (est_ms, since_s)
+
+    def finish(self, model: str, key: Any) -> None:
+        """Its first token came (then :meth:`observe` it), or it ended without one."""
+        waiting = self._waiting.get(model)
+        if waiting is not None:
+            waiting.pop(key, None)
 
     def observe(self, model: str, est_ms: float, measured_ms: float) -> None:
         if not (est_ms > 0 and measured_ms > 0 and math.isfinite(est_ms) and math.isfinite(measured_ms)):
@@ -215,14 +232,19 @@ class Correction:
         s[1] = s[1] * self.keep + est_ms
         s[2] += 1
 
-    def factor(self, model: str) -> float:
-        s = self._sums.get(model)
-        if s is None or s[2] < self.min_samples or s[1] <= 0:
+    def factor(self, model: str, now_s: float | None = None) -> float:
+        measured, estimated, n = self._sums.get(model) or (0.0, 0.0, 0)
+        if now_s is not None:
+            for est_ms, since in self._waiting.get(model, {}).values():
+                waited = (now_s - since) * 1000.0
+                if waited > est_ms:  # late: its TTFT is at least what it waited
+                    measured, estimated, n = measured + waited, estimated + est_ms, n + 1
+        if n < self.min_samples or estimated <= 0:
             return 1.0
-        return min(self.hi, max(self.lo, s[0] / s[1]))
+        return min(self.hi, max(self.lo, measured / estimated))
 
-    def apply(self, model: str, estimates: Sequence[Estimate]) -> list[Estimate]:
-        k = self.factor(model)
+    def apply(self, model: str, estimates: Sequence[Estimate], now_s: float | None = None) -> list[Estimate]:
+        k = self.factor(model, now_s)
         if k == 1.0:
             return list(estimates)
         return [Estimate(e.est_ttft_ms * k, e.service_ms * k, e.wait_ms * k) for e in estimates]
@@ -487,9 +509,17 @@ class AdmissionGate(Generic[T]):
             await asyncio.gather(self._task, return_exceptions=True)
             self._task = None
 
-    def observe(self, model: str, est_ms: float, measured_s: float) -> None:
-        """A stream's first token came ``measured_s`` after the decision estimated ``est_ms``."""
-        self.correction.observe(model, est_ms, measured_s * 1000.0)
+    def awaiting(self, model: str, key: Any, est_ms: float, since_s: float) -> None:
+        """A stream was sent (the decision estimated ``est_ms`` at clock ``since_s``): its first
+        token is awaited (:class:`Correction` counts it once it is late)."""
+        self.correction.start(model, key, est_ms, since_s)
+
+    def observe(self, model: str, key: Any, est_ms: float, measured_s: float | None) -> None:
+        """The stream's first token came ``measured_s`` after the decision (None: it ended without
+        one, or it does not count)."""
+        self.correction.finish(model, key)
+        if measured_s is not None:
+            self.correction.observe(model, est_ms, measured_s * 1000.0)
 
     def wake(self) -> None:
         """Something was released: queued requests may fit now."""
@@ -529,8 +559,8 @@ class AdmissionGate(Generic[T]):
         # Nothing to hold for: no objective, no threshold, nobody queued (the common case, unchanged).
         if objective.ttft_ms is None and cfg.queue_threshold_ms <= 0 and not self.queue:
             return Admitted(trial, 0, 0.0, est_ms=raw[0].est_ttft_ms if raw else 0.0)
-        ests = self.correction.apply(model, raw)
         now = self.clock()
+        ests = self.correction.apply(model, raw, now)
         verdict = judge(objective, (now - arrived) * 1000.0, ests, cfg)
         est_ms = raw[verdict.pick].est_ttft_ms if raw else 0.0
         entry = QueueEntry(
@@ -593,8 +623,8 @@ class AdmissionGate(Generic[T]):
             self._trying.add(entry.seq)
             trial = await attempt(False)
             raw = estimates(trial)
-            ests = self.correction.apply(model, raw)
             now = self.clock()
+            ests = self.correction.apply(model, raw, now)
             waited = now - entry.arrived
             verdict = judge(objective, waited * 1000.0, ests, cfg)
             entry.service_ms = min((e.service_ms for e in ests), default=0.0)
