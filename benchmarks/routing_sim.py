@@ -418,7 +418,9 @@ class Simulation:
     def _serve(self, req: SimRequest, route: RouteRequest, result: Any, pick: int) -> None:
         est_ms = result.choices[pick].candidate.est_ttft_ms
         self._estimated[req.id] = (est_ms, self.now)
-        self.correction.start(MODEL, req.id, est_ms, self.now)
+        self.correction.start(
+            MODEL, req.id, est_ms, self.now, result.choices[pick].candidate.state.instance_id
+        )
         state = result.choices[pick].candidate.state
         assert self.router.commit(route, state.key), "no routable instance"
         self.engines[state.worker].submit(req, self.now)

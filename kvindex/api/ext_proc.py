@@ -358,8 +358,9 @@ class EndpointPicker(ep_grpc.ExternalProcessorServicer):
         request.commit = True  # what PD's later picks copy (a held request was looked at without)
         ex.est_ms, ex.decided_at = admitted.est_ms, time.monotonic()
         ex.picked_at = ex.decided_at
-        if spec.stream and ex.est_ms:
-            self.gate.awaiting(spec.model, id(ex), ex.est_ms, ex.decided_at)
+        if spec.stream and ex.est_ms and admitted.pick < len(response.ranked):
+            first = response.ranked[admitted.pick].instance_id
+            self.gate.awaiting(spec.model, id(ex), ex.est_ms, ex.decided_at, first)
         if response.block_size and (admitted.pick or not admitted.committed):
             # Admission chose a later-ranked instance (the first within the objective), or the
             # request was re-scored without commit after waiting: commit it where it goes.

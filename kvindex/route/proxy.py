@@ -502,8 +502,14 @@ class RouteProxy:
                 return response
             decision, why = admitted.trial
             ledger.est_ms, ledger.decided_at = admitted.est_ms, time.monotonic()
-            if spec.stream and ledger.est_ms:
-                self.gate.awaiting(spec.model, ledger, ledger.est_ms, ledger.decided_at)
+            if (
+                spec.stream
+                and ledger.est_ms
+                and decision is not None
+                and admitted.pick < len(decision.targets)
+            ):
+                first = decision.targets[admitted.pick].instance_id
+                self.gate.awaiting(spec.model, ledger, ledger.est_ms, ledger.decided_at, first)
             if decision is not None and admitted.pick:
                 # Admission chose a later-ranked instance (the first within the objective): it goes
                 # first, and the ledger entry follows it there (_forward's re-commit).

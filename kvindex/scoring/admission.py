@@ -189,12 +189,14 @@ class Estimate:
     est_ttft_ms: float
     service_ms: float
     wait_ms: float
+    instance: str = ""  # "worker/dp_rank"
 
     @classmethod
     def of(cls, ranked: Any) -> Estimate:
         """From a ``RankedInstance`` (gRPC) or a scoring ``Candidate`` (in process)."""
         own = float(ranked.prefill_ms + ranked.fetch_ms)
-        return cls(float(ranked.est_ttft_ms), own, float(ranked.wait_ms))
+        iid = ranked.instance_id if hasattr(ranked, "instance_id") else ranked.state.instance_id
+        return cls(float(ranked.est_ttft_ms), own, float(ranked.wait_ms), iid)
 
 
 class Correction:
@@ -211,12 +213,14 @@ class Correction:
     def __init__(self, keep: float = 0.98, lo: float = 0.25, hi: float = 32.0, min_samples: int = 8) -> None:
         self.keep, self.lo, self.hi, self.min_samples = keep, lo, hi, min_samples
         self._sums: dict[str, list[float]] = {}  # model -> [measured, estimated, samples]
-        self._waiting: dict[str, dict[Any, tuple[float, float]]] = {}  # model -> key -> (est ms, since s)
+        # model -> key -> (est ms, since s, instance)
+        self._waiting: dict[str, dict[Any, tuple[float, float, str]]] = {}
 
-    def start(self, model: str, key: Any, est_ms: float, since_s: float) -> None:
-        """A decision whose first token is awaited (estimated ``est_ms`` at clock ``since_s``)."""
+    def start(self, model: str, key: Any, est_ms: float, since_s: float, instance: str = "") -> None:
+        """A decision whose first token is awaited (estimated ``est_ms`` at clock ``since_s``, on
+        ``instance``)."""
         if est_ms > 0 and math.isfinite(est_ms):
-            self._waiting.setdefault(model, {})[key] = (est_ms, since_s)
+            self._waiting.setdefault(model, {})[key] = (est_ms, since_s, instance)
 
     def finish(self, model: str, key: Any) -> None:
         """Its first token came (then :meth:`observe` it), or it ended without one."""
@@ -235,7 +239,7 @@ class Correction:
     def factor(self, model: str, now_s: float | None = None) -> float:
         measured, estimated, n = self._sums.get(model) or (0.0, 0.0, 0)
         if now_s is not None:
-            for est_ms, since in self._waiting.get(model, {}).values():
+            for est_ms, since, _instance in self._waiting.get(model, {}).values():
                 waited = (now_s - since) * 1000.0
                 if waited > est_ms:  # late: its TTFT is at least what it waited
                     measured, estimated, n = measured + waited, estimated + est_ms, n + 1
@@ -243,11 +247,29 @@ class Correction:
             return 1.0
         return min(self.hi, max(self.lo, measured / estimated))
 
+    def lateness(self, model: str, now_s: float, k: float = 1.0) -> dict[str, float]:
+        """Per instance, how far past its (corrected) estimate its latest-running stream still
+        waiting for a first token is (ms): a request sent there now queues behind it, so its wait is
+        at least that much longer than estimated (queueing adds; a ratio alone cannot follow it)."""
+        out: dict[str, float] = {}
+        for est_ms, since, instance in self._waiting.get(model, {}).values():
+            late = (now_s - since) * 1000.0 - est_ms * k
+            if instance and late > out.get(instance, 0.0):
+                out[instance] = late
+        return out
+
     def apply(self, model: str, estimates: Sequence[Estimate], now_s: float | None = None) -> list[Estimate]:
         k = self.factor(model, now_s)
-        if k == 1.0:
+        late = self.lateness(model, now_s, k) if now_s is not None else {}
+        if k == 1.0 and not late:
             return list(estimates)
-        return [Estimate(e.est_ttft_ms * k, e.service_ms * k, e.wait_ms * k) for e in estimates]
+        out = []
+        for e in estimates:
+            extra = late.get(e.instance, 0.0)
+            out.append(
+                Estimate(e.est_ttft_ms * k + extra, e.service_ms * k, e.wait_ms * k + extra, e.instance)
+            )
+        return out
 
 
 @dataclass
@@ -509,10 +531,10 @@ class AdmissionGate(Generic[T]):
             await asyncio.gather(self._task, return_exceptions=True)
             self._task = None
 
-    def awaiting(self, model: str, key: Any, est_ms: float, since_s: float) -> None:
-        """A stream was sent (the decision estimated ``est_ms`` at clock ``since_s``): its first
-        token is awaited (:class:`Correction` counts it once it is late)."""
-        self.correction.start(model, key, est_ms, since_s)
+    def awaiting(self, model: str, key: Any, est_ms: float, since_s: float, instance: str = "") -> None:
+        """A stream was sent to ``instance`` (the decision estimated ``est_ms`` at clock
+        ``since_s``): its first token is awaited (:class:`Correction` counts it once it is late)."""
+        self.correction.start(model, key, est_ms, since_s, instance)
 
     def observe(self, model: str, key: Any, est_ms: float, measured_s: float | None) -> None:
         """The stream's first token came ``measured_s`` after the decision (None: it ended without
