@@ -21,9 +21,10 @@ instance an estimated TTFT (queue wait + prefill + fetch). The rule (docs/scorin
   the cheap turns after it too).
 
 Estimates are corrected by what the router measures (:class:`Correction`): the ratio of measured
-to estimated TTFT of the streams it served, per model, so that an index whose prefill model is not
-calibrated to the engines (no prefill samples from their bridge, say) does not admit what the
-engines cannot serve in time, nor shed what they can.
+to estimated TTFT of the streams it served, per model (streams still waiting counted once late),
+plus, per instance, how late its waiting streams already are — so that an index whose time model
+does not match the engines (no prefill samples from their bridge, a queue bound by KV memory) does
+not admit what the engines cannot serve in time, nor shed what they can.
 
 Everything here but :class:`AdmissionGate` is pure logic on plain numbers, so the routing
 simulation runs the same rule in virtual time (benchmarks/routing_sim.py).
