@@ -28,6 +28,7 @@ try:
 except ImportError:  # no compiler at install time: numpy columns (CandidatePool.smallest)
     _native_rank_others = None
 from kvindex.scoring.ledger import FINISHED, PREFILL, Ledger, SpeculativeKeys
+from kvindex.scoring.pick import Picker, PickOptions, PickResult
 from kvindex.scoring.policies import make_policies
 
 
@@ -44,6 +45,11 @@ class RouterConfig:
     # Score with top_k ranks only the holders and the best few others (Router.pool) from this many
     # instances of the model on; below it the full ranking is as cheap (0: always prune).
     prune_min_instances: int = 128
+    # The pick after the ranking (kvindex/scoring/pick.py): "best" (the policy's first choice) or
+    # "softmax" over estimated TTFT at ``temperature``; ``warmup`` s > 0 ramps new instances' share.
+    pick: str = "best"
+    temperature: float = 0.0
+    warmup: float = 0.0
 
 
 class RoutingObserver(Protocol):
@@ -61,6 +67,7 @@ class ScoreResult:
     policy: str
     choices: list[Choice]
     committed: InstanceState | None = None
+    pick: PickResult | None = None  # how choices[0] was drawn; None: the policy's first, no draw
 
 
 class Router:
@@ -84,6 +91,8 @@ class Router:
             index, self.clock, self.config.predicted_ttl, self.config.predicted_capacity
         )
         self.rng = random.Random(self.config.seed)
+        cfg = self.config
+        self.picker = Picker(registry, cfg.seed, cfg.pick, cfg.temperature, cfg.warmup)
         self.policies: dict[str, Policy] = make_policies(policy_options or {})
         self.observer: RoutingObserver | None = None  # None: a lone replica, nothing to share
         self._tables: FleetTables | None = None
@@ -198,12 +207,16 @@ class Router:
         policy: str | None = None,
         commit: bool = False,
         top_k: int = 0,
+        pick: PickOptions | None = None,
     ) -> ScoreResult:
         """Rank the routable instances (all of them, or ``candidates``) for ``request``.
 
         ``top_k`` > 0 asks for the best ``top_k`` only: a policy that can (``rank_top``) then looks
         at the instances holding some of the prompt and the few best others, not the whole fleet
-        (the answer is the same as the first ``top_k`` of the full ranking)."""
+        (the answer is the same as the first ``top_k`` of the full ranking).
+
+        ``pick`` (default: the router's): how the request's instance is drawn from those choices
+        (kvindex/scoring/pick.py); the picked one comes first and is the one committed."""
         # Disaggregated decode instances are chosen for KV headroom, not for prefix overlap.
         chosen = self.policies["decode"] if request.role == DECODE_ROLE else self.policy(policy)
         self.predicted.expire()
@@ -222,6 +235,12 @@ class Router:
             if top_k > 0:
                 choices = choices[:top_k]
         result = ScoreResult(request, chosen.name, choices)
+        options = pick or self.picker.default
+        if len(choices) > 1 and self.picker.needed(options):
+            result.choices, result.pick = self.picker.pick(
+                request.model, request.request_id, choices, options, self.clock()
+            )
+            choices = result.choices
         if commit and choices:
             top = choices[0].candidate
             self._commit(request, top, chosen)
