@@ -38,6 +38,30 @@ def _add_serve(sub: Any) -> None:
     e.add_argument("--ext-proc-port", type=int, default=-1, help="serve the picker on this port; -1: off")
     e.add_argument("--ext-proc-host", default="0.0.0.0")
     e.add_argument("--ext-proc-policy", default="", help="ranking policy for picks (default: ttft)")
+    k = p.add_argument_group("picking (docs/scoring.md#picking)")
+    k.add_argument(
+        "--pick",
+        choices=("best", "softmax"),
+        default="best",
+        help="how Score and the ext_proc picker pick from the ranking when the request does not say: "
+        "the policy's first choice, or a softmax over estimated TTFT",
+    )
+    k.add_argument(
+        "--temperature",
+        type=_non_negative,
+        default=0.1,
+        help="softmax: the relative TTFT excess that costs a factor e in probability (0: best)",
+    )
+    k.add_argument(
+        "--warmup",
+        type=_non_negative,
+        default=0.0,
+        metavar="SECONDS",
+        help="a new instance's share of the requests it would get grows linearly over this long; 0: off",
+    )
+    k.add_argument(
+        "--seed", type=int, default=0, help="seed of the picks' draws (and of randomised policies)"
+    )
     a = p.add_argument_group("engines without KV events (approximate mode, docs/scoring.md)")
     a.add_argument(
         "--instance",
@@ -114,6 +138,16 @@ def _add_serve(sub: Any) -> None:
 
     add_server_options(p)
     _add_readiness_shutdown(p)
+
+
+def _non_negative(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not (value >= 0 and value != float("inf")):
+        raise argparse.ArgumentTypeError(f"expected a finite number >= 0, got {text!r}")
+    return value
 
 
 def _on_off(text: str) -> bool:
@@ -334,7 +368,13 @@ def _serve(args: argparse.Namespace) -> int:
         static_model=args.instance_model,
         static_block_size=args.instance_block_size,
         static_capacity=args.instance_capacity,
-        router=RouterConfig(predicted_ttl=args.predicted_ttl),
+        router=RouterConfig(
+            predicted_ttl=args.predicted_ttl,
+            seed=args.seed,
+            pick=args.pick,
+            temperature=args.temperature if args.pick == "softmax" else 0.0,
+            warmup=args.warmup,
+        ),
         tokenizers=_tokenizer_dirs(args.tokenizer),
         tokenize_cache_bytes=int(args.tokenize_cache_mb * (1 << 20)),
         limits=_limits(args),

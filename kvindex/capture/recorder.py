@@ -31,6 +31,7 @@ from kvindex.config.nats import connect as nats_connect
 from kvindex.index.base import InstanceKey
 from kvindex.lifecycle import close_nats
 from kvindex.lifecycle.bounded import finish
+from kvindex.scoring.pick import SOFTMAX
 from kvindex.wire.reconcile import Snapshot
 from kvindex.wire.subjects import EVENTS, STATUS
 
@@ -188,8 +189,12 @@ class Recorder:
         models = {model: calibrator.export(model) for model in calibrator.models}
         self._add([*self._head(R.CALIBRATION), models])
 
-    def route(self, method: str, request: bytes, instance: str = "") -> None:
-        self._add([*self._head(R.ROUTE), method, request, instance])
+    def route(self, method: str, request: bytes, instance: str = "", mono: float | None = None) -> None:
+        """``mono``: when the call started (a Score's ranking read the clock then), default now."""
+        head = self._head(R.ROUTE)
+        if mono is not None:
+            head[1] = mono
+        self._add([*head, method, request, instance])
 
     def check(self) -> None:
         """The live state's digest: a replay compares its own at this point in the stream."""
@@ -258,31 +263,42 @@ class RecordingServicer(KvIndexServicer):
         self.recorder = recorder
 
     def score_request(self, request: Any) -> Any:  # Score and ScoreStream
+        started = self.recorder.clock()
         response = super().score_request(request)
         if response.committed_instance_id:
-            self.recorder.route("Score", self._compact(request), response.committed_instance_id)
+            compact = self._compact(request)
+            # The pick as applied (the server's defaults filled in, the draw's seed): a replay
+            # re-ranking this request draws the same instance.
+            compact.pick = response.pick
+            if response.pick == SOFTMAX:
+                compact.temperature = response.temperature
+            if response.pick_seed:
+                compact.pick_seed = response.pick_seed
+            self.recorder.route(
+                "Score", compact.SerializeToString(), response.committed_instance_id, mono=started
+            )
         return response
 
     async def Commit(self, request: Any, context: Any) -> Any:
         response = await super().Commit(request, context)
         if response.committed:
-            self.recorder.route("Commit", self._compact(request), request.instance_id)
+            self.recorder.route("Commit", self._compact(request).SerializeToString(), request.instance_id)
         return response
 
-    def _compact(self, request: Any) -> bytes:
-        """The request with its prompt as block keys (and the token count) instead of token ids or text:
-        the same request to the router, several times smaller (one key per block of tokens)."""
-        if not (len(request.token_ids) or request.prompt or request.messages):
-            return request.SerializeToString()
-        prompt = self.resolve(request)  # text prompts: the tokenizer cache makes this a lookup
+    def _compact(self, request: Any) -> Any:
+        """A copy of the request with its prompt as block keys (and the token count) instead of token
+        ids or text: the same request to the router, several times smaller (one key per block)."""
         compact = type(request)()
         compact.CopyFrom(request)
+        if not (len(request.token_ids) or request.prompt or request.messages):
+            return compact
+        prompt = self.resolve(request)  # text prompts: the tokenizer cache makes this a lookup
         for name in ("token_ids", "prompt", "messages", "prompt_options"):
             compact.ClearField(name)
         compact.lora = compact.salt = ""  # already folded into the keys
         compact.block_keys.extend(prompt.keys)
         compact.prompt_tokens = prompt.tokens
-        return compact.SerializeToString()
+        return compact
 
     async def Release(self, request: Any, context: Any) -> Any:
         response = await super().Release(request, context)

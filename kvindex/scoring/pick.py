@@ -67,6 +67,7 @@ class PickResult:
     # Per choice of the returned ranking (picked first), its probability of being picked.
     probabilities: list[float] = field(default_factory=list)
     drawn: bool = False  # a random draw decided (not every probability was 0 or 1)
+    rank: int = 0  # the picked choice's position in the policy's ranking
 
 
 def check_options(mode: str, temperature: float) -> None:
@@ -240,4 +241,5 @@ class Picker:
             choices = [choices[picked], *choices[:picked], *choices[picked + 1 :]]
             probabilities = [probabilities[picked], *probabilities[:picked], *probabilities[picked + 1 :]]
         result.probabilities = probabilities
+        result.rank = picked
         return choices, result

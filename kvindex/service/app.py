@@ -91,7 +91,13 @@ def _capture_meta(config: ServiceConfig) -> dict[str, Any]:
             "replay_timeout": r.replay_timeout,
             "snapshot_timeout": r.snapshot_timeout,
         },
-        router={"default_policy": config.router.default_policy, "seed": config.router.seed},
+        router={
+            "default_policy": config.router.default_policy,
+            "seed": config.router.seed,
+            "pick": config.router.pick,
+            "temperature": config.router.temperature,
+            "warmup": config.router.warmup,
+        },
         limits=dataclasses.asdict(config.limits),
     )
 
