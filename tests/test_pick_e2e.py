@@ -9,6 +9,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 
 from kvindex.capture.recorder import CaptureConfig
 from kvindex.capture.replay import Driver
@@ -19,6 +20,14 @@ from kvindex.service.app import IndexService
 from kvindex.v1 import kvindex_pb2 as pb
 from kvindex.v1 import kvindex_pb2_grpc as pb_grpc
 from tests.conftest import wait_until
+from tests.test_ext_proc import BS as EXT_BS
+from tests.test_ext_proc import MODEL as EXT_MODEL
+from tests.test_ext_proc import Envoy, destination
+from tests.test_ext_proc import fleet as ext_fleet
+from tests.test_ext_proc import tokens as ext_tokens
+from tests.test_route import BS as ROUTE_BS
+from tests.test_route import MODEL as ROUTE_MODEL
+from tests.test_route import start_fleet
 from tests.test_scoring_e2e import BS, MODEL, MakePub, tokens
 
 
@@ -161,3 +170,99 @@ async def _busy_fleet_one(make_publisher: MakePub, worker: str):
     p.set_load(running=0, waiting=0, waiting_prefill_tokens=0)
     await p.heartbeat()
     return p
+
+
+async def test_route_proxy_with_pick_softmax(service: IndexService, make_publisher: MakePub) -> None:
+    """``kvindex route --pick softmax``: the proxy asks the index for a softmax pick among its top-k;
+    cold prompts (every engine as fast) spread over the engines, and a request id decides alike."""
+    fleet = await start_fleet(service, make_publisher, pick="softmax", temperature=0.5)
+    asked: list[tuple[str, float]] = []  # the options of every Score the proxy sent
+    pick_options = service.servicer.pick_options
+
+    def observed(request: pb.ScoreRequest) -> object:
+        asked.append((request.pick, request.temperature))
+        return pick_options(request)
+
+    service.servicer.pick_options = observed  # type: ignore[method-assign]
+    try:
+        served: Counter[str] = Counter()
+        rng = random.Random(9)
+        for i in range(30):
+            prompt = [rng.randrange(50_000) for _ in range(8 * ROUTE_BS)]
+            body = {"model": ROUTE_MODEL, "prompt": prompt, "max_tokens": 2}
+            async with await fleet.post(body, headers={"x-request-id": f"p{i}"}) as resp:
+                assert resp.status == 200 and resp.headers["x-kvindex-decision"] == "index"
+                served[resp.headers["x-kvindex-instance"]] += 1
+                await resp.read()
+        # (A best pick spreads distinct cold prompts too, over their rendezvous homes: what shows the
+        # softmax is the draw, checked below: one request id, one instance, the index's own pick.)
+        assert len(served) == 3, served
+        await wait_until(lambda: fleet.ledger() == 0, what="ledger released")
+        prompt = [rng.randrange(50_000) for _ in range(8 * ROUTE_BS)]
+        picks = set()
+        for _ in range(3):
+            async with await fleet.post(
+                {"model": ROUTE_MODEL, "prompt": prompt, "max_tokens": 2}, headers={"x-request-id": "same"}
+            ) as resp:
+                picks.add(resp.headers["x-kvindex-instance"])
+                await resp.read()
+            await wait_until(lambda: fleet.ledger() == 0, what="ledger released")
+        assert len(picks) == 1
+        assert asked == [("softmax", 0.5)] * 33
+        # The proxy passed the options: the index's pick for that request, asked directly, agrees.
+        reply = service.servicer.score_request(
+            pb.ScoreRequest(
+                model=ROUTE_MODEL,
+                token_ids=prompt,
+                pick="softmax",
+                temperature=0.5,
+                request_id="same",
+                top_k=3,
+            )
+        )
+        assert reply.pick == "softmax" and reply.pick_seed == seed_for(0, "same")
+        assert reply.ranked[0].instance_id in picks
+    finally:
+        await fleet.http.close()
+        await fleet.proxy.stop()
+        for e in fleet.engines.values():
+            await e.close()
+
+
+def test_route_cli_rejects_a_temperature_without_softmax() -> None:
+    with pytest.raises(SystemExit, match="--temperature applies to --pick softmax"):
+        main(["route", "--index", "127.0.0.1:1", "--temperature", "0.5"])
+
+
+async def test_ext_proc_picker_uses_the_servers_softmax(make_service, make_publisher: MakePub) -> None:
+    """``kvindex serve --pick softmax --ext-proc-port``: the Envoy picker's destination is the
+    softmax draw (seeded by the x-request-id header), the ranked fallbacks after it."""
+    svc = await make_service(
+        ext_proc_port=0, ext_proc_host="127.0.0.1", router=RouterConfig(pick="softmax", temperature=0.5)
+    )
+    await ext_fleet(make_publisher, svc)
+    answers: list[pb.ScoreResponse] = []
+    score_request = svc.servicer.score_request
+
+    def observed(request: pb.ScoreRequest) -> pb.ScoreResponse:
+        answers.append(score_request(request))
+        return answers[-1]
+
+    svc.servicer.score_request = observed  # type: ignore[method-assign]
+    assert svc.ext_proc is not None
+    first: Counter[str] = Counter()
+    async with grpc.aio.insecure_channel(svc.ext_proc.address) as channel:
+        stub = ep_grpc.ExternalProcessorStub(channel)
+        for i in range(12):
+            envoy = Envoy(stub)
+            body = {"model": EXT_MODEL, "prompt": ext_tokens(12 * EXT_BS, seed=100 + i), "max_tokens": 4}
+            pick, _ = await envoy.request(body)
+            header, _meta = destination(pick, "request_headers")
+            reply = answers[-1]
+            assert reply.pick == "softmax" and reply.pick_seed == seed_for(0, reply.request_id)
+            assert sum(r.pick_probability for r in reply.ranked) == pytest.approx(1.0)
+            assert header.split(",")[0] == reply.ranked[0].endpoint
+            first[header.split(",")[0]] += 1
+            await envoy.response(header.split(",")[0], [b"x"])
+            await envoy.close()
+    assert len(first) >= 2 and len(svc.router.ledger) == 0

@@ -163,7 +163,9 @@ class Recorder:
     def message(self, subject: str, payload: bytes, received: float | None = None) -> None:
         """An events/status message about to be handed to the consumer (NatsSource.tap)."""
         self.messages += 1
-        self._add([R.MSG, self.clock(), time.time() if received is None else received, subject, payload])
+        clock = self.clock
+        mono = clock.pin() if isinstance(clock, PinnableClock) else clock()
+        self._add([R.MSG, mono, time.time() if received is None else received, subject, payload])
 
     # -- the repairer's answers and decisions ---------------------------------------------------
 
@@ -252,6 +254,40 @@ class Recorder:
         )
 
 
+class PinnableClock:
+    """The service's monotonic clock while it captures. The code a record describes runs with the
+    clock pinned at the record's time: a consumer call from the moment its message is recorded to
+    the end of that event-loop turn (``pin``), a routing call for its duration. Every clock read of
+    that code (heartbeat times, the ranking, the pick, the commit) returns the record's ``mono``,
+    so a replay on a virtual clock set to it reads exactly the times the live service read."""
+
+    __slots__ = ("_unpin_scheduled", "pinned")
+
+    def __init__(self) -> None:
+        self.pinned: float | None = None
+        self._unpin_scheduled = False
+
+    def __call__(self) -> float:
+        pinned = self.pinned
+        return time.monotonic() if pinned is None else pinned
+
+    def pin(self) -> float:
+        """Pin the clock at the real time until the end of the current loop turn; that time."""
+        now = time.monotonic()
+        if not self._unpin_scheduled:
+            try:
+                asyncio.get_running_loop().call_soon(self._unpin)
+            except RuntimeError:  # no loop (a test driving the recorder directly): no pinning
+                return now
+            self._unpin_scheduled = True
+        self.pinned = now
+        return now
+
+    def _unpin(self) -> None:
+        self.pinned = None
+        self._unpin_scheduled = False
+
+
 class RecordingServicer(KvIndexServicer):
     """The gRPC servicer, plus a ROUTE record for every call that changed routing state (a Score
     with commit, a Commit, a Release that found its request), written after the call on the same
@@ -263,8 +299,16 @@ class RecordingServicer(KvIndexServicer):
         self.recorder = recorder
 
     def score_request(self, request: Any) -> Any:  # Score and ScoreStream
-        started = self.recorder.clock()
-        response = super().score_request(request)
+        clock = self.recorder.clock
+        started = clock()
+        pinned = clock if isinstance(clock, PinnableClock) and clock.pinned is None else None
+        if pinned is not None:
+            pinned.pinned = started
+        try:
+            response = super().score_request(request)
+        finally:
+            if pinned is not None:
+                pinned.pinned = None
         if response.committed_instance_id:
             compact = self._compact(request)
             # The pick as applied (the server's defaults filled in, the draw's seed): a replay

@@ -33,6 +33,19 @@ def add_route(sub: Any) -> None:
     )
     p.add_argument("--fallback-blocks", type=int, default=4, help="prompt blocks the fallback hashes")
     p.add_argument("--policy", default="", help="ranking policy asked of the index (default: its own)")
+    p.add_argument(
+        "--pick",
+        choices=("best", "softmax"),
+        default="",
+        help="how the index picks from its ranking: its first choice, or a softmax over estimated TTFT "
+        "among the --top-k (default: the index's --pick)",
+    )
+    p.add_argument(
+        "--temperature",
+        type=float,
+        default=None,
+        help="softmax: the relative TTFT excess that costs a factor e in probability (default: the index's)",
+    )
     p.add_argument("--log-format", choices=("auto", "json", "console"), default="auto")
     p.add_argument("--log-level", default="info")
     add_client_options(p)
@@ -48,6 +61,10 @@ def run_route(args: argparse.Namespace) -> int:
             tls.credentials()  # read the files now: a bad path is a clear error, not a traceback
     except SecurityConfigError as exc:
         raise SystemExit(f"kvindex route: error: {exc}") from None
+    if args.temperature is not None and (args.temperature < 0 or args.temperature != args.temperature):
+        raise SystemExit("kvindex route: error: --temperature must be a number >= 0")
+    if args.temperature is not None and args.pick != "softmax":
+        raise SystemExit("kvindex route: error: --temperature applies to --pick softmax")
     config = RouteConfig(
         index=args.index,
         host=args.host,
@@ -59,6 +76,8 @@ def run_route(args: argparse.Namespace) -> int:
         refresh_interval=args.refresh_interval,
         fallback_blocks=args.fallback_blocks,
         policy=args.policy,
+        pick=args.pick,
+        temperature=args.temperature,
         tls=tls,
         token=token_from_args(args),
     )

@@ -92,6 +92,10 @@ class RouteConfig:
     fallback_blocks: int = 4
     grace: float = 30.0
     policy: str = ""  # "" = the index's default (ttft)
+    # The pick from the ranking (docs/scoring.md#picking): "" = the index's default (serve --pick);
+    # "best" or "softmax" at ``temperature`` (None: the index's default temperature).
+    pick: str = ""
+    temperature: float | None = None
     # Secured gRPC to the index: TLS / mutual TLS (ClientTLS.from_args of the --tls* flags) and a
     # bearer token (--auth-token-file), as every kvindex client takes them.
     tls: ClientTLS | None = None
@@ -331,6 +335,10 @@ class RouteProxy:
             else:
                 if self.config.policy:
                     fields["policy"] = self.config.policy
+                if self.config.pick:
+                    fields["pick"] = self.config.pick
+                if self.config.temperature is not None:
+                    fields["temperature"] = self.config.temperature
                 decision = await self.client.score(
                     spec.model,
                     top_k=self.config.top_k,

@@ -15,7 +15,13 @@ from kvindex.api.ext_proc import EndpointPicker, ExtProcServer
 from kvindex.api.security import ServerSecurity
 from kvindex.api.server import GrpcServer
 from kvindex.api.servicer import KvIndexServicer
-from kvindex.capture.recorder import CaptureConfig, Recorder, RecordingServicer, service_meta
+from kvindex.capture.recorder import (
+    CaptureConfig,
+    PinnableClock,
+    Recorder,
+    RecordingServicer,
+    service_meta,
+)
 from kvindex.config.nats import NatsSettings
 from kvindex.fleet.registry import Registry
 from kvindex.index.inverted import InvertedIndex
@@ -108,7 +114,8 @@ class IndexService:
         self.log = log or structlog.get_logger("kvindex")
         self.subjects = Subjects(config.subject_prefix)
         self.index = InvertedIndex()
-        self.registry = Registry()
+        # Capturing: routing calls run with the clock pinned at their start, as their records say.
+        self.registry = Registry(PinnableClock()) if config.capture is not None else Registry()
         self.counters = IngestCounters()
         self.metrics = Metrics(self.counters, self._gauges)
         # Loaded before anything starts: a bad tokenizer directory fails `serve` at once, clearly.
