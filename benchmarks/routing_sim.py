@@ -175,6 +175,13 @@ class Cluster:
     # Score's top_k: > 0 ranks only the holders and the best few others (pruned, forced on at every
     # fleet size here so that the tables check it); 0 ranks every instance (--top-k 0).
     top_k: int = 4
+    # The pick after the ranking (kvindex/scoring/pick.py) and the warm-up ramp of new instances.
+    pick: str = "best"
+    temperature: float = 0.0
+    warmup: float = 0.0
+    # The last ``join_count`` instances join the fleet at ``join_at`` s (silent and unknown before).
+    join_count: int = 0
+    join_at: float = 0.0
 
 
 @dataclass
@@ -191,6 +198,8 @@ class RunResult:
     repairs: dict[str, int]
     wall_s: float
     ttfts: list[float] = field(default_factory=list, repr=False)
+    # With a join: the new instances' share of the arrivals and the TTFT, per window after it.
+    join: list[dict[str, float]] = field(default_factory=list)
 
 
 class _SimRepair:
@@ -250,7 +259,14 @@ class Simulation:
             self.index,
             self.registry,
             self.calibrator,
-            RouterConfig(default_policy=policy, seed=seed, prune_min_instances=0),
+            RouterConfig(
+                default_policy=policy,
+                seed=seed,
+                prune_min_instances=0,
+                pick=cluster.pick,
+                temperature=cluster.temperature,
+                warmup=cluster.warmup,
+            ),
             clock=clock,
             policy_options=policy_options,
         )
@@ -272,6 +288,10 @@ class Simulation:
         self._running_samples: dict[str, list[int]] = {n: [] for n in self.engines}
         self._hot: Counter[int] = Counter()
         self.max_replicas = 0
+        names = list(self.engines)
+        self.late = set(names[len(names) - cluster.join_count :]) if cluster.join_count else set()
+        self.joined = not self.late
+        self.routed: dict[str, tuple[float, str]] = {}  # request -> (arrival, instance)
 
     def clock(self) -> float:
         return self.now
@@ -309,8 +329,17 @@ class Simulation:
                 for subject, data in log.seal():
                     self.send(subject, data)
 
+    def _join(self) -> None:
+        """The late instances announce themselves (their first heartbeat): now routable."""
+        self.joined = True
+        for name in self.late:
+            for subject, data in self.logs[name].heartbeat_messages():
+                self.send(subject, data)
+
     def _heartbeat(self) -> None:
         for name, engine in self.engines.items():
+            if not self.joined and name in self.late:
+                continue
             load = engine.load()
             log = self.logs[name]
             log.set_load(
@@ -324,7 +353,9 @@ class Simulation:
             self._running_samples[name].append(load.running)
         if self.pool is not None:
             self.logs["pool"].set_load()
-        for log in self.logs.values():
+        for name, log in self.logs.items():
+            if not self.joined and name in self.late:
+                continue
             for subject, data in log.heartbeat_messages():
                 self.send(subject, data)
         self._sample_replicas()
@@ -345,16 +376,21 @@ class Simulation:
         # (ttft) do, and must place exactly as their full ranking would (tables byte-identical).
         result = self.router.score(route, commit=True, top_k=self.cluster.top_k)
         assert result.committed is not None, "no routable instance"
+        self.routed[req.id] = (req.arrival, result.committed.worker)
         self.engines[result.committed.worker].submit(req, self.now)
 
     def run(self) -> None:
         arrivals = sorted(self.requests, key=lambda r: r.arrival)
-        for log in self.logs.values():  # workers announce themselves before traffic starts
+        for name, log in self.logs.items():  # workers announce themselves before traffic starts
+            if name in self.late:
+                continue
             for subject, data in log.heartbeat_messages():
                 self.consumer.on_events(subject, data) if ".events." in subject else self.consumer.on_status(
                     subject, data
                 )
         self.later(self.cluster.heartbeat_s, self._heartbeat)
+        if self.late:
+            self.later(self.cluster.join_at, self._join)
         i = 0
         engines = list(self.engines.values())
         while (
@@ -434,16 +470,75 @@ class Simulation:
             },
             wall_s=wall,
             ttfts=[float(x) for x in ttfts],
+            join=self._join_windows(firsts),
         )
 
+    def _join_windows(
+        self, firsts: list[Any], width: float = 15.0, windows: int = 6
+    ) -> list[dict[str, float]]:
+        """Per ``width`` s after the join: the share of arrivals routed to the new instances, the
+        mean and p90 TTFT of all arrivals, and the new instances' peak running requests."""
+        if not self.late:
+            return []
+        ttft = {c.request.id: c.ttft for c in firsts}
+        out = []
+        for w in range(-1, windows):
+            lo = self.cluster.join_at + w * width
+            ids = [rid for rid, (t, _inst) in self.routed.items() if lo <= t < lo + width]
+            if not ids:
+                continue
+            new = sum(1 for rid in ids if self.routed[rid][1] in self.late)
+            values = np.array([ttft[rid] for rid in ids if rid in ttft])
+            out.append(
+                {
+                    "from_s": w * width,
+                    "arrivals": len(ids),
+                    "new_share": new / len(ids) / (len(self.late) / len(self.engines)),
+                    "mean": float(values.mean()) if len(values) else math.nan,
+                    "p90": float(np.percentile(values, 90)) if len(values) else math.nan,
+                }
+            )
+        return out
 
-def run_one(args: tuple[str, str, list[SimRequest], Cluster, int, dict | None]) -> RunResult:
-    policy, label, requests, cluster, seed, options = args
+
+def run_one(args: tuple[Any, ...]) -> RunResult:
+    """(policy, label, arrivals, cluster, seed, options[, name shown for the run])"""
+    policy, label, requests, cluster, seed, options = args[:6]
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.ERROR))
     started = time.perf_counter()
     sim = Simulation(policy, requests, cluster, seed, options)
     sim.run()
-    return sim.result(label, time.perf_counter() - started)
+    result = sim.result(label, time.perf_counter() - started)
+    if len(args) > 6:
+        result.policy = args[6]
+    return result
+
+
+def pick_variants(text: str) -> list[tuple[str, float]]:
+    """``best,softmax:0.1`` -> [("best", 0.0), ("softmax", 0.1)]."""
+    out = []
+    for item in text.split(","):
+        mode, _, temperature = item.strip().partition(":")
+        if mode not in ("best", "softmax"):
+            raise SystemExit(f"--pick: {item!r} is not best or softmax:T")
+        out.append((mode, float(temperature or 0.0) if mode == "softmax" else 0.0))
+    return out
+
+
+def join_table(results: list[RunResult]) -> str:
+    """The join experiment: per window after the join, the new instances' share of the arrivals
+    (1.0 = an equal share per instance) and everyone's TTFT."""
+    lines = [
+        f"{'level':<22} {'run':<22} {'from s':>7} {'arrivals':>8} {'new share':>9} {'mean':>7} {'p90':>7}"
+    ]
+    lines.append("-" * len(lines[0]))
+    for r in results:
+        for w in r.join:
+            lines.append(
+                f"{r.label:<22} {r.policy:<22} {w['from_s']:7.0f} {w['arrivals']:8.0f} {w['new_share']:9.2f} "
+                f"{w['mean']:7.2f} {w['p90']:7.2f}"
+            )
+    return "\n".join(lines)
 
 
 # -- presets ------------------------------------------------------------------------------------------
@@ -565,16 +660,17 @@ PRESETS = {
 
 
 def table(results: list[RunResult]) -> str:
+    width = max([13, *(len(r.policy) for r in results)])
     head = (
-        f"{'level':<22} {'policy':<13} {'mean':>7} {'p50':>7} {'p90':>7} {'p99':>7} {'goodput':>8} "
+        f"{'level':<22} {'policy':<{width}} {'mean':>7} {'p50':>7} {'p90':>7} {'p99':>7} {'goodput':>8} "
         f"{'hit':>6} {'prefill':>8} {'busy/idle':>9} {'replicas':>8}"
     )
     lines = [head, "-" * len(head)]
     for r in results:
         lines.append(
-            f"{r.label:<22} {r.policy:<13} {r.ttft['mean']:7.2f} {r.ttft['p50']:7.2f} {r.ttft['p90']:7.2f} "
-            f"{r.ttft['p99']:7.2f} {r.goodput:8.1%} {r.hit_rate:6.1%} {r.prefill_gpu_s:8.0f} "
-            f"{r.load_ratio:9.2f} {r.max_replicas:8d}"
+            f"{r.label:<22} {r.policy:<{width}} {r.ttft['mean']:7.2f} {r.ttft['p50']:7.2f} "
+            f"{r.ttft['p90']:7.2f} {r.ttft['p99']:7.2f} {r.goodput:8.1%} {r.hit_rate:6.1%} "
+            f"{r.prefill_gpu_s:8.0f} {r.load_ratio:9.2f} {r.max_replicas:8d}"
         )
     return "\n".join(lines)
 
@@ -676,16 +772,36 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--top-k", type=int, default=4, help="Score top_k (0: every instance ranked, no pruning)"
     )
+    parser.add_argument(
+        "--pick",
+        default="best",
+        help="picks after the ranking, one run each: best, softmax:T (comma-separated)",
+    )
+    parser.add_argument("--warmup", type=float, default=0.0, help="warm-up ramp of new instances (s)")
+    parser.add_argument("--join", default="", metavar="N@T", help="the last N instances join at T s")
     args = parser.parse_args(argv)
     args.policies = tuple(p for p in args.policies.split(",") if p)
+    picks = pick_variants(args.pick)
     exp = PRESETS[args.preset](args)
+    join_count, join_at = 0, 0.0
+    if args.join:
+        count, _, at = args.join.partition("@")
+        join_count, join_at = int(count), float(at)
     for _label, _reqs, cluster in exp.levels:
         cluster.top_k = args.top_k
-    jobs = [
-        (p, label, reqs, cluster, args.seed, exp.options)
-        for label, reqs, cluster in exp.levels
-        for p in exp.policies
-    ]
+        cluster.warmup = args.warmup
+        cluster.join_count, cluster.join_at = join_count, join_at
+    named = len(picks) > 1 or picks[0][0] != "best" or args.warmup > 0
+    jobs = []
+    for label, reqs, cluster in exp.levels:
+        for p in exp.policies:
+            for mode, temperature in picks:
+                c = Cluster(**{**asdict(cluster), "pick": mode, "temperature": temperature})
+                name = p
+                if named:
+                    name += f" {mode}" + (f" T={temperature:g}" if mode == "softmax" else "")
+                    name += f" ramp {args.warmup:g}s" if args.warmup > 0 else ""
+                jobs.append((p, label, reqs, c, args.seed, exp.options, name))
     started = time.perf_counter()
     results: list[RunResult] = []
     try:
@@ -702,9 +818,11 @@ def main(argv: list[str] | None = None) -> int:
                     progress.advance(task)
         else:
             results = [f.result() for f in futures]
-    order = {(label, p): i for i, (p, label, *_rest) in enumerate(jobs)}
+    order = {(job[1], job[6]): i for i, job in enumerate(jobs)}
     results.sort(key=lambda r: order[(r.label, r.policy)])
     print(table(results))
+    if join_count:
+        print(join_table(results))
     print(f"({len(jobs)} runs, {time.perf_counter() - started:.0f} s; outputs in {OUT.relative_to(ROOT)}/)")
     write_outputs(exp, results)
     with open(OUT / f"{exp.name}.json", "w") as f:
