@@ -189,3 +189,28 @@ def test_router_commits_the_picked_instance() -> None:
         result = router.score(request(keys, rid=f"c{i}"), commit=True, top_k=4)
         assert result.committed is result.choices[0].candidate.state
         assert router.ledger._entries[f"c{i}"].instance == result.committed.key  # type: ignore[union-attr]
+
+
+def test_ramp_holds_when_the_top_k_are_all_new_instances() -> None:
+    """Three idle new instances are the whole top 3: the ranking is widened by one candidate per
+    warming instance, so the share they give up still reaches a warm one."""
+    clock = Clock()
+    router, index, registry, _ = fleet(4, clock)
+    router = Router(index, registry, config=RouterConfig(warmup=60.0), clock=clock)
+    clock.t += 3600.0
+    for state in registry.all():
+        state.load = Load(running=4, waiting=2, waiting_prefill_tokens=4000)
+    for i in range(3):
+        new = registry.add((f"new{i}", 0), MODEL, 16)
+        index.add_instance((f"new{i}", 0), MODEL)
+        new.capacity = {0: 10_000}
+        new.local_blocks_seen = True
+    clock.t += 15.0
+    for state in registry.all():
+        state.last_status_at = clock.t
+    assert router.picker.extra(MODEL, clock.t) == 3
+    n = 400
+    results = [router.score(request(prompt(8, seed=i), rid=f"a{i}"), top_k=3) for i in range(n)]
+    assert all(len(r.choices) == 3 for r in results)
+    new_share = sum(r.choices[0].candidate.state.worker.startswith("new") for r in results) / n
+    assert abs(new_share - 0.25) < 0.08, new_share

@@ -32,6 +32,7 @@ whose cumulative probability (in rank order) exceeds ``u``.
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import math
 import random
@@ -160,25 +161,33 @@ def choose(probabilities: Sequence[float], u: float) -> int:
 
 
 class FleetAge:
-    """The oldest instance of each model (first seen), for the ramp: recomputed only when the
-    model's membership changed (count, or the oldest one removed)."""
+    """Per model, when its instances were first seen (sorted), for the ramp: recomputed only when
+    the registry's membership changed (an instance added or removed), never per request."""
 
     def __init__(self, registry: Registry) -> None:
         self.registry = registry
-        self._oldest: dict[str, tuple[int, object, float]] = {}  # model -> (count, state, first_seen)
+        self._seen: dict[str, tuple[int, list[float]]] = {}  # model -> (membership, first_seen sorted)
+
+    def first_seen(self, model: str) -> list[float]:
+        membership = self.registry.membership
+        cached = self._seen.get(model)
+        if cached is None or cached[0] != membership:
+            seen = sorted(s.first_seen for s in self.registry.members(model).values())
+            cached = self._seen[model] = (membership, seen)
+        return cached[1]
 
     def oldest(self, model: str) -> float | None:
-        members = self.registry.members(model)
-        if not members:
-            return None
-        cached = self._oldest.get(model)
-        if cached is not None and cached[0] == len(members):
-            state = cached[1]
-            if not getattr(state, "removed", True):
-                return cached[2]
-        first = min(members.values(), key=lambda s: s.first_seen)
-        self._oldest[model] = (len(members), first, first.first_seen)
-        return first.first_seen
+        seen = self.first_seen(model)
+        return seen[0] if seen else None
+
+    def warming(self, model: str, now: float, warmup: float) -> int:
+        """How many of the model's instances a ramp of ``warmup`` s holds back now."""
+        seen = self.first_seen(model)
+        if not seen or warmup <= 0:
+            return 0
+        # ramp_weight < 1 exactly when age < min(warmup, the fleet's age).
+        horizon = now - min(warmup, now - seen[0])
+        return len(seen) - bisect.bisect_right(seen, horizon)
 
 
 class Picker:
@@ -205,6 +214,12 @@ class Picker:
             raise ValueError(f"temperature applies to pick {SOFTMAX!r}, not {mode!r}")
         check_options(mode, temperature)
         return PickOptions(mode, temperature, seed)
+
+    def extra(self, model: str, now: float) -> int:
+        """Candidates to rank beyond a ``top_k`` so that the share a warming instance gives up has a
+        warm candidate to go to (the ``top_k`` could all be new, idle instances): one per instance
+        warming up."""
+        return self.fleet.warming(model, now, self.warmup) if self.warmup > 0 else 0
 
     def needed(self, options: PickOptions) -> bool:
         """Whether the pick can differ from the policy's first choice."""

@@ -220,6 +220,9 @@ class Router:
         # Disaggregated decode instances are chosen for KV headroom, not for prefix overlap.
         chosen = self.policies["decode"] if request.role == DECODE_ROLE else self.policy(policy)
         self.predicted.expire()
+        wanted = top_k
+        if top_k > 0 and self.picker.warmup > 0:  # room for the share new instances give up
+            top_k += self.picker.extra(request.model, self.clock())
         rank_top = getattr(chosen, "rank_top", None)
         if (
             top_k > 0
@@ -241,6 +244,8 @@ class Router:
                 request.model, request.request_id, choices, options, self.clock()
             )
             choices = result.choices
+        if len(choices) > wanted > 0:
+            choices = result.choices = choices[:wanted]
         if commit and choices:
             top = choices[0].candidate
             self._commit(request, top, chosen)
