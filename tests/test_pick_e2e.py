@@ -266,3 +266,18 @@ async def test_ext_proc_picker_uses_the_servers_softmax(make_service, make_publi
             await envoy.response(header.split(",")[0], [b"x"])
             await envoy.close()
     assert len(first) >= 2 and len(svc.router.ledger) == 0
+
+
+def test_serve_pick_flags(capsys: pytest.CaptureFixture[str]) -> None:
+    from kvindex.cli import build_parser
+
+    args = build_parser().parse_args(["serve", "--pick", "softmax", "--temperature", "0.2", "--warmup", "30"])
+    assert (args.pick, args.temperature, args.warmup, args.seed) == ("softmax", 0.2, 30.0, 0)
+    for bad, said in (
+        (["--temperature", "-1"], "finite number >= 0"),
+        (["--warmup", "inf"], "finite number >= 0"),
+        (["--pick", "random"], "invalid choice"),
+    ):
+        with pytest.raises(SystemExit):
+            build_parser().parse_args(["serve", *bad])
+        assert said in capsys.readouterr().err
