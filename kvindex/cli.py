@@ -50,7 +50,8 @@ def _add_serve(sub: Any) -> None:
         "--temperature",
         type=_non_negative,
         default=0.1,
-        help="softmax: the relative TTFT excess that costs a factor e in probability (0: best)",
+        help="softmax: the TTFT excess, in units of the request's own prefill, that costs a factor e "
+        "in probability (0: best)",
     )
     k.add_argument(
         "--warmup",

@@ -41,6 +41,15 @@ def test_softmax_weights_are_relative_to_the_first_choice() -> None:
     assert with_outlier[4] == 0.0
 
 
+def test_scale_is_the_first_choices_own_work() -> None:
+    """A queue-dominated estimate (10 s, 0.5 s of it prefill): 0.5 s more is a whole prefill more
+    work, which at T = 0.2 costs a factor e^5, not the e^0.25 a 5 % excess over the estimate would."""
+    p = P.softmax([10_000.0, 10_500.0], 0.2, work=500.0)
+    assert p[1] / p[0] == pytest.approx(math.exp(-5.0))
+    q = P.softmax([10_000.0, 10_500.0], 0.2)  # relative to the whole estimate instead
+    assert q[1] / q[0] == pytest.approx(math.exp(-0.25))
+
+
 def test_lower_estimates_ranked_below_the_first_choice_are_not_eligible() -> None:
     # The policy preferred a cache holder (100 ms) over a faster instance without the prefix (80 ms).
     p = P.softmax([100.0, 80.0, 110.0], 1.0)

@@ -44,7 +44,8 @@ def add_route(sub: Any) -> None:
         "--temperature",
         type=float,
         default=None,
-        help="softmax: the relative TTFT excess that costs a factor e in probability (default: the index's)",
+        help="softmax: the TTFT excess, in units of the request's own prefill, that costs a factor e "
+        "in probability (default: the index's)",
     )
     p.add_argument("--log-format", choices=("auto", "json", "console"), default="auto")
     p.add_argument("--log-level", default="info")

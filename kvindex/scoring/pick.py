@@ -4,17 +4,20 @@ A policy ranks (``Router.score``); the pick turns the ranking into a probability
 draws one. ``best`` is the policy's first choice (deterministic). ``softmax`` spreads requests over
 the candidates whose estimated TTFT is close to it:
 
-    w_i = exp(-(est_i - est_0) / (T * max(est_0, 1 ms)))     p_i = w_i / sum(w)
+    w_i = exp(-(est_i - est_0) / (T * max(work_0, 1 ms)))     p_i = w_i / sum(w)
 
-``est_0`` is the estimate of the policy's first choice and ``T`` the temperature: a candidate whose
-estimate is ``T`` x (relative) slower than the first choice gets 1/e of its share, ``T`` = 0 is the
-first choice. Candidates the policy ranked below its first choice although their estimate is lower
-(a placement rule preferred a cache holder over a faster instance without the prefix) are not
-eligible: the pick spreads load, it does not undo a placement. The normalisation is by the first
-choice's own estimate, not by the spread of the candidates (NVIDIA Dynamo's ``--router-temperature``
-divides by max - min): one very slow candidate does not flatten everyone else's weights, a candidate
-2x slower than the best never gets a fixed share just for being in the list, and the weights do
-not depend on how many candidates are listed (a top_k cut only drops the tail's small weights).
+``est_0`` is the estimate of the policy's first choice, ``work_0`` its own prefill + fetch time (the
+compute the request needs there) and ``T`` the temperature: a candidate slower by ``T`` x that work
+gets 1/e of the first choice's share, ``T`` = 0 is the first choice. The scale is the request's work,
+not its whole estimate: under load the estimate is mostly queue, and a fraction of it would be
+several prefills, so a draw would hand cache hits away for misses and cut the fleet's throughput
+(measured: benchmarks/README.md "Picking"). Candidates the policy ranked below its first choice
+although their estimate is lower (a placement rule preferred a cache holder over a faster instance
+without the prefix) are not eligible: the pick spreads load, it does not undo a placement. NVIDIA
+Dynamo's ``--router-temperature`` divides by the candidates' spread (max - min) instead; here one
+very slow candidate does not flatten everyone else's weights, a candidate several prefills slower
+never gets a fixed share just for being in the list, and the weights do not depend on how many
+candidates are listed (a top_k cut only drops the tail's small weights).
 
 Warm-up ramp (``warmup`` seconds > 0): an instance first seen ``age`` seconds ago, in a fleet whose
 oldest instance is ``age_0`` old, keeps ``r = min(1, age / warmup) / min(1, age_0 / warmup)`` of the
@@ -94,8 +97,9 @@ def uniform(seed: int) -> float:
     return (z >> 11) * (1.0 / (1 << 53))
 
 
-def softmax(est: Sequence[float], temperature: float) -> list[float]:
-    """Probabilities over candidates in rank order (``est[0]``: the policy's first choice)."""
+def softmax(est: Sequence[float], temperature: float, work: float | None = None) -> list[float]:
+    """Probabilities over candidates in rank order (``est[0]``: the policy's first choice), on the
+    scale ``temperature`` x ``work`` (the first choice's own prefill + fetch; default its estimate)."""
     n = len(est)
     if n == 0:
         return []
@@ -104,7 +108,7 @@ def softmax(est: Sequence[float], temperature: float) -> list[float]:
         out[0] = 1.0
         return out
     ref = est[0]
-    scale = temperature * max(ref, MIN_SCALE_MS)
+    scale = temperature * max(ref if work is None else work, MIN_SCALE_MS)
     for i, e in enumerate(est):
         if i == 0 or e >= ref:  # a lower estimate ranked below the first choice: a placement rule
             out[i] = math.exp(-(e - ref) / scale)
@@ -231,7 +235,8 @@ class Picker:
         """``choices`` with the picked one first (the others in rank order) and how it was drawn."""
         est = [c.candidate.est_ttft_ms for c in choices]
         if options.mode == SOFTMAX:
-            probabilities = softmax(est, options.temperature)
+            first = choices[0].candidate
+            probabilities = softmax(est, options.temperature, first.prefill_ms + first.fetch_ms)
         else:
             probabilities = [1.0] + [0.0] * (len(choices) - 1)
         if self.warmup > 0:
