@@ -158,6 +158,11 @@ async def test_capture_then_replay_rederives_every_pick(
     r = result.replayer
     assert result.error is None and not r.exceptions and not r.divergences
     assert r.picks_checked == 60 and r.picks_same == 60, r.pick_differences
+    # A query on the replayed state takes the pick options too.
+    asked = r.query(
+        {"model": MODEL, "token_ids": prompts[0], "pick": "softmax", "temperature": 2.0, "pick_seed": 7}
+    )
+    assert asked.response is not None and asked.response.pick_seed == 7, asked.error
     # The CLI says so too.
     assert main(["replay", str(path), "--check-picks", "--timeline", "none", "--plain"]) == 0
     assert "picks re-derived: 60, same as live 60, differ 0" in capsys.readouterr().out

@@ -509,9 +509,9 @@ class Replayer:
     def query(self, spec: dict[str, Any], name: str = "query") -> QueryResult:
         """Rank instances for a prompt as of now, with explain: ``spec`` has ``model`` and
         ``token_ids`` or ``block_keys``, optionally ``lora``, ``salt``, ``policy``, ``candidates``,
-        ``top_k``, ``role``, ``prompt_tokens``."""
+        ``top_k``, ``role``, ``prompt_tokens``, ``pick``, ``temperature``, ``pick_seed``."""
         allowed = {"model", "lora", "salt", "token_ids", "block_keys", "candidates", "top_k", "policy"}
-        allowed |= {"role", "prompt_tokens"}
+        allowed |= {"role", "prompt_tokens", "pick", "temperature", "pick_seed"}
         unknown = sorted(set(spec) - allowed)
         if unknown:
             return QueryResult(name, spec, None, f"unknown field(s) {', '.join(unknown)}")
