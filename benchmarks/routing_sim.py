@@ -182,6 +182,9 @@ class Cluster:
     # The last ``join_count`` instances join the fleet at ``join_at`` s (silent and unknown before).
     join_count: int = 0
     join_at: float = 0.0
+    # Independent routers (each its own ledger, speculative keys and policy memory; no routing sync),
+    # the arrivals dealt to them in turn: what herding looks like with several unsynchronised routers.
+    routers: int = 1
 
 
 @dataclass
@@ -255,21 +258,26 @@ class Simulation:
         self.consumer = Consumer(self.index, self.registry, repair=_SimRepair(self))
         self.calibrator = Calibrator()
         self.consumer.prefill_samples = self.calibrator.add
-        self.router = Router(
-            self.index,
-            self.registry,
-            self.calibrator,
-            RouterConfig(
-                default_policy=policy,
-                seed=seed,
-                prune_min_instances=0,
-                pick=cluster.pick,
-                temperature=cluster.temperature,
-                warmup=cluster.warmup,
-            ),
-            clock=clock,
-            policy_options=policy_options,
-        )
+        self.routers = [
+            Router(
+                self.index,
+                self.registry,
+                self.calibrator,
+                RouterConfig(
+                    default_policy=policy,
+                    seed=seed + r,
+                    prune_min_instances=0,
+                    pick=cluster.pick,
+                    temperature=cluster.temperature,
+                    warmup=cluster.warmup,
+                ),
+                clock=clock,
+                policy_options=policy_options,
+            )
+            for r in range(max(1, cluster.routers))
+        ]
+        self.router = self.routers[0]
+        self.router_of: dict[str, Router] = {}
         cfg = EngineConfig.from_profile(**cluster.engine)
         self.block_size = cfg.block_size
         self.logs: dict[str, WorkerLog] = {}
@@ -374,7 +382,9 @@ class Simulation:
         route = RouteRequest(MODEL, req.keys, req.prompt_tokens, self.block_size, req.id)
         # top_k as a router asks: policies that can rank only the holders and the best few others
         # (ttft) do, and must place exactly as their full ranking would (tables byte-identical).
-        result = self.router.score(route, commit=True, top_k=self.cluster.top_k)
+        router = self.routers[len(self.router_of) % len(self.routers)]
+        self.router_of[req.id] = router
+        result = router.score(route, commit=True, top_k=self.cluster.top_k)
         assert result.committed is not None, "no routable instance"
         self.routed[req.id] = (req.arrival, result.committed.worker)
         self.engines[result.committed.worker].submit(req, self.now)
@@ -426,10 +436,10 @@ class Simulation:
         rid = done.request.id
         if done.kind == "first_token":
             self.completions[rid] = done
-            self.router.release(rid, "prefill")
+            self.router_of[rid].release(rid, "prefill")
         else:
             self.completions[rid + "#end"] = done
-            self.router.release(rid, "finished")
+            self.router_of[rid].release(rid, "finished")
 
     # -- results ------------------------------------------------------------------------------------
 
@@ -779,6 +789,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--warmup", type=float, default=0.0, help="warm-up ramp of new instances (s)")
     parser.add_argument("--join", default="", metavar="N@T", help="the last N instances join at T s")
+    parser.add_argument(
+        "--routers", type=int, default=1, help="independent routers (no routing sync), arrivals dealt in turn"
+    )
     args = parser.parse_args(argv)
     args.policies = tuple(p for p in args.policies.split(",") if p)
     picks = pick_variants(args.pick)
@@ -791,6 +804,7 @@ def main(argv: list[str] | None = None) -> int:
         cluster.top_k = args.top_k
         cluster.warmup = args.warmup
         cluster.join_count, cluster.join_at = join_count, join_at
+        cluster.routers = args.routers
     named = len(picks) > 1 or picks[0][0] != "best" or args.warmup > 0
     jobs = []
     for label, reqs, cluster in exp.levels:
