@@ -49,7 +49,7 @@ def _add_serve(sub: Any) -> None:
     k.add_argument(
         "--temperature",
         type=_non_negative,
-        default=0.1,
+        default=0.05,
         help="softmax: the TTFT excess, in units of the request's own prefill, that costs a factor e "
         "in probability (0: best)",
     )
