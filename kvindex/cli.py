@@ -38,6 +38,28 @@ def _add_serve(sub: Any) -> None:
     e.add_argument("--ext-proc-port", type=int, default=-1, help="serve the picker on this port; -1: off")
     e.add_argument("--ext-proc-host", default="0.0.0.0")
     e.add_argument("--ext-proc-policy", default="", help="ranking policy for picks (default: ttft)")
+    e.add_argument(
+        "--ext-proc-pd",
+        action="store_true",
+        help="disaggregated prefill/decode: the destination is a decode instance, the prefill instance "
+        "goes in x-prefiller-host-port (llm-d's disaggregation profile; docs/gateway.md)",
+    )
+    e.add_argument("--ext-proc-pd-min-input-tokens", type=int, default=2048, help="shorter: no prefiller")
+    e.add_argument(
+        "--ext-proc-pd-min-uncached-share",
+        type=float,
+        default=0.7,
+        help="a lower uncached share on the decode pick: no prefiller",
+    )
+    e.add_argument(
+        "--ext-proc-pd-transfer-ms-per-1k",
+        type=float,
+        default=2.0,
+        help="KV transfer cost, ms per 1,000 tokens",
+    )
+    e.add_argument(
+        "--ext-proc-pd-same-group", action="store_true", help="prefiller within the decode pick's --pd-group"
+    )
     k = p.add_argument_group("picking (docs/scoring.md#picking)")
     k.add_argument(
         "--pick",
@@ -324,6 +346,24 @@ def _query(args: argparse.Namespace) -> int:
     return 0
 
 
+def _ext_proc_pd(args: argparse.Namespace) -> Any:
+    """The picker's PdConfig (None without --ext-proc-pd); SystemExit naming a bad value."""
+    if not args.ext_proc_pd:
+        return None
+    from kvindex.route.pd import PdConfig
+
+    try:
+        return PdConfig(
+            min_input_tokens=args.ext_proc_pd_min_input_tokens,
+            min_uncached_share=args.ext_proc_pd_min_uncached_share,
+            transfer_ms_per_1k=args.ext_proc_pd_transfer_ms_per_1k,
+            measure=False,
+            same_group=args.ext_proc_pd_same_group,
+        )
+    except ValueError as exc:
+        raise SystemExit(f"kvindex serve: error: --ext-proc-pd: {exc}") from None
+
+
 def _serve(args: argparse.Namespace) -> int:
     from kvindex.api.security import ServerSecurity
     from kvindex.ingest.nats_source import JetStreamConfig
@@ -364,6 +404,7 @@ def _serve(args: argparse.Namespace) -> int:
         ext_proc_port=None if args.ext_proc_port < 0 else args.ext_proc_port,
         ext_proc_host=args.ext_proc_host,
         ext_proc_policy=args.ext_proc_policy,
+        ext_proc_pd=_ext_proc_pd(args),
         routing_sync=SyncConfig(enabled=args.routing_sync, replica_id=args.replica_id),
         static_instances=args.instance,
         static_model=args.instance_model,

@@ -25,7 +25,9 @@ from workers_shim.bridges.load import LoadReader, scrape
 from workers_shim.publisher import Publisher
 
 
-def add_heartbeat_command(sub: Any, parse_endpoint: Any, parse_capacity: Any, positive_int: Any) -> None:
+def add_heartbeat_command(
+    sub: Any, parse_endpoint: Any, parse_capacity: Any, positive_int: Any, add_role_arguments: Any = None
+) -> None:
     p = sub.add_parser(
         "heartbeat",
         help="announce an engine without KV events (heartbeats only; the index predicts its cache)",
@@ -40,6 +42,8 @@ def add_heartbeat_command(sub: Any, parse_endpoint: Any, parse_capacity: Any, po
     p.add_argument("--metrics-url", default=None, help="the engine's Prometheus page, for its load")
     p.add_argument("--engine", choices=sorted(ENGINES), default="vllm", help="whose /metrics names to read")
     p.add_argument("--capacity", type=parse_capacity, default={}, help="blocks per tier, e.g. gpu=24000")
+    if add_role_arguments is not None:
+        add_role_arguments(p)
     p.add_argument("--nats", default="nats://127.0.0.1:4222", help="NATS URL")
     p.add_argument("--subject-prefix", default="kvindex")
     p.add_argument("--heartbeat-interval", type=float, default=0.5)
@@ -69,6 +73,8 @@ async def heartbeat_until_signalled(args: argparse.Namespace, stop: Stop) -> Non
             capacity=args.capacity,
             endpoint=args.endpoint,
             events=False,
+            role=getattr(args, "role", None),
+            pd_group=getattr(args, "pd_group", None),
             heartbeat_interval=args.heartbeat_interval,
         )
     )

@@ -24,14 +24,17 @@ from kvindex.capture.recorder import (
 )
 from kvindex.config.nats import NatsSettings
 from kvindex.fleet.registry import Registry
+from kvindex.index.base import InstanceKey
 from kvindex.index.inverted import InvertedIndex
 from kvindex.ingest.consumer import Consumer
 from kvindex.ingest.limits import IngestLimits
 from kvindex.ingest.nats_source import JetStreamConfig, NatsSource
 from kvindex.lifecycle import Stop, bounded
 from kvindex.observability.counters import IngestCounters, Metrics
+from kvindex.observability.outcomes import OutcomeCollector
 from kvindex.observability.tokenize import TokenizeCollector
 from kvindex.repair.nats_repair import NatsRepairer, RepairConfig
+from kvindex.route.pd import PdConfig
 from kvindex.routing_sync.metrics import SyncCollector
 from kvindex.routing_sync.nats_link import NatsRoutingLink
 from kvindex.routing_sync.sync import RoutingSync, SyncConfig
@@ -70,6 +73,7 @@ class ServiceConfig:
     ext_proc_port: int | None = None  # Envoy ext_proc endpoint picker; None: off, 0: any free port
     ext_proc_host: str = "0.0.0.0"
     ext_proc_policy: str = ""  # ranking policy of the picker; "": the router's default (ttft)
+    ext_proc_pd: PdConfig | None = None  # disaggregated prefill/decode picks (x-prefiller-host-port)
     # Text prompts: model -> tokenizer directory (serve --tokenizer MODEL=DIR), and the cache's bytes.
     tokenizers: dict[str, str] = field(default_factory=dict)
     tokenize_cache_bytes: int = DEFAULT_CACHE_BYTES
@@ -136,6 +140,12 @@ class IndexService:
         self.router = Router(self.index, self.registry, self.calibrator, config.router)
         self.consumer.prefill_samples = self.calibrator.add
         self.consumer.on_forget = self.router.forget
+        # Predicted against actual (docs/feedback.md): degraded instances follow the repairs, and a
+        # degradation asks for a snapshot at once (rate-limited in the router; scheduled, never
+        # run inside the consumer's own call that changed the state).
+        self.consumer.on_sync_change = self.router.sync_changed
+        self.router.outcomes.on_degraded = self._reconcile_degraded
+        self.metrics.registry.register(OutcomeCollector(self.router.outcomes, self._instance_states))
         self.recorder: Recorder | None = None
         if config.capture is not None:
             meta = _capture_meta(config)
@@ -152,7 +162,9 @@ class IndexService:
         )
         self.ext_proc: ExtProcServer | None = None
         if config.ext_proc_port is not None:
-            picker = EndpointPicker(self.servicer, policy=config.ext_proc_policy, log=self.log)
+            picker = EndpointPicker(
+                self.servicer, policy=config.ext_proc_policy, log=self.log, pd=config.ext_proc_pd
+            )
             self.ext_proc = ExtProcServer(
                 picker, config.ext_proc_host, config.ext_proc_port, config.grpc_security, ready=False
             )
@@ -174,6 +186,21 @@ class IndexService:
         self.nats_url = NatsSettings.coerce(config.nats_url).redacted_servers() if config.nats_url else ""
         self.metrics_port: int | None = None
         self._metrics_server: Any = None
+
+    def _reconcile_degraded(self, instance: InstanceKey) -> None:
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return  # not serving (a test driving the router alone)
+        loop.call_soon(self.repairer.reconcile_now, instance, "degraded")
+
+    def _instance_states(self) -> dict[str, list[str]]:
+        """State name -> instance ids (for the metrics)."""
+        out: dict[str, list[str]] = {}
+        for state in self.registry.all():
+            if not state.is_pool:
+                out.setdefault(self.router.state_of(state)[0], []).append(state.instance_id)
+        return out
 
     def _register_static(self) -> None:
         """The --instance list: routable at once, approximate, never aged out by heartbeats."""

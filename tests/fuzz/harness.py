@@ -70,7 +70,11 @@ LIMITS = IngestLimits(
     max_held_keys=256,
     max_pending_repairs=2,
 )
-WHOLE_REJECTIONS = {*wire_errors.REASONS, INSTANCE_LIMIT, MODEL_LIMIT}
+# (bad_endpoint and bad_role drop one field of a heartbeat that is otherwise applied.)
+WHOLE_REJECTIONS = {*wire_errors.REASONS, INSTANCE_LIMIT, MODEL_LIMIT} - {
+    wire_errors.BAD_ENDPOINT,
+    wire_errors.BAD_ROLE,
+}
 KNOWN_REASONS = {*wire_errors.REASONS, *LIMIT_REASONS}
 WORKERS = ("w1", "w2", "w3", "w4", "new", "a b", "", "w1.x")
 
