@@ -41,7 +41,6 @@ from kvindex.v1 import kvindex_pb2 as pb
 from kvindex.v1 import kvindex_pb2_grpc as pb_grpc
 from kvtools.data import mooncake_trace
 
-TRACE = mooncake_trace()
 MODEL = "demo-model"
 
 
@@ -369,7 +368,12 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--profile", default="llama3-8b-h100")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--cpu-blocks", type=int, default=50_000, help="CPU offload tier per instance (0: none)")
-    p.add_argument("--trace", default=str(TRACE))
+    p.add_argument(
+        "--trace",
+        default=None,
+        help="Mooncake-format trace (.jsonl or .jsonl.gz); default: the conversation trace shipped in "
+        "kvtools/data",
+    )
     p.add_argument("--limit", type=int, default=None)
     p.add_argument(
         "--time-scale", type=float, default=0.25, help="trace arrival times x this (0.25: 4x the load)"
@@ -385,9 +389,14 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
+    try:
+        args.trace = args.trace or str(mooncake_trace())
+    except FileNotFoundError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     if not Path(args.trace).exists():
         print(
-            f"trace not found: {args.trace} (pass --trace PATH to a Mooncake-format JSONL file)",
+            f"trace not found: {args.trace} (--trace takes a Mooncake-format .jsonl or .jsonl.gz)",
             file=sys.stderr,
         )
         return 2
