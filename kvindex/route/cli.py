@@ -38,8 +38,22 @@ def add_route(sub: Any) -> None:
     add_client_options(p)
 
 
+# The route extra (pyproject.toml): aiohttp and what it brings.
+_ROUTE_EXTRA = frozenset({"aiohttp", "multidict", "yarl"})
+
+
 def run_route(args: argparse.Namespace) -> int:
-    from kvindex.route.proxy import RouteConfig, RouteProxy, serve_until_stopped
+    try:
+        from kvindex.route.proxy import RouteConfig, RouteProxy, serve_until_stopped
+    except ImportError as exc:
+        if (exc.name or "").split(".")[0] not in _ROUTE_EXTRA:
+            raise
+        print(
+            f"kvindex route: error: the routing proxy needs {exc.name}, which is not installed: "
+            "pip install 'kvindex[route]'",
+            file=sys.stderr,
+        )
+        return 2
 
     configure_logging(args.log_format, args.log_level)
     try:
