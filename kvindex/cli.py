@@ -28,6 +28,16 @@ def _add_serve(sub: Any) -> None:
         url_help="NATS server URL(s), nats:// or tls://, repeated or comma-separated (a "
         "cluster: any is used and reconnected to); without one an embedded nats-server is started",
     )
+    p.add_argument(
+        "--embedded-nats-listen",
+        default=None,
+        type=_listen,
+        metavar="HOST:PORT",
+        help="where the embedded nats-server (no --nats) listens; default 127.0.0.1:0 (a free port, this "
+        "machine only). 0.0.0.0:4222 lets workers on other machines connect (the log prints the URL they "
+        "use); that server has no auth or TLS, so across machines an external nats-server is the "
+        "deployable choice (docs/deploy.md)",
+    )
     p.add_argument("--grpc-host", default="0.0.0.0")
     p.add_argument("--grpc-port", type=int, default=50051)
     p.add_argument("--subject-prefix", default="kvindex")
@@ -115,6 +125,24 @@ def _add_serve(sub: Any) -> None:
 
     add_server_options(p)
     _add_readiness_shutdown(p)
+
+
+def _listen(text: str) -> tuple[str, int]:
+    from kvindex.api.listen import parse_listen
+
+    try:
+        return parse_listen(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+# The flags that set each listener's address (kvindex.api.listen.ListenError.what).
+_LISTEN_FLAGS = {
+    "gRPC": "--grpc-host/--grpc-port",
+    "metrics": "--metrics-host/--metrics-port",
+    "ext_proc": "--ext-proc-host/--ext-proc-port",
+    "embedded NATS": "--embedded-nats-listen",
+}
 
 
 def _on_off(text: str) -> bool:
@@ -377,8 +405,17 @@ def _serve(args: argparse.Namespace) -> int:
     except NatsConfigError as exc:
         structlog.get_logger("kvindex").error("nats_connect_failed", error=str(exc))
         return 2
+    if nats is not None and args.embedded_nats_listen is not None:
+        print(
+            "kvindex serve: error: --embedded-nats-listen is for the embedded server; not with --nats",
+            file=sys.stderr,
+        )
+        return 2
+    nats_host, nats_port = args.embedded_nats_listen or ("127.0.0.1", 0)
     config = ServiceConfig(
         nats_url=nats,
+        embedded_nats_host=nats_host,
+        embedded_nats_port=nats_port,
         grpc_host=args.grpc_host,
         grpc_port=args.grpc_port,
         subject_prefix=args.subject_prefix,
@@ -424,10 +461,18 @@ def _serve(args: argparse.Namespace) -> int:
         return 2
 
     async def main(stop: Stop) -> int:
+        from kvindex.api.listen import ListenError
+
         try:
             await serve_until_stopped(service, stop)
         except (NatsConfigError, NatsConnectError) as exc:
             structlog.get_logger("kvindex").error("nats_connect_failed", error=str(exc))
+            return 2
+        except ListenError as exc:
+            flag = _LISTEN_FLAGS.get(exc.what, "")
+            structlog.get_logger("kvindex").error(
+                "listen_failed", error=f"{exc} (choose another with {flag})"
+            )
             return 2
         return 0
 

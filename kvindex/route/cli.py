@@ -81,7 +81,8 @@ def run_route(args: argparse.Namespace) -> int:
         try:
             await serve_until_stopped(RouteProxy(config), stop)
         except OSError as exc:  # the port is taken, the host is not ours
-            print(f"kvindex route: error: cannot listen on {args.host}:{args.port}: {exc}", file=sys.stderr)
+            where = f"{args.host}:{args.port}"
+            print(f"kvindex route: error: cannot listen on {where} (--host/--port): {exc}", file=sys.stderr)
             return 1
         return 0
 
