@@ -58,6 +58,10 @@ class Tally:
     )  # (est, simulated) s
     decisions: deque[float] = field(default_factory=lambda: deque(maxlen=5000))  # decision times
     reasons: dict[str, int] = field(default_factory=dict)
+    trace_total: int = 0  # requests the driver replays (0: still reading the trace)
+    trace_span_s: float = 0.0  # arrival of the last one, simulated seconds
+    all_sent: bool = False
+    load: str = ""  # the offered load, said on screen
 
     def decisions_per_s(self, now: float) -> float:
         recent = [t for t in self.decisions if now - t <= 5]
@@ -90,6 +94,9 @@ def _spawn_service(args: argparse.Namespace) -> tuple[subprocess.Popen[str], str
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
         # Even a SIGKILLed demo takes its service (and so the embedded nats-server) along.
         preexec_fn=die_with_parent(),
+        # Its own session: Ctrl-C in the terminal signals only the demo, which stops the simulated
+        # workers first and the service (and its NATS) after them, so no worker loses its server.
+        start_new_session=True,
     )
     return proc, f"127.0.0.1:{port}"
 
@@ -139,6 +146,9 @@ async def _drive(
         time_scale=args.time_scale,
         id_prefix="demo-",
     )
+    tally.trace_total = len(reqs)
+    tally.trace_span_s = reqs[-1].arrival if reqs else 0.0
+    tally.load = _offered_load(args, reqs)
     speed = args.speed
     start = time.monotonic()
     for req in reqs:
@@ -175,10 +185,43 @@ async def _drive(
         tally.decisions.append(time.monotonic())
         tally.reasons[top.explain] = tally.reasons.get(top.explain, 0) + 1
         await fleet.submit(top.worker, req)
+    tally.all_sent = True
+
+
+def _offered_load(args: argparse.Namespace, reqs: list[Any]) -> str:
+    """The replayed traffic against what the fleet can prefill: prompt tokens per second offered,
+    over the fleet's prefill rate (each instance prefilling the mean prompt back to back, no cache
+    hits). Near 1 and above, queues grow and every TTFT is mostly waiting."""
+    from workers_shim.sim import EngineConfig
+
+    if len(reqs) < 2 or reqs[-1].arrival <= 0:
+        return f"trace x{1 / args.time_scale:.1f}"
+    cfg = EngineConfig.from_profile(args.profile, args.block_size, cpu_blocks=args.cpu_blocks)
+    tokens = sum(r.prompt_tokens for r in reqs)
+    offered = tokens / reqs[-1].arrival  # prompt tokens per simulated second
+    mean = tokens / len(reqs)
+    capacity = args.instances * mean / (cfg.alone_ttft_ms(int(mean)) / 1000)
+    return (
+        f"trace x{1 / args.time_scale:.1f} (--time-scale {args.time_scale:g}): "
+        f"{len(reqs) / reqs[-1].arrival:.1f} requests/s, {offered / 1000:,.0f}k prompt tokens/s = "
+        f"{offered / capacity:.2f} of the fleet's prefill rate without cache hits"
+    )
+
+
+def _progress(tally: Tally) -> str:
+    if not tally.trace_total:
+        return "reading the trace"
+    if not tally.all_sent:
+        return f"{tally.routed:,} of {tally.trace_total:,} requests sent"
+    if tally.finished < tally.routed:
+        return f"all {tally.trace_total:,} requests sent; {tally.routed - tally.finished:,} still running"
+    return f"done: all {tally.trace_total:,} requests finished (Ctrl-C to quit)"
 
 
 async def _release(stub: pb_grpc.KvIndexStub, request_id: str, phase: str) -> None:
-    await stub.Release(pb.ReleaseRequest(request_id=request_id, phase=phase), timeout=5)
+    # A release the service cannot take (it is stopping) loses nothing: its ledger entry expires.
+    with contextlib.suppress(grpc.aio.AioRpcError):
+        await stub.Release(pb.ReleaseRequest(request_id=request_id, phase=phase), timeout=5)
 
 
 def _on_completion(tally: Tally, stub: pb_grpc.KvIndexStub, pending: set[asyncio.Task[Any]]) -> Any:
@@ -202,11 +245,20 @@ def _on_completion(tally: Tally, stub: pb_grpc.KvIndexStub, pending: set[asyncio
     return handle
 
 
-def _render(instances: list[Any], stats: Any, tally: Tally, events_per_s: float, elapsed: float) -> Any:
+def _clock(elapsed: float, speed: float) -> str:
+    """The simulated fleet runs ``speed`` simulated seconds per wall second."""
+    if speed == 1:
+        return f"{elapsed:.0f} s (simulated = wall clock)"
+    return f"simulated {elapsed * speed:.0f} s (wall {elapsed:.0f} s, --speed {speed:g})"
+
+
+def _render(
+    instances: list[Any], stats: Any, tally: Tally, events_per_s: float, elapsed: float, speed: float = 1.0
+) -> Any:
     from rich.console import Group
     from rich.table import Table
 
-    t = Table(title=f"kvindex demo — {elapsed:.0f} s", expand=True)
+    t = Table(title=f"kvindex demo — {_clock(elapsed, speed)}", expand=True)
     for col in (
         "instance",
         "gpu blocks",
@@ -242,6 +294,8 @@ def _render(instances: list[Any], stats: Any, tally: Tally, events_per_s: float,
     sim = sum(p[1] for p in pairs) / len(pairs) if pairs else 0.0
     hit = tally.hit_tokens / tally.prompt_tokens if tally.prompt_tokens else 0.0
     o = Table(show_header=False, expand=True)
+    o.add_row("trace", _progress(tally))
+    o.add_row("load", tally.load or "-")
     o.add_row(
         "requests routed / first tokens / finished",
         f"{tally.routed:,} / {tally.first_tokens:,} / {tally.finished:,}",
@@ -324,6 +378,7 @@ async def _watch(args: argparse.Namespace, stub: pb_grpc.KvIndexStub, tally: Tal
     started = time.monotonic()
     last_events, last_t = 0, started
     use_rich = not args.plain and sys.stdout.isatty()
+    load_said = False
     live = None
     if use_rich:
         from rich.live import Live
@@ -339,14 +394,18 @@ async def _watch(args: argparse.Namespace, stub: pb_grpc.KvIndexStub, tally: Tal
             rate = (events - last_events) / max(now - last_t, 1e-6)
             last_events, last_t = events, now
             if live is not None:
-                live.update(_render(list(listed.instances), stats, tally, rate, now - started))
+                live.update(_render(list(listed.instances), stats, tally, rate, now - started, args.speed))
             else:
+                if tally.load and not load_said:
+                    print(f"load: {tally.load}", flush=True)
+                    load_said = True
                 pairs = list(tally.pairs)
                 est = sum(p[0] for p in pairs) / len(pairs) if pairs else 0.0
                 sim = sum(p[1] for p in pairs) / len(pairs) if pairs else 0.0
                 hit = tally.hit_tokens / tally.prompt_tokens if tally.prompt_tokens else 0.0
                 print(
-                    f"[{now - started:5.0f} s] routed {tally.routed} first tokens {tally.first_tokens} "
+                    f"[{now - started:5.0f} s wall] {_progress(tally)}: "
+                    f"routed {tally.routed} first tokens {tally.first_tokens} "
                     f"hit {hit:.1%} ttft est {est:.3f}s sim {sim:.3f}s "
                     f"{tally.decisions_per_s(now):.1f} decisions/s {rate:,.0f} events/s gaps {stats.gaps}",
                     flush=True,
@@ -359,14 +418,21 @@ async def _watch(args: argparse.Namespace, stub: pb_grpc.KvIndexStub, tally: Tal
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    from workers_shim.sim.timemodel import PROFILES
+
     p = argparse.ArgumentParser(
         prog="python -m kvtools.demo",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--instances", type=int, default=8)
-    p.add_argument("--profile", default="llama3-8b-h100")
-    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--instances", type=int, default=8, help="simulated engine instances in the fleet")
+    p.add_argument(
+        "--profile",
+        default="llama3-8b-h100",
+        choices=sorted(PROFILES),
+        help="model and hardware each instance simulates (time model and GPU KV capacity)",
+    )
+    p.add_argument("--block-size", type=int, default=16, help="KV block size in tokens (as vLLM's)")
     p.add_argument("--cpu-blocks", type=int, default=50_000, help="CPU offload tier per instance (0: none)")
     p.add_argument(
         "--trace",
@@ -374,16 +440,29 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         help="Mooncake-format trace (.jsonl or .jsonl.gz); default: the conversation trace shipped in "
         "kvtools/data",
     )
-    p.add_argument("--limit", type=int, default=None)
+    p.add_argument("--limit", type=int, default=None, help="replay only the first N requests of the trace")
     p.add_argument(
         "--time-scale", type=float, default=0.25, help="trace arrival times x this (0.25: 4x the load)"
     )
-    p.add_argument("--speed", type=float, default=1.0, help="virtual seconds per wall second")
-    p.add_argument("--duration", type=float, default=0.0, help="stop after this many seconds (0: Ctrl-C)")
-    p.add_argument("--grpc-port", type=int, default=50051)
-    p.add_argument("--metrics-port", type=int, default=9400)
+    p.add_argument(
+        "--speed",
+        type=float,
+        default=1.0,
+        help="simulated seconds per wall second (2: the fleet runs and the trace plays twice as fast)",
+    )
+    p.add_argument(
+        "--duration", type=float, default=0.0, help="stop after this many wall seconds (0: at Ctrl-C)"
+    )
+    p.add_argument(
+        "--grpc-port", type=int, default=50051, help="gRPC port of its kvindex serve (0: any free port)"
+    )
+    p.add_argument(
+        "--metrics-port", type=int, default=9400, help="its Prometheus /metrics port (0: any free, -1: none)"
+    )
     p.add_argument("--plain", action="store_true", help="no dashboard: a summary line every few seconds")
-    p.add_argument("--report-every", type=float, default=5.0)
+    p.add_argument(
+        "--report-every", type=float, default=5.0, help="seconds between summary lines with --plain"
+    )
     return p.parse_args(argv)
 
 
