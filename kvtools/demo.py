@@ -1,7 +1,8 @@
 """`make run`: the whole loop on one machine, with a live dashboard.
 
-    python -m kvtools.demo                       # 8 simulated instances (GPU + CPU tiers), Mooncake trace x4
+    python -m kvtools.demo                       # 8 simulated instances (GPU + CPU tiers), trace x2.5
     python -m kvtools.demo --instances 16 --cpu-blocks 0 --speed 2 --time-scale 0.5
+    python -m kvtools.demo --time-scale 0.25     # x4: more than 8 instances can serve; queues grow
     python -m kvtools.demo --duration 30 --plain # no dashboard: a summary line every few seconds
 
 It starts `kvindex serve` (which starts its embedded nats-server), a fleet of simulated vLLM-like
@@ -9,7 +10,14 @@ engines publishing real KV events and heartbeats through the worker publisher, a
 that replays the Mooncake conversation trace: every request is routed by the real gRPC `Score`
 (policy `ttft`, committed), sent to the simulated instance it chose, and released at first token and
 at the end. The dashboard shows, per instance, what the index knows (blocks per tier, load, seq and
-epoch, repairs) and, overall, hit rate, estimated vs simulated TTFT and decisions per second.
+epoch, repairs) and, overall, the trace's progress, the load and whether the fleet keeps up, hit
+rate, estimated vs simulated TTFT and decisions per second.
+
+The default load, the trace at 2.5x its rate, is one the 8 instances serve with TTFT routing (in the
+trace-driven simulation, `benchmarks/routing_sim.py demo`: mean TTFT 0.63 s over the whole trace,
+steady) but not by round robin, whose queues grow (mean 7.4 s over the first 3,000 requests,
+rising). At 4x (--time-scale 0.25) even TTFT routing saturates this fleet (mean 16 s over the first
+2,000 requests, rising): TTFT becomes queueing that no estimate foresees.
 Ctrl-C (or closing the terminal, SIGTERM, or the parent's exit) stops everything cleanly: the
 demo, its `kvindex serve` and the embedded nats-server (docs/deploy.md).
 """
@@ -189,23 +197,30 @@ async def _drive(
 
 
 def _offered_load(args: argparse.Namespace, reqs: list[Any]) -> str:
-    """The replayed traffic against what the fleet can prefill: prompt tokens per second offered,
-    over the fleet's prefill rate (each instance prefilling the mean prompt back to back, no cache
-    hits). Near 1 and above, queues grow and every TTFT is mostly waiting."""
-    from workers_shim.sim import EngineConfig
-
+    """What the replayed trace offers, per simulated second, over the whole replay."""
+    where = f"trace x{1 / args.time_scale:.1f} (--time-scale {args.time_scale:g})"
     if len(reqs) < 2 or reqs[-1].arrival <= 0:
-        return f"trace x{1 / args.time_scale:.1f}"
-    cfg = EngineConfig.from_profile(args.profile, args.block_size, cpu_blocks=args.cpu_blocks)
+        return where
+    span = reqs[-1].arrival
     tokens = sum(r.prompt_tokens for r in reqs)
-    offered = tokens / reqs[-1].arrival  # prompt tokens per simulated second
-    mean = tokens / len(reqs)
-    capacity = args.instances * mean / (cfg.alone_ttft_ms(int(mean)) / 1000)
+    per_instance = len(reqs) / span / args.instances
     return (
-        f"trace x{1 / args.time_scale:.1f} (--time-scale {args.time_scale:g}): "
-        f"{len(reqs) / reqs[-1].arrival:.1f} requests/s, {offered / 1000:,.0f}k prompt tokens/s = "
-        f"{offered / capacity:.2f} of the fleet's prefill rate without cache hits"
+        f"{where}: {len(reqs) / span:.1f} requests/s, {tokens / span / 1000:,.0f}k prompt tokens/s "
+        f"({per_instance:.2f} requests/s per instance)"
     )
+
+
+def _fleet_state(instances: list[Any]) -> str:
+    """Whether the fleet keeps up, from what the index knows of it: requests waiting for admission
+    beyond one per instance mean queues, and TTFT that is mostly waiting (the estimate cannot know
+    how long a queue will grow)."""
+    engines = [i for i in instances if not i.pool]
+    if not engines:
+        return ""
+    waiting = sum(i.load.waiting for i in engines)
+    kv = sum(i.load.kv_usage for i in engines) / len(engines)
+    state = "keeping up" if waiting <= len(engines) else "SATURATED: requests queue, TTFT is mostly waiting"
+    return f"{state} ({waiting} waiting, mean KV use {kv:.0%})"
 
 
 def _progress(tally: Tally) -> str:
@@ -295,7 +310,7 @@ def _render(
     hit = tally.hit_tokens / tally.prompt_tokens if tally.prompt_tokens else 0.0
     o = Table(show_header=False, expand=True)
     o.add_row("trace", _progress(tally))
-    o.add_row("load", tally.load or "-")
+    o.add_row("load", "; ".join(s for s in (tally.load, _fleet_state(instances)) if s) or "-")
     o.add_row(
         "requests routed / first tokens / finished",
         f"{tally.routed:,} / {tally.first_tokens:,} / {tally.finished:,}",
@@ -407,7 +422,8 @@ async def _watch(args: argparse.Namespace, stub: pb_grpc.KvIndexStub, tally: Tal
                     f"[{now - started:5.0f} s wall] {_progress(tally)}: "
                     f"routed {tally.routed} first tokens {tally.first_tokens} "
                     f"hit {hit:.1%} ttft est {est:.3f}s sim {sim:.3f}s "
-                    f"{tally.decisions_per_s(now):.1f} decisions/s {rate:,.0f} events/s gaps {stats.gaps}",
+                    f"{tally.decisions_per_s(now):.1f} decisions/s {rate:,.0f} events/s gaps {stats.gaps}; "
+                    f"{_fleet_state(list(listed.instances))}",
                     flush=True,
                 )
             with contextlib.suppress(TimeoutError):
@@ -442,7 +458,11 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--limit", type=int, default=None, help="replay only the first N requests of the trace")
     p.add_argument(
-        "--time-scale", type=float, default=0.25, help="trace arrival times x this (0.25: 4x the load)"
+        "--time-scale",
+        type=float,
+        default=0.4,
+        help="trace arrival times x this: 0.4 (default) is 2.5x the trace's rate, 0.25 is 4x (saturates 8 "
+        "instances)",
     )
     p.add_argument(
         "--speed",
