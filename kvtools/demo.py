@@ -14,10 +14,10 @@ epoch, repairs) and, overall, the trace's progress, the load and whether the fle
 rate, estimated vs simulated TTFT and decisions per second.
 
 The default load, the trace at 2.5x its rate, is one the 8 instances serve with TTFT routing (in the
-trace-driven simulation, `benchmarks/routing_sim.py demo`: mean TTFT 0.63 s over the whole trace,
-steady) but not by round robin, whose queues grow (mean 7.4 s over the first 3,000 requests,
-rising). At 4x (--time-scale 0.25) even TTFT routing saturates this fleet (mean 16 s over the first
-2,000 requests, rising): TTFT becomes queueing that no estimate foresees.
+trace-driven simulation, `benchmarks/routing_sim.py demo`, over the whole trace: TTFT mean 0.63 s,
+p90 1.27 s, steady) but not with round robin, whose queues build (mean 6.0 s, p90 18.9 s). At 4x
+(--time-scale 0.25) even TTFT routing saturates this fleet (mean 16 s over the first 2,000
+requests, rising): TTFT becomes queueing that no estimate foresees.
 Ctrl-C (or closing the terminal, SIGTERM, or the parent's exit) stops everything cleanly: the
 demo, its `kvindex serve` and the embedded nats-server (docs/deploy.md).
 """
