@@ -373,11 +373,12 @@ def _query(args: argparse.Namespace) -> int:
                 else:
                     reply = stub.Lookup(pb.LookupRequest(**fields), timeout=args.timeout)
                 if not reply.block_size:  # the index answers an unknown model with no block size
-                    print(
-                        f"kvindex {args.command}: error: {_unknown_model(stub, args.model, args.timeout)}",
-                        file=sys.stderr,
-                    )
-                    return 2
+                    unknown = _unknown_model(stub, args.model, args.timeout)
+                    if args.command == "score" or ("prompt" not in fields and "messages" not in fields):
+                        print(f"kvindex {args.command}: error: {unknown}", file=sys.stderr)
+                        return 2
+                    # A text lookup still answers how the index tokenizes it: shown, with the note.
+                    print(f"kvindex lookup: note: {unknown}; nothing can match", file=sys.stderr)
             elif args.command == "stats":
                 reply = stub.Stats(pb.StatsRequest(), timeout=args.timeout)
             else:
