@@ -115,12 +115,16 @@ async def _service_up(proc: subprocess.Popen[str]) -> str:
     assert proc.stderr is not None
     loop = asyncio.get_running_loop()
     deadline = time.monotonic() + 30
+    why = ""
     while time.monotonic() < deadline:
         line = await loop.run_in_executor(None, proc.stderr.readline)
         if not line:
-            raise RuntimeError(f"kvindex serve exited (code {proc.poll()})")
-        with contextlib.suppress(json.JSONDecodeError):
+            # Its own error says what to change (e.g. a port in use and the flag that sets it).
+            raise RuntimeError(f"kvindex serve exited (code {proc.wait()}){': ' + why if why else ''}")
+        with contextlib.suppress(json.JSONDecodeError, AttributeError):
             record = json.loads(line)
+            if record.get("level") == "error":
+                why = str(record.get("error") or record.get("event"))
             if record.get("event") == "embedded_nats_started":
                 nats_url = record["url"]
             if record.get("event") == "kvindex_serving":
