@@ -29,6 +29,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import math
 import os
 import signal
 import subprocess
@@ -70,6 +71,8 @@ class Tally:
     trace_span_s: float = 0.0  # arrival of the last one, simulated seconds
     all_sent: bool = False
     load: str = ""  # the offered load, said on screen
+    queued: float = 0.0  # requests waiting for admission over the fleet, averaged over ~20 s
+    queued_at: float = 0.0
 
     def decisions_per_s(self, now: float) -> float:
         recent = [t for t in self.decisions if now - t <= 5]
@@ -214,17 +217,27 @@ def _offered_load(args: argparse.Namespace, reqs: list[Any]) -> str:
     )
 
 
-def _fleet_state(instances: list[Any]) -> str:
-    """Whether the fleet keeps up, from what the index knows of it: requests waiting for admission
-    beyond one per instance mean queues, and TTFT that is mostly waiting (the estimate cannot know
-    how long a queue will grow)."""
+def _fleet_state(instances: list[Any], tally: Tally) -> str:
+    """Whether the fleet keeps up, from what the index knows of it: requests waiting for admission,
+    averaged over ~20 s (a burst queues a few for a moment). Beyond two per instance queues are
+    building: TTFT is then mostly waiting, which no estimate foresees."""
     engines = [i for i in instances if not i.pool]
     if not engines:
         return ""
     waiting = sum(i.load.waiting for i in engines)
+    now = time.monotonic()
+    weight = 1 - math.exp(-(now - tally.queued_at) / 20) if tally.queued_at else 1.0
+    tally.queued += weight * (waiting - tally.queued)
+    tally.queued_at = now
     kv = sum(i.load.kv_usage for i in engines) / len(engines)
-    state = "keeping up" if waiting <= len(engines) else "SATURATED: requests queue, TTFT is mostly waiting"
-    return f"{state} ({waiting} waiting, mean KV use {kv:.0%})"
+    per_instance = tally.queued / len(engines)
+    if per_instance <= 1:
+        state = "keeping up"
+    elif per_instance <= 2:
+        state = "busy: short queues"
+    else:
+        state = "SATURATED: queues building, TTFT is mostly waiting"
+    return f"{state} ({waiting} waiting now, {tally.queued:.0f} on average; mean KV use {kv:.0%})"
 
 
 def _progress(tally: Tally) -> str:
@@ -314,7 +327,7 @@ def _render(
     hit = tally.hit_tokens / tally.prompt_tokens if tally.prompt_tokens else 0.0
     o = Table(show_header=False, expand=True)
     o.add_row("trace", _progress(tally))
-    o.add_row("load", "; ".join(s for s in (tally.load, _fleet_state(instances)) if s) or "-")
+    o.add_row("load", "; ".join(s for s in (tally.load, _fleet_state(instances, tally)) if s) or "-")
     o.add_row(
         "requests routed / first tokens / finished",
         f"{tally.routed:,} / {tally.first_tokens:,} / {tally.finished:,}",
@@ -427,7 +440,7 @@ async def _watch(args: argparse.Namespace, stub: pb_grpc.KvIndexStub, tally: Tal
                     f"routed {tally.routed} first tokens {tally.first_tokens} "
                     f"hit {hit:.1%} ttft est {est:.3f}s sim {sim:.3f}s "
                     f"{tally.decisions_per_s(now):.1f} decisions/s {rate:,.0f} events/s gaps {stats.gaps}; "
-                    f"{_fleet_state(list(listed.instances))}",
+                    f"{_fleet_state(list(listed.instances), tally)}",
                     flush=True,
                 )
             with contextlib.suppress(TimeoutError):
