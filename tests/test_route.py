@@ -598,6 +598,39 @@ async def test_cli_over_mutual_tls_and_a_token(
         await svc.stop()
 
 
+async def test_chat_without_a_tokenizer_is_said_once_per_model(fleet: Fleet) -> None:
+    """The index (no --tokenizer) rejects text: chat is routed by hash, and the proxy says so once
+    per model, naming the fix, instead of only counting fallbacks."""
+    from structlog.testing import capture_logs
+
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hello"}]}
+    with capture_logs() as logs:
+        for _ in range(3):
+            async with await fleet.post(body, path="/v1/chat/completions") as resp:
+                assert resp.status == 200 and resp.headers["x-kvindex-decision"] == "fallback"
+    said = [r for r in logs if r["event"] == "chat_routing_hash_only"]
+    assert len(said) == 1 and said[0]["model"] == MODEL
+    assert f"--tokenizer {MODEL}=DIR" in said[0]["fix"]
+    assert not [r for r in logs if r["event"] == "index_rejected_request"]
+    assert sample(await fleet.metrics(), "kvindex_route_fallbacks_total", reason="rejected") == 3
+    await wait_until(lambda: fleet.ledger() == 0, what="ledger empty")
+
+
+def test_cli_without_the_route_extra_names_it(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from kvindex.cli import main
+
+    monkeypatch.setitem(sys.modules, "aiohttp", None)  # import aiohttp fails as if not installed
+    monkeypatch.delitem(sys.modules, "kvindex.route.proxy", raising=False)
+    assert main(["route", "--port", "0"]) == 2
+    err = capsys.readouterr().err
+    assert err == (
+        "kvindex route: error: the routing proxy needs aiohttp, which is not installed: "
+        "pip install 'kvindex[route]'\n"
+    )
+
+
 async def test_the_engine_usage_is_reported_with_the_release(fleet: Fleet) -> None:
     """The engine's cached tokens (usage.prompt_tokens_details) and the TTFT measured here reach the
     index with the final release, and are compared with what it predicted (docs/feedback.md)."""
