@@ -445,8 +445,10 @@ class KvIndexServicer(pb_grpc.KvIndexServicer):
         states = self.registry.of_model(request.model) if request.model else self.registry.all()
         now = self.registry.clock()
         response = pb.ListInstancesResponse()
+        calibrator = self.router.calibrator
         for state in sorted(states, key=lambda s: (s.model, s.key)):
             cap = state.capacity
+            fit = calibrator.status(state.model, state.instance_id)
             response.instances.add(
                 instance_id=state.instance_id,
                 worker=state.worker,
@@ -467,6 +469,15 @@ class KvIndexServicer(pb_grpc.KvIndexServicer):
                 sync=state.sync,
                 endpoint=state.endpoint or "",
                 approximate=state.approximate,
+                prefill=pb.PrefillFit(
+                    source=fit.source,
+                    a_ms=fit.model.a_ms,
+                    b_ms_per_token=fit.model.b_ms_per_token,
+                    c_ms_per_token2=fit.model.c_ms_per_token2,
+                    samples=fit.samples,
+                    error=fit.error or 0.0,
+                    has_error=fit.error is not None,
+                ),
             )
         self._observe("ListInstances", started)
         return response

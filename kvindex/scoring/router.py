@@ -110,14 +110,18 @@ class Router:
             matches = self.index.match(request.model, keys, None if every else [s.key for s in states])
         else:
             matches = {}
-        model = self.calibrator.prefill(request.model)
+        shared = self.calibrator.prefill(request.model)
+        # Instances ranked with their own calibrated model (usually none; kvindex/scoring/calibration.py).
+        own = self.calibrator.own_models(request.model)
         costs = self.config.costs
         shape = costs.engine
+        drains = costs.drain_reported_queue
         # Hoisted: this loop runs once per instance on every Score.
+        model = shared
         b_ms = model.b_ms_per_token
         chunk, dps = shape.chunk_tokens, shape.decode_ms_per_seq
         f_cpu, f_disk, f_pool = costs.fetch.per_token_ms[1:]
-        drain_rate = 1000 / b_ms if costs.drain_reported_queue and b_ms > 0 else 0.0
+        drain_rate = shared_rate = 1000 / b_ms if drains and b_ms > 0 else 0.0
         b = request.block_size
         prompt = request.prompt_tokens
         cap = max(prompt - 1, 0)  # vLLM always recomputes at least the prompt's last token
@@ -127,10 +131,20 @@ class Router:
         busy = self.ledger.busy
         get_match = matches.get
         prefill_of: dict[int, float] = {}  # many instances share a miss size
+        shared_prefill_of = prefill_of
         out = []
         append = out.append
         for state in states:
             key = state.key
+            if own:
+                fit = own.get(state.instance_id)
+                if fit is not None:
+                    model, prefill_of = fit, {}
+                    b_ms = fit.b_ms_per_token
+                    drain_rate = 1000 / b_ms if drains and b_ms > 0 else 0.0
+                elif model is not shared:
+                    model, prefill_of, drain_rate = shared, shared_prefill_of, shared_rate
+                    b_ms = shared.b_ms_per_token
             match = get_match(key, NO_MATCH)
             blocks, t = match
             gpu = t[0]
@@ -212,6 +226,8 @@ class Router:
             top_k > 0
             and rank_top is not None
             and len(self.registry.members(request.model)) >= self.config.prune_min_instances
+            # The columns price every instance with one prefill model (see docs/scoring.md).
+            and not self.calibrator.own_models(request.model)
         ):
             pool = self.pool(request, candidates, chosen.speculative_ttl)
             choices = rank_top(request, pool, self, top_k) if pool is not None else []

@@ -249,7 +249,7 @@ class ListInstancesRequest(_message.Message):
     def __init__(self, model: _Optional[str] = ...) -> None: ...
 
 class InstanceInfo(_message.Message):
-    __slots__ = ("instance_id", "worker", "dp_rank", "model", "block_size", "epoch", "last_seq", "load", "blocks", "capacity", "batches", "gaps", "missing_batches", "restarts", "pool", "stale", "sync", "endpoint", "approximate")
+    __slots__ = ("instance_id", "worker", "dp_rank", "model", "block_size", "epoch", "last_seq", "load", "blocks", "capacity", "batches", "gaps", "missing_batches", "restarts", "pool", "stale", "sync", "endpoint", "approximate", "prefill")
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     WORKER_FIELD_NUMBER: _ClassVar[int]
     DP_RANK_FIELD_NUMBER: _ClassVar[int]
@@ -269,6 +269,7 @@ class InstanceInfo(_message.Message):
     SYNC_FIELD_NUMBER: _ClassVar[int]
     ENDPOINT_FIELD_NUMBER: _ClassVar[int]
     APPROXIMATE_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_FIELD_NUMBER: _ClassVar[int]
     instance_id: str
     worker: str
     dp_rank: int
@@ -288,7 +289,26 @@ class InstanceInfo(_message.Message):
     sync: str
     endpoint: str
     approximate: bool
-    def __init__(self, instance_id: _Optional[str] = ..., worker: _Optional[str] = ..., dp_rank: _Optional[int] = ..., model: _Optional[str] = ..., block_size: _Optional[int] = ..., epoch: _Optional[int] = ..., last_seq: _Optional[int] = ..., load: _Optional[_Union[Load, _Mapping]] = ..., blocks: _Optional[_Union[TierBlocks, _Mapping]] = ..., capacity: _Optional[_Union[TierBlocks, _Mapping]] = ..., batches: _Optional[int] = ..., gaps: _Optional[int] = ..., missing_batches: _Optional[int] = ..., restarts: _Optional[int] = ..., pool: _Optional[bool] = ..., stale: _Optional[bool] = ..., sync: _Optional[str] = ..., endpoint: _Optional[str] = ..., approximate: _Optional[bool] = ...) -> None: ...
+    prefill: PrefillFit
+    def __init__(self, instance_id: _Optional[str] = ..., worker: _Optional[str] = ..., dp_rank: _Optional[int] = ..., model: _Optional[str] = ..., block_size: _Optional[int] = ..., epoch: _Optional[int] = ..., last_seq: _Optional[int] = ..., load: _Optional[_Union[Load, _Mapping]] = ..., blocks: _Optional[_Union[TierBlocks, _Mapping]] = ..., capacity: _Optional[_Union[TierBlocks, _Mapping]] = ..., batches: _Optional[int] = ..., gaps: _Optional[int] = ..., missing_batches: _Optional[int] = ..., restarts: _Optional[int] = ..., pool: _Optional[bool] = ..., stale: _Optional[bool] = ..., sync: _Optional[str] = ..., endpoint: _Optional[str] = ..., approximate: _Optional[bool] = ..., prefill: _Optional[_Union[PrefillFit, _Mapping]] = ...) -> None: ...
+
+class PrefillFit(_message.Message):
+    __slots__ = ("source", "a_ms", "b_ms_per_token", "c_ms_per_token2", "samples", "error", "has_error")
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    A_MS_FIELD_NUMBER: _ClassVar[int]
+    B_MS_PER_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    C_MS_PER_TOKEN2_FIELD_NUMBER: _ClassVar[int]
+    SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    HAS_ERROR_FIELD_NUMBER: _ClassVar[int]
+    source: str
+    a_ms: float
+    b_ms_per_token: float
+    c_ms_per_token2: float
+    samples: int
+    error: float
+    has_error: bool
+    def __init__(self, source: _Optional[str] = ..., a_ms: _Optional[float] = ..., b_ms_per_token: _Optional[float] = ..., c_ms_per_token2: _Optional[float] = ..., samples: _Optional[int] = ..., error: _Optional[float] = ..., has_error: _Optional[bool] = ...) -> None: ...
 
 class ListInstancesResponse(_message.Message):
     __slots__ = ("instances",)
