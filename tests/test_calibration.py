@@ -15,6 +15,7 @@ from kvindex.index.inverted import InvertedIndex
 from kvindex.scoring.base import RouteRequest
 from kvindex.scoring.calibration import DEFAULT, OWN, SHARED, Calibrator, ModelCalibration
 from kvindex.scoring.costs import DEFAULT_PREFILL, PrefillModel
+from kvindex.scoring.outcomes import Report
 from kvindex.scoring.router import Router, RouterConfig
 from workers_shim.bridges.engines import SGLANG, VLLM
 from workers_shim.bridges.load import LoadReader, PrefillSampler, parse_samples
@@ -98,21 +99,21 @@ def test_an_instance_gets_its_own_fit_only_when_it_differs() -> None:
     assert even.own_models(MODEL) == {}
 
 
-def test_router_reports_become_samples_and_bad_ones_are_counted() -> None:
-    cal = Calibrator()
-    assert cal.add_request(MODEL, "w0/0", 1000, 200, ttft_ms=500.0, predicted_wait_ms=120.0)
-    assert cal.models[MODEL].atb[0] == pytest.approx(380.0)  # one sample of 380 ms
-    assert cal.instances[MODEL]["w0/0"].samples == 1
-    for bad in (
-        dict(ttft_ms=100.0, predicted_wait_ms=150.0),  # negative prefill
-        dict(ttft_ms=math.nan, predicted_wait_ms=0.0),
-        dict(ttft_ms=100.0, predicted_wait_ms=-1.0),
-    ):
-        assert not cal.add_request(MODEL, "w0/0", 1000, 200, **bad)
-    assert not cal.add_request(
-        MODEL, "w0/0", 100, 200, ttft_ms=50.0, predicted_wait_ms=0.0
-    )  # cached > prompt
-    assert cal.rejected == 4 and cal.models[MODEL].samples == 1
+def test_router_reports_become_samples_of_the_instance() -> None:
+    router = fleet_router(("a", "b"))
+    keys = list(range(100))
+    request = RouteRequest(MODEL, keys, 1600, 16, "r1")
+    top = router.score(request, commit=True).choices[0].candidate
+    inst = top.state.instance_id
+    assert router.release("r1", "finished", Report(cached_tokens=320, ttft_ms=top.wait_ms + 380.0))
+    # One sample: the measured TTFT minus the predicted wait, with the engine's cached tokens.
+    own = router.calibrator.instances[MODEL][inst]
+    assert own.samples == 1 and router.calibrator.models[MODEL].samples == 1
+    assert own.atb[0] == pytest.approx(380.0) and own.atb[1] == pytest.approx(380.0 * 1280 * 1e-3)
+    # A TTFT no longer than the predicted wait says nothing about prefill: counted, not learned.
+    router.score(RouteRequest(MODEL, keys, 1600, 16, "r2"), commit=True)
+    assert router.release("r2", "finished", Report(cached_tokens=0, ttft_ms=0.0))
+    assert router.calibrator.rejected == 1 and router.calibrator.models[MODEL].samples == 1
 
 
 def test_persisted_and_replayed_state_picks_the_same_models() -> None:
@@ -136,16 +137,20 @@ def test_persisted_and_replayed_state_picks_the_same_models() -> None:
     assert old.samples == 120 and not old.accepted and old.model() == DEFAULT_PREFILL
 
 
-def test_the_ranking_prices_an_instance_with_its_own_model() -> None:
+def fleet_router(workers: tuple[str, ...], prune_min_instances: int = 128) -> Router:
     registry = Registry()
     index = InvertedIndex()
-    for w in ("a", "b", "c"):
+    for w in workers:
         index.add_instance((w, 0), MODEL)
         state = registry.add((w, 0), MODEL, 16)
         state.last_status_at = registry.clock()
         state.capacity = {0: 10_000}
         state.local_blocks_seen = True
-    router = Router(index, registry, config=RouterConfig(prune_min_instances=2))
+    return Router(index, registry, config=RouterConfig(prune_min_instances=prune_min_instances))
+
+
+def test_the_ranking_prices_an_instance_with_its_own_model() -> None:
+    router = fleet_router(("a", "b", "c"), prune_min_instances=2)
     slow = PrefillModel(60.0, 1.5, 1e-4)
     for round_ in range(6):
         router.calibrator.add(MODEL, samples(CPU, 10, 200 + round_), "a/0")

@@ -59,6 +59,10 @@ class InstanceState:
     restarts: int = 0
     local_blocks_seen: bool = False
     sync: str = "synced"  # synced | replay | snapshot: what the index is doing to stay exact
+    sync_cause: str = ""  # why that repair began (gap, drift, start, periodic, degraded, ...)
+    # A repair failed (a replay or snapshot that timed out, holes accepted): the index may miss
+    # blocks until a snapshot succeeds (kvindex/scoring/outcomes.py: the instance is degraded).
+    repair_failed: bool = False
     # Where routers send this instance's requests ("host:port", from its heartbeats); None: unknown.
     endpoint: str | None = None
     # No KV events from this instance (heartbeat-only worker, or a static --instance): its blocks in

@@ -132,6 +132,9 @@ class Consumer:
         self.prefill_samples: Callable[[str, list[tuple[int, int, float]], str], Any] | None = None
         # Told when an instance is forgotten (routing state about it can go too).
         self.on_forget: Callable[[InstanceKey], Any] | None = None
+        # Told when an instance's repair state changes (sync, sync_cause, repair_failed) and when a
+        # snapshot reconciled it: the router keeps its degraded instances (kvindex/scoring/outcomes.py).
+        self.on_sync_change: Callable[[InstanceState, bool], Any] | None = None
         self.repair: RepairScheduler = repair or NoRepair()
         if isinstance(self.repair, NoRepair):
             self.repair.consumer = self
@@ -344,6 +347,8 @@ class Consumer:
         cursor.rounds += 1
         cursor.target = max(cursor.target, upto)
         state.sync = how
+        state.sync_cause = cursor.cause
+        self._sync_changed(state)
         c = self.counters
         if how == REPLAY:
             hole = cursor.hole()
@@ -394,6 +399,7 @@ class Consumer:
             )
             self.sequencer.set_repairing(state.key, cursor, None)
             state.sync = "synced"
+            self._sync_changed(state)
             return
         if buffer:
             if cursor.rounds >= MAX_REPAIR_ROUNDS:
@@ -445,6 +451,7 @@ class Consumer:
         if state is None or cursor is None or cursor.epoch != epoch or cursor.repairing != REPLAY:
             return
         self.counters.replays_failed[why] += 1
+        state.repair_failed = True
         self._begin(state, cursor, SNAPSHOT, "gap")
 
     def on_snapshot(
@@ -508,10 +515,24 @@ class Consumer:
             )
         cursor.applied = max(cursor.applied, snapshot.seq)
         state.epoch, state.last_seq = cursor.epoch, cursor.applied
+        state.repair_failed = False  # whatever was lost before is reconciled now
+        self._sync_changed(state, reconciled=True)
         if cursor.repairing is None:  # a periodic check: nothing was waiting on it
             return True
         self._settle(state, cursor)
         return True
+
+    def _sync_changed(self, state: InstanceState, reconciled: bool = False) -> None:
+        if self.on_sync_change is not None:
+            self.on_sync_change(state, reconciled)
+
+    def snapshot_failed(self, instance: InstanceKey, why: str) -> None:
+        """A snapshot request got no usable answer (the repairer retries with back-off)."""
+        self.counters.snapshots_failed += 1
+        state = self.registry.get(instance)
+        if state is not None and not state.repair_failed:
+            state.repair_failed = True
+            self._sync_changed(state)
 
     def reconcile(self, instance: InstanceKey, cause: str) -> None:
         """Ask for a snapshot of an instance that looks in sync (periodic check, reconnect)."""
@@ -558,6 +579,8 @@ class Consumer:
         state.last_seq = cursor.applied
         self.sequencer.set_repairing(state.key, cursor, None)
         state.sync = "synced"
+        state.repair_failed = True  # holes accepted: blocks may be missing until a snapshot
+        self._sync_changed(state)
 
     # -- status heartbeats -----------------------------------------------------------------------
 
@@ -826,6 +849,8 @@ class Consumer:
         old, state.epoch, state.last_seq = state.epoch, epoch, 0
         # A repair of the old history ends with it; the new one starts in sync unless it begins its own.
         state.sync = "synced"
+        state.repair_failed = False
+        self._sync_changed(state, reconciled=True)
         self.log.info(
             "worker_restarted",
             worker=state.worker,

@@ -235,22 +235,6 @@ class Calibrator:
                 self._judge(model, instance, own)
         return added
 
-    def add_request(
-        self,
-        model: str,
-        instance: str,
-        prompt_tokens: int,
-        cached_tokens: int,
-        ttft_ms: float,
-        predicted_wait_ms: float,
-    ) -> bool:
-        """A router's report: the TTFT it measured minus the wait the index predicted is the
-        request's prefill (with the tokens the engine did not have cached)."""
-        if not (math.isfinite(ttft_ms) and math.isfinite(predicted_wait_ms) and predicted_wait_ms >= 0):
-            self.rejected += 1
-            return False
-        return self.add(model, [(prompt_tokens, cached_tokens, ttft_ms - predicted_wait_ms)], instance) == 1
-
     def _judge(self, model: str, instance: str, own: ModelCalibration) -> None:
         per = self._own.get(model)
         if own.accepted:

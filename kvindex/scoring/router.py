@@ -15,7 +15,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from kvindex.fleet.registry import InstanceState, Registry
+from kvindex.fleet.registry import InstanceState, Registry, instance_id
 from kvindex.index.base import NO_MATCH, InstanceKey, InstanceMatch, KvBlockIndex
 from kvindex.scoring.approximate import PredictedCache
 from kvindex.scoring.base import DECODE_ROLE, Candidate, Choice, Policy, RouteRequest
@@ -28,6 +28,18 @@ try:
 except ImportError:  # no compiler at install time: numpy columns (CandidatePool.smallest)
     _native_rank_others = None
 from kvindex.scoring.ledger import FINISHED, PREFILL, Ledger, SpeculativeKeys
+from kvindex.scoring.outcomes import (
+    ALREADY_RELEASED,
+    DEGRADED,
+    DUPLICATE,
+    NO_PREDICTION,
+    UNKNOWN_REQUEST,
+    Outcome,
+    OutcomeConfig,
+    OutcomeTracker,
+    Prediction,
+    Report,
+)
 from kvindex.scoring.policies import make_policies
 
 
@@ -44,6 +56,8 @@ class RouterConfig:
     # Score with top_k ranks only the holders and the best few others (Router.pool) from this many
     # instances of the model on; below it the full ranking is as cheap (0: always prune).
     prune_min_instances: int = 128
+    # Predicted against actual: outcome reports, per-instance state, degraded credit.
+    outcomes: OutcomeConfig = field(default_factory=OutcomeConfig)
 
 
 class RoutingObserver(Protocol):
@@ -78,7 +92,15 @@ class Router:
         self.config = config or RouterConfig()
         self.clock = clock or registry.clock
         self.calibrator = calibrator or Calibrator(self.config.costs.default_prefill)
-        self.ledger = Ledger(self.clock, ttl=self.config.ledger_ttl)
+        self.ledger = Ledger(
+            self.clock, ttl=self.config.ledger_ttl, released_memory=self.config.outcomes.released_memory
+        )
+        self.outcomes = OutcomeTracker(self.clock, self.config.outcomes)
+        # A request's report (measured TTFT minus the predicted wait, with the engine's cached
+        # tokens) is a prefill sample of the instance it ran on.
+        self.outcomes.subscribe(self._calibrate)
+        # Instances whose state is degraded: their cache credit is discounted (docs/scoring.md).
+        self.degraded: set[InstanceKey] = set()
         self.speculative = SpeculativeKeys(self.clock)
         self.predicted = PredictedCache(
             index, self.clock, self.config.predicted_ttl, self.config.predicted_capacity
@@ -89,6 +111,12 @@ class Router:
         self._tables: FleetTables | None = None
         if self.config.default_policy not in self.policies:
             raise ValueError(f"unknown default policy {self.config.default_policy!r}")
+
+    def _calibrate(self, outcome: Outcome) -> None:
+        sample = outcome.prefill_sample()
+        if sample is not None:
+            p = outcome.prediction
+            self.calibrator.add(p.model, [sample], instance_id(p.instance))
 
     # -- candidates -----------------------------------------------------------------------------
 
@@ -130,6 +158,8 @@ class Router:
         pending = self.ledger.pending
         busy = self.ledger.busy
         get_match = matches.get
+        degraded = self.degraded
+        credit = self.config.outcomes.degraded_credit
         prefill_of: dict[int, float] = {}  # many instances share a miss size
         shared_prefill_of = prefill_of
         out = []
@@ -157,6 +187,12 @@ class Router:
             if hit > cap:  # the capped tokens come off the last (slowest) tier that has any
                 by_tier = _trim(by_tier, hit - cap)
                 hit = cap
+            if degraded and key in degraded and hit:
+                # The index is known to be wrong about it: credit only part of the match.
+                cut = hit - int(hit * credit)
+                if cut:
+                    by_tier = _trim(by_tier, cut)
+                    hit -= cut
             miss = prompt - hit
             load = state.load
             if key in busy:
@@ -318,8 +354,23 @@ class Router:
     def _commit(self, request: RouteRequest, cand: Candidate, policy: Policy) -> None:
         key = cand.state.key
         if request.request_id:
-            self.ledger.commit(
+            entry = self.ledger.commit(
                 request.request_id, key, request.model, request.prompt_tokens, cand.miss_tokens
+            )
+            entry.prediction = Prediction(
+                key,
+                request.model,
+                policy.name,
+                request.block_size,
+                request.prompt_tokens,
+                cand.blocks,
+                cand.match[0],
+                cand.tokens_by_tier,
+                cand.wait_ms,
+                cand.prefill_ms,
+                cand.fetch_ms,
+                cand.wait_ms + cand.prefill_ms + cand.fetch_ms,
+                entry.committed_at,
             )
         if policy.speculative_ttl > 0 and request.keys:
             self.speculative.add(key, request.keys, policy.speculative_ttl)
@@ -329,17 +380,68 @@ class Router:
         if self.observer is not None:
             self.observer.committed(request, cand, policy)
 
-    def release(self, request_id: str, phase: str) -> bool:
+    def release(self, request_id: str, phase: str, report: Report | None = None) -> bool:
+        return self.release_reported(request_id, phase, report)[0]
+
+    def release_reported(self, request_id: str, phase: str, report: Report | None) -> tuple[bool, str]:
+        """Release, and compare a well-formed ``report`` (Report.malformed() is None) with what was
+        predicted: (found, what became of the report: "" without one, see outcomes.py)."""
         if phase not in (PREFILL, FINISHED):
             raise ValueError(f"phase must be {PREFILL!r} or {FINISHED!r}, got {phase!r}")
+        status = ""
+        if report is not None and not report.empty():
+            status = self._report(request_id, report)
         found = self.ledger.release(request_id, phase) is not None
         if self.observer is not None:  # told even when not found: another replica may hold it
             self.observer.released(request_id, phase)
-        return found
+        return found, status
+
+    def _report(self, request_id: str, report: Report) -> str:
+        outcomes = self.outcomes
+        entry = self.ledger.get(request_id)
+        if entry is None:
+            gone = self.ledger.was_released(request_id)
+            return outcomes.ignore(ALREADY_RELEASED if gone else UNKNOWN_REQUEST)
+        if entry.reported:
+            return outcomes.ignore(DUPLICATE)
+        if entry.prediction is None:
+            return outcomes.ignore(NO_PREDICTION)
+        status, outcome = outcomes.compare(entry.prediction, report)
+        if outcome is not None:
+            entry.reported = True
+            self.refresh_state(entry.instance)
+        return status
+
+    # -- instance state -------------------------------------------------------------------------
+
+    def state_of(self, state: InstanceState) -> tuple[str, str]:
+        """(exact | degraded | approximate, why): see kvindex/scoring/outcomes.py."""
+        return self.outcomes.state(state)
+
+    def refresh_state(self, instance: InstanceKey) -> None:
+        """Re-decide whether ``instance`` is degraded (after a report or a repair change)."""
+        state = self.registry.get(instance)
+        if state is not None and self.outcomes.state(state)[0] == DEGRADED:
+            self.degraded.add(instance)
+        else:
+            self.degraded.discard(instance)
+
+    def sync_changed(self, state: InstanceState, reconciled: bool = False) -> None:
+        """The consumer's repair state of ``state`` changed; ``reconciled``: its blocks were just
+        made equal to the worker's (snapshot, restart), so earlier outcome evidence is void."""
+        if reconciled:
+            self.outcomes.repaired(state.key)
+        was = state.key in self.degraded
+        self.refresh_state(state.key)
+        if not was and state.key in self.degraded and state.repair_failed:
+            # Holes accepted or a repair timed out: ask for a snapshot (rate-limited).
+            self.outcomes.request_reconcile(state.key)
 
     def forget(self, instance: InstanceKey) -> None:
         self.speculative.forget(instance)
         self.predicted.forget(instance)
+        self.outcomes.forget(instance)
+        self.degraded.discard(instance)
 
 
 class CandidatePool:

@@ -18,12 +18,14 @@ from kvindex.api.servicer import KvIndexServicer
 from kvindex.capture.recorder import CaptureConfig, Recorder, RecordingServicer, service_meta
 from kvindex.config.nats import NatsSettings
 from kvindex.fleet.registry import Registry
+from kvindex.index.base import InstanceKey
 from kvindex.index.inverted import InvertedIndex
 from kvindex.ingest.consumer import Consumer
 from kvindex.ingest.limits import IngestLimits
 from kvindex.ingest.nats_source import JetStreamConfig, NatsSource
 from kvindex.lifecycle import Stop, bounded
 from kvindex.observability.counters import IngestCounters, Metrics
+from kvindex.observability.outcomes import OutcomeCollector
 from kvindex.observability.tokenize import TokenizeCollector
 from kvindex.repair.nats_repair import NatsRepairer, RepairConfig
 from kvindex.routing_sync.metrics import SyncCollector
@@ -123,6 +125,12 @@ class IndexService:
         self.router = Router(self.index, self.registry, self.calibrator, config.router)
         self.consumer.prefill_samples = self.calibrator.add
         self.consumer.on_forget = self.router.forget
+        # Predicted against actual (docs/feedback.md): degraded instances follow the repairs, and a
+        # degradation asks for a snapshot at once (rate-limited in the router; scheduled, never
+        # run inside the consumer's own call that changed the state).
+        self.consumer.on_sync_change = self.router.sync_changed
+        self.router.outcomes.on_degraded = self._reconcile_degraded
+        self.metrics.registry.register(OutcomeCollector(self.router.outcomes, self._instance_states))
         self.recorder: Recorder | None = None
         if config.capture is not None:
             meta = _capture_meta(config)
@@ -161,6 +169,21 @@ class IndexService:
         self.nats_url = NatsSettings.coerce(config.nats_url).redacted_servers() if config.nats_url else ""
         self.metrics_port: int | None = None
         self._metrics_server: Any = None
+
+    def _reconcile_degraded(self, instance: InstanceKey) -> None:
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return  # not serving (a test driving the router alone)
+        loop.call_soon(self.repairer.reconcile_now, instance, "degraded")
+
+    def _instance_states(self) -> dict[str, list[str]]:
+        """State name -> instance ids (for the metrics)."""
+        out: dict[str, list[str]] = {}
+        for state in self.registry.all():
+            if not state.is_pool:
+                out.setdefault(self.router.state_of(state)[0], []).append(state.instance_id)
+        return out
 
     def _register_static(self) -> None:
         """The --instance list: routable at once, approximate, never aged out by heartbeats."""
