@@ -215,3 +215,10 @@ def test_vllm_histograms_give_the_mean_prefill_between_scrapes() -> None:
     broken = _page(4, 1.0, 7100, 2624).replace('prompt_tokens_count{engine="0",model_name="m"} 4', "x 1")
     assert PrefillSampler(LoadReader(VLLM))._totals(parse_samples(broken), 0) is None
     assert PrefillSampler(LoadReader(SGLANG)).sample(parse_samples(_page(2, 1.0, 10, 5)), 0) is None
+
+
+def test_calibration_off_keeps_the_default_and_counts_the_samples() -> None:
+    cal = Calibrator(learn=False)
+    assert cal.add(MODEL, samples(CPU, 60, 9), "w0/0") == 0
+    assert cal.ignored == 60 and cal.models == {} and cal.dirty == set()
+    assert cal.status(MODEL, "w0/0").source == DEFAULT and cal.prefill(MODEL) == DEFAULT_PREFILL

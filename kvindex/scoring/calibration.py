@@ -190,8 +190,9 @@ class FitStatus:
 class Calibrator:
     """Calibrations per model (shared by its instances) and per instance."""
 
-    def __init__(self, prior: PrefillModel = DEFAULT_PREFILL) -> None:
+    def __init__(self, prior: PrefillModel = DEFAULT_PREFILL, learn: bool = True) -> None:
         self.prior = prior
+        self.learn = learn  # False: samples are counted (``ignored``), the prior ranks everyone
         self.models: dict[str, ModelCalibration] = {}
         self.instances: dict[str, dict[str, ModelCalibration]] = {}  # model -> instance id -> own fit
         # (model, "") for a shared fit, (model, instance id) for an instance's: to be persisted.
@@ -200,6 +201,7 @@ class Calibrator:
         # instances' ``accepted``, kept current by ``add``): rankings look it up per instance.
         self._own: dict[str, dict[str, PrefillModel]] = {}
         self.rejected = 0  # samples not usable (counted, ignored)
+        self.ignored = 0  # samples not learned from: calibration off
 
     def _get(self, model: str) -> ModelCalibration:
         cal = self.models.get(model)
@@ -216,6 +218,9 @@ class Calibrator:
 
     def add(self, model: str, samples: Iterable[tuple[float, float, float]], instance: str = "") -> int:
         """Add samples of ``model`` (measured on ``instance``, when known); how many were usable."""
+        if not self.learn:
+            self.ignored += sum(1 for _ in samples)
+            return 0
         shared = self._get(model)
         own = self._instance(model, instance) if instance else None
         added = 0

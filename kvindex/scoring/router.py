@@ -91,7 +91,8 @@ class Router:
         self.registry = registry
         self.config = config or RouterConfig()
         self.clock = clock or registry.clock
-        self.calibrator = calibrator or Calibrator(self.config.costs.default_prefill)
+        costs = self.config.costs
+        self.calibrator = calibrator or Calibrator(costs.default_prefill, learn=costs.calibrate)
         self.ledger = Ledger(
             self.clock, ttl=self.config.ledger_ttl, released_memory=self.config.outcomes.released_memory
         )

@@ -64,6 +64,9 @@ class CalibrationStore:
         self._task: asyncio.Task[None] | None = None
 
     async def start(self, nc: Client) -> None:
+        if not self.calibrator.learn:
+            self.log.info("calibration_off", reason="--no-calibration: the default prefill model ranks")
+            return
         js = nc.jetstream()
         try:
             try:
