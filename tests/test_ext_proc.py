@@ -153,12 +153,16 @@ class Envoy:
             if streamed.end_of_stream:
                 return pick, echoed
 
-    async def response(self, served: str, chunks: list[bytes], end: bool = True) -> list[bytes]:
+    async def response(
+        self, served: str, chunks: list[bytes], end: bool = True, content_type: str = ""
+    ) -> list[bytes]:
         meta = core_pb2.Metadata()
         served_md = struct_pb2.Struct()
         served_md[SERVED] = served
         meta.filter_metadata[LB_NAMESPACE].CopyFrom(served_md)
         hdrs = core_pb2.HeaderMap(headers=[core_pb2.HeaderValue(key=":status", raw_value=b"200")])
+        if content_type:
+            hdrs.headers.append(core_pb2.HeaderValue(key="content-type", raw_value=content_type.encode()))
         await self.send(
             ep.ProcessingRequest(response_headers=ep.HttpHeaders(headers=hdrs), metadata_context=meta)
         )
@@ -329,3 +333,46 @@ async def test_health_services_on_the_picker_port(picker_service: IndexService) 
         for name in ("liveness", "readiness", SERVICE_NAME):
             reply = await health.Check(health_pb2.HealthCheckRequest(service=name))
             assert reply.status == health_pb2.HealthCheckResponse.SERVING, name
+
+
+async def test_the_engine_usage_in_the_response_is_reported(
+    picker_service: IndexService, picker: ep_grpc.ExternalProcessorStub, make_publisher: MakePub
+) -> None:
+    """Where the gateway sends the response body, the engine's cached tokens and the time from the
+    pick to the first byte go to the index with the release (docs/feedback.md)."""
+    svc = picker_service
+    pubs = await fleet(make_publisher, svc)
+    prompt = tokens(20 * BS, seed=5)
+    pubs[2].stored(block_keys(prompt, BS, MODEL))
+    await pubs[2].flush()
+    await wait_until(lambda: svc.index.block_counts(("w2", 0))[0] == 20, what="blocks indexed")
+    seen: list[Any] = []
+    svc.router.outcomes.subscribe(seen.append)
+    full = prompt + tokens(3 * BS, seed=6)
+    usage = {
+        "prompt_tokens": len(full),
+        "completion_tokens": 2,
+        "prompt_tokens_details": {"cached_tokens": 320},
+    }
+    sse = [
+        b'data: {"choices":[{"text":"a"}]}\n\n',
+        b'data: {"choices":[],"usage":' + json.dumps(usage).encode() + b"}\n\n",
+        b"data: [DONE]\n\n",
+    ]
+    envoy = Envoy(picker)
+    body = {"model": MODEL, "prompt": full, "stream": True, "stream_options": {"include_usage": True}}
+    pick, _ = await envoy.request(body)
+    assert destination(pick, "request_headers")[0].startswith("10.0.0.3:8000")
+    assert await envoy.response("10.0.0.3:8000", sse, content_type="text/event-stream") == sse
+    await envoy.close()
+    assert len(seen) == 1 and seen[0].outcome == "exact" and seen[0].report.cached_tokens == 320
+    assert seen[0].report.ttft_ms is not None and seen[0].report.ttft_ms >= 0
+    # Buffered, not streamed: a one-token answer's time is its TTFT; the engine had nothing cached.
+    envoy = Envoy(picker)
+    pick, _ = await envoy.request({"model": MODEL, "prompt": full, "max_tokens": 1}, mode=BUFFERED)
+    one = dict(usage, completion_tokens=1, prompt_tokens_details={"cached_tokens": 0})
+    answer = json.dumps({"choices": [{"text": "a"}], "usage": one}).encode()
+    await envoy.response("10.0.0.3:8000", [answer[:10], answer[10:]], content_type="application/json")
+    await envoy.close()
+    assert len(seen) == 2 and seen[1].outcome == "over" and seen[1].report.ttft_ms is not None
+    assert svc.metrics.registry.get_sample_value("kvindex_ext_proc_reports_total", {"result": "applied"}) == 2

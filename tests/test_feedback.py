@@ -5,6 +5,7 @@ snapshot a degradation asks for, and every kind of bad report."""
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Awaitable, Callable
 
@@ -268,3 +269,56 @@ async def test_degraded_state_shows_and_discounts_the_cache(
     assert svc.router.outcomes.request_reconcile(("w1", 0))
     await wait_until(lambda: svc.counters.snapshots_requested["degraded"] == 1, what="snapshot asked")
     await wait_until(lambda: not svc.router.degraded, what="exact again")
+
+
+# -- reading the engine's usage (kvindex/api/usage.py) -------------------------------------------------
+
+
+def test_include_usage_is_added_without_touching_the_rest() -> None:
+    from kvindex.api.usage import add_include_usage
+
+    raw = b'{"model": "m", "prompt": "caf\\u00e9", "stream": true}'
+    assert add_include_usage(raw) == b'{"stream_options":{"include_usage":true},' + raw[1:]
+    assert add_include_usage(b" {}") == b' {"stream_options":{"include_usage":true}}'
+    # Present but off, or with other options: the body is re-encoded with it on.
+    out = add_include_usage(b'{"stream": true, "stream_options": {"continuous_usage_stats": false}}')
+    assert out is not None and json.loads(out)["stream_options"] == {
+        "continuous_usage_stats": False,
+        "include_usage": True,
+    }
+    assert add_include_usage(b'{"stream": true, "stream_options": {"include_usage": true}}') is None
+    assert add_include_usage(b'{"stream": true, "stream_options": 3}') is None  # the engine says 400
+
+
+def test_usage_reader_streams_split_anywhere_and_strips_the_usage_chunk() -> None:
+    from kvindex.api.usage import UsageReader
+
+    events = [
+        b'data: {"choices": [{"text": " a"}]}\n\n',
+        b'data: {"choices": [{"text": " b"}], "usage": null}\n\n',
+        b'data: {"choices": [], "usage": {"prompt_tokens": 40, "completion_tokens": 2, '
+        b'"prompt_tokens_details": {"cached_tokens": 32}}}\n\n',
+        b"data: [DONE]\n\n",
+    ]
+    whole = b"".join(events)
+    for cut in (1, 7, 13, len(whole)):
+        pieces = [whole[i : i + cut] for i in range(0, len(whole), cut)]
+        strip = UsageReader(stream=True, strip=True)
+        out = b"".join(strip.feed(p) for p in pieces) + strip.finish()
+        assert out == events[0] + events[1] + events[3]
+        assert strip.usage is not None and (strip.usage.cached_tokens, strip.usage.prompt_tokens) == (32, 40)
+        keep = UsageReader(stream=True)
+        assert b"".join(keep.feed(p) for p in pieces) + keep.finish() == whole
+        assert keep.usage is not None and keep.usage.completion_tokens == 2
+    answer = UsageReader(stream=False)
+    body = b'{"choices": [], "usage": {"prompt_tokens": 9, "completion_tokens": 1}}'
+    assert answer.feed(body[:5]) + answer.feed(body[5:]) == body and answer.finish() == b""
+    assert (
+        answer.usage is not None
+        and answer.usage.cached_tokens is None
+        and answer.usage.completion_tokens == 1
+    )
+    broken = UsageReader(stream=False)
+    broken.feed(b"not json")
+    broken.finish()
+    assert broken.usage is None

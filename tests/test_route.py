@@ -154,7 +154,10 @@ async def test_streaming_bytes_unchanged_prefill_released_at_first_chunk(fleet: 
     w1.gate.set()
     rest = await resp.read()
     resp.release()
-    assert first + rest == b"".join(sse_chunks("w1", w1.tokens)) == w1.sent[0]
+    # The engine was asked for its usage chunk (for the index), and the client got exactly the
+    # events it asked for: the same stream without it.
+    assert first + rest == b"".join(sse_chunks("w1", w1.tokens))
+    assert b'"usage"' in w1.sent[0] and b'"usage"' not in first + rest
     await wait_until(lambda: fleet.ledger() == 0, what="ledger released at the end")
     m = await fleet.metrics()
     assert sample(m, "kvindex_route_ttft_seconds_count", stream="true") == 1
@@ -167,6 +170,8 @@ async def test_chat_stream_is_served(fleet: Fleet) -> None:
         assert resp.status == 200
         got = await resp.read()
         served = fleet.engines[resp.headers["x-kvindex-instance"].split("/")[0]]
+    # No tokenizer for the text here: routed by the fallback, nothing committed, nothing to learn
+    # from the engine's usage, so the body goes unchanged.
     assert got == served.sent[0] and served.bodies == [json.dumps(body).encode()]
     await wait_until(lambda: fleet.ledger() == 0, what="ledger empty")
 
@@ -223,7 +228,7 @@ async def test_unreachable_engine_retries_the_next_and_moves_the_ledger(fleet: F
         what="ledger entry moved to w2",
     )
     w2.gate.set()
-    assert await resp.read() == w2.sent[0]
+    assert await resp.read() == b"".join(sse_chunks("w2", w2.tokens))  # (usage stripped)
     resp.release()
     await wait_until(lambda: fleet.ledger() == 0, what="ledger empty")
     m = await fleet.metrics()
@@ -443,7 +448,7 @@ async def test_shutdown_lets_an_in_flight_stream_finish(fleet: Fleet) -> None:
     await asyncio.sleep(0.2)
     assert not stopping.done()  # waiting for the stream
     w1.gate.set()
-    assert await resp.read() == w1.sent[0]  # the whole stream, not cut
+    assert await resp.read() == b"".join(sse_chunks("w1", w1.tokens))  # the whole stream, not cut
     resp.release()
     await asyncio.wait_for(stopping, 5)
     assert fleet.ledger() == 0  # its last release went out before the proxy closed
@@ -588,3 +593,39 @@ async def test_cli_over_mutual_tls_and_a_token(
         for e in f.engines.values():
             await e.close()
         await svc.stop()
+
+
+async def test_the_engine_usage_is_reported_with_the_release(fleet: Fleet) -> None:
+    """The engine's cached tokens (usage.prompt_tokens_details) and the TTFT measured here reach the
+    index with the final release, and are compared with what it predicted (docs/feedback.md)."""
+    w1 = fleet.engines["w1"]
+    w1.cached_tokens = 24  # the 6 blocks the index says w1 holds (32-token prompt, last block recomputed)
+    outcomes = fleet.service.router.outcomes
+    seen: list[object] = []
+    outcomes.subscribe(seen.append)
+    # A stream whose client did not ask for usage: asked for it, read, taken out again.
+    async with await fleet.post({"model": MODEL, "prompt": PROMPT, "stream": True}) as resp:
+        assert resp.headers["x-kvindex-instance"] == "w1/0"
+        assert await resp.read() == b"".join(sse_chunks("w1", w1.tokens))
+    await wait_until(lambda: outcomes.outcomes["exact"] == 1, what="stream report compared")
+    assert outcomes.instances[("w1", 0)].ratio_n == 1  # a stream: its TTFT measured too
+    # A client that asked for usage itself gets the engine's chunk as sent.
+    body = {"model": MODEL, "prompt": PROMPT, "stream": True, "stream_options": {"include_usage": True}}
+    async with await fleet.post(body) as resp:
+        got = await resp.read()
+    assert got == w1.sent[-1] and b'"cached_tokens": 24' in got and w1.bodies[-1] == json.dumps(body).encode()
+    await wait_until(lambda: len(seen) == 2, what="second report")
+    # The first request's blocks now count speculatively (this fake engine publishes no events):
+    # the index promised 7 blocks, the engine had 6; an over that is no evidence of a stale index.
+    assert seen[1].outcome == "over" and seen[1].error_tokens == -4 and not seen[1].evidence  # type: ignore[attr-defined]
+    # A non-streamed answer: its usage is in the body; 4 tokens long, so no TTFT is claimed.
+    w1.cached_tokens = 0  # the engine lost the blocks the index still lists: an over
+    async with await fleet.post({"model": MODEL, "prompt": PROMPT}) as resp:
+        assert resp.status == 200 and resp.headers["x-kvindex-instance"] == "w1/0"
+        await resp.read()
+    await wait_until(lambda: len(seen) == 3, what="non-stream report")
+    assert seen[2].outcome == "over" and seen[2].evidence  # type: ignore[attr-defined]
+    assert outcomes.instances[("w1", 0)].ratio_n == 2
+    m = await fleet.metrics()
+    assert sample(m, "kvindex_route_reports_total", result="applied") == 3
+    assert len(seen) == 3 and fleet.ledger() == 0

@@ -16,7 +16,11 @@ body and trailers. This picker:
 4. on the response reads ``x-gateway-destination-endpoint-served`` (moving the ledger entry when
    Envoy fell back to another endpoint), releases the prefill at the first response body chunk and
    the request at the end of the response — or when the stream ends any other way (client gone,
-   upstream reset), so the ledger never leaks.
+   upstream reset), so the ledger never leaks. Where the gateway sends the response body, the final
+   release carries the engine's ``usage`` (its cached tokens; kvindex/api/usage.py) and the time from
+   the pick to the first response byte, which the index compares with its prediction
+   (docs/feedback.md). A stream has ``usage`` only when its client asked for it
+   (``stream_options.include_usage``) or the engine forces it (vLLM ``--enable-force-include-usage``).
 
 Processing modes: Envoy's ``FULL_DUPLEX_STREAMED`` (what the Inference Extension configures) sends
 body chunks without waiting for the headers' answer; the picker then answers the headers after the
@@ -29,6 +33,7 @@ message); without it, full duplex is assumed, as the Inference Extension's own p
 from __future__ import annotations
 
 import json
+import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -48,8 +53,10 @@ from kvindex.api.openai_body import BodyError, PromptSpec, parse_body
 from kvindex.api.security import ServerSecurity
 from kvindex.api.server import READINESS, GrpcPort
 from kvindex.api.servicer import BadRequest, KvIndexServicer
+from kvindex.api.usage import UsageReader
 from kvindex.fleet.registry import InstanceState
 from kvindex.scoring.ledger import FINISHED, PREFILL
+from kvindex.scoring.outcomes import Report
 from kvindex.v1 import kvindex_pb2 as pb
 
 SERVICE_NAME = ep.DESCRIPTOR.services_by_name["ExternalProcessor"].full_name
@@ -78,6 +85,10 @@ class _Exchange:
     committed: str = ""  # instance id holding the ledger entry
     released_prefill: bool = False
     finished: bool = False
+    picked_at: float = 0.0  # monotonic time of the pick (the TTFT the picker sees starts here)
+    first_byte_at: float = 0.0
+    reader: UsageReader | None = None  # the response's usage, when the gateway sends the body
+    report: Report | None = None  # sent with the final release
 
 
 class PickerMetrics:
@@ -88,6 +99,12 @@ class PickerMetrics:
             "kvindex_ext_proc_served_elsewhere", "Requests Envoy served on a fallback endpoint", **kw
         )
         self.streams = Counter("kvindex_ext_proc_streams", "ext_proc streams opened", **kw)
+        self.reports = Counter(
+            "kvindex_ext_proc_reports",
+            "outcome reports read from response bodies, by what the index did with them",
+            ["result"],
+            **kw,
+        )
 
 
 class EndpointPicker(ep_grpc.ExternalProcessorServicer):
@@ -166,13 +183,22 @@ class EndpointPicker(ep_grpc.ExternalProcessorServicer):
             return [ep.ProcessingResponse(request_trailers=ep.TrailersResponse())]
         if kind == "response_headers":
             self._served(ex, msg.metadata_context)
+            headers = _headers(msg.response_headers.headers)
+            if ex.committed and headers.get(":status", "200") == "200" and "content-encoding" not in headers:
+                stream = headers.get("content-type", "").startswith("text/event-stream")
+                ex.reader = UsageReader(stream)
             if msg.response_headers.end_of_stream:
                 self._finish(ex)
             return [ep.ProcessingResponse(response_headers=ep.HeadersResponse())]
         if kind == "response_body":
             body = msg.response_body
             if not ex.released_prefill and (body.body or body.end_of_stream):
+                ex.first_byte_at = time.monotonic()
                 self._release(ex, PREFILL)  # the first bytes of the answer: the prefill is done
+            if ex.reader is not None:
+                ex.reader.feed(body.body)
+                if body.end_of_stream:
+                    ex.report = self._report(ex, ex.reader)
             if body.end_of_stream:
                 self._finish(ex)
             if ex.full_duplex:
@@ -226,6 +252,7 @@ class EndpointPicker(ep_grpc.ExternalProcessorServicer):
         candidates = sorted(s.instance_id for s in eligible)
         request = self._score_request(spec, ex, candidates)
         response = self.servicer.score_request(request)
+        ex.picked_at = time.monotonic()
         if response.committed_instance_id:
             ex.request = request
             ex.committed = response.committed_instance_id
@@ -284,11 +311,26 @@ class EndpointPicker(ep_grpc.ExternalProcessorServicer):
             return
         ex.committed = response.committed_instance_id
 
+    def _report(self, ex: _Exchange, reader: UsageReader) -> Report | None:
+        reader.finish()
+        usage = reader.usage
+        report = Report()
+        if usage is not None:
+            report.cached_tokens, report.prompt_tokens = usage.cached_tokens, usage.prompt_tokens
+        if ex.picked_at and (reader.stream or (usage is not None and usage.completion_tokens == 1)):
+            report.ttft_ms = max(0.0, (ex.first_byte_at - ex.picked_at) * 1000)
+        if report.empty():
+            return None
+        return report
+
     def _release(self, ex: _Exchange, phase: str) -> None:
         if phase == PREFILL:
             ex.released_prefill = True
         if ex.committed:
-            self.servicer.router.release(ex.request_id, phase)
+            report = ex.report if phase == FINISHED else None
+            status = self.servicer.router.release_reported(ex.request_id, phase, report)[1]
+            if status:
+                self.metrics.reports.labels(status).inc()
 
     def _finish(self, ex: _Exchange) -> None:
         if not ex.finished:

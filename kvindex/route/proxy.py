@@ -1,10 +1,13 @@
 """The routing proxy: OpenAI-compatible requests in, each forwarded to the engine the index chose.
 
-Per request: read the body (never changed), ask the index (``Score`` with commit, top few) through
+Per request: read the body, ask the index (``Score`` with commit, top few) through
 :class:`kvindex.client.AsyncKvIndexClient`, forward the same bytes to the first instance's announced
 ``endpoint`` (the next on a connection failure), stream the engine's bytes back unchanged, and keep
 the index's in-flight ledger true: ``Release(prefill)`` at the first body byte, ``Release(finished)``
-when the request ends, however it ends. Design and failure modes: README.md in this folder.
+when the request ends, however it ends. The final release carries what the engine reported (its
+cached tokens, from the answer's ``usage``) and the TTFT measured here; for a stream whose client did
+not ask for ``usage``, the body gets ``stream_options.include_usage`` and the usage chunk is taken
+out of the stream again. Design and failure modes: README.md in this folder.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from kvindex.api.openai_body import MAX_BODY_BYTES, BodyError, PromptSpec, parse_body
 from kvindex.api.security import ClientTLS
+from kvindex.api.usage import UsageReader, add_include_usage
 from kvindex.client import (
     DEADLINE,
     ERROR,
@@ -160,6 +164,8 @@ class _LedgerOps:
         self.active = False
         self.prefill_released = False
         self.finished = False
+        # The outcome report sent with the final release (cached_tokens, ttft_ms, prompt_tokens).
+        self.report: dict[str, Any] | None = None
 
     def then(self, op: Callable[[], Awaitable[None]]) -> None:
         prev = self._tail
@@ -176,7 +182,8 @@ class _LedgerOps:
             return
         self.prefill_released = True
         self.finished = phase == FINISHED
-        self.then(lambda: self.proxy.release(self.request_id, phase))
+        report = self.report if phase == FINISHED else None
+        self.then(lambda: self.proxy.release(self.request_id, phase, report))
 
     def move(self, target: Target, spec: PromptSpec) -> None:
         """The request went to ``target``, not where Score committed it: commit it there (a Commit
@@ -278,11 +285,20 @@ class RouteProxy:
 
     # -- ledger ------------------------------------------------------------------------------------
 
-    async def release(self, request_id: str, phase: str) -> None:
+    async def release(self, request_id: str, phase: str, report: dict[str, Any] | None = None) -> None:
+        timeout = self.config.release_timeout
         try:
-            found = await self.client.release(request_id, phase, timeout=self.config.release_timeout)
+            if report:
+                found, status = await self.client.release_reported(
+                    request_id, phase, timeout=timeout, **report
+                )
+                self.metrics.reports.labels(status or "none").inc()
+            else:
+                found = await self.client.release(request_id, phase, timeout=timeout)
         except (IndexUnavailable, BadRequest) as exc:
             self.metrics.releases.labels(phase, "error").inc()
+            if report:
+                self.metrics.reports.labels("error").inc()
             log.debug("release_failed", request_id=request_id, phase=phase, error=str(exc))
             return
         self.metrics.releases.labels(phase, "found" if found else "not_found").inc()
@@ -382,13 +398,19 @@ class RouteProxy:
             ledger.active = decision is not None and (
                 decision.committed or decision.reason in _MAYBE_COMMITTED
             )
+            # The engine's usage ends a stream only when asked for: ask, and strip it again below.
+            strip_usage = False
+            if spec.stream and decision is not None and decision.committed:
+                asked = add_include_usage(raw)
+                if asked is not None:
+                    raw, strip_usage = asked, True
             if decision is None or not decision.targets:
                 code = "503"
                 return openai_error(
                     503, f"no instance serves model {spec.model!r}" + (f": {why}" if why else ""),
                     "service_unavailable", "no_instance",
                 )  # fmt: skip
-            response, code = await self._forward(request, raw, spec, decision, ledger, received)
+            response, code = await self._forward(request, raw, spec, decision, ledger, received, strip_usage)
             return response
         except asyncio.CancelledError:
             code = "499"  # the client went away (or shutdown's grace ran out)
@@ -409,6 +431,7 @@ class RouteProxy:
         decision: Decision,
         ledger: _LedgerOps,
         received: float,
+        strip_usage: bool = False,
     ) -> tuple[web.StreamResponse, str]:
         assert self._session is not None
         targets = [t for t in decision.targets if t.endpoint]
@@ -443,7 +466,7 @@ class RouteProxy:
         if decision.committed and target.instance_id != decision.committed_instance_id:
             ledger.move(target, spec)
         try:
-            return await self._relay(request, upstream, target, reason, ledger, received)
+            return await self._relay(request, upstream, target, reason, ledger, received, strip_usage)
         finally:
             upstream.close()  # a no-op after a full read (the connection went back to the pool)
 
@@ -455,6 +478,7 @@ class RouteProxy:
         reason: str,
         ledger: _LedgerOps,
         received: float,
+        strip_usage: bool = False,
     ) -> tuple[web.StreamResponse, str]:
         if upstream.status >= 500:
             self.metrics.upstream_errors.labels("http_5xx").inc()
@@ -463,13 +487,19 @@ class RouteProxy:
         for name, value in upstream.headers.items():
             if name.lower() not in _HOP_BY_HOP:
                 response.headers.add(name, value)
-        if upstream.content_length is not None:
+        # The engine's usage is read from answers the index can learn from (a committed, successful,
+        # uncompressed one); what is stripped changes the length, so the body is then chunked.
+        reader: UsageReader | None = None
+        if ledger.active and upstream.status == 200 and "Content-Encoding" not in upstream.headers:
+            reader = UsageReader(stream == "true", strip=strip_usage)
+        if upstream.content_length is not None and not (reader is not None and reader.strip):
             response.content_length = upstream.content_length
         response.headers["x-kvindex-instance"] = target.instance_id
         response.headers["x-kvindex-decision"] = reason
         response.headers["x-kvindex-request-id"] = ledger.request_id
         await response.prepare(request)
         first = True
+        first_at = received
         chunks = upstream.content.iter_any().__aiter__()
         while True:
             try:
@@ -489,14 +519,28 @@ class RouteProxy:
                 return response, "502"
             if first:
                 first = False
-                self.metrics.ttft.labels(stream).observe(time.monotonic() - received)
+                first_at = time.monotonic()
+                self.metrics.ttft.labels(stream).observe(first_at - received)
                 ledger.release(PREFILL)  # the first token (stream) or the whole answer is out
+            if reader is not None:
+                chunk = reader.feed(chunk)
+                if not chunk:
+                    continue
             try:
                 await response.write(chunk)
             except ConnectionResetError:
                 return response, "499"  # the client went away while we wrote
         if first:
-            self.metrics.ttft.labels(stream).observe(time.monotonic() - received)
+            first_at = time.monotonic()
+            self.metrics.ttft.labels(stream).observe(first_at - received)
+        if reader is not None:
+            tail = reader.finish()
+            ledger.report = _report(reader, stream == "true", (first_at - received) * 1000)
+            if tail:
+                try:
+                    await response.write(tail)
+                except ConnectionResetError:
+                    return response, "499"
         try:
             await response.write_eof()
         except ConnectionResetError:
@@ -567,6 +611,22 @@ class RouteProxy:
         return web.Response(
             body=generate_latest(self.metrics.registry), headers={"Content-Type": CONTENT_TYPE_LATEST}
         )
+
+
+def _report(reader: UsageReader, stream: bool, ttft_ms: float) -> dict[str, Any] | None:
+    """What the final release tells the index: the engine's cached tokens and prompt length, and
+    the TTFT measured here when the first token was seen on its own (a stream, or a one-token
+    answer)."""
+    usage = reader.usage
+    report: dict[str, Any] = {}
+    if usage is not None:
+        if usage.cached_tokens is not None:
+            report["cached_tokens"] = usage.cached_tokens
+        if usage.prompt_tokens is not None:
+            report["prompt_tokens"] = usage.prompt_tokens
+    if stream or (usage is not None and usage.completion_tokens == 1):
+        report["ttft_ms"] = ttft_ms
+    return report or None
 
 
 def _error_kind(exc: BaseException) -> str:
