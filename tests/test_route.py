@@ -125,6 +125,7 @@ async def test_non_streaming_routed_by_the_index_bytes_unchanged_and_released(fl
         got = await resp.read()
         assert resp.status == 200
         assert resp.headers["x-kvindex-instance"] == "w1/0" and resp.headers["x-kvindex-decision"] == "index"
+        assert float(resp.headers["x-kvindex-est-ttft-ms"]) > 0  # the index's estimate for w1
     w1 = fleet.engines["w1"]
     assert w1.bodies == [body]  # the request body reached the engine byte for byte
     assert got == w1.sent[0]  # and the engine's answer the client
@@ -274,6 +275,7 @@ async def test_index_down_the_fallback_serves_consistently_and_is_counted(fleet:
         async with await fleet.post({"model": MODEL, "prompt": prompt}) as resp:
             assert resp.status == 200
             assert resp.headers["x-kvindex-decision"] == "fallback"
+            assert "x-kvindex-est-ttft-ms" not in resp.headers  # nothing was estimated
             served.append(resp.headers["x-kvindex-instance"])
     assert len(set(served)) == 1  # one prefix, one instance, without the index
     m = await fleet.metrics()
