@@ -6,6 +6,7 @@ instance's fit persisted in NATS KV and loaded by a restarted index."""
 from __future__ import annotations
 
 import asyncio
+import json
 import math
 import random
 import time
@@ -14,6 +15,7 @@ from typing import Any
 import grpc
 import pytest
 
+from kvindex.cli import main
 from kvindex.scoring.costs import PrefillModel
 from kvindex.service.app import IndexService, ServiceConfig
 from kvindex.service.natsd import EmbeddedNats
@@ -67,7 +69,9 @@ async def instance(address: str) -> Any:
     return reply.instances[0] if reply.instances else None
 
 
-async def test_vllm_prefill_times_calibrate_the_instance_and_persist(engine: FakeEngine) -> None:
+async def test_vllm_prefill_times_calibrate_the_instance_and_persist(
+    engine: FakeEngine, capsys: pytest.CaptureFixture[str]
+) -> None:
     natsd = EmbeddedNats(jetstream=True)
     await natsd.start()
     page = FinishingEngine()
@@ -98,6 +102,12 @@ async def test_vllm_prefill_times_calibrate_the_instance_and_persist(engine: Fak
                     await asyncio.sleep(0.05)
                     info = await instance(first.grpc.address)
                 assert bridge.stats.get("prefill", "sample") >= 25
+                # The command line shows it too (`kvindex instances`, JSON of ListInstances).
+                args = ["instances", "--server", first.grpc.address, "--model", MODEL]
+                assert await asyncio.to_thread(main, args) == 0
+                out = capsys.readouterr().out  # (the service's log lines go there too)
+                (shown,) = json.loads(out[out.index('{\n  "instances"') :])["instances"]
+                assert shown["prefill"]["source"] == "model" and int(shown["prefill"]["samples"]) >= 25
             fit = PrefillModel(info.prefill.a_ms, info.prefill.b_ms_per_token, info.prefill.c_ms_per_token2)
             for length, miss in ((1000, 1000), (4000, 500), (6000, 6000)):
                 assert fit.ms(miss, length) == pytest.approx(TRUE.ms(miss, length), rel=0.1)
