@@ -575,6 +575,33 @@ class Bench:
             "peak": self.args.peak_rate or round(1.4 * capacity, 2),
         }
 
+    def calibrate_kvindex(self, rate: float) -> None:
+        """Calibrate kvindex's prefill models before the measured runs: rounds of light load (arrivals
+        of their own seeds) until every instance is ranked with a fitted model, at most 4; the bucket
+        keeps the calibration for every later kvindex run."""
+        a = self.args
+        duration, a.duration = a.duration, a.warmup
+        rows = []
+        try:
+            for round_ in range(4):
+                rows.append(self.run_once("kvindex", "warmup", rate, -1, seed=a.seed + 1000 + round_))
+                sources = {i["prefill"]["source"] for i in rows[-1]["prediction"]["instances"].values()}
+                if "default" not in sources:
+                    break
+        finally:
+            a.duration = duration
+        # One row for the tables: the rounds' requests and counts together, the last round's models.
+        self.warmup = dict(rows[-1])
+        self.warmup["results"] = [r for row in rows for r in row["results"]]
+        self.warmup["rounds"] = len(rows)
+        merged = dict(rows[-1]["prediction"])
+        for key in ("outcomes", "error", "ratio"):
+            merged[key] = {}
+            for row in rows:
+                for k, v in row["prediction"][key].items():
+                    merged[key][k] = merged[key].get(k, 0) + v
+        self.warmup["prediction"] = merged
+
     def main(self) -> int:
         a = self.args
         rows: list[dict[str, Any]] = []
@@ -586,13 +613,7 @@ class Bench:
             rates = self.calibrate()
             self.reset_engines()
             if "kvindex" in a.routers and a.warmup > 0:
-                # Calibrate kvindex's prefill models before the measured runs (arrivals of their own
-                # seed at light load); its bucket keeps them for every later kvindex run.
-                duration, a.duration = a.duration, a.warmup
-                try:
-                    self.warmup = self.run_once("kvindex", "warmup", rates["light"], -1, seed=a.seed + 1000)
-                finally:
-                    a.duration = duration
+                self.calibrate_kvindex(rates["light"])
             for run in range(a.runs):
                 for load in a.loads:
                     # Routers in a rotating order so that no router always runs first or last.
