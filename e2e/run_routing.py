@@ -601,6 +601,21 @@ class Bench:
                 for k, v in row["prediction"][key].items():
                     merged[key][k] = merged[key].get(k, 0) + v
         self.warmup["prediction"] = merged
+        # The real-engine check of both sample sources: an instance's samples beyond the requests
+        # reported for it came from its shim (vLLM's prefill-time histograms, in heartbeats).
+        for name, info in sorted(merged["instances"].items()):
+            fit = info["prefill"]
+            reported = sum(
+                sum(row["prediction"]["instances"].get(name, {}).get("outcomes", ())) for row in rows
+            )
+            self.log(
+                f"calibrated {name}: {fit['source']} model a={fit['a_ms']:.1f} ms "
+                f"b={fit['b_ms_per_token']:.4f} ms/token c={fit['c_ms_per_token2']:.2e}, {fit['samples']} "
+                f"samples ({reported} requests reported: {fit['samples'] - reported} or more from the "
+                f"engine), recent error {fit['error']}"
+            )
+            if fit["samples"] <= reported:
+                raise RuntimeError(f"{name}: no prefill samples from the engine's /metrics reached the index")
 
     def main(self) -> int:
         a = self.args
