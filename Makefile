@@ -97,6 +97,12 @@ e2e-vllm: $(STAMP) $(E2E_MODEL)/kvindex-e2e.json
 	$(VLLM_PY) e2e/check_tokenize_hf.py
 	$(PY) e2e/run_vllm.py --vllm-python $(VLLM_PY) --model-dir $(E2E_MODEL) $(ARGS)
 
+# The index that knows when it is wrong (docs/feedback.md): a real vLLM behind kvindex route, its KV
+# events dropped for a while by a relay between the engine and kvshim; degraded, repaired, exact again.
+.PHONY: e2e-feedback
+e2e-feedback: $(STAMP) $(E2E_MODEL)/kvindex-e2e.json
+	$(PY) e2e/run_feedback.py --vllm-python $(VLLM_PY) --model-dir $(E2E_MODEL) $(ARGS)
+
 # TTFT on real engines (docs/e2e-routing.md): two vLLM CPU engines, each on its own core, a chat
 # workload at two loads, routed by `kvindex route` (prefill model calibrated from the engines, and the
 # default one) and by vllm-router 0.1.17 (kv_aware, cache_aware, round_robin), several runs each. Separate from `make test`; reuses .venv-vllm, adds the vllm-router

@@ -59,6 +59,26 @@ class Tally:
     )  # (est, simulated) s
     decisions: deque[float] = field(default_factory=lambda: deque(maxlen=5000))  # decision times
     reasons: dict[str, int] = field(default_factory=dict)
+    # Predicted against actual: the cached tokens the index predicted for each routed request, and
+    # the engine's hit minus that, recent requests (tokens).
+    predicted: dict[str, int] = field(default_factory=dict)
+    cache_errors: deque[int] = field(default_factory=lambda: deque(maxlen=2000))
+    block_size: int = 16
+
+    def outcome_line(self, instances: list[Any]) -> str:
+        """The index's verdicts (its outcome counters) and the recent error, for the dashboard."""
+        exact = sum(i.outcomes_exact for i in instances)
+        over = sum(i.outcomes_over for i in instances)
+        under = sum(i.outcomes_under for i in instances)
+        total = exact + over + under
+        errors = list(self.cache_errors)
+        mean = sum(abs(e) for e in errors) / len(errors) / self.block_size if errors else 0.0
+        degraded = sum(1 for i in instances if i.state == "degraded")
+        share = f"{exact / total:.1%}" if total else "-"
+        return (
+            f"exact {share} ({exact:,}), over {over:,}, under {under:,}; mean |error| {mean:.2f} blocks; "
+            f"{degraded} degraded"
+        )
 
     def decisions_per_s(self, now: float) -> float:
         recent = [t for t in self.decisions if now - t <= 5]
@@ -172,14 +192,17 @@ async def _drive(
             continue
         top = reply.ranked[0]
         tally.est_ms[req.id] = top.est_ttft_ms
+        # vLLM's rule (the simulated engine's too): the last prompt token is always computed.
+        b = args.block_size
+        tally.predicted[req.id] = b * min(top.matched_blocks, (req.prompt_tokens - 1) // b)
         tally.routed += 1
         tally.decisions.append(time.monotonic())
         tally.reasons[top.explain] = tally.reasons.get(top.explain, 0) + 1
         await fleet.submit(top.worker, req)
 
 
-async def _release(stub: pb_grpc.KvIndexStub, request_id: str, phase: str) -> None:
-    await stub.Release(pb.ReleaseRequest(request_id=request_id, phase=phase), timeout=5)
+async def _release(stub: pb_grpc.KvIndexStub, request: pb.ReleaseRequest) -> None:
+    await stub.Release(request, timeout=5)
 
 
 def _on_completion(tally: Tally, stub: pb_grpc.KvIndexStub, pending: set[asyncio.Task[Any]]) -> Any:
@@ -192,11 +215,21 @@ def _on_completion(tally: Tally, stub: pb_grpc.KvIndexStub, pending: set[asyncio
             est = tally.est_ms.pop(rid, None)
             if est is not None:
                 tally.pairs.append((est / 1000, c.ttft))
-            phase = "prefill"
+            predicted = tally.predicted.pop(rid, None)
+            if predicted is not None:
+                tally.cache_errors.append(c.hit_tokens - predicted)
+            # The engine's answer, as a router reads it from vLLM's usage: compared by the index.
+            request = pb.ReleaseRequest(
+                request_id=rid,
+                phase="prefill",
+                cached_tokens=c.hit_tokens,
+                ttft_ms=c.ttft * 1000,
+                prompt_tokens=c.request.prompt_tokens,
+            )
         else:
             tally.finished += 1
-            phase = "finished"
-        task = asyncio.get_running_loop().create_task(_release(stub, rid, phase))
+            request = pb.ReleaseRequest(request_id=rid, phase="finished")
+        task = asyncio.get_running_loop().create_task(_release(stub, request))
         pending.add(task)
         task.add_done_callback(pending.discard)
 
@@ -219,6 +252,7 @@ def _render(instances: list[Any], stats: Any, tally: Tally, events_per_s: float,
         "epoch",
         "gaps",
         "restarts",
+        "exact/over/under",
         "state",
     ):
         t.add_column(col, justify="right" if col not in ("instance", "state") else "left")
@@ -236,7 +270,8 @@ def _render(instances: list[Any], stats: Any, tally: Tally, events_per_s: float,
             str(i.epoch % 100000),
             str(i.gaps),
             str(i.restarts),
-            ("stale " if i.stale else "") + i.sync,
+            f"{i.outcomes_exact}/{i.outcomes_over}/{i.outcomes_under}",
+            ("stale " if i.stale else "") + i.state + ("" if i.sync == "synced" else f" ({i.sync})"),
         )
     pairs = list(tally.pairs)
     est = sum(p[0] for p in pairs) / len(pairs) if pairs else 0.0
@@ -250,6 +285,7 @@ def _render(instances: list[Any], stats: Any, tally: Tally, events_per_s: float,
     o.add_row("decisions/s", f"{tally.decisions_per_s(time.monotonic()):.1f}")
     o.add_row("prefix hit rate (tokens)", f"{hit:.1%}")
     o.add_row("TTFT estimated vs simulated (mean, recent)", f"{est:.3f} s vs {sim:.3f} s")
+    o.add_row("cached tokens predicted vs engine", tally.outcome_line(instances))
     o.add_row(
         "placement reasons",
         ", ".join(f"{k} {v}" for k, v in sorted(tally.reasons.items(), key=lambda kv: -kv[1])[:6]),
@@ -349,7 +385,8 @@ async def _watch(args: argparse.Namespace, stub: pb_grpc.KvIndexStub, tally: Tal
                 print(
                     f"[{now - started:5.0f} s] routed {tally.routed} first tokens {tally.first_tokens} "
                     f"hit {hit:.1%} ttft est {est:.3f}s sim {sim:.3f}s "
-                    f"{tally.decisions_per_s(now):.1f} decisions/s {rate:,.0f} events/s gaps {stats.gaps}",
+                    f"{tally.decisions_per_s(now):.1f} decisions/s {rate:,.0f} events/s gaps {stats.gaps} "
+                    f"predicted vs engine: {tally.outcome_line(list(listed.instances))}",
                     flush=True,
                 )
             with contextlib.suppress(TimeoutError):
@@ -391,7 +428,7 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
-    tally = Tally()
+    tally = Tally(block_size=args.block_size)
     # SIGINT (Ctrl-C), SIGTERM, SIGHUP (terminal closed) or our parent's exit stop everything.
     code = lifecycle_run(lambda stop: run(args, stop, tally), grace=12.0, name="kvtools-demo")
     print(

@@ -5,9 +5,12 @@ snapshot a degradation asks for, and every kind of bad report."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
+import sys
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 
 import grpc
 import pytest
@@ -258,6 +261,15 @@ async def test_degraded_state_shows_and_discounts_the_cache(
         assert svc.router.degraded == {("w1", 0)}
         after = (await client.score(MODEL, token_ids=PROMPT, candidates=["w1/0"])).response
         listed = await client.list_instances(MODEL)
+        # `kvindex instances` shows it too.
+        cli = await asyncio.create_subprocess_exec(
+            str(Path(sys.executable).parent / "kvindex"), "instances", "--server", svc.grpc.address,
+            "--model", MODEL, stdout=asyncio.subprocess.PIPE,
+        )  # fmt: skip
+        out, _ = await asyncio.wait_for(cli.communicate(), 30)
+        shown = {i["instanceId"]: i for i in json.loads(out)["instances"]}
+        assert shown["w1/0"]["state"] == DEGRADED and shown["w1/0"]["stateReason"] == "repair failed"
+        assert shown["w2/0"]["state"] == EXACT
     assert before is not None and after is not None
     assert before.ranked[0].matched_tokens == 24 and after.ranked[0].matched_tokens == 12
     assert after.ranked[0].matched_blocks == 6  # what the index holds is shown as it is

@@ -16,7 +16,7 @@ import asyncio
 import contextlib
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import structlog
@@ -324,6 +324,11 @@ class Publisher(WorkerLog):
         self._subs: list[Any] = []
         self.snapshots_served = 0
         self.replays_served = 0
+        # Awaited before a snapshot is answered (bounded by ``before_snapshot_timeout``): a bridge
+        # asks its engine for events it may have missed, so that an index that found this worker's
+        # blocks wrong (docs/feedback.md) gets the engine's truth, not the same loss again.
+        self.before_snapshot: Callable[[], Awaitable[None]] | None = None
+        self.before_snapshot_timeout = 2.0
         self.log = structlog.get_logger("workers_shim.publisher").bind(
             worker=self.worker, dp_rank=self.dp_rank
         )
@@ -390,6 +395,11 @@ class Publisher(WorkerLog):
             return
         if req.dp_rank != self.dp_rank or not msg.reply:
             return
+        if self.before_snapshot is not None:
+            try:
+                await asyncio.wait_for(self.before_snapshot(), self.before_snapshot_timeout)
+            except Exception as exc:  # answer with what is known: the index must not wait in vain
+                self.log.warning("before_snapshot_failed", error=str(exc), error_type=type(exc).__name__)
         sealed, parts = self.snapshot_messages()
         self.snapshots_served += 1
         await self._publish(sealed)

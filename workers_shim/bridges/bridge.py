@@ -14,6 +14,11 @@ Engine sequence numbers, per link (``applied``: last batch applied; ``live``: la
   socket, timeout, the buffer no longer holds it): resync, i.e. new epoch, fresh maps, and whatever
   the replay buffer still has.
 
+Before answering an index's snapshot request the link asks the replay socket for anything after
+``applied`` (``check_engine``): a live batch lost on its way here would otherwise show only when the
+engine publishes the next one, and an index that found the worker's blocks wrong (its outcome
+reports, docs/feedback.md) asks for a snapshot to get exactly those.
+
 At start the link subscribes first and then replays from seq 0, so a shim started beside a running
 engine learns the blocks (and hash translations) the engine published before. A store whose parent
 (or a token-less block) is unknown mid-stream makes the link replay from 0 into a scratch translator
@@ -115,7 +120,7 @@ class Rank:
     def _publisher(self, epoch: int | None) -> Publisher:
         cfg = self.bridge.config
         assert self.bridge.block_size is not None, "publishers start once the block size is known"
-        return Publisher(
+        publisher = Publisher(
             self.bridge.nc,
             worker=cfg.worker_id,
             model=cfg.model,
@@ -127,6 +132,8 @@ class Rank:
             heartbeat_interval=cfg.heartbeat_interval,
             capacity=dict(self.bridge.capacity.get(self.dp_rank, cfg.capacity)),
         )
+        publisher.before_snapshot = self.bridge.check_engines
+        return publisher
 
     async def start(self) -> None:
         self.publisher = self._publisher(None)
@@ -171,6 +178,8 @@ class Link:
         self.rebuild_at = 0.0
         self.rebuild_backoff = bridge.config.rebuild_min_interval
         self.log = bridge.log.bind(endpoint=self.stream.endpoint)
+        # Live batches and a snapshot's check of the replay buffer apply one at a time.
+        self.lock = asyncio.Lock()
 
     # -- routing and applying -------------------------------------------------------------------
 
@@ -370,6 +379,25 @@ class Link:
             return
         await self.resync("gap_unrecoverable" if result.error is None else "replay_unavailable")
 
+    async def check_engine(self) -> None:
+        """Apply what the engine's replay buffer holds after ``applied`` (before a snapshot answer)."""
+        if self.replay is None or not self.applied_any:
+            return
+        async with self.lock:
+            start = self.applied + 1
+            result = await self.replay.request(start)
+            self._count_replay(result.error, result.layouts, result.bad_frames)
+            newer = [(s, p) for s, p in result.batches if s >= start]
+            if not newer:
+                return
+            self.bridge.stats.add("recovery", "snapshot_check")
+            self.log.warning("kv_missed_batches", first=newer[0][0], last=newer[-1][0], found_by="snapshot")
+            seqs = [s for s, _ in newer]
+            if seqs[0] == start and all(b == a + 1 for a, b in itertools.pairwise(seqs)):
+                await self._apply_replayed(newer, recover=True)
+            else:
+                await self.catch_up(seqs[-1] + 1)  # the buffer lost some too: replay or resync
+
     async def engine_restarted(self, seq: int) -> None:
         self.bridge.stats.add("recovery", "engine_restart")
         self.log.warning("kv_engine_restart", seq=seq, last_seq=self.live)
@@ -420,7 +448,8 @@ class Link:
                 stats.garbage(exc.reason, frames=len(frames))
                 continue
             try:
-                await self.on_live(seq, payload)
+                async with self.lock:
+                    await self.on_live(seq, payload)
             except BlockSizeConflict:
                 return
             except Exception as exc:  # a bug on one batch must not stop the bridge
@@ -527,6 +556,11 @@ class Bridge:
         )
 
     # -- block size -----------------------------------------------------------------------------
+
+    async def check_engines(self) -> None:
+        """Before a snapshot answer: every link takes what its engine published and we missed."""
+        for link in self.links:
+            await link.check_engine()
 
     async def start_ranks(self) -> None:
         """Start every rank's publisher (first heartbeat included): the block size is known."""
