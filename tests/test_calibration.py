@@ -116,6 +116,18 @@ def test_router_reports_become_samples_of_the_instance() -> None:
     assert router.calibrator.rejected == 1 and router.calibrator.models[MODEL].samples == 1
 
 
+def test_reports_of_requests_the_index_saw_waiting_are_not_learned_from() -> None:
+    cal = Calibrator()
+    assert cal.add_reported(MODEL, "w0/0", 1000, 200, ttft_ms=500.0, predicted_wait_ms=50.0)  # 10 %
+    assert cal.models[MODEL].atb[0] == pytest.approx(450.0)
+    # A predicted wait of 120 ms in a 500 ms TTFT: the sample would carry the wait estimate's error.
+    assert not cal.add_reported(MODEL, "w0/0", 1000, 200, ttft_ms=500.0, predicted_wait_ms=120.0)
+    assert cal.queued == 1
+    for ttft, wait in ((math.nan, 0.0), (100.0, -1.0), (math.inf, 0.0)):
+        assert not cal.add_reported(MODEL, "w0/0", 1000, 200, ttft_ms=ttft, predicted_wait_ms=wait)
+    assert cal.rejected == 3 and cal.models[MODEL].samples == 1
+
+
 def test_persisted_and_replayed_state_picks_the_same_models() -> None:
     cal = Calibrator()
     slow = PrefillModel(60.0, 1.5, 1e-4)

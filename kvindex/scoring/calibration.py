@@ -39,6 +39,10 @@ from kvindex.scoring.costs import DEFAULT_PREFILL, PrefillModel
 # miss*L in tens of millions.
 _SCALE = np.array([1.0, 1e-3, 1e-7])
 
+# Routers' reports are prefill samples when the wait the index predicted is at most this share of the
+# measured TTFT (Calibrator.add_reported).
+REPORT_WAIT_SHARE = 0.1
+
 # Where the model ranking an instance comes from (InstanceInfo.prefill.source).
 DEFAULT = "default"
 SHARED = "model"
@@ -202,6 +206,7 @@ class Calibrator:
         self._own: dict[str, dict[str, PrefillModel]] = {}
         self.rejected = 0  # samples not usable (counted, ignored)
         self.ignored = 0  # samples not learned from: calibration off
+        self.queued = 0  # routers' reports not learned from: the index predicted a wait (add_reported)
 
     def _get(self, model: str) -> ModelCalibration:
         cal = self.models.get(model)
@@ -239,6 +244,29 @@ class Calibrator:
                 self.dirty.add((model, instance))
                 self._judge(model, instance, own)
         return added
+
+    def add_reported(
+        self,
+        model: str,
+        instance: str,
+        prompt_tokens: int,
+        cached_tokens: int,
+        ttft_ms: float,
+        predicted_wait_ms: float,
+    ) -> bool:
+        """A router's report: the TTFT it measured minus the wait the index predicted is the
+        request's prefill, with the tokens the engine found cached. Learned from only when the
+        predicted wait is at most ``REPORT_WAIT_SHARE`` of the TTFT: a predicted wait is an estimate
+        made with the model being fitted, and subtracting a large one would feed the model's own
+        errors back into it (a fit that overestimates waits sees short prefills, is judged worse than
+        the default, gives way, and the default's short waits make it look right again)."""
+        if not (math.isfinite(ttft_ms) and math.isfinite(predicted_wait_ms)) or predicted_wait_ms < 0:
+            self.rejected += 1
+            return False
+        if predicted_wait_ms > REPORT_WAIT_SHARE * ttft_ms:
+            self.queued += 1
+            return False
+        return self.add(model, [(prompt_tokens, cached_tokens, ttft_ms - predicted_wait_ms)], instance) == 1
 
     def _judge(self, model: str, instance: str, own: ModelCalibration) -> None:
         per = self._own.get(model)

@@ -114,10 +114,11 @@ class Router:
             raise ValueError(f"unknown default policy {self.config.default_policy!r}")
 
     def _calibrate(self, outcome: Outcome) -> None:
-        sample = outcome.prefill_sample()
-        if sample is not None:
-            p = outcome.prediction
-            self.calibrator.add(p.model, [sample], instance_id(p.instance))
+        p, r = outcome.prediction, outcome.report
+        if r.ttft_ms is not None and r.cached_tokens is not None:
+            self.calibrator.add_reported(
+                p.model, instance_id(p.instance), p.prompt_tokens, r.cached_tokens, r.ttft_ms, p.wait_ms
+            )
 
     # -- candidates -----------------------------------------------------------------------------
 
