@@ -11,14 +11,18 @@ coefficients are kept non-negative.
 Two levels: every sample feeds the model's shared fit (all its instances) and the instance's own.
 Which one ranks an instance (``Calibrator.status``):
 
-- the configured default until the shared fit has ``min_samples`` samples and, over the last of
-  them, a mean error below ``accept_ratio`` x the default's on the same samples;
+- the configured default until the shared fit has ``min_samples`` samples and, over the samples
+  after them, a root mean squared error below ``accept_ratio`` x the default's on the same samples,
+  by more than noise (a paired test of the per-sample differences);
 - then the shared fit, unless the instance's own fit passes the same test against the shared fit
-  and the default (a worker on other hardware, another engine version): then its own.
+  and the default with ``INSTANCE_ACCEPT_RATIO`` (a worker on other hardware, another engine
+  version): then its own.
 
-Errors are prequential (each sample is predicted before it is added) and measured as
-``|ln(predicted / measured)|``, averaged with exponential forgetting (``error_alpha``). A fit that
-predicts worse than what it would replace is never used, however many samples it has.
+Errors are prequential (each sample is predicted before it is added), judged in squared ms (the
+fit's own objective) averaged over about the fit's memory (``error_alpha``); a fit in use is given
+up only when clearly worse (``_worse``), so the choice does not flip with the load. Operators see
+the mean ``|ln(predicted / measured)|``. A fit that predicts worse than what it would replace is
+never used, however many samples it has.
 
 The state serialises to small dicts so it can be persisted and shared (a NATS KV bucket; see
 kvindex/service) and a restarted index or a second replica starts calibrated.
@@ -43,6 +47,12 @@ _SCALE = np.array([1.0, 1e-3, 1e-7])
 # measured TTFT (Calibrator.add_reported).
 REPORT_WAIT_SHARE = 0.1
 
+# An instance's own fit must halve the shared fit's error on its samples: an engine that differs
+# (other hardware, another version) does that easily, while the instances of a homogeneous fleet
+# differ mostly by their load, which the wait term already prices (a fit per busy instance would
+# count it twice: measured in the routing simulation, it unbalanced the fleet).
+INSTANCE_ACCEPT_RATIO = 0.5
+
 # Where the model ranking an instance comes from (InstanceInfo.prefill.source).
 DEFAULT = "default"
 SHARED = "model"
@@ -64,18 +74,35 @@ class ModelCalibration:
     min_samples: int = 20
     prior: PrefillModel = DEFAULT_PREFILL
     # The comparison with the model this fit would replace: errors of both on the same samples,
-    # counted from min_samples on (a fit on fewer is not a candidate), ~10 samples of memory.
-    error_alpha: float = 0.1
-    min_scored: int = 5
+    # counted from min_samples on (a fit on fewer is not a candidate): a plain mean over the first
+    # 1 / error_alpha, then exponentially weighted with about the fit's own memory (the fit is judged
+    # on what it learned from; a short window follows every change of load and flips the choice).
+    error_alpha: float = 0.005
+    min_scored: int = 10
     accept_ratio: float = 0.9  # the fit must be this much better to replace the other
+    z: float = 2.0  # ... and its per-sample advantage this many standard errors below 0
     ata: np.ndarray = field(default_factory=lambda: np.zeros((3, 3)))
     atb: np.ndarray = field(default_factory=lambda: np.zeros(3))
     samples: int = 0
     updated: float = 0.0
-    error_fit: float = 0.0  # recent mean |ln(pred/measured)| of this fit
-    error_base: float = 0.0  # ... of the model it is judged against, on the same samples
-    error_prior: float = 0.0  # ... of the prior (the default), on the same samples
+    # Shown to operators: recent mean |ln(pred/measured)|, of this fit, of the model it is judged
+    # against and of the prior (the default), on the same samples.
+    error_fit: float = 0.0
+    error_base: float = 0.0
+    error_prior: float = 0.0
     scored: int = 0  # samples both were judged on
+    # The judgement uses the fit's own objective, squared errors in ms: mean squares of the three,
+    # and the per-sample difference (fit's - base's), its mean and mean square: a paired test, so
+    # that noise between two similar fits (the instances of a homogeneous fleet) decides nothing.
+    square_fit: float = 0.0
+    square_base: float = 0.0
+    square_prior: float = 0.0
+    diff_mean: float = 0.0
+    diff_square: float = 0.0
+    # Whether the fit is used: taken up by ``_better``, given up only when it is clearly worse than
+    # what it replaced (``_worse``); between the two it stays as it is, so that the model in use does
+    # not flip with every sample (measured: 41 flips in one simulated run without this band).
+    in_use: bool = False
     _fit: PrefillModel | None = None
 
     def add(
@@ -87,18 +114,27 @@ class ModelCalibration:
         if not (prompt_tokens > 0 and 0 <= miss <= prompt_tokens and 0 < ms < 3_600_000):
             return False
         if self.samples >= self.min_samples:
-            mine = log_error(self.fit(), miss, prompt_tokens, ms)
+            fit, other = self.fit(), base or self.prior
+            mine = log_error(fit, miss, prompt_tokens, ms)
             prior = log_error(self.prior, miss, prompt_tokens, ms)
-            theirs = prior if base is None else log_error(base, miss, prompt_tokens, ms)
+            theirs = log_error(other, miss, prompt_tokens, ms)
             if mine is not None and theirs is not None and prior is not None:
-                if self.scored == 0:
-                    self.error_fit, self.error_base, self.error_prior = mine, theirs, prior
-                else:
-                    alpha = self.error_alpha
-                    self.error_fit += alpha * (mine - self.error_fit)
-                    self.error_base += alpha * (theirs - self.error_base)
-                    self.error_prior += alpha * (prior - self.error_prior)
+                sq_fit = (fit.ms(miss, prompt_tokens) - ms) ** 2
+                sq_base = (other.ms(miss, prompt_tokens) - ms) ** 2
+                sq_prior = (self.prior.ms(miss, prompt_tokens) - ms) ** 2
+                d = sq_fit - sq_base
+                # A plain mean over the first 1 / error_alpha samples, then exponential weights.
+                alpha = max(self.error_alpha, 1 / (self.scored + 1))
+                self.error_fit += alpha * (mine - self.error_fit)
+                self.error_base += alpha * (theirs - self.error_base)
+                self.error_prior += alpha * (prior - self.error_prior)
+                self.square_fit += alpha * (sq_fit - self.square_fit)
+                self.square_base += alpha * (sq_base - self.square_base)
+                self.square_prior += alpha * (sq_prior - self.square_prior)
+                self.diff_mean += alpha * (d - self.diff_mean)
+                self.diff_square += alpha * (d * d - self.diff_square)
                 self.scored += 1
+                self.in_use = not self._worse() if self.in_use else self._better()
         x = np.array([1.0, miss, miss * prompt_tokens]) * _SCALE
         lam = self.forgetting
         self.ata = self.ata * lam + np.outer(x, x)
@@ -110,13 +146,31 @@ class ModelCalibration:
 
     @property
     def accepted(self) -> bool:
-        """Enough samples, and recently better than the models it is judged against."""
+        """Whether the fit ranks (see ``in_use``)."""
+        return self.in_use and self.samples >= self.min_samples
+
+    def _spread(self) -> float:
+        """``z`` standard errors of the paired differences' mean (exponential weights: about
+        (2 - alpha) / alpha samples' worth of evidence at most)."""
+        n = min(self.scored, (2 - self.error_alpha) / self.error_alpha)
+        variance = max(self.diff_square - self.diff_mean * self.diff_mean, 0.0)
+        return self.z * math.sqrt(variance / n)
+
+    def _better(self) -> bool:
+        """Enough judged samples, and recently better than the models it is judged against: by the
+        margin, and by more than noise (the differences' mean ``z`` standard errors below 0)."""
+        ratio = self.accept_ratio**2  # on root mean squares
         return (
-            self.samples >= self.min_samples
-            and self.scored >= self.min_scored
-            and self.error_fit < self.accept_ratio * self.error_base
-            and self.error_fit < self.accept_ratio * self.error_prior
+            self.scored >= self.min_scored
+            and self.square_fit < ratio * self.square_base
+            and self.square_fit < ratio * self.square_prior
+            and self.diff_mean + self._spread() < 0
         )
+
+    def _worse(self) -> bool:
+        """Clearly worse than the model it replaced: worse than the default, or worse than the base
+        by more than noise."""
+        return self.square_fit > self.square_prior or self.diff_mean - self._spread() > 0
 
     def model(self) -> PrefillModel:
         """The calibrated model when accepted, else the prior."""
@@ -165,6 +219,12 @@ class ModelCalibration:
             "error_base": self.error_base,
             "error_prior": self.error_prior,
             "scored": self.scored,
+            "square_fit": self.square_fit,
+            "square_base": self.square_base,
+            "square_prior": self.square_prior,
+            "diff_mean": self.diff_mean,
+            "diff_square": self.diff_square,
+            "in_use": self.in_use,
         }
 
     def load(self, data: dict) -> None:
@@ -177,6 +237,12 @@ class ModelCalibration:
         self.error_base = float(data.get("error_base", 0.0))
         self.error_prior = float(data.get("error_prior", 0.0))
         self.scored = int(data.get("scored", 0))
+        self.square_fit = float(data.get("square_fit", 0.0))
+        self.square_base = float(data.get("square_base", 0.0))
+        self.square_prior = float(data.get("square_prior", 0.0))
+        self.diff_mean = float(data.get("diff_mean", 0.0))
+        self.diff_square = float(data.get("diff_square", 0.0))
+        self.in_use = bool(data.get("in_use", False))
         self._fit = None
 
 
@@ -218,7 +284,7 @@ class Calibrator:
         per = self.instances.setdefault(model, {})
         cal = per.get(instance)
         if cal is None:
-            cal = per[instance] = ModelCalibration(prior=self.prior)
+            cal = per[instance] = ModelCalibration(prior=self.prior, accept_ratio=INSTANCE_ACCEPT_RATIO)
         return cal
 
     def add(self, model: str, samples: Iterable[tuple[float, float, float]], instance: str = "") -> int:
@@ -350,7 +416,7 @@ class Calibrator:
             cal.load(state)
         for model, per in data.get("instances", {}).items():
             for instance, state in per.items():
-                cal = ModelCalibration(prior=self.prior)
+                cal = ModelCalibration(prior=self.prior, accept_ratio=INSTANCE_ACCEPT_RATIO)
                 cal.load(state)
                 self.instances.setdefault(model, {})[instance] = cal
                 self._judge(model, instance, cal)
