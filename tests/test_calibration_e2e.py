@@ -16,7 +16,8 @@ import grpc
 import pytest
 
 from kvindex.cli import main
-from kvindex.scoring.costs import PrefillModel
+from kvindex.scoring.costs import CostConfig, PrefillModel
+from kvindex.scoring.router import RouterConfig
 from kvindex.service.app import IndexService, ServiceConfig
 from kvindex.service.natsd import EmbeddedNats
 from kvindex.v1 import kvindex_pb2 as pb
@@ -125,5 +126,41 @@ async def test_vllm_prefill_times_calibrate_the_instance_and_persist(
         finally:
             await second.stop()
     finally:
+        page.close()
+        await natsd.stop()
+
+
+async def test_calibration_off_keeps_the_default_model(engine: FakeEngine) -> None:
+    """`kvindex serve --no-calibration`: the samples arrive and are counted, the default ranks, and
+    the bucket is neither read nor written."""
+    natsd = EmbeddedNats(jetstream=True)
+    await natsd.start()
+    page = FinishingEngine()
+    cfg = ServiceConfig(
+        nats_url=natsd.url,
+        grpc_host="127.0.0.1",
+        grpc_port=0,
+        router=RouterConfig(costs=CostConfig(calibrate=False)),
+    )
+    service = IndexService(cfg)
+    await service.start()
+    try:
+        async with running_bridge(
+            natsd.url,
+            engine,
+            engine="vllm",
+            worker_id="w1",
+            model=MODEL,
+            block_size=4,
+            metrics_url=page.url,
+            scrape_interval=0.03,
+            heartbeat_interval=0.1,
+        ):
+            await wait_until(lambda: service.calibrator.ignored >= 30, timeout=20, what="samples arriving")
+            info = await instance(service.grpc.address)
+        assert info.prefill.source == "default" and info.prefill.samples == 0
+        assert service.calibrator.models == {} and service.calibration.kv is None
+    finally:
+        await service.stop()
         page.close()
         await natsd.stop()
