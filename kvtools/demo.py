@@ -215,14 +215,15 @@ def _on_completion(tally: Tally, stub: pb_grpc.KvIndexStub, pending: set[asyncio
             est = tally.est_ms.pop(rid, None)
             if est is not None:
                 tally.pairs.append((est / 1000, c.ttft))
+            cached = c.reported_cached_tokens  # as vLLM's usage.prompt_tokens_details.cached_tokens
             predicted = tally.predicted.pop(rid, None)
             if predicted is not None:
-                tally.cache_errors.append(c.hit_tokens - predicted)
+                tally.cache_errors.append(cached - predicted)
             # The engine's answer, as a router reads it from vLLM's usage: compared by the index.
             request = pb.ReleaseRequest(
                 request_id=rid,
                 phase="prefill",
-                cached_tokens=c.hit_tokens,
+                cached_tokens=cached,
                 ttft_ms=c.ttft * 1000,
                 prompt_tokens=c.request.prompt_tokens,
             )

@@ -102,6 +102,24 @@ def test_over_under_and_speculative_misses() -> None:
     assert sum(counts) == 8
 
 
+def test_disagreements_the_index_can_explain_are_no_evidence() -> None:
+    tracker = OutcomeTracker(lambda: 1.0, OutcomeConfig(window=4, threshold=1))
+    p = prediction(5, 34)
+    p.removals = 7
+    # The index applied evictions of the instance since the decision: the engine may have evicted
+    # the blocks while the request waited.
+    _, evicted = tracker.compare(p, Report(cached_tokens=0), removals=9, held_now=lambda: 5)
+    assert evicted is not None and evicted.outcome == OVER and evicted.excuse == "evicted"
+    # The events came late: by the report the index holds what the engine hit.
+    _, late = tracker.compare(prediction(1, 34), Report(cached_tokens=20), removals=7, held_now=lambda: 6)
+    assert late is not None and late.outcome == UNDER and late.excuse == "late" and not late.evidence
+    assert not tracker.degraded_by_outcomes(("w", 0))
+    # ... or never: lost.
+    _, lost = tracker.compare(prediction(1, 34), Report(cached_tokens=20), removals=7, held_now=lambda: 1)
+    assert lost is not None and lost.evidence and lost.excuse == ""
+    assert tracker.degraded_by_outcomes(("w", 0))
+
+
 def test_state_follows_repairs_and_events() -> None:
     tracker = OutcomeTracker(lambda: 0.0)
     state = InstanceState(("w", 0), MODEL, BS)

@@ -74,8 +74,9 @@ async def test_lost_events_degrade_then_a_snapshot_repairs(
             finished[rid] = loop.create_future()
             await fleet.submit(worker, SimRequest(rid, block_keys(tokens, BS, MODEL), len(tokens), 2))
             c = await asyncio.wait_for(finished[rid], 10)
+            cached = c.reported_cached_tokens  # vLLM's: the first admission's hit
             found, status = await client.release_reported(
-                rid, "finished", cached_tokens=c.hit_tokens, ttft_ms=c.ttft * 1000, prompt_tokens=len(tokens)
+                rid, "finished", cached_tokens=cached, ttft_ms=c.ttft * 1000, prompt_tokens=len(tokens)
             )
             assert found
             reports.append((rid, status))

@@ -319,8 +319,11 @@ async def test_slow_index_past_the_deadline_falls_back(
         service.router.score = original  # type: ignore[method-assign]
         m = await f.metrics()
         assert sample(m, "kvindex_route_fallbacks_total", reason="deadline") == 1
-        # The late Score committed anyway: the proxy released it.
+        # The late Score committed anyway: the proxy released it, without the engine's usage (the
+        # fallback's instance need not be the one the index committed it to).
         await wait_until(lambda: len(service.router.ledger) == 0, what="late commit released")
+        assert service.router.outcomes.outcomes == {"exact": 0, "over": 0, "under": 0}
+        assert not service.router.outcomes.ignored
     finally:
         await f.http.close()
         await f.proxy.stop()

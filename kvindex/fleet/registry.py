@@ -63,6 +63,7 @@ class InstanceState:
     # A repair failed (a replay or snapshot that timed out, holes accepted): the index may miss
     # blocks until a snapshot succeeds (kvindex/scoring/outcomes.py: the instance is degraded).
     repair_failed: bool = False
+    removals: int = 0  # blocks removed or cleared by its events (outcomes: an eviction since a decision)
     # Where routers send this instance's requests ("host:port", from its heartbeats); None: unknown.
     endpoint: str | None = None
     # No KV events from this instance (heartbeat-only worker, or a static --instance): its blocks in

@@ -216,6 +216,7 @@ class Consumer:
         if n_removed or n_cleared:  # most batches only store
             c.blocks_removed += removed
             c.blocks_cleared += cleared
+            state.removals += removed + cleared
             applied[REMOVED] += n_removed
             applied[CLEARED] += n_cleared
         if local:

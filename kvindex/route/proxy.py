@@ -174,7 +174,10 @@ class _LedgerOps:
         self.active = False
         self.prefill_released = False
         self.finished = False
-        # The outcome report sent with the final release (cached_tokens, ttft_ms, prompt_tokens).
+        # The outcome report sent with the final release (cached_tokens, ttft_ms, prompt_tokens);
+        # only for a request the index decided and committed (after a deadline, a late commit may
+        # name another instance than the one the fallback chose: nothing to compare).
+        self.reportable = False
         self.report: dict[str, Any] | None = None
 
     def then(self, op: Callable[[], Awaitable[None]]) -> None:
@@ -410,7 +413,8 @@ class RouteProxy:
             )
             # The engine's usage ends a stream only when asked for: ask, and strip it again below.
             strip_usage = False
-            if spec.stream and decision is not None and decision.committed:
+            ledger.reportable = decision is not None and decision.committed
+            if spec.stream and ledger.reportable:
                 asked = add_include_usage(raw)
                 if asked is not None:
                     raw, strip_usage = asked, True
@@ -502,7 +506,7 @@ class RouteProxy:
         # The engine's usage is read from answers the index can learn from (a committed, successful,
         # uncompressed one); what is stripped changes the length, so the body is then chunked.
         reader: UsageReader | None = None
-        if ledger.active and upstream.status == 200 and "Content-Encoding" not in upstream.headers:
+        if ledger.reportable and upstream.status == 200 and "Content-Encoding" not in upstream.headers:
             reader = UsageReader(stream == "true", strip=strip_usage)
         if upstream.content_length is not None and not (reader is not None and reader.strip):
             response.content_length = upstream.content_length

@@ -15,9 +15,13 @@ Rules (docs/feedback.md):
 - ``error = actual - predicted``; ``exact`` when ``|error| < B``, ``over`` when the index promised
   at least a block more than the engine had (a stale index), ``under`` when the engine had at least
   a block more (events late or lost);
-- an ``over`` that only the speculative blocks explain (the events' part was right: a sibling's
-  prefill had not cached the prefix yet) is counted in the metrics but is no evidence against the
-  index;
+- a disagreement the index can explain is counted in the metrics but is no evidence against the
+  instance (``Outcome.excuse``): an ``over`` that only the speculative blocks explain (the events'
+  part was right: a sibling's prefill had not cached the prefix yet), an ``over`` when the index
+  applied evictions of the instance since the decision (the engine may have evicted the blocks
+  while the request waited), an ``under`` when the index holds the engine's hit by the time of the
+  report (its events were late, not lost), and any outcome of a request committed before the
+  instance's last repair;
 - an instance is degraded by outcomes when at least ``threshold`` of its last ``window`` counted
   outcomes disagree; outcomes of requests committed before its last repair do not count.
 """
@@ -75,6 +79,8 @@ class Prediction:
     fetch_ms: float
     est_ttft_ms: float
     committed_at: float
+    keys: list[int] = field(default_factory=list)  # the prompt's block keys (to look again at report)
+    removals: int = 0  # the instance's InstanceState.removals at the decision
 
     @property
     def cached_tokens(self) -> int:
@@ -123,6 +129,7 @@ class Outcome:
     error_tokens: int | None  # actual - predicted cached tokens
     ttft_ratio: float | None  # measured / estimated TTFT
     evidence: bool  # counts towards the instance's state
+    excuse: str = ""  # why a disagreement is no evidence: speculative, evicted, late, before_repair
 
     @property
     def instance(self) -> InstanceKey:
@@ -214,8 +221,18 @@ class OutcomeTracker:
             inst.block_size = block_size
         return inst
 
-    def compare(self, prediction: Prediction, report: Report) -> tuple[str, Outcome | None]:
-        """Compare one well-formed report with its prediction: (report status, the outcome)."""
+    def compare(
+        self,
+        prediction: Prediction,
+        report: Report,
+        removals: int | None = None,
+        held_now: Callable[[], int] | None = None,
+    ) -> tuple[str, Outcome | None]:
+        """Compare one well-formed report with its prediction: (report status, the outcome).
+
+        ``removals``: the instance's removal count now (evictions applied since the decision excuse
+        an ``over``); ``held_now()``: the prompt blocks the index's events say the instance holds
+        now (an ``under`` whose hit the index holds by now was late, not lost)."""
         p = prediction
         if report.prompt_tokens is not None and report.prompt_tokens != p.prompt_tokens:
             return self.ignore(PROMPT_MISMATCH), None
@@ -228,6 +245,7 @@ class OutcomeTracker:
         b = max(p.block_size, 1)
         verdict = error = None
         evidence = False
+        excuse = ""
         if actual is not None:
             error = actual - p.cached_tokens
             verdict = EXACT if abs(error) < b else (OVER if error < 0 else UNDER)
@@ -235,9 +253,19 @@ class OutcomeTracker:
             inst.by_outcome[verdict] += 1
             inst.error_counts[_bucket(tuple(e * b for e in ERROR_BLOCKS), error)] += 1
             inst.error_sum += error
-            # Only the speculative blocks were missing: a sibling's prefill had not run yet.
-            speculative_only = verdict == OVER and actual > p.event_cached_tokens - b
-            evidence = p.committed_at >= inst.repaired_at and not speculative_only
+            if verdict == OVER and actual > p.event_cached_tokens - b:
+                excuse = "speculative"  # only the speculative blocks were missing
+            elif verdict == OVER and removals is not None and removals != p.removals:
+                excuse = "evicted"  # the index learnt of evictions there since the decision
+            elif (
+                verdict == UNDER
+                and held_now is not None
+                and _usable(held_now(), p.prompt_tokens, p.block_size) > actual - b
+            ):
+                excuse = "late"  # the events came after the decision, but they came
+            if verdict != EXACT and not excuse and p.committed_at < inst.repaired_at:
+                excuse = "before_repair"
+            evidence = not excuse and p.committed_at >= inst.repaired_at
             if evidence:
                 inst.recent.append(verdict != EXACT)
                 while len(inst.recent) > self.config.window:
@@ -250,7 +278,7 @@ class OutcomeTracker:
             inst.ratio_counts[_bucket(RATIO_BUCKETS, ratio)] += 1
             inst.ratio_sum += ratio
             inst.ratio_n += 1
-        outcome = Outcome(p, report, verdict, error, ratio, evidence)
+        outcome = Outcome(p, report, verdict, error, ratio, evidence, excuse)
         for fn in self._subscribers:
             fn(outcome)
         return APPLIED, outcome

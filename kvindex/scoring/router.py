@@ -373,6 +373,8 @@ class Router:
                 cand.fetch_ms,
                 cand.wait_ms + cand.prefill_ms + cand.fetch_ms,
                 entry.committed_at,
+                request.keys,
+                cand.state.removals,
             )
         if policy.speculative_ttl > 0 and request.keys:
             self.speculative.add(key, request.keys, policy.speculative_ttl)
@@ -408,7 +410,16 @@ class Router:
             return outcomes.ignore(DUPLICATE)
         if entry.prediction is None:
             return outcomes.ignore(NO_PREDICTION)
-        status, outcome = outcomes.compare(entry.prediction, report)
+        p = entry.prediction
+        state = self.registry.get(p.instance)
+
+        def held_now() -> int:
+            if state is None or not p.keys:
+                return 0
+            return self.index.match(p.model, p.keys, [p.instance]).get(p.instance, NO_MATCH)[0]
+
+        removals = None if state is None else state.removals
+        status, outcome = outcomes.compare(p, report, removals, held_now)
         if outcome is not None:
             entry.reported = True
             self.refresh_state(entry.instance)

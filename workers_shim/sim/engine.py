@@ -91,6 +91,13 @@ class Completion:
     def hit_tokens(self) -> int:
         return sum(self.cached_tokens.values())
 
+    @property
+    def reported_cached_tokens(self) -> int:
+        """What vLLM reports as ``usage.prompt_tokens_details.cached_tokens``: the hit of the
+        request's first admission (vLLM keeps its first scheduled prefill's, not that of a
+        readmission after a preemption, which finds the request's own blocks again)."""
+        return sum((self.first_cached_tokens or self.cached_tokens).values())
+
 
 @dataclass(slots=True)
 class Load:
