@@ -86,6 +86,14 @@ def _add_serve(sub: Any) -> None:
     a.add_argument(
         "--predicted-ttl", type=float, default=120.0, help="seconds a routed prompt is assumed cached there"
     )
+    c = p.add_argument_group("prefill time model (docs/scoring.md, Calibration)")
+    c.add_argument(
+        "--no-calibration",
+        dest="calibration",
+        action="store_false",
+        help="rank every instance with the default prefill model: samples are counted, not learned from,"
+        " and stored calibrations are neither loaded nor written",
+    )
     r = p.add_argument_group("self-healing")
     r.add_argument(
         "--reconcile-interval", type=float, default=60.0, help="periodic snapshot per instance (s); 0 off"
@@ -436,6 +444,7 @@ def _serve(args: argparse.Namespace) -> int:
     from kvindex.lifecycle import Stop, run
     from kvindex.repair.nats_repair import RepairConfig
     from kvindex.routing_sync.sync import SyncConfig
+    from kvindex.scoring.costs import CostConfig
     from kvindex.scoring.router import RouterConfig
     from kvindex.service.app import CLEANUP_BUDGET, IndexService, ServiceConfig, serve_until_stopped
     from kvindex.service.readiness import ReadinessConfig
@@ -485,7 +494,7 @@ def _serve(args: argparse.Namespace) -> int:
         static_model=args.instance_model,
         static_block_size=args.instance_block_size,
         static_capacity=args.instance_capacity,
-        router=RouterConfig(predicted_ttl=args.predicted_ttl),
+        router=RouterConfig(predicted_ttl=args.predicted_ttl, costs=CostConfig(calibrate=args.calibration)),
         tokenizers=_tokenizer_dirs(args.tokenizer),
         tokenize_cache_bytes=int(args.tokenize_cache_mb * (1 << 20)),
         limits=_limits(args),

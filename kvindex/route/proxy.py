@@ -117,6 +117,16 @@ def openai_error(status: int, message: str, kind: str, code: str | None = None) 
     return web.json_response(body, status=status)
 
 
+def _estimate(decision: Decision, instance_id: str) -> float | None:
+    """The index's TTFT estimate (ms) for the instance the request went to, if it ranked it."""
+    if decision.response is None:
+        return None
+    for ranked in decision.response.ranked:
+        if ranked.instance_id == instance_id:
+            return ranked.est_ttft_ms
+    return None
+
+
 def forward_headers(headers: CIMultiDictProxy[str]) -> CIMultiDict[str]:
     """The client's headers minus the per-connection ones (aiohttp sets Host and Content-Length)."""
     hop = _HOP_BY_HOP | {h.strip().lower() for h in headers.get("connection", "").split(",")}
@@ -527,9 +537,10 @@ class RouteProxy:
         self.metrics.decisions.labels(reason).inc()
         if decision.committed and target.instance_id != decision.committed_instance_id:
             ledger.move(target, spec)
+        est = _estimate(decision, target.instance_id)
         try:
             return await self._relay(
-                request, upstream, target, reason, ledger, received, strip_usage, added, first_byte
+                request, upstream, target, reason, ledger, received, strip_usage, added, first_byte, est
             )
         finally:
             upstream.close()  # a no-op after a full read (the connection went back to the pool)
@@ -545,6 +556,7 @@ class RouteProxy:
         strip_usage: bool = False,
         added: dict[str, str] | None = None,
         first_byte: FirstByte | None = None,
+        est_ttft_ms: float | None = None,
     ) -> tuple[web.StreamResponse, str]:
         if upstream.status >= 500:
             self.metrics.upstream_errors.labels("http_5xx").inc()
@@ -565,6 +577,8 @@ class RouteProxy:
         response.headers["x-kvindex-request-id"] = ledger.request_id
         if added:
             response.headers.update(added)
+        if est_ttft_ms is not None:  # what the index predicted, for a client to compare with
+            response.headers["x-kvindex-est-ttft-ms"] = f"{est_ttft_ms:.1f}"
         await response.prepare(request)
         first = True
         first_at = received

@@ -125,7 +125,8 @@ class IndexService:
             ingest_limits=config.limits,
         )
         self.repairer = NatsRepairer(self.consumer, config.repair)
-        self.calibrator = Calibrator(config.router.costs.default_prefill)
+        costs = config.router.costs
+        self.calibrator = Calibrator(costs.default_prefill, learn=costs.calibrate)
         self.calibration = CalibrationStore(
             self.calibrator, replicas=config.jetstream.replicas if config.jetstream else 1
         )
