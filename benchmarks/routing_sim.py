@@ -7,6 +7,7 @@
     .venv/bin/python benchmarks/routing_sim.py llmd                # preset 4: llm-d's workload
     .venv/bin/python benchmarks/routing_sim.py fleet256            # preset 5: Mooncake on 256 instances
     .venv/bin/python benchmarks/routing_sim.py pd                  # preset 6: disaggregated prefill/decode
+    .venv/bin/python benchmarks/routing_sim.py demo --policies ttft,round_robin   # make run's fleet and load
     .venv/bin/python benchmarks/routing_sim.py mooncake --trace PATH --instances 16 --policies ttft,dynamo
 
 Virtual time, discrete events. The code under test is the real one, in process: simulated engines
@@ -859,8 +860,27 @@ def preset_pd(args: argparse.Namespace) -> Experiment:
     return Experiment("pd", levels, policies)
 
 
+def preset_demo(args: argparse.Namespace) -> Experiment:
+    """The `make run` demo's fleet (8 x Llama-3-8B on H100, 16-token blocks, 50,000 CPU blocks each)
+    at its default load (the trace x2.5) and at x4: where its default was chosen."""
+    cluster = Cluster(
+        args.instances or 8,
+        {"profile": "llama3-8b-h100", "block_size": 16, "cpu_blocks": 50_000},
+        slo_s=args.slo or 2.0,
+        loss=args.loss,
+        delay_s=args.delay,
+    )
+    limit = 3000 if args.quick else args.limit
+    levels = []
+    for scale in (0.4, 0.25):
+        reqs = mooncake_requests(args.trace, model=MODEL, block_size=16, limit=limit, time_scale=scale)
+        levels.append((f"x{1 / scale:.1f}", reqs, cluster))
+    return Experiment("demo", levels, args.policies)
+
+
 PRESETS = {
     "pd": preset_pd,
+    "demo": preset_demo,
     "fleet256": preset_fleet256,
     "mooncake": preset_mooncake,
     "global-pool": preset_global_pool,

@@ -497,8 +497,10 @@ class KvIndexServicer(pb_grpc.KvIndexServicer):
         states = self.registry.of_model(request.model) if request.model else self.registry.all()
         now = self.registry.clock()
         response = pb.ListInstancesResponse()
+        calibrator = self.router.calibrator
         for state in sorted(states, key=lambda s: (s.model, s.key)):
             cap = state.capacity
+            fit = calibrator.status(state.model, state.instance_id)
             response.instances.add(
                 instance_id=state.instance_id,
                 worker=state.worker,
@@ -521,6 +523,15 @@ class KvIndexServicer(pb_grpc.KvIndexServicer):
                 approximate=state.approximate,
                 role=state.role,
                 pd_group=state.pd_group or "",
+                prefill=pb.PrefillFit(
+                    source=fit.source,
+                    a_ms=fit.model.a_ms,
+                    b_ms_per_token=fit.model.b_ms_per_token,
+                    c_ms_per_token2=fit.model.c_ms_per_token2,
+                    samples=fit.samples,
+                    error=fit.error or 0.0,
+                    has_error=fit.error is not None,
+                ),
             )
             info = response.instances[-1]
             info.state, info.state_reason = self.router.state_of(state)

@@ -40,7 +40,7 @@ from kvindex.ingest.limits import limits_from_meta
 from kvindex.observability.counters import IngestCounters
 from kvindex.repair.nats_repair import RepairConfig
 from kvindex.scoring.base import DECODE_ROLE, RouteRequest
-from kvindex.scoring.calibration import Calibrator, ModelCalibration
+from kvindex.scoring.calibration import Calibrator
 from kvindex.scoring.router import Router, RouterConfig
 from kvindex.v1 import kvindex_pb2 as pb
 from kvindex.wire.reconcile import Snapshot
@@ -418,10 +418,8 @@ class Replayer:
         self.moment("", "DIVERGED", f"state digest {mine} but the live service had {live}", True)
 
     def _calibration(self, record: list[Any]) -> None:
-        for model, data in record[3].items():
-            cal = ModelCalibration(prior=self.calibrator.prior)
-            cal.load(data)
-            self.calibrator.models[model] = cal
+        instances = record[4] if len(record) > 4 else {}  # (captures before per-instance fits: none)
+        self.calibrator.load_snapshot({"models": record[3], "instances": instances})
 
     def _route(self, record: list[Any]) -> None:
         method, body, instance = record[3], record[4], record[5] if len(record) > 5 else ""

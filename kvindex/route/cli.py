@@ -131,8 +131,22 @@ def pd_config_from_args(args: argparse.Namespace) -> Any:
         raise SystemExit(f"kvindex route: error: --pd: {exc}") from None
 
 
+# The route extra (pyproject.toml): aiohttp and what it brings.
+_ROUTE_EXTRA = frozenset({"aiohttp", "multidict", "yarl"})
+
+
 def run_route(args: argparse.Namespace) -> int:
-    from kvindex.route.proxy import RouteConfig, RouteProxy, serve_until_stopped
+    try:
+        from kvindex.route.proxy import RouteConfig, RouteProxy, serve_until_stopped
+    except ImportError as exc:
+        if (exc.name or "").split(".")[0] not in _ROUTE_EXTRA:
+            raise
+        print(
+            f"kvindex route: error: the routing proxy needs {exc.name}, which is not installed: "
+            "pip install 'kvindex[route]'",
+            file=sys.stderr,
+        )
+        return 2
 
     configure_logging(args.log_format, args.log_level)
     try:
@@ -167,7 +181,8 @@ def run_route(args: argparse.Namespace) -> int:
         try:
             await serve_until_stopped(RouteProxy(config), stop)
         except OSError as exc:  # the port is taken, the host is not ours
-            print(f"kvindex route: error: cannot listen on {args.host}:{args.port}: {exc}", file=sys.stderr)
+            where = f"{args.host}:{args.port}"
+            print(f"kvindex route: error: cannot listen on {where} (--host/--port): {exc}", file=sys.stderr)
             return 1
         return 0
 

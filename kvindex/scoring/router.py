@@ -15,7 +15,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from kvindex.fleet.registry import InstanceState, Registry
+from kvindex.fleet.registry import InstanceState, Registry, instance_id
 from kvindex.index.base import NO_MATCH, InstanceKey, InstanceMatch, KvBlockIndex
 from kvindex.scoring.approximate import PredictedCache
 from kvindex.scoring.base import DECODE_ROLE, Candidate, Choice, Policy, RouteRequest
@@ -34,6 +34,7 @@ from kvindex.scoring.outcomes import (
     DUPLICATE,
     NO_PREDICTION,
     UNKNOWN_REQUEST,
+    Outcome,
     OutcomeConfig,
     OutcomeTracker,
     Prediction,
@@ -97,11 +98,15 @@ class Router:
         self.registry = registry
         self.config = config or RouterConfig()
         self.clock = clock or registry.clock
-        self.calibrator = calibrator or Calibrator(self.config.costs.default_prefill)
+        costs = self.config.costs
+        self.calibrator = calibrator or Calibrator(costs.default_prefill, learn=costs.calibrate)
         self.ledger = Ledger(
             self.clock, ttl=self.config.ledger_ttl, released_memory=self.config.outcomes.released_memory
         )
         self.outcomes = OutcomeTracker(self.clock, self.config.outcomes)
+        # A request's report (measured TTFT minus the predicted wait, with the engine's cached
+        # tokens) is a prefill sample of the instance it ran on.
+        self.outcomes.subscribe(self._calibrate)
         # Instances whose state is degraded: their cache credit is discounted (docs/scoring.md).
         self.degraded: set[InstanceKey] = set()
         self.speculative = SpeculativeKeys(self.clock)
@@ -116,6 +121,13 @@ class Router:
         self._tables: FleetTables | None = None
         if self.config.default_policy not in self.policies:
             raise ValueError(f"unknown default policy {self.config.default_policy!r}")
+
+    def _calibrate(self, outcome: Outcome) -> None:
+        p, r = outcome.prediction, outcome.report
+        if r.ttft_ms is not None and r.cached_tokens is not None:
+            self.calibrator.add_reported(
+                p.model, instance_id(p.instance), p.prompt_tokens, r.cached_tokens, r.ttft_ms, p.wait_ms
+            )
 
     # -- candidates -----------------------------------------------------------------------------
 
@@ -137,14 +149,18 @@ class Router:
             matches = self.index.match(request.model, keys, None if every else [s.key for s in states])
         else:
             matches = {}
-        model = self.calibrator.prefill(request.model)
+        shared = self.calibrator.prefill(request.model)
+        # Instances ranked with their own calibrated model (usually none; kvindex/scoring/calibration.py).
+        own = self.calibrator.own_models(request.model)
         costs = self.config.costs
         shape = costs.engine
+        drains = costs.drain_reported_queue
         # Hoisted: this loop runs once per instance on every Score.
+        model = shared
         b_ms = model.b_ms_per_token
         chunk, dps = shape.chunk_tokens, shape.decode_ms_per_seq
         f_cpu, f_disk, f_pool = costs.fetch.per_token_ms[1:]
-        drain_rate = 1000 / b_ms if costs.drain_reported_queue and b_ms > 0 else 0.0
+        drain_rate = shared_rate = 1000 / b_ms if drains and b_ms > 0 else 0.0
         b = request.block_size
         prompt = request.prompt_tokens
         cap = max(prompt - 1, 0)  # vLLM always recomputes at least the prompt's last token
@@ -156,10 +172,20 @@ class Router:
         degraded = self.degraded
         credit = self.config.outcomes.degraded_credit
         prefill_of: dict[int, float] = {}  # many instances share a miss size
+        shared_prefill_of = prefill_of
         out = []
         append = out.append
         for state in states:
             key = state.key
+            if own:
+                fit = own.get(state.instance_id)
+                if fit is not None:
+                    model, prefill_of = fit, {}
+                    b_ms = fit.b_ms_per_token
+                    drain_rate = 1000 / b_ms if drains and b_ms > 0 else 0.0
+                elif model is not shared:
+                    model, prefill_of, drain_rate = shared, shared_prefill_of, shared_rate
+                    b_ms = shared.b_ms_per_token
             match = get_match(key, NO_MATCH)
             blocks, t = match
             gpu = t[0]
@@ -254,6 +280,8 @@ class Router:
             top_k > 0
             and rank_top is not None
             and len(self.registry.members(request.model)) >= self.config.prune_min_instances
+            # The columns price every instance with one prefill model (see docs/scoring.md).
+            and not self.calibrator.own_models(request.model)
         ):
             pool = self.pool(request, candidates, chosen.speculative_ttl)
             choices = rank_top(request, pool, self, top_k) if pool is not None else []
