@@ -15,10 +15,12 @@ The pure-Python twin with the same API is _pytable.py; tests run both against a 
 from cpython.long cimport PyLong_AsUnsignedLongLong
 from libc.stdint cimport uint64_t
 from libc.stdlib cimport calloc, free, malloc, realloc
-from libc.string cimport memset
+from libc.string cimport memcpy, memset
+from cpython.bytearray cimport PyByteArray_AS_STRING
 
 cdef extern from *:
     int __builtin_ctzll(unsigned long long) nogil
+    int __builtin_popcountll(unsigned long long) nogil
     void __builtin_prefetch(const void*) nogil
 
 # How many blocks ahead a match prefetches table cells. The walk's probes are independent of each
@@ -168,6 +170,12 @@ cdef class BlockTable:
     cdef BlockTable summary
     cdef uint64_t group_bit
     cdef list siblings
+    # A GPU summary's holder counts: per cell, how many instances of the model hold the key on the
+    # GPU (NULL elsewhere). With it a match skips the leading blocks every instance holds instead of
+    # walking each bank through them (a fleet-wide system prompt). ``counted``: this bank table
+    # reports its holders to its summary's counts.
+    cdef unsigned int* aux
+    cdef bint counted
 
     def __cinit__(self, Py_ssize_t capacity=16):
         cdef uint64_t cap = 16
@@ -179,9 +187,12 @@ cdef class BlockTable:
         self.summary = None
         self.group_bit = 0
         self.siblings = []
+        self.aux = NULL
+        self.counted = False
 
     def __dealloc__(self):
         free(self.cells)
+        free(self.aux)
 
     # -- C level -------------------------------------------------------------------------------
 
@@ -209,15 +220,26 @@ cdef class BlockTable:
         cdef uint64_t old_cap = self.mask + 1
         cdef Cell* cells = _alloc_cells(cap)
         cdef uint64_t i, j, m = cap - 1
+        cdef unsigned int* old_aux = self.aux
+        cdef unsigned int* aux = NULL
+        if old_aux != NULL:
+            aux = <unsigned int*>calloc(cap, sizeof(unsigned int))
+            if aux == NULL:
+                free(cells)
+                raise MemoryError()
         for i in range(old_cap):
             if old[i].val != 0:
                 j = _mix(old[i].key) & m
                 while cells[j].val != 0:
                     j = (j + 1) & m
                 cells[j] = old[i]
+                if aux != NULL:
+                    aux[j] = old_aux[i]
         self.cells = cells
         self.mask = m
+        self.aux = aux
         free(old)
+        free(old_aux)
         return 0
 
     cdef int _rehash_for(self, Py_ssize_t n) except -1:
@@ -248,22 +270,50 @@ cdef class BlockTable:
             # Move cell j into the hole at i unless its home lies cyclically in (i, j].
             if (i <= j and (home <= i or home > j)) or (i > j and home <= i and home > j):
                 cells[i] = cells[j]
+                if self.aux != NULL:
+                    self.aux[i] = self.aux[j]
                 i = j
         cells[i].val = 0
         cells[i].key = 0
+        if self.aux != NULL:
+            self.aux[i] = 0
         self.count -= 1
 
-    cdef int _or_bits(self, uint64_t key, uint64_t bits) except -1:
+    cdef Py_ssize_t _or_bits(self, uint64_t key, uint64_t bits) except -1:
+        """OR ``bits`` into key's cell (made if absent); returns the cell's index."""
         cdef Cell* cell
+        cdef uint64_t i
         self._reserve_one()
-        cell = &self.cells[self._slot(key)]
+        i = self._slot(key)
+        cell = &self.cells[i]
         if cell.val == 0:
             cell.key = key
             cell.val = bits
             self.count += 1
         else:
             cell.val |= bits
-        return 0
+        return <Py_ssize_t>i
+
+    cdef inline void _count(self, uint64_t key, int delta) noexcept nogil:
+        """Add ``delta`` to a present key's holder count (a counting summary)."""
+        cdef uint64_t i = self._slot(key)
+        if self.cells[i].val:
+            self.aux[i] += delta
+
+    def enable_counts(self):
+        """Keep a holder count per key (a model's GPU summary; see ``aux``), zero for now: the
+        bank tables linked afterwards report their holders."""
+        if self.aux == NULL:
+            self.aux = <unsigned int*>calloc(self.mask + 1, sizeof(unsigned int))
+            if self.aux == NULL:
+                raise MemoryError()
+
+    def holders(self, uint64_t key):
+        """A counting summary's holder count of ``key`` (0 when absent)."""
+        cdef uint64_t i = self._slot(key)
+        if self.aux == NULL or not self.cells[i].val:
+            return 0
+        return self.aux[i]
 
     cdef int _gone(self, uint64_t key) except -1:
         """``key`` left this table: drop this bank's bit from the summary unless a sibling holds it."""
@@ -282,12 +332,16 @@ cdef class BlockTable:
     def link_summary(self, BlockTable summary, uint64_t group_bit):
         """Report this table's keys to ``summary`` under ``group_bit`` from now on (and now)."""
         cdef uint64_t i
+        cdef Py_ssize_t at
         self.summary = summary
         self.group_bit = group_bit
+        self.counted = summary.aux != NULL
         summary._rehash_for(self.count)
         for i in range(self.mask + 1):
             if self.cells[i].val:
-                summary._or_bits(self.cells[i].key, group_bit)
+                at = summary._or_bits(self.cells[i].key, group_bit)
+                if self.counted:
+                    summary.aux[at] += __builtin_popcountll(self.cells[i].val)
 
     def set_siblings(self, list siblings):
         self.siblings = siblings
@@ -308,6 +362,7 @@ cdef class BlockTable:
     cdef inline int _set(self, uint64_t key, uint64_t bit, KeyLog log) except -1:
         """Set ``bit`` on ``key``; 1 when it was not set (the key is then logged), else 0."""
         cdef Cell* cell
+        cdef Py_ssize_t at
         self._reserve_one()
         cell = &self.cells[self._slot(key)]
         if cell.val == 0:
@@ -315,11 +370,15 @@ cdef class BlockTable:
             cell.val = bit
             self.count += 1
             if self.summary is not None:
-                self.summary._or_bits(key, self.group_bit)
+                at = self.summary._or_bits(key, self.group_bit)
+                if self.counted:
+                    self.summary.aux[at] += 1
         elif cell.val & bit:
             return 0
         else:
             cell.val |= bit
+            if self.counted:
+                self.summary._count(key, 1)
         log.push(key)
         return 1
 
@@ -328,6 +387,8 @@ cdef class BlockTable:
         cdef uint64_t i = self._slot(key)
         if self.cells[i].val & bit:
             self.cells[i].val ^= bit
+            if self.counted:  # (before _gone, which may delete the summary's cell)
+                self.summary._count(key, -1)
             if self.cells[i].val == 0:
                 self._delete_at(i)
                 if self.summary is not None:
@@ -367,6 +428,8 @@ cdef class BlockTable:
             i = self._slot(log.data[n])
             if self.cells[i].val & bit:
                 self.cells[i].val ^= bit
+                if self.counted:
+                    self.summary._count(log.data[n], -1)
                 if self.cells[i].val == 0:
                     self._delete_at(i)
                     if self.summary is not None:
@@ -414,7 +477,7 @@ cdef class BlockTable:
         return self.mask + 1
 
     def nbytes(self):
-        return (self.mask + 1) * sizeof(Cell)
+        return (self.mask + 1) * (sizeof(Cell) + (sizeof(unsigned int) if self.aux != NULL else 0))
 
     def items(self):
         cdef uint64_t i
@@ -534,18 +597,19 @@ cdef class Differ:
 
 
 cdef int _walk_gpu(BlockTable gpu, KeyArray keys, uint64_t alive,
-                   int* slots, Py_ssize_t* lens) noexcept:
+                   int* slots, Py_ssize_t* lens, Py_ssize_t start) noexcept:
     """The GPU walk: fills (slot, matched blocks) for slots that matched at least one block (at most
-    64, one bank) and returns how many."""
+    64, one bank) and returns how many. Every slot of ``alive`` holds the first ``start`` keys on
+    the GPU (the model's holder counts said so): the walk starts after them."""
     cdef Py_ssize_t i
     cdef uint64_t still, dropped
     cdef int count = 0
     cdef Py_ssize_t n = keys.n
     cdef uint64_t* karr = keys.data
     cdef uint64_t* mixed = keys.mixed
-    for i in range(min(n, PREFETCH)):
+    for i in range(start, min(n, start + PREFETCH)):
         _prefetch_mixed(gpu, mixed[i])
-    for i in range(n):
+    for i in range(start, n):
         if i + PREFETCH < n:
             _prefetch_mixed(gpu, mixed[i + PREFETCH])
         still = alive & gpu.get_mixed(karr[i], mixed[i])
@@ -576,7 +640,7 @@ def match_gpu_into(BlockTable gpu, KeyArray keys, uint64_t alive, list owners, d
     are immutable and shared). No tuple per instance and no Python loop around the walk."""
     cdef int slots[64]
     cdef Py_ssize_t lens[64]
-    cdef int count = _walk_gpu(gpu, keys, alive, slots, lens)
+    cdef int count = _walk_gpu(gpu, keys, alive, slots, lens, 0)
     _emit_gpu(count, slots, lens, owners, out, same, match_type)
 
 
@@ -610,9 +674,10 @@ cdef inline bint _in_pool(list pools, uint64_t key, uint64_t mixed):
 
 
 cdef int _walk_tiered(BlockTable gpu, BlockTable cpu, BlockTable disk, list pools, KeyArray keys,
-                      uint64_t alive, long long* counts, long long* lengths) except -1:
+                      uint64_t alive, long long* counts, long long* lengths, Py_ssize_t start) except -1:
     """The tiered walk: ``lengths[slot]`` (blocks matched) and ``counts[slot * 4 + tier]`` for every
-    slot of ``alive``; both arrays are zeroed here."""
+    slot of ``alive``; both arrays are zeroed here. The first ``start`` keys are on every slot's GPU
+    (see _walk_gpu): they count as one run on the GPU."""
     cdef Py_ssize_t i, run = 0
     cdef uint64_t key, on_gpu, on_cpu, on_disk, in_pool, rest, still
     cdef uint64_t p_gpu = 0, p_cpu = 0, p_disk = 0, p_pool = 0, dropped
@@ -623,9 +688,11 @@ cdef int _walk_tiered(BlockTable gpu, BlockTable cpu, BlockTable disk, list pool
     cdef uint64_t h
     memset(counts, 0, 256 * sizeof(long long))
     memset(lengths, 0, 64 * sizeof(long long))
-    for i in range(min(n, PREFETCH)):
+    if start:
+        p_gpu, run = alive, start
+    for i in range(start, min(n, start + PREFETCH)):
         _prefetch_mixed(gpu, mixed[i])
-    for i in range(n):
+    for i in range(start, n):
         key = karr[i]
         h = mixed[i]
         if i + PREFETCH < n:
@@ -678,7 +745,7 @@ def match_tiered(BlockTable gpu, BlockTable cpu, BlockTable disk, list pools, Ke
     cdef long long counts[256]
     cdef long long lengths[64]
     cdef int slot
-    _walk_tiered(gpu, cpu, disk, pools, keys, alive, counts, lengths)
+    _walk_tiered(gpu, cpu, disk, pools, keys, alive, counts, lengths, 0)
     out = []
     for slot in range(64):
         if lengths[slot]:
@@ -688,7 +755,7 @@ def match_tiered(BlockTable gpu, BlockTable cpu, BlockTable disk, list pools, Ke
 
 
 def match_banks_into(list bank_tiers, list alive, list bank_owners, list summaries, list pools,
-                     KeyArray keys, dict out, dict same, object match_type):
+                     KeyArray keys, dict out, dict same, object match_type, Py_ssize_t everyone=-1):
     """A whole match over a model's banks in one call (inverted.InvertedIndex.match): which banks to
     walk, each bank's walk, and the results stored into ``out`` (``owner -> match_type(n, (gpu, cpu,
     disk, shared))``, equal GPU-only matches shared through ``same``).
@@ -698,9 +765,12 @@ def match_banks_into(list bank_tiers, list alive, list bank_owners, list summari
     bit b % 64; None with a single bank) narrow the walk to the banks holding the first block on a
     local tier, or every bank with candidates when the pool holds it. ``pools`` are the shared-tier
     tables to consult (the shared summary, or each bank's). Done natively because at thousands of
-    instances the Python loop around the per-bank walks cost more than the walks themselves."""
-    cdef Py_ssize_t b, nb = len(bank_tiers), j
-    cdef uint64_t mask, groups = 0xFFFFFFFFFFFFFFFFULL, first
+    instances the Python loop around the per-bank walks cost more than the walks themselves.
+
+    ``everyone``: how many instances the model has (-1: unknown); the leading keys that many hold on
+    the GPU (the GPU summary's counts) are matched by every candidate without walking a bank."""
+    cdef Py_ssize_t b, nb = len(bank_tiers), j, start
+    cdef uint64_t mask, groups
     cdef int slots[64]
     cdef Py_ssize_t lens[64]
     cdef long long counts[256]
@@ -711,10 +781,7 @@ def match_banks_into(list bank_tiers, list alive, list bank_owners, list summari
     cdef bint any_pool = len(pools) > 0
     if keys.n == 0:
         return
-    first = keys.data[0]
-    if summaries is not None and not (<BlockTable>summaries[3]).get(first):
-        groups = ((<BlockTable>summaries[0]).get(first) | (<BlockTable>summaries[1]).get(first)
-                  | (<BlockTable>summaries[2]).get(first))
+    groups, start = _banks_to_walk(summaries, keys, everyone)
     for b in range(nb):
         if not (groups >> (b & 63)) & 1:
             continue
@@ -727,14 +794,134 @@ def match_banks_into(list bank_tiers, list alive, list bank_owners, list summari
         cpu = <BlockTable>tiers[1]
         disk = <BlockTable>tiers[2]
         if any_pool or cpu.count or disk.count:
-            _walk_tiered(gpu, cpu, disk, pools, keys, mask, counts, lengths)
+            _walk_tiered(gpu, cpu, disk, pools, keys, mask, counts, lengths, start)
             for slot in range(64):
                 if lengths[slot]:
                     out[owners[slot]] = tuple.__new__(match_type, (lengths[slot], (
                         counts[slot * 4], counts[slot * 4 + 1], counts[slot * 4 + 2], counts[slot * 4 + 3])))
         else:
-            count = _walk_gpu(gpu, keys, mask, slots, lens)
+            count = _walk_gpu(gpu, keys, mask, slots, lens, start)
             _emit_gpu(count, slots, lens, owners, out, same, match_type)
+
+
+cdef tuple _banks_to_walk(list summaries, KeyArray keys, Py_ssize_t everyone):
+    """(bank groups to walk (bit b % 64), keys every instance holds on the GPU): the banks holding
+    the first key on a local tier (all when the pool holds it), and how many leading keys the GPU
+    summary counts ``everyone`` holders of (only with a counting summary, 0 otherwise)."""
+    cdef uint64_t groups = 0xFFFFFFFFFFFFFFFFULL, first = keys.data[0]
+    cdef BlockTable gpu_summary
+    cdef Py_ssize_t start = 0, n = keys.n
+    cdef uint64_t i
+    if summaries is None:
+        return groups, 0
+    gpu_summary = <BlockTable>summaries[0]
+    if everyone > 0 and gpu_summary.aux != NULL:
+        while start < n:
+            i = gpu_summary._slot(keys.data[start])
+            if not gpu_summary.cells[i].val or gpu_summary.aux[i] != <unsigned int>everyone:
+                break
+            start += 1
+    if start == 0 and not (<BlockTable>summaries[3]).get(first):
+        groups = (gpu_summary.get(first) | (<BlockTable>summaries[1]).get(first)
+                  | (<BlockTable>summaries[2]).get(first))
+    return groups, start
+
+
+cdef int _walk_gpu_drops(BlockTable gpu, KeyArray keys, uint64_t alive, uint64_t* masks,
+                         Py_ssize_t* lens, Py_ssize_t start) noexcept:
+    """_walk_gpu, reporting the slots by the key where they drop out (a mask per matched length)
+    rather than one by one; returns how many (mask, length) pairs (at most 64)."""
+    cdef Py_ssize_t i
+    cdef uint64_t still
+    cdef int count = 0
+    cdef Py_ssize_t n = keys.n
+    cdef uint64_t* karr = keys.data
+    cdef uint64_t* mixed = keys.mixed
+    for i in range(start, min(n, start + PREFETCH)):
+        _prefetch_mixed(gpu, mixed[i])
+    for i in range(start, n):
+        if i + PREFETCH < n:
+            _prefetch_mixed(gpu, mixed[i + PREFETCH])
+        still = alive & gpu.get_mixed(karr[i], mixed[i])
+        if still != alive:
+            if i:
+                masks[count] = alive ^ still
+                lens[count] = i
+                count += 1
+            alive = still
+            if not alive:
+                return count
+    if alive:
+        masks[count] = alive
+        lens[count] = n
+        count += 1
+    return count
+
+
+cdef inline int _group_add(dict groups, object m, Py_ssize_t b, Py_ssize_t nb, uint64_t mask) except -1:
+    """Add ``mask`` (bank b's slots) to the group of match ``m``: [match, count, masks, banks]."""
+    cdef list g = groups.get(m)
+    cdef uint64_t cur
+    cdef char* p
+    if g is None:
+        g = groups[m] = [m, 0, bytearray(nb * 8), []]
+    g[1] = <Py_ssize_t>g[1] + __builtin_popcountll(mask)
+    p = PyByteArray_AS_STRING(g[2]) + b * 8
+    memcpy(&cur, p, 8)
+    if not cur:
+        (<list>g[3]).append(b)
+    cur |= mask
+    memcpy(p, &cur, 8)
+    return 0
+
+
+def match_banks_grouped(list bank_tiers, list alive, list summaries, list pools, KeyArray keys,
+                        object match_type, Py_ssize_t everyone=-1):
+    """match_banks_into's match, grouped by its answer: returns ``[match, count, masks, banks]`` per
+    distinct match (``masks``: a bytearray of one little-endian u64 per bank, the slots with that
+    match; ``banks``: the banks with any, ascending), so that a prompt every instance holds costs per bank and per distinct length, not per
+    instance. Equal answers are one group whether from a GPU-only or a tiered walk."""
+    cdef Py_ssize_t b, nb = len(bank_tiers), j, start
+    cdef uint64_t mask, groups_mask
+    cdef uint64_t drops[64]
+    cdef Py_ssize_t lens[64]
+    cdef long long counts[256]
+    cdef long long lengths[64]
+    cdef int count, slot
+    cdef BlockTable gpu, cpu, disk
+    cdef list tiers
+    cdef bint any_pool = len(pools) > 0
+    cdef dict groups = {}
+    cdef dict same = {}
+    if keys.n == 0:
+        return []
+    groups_mask, start = _banks_to_walk(summaries, keys, everyone)
+    for b in range(nb):
+        if not (groups_mask >> (b & 63)) & 1:
+            continue
+        mask = alive[b]
+        if not mask:
+            continue
+        tiers = <list>bank_tiers[b]
+        gpu = <BlockTable>tiers[0]
+        cpu = <BlockTable>tiers[1]
+        disk = <BlockTable>tiers[2]
+        if any_pool or cpu.count or disk.count:
+            _walk_tiered(gpu, cpu, disk, pools, keys, mask, counts, lengths, start)
+            for slot in range(64):
+                if lengths[slot]:
+                    m = tuple.__new__(match_type, (lengths[slot], (
+                        counts[slot * 4], counts[slot * 4 + 1], counts[slot * 4 + 2], counts[slot * 4 + 3])))
+                    _group_add(groups, m, b, nb, (<uint64_t>1) << slot)
+        else:
+            count = _walk_gpu_drops(gpu, keys, mask, drops, lens, start)
+            for j in range(count):
+                n = lens[j]
+                m = same.get(n)
+                if m is None:
+                    m = same[n] = tuple.__new__(match_type, (n, (n, 0, 0, 0)))
+                _group_add(groups, m, b, nb, drops[j])
+    return list(groups.values())
 
 
 # -- a batch's events in one call (the ingest hot path for small events) ----------------------------
