@@ -373,7 +373,9 @@ def test_bank_summaries_stay_exact(backend: str, ops: list, queries: list) -> No
         assert ix.stats().distinct_blocks == tuple(len(s.items()) for s in shard.summaries)
 
 
-def _flatten_groups(ix: InvertedIndex, model: str, keys: list[int], subset: list | None, listed: int = 2) -> dict:
+def _flatten_groups(
+    ix: InvertedIndex, model: str, keys: list[int], subset: list | None, listed: int = 2
+) -> dict:
     """match_groups' answer as match gives it: the listed instances plus every group's members."""
     listed_matches, groups = ix.match_groups(model, keys, subset, listed=listed)
     out = dict(listed_matches)

@@ -1288,3 +1288,78 @@ def rank_others(const double[::1] wait, const double[::1] running, const unsigne
         free(bc)
         free(br)
     return filled, low, waiting
+
+
+def rank_grouped(const double[::1] wait, const double[::1] running, const unsigned char[::1] mask,
+                 const long long[::1] explicit_rows, const int[::1] group, const double[::1] ga,
+                 const double[::1] gb, const double[::1] gf, double k, const double[::1] kv,
+                 const double[::1] load, const long long[::1] key_rank, long long[::1] out,
+                 long long[::1] filled):
+    """rank_others with the rows split into groups by match (``group[row]``; 0: the rows that hold
+    nothing of the prompt, g > 0: the instances sharing one answer of the index): per row of group
+    g, prefill = ga[g] * running + gb[g], est = wait + prefill + gf[g] (the fetch) and cost = est +
+    k * (prefill + gf[g]) when k, else est. Puts the first ``top_k = len(out) // len(ga)`` rows of
+    each group in (cost, kv, load, key rank) order into ``out[g * top_k:]`` (unordered;
+    ``filled[g]`` of them) and returns (the lowest prefill of every row, how many rows wait at most
+    that long), as rank_others does."""
+    cdef Py_ssize_t n = wait.shape[0], n_groups = ga.shape[0], i, j, g, base, last
+    cdef Py_ssize_t top_k = out.shape[0] // n_groups if n_groups else 0
+    cdef Py_ssize_t n_explicit = explicit_rows.shape[0], waiting = 0, f
+    cdef double low = 0.0, p, c
+    cdef double* bc
+    cdef long long* br
+    if top_k <= 0:
+        raise ValueError("out must hold top_k rows per group")
+    bc = <double*>malloc(n_groups * (top_k + 1) * 3 * sizeof(double))
+    br = <long long*>malloc(n_groups * (top_k + 1) * 2 * sizeof(long long))
+    if bc == NULL or br == NULL:
+        free(bc)
+        free(br)
+        raise MemoryError()
+    try:
+        for g in range(n_groups):
+            filled[g] = 0
+        for i in range(n):
+            g = group[i]
+            p = ga[g] * running[i] + gb[g]
+            if i == 0 or p < low:
+                low = p
+            c = wait[i] + p
+            c = c + gf[g]
+            if k:
+                c = c + k * (p + gf[g])
+            f = filled[g]
+            base = g * (top_k + 1)
+            last = base + f - 1
+            if f == top_k and c > bc[3 * last]:
+                continue
+            if not mask[i] or _listed(explicit_rows, n_explicit, i):
+                continue
+            if f == top_k and not _before(c, kv[i], load[i], key_rank[i], bc[3 * last],
+                                           bc[3 * last + 1], bc[3 * last + 2], br[2 * last]):
+                continue
+            j = base + (f if f < top_k else top_k - 1)
+            while j > base and _before(c, kv[i], load[i], key_rank[i], bc[3 * (j - 1)],
+                                       bc[3 * (j - 1) + 1], bc[3 * (j - 1) + 2], br[2 * (j - 1)]):
+                bc[3 * j] = bc[3 * (j - 1)]
+                bc[3 * j + 1] = bc[3 * (j - 1) + 1]
+                bc[3 * j + 2] = bc[3 * (j - 1) + 2]
+                br[2 * j] = br[2 * (j - 1)]
+                br[2 * j + 1] = br[2 * (j - 1) + 1]
+                j -= 1
+            bc[3 * j] = c
+            bc[3 * j + 1] = kv[i]
+            bc[3 * j + 2] = load[i]
+            br[2 * j] = key_rank[i]
+            br[2 * j + 1] = i
+            if f < top_k:
+                filled[g] = f + 1
+        for i in range(n):
+            waiting += wait[i] <= low
+        for g in range(n_groups):
+            for j in range(filled[g]):
+                out[g * top_k + j] = br[2 * (g * (top_k + 1) + j) + 1]
+    finally:
+        free(bc)
+        free(br)
+    return low, waiting

@@ -332,7 +332,9 @@ def _walk_banks(
             while start < len(keys) and summaries[0].holders(keys[start]) == everyone:
                 start += 1
         if not start and not summaries[_SHARED].get_mask(first):
-            groups = summaries[0].get_mask(first) | summaries[1].get_mask(first) | summaries[2].get_mask(first)
+            groups = (
+                summaries[0].get_mask(first) | summaries[1].get_mask(first) | summaries[2].get_mask(first)
+            )
     for b, tiers in enumerate(bank_tiers):
         mask = alive[b]
         if not mask or not (groups >> (b % 64)) & 1:

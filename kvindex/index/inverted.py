@@ -350,13 +350,15 @@ class InvertedIndex:
                     mask ^= low
         return out, large
 
-    def slot_layout(self, model: str) -> tuple[int, list[InstanceKey | None]]:
+    def slot_layout(self, model: str, known: int = -1) -> tuple[int, list[InstanceKey | None]]:
         """(a number that changes whenever a slot of ``model`` changes owner, the owner of each
         slot: bank b's slot s at b * 64 + s, None where free), to turn MatchGroup masks into
-        instances."""
+        instances; the list is empty when the number is ``known`` (the caller has it)."""
         shard = self._shards.get(model)
         if shard is None:
             return -1, []
+        if shard.layout == known:
+            return known, []
         return shard.layout, [owner for owners in shard.bank_owners for owner in owners]
 
     def block_counts(self, instance: InstanceKey) -> tuple[int, int, int, int]:
