@@ -1363,3 +1363,29 @@ def rank_grouped(const double[::1] wait, const double[::1] running, const unsign
         free(bc)
         free(br)
     return low, waiting
+
+
+def mark_group_rows(const unsigned char[::1] masks, const long long[::1] slot_rows,
+                    const unsigned char[::1] candidate, int[::1] group_of, int g):
+    """``group_of[row] = g`` for the table row of every slot in ``masks`` (a MatchGroup's, one
+    little-endian u64 per bank; ``slot_rows[slot]``: the row, -1 for none); returns how many of
+    those rows are ``candidate``. One loop over the set bits instead of numpy passes over every
+    slot (kvindex/scoring/router.py, match groups)."""
+    cdef Py_ssize_t nb = masks.shape[0] // 8, b, n_slots = slot_rows.shape[0]
+    cdef Py_ssize_t slot
+    cdef uint64_t m
+    cdef long long row
+    cdef Py_ssize_t count = 0
+    for b in range(nb):
+        memcpy(&m, &masks[b * 8], 8)
+        while m:
+            slot = b * 64 + __builtin_ctzll(m)
+            m &= m - 1
+            if slot >= n_slots:
+                continue
+            row = slot_rows[slot]
+            if row < 0:
+                continue
+            group_of[row] = g
+            count += candidate[row]
+    return count

@@ -24,11 +24,13 @@ from kvindex.scoring.costs import CostConfig, queue_ms
 from kvindex.scoring.fleet_table import FleetTables, ModelTable, smallest
 
 try:
+    from kvindex.index._native import mark_group_rows as _native_mark_group_rows
     from kvindex.index._native import rank_grouped as _native_rank_grouped
     from kvindex.index._native import rank_others as _native_rank_others
 except ImportError:  # no compiler at install time: numpy columns (CandidatePool.smallest)
     _native_rank_others = None
     _native_rank_grouped = None
+    _native_mark_group_rows = None
 from kvindex.scoring.ledger import FINISHED, PREFILL, Ledger, SpeculativeKeys
 from kvindex.scoring.policies import make_policies
 
@@ -289,7 +291,10 @@ class Router:
             rows = [i for k in matches if (i := row.get(k)) is not None and i not in out]
         else:
             rows = [i for k in matches if (i := row.get(k)) is not None and mask[i]]
-        group_of = self._group_rows(request.model, table, groups) if groups else None
+        if groups:
+            group_of, marked = self._group_rows(request.model, table, groups, mask)
+        else:
+            group_of, marked = None, []
         if spec_ttl > 0 and keys:
             # An instance whose speculative keys continue its match extends it: a full candidate
             # (past 0 blocks for a non-holder, past its group's answer for a group's member).
@@ -309,12 +314,25 @@ class Router:
                     if g:
                         matches[inst] = groups[g - 1].match
         explicit = self.candidates(request, [states[i] for i in rows], spec_ttl, matches=matches)
-        return CandidatePool(
+        pool = CandidatePool(
             self, request, table, mask, count, everyone, explicit, rows, spec_ttl, groups, group_of
         )
+        if group_of is not None:
+            # Per group, its candidates that are not explicit (explicit ones: pulled out above).
+            counts = [0, *marked]
+            for i in rows:
+                g = group_of[i]
+                if g:
+                    counts[g] -= 1
+            counts[0] = count - len(rows) - sum(counts)
+            pool.group_counts = counts
+        return pool
 
-    def _group_rows(self, model: str, table: ModelTable, groups: list[MatchGroup]) -> np.ndarray:
-        """Per table row, the match group (1-based) of its instance, 0 for none."""
+    def _group_rows(
+        self, model: str, table: ModelTable, groups: list[MatchGroup], mask: np.ndarray
+    ) -> tuple[np.ndarray, list[int]]:
+        """Per table row, the match group (1-based) of its instance, 0 for none; and per group, how
+        many of its rows are in ``mask``."""
         cached = self._slot_rows.get(model)
         known = -1 if cached is None or cached[1] is not table or cached[2] != table.version else cached[0]
         layout, owners = self.index.slot_layout(model, known)  # type: ignore[attr-defined]
@@ -324,11 +342,19 @@ class Router:
             cached = self._slot_rows[model] = (layout, table, table.version, slot_rows)
         slot_rows = cached[3]
         group_of = np.zeros(table.n, dtype=np.int32)
+        marked = []
+        if _native_mark_group_rows is not None:
+            candidate = mask.view(np.uint8)
+            for g, group in enumerate(groups, 1):
+                marked.append(_native_mark_group_rows(group.masks, slot_rows, candidate, group_of, g))
+            return group_of, marked
         for g, group in enumerate(groups, 1):
             held = np.unpackbits(np.frombuffer(group.masks, dtype=np.uint8), bitorder="little")
             rows = slot_rows[: len(held)][held.view(bool)]
-            group_of[rows[rows >= 0]] = g
-        return group_of
+            rows = rows[rows >= 0]
+            group_of[rows] = g
+            marked.append(int(np.count_nonzero(mask[rows])))
+        return group_of, marked
 
     def commit(self, request: RouteRequest, instance: InstanceKey, policy: str | None = None) -> bool:
         """Record that ``request`` was sent to ``instance`` (outside a Score with commit)."""
@@ -427,9 +453,10 @@ class CandidatePool:
 
     @cached_property
     def group_counts(self) -> list[int]:
-        """Per group (0: no match), how many of the request's candidates are in it (not explicit)."""
+        """Per group (0: no match), how many of the request's candidates are in it (not explicit;
+        Router.pool sets it from the rows it marked)."""
         if self.group_of is None:
-            return [len(self.rest_rows)]
+            return [self.count - len(self.explicit)]
         return np.bincount(self.group_of[self.rest_rows], minlength=len(self.groups) + 1).tolist()
 
     def group_rows(self, g: int) -> np.ndarray:
