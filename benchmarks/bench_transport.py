@@ -76,7 +76,6 @@ class SyncEcho(Echo):
 
 
 OPTIONS = [("grpc.max_receive_message_length", 64 * 1024 * 1024), ("grpc.so_reuseport", 0)]
-OPTIONS += [(k, int(v)) for k, v in (o.split("=") for o in os.environ.get("EXTRA_OPTS", "").split(",") if o)]
 
 
 async def serve_aio(port: int) -> None:
