@@ -858,29 +858,31 @@ cdef int _walk_gpu_drops(BlockTable gpu, KeyArray keys, uint64_t alive, uint64_t
     return count
 
 
-cdef inline int _group_add(dict groups, object m, Py_ssize_t b, Py_ssize_t nb, uint64_t mask) except -1:
-    """Add ``mask`` (bank b's slots) to the group of match ``m``: [match, count, masks, banks]."""
+cdef inline int _group_add(dict groups, object m, Py_ssize_t b, uint64_t mask) except -1:
+    """Add ``mask`` (bank b's slots) to the group of match ``m``: [match, count, [[bank, mask]...]]
+    (banks ascending: a bank's slots are added before the next bank's)."""
     cdef list g = groups.get(m)
-    cdef uint64_t cur
-    cdef char* p
+    cdef list pairs, last
     if g is None:
-        g = groups[m] = [m, 0, bytearray(nb * 8), []]
+        g = groups[m] = [m, 0, []]
     g[1] = <Py_ssize_t>g[1] + __builtin_popcountll(mask)
-    p = PyByteArray_AS_STRING(g[2]) + b * 8
-    memcpy(&cur, p, 8)
-    if not cur:
-        (<list>g[3]).append(b)
-    cur |= mask
-    memcpy(p, &cur, 8)
+    pairs = <list>g[2]
+    if pairs:
+        last = <list>pairs[len(pairs) - 1]
+        if <Py_ssize_t>last[0] == b:
+            last[1] = <uint64_t>last[1] | mask
+            return 0
+    pairs.append([b, mask])
     return 0
 
 
 def match_banks_grouped(list bank_tiers, list alive, list summaries, list pools, KeyArray keys,
-                        object match_type, Py_ssize_t everyone=-1):
-    """match_banks_into's match, grouped by its answer: returns ``[match, count, masks, banks]`` per
-    distinct match (``masks``: a bytearray of one little-endian u64 per bank, the slots with that
-    match; ``banks``: the banks with any, ascending), so that a prompt every instance holds costs per bank and per distinct length, not per
-    instance. Equal answers are one group whether from a GPU-only or a tiered walk."""
+                        object match_type, Py_ssize_t everyone=-1, Py_ssize_t listed=-1):
+    """match_banks_into's match, grouped by its answer: returns ``[match, count, pairs, masks]`` per
+    distinct match (``pairs``: ``[bank, slot mask]`` of the banks with any, ascending; ``masks``: for
+    groups of more than ``listed`` instances, the same as bytes of one little-endian u64 per bank,
+    else None), so that a prompt every instance holds costs per bank and per distinct length, not
+    per instance. Equal answers are one group whether from a GPU-only or a tiered walk."""
     cdef Py_ssize_t b, nb = len(bank_tiers), j, start
     cdef uint64_t mask, groups_mask
     cdef uint64_t drops[64]
@@ -912,7 +914,7 @@ def match_banks_grouped(list bank_tiers, list alive, list summaries, list pools,
                 if lengths[slot]:
                     m = tuple.__new__(match_type, (lengths[slot], (
                         counts[slot * 4], counts[slot * 4 + 1], counts[slot * 4 + 2], counts[slot * 4 + 3])))
-                    _group_add(groups, m, b, nb, (<uint64_t>1) << slot)
+                    _group_add(groups, m, b, (<uint64_t>1) << slot)
         else:
             count = _walk_gpu_drops(gpu, keys, mask, drops, lens, start)
             for j in range(count):
@@ -920,8 +922,23 @@ def match_banks_grouped(list bank_tiers, list alive, list summaries, list pools,
                 m = same.get(n)
                 if m is None:
                     m = same[n] = tuple.__new__(match_type, (n, (n, 0, 0, 0)))
-                _group_add(groups, m, b, nb, drops[j])
-    return list(groups.values())
+                _group_add(groups, m, b, drops[j])
+    out = list(groups.values())
+    for g in out:
+        (<list>g).append(_pairs_bytes(<list>g[2], nb) if <Py_ssize_t>g[1] > listed else None)
+    return out
+
+
+cdef bytes _pairs_bytes(list pairs, Py_ssize_t nb):
+    cdef bytearray raw = bytearray(nb * 8)
+    cdef char* p = PyByteArray_AS_STRING(raw)
+    cdef uint64_t mask
+    cdef Py_ssize_t b
+    for pair in pairs:
+        b = (<list>pair)[0]
+        mask = (<list>pair)[1]
+        memcpy(p + b * 8, &mask, 8)
+    return bytes(raw)
 
 
 # -- a batch's events in one call (the ingest hot path for small events) ----------------------------

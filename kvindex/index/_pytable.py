@@ -357,8 +357,9 @@ def match_banks_grouped(
     keys: list[int],
     match_type: Any,
     everyone: int = -1,
+    listed: int = -1,
 ) -> list[list[Any]]:
-    """See _native.match_banks_grouped: ``[match, count, masks, banks]`` per distinct match."""
+    """See _native.match_banks_grouped: ``[match, count, pairs, masks]`` per distinct match."""
     if not keys:
         return []
     nb = len(bank_tiers)
@@ -372,6 +373,6 @@ def match_banks_grouped(
         entry[2][b] |= 1 << slot
     out = []
     for m, count, masks in groups.values():
-        raw = bytearray(b"".join(x.to_bytes(8, "little") for x in masks))
-        out.append([m, count, raw, [b for b, x in enumerate(masks) if x]])
+        raw = b"".join(x.to_bytes(8, "little") for x in masks) if count > listed else None
+        out.append([m, count, [[b, x] for b, x in enumerate(masks) if x], raw])
     return out

@@ -334,16 +334,16 @@ class InvertedIndex:
             self.impl.KeyArray(keys),
             InstanceMatch,
             len(shard.slot_owner),
+            listed,
         )
         out: dict[InstanceKey, InstanceMatch] = {}
         large: list[MatchGroup] = []
         owners = shard.bank_owners
-        for m, count, masks, banks in groups:
-            if count > listed:
-                large.append(MatchGroup(m, count, bytes(masks)))
+        for m, count, pairs, masks in groups:
+            if masks is not None:
+                large.append(MatchGroup(m, count, masks))
                 continue
-            for b in banks:
-                mask = int.from_bytes(masks[b * 8 : b * 8 + 8], "little")
+            for b, mask in pairs:
                 while mask:
                     low = mask & -mask
                     out[owners[b][low.bit_length() - 1]] = m  # type: ignore[index]
