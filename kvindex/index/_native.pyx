@@ -858,15 +858,11 @@ cdef int _walk_gpu_drops(BlockTable gpu, KeyArray keys, uint64_t alive, uint64_t
     return count
 
 
-cdef inline int _group_add(dict groups, object m, Py_ssize_t b, uint64_t mask) except -1:
-    """Add ``mask`` (bank b's slots) to the group of match ``m``: [match, count, [[bank, mask]...]]
-    (banks ascending: a bank's slots are added before the next bank's)."""
-    cdef list g = groups.get(m)
-    cdef list pairs, last
-    if g is None:
-        g = groups[m] = [m, 0, []]
+cdef inline int _group_add(list g, Py_ssize_t b, uint64_t mask) except -1:
+    """Add ``mask`` (bank b's slots) to group ``g``: [match, count, [[bank, mask]...]] (banks
+    ascending: a bank's slots are added before the next bank's)."""
+    cdef list pairs = <list>g[2], last
     g[1] = <Py_ssize_t>g[1] + __builtin_popcountll(mask)
-    pairs = <list>g[2]
     if pairs:
         last = <list>pairs[len(pairs) - 1]
         if <Py_ssize_t>last[0] == b:
@@ -876,14 +872,15 @@ cdef inline int _group_add(dict groups, object m, Py_ssize_t b, uint64_t mask) e
     return 0
 
 
-def match_banks_grouped(list bank_tiers, list alive, list summaries, list pools, KeyArray keys,
-                        object match_type, Py_ssize_t everyone=-1, Py_ssize_t listed=-1):
-    """match_banks_into's match, grouped by its answer: returns ``[match, count, pairs, masks]`` per
-    distinct match (``pairs``: ``[bank, slot mask]`` of the banks with any, ascending; ``masks``: for
-    groups of more than ``listed`` instances, the same as bytes of one little-endian u64 per bank,
-    else None), so that a prompt every instance holds costs per bank and per distinct length, not
-    per instance. Equal answers are one group whether from a GPU-only or a tiered walk."""
-    cdef Py_ssize_t b, nb = len(bank_tiers), j, start
+def match_banks_grouped(list bank_tiers, list alive, list bank_owners, list summaries, list pools,
+                        KeyArray keys, dict out, object match_type, Py_ssize_t everyone=-1,
+                        Py_ssize_t listed=-1):
+    """match_banks_into's match, grouped by its answer, so that a prompt every instance holds costs
+    per bank and per distinct answer, not per instance. Answers of at most ``listed`` instances are
+    stored into ``out`` per instance as match_banks_into does; returns ``[match, count, masks]`` for
+    each larger one (``masks``: bytes of one little-endian u64 per bank, the slots with that answer).
+    Equal answers are one group whether from a GPU-only or a tiered walk."""
+    cdef Py_ssize_t b, nb = len(bank_tiers), j, start, n
     cdef uint64_t mask, groups_mask
     cdef uint64_t drops[64]
     cdef Py_ssize_t lens[64]
@@ -891,12 +888,12 @@ def match_banks_grouped(list bank_tiers, list alive, list summaries, list pools,
     cdef long long lengths[64]
     cdef int count, slot
     cdef BlockTable gpu, cpu, disk
-    cdef list tiers
+    cdef list tiers, g, owners, large = []
     cdef bint any_pool = len(pools) > 0
     cdef dict groups = {}
-    cdef dict same = {}
+    cdef dict by_length = {}  # GPU-only answers: matched length -> its group
     if keys.n == 0:
-        return []
+        return large
     groups_mask, start = _banks_to_walk(summaries, keys, everyone)
     for b in range(nb):
         if not (groups_mask >> (b & 63)) & 1:
@@ -914,19 +911,34 @@ def match_banks_grouped(list bank_tiers, list alive, list summaries, list pools,
                 if lengths[slot]:
                     m = tuple.__new__(match_type, (lengths[slot], (
                         counts[slot * 4], counts[slot * 4 + 1], counts[slot * 4 + 2], counts[slot * 4 + 3])))
-                    _group_add(groups, m, b, (<uint64_t>1) << slot)
+                    g = groups.get(m)
+                    if g is None:
+                        g = groups[m] = [m, 0, []]
+                    _group_add(g, b, (<uint64_t>1) << slot)
         else:
             count = _walk_gpu_drops(gpu, keys, mask, drops, lens, start)
             for j in range(count):
                 n = lens[j]
-                m = same.get(n)
-                if m is None:
-                    m = same[n] = tuple.__new__(match_type, (n, (n, 0, 0, 0)))
-                _group_add(groups, m, b, drops[j])
-    out = list(groups.values())
-    for g in out:
-        (<list>g).append(_pairs_bytes(<list>g[2], nb) if <Py_ssize_t>g[1] > listed else None)
-    return out
+                g = by_length.get(n)
+                if g is None:
+                    m = tuple.__new__(match_type, (n, (n, 0, 0, 0)))
+                    g = groups.get(m)
+                    if g is None:
+                        g = groups[m] = [m, 0, []]
+                    by_length[n] = g
+                _group_add(g, b, drops[j])
+    for g in groups.values():
+        if <Py_ssize_t>g[1] > listed:
+            large.append([g[0], g[1], _pairs_bytes(<list>g[2], nb)])
+            continue
+        m = g[0]
+        for pair in <list>g[2]:
+            owners = <list>bank_owners[<Py_ssize_t>(<list>pair)[0]]
+            mask = (<list>pair)[1]
+            while mask:
+                out[owners[__builtin_ctzll(mask)]] = m
+                mask &= mask - 1
+    return large
 
 
 cdef bytes _pairs_bytes(list pairs, Py_ssize_t nb):

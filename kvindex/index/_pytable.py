@@ -352,27 +352,35 @@ def _walk_banks(
 def match_banks_grouped(
     bank_tiers: list[list[BlockTable]],
     alive: list[int],
+    bank_owners: list[list[Any]],
     summaries: list[BlockTable] | None,
     pools: list[BlockTable],
     keys: list[int],
+    out: dict[Any, Any],
     match_type: Any,
     everyone: int = -1,
     listed: int = -1,
 ) -> list[list[Any]]:
-    """See _native.match_banks_grouped: ``[match, count, pairs, masks]`` per distinct match."""
+    """See _native.match_banks_grouped: small answers into ``out``, ``[match, count, masks]`` of
+    the larger ones."""
     if not keys:
         return []
     nb = len(bank_tiers)
     groups: dict[Any, list[Any]] = {}
-    for b, _owners, (slot, n, g, c, d, s) in _walk_banks(bank_tiers, alive, summaries, pools, keys, everyone):
+    for b, owners, (slot, n, g, c, d, s) in _walk_banks(
+        bank_tiers, alive, summaries, pools, keys, everyone, bank_owners
+    ):
         m = tuple.__new__(match_type, (n, (g, c, d, s)))
         entry = groups.get(m)
         if entry is None:
-            entry = groups[m] = [m, 0, [0] * nb]
-        entry[1] += 1
+            entry = groups[m] = [m, [], [0] * nb]
+        entry[1].append(owners[slot])
         entry[2][b] |= 1 << slot
-    out = []
-    for m, count, masks in groups.values():
-        raw = b"".join(x.to_bytes(8, "little") for x in masks) if count > listed else None
-        out.append([m, count, [[b, x] for b, x in enumerate(masks) if x], raw])
-    return out
+    large = []
+    for m, members, masks in groups.values():
+        if len(members) > listed:
+            large.append([m, len(members), b"".join(x.to_bytes(8, "little") for x in masks)])
+        else:
+            for inst in members:
+                out[inst] = m
+    return large

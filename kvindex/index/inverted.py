@@ -326,29 +326,20 @@ class InvertedIndex:
         shard = self._shards.get(model)
         if shard is None or not keys:
             return {}, []
-        groups = self.impl.match_banks_grouped(
+        out: dict[InstanceKey, InstanceMatch] = {}
+        large = self.impl.match_banks_grouped(
             shard.bank_tiers,
             self._alive(shard, instances),
+            shard.bank_owners,
             shard.summaries,
             self._pools(shard),
             self.impl.KeyArray(keys),
+            out,
             InstanceMatch,
             len(shard.slot_owner),
             listed,
         )
-        out: dict[InstanceKey, InstanceMatch] = {}
-        large: list[MatchGroup] = []
-        owners = shard.bank_owners
-        for m, count, pairs, masks in groups:
-            if masks is not None:
-                large.append(MatchGroup(m, count, masks))
-                continue
-            for b, mask in pairs:
-                while mask:
-                    low = mask & -mask
-                    out[owners[b][low.bit_length() - 1]] = m  # type: ignore[index]
-                    mask ^= low
-        return out, large
+        return out, [MatchGroup(m, count, masks) for m, count, masks in large]
 
     def slot_layout(self, model: str, known: int = -1) -> tuple[int, list[InstanceKey | None]]:
         """(a number that changes whenever a slot of ``model`` changes owner, the owner of each
