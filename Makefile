@@ -97,9 +97,15 @@ e2e-vllm: $(STAMP) $(E2E_MODEL)/kvindex-e2e.json
 	$(VLLM_PY) e2e/check_tokenize_hf.py
 	$(PY) e2e/run_vllm.py --vllm-python $(VLLM_PY) --model-dir $(E2E_MODEL) $(ARGS)
 
+# The index that knows when it is wrong (docs/feedback.md): a real vLLM behind kvindex route, its KV
+# events dropped for a while by a relay between the engine and kvshim; degraded, repaired, exact again.
+.PHONY: e2e-feedback
+e2e-feedback: $(STAMP) $(E2E_MODEL)/kvindex-e2e.json
+	$(PY) e2e/run_feedback.py --vllm-python $(VLLM_PY) --model-dir $(E2E_MODEL) $(ARGS)
+
 # TTFT on real engines (docs/e2e-routing.md): two vLLM CPU engines, each on its own core, a chat
-# workload at two loads, routed by `kvindex route` and by vllm-router 0.1.17 (kv_aware, cache_aware,
-# round_robin), several runs each. Separate from `make test`; reuses .venv-vllm, adds the vllm-router
+# workload at two loads, routed by `kvindex route` (prefill model calibrated from the engines, and the
+# default one) and by vllm-router 0.1.17 (kv_aware, cache_aware, round_robin), several runs each. Separate from `make test`; reuses .venv-vllm, adds the vllm-router
 # venv and a larger random model (e2e/routing-llama), both gitignored.
 ROUTER_VENV := .venv-vllm-router
 ROUTER_STAMP := $(ROUTER_VENV)/.installed
@@ -123,3 +129,18 @@ $(ROUTING_MODEL)/kvindex-e2e.json: $(VLLM_STAMP) e2e/make_model.py
 
 e2e-routing: $(E2E_STAMP) $(ROUTER_STAMP) $(ROUTING_MODEL)/kvindex-e2e.json
 	$(PY) e2e/run_routing.py --vllm-python $(VLLM_PY) --vllm-router $(ROUTER_VENV)/bin/vllm-router --model-dir $(ROUTING_MODEL) $(ARGS)
+
+# Disaggregated prefill/decode on real engines (docs/pd.md): two vLLM CPU engines moving KV with
+# NixlConnector (UCX, CPU buffer) behind `kvindex route --pd`. NIXL is not part of vLLM's CPU build:
+# its CUDA-12 wheel (whose UCX backend needs no GPU) goes into .nixl, on the engines' PYTHONPATH.
+NIXL_DIR := .nixl
+NIXL_STAMP := $(NIXL_DIR)/.installed
+
+.PHONY: e2e-pd
+
+$(NIXL_STAMP): $(VLLM_STAMP)
+	$(VLLM_PY) -m pip install --quiet --no-deps --target $(NIXL_DIR) 'nixl-cu12>=1.5.1' 'nixl>=1.5.1'
+	touch $(NIXL_STAMP)
+
+e2e-pd: $(E2E_STAMP) $(NIXL_STAMP) $(ROUTING_MODEL)/kvindex-e2e.json
+	$(PY) e2e/run_pd_vllm.py --vllm-python $(VLLM_PY) --model-dir $(ROUTING_MODEL) --nixl-path $(NIXL_DIR) $(ARGS)

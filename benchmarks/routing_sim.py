@@ -6,6 +6,8 @@
     .venv/bin/python benchmarks/routing_sim.py loadaware           # preset 3: production-stack
     .venv/bin/python benchmarks/routing_sim.py llmd                # preset 4: llm-d's workload
     .venv/bin/python benchmarks/routing_sim.py fleet256            # preset 5: Mooncake on 256 instances
+    .venv/bin/python benchmarks/routing_sim.py pd                  # preset 6: disaggregated prefill/decode
+    .venv/bin/python benchmarks/routing_sim.py demo --policies ttft,round_robin   # make run's fleet and load
     .venv/bin/python benchmarks/routing_sim.py mooncake --trace PATH --instances 16 --policies ttft,dynamo
 
 Virtual time, discrete events. The code under test is the real one, in process: simulated engines
@@ -175,6 +177,9 @@ class Cluster:
     # Score's top_k: > 0 ranks only the holders and the best few others (pruned, forced on at every
     # fleet size here so that the tables check it); 0 ranks every instance (--top-k 0).
     top_k: int = 4
+    # Prefill/decode disaggregation (the pd preset): each instance's announced role, in order
+    # (empty: every instance serves whole requests).
+    roles: tuple[str, ...] = ()
 
 
 @dataclass
@@ -191,6 +196,8 @@ class RunResult:
     repairs: dict[str, int]
     wall_s: float
     ttfts: list[float] = field(default_factory=list, repr=False)
+    # Preset-specific measurements (pd: time per output token, share served in two steps).
+    extra: dict[str, float] = field(default_factory=dict)
 
 
 class _SimRepair:
@@ -277,6 +284,8 @@ class Simulation:
         return self.now
 
     def _log(self, name: str, capacity: dict[str, int]) -> WorkerLog:
+        roles = self.cluster.roles
+        i = int(name[3:]) if name.startswith("sim") and name[3:].isdigit() else -1
         log = WorkerLog(
             worker=name,
             model=MODEL,
@@ -284,6 +293,9 @@ class Simulation:
             epoch=1,
             capacity=capacity,
             clock=self.clock,
+            # PD: roles and (fake) endpoints in the heartbeats, as real workers announce them.
+            role=roles[i] if 0 <= i < len(roles) else None,
+            endpoint=f"10.0.0.{i + 1}:8000" if roles and i >= 0 else None,
         )
         self.logs[name] = log
         return log
@@ -437,10 +449,164 @@ class Simulation:
         )
 
 
+class PdSimulation(Simulation):
+    """Disaggregated serving (preset ``pd``): ``mode`` is ``pd-<prefill policy>`` (conditional
+    disaggregation with Dynamo's thresholds, kvindex/route/pd.py), ``pd-always-<policy>`` (every
+    request in two steps), ``pd-rr`` (vllm-router's PD mode: round-robin prefill and decode, the
+    decode instance prefilling itself when at most 256 tokens are uncached there) or
+    ``unified-<policy>`` (the same fleet, every instance serving whole requests).
+
+    A two-step request is committed on its decode instance (``decode`` ranking among decode
+    instances), then its prefill (id ``<id>:p``, one output token) on the prefill instance with the
+    lowest estimated TTFT plus transfer; when that prefill's first token is out, the request goes to
+    the decode instance, which receives the blocks (``SimRequest.remote_blocks``, at the profile's
+    RDMA link speed) instead of computing them. Its TTFT counts from the original arrival."""
+
+    def __init__(
+        self, mode: str, requests: list[SimRequest], cluster: Cluster, seed: int, options: Any
+    ) -> None:
+        from kvindex.route.pd import PairCosts, PdConfig
+
+        self.mode = mode
+        unified = mode.startswith("unified-")
+        policy = mode.split("-")[-1] if mode != "pd-rr" else "round_robin"
+        if unified:
+            cluster = Cluster(**{**asdict(cluster), "roles": ()})
+        super().__init__(policy, requests, cluster, seed, options)
+        self.policy = mode
+        self.unified = unified
+        remote_ms = self.engines["sim0"].cfg.fetch_ms_per_block.get("remote", 0.0)
+        self.pd_config = PdConfig(
+            min_input_tokens=0 if mode.startswith("pd-always") else 2048,
+            min_uncached_share=0.0 if mode.startswith("pd-always") else 0.7,
+            transfer_ms_per_1k=remote_ms * 1000.0 / self.block_size,
+            measure=False,
+        )
+        self.costs = PairCosts(self.pd_config)
+        self._pending_decode: dict[str, tuple[SimRequest, str, int]] = {}
+        self._prefill_steps: dict[str, Any] = {}  # request id -> its prefill step's first token
+        self._rr = 0
+        self.remote = 0
+
+    def _members(self) -> list[Any]:
+        return self.registry.routable(MODEL)
+
+    def _arrive(self, req: SimRequest) -> None:
+        if self.unified:
+            super()._arrive(req)
+            return
+        from kvindex.route.pd import PrefillOption, choose_prefill, decide_local, decode_candidates
+
+        if req.keys:
+            self._hot[req.keys[home_block(len(req.keys), self.block_size, 2048)]] += 1
+        members = self._members()
+        decodes = decode_candidates(members)
+        route = RouteRequest(MODEL, req.keys, req.prompt_tokens, self.block_size, req.id, "decode")
+        if self.mode == "pd-rr":
+            decode_id = decodes[self._rr % len(decodes)]
+            self._rr += 1
+            state = self.registry.get((decode_id.partition("/")[0], 0))
+            assert state is not None
+            cand = self.router.candidates(route, [state], 0.0)[0]
+            matched = cand.blocks * self.block_size
+            self.router.commit(
+                RouteRequest(MODEL, req.keys, req.prompt_tokens, self.block_size, req.id), state.key
+            )
+            local = "uncached<=256" if req.prompt_tokens - matched <= 256 else None
+        else:
+            result = self.router.score(route, decodes, commit=True, top_k=self.cluster.top_k)
+            assert result.committed is not None and result.choices
+            state = result.committed
+            matched = result.choices[0].candidate.blocks * self.block_size
+            local = decide_local(req.prompt_tokens, matched, self.pd_config)
+        decode = state.worker
+        prefills = [m for m in members if m.role in ("prefill", "both") and m.worker != decode]
+        if local is not None or not prefills:
+            if self.mode != "pd-rr":
+                # A whole request now: the decode instance to serve it by the TTFT ranking (as
+                # kvindex route --pd does; it may hold the prompt's prefix), committed whole.
+                whole = RouteRequest(MODEL, req.keys, req.prompt_tokens, self.block_size, req.id)
+                res = self.router.score(whole, decodes, commit=True, top_k=self.cluster.top_k)
+                assert res.committed is not None
+                decode = res.committed.worker
+            self.engines[decode].submit(req, self.now)
+            return
+        self.remote += 1
+        pid = req.id + ":p"
+        proute = RouteRequest(MODEL, req.keys, req.prompt_tokens, self.block_size, pid)
+        if self.mode == "pd-rr":
+            pstate = prefills[self._rr % len(prefills)]
+            self.router.commit(proute, pstate.key)
+        else:
+            ids = sorted(m.instance_id for m in prefills)
+            ranked = self.router.score(proute, ids, commit=True, top_k=self.pd_config.prefill_top_k)
+            options = [
+                PrefillOption(c.candidate.state.instance_id, "x", c.candidate.est_ttft_ms)
+                for c in ranked.choices
+            ]
+            pick = choose_prefill(options, state.instance_id, req.prompt_tokens - matched, self.costs)
+            assert pick is not None
+            pstate = self.registry.get((pick.option.instance_id.partition("/")[0], 0))
+            assert pstate is not None
+            if ranked.committed is None or ranked.committed.key != pstate.key:
+                self.router.commit(proute, pstate.key)
+        self._pending_decode[pid] = (req, decode, len(req.keys))
+        self.engines[pstate.worker].submit(
+            SimRequest(pid, req.keys, req.prompt_tokens, 1, self.now), self.now
+        )
+
+    def _complete(self, done: Any) -> None:
+        rid = done.request.id
+        pending = self._pending_decode.get(rid)
+        if pending is None:
+            super()._complete(done)
+            return
+        if done.kind == "first_token":
+            self.router.release(rid, "finished")  # the prefill step is over: its KV is handed over
+            req, decode, blocks = self._pending_decode.pop(rid)
+            self._prefill_steps[req.id] = done
+            # The decode step: same arrival (TTFT counts from the client's request), blocks received.
+            step = SimRequest(
+                req.id, req.keys, req.prompt_tokens, req.output_tokens, req.arrival, req.meta, blocks
+            )
+            self.engines[decode].submit(step, self.now)
+
+    def result(self, label: str, wall: float) -> RunResult:
+        out = super().result(label, wall)
+        # A two-step request's prefix hits and prefill compute are its prefill step's (the decode
+        # step receives the blocks), plus the few tokens its decode step computes.
+        firsts = [c for k, c in self.completions.items() if not k.endswith("#end")]
+        steps = [(c, self._prefill_steps.get(c.request.id)) for c in firsts]
+        prompt = sum(c.request.prompt_tokens for c in firsts)
+        hit = sum(sum(((p or c).first_cached_tokens or (p or c).cached_tokens).values()) for c, p in steps)
+        tm = EngineConfig.from_profile(**self.cluster.engine).time
+        ms = sum(
+            tm.chunk_ms(x.computed_tokens, x.request.prompt_tokens - x.computed_tokens)
+            for c, p in steps
+            for x in ((c,) if p is None else (c, p))
+        )
+        out.hit_rate = hit / prompt if prompt else 0.0
+        out.prefill_gpu_s = ms / 1000
+        tpots = [
+            (c.finished_at - c.first_token_at) / (c.request.output_tokens - 1)
+            for k, c in self.completions.items()
+            if k.endswith("#end") and c.finished_at is not None and c.request.output_tokens > 1
+        ]
+        if tpots:
+            out.extra["tpot_p50_ms"] = float(np.percentile(tpots, 50) * 1000)
+            out.extra["tpot_p90_ms"] = float(np.percentile(tpots, 90) * 1000)
+        out.extra["two_step_share"] = self.remote / max(1, out.requests)
+        return out
+
+
 def run_one(args: tuple[str, str, list[SimRequest], Cluster, int, dict | None]) -> RunResult:
     policy, label, requests, cluster, seed, options = args
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.ERROR))
     started = time.perf_counter()
+    if policy.startswith(("pd-", "unified-")):
+        sim: Simulation = PdSimulation(policy, requests, cluster, seed, options)
+        sim.run()
+        return sim.result(label, time.perf_counter() - started)
     sim = Simulation(policy, requests, cluster, seed, options)
     sim.run()
     return sim.result(label, time.perf_counter() - started)
@@ -552,7 +718,64 @@ def preset_fleet256(args: argparse.Namespace) -> Experiment:
     return Experiment("fleet256", [(f"{n} inst (x{1 / scale:.0f})", reqs, cluster)], args.policies)
 
 
+def preset_pd(args: argparse.Namespace) -> Experiment:
+    """Disaggregated prefill/decode on 8 instances (--pd-prefill of them prefill, default 4; the
+    rest decode; Llama-3-8B on H100s):
+    multi-turn chats whose history grows (the decode instance that served the last turn holds most
+    of the next one, where conditional disaggregation keeps the prefill local) and long one-shot
+    documents. kvindex's PD routing against every request in two steps, vllm-router's PD mode
+    (round robin, local under 256 uncached tokens) and the same 8 instances serving whole requests."""
+    n = 600 if args.quick else 2000
+    # Transfers overlap compute (fetch_overlap): vLLM's NIXL reads are asynchronous, a request
+    # waits for its KV while the batch runs (the engine's loads are otherwise synchronous with
+    # admission, stalling every decoding sequence of the step: --pd-sync-transfers).
+    engine = {"profile": "llama3-8b-h100", "block_size": 16, "fetch_overlap": not args.pd_sync_transfers}
+    cluster = Cluster(
+        8,
+        engine,
+        slo_s=args.slo or 1.0,
+        roles=("prefill",) * args.pd_prefill + ("decode",) * (8 - args.pd_prefill),
+    )
+    levels = []
+    for qps in (30, 60, 90):
+        chats = sessions(
+            sessions=n // 8, turns=4, system_tokens=1024, turn_tokens=512, answer_tokens=200,
+            think_s=4.0, qps=qps / 8, block_size=16, seed=args.seed,
+        )  # fmt: skip
+        docs = zipf_prefixes(
+            prefixes=n // 4, prefix_tokens=4096, zipf=0.2, suffix_tokens=64, output_tokens=200,
+            qps=qps / 2, requests=n // 2, block_size=16, seed=args.seed + 1,
+        )  # fmt: skip
+        reqs = sorted(chats + docs, key=lambda r: r.arrival)
+        rate = len(reqs) / (reqs[-1].arrival - reqs[0].arrival)
+        levels.append((f"{rate:.0f} req/s", reqs, cluster))
+    policies = tuple(p for p in args.policies if p.startswith(("pd-", "unified-"))) or (
+        "pd-ttft", "pd-always-ttft", "pd-rr", "unified-ttft", "unified-dynamo", "unified-round_robin",
+    )  # fmt: skip
+    return Experiment("pd", levels, policies)
+
+
+def preset_demo(args: argparse.Namespace) -> Experiment:
+    """The `make run` demo's fleet (8 x Llama-3-8B on H100, 16-token blocks, 50,000 CPU blocks each)
+    at its default load (the trace x2.5) and at x4: where its default was chosen."""
+    cluster = Cluster(
+        args.instances or 8,
+        {"profile": "llama3-8b-h100", "block_size": 16, "cpu_blocks": 50_000},
+        slo_s=args.slo or 2.0,
+        loss=args.loss,
+        delay_s=args.delay,
+    )
+    limit = 3000 if args.quick else args.limit
+    levels = []
+    for scale in (0.4, 0.25):
+        reqs = mooncake_requests(args.trace, model=MODEL, block_size=16, limit=limit, time_scale=scale)
+        levels.append((f"x{1 / scale:.1f}", reqs, cluster))
+    return Experiment("demo", levels, args.policies)
+
+
 PRESETS = {
+    "pd": preset_pd,
+    "demo": preset_demo,
     "fleet256": preset_fleet256,
     "mooncake": preset_mooncake,
     "global-pool": preset_global_pool,
@@ -674,6 +897,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--output-tokens", type=int, default=0, help="loadaware preset: output length")
     parser.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1))
     parser.add_argument(
+        "--pd-prefill", type=int, default=4, choices=range(1, 8), help="pd preset: prefill instances of 8"
+    )
+    parser.add_argument(
+        "--pd-sync-transfers",
+        action="store_true",
+        help="pd preset: KV transfers stall the receiving step (default: they overlap compute)",
+    )
+    parser.add_argument(
         "--top-k", type=int, default=4, help="Score top_k (0: every instance ranked, no pruning)"
     )
     args = parser.parse_args(argv)
@@ -705,6 +936,14 @@ def main(argv: list[str] | None = None) -> int:
     order = {(label, p): i for i, (p, label, *_rest) in enumerate(jobs)}
     results.sort(key=lambda r: order[(r.label, r.policy)])
     print(table(results))
+    if any(r.extra for r in results):
+        keys = sorted({k for r in results for k in r.extra})
+        print(f"\n{'level':<22} {'policy':<20} " + " ".join(f"{k:>15}" for k in keys))
+        for r in results:
+            print(
+                f"{r.label:<22} {r.policy:<20} "
+                + " ".join(f"{r.extra.get(k, float('nan')):15.3f}" for k in keys)
+            )
     print(f"({len(jobs)} runs, {time.perf_counter() - started:.0f} s; outputs in {OUT.relative_to(ROOT)}/)")
     write_outputs(exp, results)
     with open(OUT / f"{exp.name}.json", "w") as f:

@@ -1,6 +1,9 @@
 """A fake OpenAI-compatible engine (what vLLM's API server looks like to a router): /v1/completions
 and /v1/chat/completions, streaming (SSE) or not, /v1/models; it records every body it receives
-and what it sent, and can hold a stream after its first chunk (to cancel or shut down mid-stream)."""
+and what it sent, and can hold a stream after its first chunk (to cancel or shut down mid-stream).
+Like vLLM with ``--enable-prompt-tokens-details``, it reports ``usage`` with
+``prompt_tokens_details.cached_tokens`` (``cached_tokens``; None: no details) in a non-streamed
+answer, and in a stream's last chunk (``choices: []``) when ``stream_options.include_usage`` asks."""
 
 from __future__ import annotations
 
@@ -22,6 +25,28 @@ def sse_chunks(name: str, n: int) -> list[bytes]:
     return [f"data: {e}\n\n".encode() for e in events] + [b"data: [DONE]\n\n"]
 
 
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None) -> dict[str, Any]:
+    out: dict[str, Any] = {
+        "prompt_tokens": prompt_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "completion_tokens": completion_tokens,
+    }
+    if cached_tokens is not None:
+        out["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
+    return out
+
+
+def usage_chunk(name: str, prompt_tokens: int, completion_tokens: int, cached_tokens: int | None) -> bytes:
+    """vLLM's last chunk of a stream that asked for usage."""
+    chunk = {
+        "id": f"cmpl-{name}",
+        "object": "text_completion",
+        "choices": [],
+        "usage": usage(prompt_tokens, completion_tokens, cached_tokens),
+    }
+    return f"data: {json.dumps(chunk)}\n\n".encode()
+
+
 class FakeOpenAIEngine:
     def __init__(self, name: str, model: str, tokens: int = 4) -> None:
         self.name = name
@@ -35,6 +60,7 @@ class FakeOpenAIEngine:
         self.gate_before_first = False  # wait at the gate before the first chunk (still "prefilling")
         self.holding = asyncio.Event()  # a stream is waiting at the gate
         self.status = 200
+        self.cached_tokens: int | None = 0  # reported in usage.prompt_tokens_details
         self.streaming: web.Request | None = None  # the request whose stream is at the gate
         self._runner: web.AppRunner | None = None
         self.port = 0
@@ -75,9 +101,16 @@ class FakeOpenAIEngine:
         self.bodies.append(raw)
         self.headers.append({k.lower(): v for k, v in request.headers.items()})
         body: dict[str, Any] = json.loads(raw)
+        prompt = body.get("prompt")
+        prompt_tokens = len(prompt) if isinstance(prompt, list) else 7
         if not body.get("stream"):
             out = json.dumps(
-                {"id": f"cmpl-{self.name}", "served_by": self.name, "n": len(self.bodies)}
+                {
+                    "id": f"cmpl-{self.name}",
+                    "served_by": self.name,
+                    "n": len(self.bodies),
+                    "usage": usage(prompt_tokens, self.tokens, self.cached_tokens),
+                }
             ).encode()
             self.sent.append(out)
             return web.Response(body=out, status=self.status, content_type="application/json")
@@ -91,7 +124,10 @@ class FakeOpenAIEngine:
                 self.streaming = request
                 self.holding.set()
                 await self.gate.wait()
-            for i, chunk in enumerate(sse_chunks(self.name, self.tokens)):
+            chunks = sse_chunks(self.name, self.tokens)
+            if (body.get("stream_options") or {}).get("include_usage"):
+                chunks.insert(-1, usage_chunk(self.name, prompt_tokens, self.tokens, self.cached_tokens))
+            for i, chunk in enumerate(chunks):
                 await response.write(chunk)
                 sent += chunk
                 if i == 0 and self.gate is not None and not self.gate_before_first:

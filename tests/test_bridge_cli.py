@@ -16,6 +16,7 @@ from typing import Any
 from kvindex.service.app import IndexService
 from kvindex.service.natsd import EmbeddedNats
 from kvindex.v1 import kvindex_pb2_grpc as pb_grpc
+from tests.conftest import wait_until
 from tests.test_bridge_fakes import FakeEngine, VllmBatch, VllmStored, encode, expect, fake_hash
 
 KVSHIM = str(Path(sys.executable).with_name("kvshim"))
@@ -66,6 +67,10 @@ async def test_kvshim_process_survives_garbage_and_stops_cleanly(
         str(BS),
         "--nats",
         nats_server.url,
+        "--role",
+        "decode",
+        "--pd-group",
+        "rack-1",
         "--stats-port",
         "0",
         "--log-format",
@@ -87,6 +92,9 @@ async def test_kvshim_process_survives_garbage_and_stops_cleanly(
             )
         )
         await expect(stub, MODEL, {"cli1/0": (3, (3, 0, 0, 0))}, token_ids=P, timeout=10)
+        # --role and --pd-group reach the index in the heartbeats.
+        await wait_until(lambda: service.registry.get(("cli1", 0)).role == "decode", what="the role")  # type: ignore[union-attr]
+        assert service.registry.get(("cli1", 0)).pd_group == "rack-1"  # type: ignore[union-attr]
 
         url = f"http://127.0.0.1:{port}/metrics"
         body = await asyncio.to_thread(lambda: urllib.request.urlopen(url, timeout=5).read().decode())

@@ -27,6 +27,7 @@ from tests.test_bridge_fakes import (
     VllmRemoved,
     VllmStored,
     encode,
+    expect,
     fake_hash,
     lookup,
     rank_engines,
@@ -266,6 +267,28 @@ async def test_gap_is_filled_from_replay_in_both_layouts(
         assert await lookup(stub, MODEL, token_ids=P) == {"w1/0": (6, (6, 0, 0, 0))}
     finally:
         await engine.close()
+
+
+async def test_a_lost_last_batch_is_found_by_the_index_snapshot(
+    nats_server: EmbeddedNats, service: IndexService, stub: pb_grpc.KvIndexStub, engine: FakeEngine
+) -> None:
+    """The last batch lost between engine and bridge leaves no gap to see (nothing came after it);
+    a snapshot request (what an index asks for when the engine's answers show its blocks are wrong,
+    docs/feedback.md) makes the bridge ask the engine's replay buffer first."""
+    async with shim(nats_server, engine) as bridge:
+        await engine.publish(batch(stored(H[:2], None, P[:8])))
+        await engine.publish(batch(stored(H[2:4], H[1], P[8:16])), send=False)  # lost, and the last
+        await wait_until(lambda: bridge.links[0].applied == 0, what="first batch applied")
+        await settle(bridge, service)
+        assert await lookup(stub, MODEL, token_ids=P) == {"w1/0": (2, (2, 0, 0, 0))}
+        service.consumer.reconcile(("w1", 0), "degraded")
+        await expect(stub, MODEL, {"w1/0": (4, (4, 0, 0, 0))}, token_ids=P)
+        assert bridge.stats.get("recovery", "snapshot_check") == 1
+        assert engine.replay_requests == [0, 1]
+        # Nothing missed: a later snapshot's check finds nothing new and applies nothing.
+        service.consumer.reconcile(("w1", 0), "degraded")
+        await wait_until(lambda: engine.replay_requests == [0, 1, 2], what="checked again")
+        assert bridge.stats.get("recovery", "snapshot_check") == 1
 
 
 async def test_mid_stream_start_recovers_history_from_replay(

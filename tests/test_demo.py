@@ -43,3 +43,10 @@ def test_demo_routes_requests_end_to_end() -> None:
     assert routed > 20 and first > 10 and errors == 0
     # The summary lines report estimated next to simulated TTFT and the index's view.
     assert re.search(r"ttft est \d+\.\d+s sim \d+\.\d+s", out.stdout)
+    # ... and the index's verdicts on its cache predictions, checked against the engines' answers.
+    verdicts = re.findall(
+        r"predicted vs engine: exact (\d+\.\d)% \(([\d,]+)\), over ([\d,]+), under ([\d,]+)", out.stdout
+    )
+    assert verdicts, out.stdout
+    share, exact, _over, _under = verdicts[-1]
+    assert int(exact.replace(",", "")) > 10 and float(share) > 50.0

@@ -153,12 +153,16 @@ class Envoy:
             if streamed.end_of_stream:
                 return pick, echoed
 
-    async def response(self, served: str, chunks: list[bytes], end: bool = True) -> list[bytes]:
+    async def response(
+        self, served: str, chunks: list[bytes], end: bool = True, content_type: str = ""
+    ) -> list[bytes]:
         meta = core_pb2.Metadata()
         served_md = struct_pb2.Struct()
         served_md[SERVED] = served
         meta.filter_metadata[LB_NAMESPACE].CopyFrom(served_md)
         hdrs = core_pb2.HeaderMap(headers=[core_pb2.HeaderValue(key=":status", raw_value=b"200")])
+        if content_type:
+            hdrs.headers.append(core_pb2.HeaderValue(key="content-type", raw_value=content_type.encode()))
         await self.send(
             ep.ProcessingRequest(response_headers=ep.HttpHeaders(headers=hdrs), metadata_context=meta)
         )
@@ -329,3 +333,116 @@ async def test_health_services_on_the_picker_port(picker_service: IndexService) 
         for name in ("liveness", "readiness", SERVICE_NAME):
             reply = await health.Check(health_pb2.HealthCheckRequest(service=name))
             assert reply.status == health_pb2.HealthCheckResponse.SERVING, name
+
+
+async def test_the_engine_usage_in_the_response_is_reported(
+    picker_service: IndexService, picker: ep_grpc.ExternalProcessorStub, make_publisher: MakePub
+) -> None:
+    """Where the gateway sends the response body, the engine's cached tokens and the time from the
+    pick to the first byte go to the index with the release (docs/feedback.md)."""
+    svc = picker_service
+    pubs = await fleet(make_publisher, svc)
+    prompt = tokens(20 * BS, seed=5)
+    pubs[2].stored(block_keys(prompt, BS, MODEL))
+    await pubs[2].flush()
+    await wait_until(lambda: svc.index.block_counts(("w2", 0))[0] == 20, what="blocks indexed")
+    seen: list[Any] = []
+    svc.router.outcomes.subscribe(seen.append)
+    full = prompt + tokens(3 * BS, seed=6)
+    usage = {
+        "prompt_tokens": len(full),
+        "completion_tokens": 2,
+        "prompt_tokens_details": {"cached_tokens": 320},
+    }
+    sse = [
+        b'data: {"choices":[{"text":"a"}]}\n\n',
+        b'data: {"choices":[],"usage":' + json.dumps(usage).encode() + b"}\n\n",
+        b"data: [DONE]\n\n",
+    ]
+    envoy = Envoy(picker)
+    body = {"model": MODEL, "prompt": full, "stream": True, "stream_options": {"include_usage": True}}
+    pick, _ = await envoy.request(body)
+    assert destination(pick, "request_headers")[0].startswith("10.0.0.3:8000")
+    assert await envoy.response("10.0.0.3:8000", sse, content_type="text/event-stream") == sse
+    await envoy.close()
+    assert len(seen) == 1 and seen[0].outcome == "exact" and seen[0].report.cached_tokens == 320
+    assert seen[0].report.ttft_ms is not None and seen[0].report.ttft_ms >= 0
+    # Buffered, not streamed: a one-token answer's time is its TTFT; the engine had nothing cached.
+    envoy = Envoy(picker)
+    pick, _ = await envoy.request({"model": MODEL, "prompt": full, "max_tokens": 1}, mode=BUFFERED)
+    one = dict(usage, completion_tokens=1, prompt_tokens_details={"cached_tokens": 0})
+    answer = json.dumps({"choices": [{"text": "a"}], "usage": one}).encode()
+    await envoy.response("10.0.0.3:8000", [answer[:10], answer[10:]], content_type="application/json")
+    await envoy.close()
+    assert len(seen) == 2 and seen[1].outcome == "over" and seen[1].report.ttft_ms is not None
+    assert svc.metrics.registry.get_sample_value("kvindex_ext_proc_reports_total", {"result": "applied"}) == 2
+
+
+async def test_pd_mode_returns_the_decode_pick_and_the_prefiller_in_a_header(
+    make_service: Callable[..., Awaitable[IndexService]], make_publisher: MakePub
+) -> None:
+    """llm-d's disaggregation profile: the destination is the decode instance, the prefill instance
+    goes in x-prefiller-host-port (a client's own value is removed); a short prompt gets no prefiller."""
+    from kvindex.api.ext_proc import PREFILLER
+    from kvindex.route.pd import PdConfig
+
+    svc = await make_service(
+        ext_proc_port=0, ext_proc_host="127.0.0.1", ext_proc_pd=PdConfig(min_input_tokens=256)
+    )
+    roles = [("p0", "prefill", "10.0.1.1:8000"), ("p1", "prefill", "10.0.1.2:8000"),
+             ("d0", "decode", "10.0.2.1:8000"), ("d1", "decode", "10.0.2.2:8000")]  # fmt: skip
+    pubs = {
+        w: await make_publisher(
+            worker=w, model=MODEL, block_size=BS, capacity={"gpu": 1000}, endpoint=ep_, role=role
+        )
+        for w, role, ep_ in roles
+    }
+    # p1 already holds the prompt's first 30 blocks: it prefills cheapest. d1 holds a short prompt.
+    prompt = tokens(32 * BS, seed=9)
+    pubs["p1"].stored(block_keys(prompt, BS, MODEL)[:30])
+    short = tokens(4 * BS, seed=10)
+    pubs["d1"].stored(block_keys(short, BS, MODEL)[:3])
+    for p in pubs.values():
+        await p.flush()
+        await p.heartbeat()
+    await wait_until(
+        lambda: sum(1 for s in svc.registry.all() if s.endpoint and s.role != "both") == 4, what="roles known"
+    )
+    await wait_until(
+        lambda: svc.index.block_counts(("p1", 0))[0] == 30 and svc.index.block_counts(("d1", 0))[0] == 3,
+        what="blocks indexed",
+    )
+    assert svc.ext_proc is not None
+    async with grpc.aio.insecure_channel(svc.ext_proc.address) as channel:
+        stub = ep_grpc.ExternalProcessorStub(channel)
+        envoy = Envoy(stub)
+        pick, _ = await envoy.request({"model": MODEL, "prompt": prompt, "max_tokens": 4})
+        header, meta = destination(pick, "request_headers")
+        assert header == meta and header.split(",")[0] in ("10.0.2.1:8000", "10.0.2.2:8000")
+        assert all(e.startswith("10.0.2.") for e in header.split(","))  # only decode instances
+        common = pick.request_headers.response
+        prefiller = [
+            h.header.raw_value.decode()
+            for h in common.header_mutation.set_headers
+            if h.header.key == PREFILLER
+        ]
+        assert prefiller == ["10.0.1.2:8000"]
+        ledger = svc.router.ledger
+        assert len(ledger) == 2  # the decode entry and <id>:prefill on p1
+        assert len(list(ledger.of(("p1", 0)))) == 1
+        await envoy.response(header.split(",")[0], [b'{"choices":[]}'])
+        assert len(ledger) == 0
+        await envoy.close()
+
+        envoy = Envoy(stub)
+        pick, _ = await envoy.request({"model": MODEL, "prompt": short})
+        # Served whole by a decode instance: the one the TTFT ranking prefers (d1 holds the prefix;
+        # by KV headroom alone the two decode instances tie and d0 would come first).
+        header, _ = destination(pick, "request_headers")
+        assert header.split(",") == ["10.0.2.2:8000", "10.0.2.1:8000"]
+        common = pick.request_headers.response
+        assert PREFILLER not in [h.header.key for h in common.header_mutation.set_headers]
+        assert PREFILLER in list(common.header_mutation.remove_headers)
+        assert len(svc.router.ledger) == 1
+        await envoy.call.done_writing()
+        await wait_until(lambda: len(svc.router.ledger) == 0, what="release at stream end")

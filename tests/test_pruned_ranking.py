@@ -187,6 +187,9 @@ def _exercise(
             if rng.random() < 0.3 and len(router.ledger):
                 rid = rng.choice(list(router.ledger._entries))
                 router.release(rid, rng.choice(["prefill", "finished"]))
+        # Degraded instances (their match credited in part): holders and members of match groups.
+        if states and rng.random() < 0.5:
+            router.degraded ^= {s.key for s in rng.sample(states, min(len(states), rng.randint(1, 3)))}
         clock.t += rng.choice([0.01, 0.2, 1.0, 7.0])
         for state in rng.sample(states, min(len(states), 5)):
             state.last_status_at = clock.t

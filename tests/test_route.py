@@ -125,6 +125,7 @@ async def test_non_streaming_routed_by_the_index_bytes_unchanged_and_released(fl
         got = await resp.read()
         assert resp.status == 200
         assert resp.headers["x-kvindex-instance"] == "w1/0" and resp.headers["x-kvindex-decision"] == "index"
+        assert float(resp.headers["x-kvindex-est-ttft-ms"]) > 0  # the index's estimate for w1
     w1 = fleet.engines["w1"]
     assert w1.bodies == [body]  # the request body reached the engine byte for byte
     assert got == w1.sent[0]  # and the engine's answer the client
@@ -154,9 +155,17 @@ async def test_streaming_bytes_unchanged_prefill_released_at_first_chunk(fleet: 
     w1.gate.set()
     rest = await resp.read()
     resp.release()
-    assert first + rest == b"".join(sse_chunks("w1", w1.tokens)) == w1.sent[0]
+    # The engine was asked for its usage chunk (for the index), and the client got exactly the
+    # events it asked for: the same stream without it.
+    assert first + rest == b"".join(sse_chunks("w1", w1.tokens))
+    assert b'"usage"' in w1.sent[0] and b'"usage"' not in first + rest
     await wait_until(lambda: fleet.ledger() == 0, what="ledger released at the end")
-    m = await fleet.metrics()
+    # The proxy counts the release when the index's answer is back, a moment after the index applied it.
+    for _ in range(500):
+        m = await fleet.metrics()
+        if sample(m, "kvindex_route_releases_total", phase="finished", result="found"):
+            break
+        await asyncio.sleep(0.01)
     assert sample(m, "kvindex_route_ttft_seconds_count", stream="true") == 1
     assert sample(m, "kvindex_route_releases_total", phase="finished", result="found") == 1
 
@@ -167,6 +176,8 @@ async def test_chat_stream_is_served(fleet: Fleet) -> None:
         assert resp.status == 200
         got = await resp.read()
         served = fleet.engines[resp.headers["x-kvindex-instance"].split("/")[0]]
+    # No tokenizer for the text here: routed by the fallback, nothing committed, nothing to learn
+    # from the engine's usage, so the body goes unchanged.
     assert got == served.sent[0] and served.bodies == [json.dumps(body).encode()]
     await wait_until(lambda: fleet.ledger() == 0, what="ledger empty")
 
@@ -223,7 +234,7 @@ async def test_unreachable_engine_retries_the_next_and_moves_the_ledger(fleet: F
         what="ledger entry moved to w2",
     )
     w2.gate.set()
-    assert await resp.read() == w2.sent[0]
+    assert await resp.read() == b"".join(sse_chunks("w2", w2.tokens))  # (usage stripped)
     resp.release()
     await wait_until(lambda: fleet.ledger() == 0, what="ledger empty")
     m = await fleet.metrics()
@@ -269,6 +280,7 @@ async def test_index_down_the_fallback_serves_consistently_and_is_counted(fleet:
         async with await fleet.post({"model": MODEL, "prompt": prompt}) as resp:
             assert resp.status == 200
             assert resp.headers["x-kvindex-decision"] == "fallback"
+            assert "x-kvindex-est-ttft-ms" not in resp.headers  # nothing was estimated
             served.append(resp.headers["x-kvindex-instance"])
     assert len(set(served)) == 1  # one prefix, one instance, without the index
     m = await fleet.metrics()
@@ -307,8 +319,11 @@ async def test_slow_index_past_the_deadline_falls_back(
         service.router.score = original  # type: ignore[method-assign]
         m = await f.metrics()
         assert sample(m, "kvindex_route_fallbacks_total", reason="deadline") == 1
-        # The late Score committed anyway: the proxy released it.
+        # The late Score committed anyway: the proxy released it, without the engine's usage (the
+        # fallback's instance need not be the one the index committed it to).
         await wait_until(lambda: len(service.router.ledger) == 0, what="late commit released")
+        assert service.router.outcomes.outcomes == {"exact": 0, "over": 0, "under": 0}
+        assert not service.router.outcomes.ignored
     finally:
         await f.http.close()
         await f.proxy.stop()
@@ -443,7 +458,7 @@ async def test_shutdown_lets_an_in_flight_stream_finish(fleet: Fleet) -> None:
     await asyncio.sleep(0.2)
     assert not stopping.done()  # waiting for the stream
     w1.gate.set()
-    assert await resp.read() == w1.sent[0]  # the whole stream, not cut
+    assert await resp.read() == b"".join(sse_chunks("w1", w1.tokens))  # the whole stream, not cut
     resp.release()
     await asyncio.wait_for(stopping, 5)
     assert fleet.ledger() == 0  # its last release went out before the proxy closed
@@ -588,3 +603,72 @@ async def test_cli_over_mutual_tls_and_a_token(
         for e in f.engines.values():
             await e.close()
         await svc.stop()
+
+
+async def test_chat_without_a_tokenizer_is_said_once_per_model(fleet: Fleet) -> None:
+    """The index (no --tokenizer) rejects text: chat is routed by hash, and the proxy says so once
+    per model, naming the fix, instead of only counting fallbacks."""
+    from structlog.testing import capture_logs
+
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hello"}]}
+    with capture_logs() as logs:
+        for _ in range(3):
+            async with await fleet.post(body, path="/v1/chat/completions") as resp:
+                assert resp.status == 200 and resp.headers["x-kvindex-decision"] == "fallback"
+    said = [r for r in logs if r["event"] == "chat_routing_hash_only"]
+    assert len(said) == 1 and said[0]["model"] == MODEL
+    assert f"--tokenizer {MODEL}=DIR" in said[0]["fix"]
+    assert not [r for r in logs if r["event"] == "index_rejected_request"]
+    assert sample(await fleet.metrics(), "kvindex_route_fallbacks_total", reason="rejected") == 3
+    await wait_until(lambda: fleet.ledger() == 0, what="ledger empty")
+
+
+def test_cli_without_the_route_extra_names_it(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from kvindex.cli import main
+
+    monkeypatch.setitem(sys.modules, "aiohttp", None)  # import aiohttp fails as if not installed
+    monkeypatch.delitem(sys.modules, "kvindex.route.proxy", raising=False)
+    assert main(["route", "--port", "0"]) == 2
+    err = capsys.readouterr().err
+    assert err == (
+        "kvindex route: error: the routing proxy needs aiohttp, which is not installed: "
+        "pip install 'kvindex[route]'\n"
+    )
+
+
+async def test_the_engine_usage_is_reported_with_the_release(fleet: Fleet) -> None:
+    """The engine's cached tokens (usage.prompt_tokens_details) and the TTFT measured here reach the
+    index with the final release, and are compared with what it predicted (docs/feedback.md)."""
+    w1 = fleet.engines["w1"]
+    w1.cached_tokens = 24  # the 6 blocks the index says w1 holds (32-token prompt, last block recomputed)
+    outcomes = fleet.service.router.outcomes
+    seen: list[object] = []
+    outcomes.subscribe(seen.append)
+    # A stream whose client did not ask for usage: asked for it, read, taken out again.
+    async with await fleet.post({"model": MODEL, "prompt": PROMPT, "stream": True}) as resp:
+        assert resp.headers["x-kvindex-instance"] == "w1/0"
+        assert await resp.read() == b"".join(sse_chunks("w1", w1.tokens))
+    await wait_until(lambda: outcomes.outcomes["exact"] == 1, what="stream report compared")
+    assert outcomes.instances[("w1", 0)].ratio_n == 1  # a stream: its TTFT measured too
+    # A client that asked for usage itself gets the engine's chunk as sent.
+    body = {"model": MODEL, "prompt": PROMPT, "stream": True, "stream_options": {"include_usage": True}}
+    async with await fleet.post(body) as resp:
+        got = await resp.read()
+    assert got == w1.sent[-1] and b'"cached_tokens": 24' in got and w1.bodies[-1] == json.dumps(body).encode()
+    await wait_until(lambda: len(seen) == 2, what="second report")
+    # The first request's blocks now count speculatively (this fake engine publishes no events):
+    # the index promised 7 blocks, the engine had 6; an over that is no evidence of a stale index.
+    assert seen[1].outcome == "over" and seen[1].error_tokens == -4 and not seen[1].evidence  # type: ignore[attr-defined]
+    # A non-streamed answer: its usage is in the body; 4 tokens long, so no TTFT is claimed.
+    w1.cached_tokens = 0  # the engine lost the blocks the index still lists: an over
+    async with await fleet.post({"model": MODEL, "prompt": PROMPT}) as resp:
+        assert resp.status == 200 and resp.headers["x-kvindex-instance"] == "w1/0"
+        await resp.read()
+    await wait_until(lambda: len(seen) == 3, what="non-stream report")
+    assert seen[2].outcome == "over" and seen[2].evidence  # type: ignore[attr-defined]
+    assert outcomes.instances[("w1", 0)].ratio_n == 2
+    m = await fleet.metrics()
+    assert sample(m, "kvindex_route_reports_total", result="applied") == 3
+    assert len(seen) == 3 and fleet.ledger() == 0

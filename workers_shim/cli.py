@@ -22,6 +22,7 @@ from kvindex.config.nats import DEFAULT_URL
 from kvindex.lifecycle import Stop, run
 from kvindex.observability.logs import configure_logging
 from kvindex.wire.endpoint import BadEndpoint, check_endpoint
+from kvindex.wire.role import ROLES, BadRole, check_group
 from workers_shim.bridges.bridge import Bridge, BridgeConfig
 from workers_shim.bridges.engines import ENGINES
 from workers_shim.bridges.stats import serve_stats
@@ -92,6 +93,32 @@ def parse_endpoint_arg(text: str) -> str:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def parse_group_arg(text: str) -> str:
+    try:
+        return check_group(text)
+    except BadRole as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def add_role_arguments(p: argparse.ArgumentParser) -> None:
+    """``--role`` and ``--pd-group``: what the engine does under prefill/decode disaggregation,
+    announced in every heartbeat (docs/wire.md §4)."""
+    p.add_argument(
+        "--role",
+        choices=ROLES,
+        default=None,
+        help="prefill/decode disaggregation: the engine computes prompts (prefill), generates from "
+        "transferred KV (decode) or serves whole requests (both). Default: not announced (= both)",
+    )
+    p.add_argument(
+        "--pd-group",
+        type=parse_group_arg,
+        default=None,
+        help="the engine's KV-transfer group (rack, NVLink/RDMA island): routers may keep a request's "
+        "prefill within its decode engine's group",
+    )
+
+
 def add_engine_command(sub: Any, engine: str) -> argparse.ArgumentParser:
     p = sub.add_parser(
         engine, help=_ENGINE_HELP.get(engine, f"bridge {engine}"), description=_ENGINE_HELP.get(engine)
@@ -111,6 +138,7 @@ def add_engine_command(sub: Any, engine: str) -> argparse.ArgumentParser:
     )
     p.add_argument("--worker-id", required=True, help="this worker's id on the wire ([A-Za-z0-9_-]{1,128})")
     p.add_argument("--model", required=True, help="served model name, as routers will ask for it")
+    add_role_arguments(p)
     add_nats_arguments(p)
     p.add_argument("--subject-prefix", default="kvindex")
     p.add_argument(
@@ -186,7 +214,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, Any]:
     sim.set_defaults(handler=main_sim)
     from workers_shim.heartbeat_only import add_heartbeat_command
 
-    add_heartbeat_command(sub, parse_endpoint_arg, parse_capacity, _positive(int))
+    add_heartbeat_command(sub, parse_endpoint_arg, parse_capacity, _positive(int), add_role_arguments)
     return parser, sub
 
 
@@ -206,6 +234,8 @@ def config_from_args(args: argparse.Namespace) -> BridgeConfig:
         one_endpoint=args.one_endpoint,
         block_size=args.block_size,
         endpoint=args.endpoint,
+        role=args.role,
+        pd_group=args.pd_group,
         capacity=args.capacity,
         media=dict(args.medium),
         kv_group=args.kv_group,

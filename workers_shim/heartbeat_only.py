@@ -21,11 +21,13 @@ import structlog
 
 from kvindex.lifecycle import Stop, run
 from workers_shim.bridges.engines import ENGINES
-from workers_shim.bridges.load import LoadReader, scrape
+from workers_shim.bridges.load import LoadReader, PrefillSampler, scrape
 from workers_shim.publisher import Publisher
 
 
-def add_heartbeat_command(sub: Any, parse_endpoint: Any, parse_capacity: Any, positive_int: Any) -> None:
+def add_heartbeat_command(
+    sub: Any, parse_endpoint: Any, parse_capacity: Any, positive_int: Any, add_role_arguments: Any = None
+) -> None:
     p = sub.add_parser(
         "heartbeat",
         help="announce an engine without KV events (heartbeats only; the index predicts its cache)",
@@ -40,6 +42,8 @@ def add_heartbeat_command(sub: Any, parse_endpoint: Any, parse_capacity: Any, po
     p.add_argument("--metrics-url", default=None, help="the engine's Prometheus page, for its load")
     p.add_argument("--engine", choices=sorted(ENGINES), default="vllm", help="whose /metrics names to read")
     p.add_argument("--capacity", type=parse_capacity, default={}, help="blocks per tier, e.g. gpu=24000")
+    if add_role_arguments is not None:
+        add_role_arguments(p)
     p.add_argument("--nats", default="nats://127.0.0.1:4222", help="NATS URL")
     p.add_argument("--subject-prefix", default="kvindex")
     p.add_argument("--heartbeat-interval", type=float, default=0.5)
@@ -69,6 +73,8 @@ async def heartbeat_until_signalled(args: argparse.Namespace, stop: Stop) -> Non
             capacity=args.capacity,
             endpoint=args.endpoint,
             events=False,
+            role=getattr(args, "role", None),
+            pd_group=getattr(args, "pd_group", None),
             heartbeat_interval=args.heartbeat_interval,
         )
     )
@@ -76,17 +82,22 @@ async def heartbeat_until_signalled(args: argparse.Namespace, stop: Stop) -> Non
         return
     log.info("kvshim_started", mode="heartbeat", worker=args.worker_id, endpoint=args.endpoint)
     reader = LoadReader(ENGINES[args.engine])
+    sampler = PrefillSampler(reader)  # the engine's prefill times, for the index's calibration
     try:
         while not stop.requested:
             if args.metrics_url:
                 try:
-                    load = reader.load(await scrape(args.metrics_url, 2.0), 0)
+                    samples = await scrape(args.metrics_url, 2.0)
+                    load = reader.load(samples, 0)
                     pub.set_load(
                         running=load.running,
                         waiting=load.waiting,
                         waiting_prefill_tokens=load.waiting_prefill_tokens,
                         kv_usage=load.kv_usage,
                     )
+                    prefill = sampler.sample(samples, 0)
+                    if prefill is not None:
+                        pub.prefill_sample(*prefill)
                 except Exception as exc:  # the engine may be restarting: keep announcing
                     log.warning("kv_load_scrape_failed", url=args.metrics_url, error=str(exc))
             with contextlib.suppress(TimeoutError):

@@ -16,7 +16,7 @@ import asyncio
 import contextlib
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import structlog
@@ -28,6 +28,7 @@ from kvindex.lifecycle import bounded, close_nats, finish
 from kvindex.wire import reconcile
 from kvindex.wire.codec import encode_batch, encode_status
 from kvindex.wire.endpoint import check_endpoint
+from kvindex.wire.role import check_group, check_role
 from kvindex.wire.schema import TIER_NAMES
 from kvindex.wire.subjects import Subjects, valid_worker_id
 
@@ -59,11 +60,17 @@ class WorkerLog:
         clock: Callable[[], float] = time.time,
         endpoint: str | None = None,
         events: bool = True,
+        role: str | None = None,
+        pd_group: str | None = None,
     ) -> None:
         if not valid_worker_id(worker):
             raise ValueError(f"worker id {worker!r} must match [A-Za-z0-9_-]{{1,128}}")
         if endpoint is not None:
             check_endpoint(endpoint)  # BadEndpoint (a ValueError) names what is wrong
+        if role is not None:
+            check_role(role)  # BadRole (a ValueError) too
+        if pd_group is not None:
+            check_group(pd_group)
         if block_size <= 0:
             raise ValueError("block_size must be positive")
         self.worker = worker
@@ -83,6 +90,10 @@ class WorkerLog:
         self.endpoint = endpoint
         # False: an engine without KV events; heartbeats say so and the index predicts its cache.
         self.events = events
+        # Under prefill/decode disaggregation: "prefill", "decode" or "both", and the KV-transfer
+        # group; None leaves the field out of heartbeats (the index then reads "both", no group).
+        self.role = role
+        self.pd_group = pd_group
         self._prefill_samples: list[tuple[int, int, float]] = []
         self.clock = clock
         self.blocks: dict[str, set[int]] = {t: set() for t in TIER_NAMES}
@@ -235,6 +246,10 @@ class WorkerLog:
             extra["endpoint"] = self.endpoint
         if not self.events:
             extra["events"] = False
+        if self.role is not None:
+            extra["role"] = self.role
+        if self.pd_group is not None:
+            extra["pd_group"] = self.pd_group
         return encode_status(
             worker=self.worker,
             model=self.model,
@@ -324,6 +339,11 @@ class Publisher(WorkerLog):
         self._subs: list[Any] = []
         self.snapshots_served = 0
         self.replays_served = 0
+        # Awaited before a snapshot is answered (bounded by ``before_snapshot_timeout``): a bridge
+        # asks its engine for events it may have missed, so that an index that found this worker's
+        # blocks wrong (docs/feedback.md) gets the engine's truth, not the same loss again.
+        self.before_snapshot: Callable[[], Awaitable[None]] | None = None
+        self.before_snapshot_timeout = 2.0
         self.log = structlog.get_logger("workers_shim.publisher").bind(
             worker=self.worker, dp_rank=self.dp_rank
         )
@@ -390,6 +410,11 @@ class Publisher(WorkerLog):
             return
         if req.dp_rank != self.dp_rank or not msg.reply:
             return
+        if self.before_snapshot is not None:
+            try:
+                await asyncio.wait_for(self.before_snapshot(), self.before_snapshot_timeout)
+            except Exception as exc:  # answer with what is known: the index must not wait in vain
+                self.log.warning("before_snapshot_failed", error=str(exc), error_type=type(exc).__name__)
         sealed, parts = self.snapshot_messages()
         self.snapshots_served += 1
         await self._publish(sealed)

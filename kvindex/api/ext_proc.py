@@ -16,7 +16,11 @@ body and trailers. This picker:
 4. on the response reads ``x-gateway-destination-endpoint-served`` (moving the ledger entry when
    Envoy fell back to another endpoint), releases the prefill at the first response body chunk and
    the request at the end of the response — or when the stream ends any other way (client gone,
-   upstream reset), so the ledger never leaks.
+   upstream reset), so the ledger never leaks. Where the gateway sends the response body, the final
+   release carries the engine's ``usage`` (its cached tokens; kvindex/api/usage.py) and the time from
+   the pick to the first response byte, which the index compares with its prediction
+   (docs/feedback.md). A stream has ``usage`` only when its client asked for it
+   (``stream_options.include_usage``) or the engine forces it (vLLM ``--enable-force-include-usage``).
 
 Processing modes: Envoy's ``FULL_DUPLEX_STREAMED`` (what the Inference Extension configures) sends
 body chunks without waiting for the headers' answer; the picker then answers the headers after the
@@ -29,6 +33,7 @@ message); without it, full duplex is assumed, as the Inference Extension's own p
 from __future__ import annotations
 
 import json
+import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -48,8 +53,21 @@ from kvindex.api.openai_body import BodyError, PromptSpec, parse_body
 from kvindex.api.security import ServerSecurity
 from kvindex.api.server import READINESS, GrpcPort
 from kvindex.api.servicer import BadRequest, KvIndexServicer
+from kvindex.api.usage import UsageReader
 from kvindex.fleet.registry import InstanceState
+from kvindex.route.pd import (
+    REMOTE,
+    PairCosts,
+    PdConfig,
+    PdMetrics,
+    PrefillOption,
+    choose_prefill,
+    decide_local,
+    decode_candidates,
+    prefill_candidates,
+)
 from kvindex.scoring.ledger import FINISHED, PREFILL
+from kvindex.scoring.outcomes import Report
 from kvindex.v1 import kvindex_pb2 as pb
 
 SERVICE_NAME = ep.DESCRIPTOR.services_by_name["ExternalProcessor"].full_name
@@ -59,6 +77,11 @@ SUBSET = "x-gateway-destination-endpoint-subset"
 LB_NAMESPACE = "envoy.lb"
 SUBSET_NAMESPACE = "envoy.lb.subset_hint"
 REQUEST_ID_HEADER = "x-request-id"
+# Disaggregated prefill/decode (llm-d's disaggregation profile): the destination is the decode
+# endpoint; this header names the prefill endpoint ("host:port") for the decode side's sidecar, which
+# runs the prefill step there first. Absent: the decode instance prefills itself.
+PREFILLER = "x-prefiller-host-port"
+PREFILL_SUFFIX = ":prefill"  # the prefill's ledger id: the request's id + this
 STREAMED_CHUNK = 62 * 1024  # body pieces sent back in full-duplex mode stay under Envoy's 64 KiB frames
 
 _FULL_DUPLEX = mode_pb2.ProcessingMode.FULL_DUPLEX_STREAMED
@@ -76,8 +99,14 @@ class _Exchange:
     request: pb.ScoreRequest | None = None
     request_id: str = ""
     committed: str = ""  # instance id holding the ledger entry
+    prefiller: str = ""  # PD: the prefill endpoint named in x-prefiller-host-port
+    prefill_committed: bool = False  # PD: <request_id>:prefill is in the ledger
     released_prefill: bool = False
     finished: bool = False
+    picked_at: float = 0.0  # monotonic time of the pick (the TTFT the picker sees starts here)
+    first_byte_at: float = 0.0
+    reader: UsageReader | None = None  # the response's usage, when the gateway sends the body
+    report: Report | None = None  # sent with the final release
 
 
 class PickerMetrics:
@@ -88,6 +117,12 @@ class PickerMetrics:
             "kvindex_ext_proc_served_elsewhere", "Requests Envoy served on a fallback endpoint", **kw
         )
         self.streams = Counter("kvindex_ext_proc_streams", "ext_proc streams opened", **kw)
+        self.reports = Counter(
+            "kvindex_ext_proc_reports",
+            "outcome reports read from response bodies, by what the index did with them",
+            ["result"],
+            **kw,
+        )
 
 
 class EndpointPicker(ep_grpc.ExternalProcessorServicer):
@@ -101,6 +136,7 @@ class EndpointPicker(ep_grpc.ExternalProcessorServicer):
         policy: str = "",
         max_body_bytes: int = 16 * 1024 * 1024,
         log: Any = None,
+        pd: PdConfig | None = None,
     ) -> None:
         self.servicer = servicer
         self.registry = servicer.registry
@@ -109,6 +145,14 @@ class EndpointPicker(ep_grpc.ExternalProcessorServicer):
         self.max_body_bytes = max_body_bytes
         self.log = log or structlog.get_logger("kvindex.ext_proc")
         self.metrics = PickerMetrics(servicer.metrics.registry if servicer.metrics else None)
+        # Disaggregated prefill/decode (--ext-proc-pd): decode destination + prefill header.
+        self.pd = pd
+        self.pd_costs = PairCosts(pd) if pd is not None else None
+        self.pd_metrics = (
+            PdMetrics(servicer.metrics.registry if servicer.metrics else None, "kvindex_ext_proc")
+            if pd is not None
+            else None
+        )
 
     # -- the stream ----------------------------------------------------------------------------
 
@@ -166,13 +210,22 @@ class EndpointPicker(ep_grpc.ExternalProcessorServicer):
             return [ep.ProcessingResponse(request_trailers=ep.TrailersResponse())]
         if kind == "response_headers":
             self._served(ex, msg.metadata_context)
+            headers = _headers(msg.response_headers.headers)
+            if ex.committed and headers.get(":status", "200") == "200" and "content-encoding" not in headers:
+                stream = headers.get("content-type", "").startswith("text/event-stream")
+                ex.reader = UsageReader(stream)
             if msg.response_headers.end_of_stream:
                 self._finish(ex)
             return [ep.ProcessingResponse(response_headers=ep.HeadersResponse())]
         if kind == "response_body":
             body = msg.response_body
             if not ex.released_prefill and (body.body or body.end_of_stream):
+                ex.first_byte_at = time.monotonic()
                 self._release(ex, PREFILL)  # the first bytes of the answer: the prefill is done
+            if ex.reader is not None:
+                ex.reader.feed(body.body)
+                if body.end_of_stream:
+                    ex.report = self._report(ex, ex.reader)
             if body.end_of_stream:
                 self._finish(ex)
             if ex.full_duplex:
@@ -206,6 +259,16 @@ class EndpointPicker(ep_grpc.ExternalProcessorServicer):
                 )
             ]
         )
+        if self.pd is not None:
+            if ex.prefiller:
+                mutation.set_headers.append(
+                    core_pb2.HeaderValueOption(
+                        header=core_pb2.HeaderValue(key=PREFILLER, raw_value=ex.prefiller.encode()),
+                        append_action=core_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD,
+                    )
+                )
+            else:  # the decode instance prefills itself; a client never chooses the prefiller
+                mutation.remove_headers.append(PREFILLER)
         common = ep.CommonResponse(header_mutation=mutation, clear_route_cache=True)
         metadata = struct_pb2.Struct()
         metadata.get_or_create_struct(LB_NAMESPACE)[DESTINATION] = value
@@ -223,18 +286,94 @@ class EndpointPicker(ep_grpc.ExternalProcessorServicer):
         if not ex.body:  # a request without a body: the least loaded eligible instance
             return self._by_load(eligible)
         spec = parse_body(bytes(ex.body), ex.headers.get(":path", ""))
-        candidates = sorted(s.instance_id for s in eligible)
-        request = self._score_request(spec, ex, candidates)
+        if self.pd is not None:
+            decodes = decode_candidates(eligible)
+            if not decodes:
+                return []
+            request = self._score_request(spec, ex, decodes)
+            request.role = "decode"
+        else:
+            request = self._score_request(spec, ex, sorted(s.instance_id for s in eligible))
         response = self.servicer.score_request(request)
+        ex.picked_at = time.monotonic()
         if response.committed_instance_id:
             ex.request = request
             ex.committed = response.committed_instance_id
         if not response.block_size:
             # A model the index has not heard of: any eligible endpoint may still serve it.
             return self._by_load(eligible)
+        if self.pd is not None and response.ranked:
+            response = self._plan_prefill(ex, spec, request, response, eligible)
         # Ranks of one data-parallel engine share its endpoint: each endpoint once, at its best rank.
         ranked = list(dict.fromkeys(r.endpoint for r in response.ranked if r.endpoint))
         return ranked[: 1 + self.fallbacks]
+
+    def _plan_prefill(
+        self,
+        ex: _Exchange,
+        spec: PromptSpec,
+        decode_request: pb.ScoreRequest,
+        decoded: pb.ScoreResponse,
+        eligible: list[InstanceState],
+    ) -> pb.ScoreResponse:
+        """PD: pick the prefill instance for the decode pick (``ex.prefiller``), or leave the prefill
+        to a decode instance (conditional disaggregation, kvindex/route/pd.py): then the request is a
+        whole one, and the decode instances are ranked again by TTFT (prefix held, queue). Returns
+        the ranking whose endpoints are the destination."""
+        assert self.pd is not None and self.pd_costs is not None and self.pd_metrics is not None
+        top = decoded.ranked[0]
+        prompt_tokens = decoded.prompt_tokens or decoded.total_blocks * decoded.block_size
+        why = decide_local(prompt_tokens, top.matched_tokens, self.pd)
+        if why is None:
+            state = self.registry.get((top.worker, top.dp_rank))
+            group = (state.pd_group or "") if state is not None else ""
+            candidates = prefill_candidates(eligible, top.instance_id, group, self.pd.same_group)
+            why = "no_prefill_instance"
+            if candidates:
+                request = pb.ScoreRequest()
+                request.CopyFrom(decode_request)
+                request.role = ""
+                del request.candidates[:]
+                request.candidates.extend(candidates)
+                request.top_k = self.pd.prefill_top_k
+                request.request_id = ex.request_id + PREFILL_SUFFIX
+                ranked = self.servicer.score_request(request)
+                ex.prefill_committed = bool(ranked.committed_instance_id)
+                groups = {s.instance_id: s.pd_group or "" for s in eligible}
+                options = [
+                    PrefillOption(r.instance_id, r.endpoint, r.est_ttft_ms, groups.get(r.instance_id, ""))
+                    for r in ranked.ranked
+                ]
+                transfer = max(0, prompt_tokens - top.matched_tokens)
+                pick = choose_prefill(options, top.instance_id, transfer, self.pd_costs)
+                if pick is not None:
+                    if pick.option.instance_id != ranked.committed_instance_id:
+                        # The transfer made another instance cheaper: commit it there instead.
+                        del request.candidates[:]
+                        request.candidates.append(pick.option.instance_id)
+                        self.servicer.score_request(request)
+                    ex.prefiller = pick.option.endpoint
+                    why = REMOTE
+                elif ex.prefill_committed:
+                    self.servicer.router.release(request.request_id, FINISHED)
+                    ex.prefill_committed = False
+        self.pd_metrics.served(why)
+        if why == REMOTE:
+            return decoded
+        whole = pb.ScoreRequest()
+        whole.CopyFrom(decode_request)
+        whole.role = ""  # ranked and committed as a whole request, among the decode instances
+        try:
+            ranked = self.servicer.score_request(whole)
+        except BadRequest:
+            ranked = None
+        if ranked is None or not ranked.ranked:
+            if ex.committed:
+                self._recommit(ex, ex.committed, decode_request)
+            return decoded
+        ex.request = whole
+        ex.committed = ranked.committed_instance_id
+        return ranked
 
     def _score_request(self, spec: PromptSpec, ex: _Exchange, candidates: list[str]) -> pb.ScoreRequest:
         request = pb.ScoreRequest(
@@ -273,8 +412,13 @@ class EndpointPicker(ep_grpc.ExternalProcessorServicer):
         instance = at[0].instance_id
         self.metrics.served_elsewhere.inc()
         self.servicer.router.release(ex.request_id, FINISHED)
+        self._recommit(ex, instance, ex.request)
+
+    def _recommit(self, ex: _Exchange, instance: str, like: pb.ScoreRequest) -> None:
+        """Commit the request to ``instance`` (a unified entry: prefill and decode there)."""
         request = pb.ScoreRequest()
-        request.CopyFrom(ex.request)
+        request.CopyFrom(like)
+        request.role = ""
         del request.candidates[:]
         request.candidates.append(instance)
         try:
@@ -284,11 +428,30 @@ class EndpointPicker(ep_grpc.ExternalProcessorServicer):
             return
         ex.committed = response.committed_instance_id
 
+    def _report(self, ex: _Exchange, reader: UsageReader) -> Report | None:
+        reader.finish()
+        usage = reader.usage
+        report = Report()
+        if usage is not None:
+            report.cached_tokens, report.prompt_tokens = usage.cached_tokens, usage.prompt_tokens
+        if ex.picked_at and (reader.stream or (usage is not None and usage.completion_tokens == 1)):
+            report.ttft_ms = max(0.0, (ex.first_byte_at - ex.picked_at) * 1000)
+        if report.empty():
+            return None
+        return report
+
     def _release(self, ex: _Exchange, phase: str) -> None:
+        if ex.prefill_committed:
+            # The decode side answers once the prefill step is over: the prefill entry goes first.
+            ex.prefill_committed = False
+            self.servicer.router.release(ex.request_id + PREFILL_SUFFIX, FINISHED)
         if phase == PREFILL:
             ex.released_prefill = True
         if ex.committed:
-            self.servicer.router.release(ex.request_id, phase)
+            report = ex.report if phase == FINISHED else None
+            status = self.servicer.router.release_reported(ex.request_id, phase, report)[1]
+            if status:
+                self.metrics.reports.labels(status).inc()
 
     def _finish(self, ex: _Exchange) -> None:
         if not ex.finished:

@@ -20,6 +20,7 @@ from kvindex.keys import keys_from_le_bytes, model_seed
 from kvindex.observability.counters import IngestCounters, Metrics
 from kvindex.scoring.base import DECODE_ROLE, PREFILL_ROLE, RouteRequest
 from kvindex.scoring.ledger import FINISHED, PREFILL
+from kvindex.scoring.outcomes import INVALID, Report
 from kvindex.scoring.policies import POLICY_NAMES
 from kvindex.scoring.router import Router
 from kvindex.tokenize import ChatOptions, TokenizeError, Tokenizers
@@ -140,6 +141,18 @@ def _invariant_part(state: InstanceState) -> pb.RankedInstance:
             waiting_prefill_tokens=load.waiting_prefill_tokens,
             kv_usage=load.kv_usage,
         ),
+    )
+
+
+def release_report(request: pb.ReleaseRequest) -> Report | None:
+    """The outcome report a Release carries, None without one."""
+    has = request.HasField
+    if not (has("cached_tokens") or has("ttft_ms") or has("prompt_tokens")):
+        return None
+    return Report(
+        cached_tokens=request.cached_tokens if has("cached_tokens") else None,
+        ttft_ms=request.ttft_ms if has("ttft_ms") else None,
+        prompt_tokens=request.prompt_tokens if has("prompt_tokens") else None,
     )
 
 
@@ -399,9 +412,13 @@ class KvIndexServicer(pb_grpc.KvIndexServicer):
             await self._abort(
                 context, BadRequest(f"request_id is required and phase must be {PREFILL!r} or {FINISHED!r}")
             )
-        found = self.router.release(request.request_id, request.phase)
+        report = release_report(request)
+        if report is not None and (why := report.malformed()) is not None:
+            self.router.outcomes.ignore(INVALID)
+            await self._abort(context, BadRequest(why))
+        found, status = self.router.release_reported(request.request_id, request.phase, report)
         self._observe("Release", started)
-        return pb.ReleaseResponse(found=found)
+        return pb.ReleaseResponse(found=found, report=status)
 
     async def Lookup(self, request: pb.LookupRequest, context: grpc.aio.ServicerContext) -> pb.LookupResponse:
         started = time.perf_counter()
@@ -445,8 +462,10 @@ class KvIndexServicer(pb_grpc.KvIndexServicer):
         states = self.registry.of_model(request.model) if request.model else self.registry.all()
         now = self.registry.clock()
         response = pb.ListInstancesResponse()
+        calibrator = self.router.calibrator
         for state in sorted(states, key=lambda s: (s.model, s.key)):
             cap = state.capacity
+            fit = calibrator.status(state.model, state.instance_id)
             response.instances.add(
                 instance_id=state.instance_id,
                 worker=state.worker,
@@ -467,7 +486,25 @@ class KvIndexServicer(pb_grpc.KvIndexServicer):
                 sync=state.sync,
                 endpoint=state.endpoint or "",
                 approximate=state.approximate,
+                role=state.role,
+                pd_group=state.pd_group or "",
+                prefill=pb.PrefillFit(
+                    source=fit.source,
+                    a_ms=fit.model.a_ms,
+                    b_ms_per_token=fit.model.b_ms_per_token,
+                    c_ms_per_token2=fit.model.c_ms_per_token2,
+                    samples=fit.samples,
+                    error=fit.error or 0.0,
+                    has_error=fit.error is not None,
+                ),
             )
+            info = response.instances[-1]
+            info.state, info.state_reason = self.router.state_of(state)
+            counts = self.router.outcomes.instances.get(state.key)
+            if counts is not None:
+                by = counts.by_outcome
+                info.outcomes_exact, info.outcomes_over = by["exact"], by["over"]
+                info.outcomes_under = by["under"]
         self._observe("ListInstances", started)
         return response
 

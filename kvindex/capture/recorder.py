@@ -185,8 +185,9 @@ class Recorder:
     # -- service state --------------------------------------------------------------------------
 
     def calibration(self, calibrator: Calibrator) -> None:
-        models = {model: calibrator.export(model) for model in calibrator.models}
-        self._add([*self._head(R.CALIBRATION), models])
+        snap = calibrator.snapshot()
+        # The models' shared fits as before; the instances' own fits after them.
+        self._add([*self._head(R.CALIBRATION), snap["models"], snap["instances"]])
 
     def route(self, method: str, request: bytes, instance: str = "") -> None:
         self._add([*self._head(R.ROUTE), method, request, instance])

@@ -27,7 +27,7 @@ from typing import Any
 
 import structlog
 
-from kvindex.api.servicer import KvIndexServicer, _prompt_tokens
+from kvindex.api.servicer import KvIndexServicer, _prompt_tokens, release_report
 from kvindex.capture import records as R
 from kvindex.capture.digest import state_digest
 from kvindex.capture.format import LogError, LogReader
@@ -40,7 +40,7 @@ from kvindex.ingest.limits import limits_from_meta
 from kvindex.observability.counters import IngestCounters
 from kvindex.repair.nats_repair import RepairConfig
 from kvindex.scoring.base import DECODE_ROLE, RouteRequest
-from kvindex.scoring.calibration import Calibrator, ModelCalibration
+from kvindex.scoring.calibration import Calibrator
 from kvindex.scoring.router import Router, RouterConfig
 from kvindex.v1 import kvindex_pb2 as pb
 from kvindex.wire.reconcile import Snapshot
@@ -235,6 +235,9 @@ class Replayer:
         self.router = Router(self.index, self.registry, self.calibrator, config)
         self.consumer.prefill_samples = self.calibrator.add
         self.consumer.on_forget = self.router.forget
+        # Degraded instances follow the repairs; the reconciliations they asked for live are
+        # replayed from their timer records.
+        self.consumer.on_sync_change = self.router.sync_changed
         self.servicer = KvIndexServicer(self.index, self.registry, self.counters, None, self.router)
         repair = meta.get("repair") or {}
         defaults = RepairConfig()
@@ -361,7 +364,7 @@ class Replayer:
 
     def _snapshot_failed(self, record: list[Any]) -> None:
         worker, rank, why = record[3:6]
-        self.counters.snapshots_failed += 1  # what NatsRepairer counts itself before retrying
+        self.consumer.snapshot_failed((worker, rank), why)  # what NatsRepairer does before retrying
         self.moment(f"{worker}/{rank}", "snapshot!", f"snapshot request failed: {why} (retried)", True)
 
     def _timer(self, record: list[Any]) -> None:
@@ -398,16 +401,14 @@ class Replayer:
         self.moment("", "DIVERGED", f"state digest {mine} but the live service had {live}", True)
 
     def _calibration(self, record: list[Any]) -> None:
-        for model, data in record[3].items():
-            cal = ModelCalibration(prior=self.calibrator.prior)
-            cal.load(data)
-            self.calibrator.models[model] = cal
+        instances = record[4] if len(record) > 4 else {}  # (captures before per-instance fits: none)
+        self.calibrator.load_snapshot({"models": record[3], "instances": instances})
 
     def _route(self, record: list[Any]) -> None:
         method, body, instance = record[3], record[4], record[5] if len(record) > 5 else ""
         if method == "Release":
             req = pb.ReleaseRequest.FromString(body)
-            self.router.release(req.request_id, req.phase)
+            self.router.release_reported(req.request_id, req.phase, release_report(req))
             return
         req = pb.ScoreRequest.FromString(body) if method == "Score" else pb.CommitRequest.FromString(body)
         if self.watch_request and req.request_id == self.watch_request and self.watched is None:

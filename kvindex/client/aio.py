@@ -191,6 +191,7 @@ def _message(cls: Any, fields: dict[str, Any]) -> Any:
         if (
             field_desc is not None
             and field_desc.type == field_desc.TYPE_STRING
+            and not field_desc.is_repeated  # (candidates: a list of strings, sent as one)
             and isinstance(value, list | dict | tuple)
         ):
             value = _json(value)
@@ -481,6 +482,30 @@ class AsyncKvIndexClient:
         (never committed, already released, or the index restarted)."""
         reply = await self._unary("Release", pb.ReleaseRequest(request_id=request_id, phase=phase), timeout)
         return bool(reply.found)
+
+    async def release_reported(
+        self,
+        request_id: str,
+        phase: str = "finished",
+        *,
+        cached_tokens: int | None = None,
+        ttft_ms: float | None = None,
+        prompt_tokens: int | None = None,
+        timeout: float | None = None,
+    ) -> tuple[bool, str]:
+        """Release with what the engine reported (docs/feedback.md): the engine's cached tokens
+        (``usage.prompt_tokens_details.cached_tokens``), the TTFT measured here and the engine's
+        prompt length; any may be None. Returns (found, what became of the report: "applied" or
+        why it was ignored)."""
+        request = pb.ReleaseRequest(request_id=request_id, phase=phase)
+        if cached_tokens is not None:
+            request.cached_tokens = cached_tokens
+        if ttft_ms is not None:
+            request.ttft_ms = ttft_ms
+        if prompt_tokens is not None:
+            request.prompt_tokens = prompt_tokens
+        reply = await self._unary("Release", request, timeout)
+        return bool(reply.found), reply.report
 
     async def lookup(self, model: str, *, timeout: float | None = None, **fields: Any) -> pb.LookupResponse:
         return await self._unary("Lookup", _message(pb.LookupRequest, {"model": model, **fields}), timeout)

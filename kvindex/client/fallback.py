@@ -31,6 +31,10 @@ class KnownInstance:
     instance_id: str
     endpoint: str  # "" when it announced none
     seen_at: float
+    # Under prefill/decode disaggregation (ListInstances only; Score answers do not carry them):
+    # "prefill", "decode" or "both", and the KV-transfer group ("" for none).
+    role: str = "both"
+    pd_group: str = ""
 
 
 class InstanceCache:
@@ -57,7 +61,10 @@ class InstanceCache:
                 self._block_size[info.model] = info.block_size
             members = models.setdefault(info.model, {})
             if not info.pool and not info.stale:  # the index would not rank them either
-                members[info.instance_id] = KnownInstance(info.instance_id, info.endpoint, now)
+                # (getattr: an index that predates the fields has none, and serves whole requests.)
+                role = getattr(info, "role", "") or "both"
+                group = getattr(info, "pd_group", "")
+                members[info.instance_id] = KnownInstance(info.instance_id, info.endpoint, now, role, group)
         self._models.update(models)
         self.refreshed_at = now
 

@@ -55,6 +55,10 @@ class KvIndexClient:
     def release(self, request_id: str, phase: str = "finished", *, timeout: float | None = None) -> bool:
         return self._run(self._client.release(request_id, phase, timeout=timeout))
 
+    def release_reported(self, request_id: str, phase: str = "finished", **report: Any) -> tuple[bool, str]:
+        """``AsyncKvIndexClient.release_reported``: cached_tokens, ttft_ms, prompt_tokens, timeout."""
+        return self._run(self._client.release_reported(request_id, phase, **report))
+
     def lookup(self, model: str, **kwargs: Any) -> pb.LookupResponse:
         return self._run(self._client.lookup(model, **kwargs))
 

@@ -59,11 +59,20 @@ class InstanceState:
     restarts: int = 0
     local_blocks_seen: bool = False
     sync: str = "synced"  # synced | replay | snapshot: what the index is doing to stay exact
+    sync_cause: str = ""  # why that repair began (gap, drift, start, periodic, degraded, ...)
+    # A repair failed (a replay or snapshot that timed out, holes accepted): the index may miss
+    # blocks until a snapshot succeeds (kvindex/scoring/outcomes.py: the instance is degraded).
+    repair_failed: bool = False
+    removals: int = 0  # blocks removed or cleared by its events (outcomes: an eviction since a decision)
     # Where routers send this instance's requests ("host:port", from its heartbeats); None: unknown.
     endpoint: str | None = None
     # No KV events from this instance (heartbeat-only worker, or a static --instance): its blocks in
     # the index are predicted from routing decisions (kvindex/scoring/approximate.py).
     approximate: bool = False
+    # Prefill/decode disaggregation (kvindex/wire/role.py): "prefill", "decode" or "both" (default:
+    # serves whole requests), and the KV-transfer group routers may keep a request's two halves in.
+    role: str = "both"
+    pd_group: str | None = None
     static: bool = False  # registered from the command line: never stale, never forgotten
     _stale: bool = False  # no heartbeat for a while: excluded from rankings
     # Sets the registry's watchers drain (Registry.watch); each gets the key of a changed instance.
@@ -222,6 +231,10 @@ class Registry:
         state.endpoint = endpoint
         if endpoint is not None and state.key in self._states:
             self._by_endpoint.setdefault(endpoint, {})[state.key] = state
+
+    def set_role(self, state: InstanceState, role: str, group: str | None) -> None:
+        """Record what ``state`` does under disaggregation (validated by the caller)."""
+        state.role, state.pd_group = role, group
 
     def endpoint(self, instance: InstanceKey | str) -> str | None:
         """Where an instance (key or "worker/dp_rank" id) serves; None if unknown or not announced."""

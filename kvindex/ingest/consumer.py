@@ -127,10 +127,14 @@ class Consumer:
         # a heartbeat ahead of the batches must be seen twice before it counts as a lost tail.
         self.heartbeat_repairs = True
         self.status_in_order = True
-        # Where heartbeats' prefill samples go (model, [(prompt, cached, ms)]): the calibration.
-        self.prefill_samples: Callable[[str, list[tuple[int, int, float]]], Any] | None = None
+        # Where heartbeats' prefill samples go (model, [(prompt, cached, ms)], instance id): the
+        # calibration (kvindex/scoring/calibration.py).
+        self.prefill_samples: Callable[[str, list[tuple[int, int, float]], str], Any] | None = None
         # Told when an instance is forgotten (routing state about it can go too).
         self.on_forget: Callable[[InstanceKey], Any] | None = None
+        # Told when an instance's repair state changes (sync, sync_cause, repair_failed) and when a
+        # snapshot reconciled it: the router keeps its degraded instances (kvindex/scoring/outcomes.py).
+        self.on_sync_change: Callable[[InstanceState, bool], Any] | None = None
         self.repair: RepairScheduler = repair or NoRepair()
         if isinstance(self.repair, NoRepair):
             self.repair.consumer = self
@@ -212,6 +216,7 @@ class Consumer:
         if n_removed or n_cleared:  # most batches only store
             c.blocks_removed += removed
             c.blocks_cleared += cleared
+            state.removals += removed + cleared
             applied[REMOVED] += n_removed
             applied[CLEARED] += n_cleared
         if local:
@@ -343,6 +348,8 @@ class Consumer:
         cursor.rounds += 1
         cursor.target = max(cursor.target, upto)
         state.sync = how
+        state.sync_cause = cursor.cause
+        self._sync_changed(state)
         c = self.counters
         if how == REPLAY:
             hole = cursor.hole()
@@ -393,6 +400,7 @@ class Consumer:
             )
             self.sequencer.set_repairing(state.key, cursor, None)
             state.sync = "synced"
+            self._sync_changed(state)
             return
         if buffer:
             if cursor.rounds >= MAX_REPAIR_ROUNDS:
@@ -444,6 +452,7 @@ class Consumer:
         if state is None or cursor is None or cursor.epoch != epoch or cursor.repairing != REPLAY:
             return
         self.counters.replays_failed[why] += 1
+        state.repair_failed = True
         self._begin(state, cursor, SNAPSHOT, "gap")
 
     def on_snapshot(
@@ -507,10 +516,24 @@ class Consumer:
             )
         cursor.applied = max(cursor.applied, snapshot.seq)
         state.epoch, state.last_seq = cursor.epoch, cursor.applied
+        state.repair_failed = False  # whatever was lost before is reconciled now
+        self._sync_changed(state, reconciled=True)
         if cursor.repairing is None:  # a periodic check: nothing was waiting on it
             return True
         self._settle(state, cursor)
         return True
+
+    def _sync_changed(self, state: InstanceState, reconciled: bool = False) -> None:
+        if self.on_sync_change is not None:
+            self.on_sync_change(state, reconciled)
+
+    def snapshot_failed(self, instance: InstanceKey, why: str) -> None:
+        """A snapshot request got no usable answer (the repairer retries with back-off)."""
+        self.counters.snapshots_failed += 1
+        state = self.registry.get(instance)
+        if state is not None and not state.repair_failed:
+            state.repair_failed = True
+            self._sync_changed(state)
 
     def reconcile(self, instance: InstanceKey, cause: str) -> None:
         """Ask for a snapshot of an instance that looks in sync (periodic check, reconnect)."""
@@ -557,6 +580,8 @@ class Consumer:
         state.last_seq = cursor.applied
         self.sequencer.set_repairing(state.key, cursor, None)
         state.sync = "synced"
+        state.repair_failed = True  # holes accepted: blocks may be missing until a snapshot
+        self._sync_changed(state)
 
     # -- status heartbeats -----------------------------------------------------------------------
 
@@ -608,7 +633,7 @@ class Consumer:
                 memo: _StatusMemo = state.status_memo
                 if decode_status_into(peek, memo):
                     report = memo.report
-                    if report.endpoint_error is None:  # (else _accept_status: counted, logged)
+                    if report.endpoint_error is None and report.role_error is None:  # (else counted)
                         self._apply_status(state, report, payload)
                         return True
                     return self._accept_status(subject, state, report)
@@ -636,6 +661,9 @@ class Consumer:
             # The heartbeat still counts (load, digest, liveness); only the endpoint is dropped, so
             # routers never see an address they could not connect to.
             self._reject(state.worker, subject, WireError(errors.BAD_ENDPOINT, report.endpoint_error))
+        if report.role_error is not None:
+            # Likewise a role or group that cannot be read: the instance serves whole requests.
+            self._reject(state.worker, subject, WireError(errors.BAD_ROLE, report.role_error))
         self._apply_status(state, report)
         return True
 
@@ -670,8 +698,17 @@ class Consumer:
                 "instance_endpoint", worker=state.worker, dp_rank=state.dp_rank, endpoint=report.endpoint
             )
             self.registry.set_endpoint(state, report.endpoint)
+        if report.role != state.role or report.pd_group != state.pd_group:  # rare: announced or changed
+            self.log.info(
+                "instance_role",
+                worker=state.worker,
+                dp_rank=state.dp_rank,
+                role=report.role,
+                pd_group=report.pd_group,
+            )
+            self.registry.set_role(state, report.role, report.pd_group)
         if report.prefill and self.prefill_samples is not None:
-            self.prefill_samples(state.model, report.prefill)
+            self.prefill_samples(state.model, report.prefill, state.instance_id)
         if state.stale:
             state.stale = False
             self.log.info("instance_alive_again", worker=state.worker, dp_rank=state.dp_rank)
@@ -825,6 +862,8 @@ class Consumer:
         old, state.epoch, state.last_seq = state.epoch, epoch, 0
         # A repair of the old history ends with it; the new one starts in sync unless it begins its own.
         state.sync = "synced"
+        state.repair_failed = False
+        self._sync_changed(state, reconciled=True)
         self.log.info(
             "worker_restarted",
             worker=state.worker,

@@ -103,6 +103,13 @@ class NatsRepairer:
                 self.recorder.timer("reconcile", key, "reconnect")
             self.consumer.reconcile(key, "reconnect")
 
+    def reconcile_now(self, instance: InstanceKey, cause: str) -> None:
+        """Ask for a snapshot of ``instance`` at once (the router found it degraded), unless a
+        repair is already under way."""
+        if self.recorder is not None:
+            self.recorder.timer("reconcile", instance, cause)
+        self.consumer.reconcile(instance, cause)
+
     # -- RepairScheduler ------------------------------------------------------------------------
 
     def request_replay(self, instance: InstanceKey, epoch: int, first: int, last: int) -> None:
@@ -163,7 +170,7 @@ class NatsRepairer:
             except RequestFailed as exc:
                 if self.recorder is not None:
                     self.recorder.snapshot_failed(instance, str(exc))
-                self.consumer.counters.snapshots_failed += 1
+                self.consumer.snapshot_failed(instance, str(exc))
                 self.log.info(
                     "snapshot_failed", worker=worker, dp_rank=rank, error=str(exc), retry_in=backoff
                 )

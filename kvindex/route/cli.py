@@ -33,13 +33,106 @@ def add_route(sub: Any) -> None:
     )
     p.add_argument("--fallback-blocks", type=int, default=4, help="prompt blocks the fallback hashes")
     p.add_argument("--policy", default="", help="ranking policy asked of the index (default: its own)")
+    add_pd_arguments(p)
     p.add_argument("--log-format", choices=("auto", "json", "console"), default="auto")
     p.add_argument("--log-level", default="info")
     add_client_options(p)
 
 
+def _pair_cost(text: str) -> tuple[tuple[str, str], float]:
+    from kvindex.route.pd import parse_pair_cost
+
+    try:
+        return parse_pair_cost(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def add_pd_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group(
+        "prefill/decode disaggregation",
+        "--pd serves each request in two steps, as vLLM's disaggregated proxies do (kv_transfer_params): "
+        "a prefill instance computes the prompt's KV, a decode instance loads it and generates "
+        "(instances announce their role: kvshim --role). docs/pd.md",
+    )
+    g.add_argument("--pd", action="store_true", help="disaggregated prefill/decode serving")
+    g.add_argument(
+        "--pd-min-input-tokens",
+        type=int,
+        default=2048,
+        help="prompts shorter than this are prefilled by the decode instance itself (default 2048)",
+    )
+    g.add_argument(
+        "--pd-min-uncached-share",
+        type=float,
+        default=0.7,
+        help="...and so are prompts the decode instance holds so much of that the uncached share is "
+        "below this (default 0.7)",
+    )
+    g.add_argument(
+        "--pd-transfer-ms-per-1k",
+        type=float,
+        default=2.0,
+        help="KV transfer cost (ms per 1,000 tokens) for a pair with no given or measured cost",
+    )
+    g.add_argument(
+        "--pd-pair-cost",
+        type=_pair_cost,
+        action="append",
+        default=[],
+        metavar="PREFILL=DECODE:MS",
+        help="KV transfer cost of one (prefill, decode) pair, ms per 1,000 tokens; worker or instance ids "
+        "(repeatable)",
+    )
+    g.add_argument(
+        "--pd-no-measure",
+        action="store_true",
+        help="do not learn pair costs from the decode steps' first-byte times",
+    )
+    g.add_argument(
+        "--pd-same-group",
+        action="store_true",
+        help="prefill within the decode instance's --pd-group when one is there",
+    )
+    g.add_argument("--pd-prefill-top-k", type=int, default=8, help="prefill instances compared per request")
+
+
+def pd_config_from_args(args: argparse.Namespace) -> Any:
+    """The PdConfig of ``--pd*`` (None without --pd); SystemExit naming a bad value."""
+    if not args.pd:
+        return None
+    from kvindex.route.pd import PdConfig
+
+    try:
+        return PdConfig(
+            min_input_tokens=args.pd_min_input_tokens,
+            min_uncached_share=args.pd_min_uncached_share,
+            transfer_ms_per_1k=args.pd_transfer_ms_per_1k,
+            pair_ms_per_1k=dict(args.pd_pair_cost),
+            measure=not args.pd_no_measure,
+            same_group=args.pd_same_group,
+            prefill_top_k=args.pd_prefill_top_k,
+        )
+    except ValueError as exc:
+        raise SystemExit(f"kvindex route: error: --pd: {exc}") from None
+
+
+# The route extra (pyproject.toml): aiohttp and what it brings.
+_ROUTE_EXTRA = frozenset({"aiohttp", "multidict", "yarl"})
+
+
 def run_route(args: argparse.Namespace) -> int:
-    from kvindex.route.proxy import RouteConfig, RouteProxy, serve_until_stopped
+    try:
+        from kvindex.route.proxy import RouteConfig, RouteProxy, serve_until_stopped
+    except ImportError as exc:
+        if (exc.name or "").split(".")[0] not in _ROUTE_EXTRA:
+            raise
+        print(
+            f"kvindex route: error: the routing proxy needs {exc.name}, which is not installed: "
+            "pip install 'kvindex[route]'",
+            file=sys.stderr,
+        )
+        return 2
 
     configure_logging(args.log_format, args.log_level)
     try:
@@ -61,13 +154,15 @@ def run_route(args: argparse.Namespace) -> int:
         policy=args.policy,
         tls=tls,
         token=token_from_args(args),
+        pd=pd_config_from_args(args),
     )
 
     async def main(stop: Stop) -> int:
         try:
             await serve_until_stopped(RouteProxy(config), stop)
         except OSError as exc:  # the port is taken, the host is not ours
-            print(f"kvindex route: error: cannot listen on {args.host}:{args.port}: {exc}", file=sys.stderr)
+            where = f"{args.host}:{args.port}"
+            print(f"kvindex route: error: cannot listen on {where} (--host/--port): {exc}", file=sys.stderr)
             return 1
         return 0
 

@@ -91,6 +91,12 @@ class RouteMetrics:
             "kvindex_route_releases", "ledger releases sent to the index, by phase and result "
             "(found, not_found, error)", ["phase", "result"], registry=r,
         )  # fmt: skip
+        self.reports = Counter(
+            "kvindex_route_reports",
+            "outcome reports (the engine's cached tokens, the measured TTFT) sent with the final release, "
+            "by what the index did with them: applied, or why ignored (error: not delivered)",
+            ["result"], registry=r,
+        )  # fmt: skip
         self.recommits = Counter(
             "kvindex_route_recommits",
             "ledger entries moved to the instance actually used after a retry (committed, failed)",

@@ -1,10 +1,13 @@
 """The routing proxy: OpenAI-compatible requests in, each forwarded to the engine the index chose.
 
-Per request: read the body (never changed), ask the index (``Score`` with commit, top few) through
+Per request: read the body, ask the index (``Score`` with commit, top few) through
 :class:`kvindex.client.AsyncKvIndexClient`, forward the same bytes to the first instance's announced
 ``endpoint`` (the next on a connection failure), stream the engine's bytes back unchanged, and keep
 the index's in-flight ledger true: ``Release(prefill)`` at the first body byte, ``Release(finished)``
-when the request ends, however it ends. Design and failure modes: README.md in this folder.
+when the request ends, however it ends. The final release carries what the engine reported (its
+cached tokens, from the answer's ``usage``) and the TTFT measured here; for a stream whose client did
+not ask for ``usage``, the body gets ``stream_options.include_usage`` and the usage chunk is taken
+out of the stream again. Design and failure modes: README.md in this folder.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from kvindex.api.openai_body import MAX_BODY_BYTES, BodyError, PromptSpec, parse_body
 from kvindex.api.security import ClientTLS
+from kvindex.api.usage import UsageReader, add_include_usage
 from kvindex.client import (
     DEADLINE,
     ERROR,
@@ -40,6 +44,8 @@ from kvindex.client import (
 from kvindex.lifecycle import Stop
 from kvindex.observability.logs import RateLimitedLog
 from kvindex.route.metrics import RouteMetrics
+from kvindex.route.pd import PdConfig
+from kvindex.route.pd_proxy import FirstByte, PdRoute
 from kvindex.scoring.ledger import FINISHED, PREFILL
 from kvindex.v1 import kvindex_pb2 as pb
 
@@ -51,6 +57,10 @@ ENGINE_KEEPALIVE = 4.0  # seconds an idle engine connection is kept (uvicorn clo
 # Fallback reasons the proxy adds to the client's (unavailable, deadline, stream_broken, error).
 REJECTED = "rejected"  # the index refused the request (e.g. no tokenizer for the model)
 TEXT_UNSUPPORTED = "text_unsupported"  # a text prompt, and this index API takes only token ids
+
+# How the index says it cannot tokenize a model's text (kvindex/tokenize/registry.py); tests/test_route.py
+# checks the proxy recognises it from a real index.
+_NO_TOKENIZER = "has no tokenizer configured"
 
 # A Score that may have reached the index and committed although no answer came back: release it.
 _MAYBE_COMMITTED = frozenset({DEADLINE, STREAM_BROKEN, ERROR})
@@ -96,12 +106,25 @@ class RouteConfig:
     # bearer token (--auth-token-file), as every kvindex client takes them.
     tls: ClientTLS | None = None
     token: str | None = None
+    # Prefill/decode disaggregation (--pd): each request's prefill and decode on two instances
+    # (kvindex/route/pd.py); None serves every request whole on one instance.
+    pd: PdConfig | None = None
 
 
 def openai_error(status: int, message: str, kind: str, code: str | None = None) -> web.Response:
     """An error in OpenAI's shape (what the official clients parse and show)."""
     body = {"error": {"message": message, "type": kind, "param": None, "code": code or str(status)}}
     return web.json_response(body, status=status)
+
+
+def _estimate(decision: Decision, instance_id: str) -> float | None:
+    """The index's TTFT estimate (ms) for the instance the request went to, if it ranked it."""
+    if decision.response is None:
+        return None
+    for ranked in decision.response.ranked:
+        if ranked.instance_id == instance_id:
+            return ranked.est_ttft_ms
+    return None
 
 
 def forward_headers(headers: CIMultiDictProxy[str]) -> CIMultiDict[str]:
@@ -160,6 +183,11 @@ class _LedgerOps:
         self.active = False
         self.prefill_released = False
         self.finished = False
+        # The outcome report sent with the final release (cached_tokens, ttft_ms, prompt_tokens);
+        # only for a request the index decided and committed (after a deadline, a late commit may
+        # name another instance than the one the fallback chose: nothing to compare).
+        self.reportable = False
+        self.report: dict[str, Any] | None = None
 
     def then(self, op: Callable[[], Awaitable[None]]) -> None:
         prev = self._tail
@@ -176,7 +204,8 @@ class _LedgerOps:
             return
         self.prefill_released = True
         self.finished = phase == FINISHED
-        self.then(lambda: self.proxy.release(self.request_id, phase))
+        report = self.report if phase == FINISHED else None
+        self.then(lambda: self.proxy.release(self.request_id, phase, report))
 
     def move(self, target: Target, spec: PromptSpec) -> None:
         """The request went to ``target``, not where Score committed it: commit it there (a Commit
@@ -200,6 +229,10 @@ class RouteProxy:
         # An engine down or an index rejecting a model fails every request alike: log once per key
         # and interval (with a count of the rest); the metrics count every one.
         self._limited_log = RateLimitedLog(log)
+        self.pd = PdRoute(self, config.pd, _fields_taken) if config.pd is not None else None
+        # Models whose text/chat requests the index cannot tokenize: said once per model (a fallback
+        # counter alone leaves a whole model routed blind without anyone noticing).
+        self._text_hash_only: set[str] = set()
         self.app = web.Application(client_max_size=MAX_BODY_BYTES)
         for path in COMPLETION_PATHS:
             self.app.router.add_post(path, self.handle_completion)
@@ -278,11 +311,20 @@ class RouteProxy:
 
     # -- ledger ------------------------------------------------------------------------------------
 
-    async def release(self, request_id: str, phase: str) -> None:
+    async def release(self, request_id: str, phase: str, report: dict[str, Any] | None = None) -> None:
+        timeout = self.config.release_timeout
         try:
-            found = await self.client.release(request_id, phase, timeout=self.config.release_timeout)
+            if report:
+                found, status = await self.client.release_reported(
+                    request_id, phase, timeout=timeout, **report
+                )
+                self.metrics.reports.labels(status or "none").inc()
+            else:
+                found = await self.client.release(request_id, phase, timeout=timeout)
         except (IndexUnavailable, BadRequest) as exc:
             self.metrics.releases.labels(phase, "error").inc()
+            if report:
+                self.metrics.reports.labels("error").inc()
             log.debug("release_failed", request_id=request_id, phase=phase, error=str(exc))
             return
         self.metrics.releases.labels(phase, "found" if found else "not_found").inc()
@@ -320,8 +362,9 @@ class RouteProxy:
         targets = [Target(k.instance_id, k.endpoint) for k in chosen]
         return Decision(spec.model, targets, source="fallback", reason=reason, request_id=request_id)
 
-    async def decide(self, spec: PromptSpec, request_id: str) -> tuple[Decision | None, str]:
-        """The decision, or None and why there is none (no instance of the model is known)."""
+    async def decide(self, spec: PromptSpec, request_id: str, **extra: Any) -> tuple[Decision | None, str]:
+        """The decision, or None and why there is none (no instance of the model is known).
+        ``extra``: more ScoreRequest fields (the decode pick's role and candidates)."""
         started = time.monotonic()
         why = ""
         try:
@@ -331,6 +374,7 @@ class RouteProxy:
             else:
                 if self.config.policy:
                     fields["policy"] = self.config.policy
+                fields.update(extra)
                 decision = await self.client.score(
                     spec.model,
                     top_k=self.config.top_k,
@@ -341,9 +385,12 @@ class RouteProxy:
                 )
         except BadRequest as exc:
             # The body was fine for us, so the engine may well serve it: route without the index.
-            self._limited_log.warning(
-                ("rejected", spec.model), "index_rejected_request", model=spec.model, error=str(exc)
-            )
+            if spec.token_ids is None and _NO_TOKENIZER in str(exc):
+                self._text_routing(spec.model, hash_only=True, why=str(exc))
+            else:
+                self._limited_log.warning(
+                    ("rejected", spec.model), "index_rejected_request", model=spec.model, error=str(exc)
+                )
             decision = self._hash_decision(spec, request_id, REJECTED)
         except IndexUnavailable as exc:
             decision, why = None, str(exc)
@@ -351,9 +398,30 @@ class RouteProxy:
             self.metrics.score_latency.observe(time.monotonic() - started)
         if decision is not None and decision.source == "fallback":
             self.metrics.fallbacks.labels(decision.reason).inc()
+            if decision.reason == TEXT_UNSUPPORTED:
+                self._text_routing(spec.model, hash_only=True, why="this index's API takes token ids only")
+        elif decision is not None and spec.token_ids is None and spec.model in self._text_hash_only:
+            self._text_routing(spec.model, hash_only=False)
         if decision is None and not why:
             why = "the index could not rank it and no instance of it is known"
         return decision, why
+
+    def _text_routing(self, model: str, hash_only: bool, why: str = "") -> None:
+        """Log when a model's text/chat requests start being routed by hash only, and when the
+        index routes them again (it was restarted with a tokenizer for the model)."""
+        if hash_only and model not in self._text_hash_only:
+            self._text_hash_only.add(model)
+            log.warning(
+                "chat_routing_hash_only",
+                model=model,
+                why=why,
+                effect="text and chat requests for this model are routed by a hash of the prompt, not "
+                "by cache and load, until the index can tokenize them",
+                fix=f"start kvindex serve with --tokenizer {model}=DIR (docs/tokenize.md), or send token ids",
+            )
+        elif not hash_only and model in self._text_hash_only:
+            self._text_hash_only.discard(model)
+            log.info("chat_routing_by_index", model=model)
 
     # -- handlers ----------------------------------------------------------------------------------
 
@@ -378,17 +446,39 @@ class RouteProxy:
                 return openai_error(400, str(exc), "invalid_request_error")
             request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
             ledger = _LedgerOps(self, request_id)
-            decision, why = await self.decide(spec, request_id)
+            pd = self.pd
+            extra = pd.decode_fields(spec.model) if pd is not None else {}
+            decision, why = await self.decide(spec, request_id, **extra)
             ledger.active = decision is not None and (
                 decision.committed or decision.reason in _MAYBE_COMMITTED
             )
+            # The engine's usage ends a stream only when asked for: ask, and strip it again below.
+            strip_usage = False
+            ledger.reportable = decision is not None and decision.committed
+            if spec.stream and ledger.reportable:
+                asked = add_include_usage(raw)
+                if asked is not None:
+                    raw, strip_usage = asked, True
             if decision is None or not decision.targets:
                 code = "503"
                 return openai_error(
                     503, f"no instance serves model {spec.model!r}" + (f": {why}" if why else ""),
                     "service_unavailable", "no_instance",
                 )  # fmt: skip
-            response, code = await self._forward(request, raw, spec, decision, ledger, received)
+            added: dict[str, str] | None = None
+            first_byte: FirstByte | None = None
+            if pd is not None:
+                headers = forward_headers(request.headers)
+                raw, added, first_byte, decision = await pd.prepare(
+                    request, raw, spec, decision, ledger, headers
+                )
+                if first_byte is not None:
+                    # Prefilled elsewhere: the decode engine's cached tokens count the transferred KV,
+                    # which its own prediction never promised; comparing them would only mislead.
+                    ledger.reportable = False
+            response, code = await self._forward(
+                request, raw, spec, decision, ledger, received, strip_usage, added, first_byte
+            )
             return response
         except asyncio.CancelledError:
             code = "499"  # the client went away (or shutdown's grace ran out)
@@ -409,7 +499,12 @@ class RouteProxy:
         decision: Decision,
         ledger: _LedgerOps,
         received: float,
+        strip_usage: bool = False,
+        added: dict[str, str] | None = None,
+        first_byte: FirstByte | None = None,
     ) -> tuple[web.StreamResponse, str]:
+        """Send ``raw`` to the decision's first reachable target and relay its answer, with the
+        ``added`` response headers; ``first_byte`` is called with the target at its first byte."""
         assert self._session is not None
         targets = [t for t in decision.targets if t.endpoint]
         if not targets:
@@ -442,8 +537,11 @@ class RouteProxy:
         self.metrics.decisions.labels(reason).inc()
         if decision.committed and target.instance_id != decision.committed_instance_id:
             ledger.move(target, spec)
+        est = _estimate(decision, target.instance_id)
         try:
-            return await self._relay(request, upstream, target, reason, ledger, received)
+            return await self._relay(
+                request, upstream, target, reason, ledger, received, strip_usage, added, first_byte, est
+            )
         finally:
             upstream.close()  # a no-op after a full read (the connection went back to the pool)
 
@@ -455,6 +553,10 @@ class RouteProxy:
         reason: str,
         ledger: _LedgerOps,
         received: float,
+        strip_usage: bool = False,
+        added: dict[str, str] | None = None,
+        first_byte: FirstByte | None = None,
+        est_ttft_ms: float | None = None,
     ) -> tuple[web.StreamResponse, str]:
         if upstream.status >= 500:
             self.metrics.upstream_errors.labels("http_5xx").inc()
@@ -463,13 +565,23 @@ class RouteProxy:
         for name, value in upstream.headers.items():
             if name.lower() not in _HOP_BY_HOP:
                 response.headers.add(name, value)
-        if upstream.content_length is not None:
+        # The engine's usage is read from answers the index can learn from (a committed, successful,
+        # uncompressed one); what is stripped changes the length, so the body is then chunked.
+        reader: UsageReader | None = None
+        if ledger.reportable and upstream.status == 200 and "Content-Encoding" not in upstream.headers:
+            reader = UsageReader(stream == "true", strip=strip_usage)
+        if upstream.content_length is not None and not (reader is not None and reader.strip):
             response.content_length = upstream.content_length
         response.headers["x-kvindex-instance"] = target.instance_id
         response.headers["x-kvindex-decision"] = reason
         response.headers["x-kvindex-request-id"] = ledger.request_id
+        if added:
+            response.headers.update(added)
+        if est_ttft_ms is not None:  # what the index predicted, for a client to compare with
+            response.headers["x-kvindex-est-ttft-ms"] = f"{est_ttft_ms:.1f}"
         await response.prepare(request)
         first = True
+        first_at = received
         chunks = upstream.content.iter_any().__aiter__()
         while True:
             try:
@@ -489,14 +601,30 @@ class RouteProxy:
                 return response, "502"
             if first:
                 first = False
-                self.metrics.ttft.labels(stream).observe(time.monotonic() - received)
+                first_at = time.monotonic()
+                self.metrics.ttft.labels(stream).observe(first_at - received)
+                if first_byte is not None:
+                    first_byte(target)
                 ledger.release(PREFILL)  # the first token (stream) or the whole answer is out
+            if reader is not None:
+                chunk = reader.feed(chunk)
+                if not chunk:
+                    continue
             try:
                 await response.write(chunk)
             except ConnectionResetError:
                 return response, "499"  # the client went away while we wrote
         if first:
-            self.metrics.ttft.labels(stream).observe(time.monotonic() - received)
+            first_at = time.monotonic()
+            self.metrics.ttft.labels(stream).observe(first_at - received)
+        if reader is not None:
+            tail = reader.finish()
+            ledger.report = _report(reader, stream == "true", (first_at - received) * 1000)
+            if tail:
+                try:
+                    await response.write(tail)
+                except ConnectionResetError:
+                    return response, "499"
         try:
             await response.write_eof()
         except ConnectionResetError:
@@ -567,6 +695,22 @@ class RouteProxy:
         return web.Response(
             body=generate_latest(self.metrics.registry), headers={"Content-Type": CONTENT_TYPE_LATEST}
         )
+
+
+def _report(reader: UsageReader, stream: bool, ttft_ms: float) -> dict[str, Any] | None:
+    """What the final release tells the index: the engine's cached tokens and prompt length, and
+    the TTFT measured here when the first token was seen on its own (a stream, or a one-token
+    answer)."""
+    usage = reader.usage
+    report: dict[str, Any] = {}
+    if usage is not None:
+        if usage.cached_tokens is not None:
+            report["cached_tokens"] = usage.cached_tokens
+        if usage.prompt_tokens is not None:
+            report["prompt_tokens"] = usage.prompt_tokens
+    if stream or (usage is not None and usage.completion_tokens == 1):
+        report["ttft_ms"] = ttft_ms
+    return report or None
 
 
 def _error_kind(exc: BaseException) -> str:

@@ -192,7 +192,7 @@ class RoutingSync:
             dp_rank,
             request.block_size,
             request.prompt_tokens,
-            candidate.miss_tokens,
+            0 if request.role == DECODE_ROLE else candidate.miss_tokens,  # as Router._commit
             policy.name,
             DECODE_ROLE if request.role == DECODE_ROLE else PREFILL_ROLE,
             ttl,

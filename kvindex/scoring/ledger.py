@@ -16,8 +16,12 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from kvindex.index.base import InstanceKey
+
+if TYPE_CHECKING:
+    from kvindex.scoring.outcomes import Prediction
 
 PREFILL = "prefill"
 FINISHED = "finished"
@@ -33,16 +37,30 @@ class Entry:
     committed_at: float
     expires_at: float
     prefill_done: bool = False
+    # What the index predicted at commit (kvindex/scoring/outcomes.py); None for entries learnt
+    # from another replica. ``reported``: an outcome report was compared already.
+    prediction: Prediction | None = None
+    reported: bool = False
 
 
 class Ledger:
     """Requests routed per instance, not yet released."""
 
-    def __init__(self, clock: Callable[[], float], ttl: float = 300.0, max_entries: int = 1_000_000) -> None:
+    def __init__(
+        self,
+        clock: Callable[[], float],
+        ttl: float = 300.0,
+        max_entries: int = 1_000_000,
+        released_memory: int = 65_536,
+    ) -> None:
         self.clock = clock
         self.ttl = ttl
         self.max_entries = max_entries
         self._entries: OrderedDict[str, Entry] = OrderedDict()  # oldest first, for expiry
+        # The last finished request ids (bounded): a late report for one is told apart from a
+        # report for a request never committed.
+        self.released_memory = released_memory
+        self._released: OrderedDict[str, None] = OrderedDict()
         self._by_instance: dict[InstanceKey, dict[str, Entry]] = {}
         self.expired = 0
         self._watchers: tuple[set[InstanceKey], ...] = ()
@@ -79,6 +97,13 @@ class Ledger:
             self.expired += 1
         return entry
 
+    def get(self, request_id: str) -> Entry | None:
+        return self._entries.get(request_id)
+
+    def was_released(self, request_id: str) -> bool:
+        """Finished (or expired) recently: among the last ``released_memory`` ids let go."""
+        return request_id in self._released
+
     def release(self, request_id: str, phase: str) -> Entry | None:
         """``prefill``: its prefill is done (it now only decodes); ``finished``: forget it."""
         entry = self._entries.get(request_id)
@@ -93,6 +118,12 @@ class Ledger:
 
     def _drop(self, request_id: str) -> None:
         entry = self._entries.pop(request_id)
+        if self.released_memory > 0:
+            released = self._released
+            released[request_id] = None
+            released.move_to_end(request_id)
+            if len(released) > self.released_memory:
+                released.popitem(last=False)
         self._changed(entry.instance)
         per = self._by_instance.get(entry.instance)
         if per is not None:

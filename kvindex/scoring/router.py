@@ -15,7 +15,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from kvindex.fleet.registry import InstanceState, Registry
+from kvindex.fleet.registry import InstanceState, Registry, instance_id
 from kvindex.index.base import NO_MATCH, InstanceKey, InstanceMatch, KvBlockIndex, MatchGroup
 from kvindex.scoring.approximate import PredictedCache
 from kvindex.scoring.base import DECODE_ROLE, Candidate, Choice, Policy, RouteRequest
@@ -32,6 +32,18 @@ except ImportError:  # no compiler at install time: numpy columns (CandidatePool
     _native_rank_grouped = None
     _native_mark_group_rows = None
 from kvindex.scoring.ledger import FINISHED, PREFILL, Ledger, SpeculativeKeys
+from kvindex.scoring.outcomes import (
+    ALREADY_RELEASED,
+    DEGRADED,
+    DUPLICATE,
+    NO_PREDICTION,
+    UNKNOWN_REQUEST,
+    Outcome,
+    OutcomeConfig,
+    OutcomeTracker,
+    Prediction,
+    Report,
+)
 from kvindex.scoring.policies import make_policies
 
 
@@ -52,6 +64,8 @@ class RouterConfig:
     # many instances is ranked like the non-holders, by the instances' own columns, instead of one
     # candidate per instance (a prompt that starts with the fleet's system prompt).
     group_min_instances: int = 16
+    # Predicted against actual: outcome reports, per-instance state, degraded credit.
+    outcomes: OutcomeConfig = field(default_factory=OutcomeConfig)
 
 
 class RoutingObserver(Protocol):
@@ -85,8 +99,17 @@ class Router:
         self.registry = registry
         self.config = config or RouterConfig()
         self.clock = clock or registry.clock
-        self.calibrator = calibrator or Calibrator(self.config.costs.default_prefill)
-        self.ledger = Ledger(self.clock, ttl=self.config.ledger_ttl)
+        costs = self.config.costs
+        self.calibrator = calibrator or Calibrator(costs.default_prefill, learn=costs.calibrate)
+        self.ledger = Ledger(
+            self.clock, ttl=self.config.ledger_ttl, released_memory=self.config.outcomes.released_memory
+        )
+        self.outcomes = OutcomeTracker(self.clock, self.config.outcomes)
+        # A request's report (measured TTFT minus the predicted wait, with the engine's cached
+        # tokens) is a prefill sample of the instance it ran on.
+        self.outcomes.subscribe(self._calibrate)
+        # Instances whose state is degraded: their cache credit is discounted (docs/scoring.md).
+        self.degraded: set[InstanceKey] = set()
         self.speculative = SpeculativeKeys(self.clock)
         self.predicted = PredictedCache(
             index, self.clock, self.config.predicted_ttl, self.config.predicted_capacity
@@ -99,6 +122,13 @@ class Router:
         self._slot_rows: dict[str, tuple[int, ModelTable, int, np.ndarray]] = {}
         if self.config.default_policy not in self.policies:
             raise ValueError(f"unknown default policy {self.config.default_policy!r}")
+
+    def _calibrate(self, outcome: Outcome) -> None:
+        p, r = outcome.prediction, outcome.report
+        if r.ttft_ms is not None and r.cached_tokens is not None:
+            self.calibrator.add_reported(
+                p.model, instance_id(p.instance), p.prompt_tokens, r.cached_tokens, r.ttft_ms, p.wait_ms
+            )
 
     # -- candidates -----------------------------------------------------------------------------
 
@@ -120,14 +150,18 @@ class Router:
             matches = self.index.match(request.model, keys, None if every else [s.key for s in states])
         else:
             matches = {}
-        model = self.calibrator.prefill(request.model)
+        shared = self.calibrator.prefill(request.model)
+        # Instances ranked with their own calibrated model (usually none; kvindex/scoring/calibration.py).
+        own = self.calibrator.own_models(request.model)
         costs = self.config.costs
         shape = costs.engine
+        drains = costs.drain_reported_queue
         # Hoisted: this loop runs once per instance on every Score.
+        model = shared
         b_ms = model.b_ms_per_token
         chunk, dps = shape.chunk_tokens, shape.decode_ms_per_seq
         f_cpu, f_disk, f_pool = costs.fetch.per_token_ms[1:]
-        drain_rate = 1000 / b_ms if costs.drain_reported_queue and b_ms > 0 else 0.0
+        drain_rate = shared_rate = 1000 / b_ms if drains and b_ms > 0 else 0.0
         b = request.block_size
         prompt = request.prompt_tokens
         cap = max(prompt - 1, 0)  # vLLM always recomputes at least the prompt's last token
@@ -136,11 +170,23 @@ class Router:
         pending = self.ledger.pending
         busy = self.ledger.busy
         get_match = matches.get
+        degraded = self.degraded
+        credit = self.config.outcomes.degraded_credit
         prefill_of: dict[int, float] = {}  # many instances share a miss size
+        shared_prefill_of = prefill_of
         out = []
         append = out.append
         for state in states:
             key = state.key
+            if own:
+                fit = own.get(state.instance_id)
+                if fit is not None:
+                    model, prefill_of = fit, {}
+                    b_ms = fit.b_ms_per_token
+                    drain_rate = 1000 / b_ms if drains and b_ms > 0 else 0.0
+                elif model is not shared:
+                    model, prefill_of, drain_rate = shared, shared_prefill_of, shared_rate
+                    b_ms = shared.b_ms_per_token
             match = get_match(key, NO_MATCH)
             blocks, t = match
             gpu = t[0]
@@ -153,6 +199,12 @@ class Router:
             if hit > cap:  # the capped tokens come off the last (slowest) tier that has any
                 by_tier = _trim(by_tier, hit - cap)
                 hit = cap
+            if degraded and key in degraded and hit:
+                # The index is known to be wrong about it: credit only part of the match.
+                cut = hit - int(hit * credit)
+                if cut:
+                    by_tier = _trim(by_tier, cut)
+                    hit -= cut
             miss = prompt - hit
             load = state.load
             if key in busy:
@@ -222,6 +274,8 @@ class Router:
             top_k > 0
             and rank_top is not None
             and len(self.registry.members(request.model)) >= self.config.prune_min_instances
+            # The columns price every instance with one prefill model (see docs/scoring.md).
+            and not self.calibrator.own_models(request.model)
         ):
             pool = self.pool(request, candidates, chosen.speculative_ttl)
             choices = rank_top(request, pool, self, top_k) if pool is not None else []
@@ -313,6 +367,16 @@ class Router:
                     rows.append(i)
                     if g:
                         matches[inst] = groups[g - 1].match
+        if group_of is not None and self.degraded:
+            # A degraded instance is credited only part of its match: not its group's terms.
+            for inst in self.degraded:
+                i = row.get(inst)
+                if i is None or not mask[i] or inst in matches:
+                    continue
+                g = int(group_of[i])
+                if g:
+                    rows.append(i)
+                    matches[inst] = groups[g - 1].match
         explicit = self.candidates(request, [states[i] for i in rows], spec_ttl, matches=matches)
         pool = CandidatePool(
             self, request, table, mask, count, everyone, explicit, rows, spec_ttl, groups, group_of
@@ -369,8 +433,26 @@ class Router:
     def _commit(self, request: RouteRequest, cand: Candidate, policy: Policy) -> None:
         key = cand.state.key
         if request.request_id:
-            self.ledger.commit(
-                request.request_id, key, request.model, request.prompt_tokens, cand.miss_tokens
+            # A disaggregated decode receives the prompt's KV from a prefill instance: it queues no
+            # prefill work there (a decode instance prefilling itself is committed as a prefill).
+            miss = 0 if request.role == DECODE_ROLE else cand.miss_tokens
+            entry = self.ledger.commit(request.request_id, key, request.model, request.prompt_tokens, miss)
+            entry.prediction = Prediction(
+                key,
+                request.model,
+                policy.name,
+                request.block_size,
+                request.prompt_tokens,
+                cand.blocks,
+                cand.match[0],
+                cand.tokens_by_tier,
+                cand.wait_ms,
+                cand.prefill_ms,
+                cand.fetch_ms,
+                cand.wait_ms + cand.prefill_ms + cand.fetch_ms,
+                entry.committed_at,
+                request.keys,
+                cand.state.removals,
             )
         if policy.speculative_ttl > 0 and request.keys:
             self.speculative.add(key, request.keys, policy.speculative_ttl)
@@ -380,17 +462,77 @@ class Router:
         if self.observer is not None:
             self.observer.committed(request, cand, policy)
 
-    def release(self, request_id: str, phase: str) -> bool:
+    def release(self, request_id: str, phase: str, report: Report | None = None) -> bool:
+        return self.release_reported(request_id, phase, report)[0]
+
+    def release_reported(self, request_id: str, phase: str, report: Report | None) -> tuple[bool, str]:
+        """Release, and compare a well-formed ``report`` (Report.malformed() is None) with what was
+        predicted: (found, what became of the report: "" without one, see outcomes.py)."""
         if phase not in (PREFILL, FINISHED):
             raise ValueError(f"phase must be {PREFILL!r} or {FINISHED!r}, got {phase!r}")
+        status = ""
+        if report is not None and not report.empty():
+            status = self._report(request_id, report)
         found = self.ledger.release(request_id, phase) is not None
         if self.observer is not None:  # told even when not found: another replica may hold it
             self.observer.released(request_id, phase)
-        return found
+        return found, status
+
+    def _report(self, request_id: str, report: Report) -> str:
+        outcomes = self.outcomes
+        entry = self.ledger.get(request_id)
+        if entry is None:
+            gone = self.ledger.was_released(request_id)
+            return outcomes.ignore(ALREADY_RELEASED if gone else UNKNOWN_REQUEST)
+        if entry.reported:
+            return outcomes.ignore(DUPLICATE)
+        if entry.prediction is None:
+            return outcomes.ignore(NO_PREDICTION)
+        p = entry.prediction
+        state = self.registry.get(p.instance)
+
+        def held_now() -> int:
+            if state is None or not p.keys:
+                return 0
+            return self.index.match(p.model, p.keys, [p.instance]).get(p.instance, NO_MATCH)[0]
+
+        removals = None if state is None else state.removals
+        status, outcome = outcomes.compare(p, report, removals, held_now)
+        if outcome is not None:
+            entry.reported = True
+            self.refresh_state(entry.instance)
+        return status
+
+    # -- instance state -------------------------------------------------------------------------
+
+    def state_of(self, state: InstanceState) -> tuple[str, str]:
+        """(exact | degraded | approximate, why): see kvindex/scoring/outcomes.py."""
+        return self.outcomes.state(state)
+
+    def refresh_state(self, instance: InstanceKey) -> None:
+        """Re-decide whether ``instance`` is degraded (after a report or a repair change)."""
+        state = self.registry.get(instance)
+        if state is not None and self.outcomes.state(state)[0] == DEGRADED:
+            self.degraded.add(instance)
+        else:
+            self.degraded.discard(instance)
+
+    def sync_changed(self, state: InstanceState, reconciled: bool = False) -> None:
+        """The consumer's repair state of ``state`` changed; ``reconciled``: its blocks were just
+        made equal to the worker's (snapshot, restart), so earlier outcome evidence is void."""
+        if reconciled:
+            self.outcomes.repaired(state.key)
+        was = state.key in self.degraded
+        self.refresh_state(state.key)
+        if not was and state.key in self.degraded and state.repair_failed:
+            # Holes accepted or a repair timed out: ask for a snapshot (rate-limited).
+            self.outcomes.request_reconcile(state.key)
 
     def forget(self, instance: InstanceKey) -> None:
         self.speculative.forget(instance)
         self.predicted.forget(instance)
+        self.outcomes.forget(instance)
+        self.degraded.discard(instance)
 
 
 class CandidatePool:
@@ -444,7 +586,10 @@ class CandidatePool:
     def templates(self) -> list[Candidate]:
         """Per group (0: no match), a candidate with the group's answer, for its constant terms
         (blocks, tokens by tier, hit, miss, fetch); its instance's own terms are not meant."""
-        state = self.table.states[0]
+        # (an instance whose match is credited in full: a degraded one's is cut; when every one is
+        # degraded, every group member is explicit and only the no-match template is read)
+        degraded = self.router.degraded
+        state = next((s for s in self.table.states if s.key not in degraded), self.table.states[0])
         matches = [NO_MATCH] + [g.match for g in self.groups]
         # (no speculative keys: the members whose keys extend their answer are explicit)
         return [

@@ -175,18 +175,26 @@ class CommitResponse(_message.Message):
     def __init__(self, committed: _Optional[bool] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
-    __slots__ = ("request_id", "phase")
+    __slots__ = ("request_id", "phase", "cached_tokens", "ttft_ms", "prompt_tokens")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PHASE_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TTFT_MS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     phase: str
-    def __init__(self, request_id: _Optional[str] = ..., phase: _Optional[str] = ...) -> None: ...
+    cached_tokens: int
+    ttft_ms: float
+    prompt_tokens: int
+    def __init__(self, request_id: _Optional[str] = ..., phase: _Optional[str] = ..., cached_tokens: _Optional[int] = ..., ttft_ms: _Optional[float] = ..., prompt_tokens: _Optional[int] = ...) -> None: ...
 
 class ReleaseResponse(_message.Message):
-    __slots__ = ("found",)
+    __slots__ = ("found", "report")
     FOUND_FIELD_NUMBER: _ClassVar[int]
+    REPORT_FIELD_NUMBER: _ClassVar[int]
     found: bool
-    def __init__(self, found: _Optional[bool] = ...) -> None: ...
+    report: str
+    def __init__(self, found: _Optional[bool] = ..., report: _Optional[str] = ...) -> None: ...
 
 class LookupRequest(_message.Message):
     __slots__ = ("model", "lora", "salt", "token_ids", "block_keys", "candidates", "prompt", "messages", "prompt_options")
@@ -249,7 +257,7 @@ class ListInstancesRequest(_message.Message):
     def __init__(self, model: _Optional[str] = ...) -> None: ...
 
 class InstanceInfo(_message.Message):
-    __slots__ = ("instance_id", "worker", "dp_rank", "model", "block_size", "epoch", "last_seq", "load", "blocks", "capacity", "batches", "gaps", "missing_batches", "restarts", "pool", "stale", "sync", "endpoint", "approximate")
+    __slots__ = ("instance_id", "worker", "dp_rank", "model", "block_size", "epoch", "last_seq", "load", "blocks", "capacity", "batches", "gaps", "missing_batches", "restarts", "pool", "stale", "sync", "endpoint", "approximate", "state", "state_reason", "outcomes_exact", "outcomes_over", "outcomes_under", "role", "pd_group", "prefill")
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     WORKER_FIELD_NUMBER: _ClassVar[int]
     DP_RANK_FIELD_NUMBER: _ClassVar[int]
@@ -269,6 +277,14 @@ class InstanceInfo(_message.Message):
     SYNC_FIELD_NUMBER: _ClassVar[int]
     ENDPOINT_FIELD_NUMBER: _ClassVar[int]
     APPROXIMATE_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    STATE_REASON_FIELD_NUMBER: _ClassVar[int]
+    OUTCOMES_EXACT_FIELD_NUMBER: _ClassVar[int]
+    OUTCOMES_OVER_FIELD_NUMBER: _ClassVar[int]
+    OUTCOMES_UNDER_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    PD_GROUP_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_FIELD_NUMBER: _ClassVar[int]
     instance_id: str
     worker: str
     dp_rank: int
@@ -288,7 +304,33 @@ class InstanceInfo(_message.Message):
     sync: str
     endpoint: str
     approximate: bool
-    def __init__(self, instance_id: _Optional[str] = ..., worker: _Optional[str] = ..., dp_rank: _Optional[int] = ..., model: _Optional[str] = ..., block_size: _Optional[int] = ..., epoch: _Optional[int] = ..., last_seq: _Optional[int] = ..., load: _Optional[_Union[Load, _Mapping]] = ..., blocks: _Optional[_Union[TierBlocks, _Mapping]] = ..., capacity: _Optional[_Union[TierBlocks, _Mapping]] = ..., batches: _Optional[int] = ..., gaps: _Optional[int] = ..., missing_batches: _Optional[int] = ..., restarts: _Optional[int] = ..., pool: _Optional[bool] = ..., stale: _Optional[bool] = ..., sync: _Optional[str] = ..., endpoint: _Optional[str] = ..., approximate: _Optional[bool] = ...) -> None: ...
+    state: str
+    state_reason: str
+    outcomes_exact: int
+    outcomes_over: int
+    outcomes_under: int
+    role: str
+    pd_group: str
+    prefill: PrefillFit
+    def __init__(self, instance_id: _Optional[str] = ..., worker: _Optional[str] = ..., dp_rank: _Optional[int] = ..., model: _Optional[str] = ..., block_size: _Optional[int] = ..., epoch: _Optional[int] = ..., last_seq: _Optional[int] = ..., load: _Optional[_Union[Load, _Mapping]] = ..., blocks: _Optional[_Union[TierBlocks, _Mapping]] = ..., capacity: _Optional[_Union[TierBlocks, _Mapping]] = ..., batches: _Optional[int] = ..., gaps: _Optional[int] = ..., missing_batches: _Optional[int] = ..., restarts: _Optional[int] = ..., pool: _Optional[bool] = ..., stale: _Optional[bool] = ..., sync: _Optional[str] = ..., endpoint: _Optional[str] = ..., approximate: _Optional[bool] = ..., state: _Optional[str] = ..., state_reason: _Optional[str] = ..., outcomes_exact: _Optional[int] = ..., outcomes_over: _Optional[int] = ..., outcomes_under: _Optional[int] = ..., role: _Optional[str] = ..., pd_group: _Optional[str] = ..., prefill: _Optional[_Union[PrefillFit, _Mapping]] = ...) -> None: ...
+
+class PrefillFit(_message.Message):
+    __slots__ = ("source", "a_ms", "b_ms_per_token", "c_ms_per_token2", "samples", "error", "has_error")
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    A_MS_FIELD_NUMBER: _ClassVar[int]
+    B_MS_PER_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    C_MS_PER_TOKEN2_FIELD_NUMBER: _ClassVar[int]
+    SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    HAS_ERROR_FIELD_NUMBER: _ClassVar[int]
+    source: str
+    a_ms: float
+    b_ms_per_token: float
+    c_ms_per_token2: float
+    samples: int
+    error: float
+    has_error: bool
+    def __init__(self, source: _Optional[str] = ..., a_ms: _Optional[float] = ..., b_ms_per_token: _Optional[float] = ..., c_ms_per_token2: _Optional[float] = ..., samples: _Optional[int] = ..., error: _Optional[float] = ..., has_error: _Optional[bool] = ...) -> None: ...
 
 class ListInstancesResponse(_message.Message):
     __slots__ = ("instances",)

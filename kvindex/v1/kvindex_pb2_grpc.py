@@ -106,7 +106,9 @@ class KvIndexServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Release(self, request, context):
-        """A committed request finished its prefill, or finished altogether.
+        """A committed request finished its prefill, or finished altogether; optionally with what the
+        engine reported for it (cached tokens, measured TTFT), which the index compares with what it
+        predicted when the request was committed (docs/feedback.md).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

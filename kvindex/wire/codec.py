@@ -29,6 +29,7 @@ from kvindex.wire.errors import (
     UNSUPPORTED_VERSION,
     WireError,
 )
+from kvindex.wire.role import BOTH, BadRole, check_group, check_role
 from kvindex.wire.schema import (
     CLEARED,
     OP_NAMES,
@@ -80,6 +81,9 @@ class _StatusMsg(Struct, gc=False):
     # False: the worker publishes no KV events (heartbeats only); the index predicts its cache from
     # its own routing decisions (kvindex/scoring/approximate.py).
     events: bool = True
+    # Prefill/decode disaggregation: checked after decoding like the endpoint (see _role).
+    role: Any = None
+    pd_group: Any = None
 
 
 _NOT_SENT = Raw(b"")
@@ -109,6 +113,8 @@ class StatusPeek(Struct, gc=False):
     prefill: Annotated[list[tuple[U64, U64, float]], Meta(max_length=MAX_PREFILL_SAMPLES)] = []
     endpoint: Any = None
     events: bool = True
+    role: Any = None
+    pd_group: Any = None
 
 
 _batch_decoder = msgspec.msgpack.Decoder(EventBatch)
@@ -228,7 +234,8 @@ def decode_status(payload: bytes, subject_worker: str | None = None) -> StatusRe
         {TIER_BY_NAME[t]: (c, x) for t, (c, x) in msg.digest.items()},
         msg.prefill,
         *_endpoint(msg.endpoint),
-        events=msg.events,
+        msg.events,
+        *_role(msg.role, msg.pd_group),
     )
 
 
@@ -259,7 +266,7 @@ class StatusMemory:
     its maps (a copy: a peek's would hold its whole payload), where the load's bytes end in them,
     and its report, which ``decode_status_into`` updates in place."""
 
-    __slots__ = ("endpoint", "maps", "report", "split")
+    __slots__ = ("endpoint", "maps", "report", "role", "split")
 
     def __init__(self, peek: StatusPeek, report: StatusReport) -> None:
         self.renew(peek, report)
@@ -270,6 +277,7 @@ class StatusMemory:
         self.maps = _maps_of(peek)
         self.split = len(peek.load) or 1
         self.endpoint = peek.endpoint
+        self.role = (peek.role, peek.pd_group)
 
 
 class _KnownLoad(Struct, forbid_unknown_fields=True, gc=False):
@@ -323,6 +331,10 @@ def decode_status_into(peek: StatusPeek, memory: StatusMemory) -> bool:
     if endpoint is None or type(endpoint) is not str or endpoint != memory.endpoint:
         report.endpoint, report.endpoint_error = _endpoint(endpoint)
         memory.endpoint = endpoint
+    role = (peek.role, peek.pd_group)
+    if role != memory.role:  # (both absent, or the same strings: nothing to check again)
+        report.role, report.pd_group, report.role_error = _role(*role)
+        memory.role = role
     report.epoch = peek.epoch
     report.seq = peek.seq
     report.ts = peek.ts
@@ -341,6 +353,16 @@ def _endpoint(raw: Any) -> tuple[str | None, str | None]:
     except BadEndpoint as exc:
         return None, str(exc)
     return raw, None
+
+
+def _role(role: Any, group: Any) -> tuple[str, str | None, str | None]:
+    """(role, group, None) when valid or absent; (both, None, why) when either is malformed: an
+    instance whose role cannot be read serves whole requests, as one that announces none."""
+    try:
+        checked = BOTH if role is None else check_role(role)
+        return checked, (None if group is None else check_group(group)), None
+    except BadRole as exc:
+        return BOTH, None, str(exc)
 
 
 # --- encoding (publishers, tests, tools) -------------------------------------------------------

@@ -17,6 +17,8 @@ BLOCK_SIZE_MISMATCH: Final = "block_size_mismatch"
 MODEL_MISMATCH: Final = "model_mismatch"
 # Not a rejection of the message: a heartbeat whose ``endpoint`` is malformed is applied without it.
 BAD_ENDPOINT: Final = "bad_endpoint"
+# Likewise: a heartbeat whose ``role`` or ``group`` is malformed is applied as role ``both``, no group.
+BAD_ROLE: Final = "bad_role"
 
 REASONS: Final = (
     MALFORMED,
@@ -31,6 +33,7 @@ REASONS: Final = (
     BLOCK_SIZE_MISMATCH,
     MODEL_MISMATCH,
     BAD_ENDPOINT,
+    BAD_ROLE,
 )
 
 

@@ -117,6 +117,11 @@ class StatusReport:
     endpoint_error: str | None = None
     # False: a worker without KV events (heartbeats only): its cache is predicted, not reported.
     events: bool = True
+    # Prefill/decode disaggregation (kvindex/wire/role.py): "prefill", "decode" or "both" (absent or
+    # malformed), and the KV-transfer group (None: none). ``role_error`` says what was malformed.
+    role: str = "both"
+    pd_group: str | None = None
+    role_error: str | None = None
 
     @property
     def instance(self) -> tuple[str, int]:

@@ -14,6 +14,11 @@ Engine sequence numbers, per link (``applied``: last batch applied; ``live``: la
   socket, timeout, the buffer no longer holds it): resync, i.e. new epoch, fresh maps, and whatever
   the replay buffer still has.
 
+Before answering an index's snapshot request the link asks the replay socket for anything after
+``applied`` (``check_engine``): a live batch lost on its way here would otherwise show only when the
+engine publishes the next one, and an index that found the worker's blocks wrong (its outcome
+reports, docs/feedback.md) asks for a snapshot to get exactly those.
+
 At start the link subscribes first and then replays from seq 0, so a shim started beside a running
 engine learns the blocks (and hash translations) the engine published before. A store whose parent
 (or a token-less block) is unknown mid-stream makes the link replay from 0 into a scratch translator
@@ -45,7 +50,7 @@ from kvindex.wire.endpoint import check_endpoint, endpoint_from_url
 from workers_shim.bridges import blocksize
 from workers_shim.bridges.blocksize import BlockSizeConflict
 from workers_shim.bridges.engines import ENGINES, EngineProfile
-from workers_shim.bridges.load import LoadReader, scrape
+from workers_shim.bridges.load import LoadReader, PrefillSampler, scrape
 from workers_shim.bridges.native import DecodeError, Decoder
 from workers_shim.bridges.stats import BridgeStats
 from workers_shim.bridges.stream import EventStream, FrameError, ReplayClient, offset_endpoint, parse_live
@@ -71,6 +76,10 @@ class BridgeConfig:
     block_size: int | None = None  # None: learned from the engine's events or /metrics
     # "host:port" routers send this worker's requests to; default: the host and port of metrics_url.
     endpoint: str | None = None
+    # Prefill/decode disaggregation, announced in heartbeats: "prefill", "decode" or "both" (None:
+    # not announced, which the index reads as both), and the KV-transfer group.
+    role: str | None = None
+    pd_group: str | None = None
     subject_prefix: str = "kvindex"
     capacity: dict[str, int] = field(default_factory=dict)
     media: dict[str, str] = field(default_factory=dict)  # medium -> tier overrides
@@ -115,11 +124,13 @@ class Rank:
     def _publisher(self, epoch: int | None) -> Publisher:
         cfg = self.bridge.config
         assert self.bridge.block_size is not None, "publishers start once the block size is known"
-        return Publisher(
+        publisher = Publisher(
             self.bridge.nc,
             worker=cfg.worker_id,
             model=cfg.model,
             endpoint=self.bridge.endpoint,
+            role=cfg.role,
+            pd_group=cfg.pd_group,
             block_size=self.bridge.block_size,
             dp_rank=self.dp_rank,
             subject_prefix=cfg.subject_prefix,
@@ -127,6 +138,8 @@ class Rank:
             heartbeat_interval=cfg.heartbeat_interval,
             capacity=dict(self.bridge.capacity.get(self.dp_rank, cfg.capacity)),
         )
+        publisher.before_snapshot = self.bridge.check_engines
+        return publisher
 
     async def start(self) -> None:
         self.publisher = self._publisher(None)
@@ -171,6 +184,8 @@ class Link:
         self.rebuild_at = 0.0
         self.rebuild_backoff = bridge.config.rebuild_min_interval
         self.log = bridge.log.bind(endpoint=self.stream.endpoint)
+        # Live batches and a snapshot's check of the replay buffer apply one at a time.
+        self.lock = asyncio.Lock()
 
     # -- routing and applying -------------------------------------------------------------------
 
@@ -370,6 +385,25 @@ class Link:
             return
         await self.resync("gap_unrecoverable" if result.error is None else "replay_unavailable")
 
+    async def check_engine(self) -> None:
+        """Apply what the engine's replay buffer holds after ``applied`` (before a snapshot answer)."""
+        if self.replay is None or not self.applied_any:
+            return
+        async with self.lock:
+            start = self.applied + 1
+            result = await self.replay.request(start)
+            self._count_replay(result.error, result.layouts, result.bad_frames)
+            newer = [(s, p) for s, p in result.batches if s >= start]
+            if not newer:
+                return
+            self.bridge.stats.add("recovery", "snapshot_check")
+            self.log.warning("kv_missed_batches", first=newer[0][0], last=newer[-1][0], found_by="snapshot")
+            seqs = [s for s, _ in newer]
+            if seqs[0] == start and all(b == a + 1 for a, b in itertools.pairwise(seqs)):
+                await self._apply_replayed(newer, recover=True)
+            else:
+                await self.catch_up(seqs[-1] + 1)  # the buffer lost some too: replay or resync
+
     async def engine_restarted(self, seq: int) -> None:
         self.bridge.stats.add("recovery", "engine_restart")
         self.log.warning("kv_engine_restart", seq=seq, last_seq=self.live)
@@ -420,7 +454,8 @@ class Link:
                 stats.garbage(exc.reason, frames=len(frames))
                 continue
             try:
-                await self.on_live(seq, payload)
+                async with self.lock:
+                    await self.on_live(seq, payload)
             except BlockSizeConflict:
                 return
             except Exception as exc:  # a bug on one batch must not stop the bridge
@@ -528,6 +563,11 @@ class Bridge:
 
     # -- block size -----------------------------------------------------------------------------
 
+    async def check_engines(self) -> None:
+        """Before a snapshot answer: every link takes what its engine published and we missed."""
+        for link in self.links:
+            await link.check_engine()
+
     async def start_ranks(self) -> None:
         """Start every rank's publisher (first heartbeat included): the block size is known."""
         async with self._ranks_lock:  # several links may learn it at once
@@ -604,6 +644,7 @@ class Bridge:
         cfg = self.config
         assert cfg.metrics_url is not None
         reader = LoadReader(cfg.profile)
+        sampler = PrefillSampler(reader)  # the engine's prefill times, for the index's calibration
         while True:
             try:
                 samples = await scrape(cfg.metrics_url, cfg.scrape_timeout)
@@ -618,6 +659,10 @@ class Bridge:
                 if self.ranks_started:
                     for rank in self.ranks.values():
                         self._apply_load(reader, samples, rank)
+                        prefill = sampler.sample(samples, rank.dp_rank)
+                        if prefill is not None and rank.publisher is not None:
+                            rank.publisher.prefill_sample(*prefill)
+                            self.stats.add("prefill", "sample")
             await asyncio.sleep(cfg.scrape_interval)
 
     async def _learn_block_size_from_metrics(self, reader: LoadReader, samples: Any) -> None:

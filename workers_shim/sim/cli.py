@@ -18,6 +18,7 @@ import asyncio
 import itertools
 import random
 import time
+from typing import Any
 
 import structlog
 
@@ -29,14 +30,20 @@ from kvindex.config.nats import (
     add_nats_arguments,
 )
 from kvindex.lifecycle import Stop, finish, run
+from kvindex.wire.role import check_group, check_role
 from workers_shim.sim.engine import Completion, EngineConfig, SimRequest
 from workers_shim.sim.fleet import SimFleet, run_fleet
+from workers_shim.sim.http import serve_fleet
 from workers_shim.sim.timemodel import PROFILES
 from workers_shim.sim.trace import mooncake_requests
 
 __all__ = ["add_sim_arguments", "build_config", "main_sim"]
 
 log = structlog.get_logger("workers_shim.sim")
+
+
+class SimSetupError(Exception):
+    """A bad --roles / --pd-groups value or an HTTP port that cannot be bound."""
 
 
 def add_sim_arguments(parser: argparse.ArgumentParser) -> None:
@@ -53,6 +60,28 @@ def add_sim_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         metavar="HOST:PORT",
         help="announce fake endpoints: worker i at HOST:PORT+i (nothing listens there)",
+    )
+    h = parser.add_argument_group("HTTP (an OpenAI-compatible server per worker; workers_shim/sim/http.py)")
+    h.add_argument(
+        "--http-port",
+        type=int,
+        default=None,
+        help="serve /v1/completions etc.: worker i on PORT+i (0: free ports), announced as its endpoint",
+    )
+    h.add_argument("--http-host", default="127.0.0.1", help="address the HTTP servers bind and announce")
+    h.add_argument(
+        "--roles",
+        default="",
+        help="disaggregation role per worker, comma separated (prefill, decode, both), e.g. "
+        "prefill,prefill,decode,decode; announced in heartbeats. Default: none announced (= both)",
+    )
+    h.add_argument("--pd-groups", default="", help="KV-transfer group per worker, comma separated")
+    h.add_argument(
+        "--transfer-ms-per-block",
+        type=float,
+        default=None,
+        help="ms to receive one block's KV from a prefill instance (default: over the profile's RDMA "
+        "link, as its shared-pool loads)",
     )
     e = parser.add_argument_group("engine")
     e.add_argument("--profile", choices=sorted(PROFILES), default="llama3-8b-h100")
@@ -85,7 +114,22 @@ def build_config(args: argparse.Namespace) -> EngineConfig:
     }
     if args.gpu_blocks:
         overrides["gpu_blocks"] = args.gpu_blocks
-    return EngineConfig.from_profile(args.profile, args.block_size, **overrides)
+    cfg = EngineConfig.from_profile(args.profile, args.block_size, **overrides)
+    transfer = getattr(args, "transfer_ms_per_block", None)
+    if transfer is not None:  # (default: the profile's RDMA link, timemodel.PROFILES)
+        cfg.fetch_ms_per_block = {**cfg.fetch_ms_per_block, "remote": transfer}
+    return cfg
+
+
+def per_worker(text: str, n: int, check: Any, what: str) -> list[str | None]:
+    """A comma-separated value per worker (empty: none for any), each checked; ValueError naming
+    what is wrong."""
+    if not text:
+        return [None] * n
+    values = [v.strip() for v in text.split(",")]
+    if len(values) != n:
+        raise ValueError(f"--{what}: {len(values)} values for {n} workers")
+    return [check(v) for v in values]
 
 
 def main_sim(args: argparse.Namespace) -> int:
@@ -94,7 +138,7 @@ def main_sim(args: argparse.Namespace) -> int:
     async def main(stop: Stop) -> int:
         try:
             await _main(args, stop)
-        except (NatsConfigError, NatsConnectError) as exc:
+        except (NatsConfigError, NatsConnectError, SimSetupError) as exc:
             log.error("kvshim_sim_failed", error=str(exc))
             return 1
         return 0
@@ -128,6 +172,20 @@ async def _main(args: argparse.Namespace, stop: Stop) -> None:
     )
     if fleet is None:  # stopped while connecting
         return
+    servers = []
+    try:
+        roles = per_worker(args.roles, args.workers, check_role, "roles")
+        groups = per_worker(args.pd_groups, args.workers, check_group, "pd-groups")
+        for name, role, group in zip(fleet.engines, roles, groups, strict=True):
+            fleet.publishers[name].role, fleet.publishers[name].pd_group = role, group
+        if args.http_port is not None:
+            servers = await serve_fleet(fleet, args.model, args.http_host, args.http_port)
+            for server in servers:  # announced from the next heartbeat on
+                fleet.publishers[server.worker].endpoint = server.endpoint
+            log.info("sim_http_serving", endpoints={s.worker: s.endpoint for s in servers})
+    except (ValueError, OSError) as exc:
+        await fleet.close()
+        raise SimSetupError(str(exc)) from None
     tasks = [asyncio.create_task(_report(fleet, ttfts))]
     if args.trace:
         tasks.append(asyncio.create_task(_replay(fleet, args, stop)))
@@ -137,6 +195,8 @@ async def _main(args: argparse.Namespace, stop: Stop) -> None:
         await stop.wait()
     finally:
         await finish(tasks, 1.0)
+        for server in servers:
+            await server.close()
         await fleet.close()
         log.info("sim_fleet_stopped", first_tokens=fleet.first_tokens, finished=fleet.completed)
 

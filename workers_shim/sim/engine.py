@@ -40,6 +40,7 @@ __all__ = [
 
 TIERS = ("gpu", "cpu", "disk", "shared")
 _GPU, _CPU, _DISK, _SHARED = 0, 1, 2, 3
+_REMOTE = 4  # a block transferred from another instance (disaggregated prefill, SimRequest.remote_blocks)
 
 
 @dataclass(slots=True)
@@ -54,6 +55,9 @@ class SimRequest:
     output_tokens: int
     arrival: float = 0.0
     meta: Any = None
+    # Disaggregated decode: the first ``remote_blocks`` blocks' KV was computed by a prefill instance
+    # and is transferred at admission (fetch cost ``fetch_ms_per_block["remote"]``) where not cached.
+    remote_blocks: int = 0
 
 
 @dataclass(slots=True)
@@ -90,6 +94,13 @@ class Completion:
     @property
     def hit_tokens(self) -> int:
         return sum(self.cached_tokens.values())
+
+    @property
+    def reported_cached_tokens(self) -> int:
+        """What vLLM reports as ``usage.prompt_tokens_details.cached_tokens``: the hit of the
+        request's first admission (vLLM keeps its first scheduled prefill's, not that of a
+        readmission after a preemption, which finds the request's own blocks again)."""
+        return sum((self.first_cached_tokens or self.cached_tokens).values())
 
 
 @dataclass(slots=True)
@@ -128,7 +139,8 @@ class EngineConfig:
     disk_blocks: int = 0  # 0: no disk tier
     max_batched_tokens: int = 8192  # token budget per step (chunked prefill)
     max_running: int = 256
-    # Milliseconds to load one block into GPU memory from "cpu", "disk", "shared"; missing tiers cost 0.
+    # Milliseconds to load one block into GPU memory from "cpu", "disk", "shared", or to receive it
+    # from a prefill instance ("remote": disaggregated decode); missing ones cost 0.
     fetch_ms_per_block: dict[str, float] = field(default_factory=dict)
     # False: loads are synchronous, added to the step time; True: overlapped with compute (layer-wise
     # loading), the step takes max(compute, loads).
@@ -147,7 +159,7 @@ class EngineConfig:
             raise ValueError("need max_running > 0 and max_batched_tokens >= max_running")
         if self.offload not in ("evict", "store"):
             raise ValueError(f"offload must be 'evict' or 'store', got {self.offload!r}")
-        unknown = set(self.fetch_ms_per_block) - {"cpu", "disk", "shared"}
+        unknown = set(self.fetch_ms_per_block) - {"cpu", "disk", "shared", "remote"}
         if unknown:
             raise ValueError(f"fetch_ms_per_block has unknown tiers {sorted(unknown)}")
 
@@ -219,6 +231,7 @@ class EngineStats:
     gpu_evictions: int = 0  # cached GPU blocks evicted to make room
     loaded_blocks: dict[str, int] = field(default_factory=lambda: dict.fromkeys(TIERS[1:], 0))
     fetch_s: float = 0.0
+    transferred_blocks: int = 0  # received from prefill instances (SimRequest.remote_blocks)
 
     @property
     def miss_tokens(self) -> int:
@@ -311,7 +324,13 @@ class SimEngine:
         self._a, self._b, self._c = tm.a_ms, tm.b_ms_per_token, tm.c_ms_per_token2
         self._d, self._e = tm.d_ms_per_decode_seq, tm.e_ms_per_decode_ctx
         fetch = cfg.fetch_ms_per_block
-        self._fetch = (0.0, fetch.get("cpu", 0.0), fetch.get("disk", 0.0), fetch.get("shared", 0.0))
+        self._fetch = (
+            0.0,
+            fetch.get("cpu", 0.0),
+            fetch.get("disk", 0.0),
+            fetch.get("shared", 0.0),
+            fetch.get("remote", 0.0),
+        )
         # GPU: key -> ref count for every cached block (in use or free); free cached blocks in LRU
         # order (first = evicted first); free blocks without a key are interchangeable: a count.
         self._gpu: dict[int, int] = {}
@@ -702,6 +721,7 @@ class SimEngine:
         cpu = self._cpu.lru if self._cpu is not None else None
         disk = self._disk.lru if self._disk is not None else None
         pool = self.pool.lru if self.pool is not None else None
+        remote = r.req.remote_blocks
         codes: list[int] = []
         touch = 0
         for i in range(maxb):
@@ -717,6 +737,8 @@ class SimEngine:
                 codes.append(_DISK)
             elif pool is not None and k in pool:
                 codes.append(_SHARED)
+            elif i < remote:
+                codes.append(_REMOTE)
             else:
                 break
         return touch, codes
@@ -877,7 +899,7 @@ class SimEngine:
         keys = r.req.keys
         gpu = self._gpu
         free = self._free
-        loads = [0, 0, 0, 0]
+        loads = [0, 0, 0, 0, 0]
         for i in range(hit):  # take the GPU hits out of the free queue before allocating
             code = codes[i]
             if code == _GPU:
@@ -890,10 +912,10 @@ class SimEngine:
                 loads[code] += 1
         held = keys[:hit]
         if hit > n_gpu:
-            tiers = (None, self._cpu, self._disk, self.pool)
+            tiers = (None, self._cpu, self._disk, self.pool, None)
             for i in range(hit):
                 code = codes[i]
-                if code != _GPU:
+                if code != _GPU and code != _REMOTE:
                     tier = tiers[code]
                     assert tier is not None
                     if keys[i] in tier:
@@ -918,7 +940,10 @@ class SimEngine:
             if run and sink is not None:
                 sink.stored(run, "gpu", parent)
             fetch = self._fetch
-            self._step_fetch_ms += loads[1] * fetch[1] + loads[2] * fetch[2] + loads[3] * fetch[3]
+            self._step_fetch_ms += (
+                loads[1] * fetch[1] + loads[2] * fetch[2] + loads[3] * fetch[3] + loads[4] * fetch[4]
+            )
+            self.stats.transferred_blocks += loads[4]
             lb = self.stats.loaded_blocks
             lb["cpu"] += loads[1]
             lb["disk"] += loads[2]

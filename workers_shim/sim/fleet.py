@@ -7,6 +7,12 @@ heartbeats carry ``engine.load()`` (running, waiting, waiting_prefill_tokens, kv
 decoding/prefilling), the capacity per tier and the digest. The prefill samples are handed to the
 Publisher's ``prefill_sample()`` when it has one, and always kept in ``SimFleet.prefill_samples``.
 A shared pool, if configured, is one more publisher (``{worker_prefix}-pool``, capacity "shared").
+
+Fault hook: ``drop_events(worker, seconds)`` loses a worker's block events between its engine and its
+publisher for a while, silently (no sequence gap, the worker's own digest agrees): only the
+engine's answers show it. A snapshot request makes the publisher first take the engine's blocks as
+they are (``resync``), as a bridge asks its engine's replay buffer, so the index's reconciliation
+repairs the loss.
 """
 
 from __future__ import annotations
@@ -31,6 +37,30 @@ from workers_shim.sim.tiers import SharedPool
 __all__ = ["SimFleet", "run_fleet"]
 
 log = structlog.get_logger("workers_shim.sim.fleet")
+
+
+class _LossySink:
+    """The engine -> publisher path of one worker, which a fault can cut for a while."""
+
+    def __init__(self, publisher: Publisher) -> None:
+        self.publisher = publisher
+        self.drop_until = 0.0
+        self.dropped = 0
+
+    def _dropping(self) -> bool:
+        if time.monotonic() < self.drop_until:
+            self.dropped += 1
+            return True
+        return False
+
+    def stored(self, keys: list[int], tier: str = "gpu", parent: int | None = None) -> int:
+        return 0 if self._dropping() else self.publisher.stored(keys, tier, parent)
+
+    def removed(self, keys: list[int], tier: str = "gpu") -> int:
+        return 0 if self._dropping() else self.publisher.removed(keys, tier)
+
+    def cleared(self, tier: str | None = None) -> int:
+        return 0 if self._dropping() else self.publisher.cleared(tier)
 
 
 class SimFleet:
@@ -58,6 +88,7 @@ class SimFleet:
         }
         self.completed = 0
         self.first_tokens = 0
+        self.sinks: dict[str, _LossySink] = {}  # the fault hook's (workers started by run_fleet)
         self._t0 = time.monotonic()
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
@@ -115,6 +146,30 @@ class SimFleet:
         engine.submit(dataclasses.replace(req, arrival=now), now)
         self._wake.set()
 
+    def drop_events(self, worker: str, seconds: float) -> None:
+        """Lose ``worker``'s block events for ``seconds`` (a fault: see the module's doc)."""
+        self.sinks[worker].drop_until = time.monotonic() + seconds
+
+    def dropped_events(self, worker: str) -> int:
+        sink = self.sinks.get(worker)
+        return 0 if sink is None else sink.dropped
+
+    async def resync(self, worker: str) -> None:
+        """Make ``worker``'s publisher hold exactly its engine's blocks (publishing the difference)."""
+        self._sync(worker)
+        engine = self.engines[worker]
+        pub = self.publishers[worker]
+        for tier in ("gpu", "cpu", "disk"):
+            truth = engine.holds(tier)
+            held = pub.blocks[tier]
+            extra = list(held - truth)
+            missing = list(truth - held)
+            if extra:
+                pub.removed(extra, tier)
+            if missing:
+                pub.stored(missing, tier)
+        await pub.flush()
+
     def holds(self, worker: str, tier: str = "gpu") -> set[int]:
         """Ground truth of a worker's blocks on ``tier`` (``holds("pool", "shared")``: the pool's)."""
         if tier == "shared":
@@ -127,8 +182,11 @@ class SimFleet:
         return self.engines[worker].load(drain=False)
 
     def _heartbeat_load(self, name: str) -> dict[str, float]:
-        """Publisher ``load_fn``: bring the engine to now, pass on its prefill samples, report its load."""
-        self._sync(name)
+        """Publisher ``load_fn``: bring the engine to now, pass on its prefill samples, report its load.
+        Once the fleet is closing the engine stays where it is: its publisher takes no more events, and
+        the goodbye heartbeat reports the load as of the last step."""
+        if not self._closed:
+            self._sync(name)
         load = self.engines[name].load(drain=True)
         if load.prefill_samples:
             self.prefill_samples[name].extend(load.prefill_samples)
@@ -226,7 +284,10 @@ async def run_fleet(
                 load_fn=lambda n=name: fleet._heartbeat_load(n),  # type: ignore[union-attr]
                 **common,
             )
-            engine.attach(pub)
+            sink = _LossySink(pub)
+            engine.attach(sink)
+            pub.before_snapshot = lambda n=name: fleet.resync(n)  # type: ignore[union-attr]
+            fleet.sinks[name] = sink
             pubs[name] = pub
             fleet.publishers[name] = pub
     except BaseException:

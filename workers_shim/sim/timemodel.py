@@ -105,22 +105,24 @@ PROFILES: dict[str, Profile] = {
     # KV capacity: 0.9 x 80 GB - 16.06 GB weights - ~4 GB activations/graphs ≈ 51.9 GB / 131,072 B.
     # Links: CPU = PCIe Gen5 x16 pinned H2D, ~50 GB/s (a public vLLM CPU-offload microbenchmark on
     # PCIe Gen5 measured ~54 GB/s); disk = one PCIe Gen4 NVMe, ~6 GB/s; shared = one 200 Gb/s RDMA
-    # NIC at 80 % ≈ 20 GB/s.
+    # NIC at 80 % ≈ 20 GB/s; remote = KV received from a prefill instance (disaggregated decode) over
+    # that same NIC.
     "llama3-8b-h100": Profile(
         "llama3-8b-h100",
         TimeModel.llama3_8b_h100(),
         kv_bytes_per_token=131_072,
         gpu_kv_tokens=396_000,
-        link_gbps={"cpu": 50.0, "disk": 6.0, "shared": 20.0},
+        link_gbps={"cpu": 50.0, "disk": 6.0, "shared": 20.0, "remote": 20.0},
     ),
     # KV capacity: 8 x 0.9 x 80 GB - 141 GB weights - 8 x 5 GB activations ≈ 395 GB / 327,680 B.
     # Links: CPU = 8 x PCIe Gen4 x16, host-memory bound ~100 GB/s; disk = NVMe RAID ~8 GB/s;
-    # shared = Mooncake Transfer Engine, 87 GB/s on 4 x 200 Gb/s RoCE (Mooncake README).
+    # shared = Mooncake Transfer Engine, 87 GB/s on 4 x 200 Gb/s RoCE (Mooncake README); remote (KV
+    # from a prefill instance) over the same.
     "llama3-70b-8xa800": Profile(
         "llama3-70b-8xa800",
         TimeModel.llama3_70b_8xa800(),
         kv_bytes_per_token=327_680,
         gpu_kv_tokens=1_205_000,
-        link_gbps={"cpu": 100.0, "disk": 8.0, "shared": 87.0},
+        link_gbps={"cpu": 100.0, "disk": 8.0, "shared": 87.0, "remote": 87.0},
     ),
 }

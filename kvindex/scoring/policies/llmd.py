@@ -1,6 +1,7 @@
 """``llmd``: llm-d's precise prefix-cache scoring (inference scheduler defaults).
 
-Definition (anchors.md §3): score = 2 * (weighted consecutive matched blocks / total; gpu 1.0,
+Definition, as its authors published it (docs/scoring.md, Peer policies):
+score = 2 * (weighted consecutive matched blocks / total; gpu 1.0,
 cpu 0.8) + 1 * (1 - kv_usage) + 1 * (maxQ - q) / (maxQ - minQ), argmax; the chosen pod gets
 speculative entries for 2 s. Disk and external-pool blocks are weighted like CPU (0.8). When all
 queues are equal the queue term is 1 for everyone.

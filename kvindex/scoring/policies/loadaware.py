@@ -1,6 +1,6 @@
 """``loadaware``: vLLM production-stack's load-aware KV routing.
 
-Definition (anchors.md §3):
+Definition, as its authors published it (docs/scoring.md, Peer policies):
     score_i = min(matched_i, P) / max(P, 1) - beta * (L_i - mean L) / max(1, mean L),   argmax
 with P the prompt length, matched_i the cached prefix tokens, L_i the in-prefill + in-decode requests
 of instance i; beta defaults to 1.0 (0.5 in the published experiment).
