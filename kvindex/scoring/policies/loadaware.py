@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 from kvindex.scoring.base import Candidate, Choice, RouteRequest
 
 if TYPE_CHECKING:
@@ -39,12 +41,15 @@ class LoadAware:
         """``rank``'s first ``top_k``; the fleet's mean load is a sum over the columns."""
         p = request.prompt_tokens
         mean = float(pool.load[pool.mask].sum()) / pool.count
-        rest = -(0.0 - self.beta * (pool.load - mean) / max(1.0, mean))
+        spread = self.beta * (pool.load - mean) / max(1.0, mean)
+
+        def columns(t: Candidate) -> list[np.ndarray]:  # per group: its hit (0 for none)
+            return [-(min(t.hit_tokens, p) / max(p, 1) - spread)]
 
         def cost(c: Candidate) -> float:
             return -(min(c.hit_tokens, p) / max(p, 1) - self.beta * (c.load - mean) / max(1.0, mean))
 
-        top = pool.top([rest], lambda c: (cost(c), c.state.key), top_k)
+        top = pool.top(columns, lambda c: (cost(c), c.state.key), top_k)
         return [Choice(c, cost(c)) for c in top]
 
     def on_commit(self, request: RouteRequest, instance: Candidate, router: Router) -> None:
