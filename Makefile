@@ -104,8 +104,8 @@ e2e-feedback: $(STAMP) $(E2E_MODEL)/kvindex-e2e.json
 	$(PY) e2e/run_feedback.py --vllm-python $(VLLM_PY) --model-dir $(E2E_MODEL) $(ARGS)
 
 # TTFT on real engines (docs/e2e-routing.md): two vLLM CPU engines, each on its own core, a chat
-# workload at two loads, routed by `kvindex route` and by vllm-router 0.1.17 (kv_aware, cache_aware,
-# round_robin), several runs each. Separate from `make test`; reuses .venv-vllm, adds the vllm-router
+# workload at two loads, routed by `kvindex route` (prefill model calibrated from the engines, and the
+# default one) and by vllm-router 0.1.17 (kv_aware, cache_aware, round_robin), several runs each. Separate from `make test`; reuses .venv-vllm, adds the vllm-router
 # venv and a larger random model (e2e/routing-llama), both gitignored.
 ROUTER_VENV := .venv-vllm-router
 ROUTER_STAMP := $(ROUTER_VENV)/.installed

@@ -247,14 +247,37 @@ class Fleet:
         return sum(self.prefix_blocks) + self.background * len(self.prefix_blocks)
 
 
+TAIL_DEPTHS = 8  # --shared-prefix: how many deeper prefixes of the prompt some instances hold
+
+
 def make_fleet(
-    instances: int, prompt_tokens: int, background: int, tiered: bool, seed: int, holders: int = 0
+    instances: int,
+    prompt_tokens: int,
+    background: int,
+    tiered: bool,
+    seed: int,
+    holders: int = 0,
+    shared_prefix: int = 0,
 ) -> Fleet:
-    """``holders`` (0: all) of the instances hold a prefix of the prompt; the others only background."""
+    """``holders`` (0: all) of the instances hold a prefix of the prompt; the others only background.
+
+    ``shared_prefix`` > 0 instead: every instance holds the prompt's first ``shared_prefix`` blocks
+    (a system prompt the whole fleet serves), and 1-4 instances hold it to each of TAIL_DEPTHS
+    deeper depths spread up to the whole prompt (the conversations that continue it)."""
     rng = random.Random(seed)
     tokens = [rng.randrange(128_000) for _ in range(prompt_tokens)]
     keys = block_keys(tokens, BLOCK_SIZE, MODEL)
     n = len(keys)
+    if shared_prefix:
+        shared = min(shared_prefix, n)
+        prefix = [shared] * instances
+        pick = rng.sample(range(instances), min(instances, 4 * TAIL_DEPTHS))
+        for j in range(TAIL_DEPTHS):
+            depth = shared + round((n - shared) * (j + 1) / TAIL_DEPTHS)
+            for _ in range(rng.randint(1, 4)):
+                if pick:
+                    prefix[pick.pop()] = depth
+        return Fleet(tokens, keys, prefix, background, tiered)
     holders = min(holders or instances, instances)
     # Evenly spread prefix lengths: the deepest worker holds the whole prompt, so the match loop walks
     # all n blocks before the last candidate drops out (the worst case for the index).
@@ -316,7 +339,13 @@ async def fleet_main(args: argparse.Namespace) -> None:
     """``--role fleet``: the 64 workers, in their own process so that their heartbeats cost the
     benchmark client nothing; publishes, prints "ready", runs until stdin closes."""
     fleet = make_fleet(
-        args.instances, args.prompt_tokens, args.background, args.tiered, args.seed, args.holders
+        args.instances,
+        args.prompt_tokens,
+        args.background,
+        args.tiered,
+        args.seed,
+        args.holders,
+        args.shared_prefix,
     )
     nc = await nats.connect(args.nats)
     pubs = await publish_fleet(nc, fleet, args.seed, live=True, part=(args.fleet_part, args.fleet_procs))
@@ -355,6 +384,7 @@ class FleetProcess:
         cmd += ["--instances", str(args.instances), "--prompt-tokens", str(args.prompt_tokens)]
         cmd += ["--background", str(args.background), "--seed", str(args.seed)]
         cmd += ["--holders", str(args.holders), "--fleet-procs", str(procs)]
+        cmd += ["--shared-prefix", str(args.shared_prefix)]
         cmd += ["--busy-fleet"] if getattr(args, "busy_fleet", False) else []
         cmd += ["--tiered"] if args.tiered else []
         self.procs = [
@@ -702,6 +732,14 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--holders", type=int, default=0, help="instances holding a prefix (0: all)")
     ap.add_argument(
+        "--shared-prefix",
+        type=int,
+        default=0,
+        metavar="BLOCKS",
+        help="every instance holds the prompt's first BLOCKS blocks (a fleet-wide system prompt) and "
+        f"1-4 instances each of {TAIL_DEPTHS} deeper prefixes (replaces --holders)",
+    )
+    ap.add_argument(
         "--sweep",
         default="",
         help="fleet sizes, e.g. 64,1024,8192: Score latency, server CPU and heartbeat ingest per size "
@@ -736,7 +774,15 @@ def main() -> int:
     concurrency = [int(c) for c in args.concurrency.split(",") if c]
     started = time.perf_counter()
 
-    fleet = make_fleet(args.instances, args.prompt_tokens, args.background, args.tiered, args.seed)
+    fleet = make_fleet(
+        args.instances,
+        args.prompt_tokens,
+        args.background,
+        args.tiered,
+        args.seed,
+        args.holders,
+        args.shared_prefix,
+    )
     print(
         f"kvindex gRPC Score benchmark: {args.prompt_tokens} tokens = {len(fleet.keys)} blocks of "
         f"{BLOCK_SIZE}, {args.instances} instances holding prefixes of "
@@ -954,17 +1000,30 @@ def sweep(args: argparse.Namespace) -> int:
     top_k = args.top_k or 4
     n_calls = args.calls or (300 if args.quick else 1500)
     idle_s = 4.0 if args.quick else 8.0
+    who = (
+        f"every instance holds its first {args.shared_prefix} blocks and 1-4 instances each of "
+        f"{TAIL_DEPTHS} deeper prefixes"
+        if args.shared_prefix
+        else f"{holders} instances hold prefixes of it, the others"
+    )
     print(
         f"kvindex Score fleet-size sweep: {args.prompt_tokens} tokens = {args.prompt_tokens // BLOCK_SIZE} "
-        f"blocks; {holders} instances hold prefixes of it, the others {args.background} background "
-        f"blocks each; top_k={top_k}; sizes {sizes}"
+        f"blocks; {who}, {args.background} background blocks each; top_k={top_k}; sizes {sizes}"
     )
     print(f"machine: {os.cpu_count()} cores, load average {os.getloadavg()[0]:.2f}; code: {code_version()}")
     rows: list[dict[str, Any]] = []
     for size in sizes:
         args.instances = size
         args.holders = min(holders, size)
-        fleet = make_fleet(size, args.prompt_tokens, args.background, args.tiered, args.seed, args.holders)
+        fleet = make_fleet(
+            size,
+            args.prompt_tokens,
+            args.background,
+            args.tiered,
+            args.seed,
+            args.holders,
+            args.shared_prefix,
+        )
         natsd = NatsProcess()
         server = ServerProcess(natsd.url, args.serve_arg)
         fleet_proc: FleetProcess | None = None
@@ -1006,6 +1065,18 @@ def sweep(args: argparse.Namespace) -> int:
                 # The server also ingests the fleet's heartbeats meanwhile: its CPU per call net of
                 # that background (the idle share over the calls' wall time).
                 row["net_server_cpu_us"] = lat.server_cpu_us - row["idle_server_core"] * lat.mean_us
+                # The same calls over one ScoreStream (what kvindex.client sends): no per-call
+                # stream setup in grpcio.
+                caller = StreamCaller(channel)
+                stream = measure_latency(
+                    lambda c=caller, r=token_req: c(r),  # type: ignore[misc]
+                    n_calls,
+                    100,
+                    meter,
+                )
+                caller.close()
+                row["stream"] = vars(stream)
+                row["net_stream_cpu_us"] = stream.server_cpu_us - row["idle_server_core"] * stream.mean_us
                 end = stub.Stats(pb.StatsRequest())
                 row["stale_at_end"] = end.instances_stale
         finally:
@@ -1025,19 +1096,31 @@ def sweep(args: argparse.Namespace) -> int:
             f"{row['idle_server_core'] * 100:4.1f}% of a core; stale at end {row['stale_at_end']}; "
             f"populated in {row['populate_s']:.0f} s"
         )
+        st = row["stream"]
+        print(
+            f"        ScoreStream: p50 {st['p50_us']:6.0f} us p99 {st['p99_us']:6.0f} us, server CPU/call "
+            f"{st['server_cpu_us']:5.0f} us, net {row['net_stream_cpu_us']:5.0f} us"
+        )
         print(f"        CPU during Score calls: {fmt_shares(sc['cpu'])}")
         print("        in process: " + ", ".join(f"{k} {v:.0f} us" for k, v in row["in_process_us"].items()))
     base = rows[0]
     print(f"\nratios to the {base['instances']}-instance figures (same run):")
+    paths = (("score", "net_server_cpu_us", "Score"), ("stream", "net_stream_cpu_us", "ScoreStream"))
     for row in rows[1:]:
-        r50 = row["score"]["p50_us"] / base["score"]["p50_us"]
-        rcpu = row["net_server_cpu_us"] / base["net_server_cpu_us"]
-        rh = row["health"]["p50_us"] / base["health"]["p50_us"]
         limit = 1.25 if row["instances"] <= 1024 else 2.0
-        print(
-            f"  {row['instances']:5d}: Score p50 x{r50:.2f} (target <= x{limit}: {_ok(r50 <= limit)}), "
-            f"server CPU/call (net) x{rcpu:.2f}, health p50 x{rh:.2f}"
-        )
+        rh = row["health"]["p50_us"] / base["health"]["p50_us"]
+        for name, net, label in paths:
+            r50 = row[name]["p50_us"] / base[name]["p50_us"]
+            rcpu = row[net] / base[net]
+            print(
+                f"  {row['instances']:5d}: {label} p50 x{r50:.2f} (target <= x{limit}: {_ok(r50 <= limit)}), "
+                f"server CPU/call (net) x{rcpu:.2f}; health p50 x{rh:.2f}"
+            )
+    for row in rows:
+        for name, _net, label in paths:
+            rs = row[name]["p50_us"] / row["health"]["p50_us"]
+            target = f" (target <= x2: {_ok(rs <= 2)})" if row is base else ""
+            print(f"  {row['instances']:5d}: {label} p50 / health p50 x{rs:.2f}{target}")
     for row in rows:
         print(
             f"  heartbeat ingest at {row['instances']}: {row['idle_server_core'] * 100:.1f}% of a core "

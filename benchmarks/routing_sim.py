@@ -7,6 +7,7 @@
     .venv/bin/python benchmarks/routing_sim.py llmd                # preset 4: llm-d's workload
     .venv/bin/python benchmarks/routing_sim.py fleet256            # preset 5: Mooncake on 256 instances
     .venv/bin/python benchmarks/routing_sim.py pd                  # preset 6: disaggregated prefill/decode
+    .venv/bin/python benchmarks/routing_sim.py demo --policies ttft,round_robin   # make run's fleet and load
     .venv/bin/python benchmarks/routing_sim.py mooncake --trace PATH --instances 16 --policies ttft,dynamo
 
 Virtual time, discrete events. The code under test is the real one, in process: simulated engines
@@ -199,6 +200,16 @@ class Cluster:
     # fleet size here so that the tables check it); 0 ranks every instance (--top-k 0).
     top_k: int = 4
     slo_margin: float = 0.0  # admission (policies "...+admit"): admit within objective x (1 + margin)
+    # The pick after the ranking (kvindex/scoring/pick.py) and the warm-up ramp of new instances.
+    pick: str = "best"
+    temperature: float = 0.0
+    warmup: float = 0.0
+    # The last ``join_count`` instances join the fleet at ``join_at`` s (silent and unknown before).
+    join_count: int = 0
+    join_at: float = 0.0
+    # Independent routers (each its own ledger, speculative keys and policy memory; no routing sync),
+    # the arrivals dealt to them in turn: what herding looks like with several unsynchronised routers.
+    routers: int = 1
     # Prefill/decode disaggregation (the pd preset): each instance's announced role, in order
     # (empty: every instance serves whole requests).
     roles: tuple[str, ...] = ()
@@ -226,6 +237,8 @@ class RunResult:
     shed: int = 0
     queued: int = 0
     shed_reasons: dict[str, int] = field(default_factory=dict)
+    # With a join: the new instances' share of the arrivals and the TTFT, per window after it.
+    join: list[dict[str, float]] = field(default_factory=list)
     # Preset-specific measurements (pd: time per output token, share served in two steps).
     extra: dict[str, float] = field(default_factory=dict)
 
@@ -294,14 +307,26 @@ class Simulation:
         self.consumer = Consumer(self.index, self.registry, repair=_SimRepair(self))
         self.calibrator = Calibrator()
         self.consumer.prefill_samples = self.calibrator.add
-        self.router = Router(
-            self.index,
-            self.registry,
-            self.calibrator,
-            RouterConfig(default_policy=base, seed=seed, prune_min_instances=0),
-            clock=clock,
-            policy_options=policy_options,
-        )
+        self.routers = [
+            Router(
+                self.index,
+                self.registry,
+                self.calibrator,
+                RouterConfig(
+                    default_policy=base,
+                    seed=seed + r,
+                    prune_min_instances=0,
+                    pick=cluster.pick,
+                    temperature=cluster.temperature,
+                    warmup=cluster.warmup,
+                ),
+                clock=clock,
+                policy_options=policy_options,
+            )
+            for r in range(max(1, cluster.routers))
+        ]
+        self.router = self.routers[0]
+        self.router_of: dict[str, Router] = {}
         cfg = EngineConfig.from_profile(**cluster.engine)
         self.block_size = cfg.block_size
         self.logs: dict[str, WorkerLog] = {}
@@ -320,6 +345,10 @@ class Simulation:
         self._running_samples: dict[str, list[int]] = {n: [] for n in self.engines}
         self._hot: Counter[int] = Counter()
         self.max_replicas = 0
+        names = list(self.engines)
+        self.late = set(names[len(names) - cluster.join_count :]) if cluster.join_count else set()
+        self.joined = not self.late
+        self.routed: dict[str, tuple[float, str]] = {}  # request -> (arrival, instance)
 
     def clock(self) -> float:
         return self.now
@@ -362,8 +391,17 @@ class Simulation:
                 for subject, data in log.seal():
                     self.send(subject, data)
 
+    def _join(self) -> None:
+        """The late instances announce themselves (their first heartbeat): now routable."""
+        self.joined = True
+        for name in self.late:
+            for subject, data in self.logs[name].heartbeat_messages():
+                self.send(subject, data)
+
     def _heartbeat(self) -> None:
         for name, engine in self.engines.items():
+            if not self.joined and name in self.late:
+                continue
             load = engine.load()
             log = self.logs[name]
             log.set_load(
@@ -377,7 +415,9 @@ class Simulation:
             self._running_samples[name].append(load.running)
         if self.pool is not None:
             self.logs["pool"].set_load()
-        for log in self.logs.values():
+        for name, log in self.logs.items():
+            if not self.joined and name in self.late:
+                continue
             for subject, data in log.heartbeat_messages():
                 self.send(subject, data)
         self._sample_replicas()
@@ -399,8 +439,11 @@ class Simulation:
             return
         # top_k as a router asks: policies that can rank only the holders and the best few others
         # (ttft) do, and must place exactly as their full ranking would (tables byte-identical).
-        result = self.router.score(route, commit=True, top_k=self.cluster.top_k)
+        router = self.routers[len(self.router_of) % len(self.routers)]
+        self.router_of[req.id] = router
+        result = router.score(route, commit=True, top_k=self.cluster.top_k)
         assert result.committed is not None, "no routable instance"
+        self.routed[req.id] = (req.arrival, result.committed.worker)
         self.engines[result.committed.worker].submit(req, self.now)
 
     # -- admission ----------------------------------------------------------------------------------
@@ -423,6 +466,7 @@ class Simulation:
         )
         state = result.choices[pick].candidate.state
         assert self.router.commit(route, state.key), "no routable instance"
+        self.routed[req.id] = (req.arrival, state.worker)
         self.engines[state.worker].submit(req, self.now)
 
     def _admit(self, req: SimRequest, route: RouteRequest) -> None:
@@ -516,12 +560,16 @@ class Simulation:
 
     def run(self) -> None:
         arrivals = sorted(self.requests, key=lambda r: r.arrival)
-        for log in self.logs.values():  # workers announce themselves before traffic starts
+        for name, log in self.logs.items():  # workers announce themselves before traffic starts
+            if name in self.late:
+                continue
             for subject, data in log.heartbeat_messages():
                 self.consumer.on_events(subject, data) if ".events." in subject else self.consumer.on_status(
                     subject, data
                 )
         self.later(self.cluster.heartbeat_s, self._heartbeat)
+        if self.late:
+            self.later(self.cluster.join_at, self._join)
         i = 0
         engines = list(self.engines.values())
         while (
@@ -558,14 +606,14 @@ class Simulation:
         rid = done.request.id
         if done.kind == "first_token":
             self.completions[rid] = done
-            self.router.release(rid, "prefill")
+            self.router_of.get(rid, self.router).release(rid, "prefill")
             estimated = self._estimated.pop(rid, None)
             if estimated is not None:
                 self.correction.finish(MODEL, rid)
                 self.correction.observe(MODEL, estimated[0], (done.first_token_at - estimated[1]) * 1000.0)
         else:
             self.completions[rid + "#end"] = done
-            self.router.release(rid, "finished")
+            self.router_of.get(rid, self.router).release(rid, "finished")
 
     # -- results ------------------------------------------------------------------------------------
 
@@ -614,7 +662,35 @@ class Simulation:
             shed=sum(self.shed.values()),
             queued=self.queued,
             shed_reasons=dict(self.shed),
+            join=self._join_windows(firsts),
         )
+
+    def _join_windows(
+        self, firsts: list[Any], width: float = 15.0, windows: int = 6
+    ) -> list[dict[str, float]]:
+        """Per ``width`` s after the join: the share of arrivals routed to the new instances, the
+        mean and p90 TTFT of all arrivals, and the new instances' peak running requests."""
+        if not self.late:
+            return []
+        ttft = {c.request.id: c.ttft for c in firsts}
+        out = []
+        for w in range(-1, windows):
+            lo = self.cluster.join_at + w * width
+            ids = [rid for rid, (t, _inst) in self.routed.items() if lo <= t < lo + width]
+            if not ids:
+                continue
+            new = sum(1 for rid in ids if self.routed[rid][1] in self.late)
+            values = np.array([ttft[rid] for rid in ids if rid in ttft])
+            out.append(
+                {
+                    "from_s": w * width,
+                    "arrivals": len(ids),
+                    "new_share": new / len(ids) / (len(self.late) / len(self.engines)),
+                    "mean": float(values.mean()) if len(values) else math.nan,
+                    "p90": float(np.percentile(values, 90)) if len(values) else math.nan,
+                }
+            )
+        return out
 
 
 class PdSimulation(Simulation):
@@ -767,8 +843,9 @@ class PdSimulation(Simulation):
         return out
 
 
-def run_one(args: tuple[str, str, list[SimRequest], Cluster, int, dict | None]) -> RunResult:
-    policy, label, requests, cluster, seed, options = args
+def run_one(args: tuple[Any, ...]) -> RunResult:
+    """(policy, label, arrivals, cluster, seed, options[, name shown for the run])"""
+    policy, label, requests, cluster, seed, options = args[:6]
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.ERROR))
     started = time.perf_counter()
     if policy.startswith(("pd-", "unified-")):
@@ -777,7 +854,37 @@ def run_one(args: tuple[str, str, list[SimRequest], Cluster, int, dict | None]) 
         return sim.result(label, time.perf_counter() - started)
     sim = Simulation(policy, requests, cluster, seed, options)
     sim.run()
-    return sim.result(label, time.perf_counter() - started)
+    result = sim.result(label, time.perf_counter() - started)
+    if len(args) > 6:
+        result.policy = args[6]
+    return result
+
+
+def pick_variants(text: str) -> list[tuple[str, float]]:
+    """``best,softmax:0.1`` -> [("best", 0.0), ("softmax", 0.1)]."""
+    out = []
+    for item in text.split(","):
+        mode, _, temperature = item.strip().partition(":")
+        if mode not in ("best", "softmax"):
+            raise SystemExit(f"--pick: {item!r} is not best or softmax:T")
+        out.append((mode, float(temperature or 0.0) if mode == "softmax" else 0.0))
+    return out
+
+
+def join_table(results: list[RunResult]) -> str:
+    """The join experiment: per window after the join, the new instances' share of the arrivals
+    (1.0 = an equal share per instance) and everyone's TTFT."""
+    lines = [
+        f"{'level':<22} {'run':<22} {'from s':>7} {'arrivals':>8} {'new share':>9} {'mean':>7} {'p90':>7}"
+    ]
+    lines.append("-" * len(lines[0]))
+    for r in results:
+        for w in r.join:
+            lines.append(
+                f"{r.label:<22} {r.policy:<22} {w['from_s']:7.0f} {w['arrivals']:8.0f} {w['new_share']:9.2f} "
+                f"{w['mean']:7.2f} {w['p90']:7.2f}"
+            )
+    return "\n".join(lines)
 
 
 # -- presets ------------------------------------------------------------------------------------------
@@ -923,8 +1030,27 @@ def preset_pd(args: argparse.Namespace) -> Experiment:
     return Experiment("pd", levels, policies)
 
 
+def preset_demo(args: argparse.Namespace) -> Experiment:
+    """The `make run` demo's fleet (8 x Llama-3-8B on H100, 16-token blocks, 50,000 CPU blocks each)
+    at its default load (the trace x2.5) and at x4: where its default was chosen."""
+    cluster = Cluster(
+        args.instances or 8,
+        {"profile": "llama3-8b-h100", "block_size": 16, "cpu_blocks": 50_000},
+        slo_s=args.slo or 2.0,
+        loss=args.loss,
+        delay_s=args.delay,
+    )
+    limit = 3000 if args.quick else args.limit
+    levels = []
+    for scale in (0.4, 0.25):
+        reqs = mooncake_requests(args.trace, model=MODEL, block_size=16, limit=limit, time_scale=scale)
+        levels.append((f"x{1 / scale:.1f}", reqs, cluster))
+    return Experiment("demo", levels, args.policies)
+
+
 PRESETS = {
     "pd": preset_pd,
+    "demo": preset_demo,
     "fleet256": preset_fleet256,
     "mooncake": preset_mooncake,
     "global-pool": preset_global_pool,
@@ -937,16 +1063,17 @@ PRESETS = {
 
 
 def table(results: list[RunResult]) -> str:
+    width = max([13, *(len(r.policy) for r in results)])
     head = (
-        f"{'level':<22} {'policy':<13} {'mean':>7} {'p50':>7} {'p90':>7} {'p99':>7} {'goodput':>8} "
+        f"{'level':<22} {'policy':<{width}} {'mean':>7} {'p50':>7} {'p90':>7} {'p99':>7} {'goodput':>8} "
         f"{'hit':>6} {'prefill':>8} {'busy/idle':>9} {'replicas':>8}"
     )
     lines = [head, "-" * len(head)]
     for r in results:
         lines.append(
-            f"{r.label:<22} {r.policy:<13} {r.ttft['mean']:7.2f} {r.ttft['p50']:7.2f} {r.ttft['p90']:7.2f} "
-            f"{r.ttft['p99']:7.2f} {r.goodput:8.1%} {r.hit_rate:6.1%} {r.prefill_gpu_s:8.0f} "
-            f"{r.load_ratio:9.2f} {r.max_replicas:8d}"
+            f"{r.label:<22} {r.policy:<{width}} {r.ttft['mean']:7.2f} {r.ttft['p50']:7.2f} "
+            f"{r.ttft['p90']:7.2f} {r.ttft['p99']:7.2f} {r.goodput:8.1%} {r.hit_rate:6.1%} "
+            f"{r.prefill_gpu_s:8.0f} {r.load_ratio:9.2f} {r.max_replicas:8d}"
         )
     return "\n".join(lines)
 
@@ -1076,17 +1203,41 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--top-k", type=int, default=4, help="Score top_k (0: every instance ranked, no pruning)"
     )
+    parser.add_argument(
+        "--pick",
+        default="best",
+        help="picks after the ranking, one run each: best, softmax:T (comma-separated)",
+    )
+    parser.add_argument("--warmup", type=float, default=0.0, help="warm-up ramp of new instances (s)")
+    parser.add_argument("--join", default="", metavar="N@T", help="the last N instances join at T s")
+    parser.add_argument(
+        "--routers", type=int, default=1, help="independent routers (no routing sync), arrivals dealt in turn"
+    )
     args = parser.parse_args(argv)
     args.policies = tuple(p for p in args.policies.split(",") if p)
+    picks = pick_variants(args.pick)
     exp = PRESETS[args.preset](args)
+    join_count, join_at = 0, 0.0
+    if args.join:
+        count, _, at = args.join.partition("@")
+        join_count, join_at = int(count), float(at)
     for _label, _reqs, cluster in exp.levels:
         cluster.top_k = args.top_k
         cluster.slo_margin = args.slo_margin
-    jobs = [
-        (p, label, reqs, cluster, args.seed, exp.options)
-        for label, reqs, cluster in exp.levels
-        for p in exp.policies
-    ]
+        cluster.warmup = args.warmup
+        cluster.join_count, cluster.join_at = join_count, join_at
+        cluster.routers = args.routers
+    named = len(picks) > 1 or picks[0][0] != "best" or args.warmup > 0
+    jobs = []
+    for label, reqs, cluster in exp.levels:
+        for p in exp.policies:
+            for mode, temperature in picks:
+                c = Cluster(**{**asdict(cluster), "pick": mode, "temperature": temperature})
+                name = p
+                if named:
+                    name += f" {mode}" + (f" T={temperature:g}" if mode == "softmax" else "")
+                    name += f" ramp {args.warmup:g}s" if args.warmup > 0 else ""
+                jobs.append((p, label, reqs, c, args.seed, exp.options, name))
     started = time.perf_counter()
     results: list[RunResult] = []
     try:
@@ -1103,9 +1254,11 @@ def main(argv: list[str] | None = None) -> int:
                     progress.advance(task)
         else:
             results = [f.result() for f in futures]
-    order = {(label, p): i for i, (p, label, *_rest) in enumerate(jobs)}
+    order = {(job[1], job[6]): i for i, job in enumerate(jobs)}
     results.sort(key=lambda r: order[(r.label, r.policy)])
     print(table(results))
+    if join_count:
+        print(join_table(results))
     if any(r.extra for r in results):
         keys = sorted({k for r in results for k in r.extra})
         print(f"\n{'level':<22} {'policy':<20} " + " ".join(f"{k:>15}" for k in keys))

@@ -5,16 +5,22 @@ a random Llama whose 2K-token prefill takes about a second) serve a chat workloa
 prompts, multi-turn sessions, long documents asked about repeatedly — sent with the official
 ``openai`` client at fixed, seeded arrival times. The same arrivals go through each router:
 
-- ``kvindex``: ``kvindex serve`` (embedded NATS, the model's tokenizer) + one ``kvshim vllm`` per
-  engine + ``kvindex route`` (policy ttft);
+- ``kvindex``: ``kvindex serve`` (the model's tokenizer) + one ``kvshim vllm`` per engine +
+  ``kvindex route`` (policy ttft), with the prefill model calibrated from the engines (a warm-up run
+  before the measured ones; the calibration persists in the NATS KV bucket of a nats-server kept for
+  the whole invocation, as in a deployment);
+- ``kvindex-default``: the same with ``kvindex serve --no-calibration`` (the default prefill model);
 - ``vllm-router`` 0.1.17 (Rust, PyPI ``vllm-router``, not ours) with ``--policy kv_aware`` (it reads
   the engines' KV events itself), ``cache_aware`` and ``round_robin``.
 
 Between runs every engine's prefix cache is reset, so each run starts cold. Reported per router and
 load: TTFT mean / p50 / p90 at the client (time to the first streamed content chunk), the engines'
 own prefix-cache hit rate (``vllm:prefix_cache_hits_total`` / ``queries``), completed requests/s, and
-the CPU share of everything that is not an engine while it ran. ``make e2e-routing`` runs it;
-docs/e2e-routing.md explains the method and shows the tables.
+the CPU share of everything that is not an engine while it ran. For kvindex, also predicted against
+actual: the index's ``kvindex_prediction_*`` metrics (outcomes, the cached-token error and the TTFT
+ratio histograms) and, per request, the client's TTFT over the estimate the proxy returns
+(``x-kvindex-est-ttft-ms``). ``make e2e-routing`` runs it; docs/e2e-routing.md explains the method
+and shows the tables.
 
 SLO goodput: every request carries a TTFT objective (header ``x-kvindex-ttft-slo-ms``; ``--slo-ms``,
 by default 2.5x this machine's cold 2K-token prefill, about 4x the light-load p90), which
@@ -29,8 +35,11 @@ import argparse
 import asyncio
 import contextlib
 import json
+import math
 import os
 import random
+import re
+import shutil
 import statistics
 import sys
 import time
@@ -45,7 +54,8 @@ ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 MODEL = "routing-llama"
 BLOCK = 32  # vLLM's CPU attention backend takes multiples of 32
-ROUTERS = ("kvindex", "kv_aware", "cache_aware", "round_robin")
+ROUTERS = ("kvindex", "kvindex-default", "kv_aware", "cache_aware", "round_robin")
+KVINDEX = ("kvindex", "kvindex-default")
 
 
 # -- the workload ------------------------------------------------------------------------------------
@@ -136,6 +146,8 @@ class Result:
     total: float | None
     error: str = ""
     status: int | None = None  # HTTP status of a failed request (429: shed by admission)
+    est_ttft: float | None = None  # seconds: what the index estimated (kvindex route's header)
+    instance: str = ""
 
 
 async def send_all(
@@ -154,7 +166,7 @@ async def send_all(
         sent = time.perf_counter()
         ttft = None
         try:
-            stream = await client.chat.completions.create(
+            raw = await client.chat.completions.with_raw_response.create(
                 model=MODEL,
                 messages=req.messages,  # type: ignore[arg-type]
                 max_tokens=max_tokens,
@@ -162,6 +174,9 @@ async def send_all(
                 stream=True,
                 extra_headers=headers,
             )
+            est = raw.headers.get("x-kvindex-est-ttft-ms")
+            instance = raw.headers.get("x-kvindex-instance", "")
+            stream = raw.parse()
             async for chunk in stream:
                 if (
                     ttft is None
@@ -169,7 +184,8 @@ async def send_all(
                     and (chunk.choices[0].delta.content or chunk.choices[0].finish_reason)
                 ):
                     ttft = time.perf_counter() - sent
-            return Result(req.at, req.kind, ttft, time.perf_counter() - sent)
+            total = time.perf_counter() - sent
+            return Result(req.at, req.kind, ttft, total, "", float(est) / 1000 if est else None, instance)
         except Exception as exc:  # a failed request is reported, not retried
             error = f"{type(exc).__name__}: {exc}"[:200]
             return Result(req.at, req.kind, None, None, error, getattr(exc, "status_code", None))
@@ -237,6 +253,38 @@ class Bench:
         self.words = Text(args.model_dir)
         self.calibration: dict[str, float] = {}
         self.slo_s = args.slo_ms / 1000.0  # 0: set from the calibration
+        self.nats: Proc | None = None  # kvindex's nats-server: its KV bucket keeps the calibration
+        self.nats_url = ""
+        self.index: tuple[int, int] | None = None  # the running kvindex serve's gRPC and metrics ports
+        self.warmup: dict[str, Any] = {}
+
+    def start_nats(self) -> str:
+        """One nats-server (JetStream, its store in the output folder) for every kvindex run: the
+        prefill calibration persists in its bucket from run to run, as across restarts in a deployment."""
+        if self.nats is None:
+            from kvindex.service.natsd import nats_server_binary
+
+            store = self.out / "nats-store"
+            shutil.rmtree(store, ignore_errors=True)  # every invocation starts uncalibrated
+            port = free_port()
+            self.nats = Proc(
+                "nats-server",
+                [nats_server_binary(), "-a", "127.0.0.1", "-p", str(port), "-js", "-sd", str(store)],
+                self.out / "nats-server.log",
+            )
+            self.procs.append(self.nats)
+            self.nats_url = f"nats://127.0.0.1:{port}"
+            deadline = time.monotonic() + 20
+            while True:
+                with contextlib.suppress(OSError):
+                    import socket
+
+                    socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                    break
+                if time.monotonic() > deadline or not self.nats.alive():
+                    raise RuntimeError(f"nats-server did not start:\n{self.nats.tail(20)}")
+                time.sleep(0.1)
+        return self.nats_url
 
     def log(self, msg: str) -> None:
         print(f"[e2e-routing {time.strftime('%H:%M:%S')}] {msg}", flush=True)
@@ -309,19 +357,22 @@ class Bench:
 
     def _start_router(self, name: str, procs: list[Proc]) -> tuple[str, list[Proc]]:
         port = free_port()
-        if name == "kvindex":
-            grpc_port = free_port()
+        if name in KVINDEX:
+            grpc_port, metrics_port = free_port(), free_port()
+            nats = self.start_nats()
             serve = Proc(
                 "kvindex",
                 [
                     str(BIN / "kvindex"), "serve", "--grpc-host", "127.0.0.1", "--grpc-port", str(grpc_port),
-                    "--metrics-port", "-1", "--log-format", "json", "--log-level", "info",
-                    "--tokenizer", f"{MODEL}={self.args.model_dir}",
+                    "--metrics-port", str(metrics_port), "--log-format", "json", "--log-level", "info",
+                    "--tokenizer", f"{MODEL}={self.args.model_dir}", "--nats", nats, "--no-routing-sync",
+                    *(["--no-calibration"] if name == "kvindex-default" else []),
                 ],
                 self.out / "kvindex.log",
             )  # fmt: skip
             procs.append(serve)
-            nats = wait_log_event(serve.log_path, "embedded_nats_started", serve, 30)["url"]
+            wait_log_event(serve.log_path, "kvindex_serving", serve, 30)
+            self.index = (grpc_port, metrics_port)
             for eng in self.engines:
                 procs.append(
                     Proc(
@@ -393,10 +444,44 @@ class Bench:
                 time.sleep(0.3)
         raise RuntimeError("the engines' shims did not register with the index in time")
 
-    def run_once(self, router: str, load: str, rate: float, run: int) -> dict[str, Any]:
+    def prediction(self) -> dict[str, Any]:
+        """The index's predicted-against-actual metrics and its instances' prefill models now."""
+        import grpc
+
+        from kvindex.v1 import kvindex_pb2 as pb
+        from kvindex.v1 import kvindex_pb2_grpc as pb_grpc
+
+        assert self.index is not None
+        grpc_port, metrics_port = self.index
+        _, body = http(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10)
+        out = prediction_metrics(body.decode())
+        with grpc.insecure_channel(f"127.0.0.1:{grpc_port}") as ch:
+            got = pb_grpc.KvIndexStub(ch).ListInstances(pb.ListInstancesRequest(model=MODEL), timeout=5)
+        out["instances"] = {
+            i.instance_id: {
+                "state": i.state,
+                "prefill": {
+                    "source": i.prefill.source,
+                    "a_ms": i.prefill.a_ms,
+                    "b_ms_per_token": i.prefill.b_ms_per_token,
+                    "c_ms_per_token2": i.prefill.c_ms_per_token2,
+                    "samples": i.prefill.samples,
+                    "error": i.prefill.error if i.prefill.has_error else None,
+                },
+                "outcomes": [i.outcomes_exact, i.outcomes_over, i.outcomes_under],
+            }
+            for i in got.instances
+        }
+        return out
+
+    def run_once(
+        self, router: str, load: str, rate: float, run: int, seed: int | None = None
+    ) -> dict[str, Any]:
         self.reset_engines()
         base, procs = self.start_router(router)
-        requests = workload(self.args.seed + run, rate, self.args.duration, self.words)
+        requests = workload(
+            self.args.seed + run if seed is None else seed, rate, self.args.duration, self.words
+        )
         before = [engine_metrics(e.base) for e in self.engines]
         served_before = [served(e.base) for e in self.engines]
         engine_pids = [p for e in self.engines if e.proc for p in tree_pids(e.proc.popen.pid)]
@@ -408,6 +493,10 @@ class Bench:
         engines_busy = sum(cpu_ticks(p) for p in engine_pids) - engine0
         after = [engine_metrics(e.base) for e in self.engines]
         served_after = [served(e.base) for e in self.engines]
+        prediction = None
+        if router in KVINDEX:
+            time.sleep(1.0)  # the proxy's last releases (with their reports) are sent in the background
+            prediction = self.prediction()
         for p in procs:
             p.stop()
         hits = sum(
@@ -444,6 +533,7 @@ class Bench:
             "slo_s": self.slo_s,
             "slo_met": sum(1 for r in ok if r.ttft is not None and r.ttft <= self.slo_s),
             "shed": sum(1 for r in results if r.status == 429),
+            "prediction": prediction,
             "results": [asdict(r) for r in results],
         }
         self.log(
@@ -453,6 +543,17 @@ class Bench:
             f"failed {row['failed']} (shed {row['shed']}), goodput {row['slo_met']}/{len(results)} within "
             f"{self.slo_s:.2f}s, per engine {per_engine}, other CPU {row['cpu_other_share']:.0%}"
         )
+        if prediction is not None:
+            ratios = client_ratios([row])
+            got = prediction["outcomes"]
+            n = sum(got.values())
+            fits = {k: v["prefill"].get("source", "") for k, v in prediction["instances"].items()}
+            p90 = quantile([abs(math.log(r)) for r in ratios], 0.9)
+            self.log(
+                f"{'':12s} predicted: exact {got.get('exact', 0)}/{n}, over {got.get('over', 0)}, "
+                f"under {got.get('under', 0)}; TTFT/estimate median {fmt_num(quantile(ratios, 0.5))}, "
+                f"p90 |ln| {fmt_num(p90)}; prefill models {fits}"
+            )
         return row
 
     def calibrate(self) -> dict[str, float]:
@@ -501,6 +602,48 @@ class Bench:
             "overload": self.args.overload_rate or round(6.0 * capacity, 2),
         }
 
+    def calibrate_kvindex(self, rate: float) -> None:
+        """Calibrate kvindex's prefill models before the measured runs: rounds of light load (arrivals
+        of their own seeds) until every instance is ranked with a fitted model, at most 4; the bucket
+        keeps the calibration for every later kvindex run."""
+        a = self.args
+        duration, a.duration = a.duration, a.warmup
+        rows = []
+        try:
+            for round_ in range(4):
+                rows.append(self.run_once("kvindex", "warmup", rate, -1, seed=a.seed + 1000 + round_))
+                sources = {i["prefill"]["source"] for i in rows[-1]["prediction"]["instances"].values()}
+                if "default" not in sources:
+                    break
+        finally:
+            a.duration = duration
+        # One row for the tables: the rounds' requests and counts together, the last round's models.
+        self.warmup = dict(rows[-1])
+        self.warmup["results"] = [r for row in rows for r in row["results"]]
+        self.warmup["rounds"] = len(rows)
+        merged = dict(rows[-1]["prediction"])
+        for key in ("outcomes", "error", "ratio"):
+            merged[key] = {}
+            for row in rows:
+                for k, v in row["prediction"][key].items():
+                    merged[key][k] = merged[key].get(k, 0) + v
+        self.warmup["prediction"] = merged
+        # The real-engine check of both sample sources: an instance's samples beyond the requests
+        # reported for it came from its shim (vLLM's prefill-time histograms, in heartbeats).
+        for name, info in sorted(merged["instances"].items()):
+            fit = info["prefill"]
+            reported = sum(
+                sum(row["prediction"]["instances"].get(name, {}).get("outcomes", ())) for row in rows
+            )
+            self.log(
+                f"calibrated {name}: {fit['source']} model a={fit['a_ms']:.1f} ms "
+                f"b={fit['b_ms_per_token']:.4f} ms/token c={fit['c_ms_per_token2']:.2e}, {fit['samples']} "
+                f"samples ({reported} requests reported: {fit['samples'] - reported} or more from the "
+                f"engine), recent error {fit['error']}"
+            )
+            if fit["samples"] <= reported:
+                raise RuntimeError(f"{name}: no prefill samples from the engine's /metrics reached the index")
+
     def main(self) -> int:
         a = self.args
         rows: list[dict[str, Any]] = []
@@ -511,6 +654,8 @@ class Bench:
             asyncio.run(send_all(self.engines[1].base + "/v1", workload(998, 1.0, 2.0, self.words), 4))
             rates = self.calibrate()
             self.reset_engines()
+            if "kvindex" in a.routers and a.warmup > 0:
+                self.calibrate_kvindex(rates["light"])
             for run in range(a.runs):
                 for load in a.loads:
                     # Routers in a rotating order so that no router always runs first or last.
@@ -518,12 +663,16 @@ class Bench:
                     for router in order:
                         rows.append(self.run_once(router, load, rates[load], run))
                         (self.out / "results.json").write_text(
-                            json.dumps({"calibration": self.calibration, "runs": rows}, indent=1)
+                            json.dumps(
+                                {"calibration": self.calibration, "warmup": self.warmup, "runs": rows},
+                                indent=1,
+                            )
                         )
         finally:
             for p in reversed(self.procs):
                 p.stop()
-        table = summary(rows, self.calibration) + "\n" + goodput_summary(rows)
+        table = summary(rows, self.calibration) + predictions(rows, self.warmup)
+        table += "\n" + goodput_summary(rows)
         (self.out / "table.md").write_text(table)
         print(table)
         return 0
@@ -537,6 +686,166 @@ def served(base: str) -> int:
         if line.startswith("vllm:request_success_total{"):
             total += float(line.rsplit(" ", 1)[1])
     return int(total)
+
+
+ROUTER_NAMES = {
+    "kvindex": "kvindex route (ttft, calibrated)",
+    "kvindex-default": "kvindex route (ttft, default model)",
+}
+
+_METRIC = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{([^}]*)\})?\s+(\S+)")
+_LABEL = re.compile(r'(\w+)="([^"]*)"')
+
+
+def prediction_metrics(text: str) -> dict[str, Any]:
+    """kvindex_prediction_*: outcomes, and the two histograms' bucket counts (not cumulative) summed
+    over instances, keyed by upper edge (the error's edges are in tokens: one block size here)."""
+    outcomes: dict[str, float] = {}
+    cumulative: dict[str, dict[str, dict[float, float]]] = {"error": {}, "ratio": {}}
+    for line in text.splitlines():
+        m = _METRIC.match(line)
+        if not m:
+            continue
+        name, labels = m.group(1), dict(_LABEL.findall(m.group(2) or ""))
+        value = float(m.group(3))
+        if name == "kvindex_prediction_outcomes_total":
+            outcomes[labels["outcome"]] = value
+        for key, family in (
+            ("error", "kvindex_prediction_cached_tokens_error_bucket"),
+            ("ratio", "kvindex_prediction_ttft_ratio_bucket"),
+        ):
+            if name == family:
+                edge = math.inf if labels["le"] == "+Inf" else float(labels["le"])
+                cumulative[key].setdefault(labels["instance"], {})[edge] = value
+    out: dict[str, Any] = {"outcomes": outcomes}
+    for key, per in cumulative.items():
+        counts: dict[float, float] = {}
+        for series in per.values():
+            prev = 0.0
+            for edge in sorted(series):
+                counts[edge] = counts.get(edge, 0.0) + series[edge] - prev
+                prev = series[edge]
+        out[key] = {("+Inf" if e == math.inf else repr(e)): n for e, n in sorted(counts.items())}
+    return out
+
+
+def client_ratios(rows: list[dict[str, Any]]) -> list[float]:
+    """Per request: the client's TTFT over the estimate kvindex route returned with the answer."""
+    return [
+        r["ttft"] / r["est_ttft"]
+        for row in rows
+        for r in row["results"]
+        if r.get("ttft") and r.get("est_ttft")
+    ]
+
+
+def quantile(xs: list[float], q: float) -> float | None:
+    return pct(sorted(xs), q * 100)
+
+
+def fmt_num(x: float | None, digits: int = 2) -> str:
+    return "-" if x is None else f"{x:.{digits}f}"
+
+
+def histogram_quantile(counts: dict[str, float], q: float) -> str:
+    """The bucket holding quantile ``q`` of a histogram given as {upper edge: count}: "(lo, hi]"."""
+    total = sum(counts.values())
+    if not total:
+        return "-"
+    seen, lo = 0.0, "-inf"
+    for edge, n in counts.items():
+        seen += n
+        if seen >= q * total:
+            return f"({lo}, {edge}]"
+        lo = edge
+    return "-"
+
+
+def predictions(rows: list[dict[str, Any]], warmup: dict[str, Any]) -> str:
+    """kvindex's predictions against what the engines did, per load and prefill model."""
+    sel = [r for r in rows if r["router"] in KVINDEX and r.get("prediction")]
+    if not sel:
+        return ""
+    lines = [
+        "### kvindex: predicted against actual",
+        "",
+        "Cached tokens: the engine's `usage.prompt_tokens_details.cached_tokens` against the index's",
+        "prediction for the chosen instance (`kvindex_prediction_outcomes_total`). TTFT ratio: the",
+        "client's TTFT over the estimate `kvindex route` returned (`x-kvindex-est-ttft-ms`), per",
+        "request; the index's own histogram (`kvindex_prediction_ttft_ratio`, the proxy's TTFT) gives",
+        "the bucket of its median.",
+        "",
+        "| load | prefill model | requests reported | exact | over | under | TTFT ratio p10 / median / p90 "
+        "| p90 of \\|ln ratio\\| | index histogram median |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    groups = [("warmup", "kvindex", [warmup])] if warmup.get("prediction") else []
+    for load in dict.fromkeys(r["load"] for r in sel):
+        for router in KVINDEX:
+            rr = [r for r in sel if r["load"] == load and r["router"] == router]
+            if rr:
+                groups.append((load, router, rr))
+    for load, router, rr in groups:
+        outcomes: dict[str, float] = {}
+        ratio_hist: dict[str, float] = {}
+        for r in rr:
+            for k, v in r["prediction"]["outcomes"].items():
+                outcomes[k] = outcomes.get(k, 0) + v
+            for k, v in r["prediction"]["ratio"].items():
+                ratio_hist[k] = ratio_hist.get(k, 0) + v
+        n = sum(outcomes.values())
+        ratios = client_ratios(rr)
+        logs = [abs(math.log(x)) for x in ratios]
+        model = "calibrated" if router == "kvindex" else "default"
+        if load == "warmup":
+            model = "learning (from the default)"
+        share = {k: f"{outcomes.get(k, 0) / n:.1%}" if n else "-" for k in ("exact", "over", "under")}
+        lines.append(
+            f"| {load} | {model} | {int(n)} | {share['exact']} | {share['over']} | {share['under']} | "
+            f"{fmt_num(quantile(ratios, 0.1))} / {fmt_num(quantile(ratios, 0.5))} / "
+            f"{fmt_num(quantile(ratios, 0.9))} | {fmt_num(quantile(logs, 0.9))} | "
+            f"{histogram_quantile(ratio_hist, 0.5)} |"
+        )
+    lines += ["", "Cached-token error (engine - predicted, tokens; block = 32), requests per bucket:", ""]
+    edges: list[str] = []
+    for _load, _router, rr in groups:
+        for r in rr:
+            edges += [e for e in r["prediction"]["error"] if e not in edges]
+    edges.sort(key=lambda e: math.inf if e == "+Inf" else float(e))
+    if edges:
+        lines += [
+            "| load | prefill model | " + " | ".join(f"≤ {e}" for e in edges) + " |",
+            "|---|---|" + "---|" * len(edges),
+        ]
+        for load, router, rr in groups:
+            hist = {e: sum(r["prediction"]["error"].get(e, 0) for r in rr) for e in edges}
+            model = "calibrated" if router == "kvindex" else "default"
+            lines.append(
+                f"| {load} | {model if load != 'warmup' else 'learning'} | "
+                + " | ".join(str(int(hist[e])) for e in edges)
+                + " |"
+            )
+    fits = (warmup.get("prediction") or {}).get("instances", {})
+    last = next((r for r in reversed(sel) if r["router"] == "kvindex"), None)
+    if last is not None:
+        fits = last["prediction"]["instances"]
+    if fits:
+        lines += [
+            "",
+            "Prefill models in use at the end (ListInstances `prefill`):",
+            "",
+            "| instance | source | a (ms) | b (ms/token) | c (ms/token²) | samples | recent error |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        for inst, info in sorted(fits.items()):
+            f = info["prefill"]
+            lines.append(
+                f"| {inst} | {f.get('source', '')} | {f.get('a_ms', 0):.1f} | "
+                f"{f.get('b_ms_per_token', 0):.4f} | {f.get('c_ms_per_token2', 0):.2e} | "
+                f"{f.get('samples', 0)} | {fmt_num(f.get('error'), 3)} |"
+            )
+    lines.append("")
+    return "\n".join(lines)
 
 
 def pct(xs: list[float], q: float) -> float | None:
@@ -586,7 +895,7 @@ def summary(rows: list[dict[str, Any]], calibration: dict[str, float]) -> str:
                     return f"{mean:.1%} ({min(vals):.1%}-{max(vals):.1%})"
                 return f"{mean:.3f} ({min(vals):.3f}-{max(vals):.3f})"
 
-            name = "kvindex route (ttft)" if router == "kvindex" else f"vllm-router {router}"
+            name = ROUTER_NAMES.get(router, f"vllm-router {router}")
             lines.append(
                 f"| {name} | {cell('ttft_mean')} | {cell('ttft_p50')} | {cell('ttft_p90')} | "
                 f"{cell('hit_rate', True)} | {statistics.fmean(r['req_per_s'] for r in rr):.2f} | "
@@ -649,6 +958,9 @@ def main() -> int:
         "--slo-ms", type=float, default=0.0, help="TTFT objective of every request (0: 2.5x a 2K prefill)"
     )
     p.add_argument("--duration", type=float, default=60.0, help="seconds of arrivals per run")
+    p.add_argument(
+        "--warmup", type=float, default=40.0, help="seconds of light load calibrating kvindex first (0: none)"
+    )
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--max-tokens", type=int, default=8)

@@ -54,7 +54,7 @@ BIN = Path(sys.executable).parent  # the project's venv: kvindex and kvshim are 
 
 MODEL = "tiny-llama"
 BLOCK = 32  # vLLM's CPU attention backend accepts multiples of 32 only
-POOL_BLOCKS = 24  # as in ../shared/data/vllm-capture: small, so that evictions happen
+POOL_BLOCKS = 24  # as in kvtools/data/vllm_capture: small, so that evictions happen
 OUTPUT_TOKENS = 24
 MAX_MODEL_LEN = 512
 WORKER = "vllm-cpu-0"

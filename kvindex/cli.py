@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -27,6 +28,16 @@ def _add_serve(sub: Any) -> None:
         default=None,
         url_help="NATS server URL(s), nats:// or tls://, repeated or comma-separated (a "
         "cluster: any is used and reconnected to); without one an embedded nats-server is started",
+    )
+    p.add_argument(
+        "--embedded-nats-listen",
+        default=None,
+        type=_listen,
+        metavar="HOST:PORT",
+        help="where the embedded nats-server (no --nats) listens; default 127.0.0.1:0 (a free port, this "
+        "machine only). 0.0.0.0:4222 lets workers on other machines connect (the log prints the URL they "
+        "use); that server has no auth or TLS, so across machines an external nats-server is the "
+        "deployable choice (docs/deploy.md)",
     )
     p.add_argument("--grpc-host", default="0.0.0.0")
     p.add_argument("--grpc-port", type=int, default=50051)
@@ -62,6 +73,31 @@ def _add_serve(sub: Any) -> None:
         "--ext-proc-pd-same-group", action="store_true", help="prefiller within the decode pick's --pd-group"
     )
     add_admission_options(e, named=True)
+    k = p.add_argument_group("picking (docs/scoring.md#picking)")
+    k.add_argument(
+        "--pick",
+        choices=("best", "softmax"),
+        default="best",
+        help="how Score and the ext_proc picker pick from the ranking when the request does not say: "
+        "the policy's first choice, or a softmax over estimated TTFT",
+    )
+    k.add_argument(
+        "--temperature",
+        type=_non_negative,
+        default=0.05,
+        help="softmax: the TTFT excess, in units of the request's own prefill, that costs a factor e "
+        "in probability (0: best)",
+    )
+    k.add_argument(
+        "--warmup",
+        type=_non_negative,
+        default=0.0,
+        metavar="SECONDS",
+        help="a new instance's share of the requests it would get grows linearly over this long; 0: off",
+    )
+    k.add_argument(
+        "--seed", type=int, default=0, help="seed of the picks' draws (and of randomised policies)"
+    )
     a = p.add_argument_group("engines without KV events (approximate mode, docs/scoring.md)")
     a.add_argument(
         "--instance",
@@ -76,6 +112,14 @@ def _add_serve(sub: Any) -> None:
     a.add_argument("--instance-capacity", type=int, default=0, help="their GPU cache in blocks (0: 8192)")
     a.add_argument(
         "--predicted-ttl", type=float, default=120.0, help="seconds a routed prompt is assumed cached there"
+    )
+    c = p.add_argument_group("prefill time model (docs/scoring.md, Calibration)")
+    c.add_argument(
+        "--no-calibration",
+        dest="calibration",
+        action="store_false",
+        help="rank every instance with the default prefill model: samples are counted, not learned from,"
+        " and stored calibrations are neither loaded nor written",
     )
     r = p.add_argument_group("self-healing")
     r.add_argument(
@@ -138,6 +182,34 @@ def _add_serve(sub: Any) -> None:
 
     add_server_options(p)
     _add_readiness_shutdown(p)
+
+
+def _non_negative(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not (value >= 0 and value != float("inf")):
+        raise argparse.ArgumentTypeError(f"expected a finite number >= 0, got {text!r}")
+    return value
+
+
+def _listen(text: str) -> tuple[str, int]:
+    from kvindex.api.listen import parse_listen
+
+    try:
+        return parse_listen(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+# The flags that set each listener's address (kvindex.api.listen.ListenError.what).
+_LISTEN_FLAGS = {
+    "gRPC": "--grpc-host/--grpc-port",
+    "metrics": "--metrics-host/--metrics-port",
+    "ext_proc": "--ext-proc-host/--ext-proc-port",
+    "embedded NATS": "--embedded-nats-listen",
+}
 
 
 def _on_off(text: str) -> bool:
@@ -257,17 +329,86 @@ def _add_query(sub: Any, name: str, help_text: str, prompt: bool) -> None:
         p.add_argument("--model", default="")
 
 
-def _int_list(spec: str) -> list[int]:
+class UsageError(ValueError):
+    """A command line value that cannot be sent: reported on one line, exit code 2."""
+
+
+# What the API's fields hold (proto/kvindex/v1/kvindex.proto): token ids are uint32, keys uint64.
+_ID_BITS = {"--tokens": 32, "--keys": 64}
+
+
+def _read_arg_file(flag: str, spec: str) -> str:
+    path = spec[1:]
+    try:
+        return Path(path).read_text()
+    except FileNotFoundError:
+        raise UsageError(f"{flag} {spec}: no such file") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise UsageError(f"{flag} {spec}: cannot read it ({exc})") from None
+
+
+def _int_list(flag: str, spec: str) -> list[int]:
+    """Comma-separated integers or ``@FILE`` with a JSON list, each checked against the field's range
+    (a value protobuf would refuse is reported here, naming the value, instead of a traceback)."""
+    bits = _ID_BITS[flag]
+    what = "token ids" if flag == "--tokens" else "block keys"
     if spec.startswith("@"):
-        data = json.loads(Path(spec[1:]).read_text())
+        try:
+            data = json.loads(_read_arg_file(flag, spec))
+        except json.JSONDecodeError as exc:
+            raise UsageError(f"{flag} {spec}: not JSON ({exc})") from None
         if not isinstance(data, list):
-            raise SystemExit(f"{spec[1:]}: expected a JSON list of integers")
-        return [int(x) for x in data]
-    return [int(x) for x in spec.replace(" ", "").split(",") if x]
+            raise UsageError(f"{flag} {spec}: expected a JSON list of integers")
+        items: list[Any] = data
+    else:
+        items = [x for x in spec.replace(" ", "").split(",") if x]
+    out = []
+    for item in items:
+        try:
+            # JSON true/false and 1.5 are not ids; int("1.5") and int(True) would hide that.
+            if isinstance(item, bool) or not isinstance(item, int | str):
+                raise ValueError
+            value = int(item)
+        except ValueError:
+            raise UsageError(f"{flag}: {item!r} is not an integer") from None
+        if not 0 <= value < 1 << bits:
+            raise UsageError(
+                f"{flag}: {value} is out of range: {what} are unsigned {bits}-bit integers "
+                f"(0 to {(1 << bits) - 1})"
+            )
+        out.append(value)
+    if not out:
+        raise UsageError(f"{flag}: no {what} given")
+    return out
 
 
-def _text(spec: str) -> str:
-    return Path(spec[1:]).read_text() if spec.startswith("@") else spec
+def _text(flag: str, spec: str) -> str:
+    return _read_arg_file(flag, spec) if spec.startswith("@") else spec
+
+
+def _prompt_fields(args: argparse.Namespace) -> dict[str, Any]:
+    fields: dict[str, Any] = {"model": args.model, "lora": args.lora, "salt": args.salt}
+    if args.tokens is not None:
+        fields["token_ids"] = _int_list("--tokens", args.tokens)
+    elif args.keys is not None:
+        fields["block_keys"] = _int_list("--keys", args.keys)
+    elif args.prompt is not None:
+        fields["prompt"] = _text("--prompt", args.prompt)
+    else:
+        fields["messages"] = _text("--messages", args.messages)
+    if args.candidates:
+        fields["candidates"] = [c for c in args.candidates.split(",") if c]
+    return fields
+
+
+def _unknown_model(stub: Any, model: str, timeout: float) -> str:
+    """The message for a model no instance of which the index knows (it answers such a query with
+    an empty ranking, which reads like "nothing cached" when it means "nothing there")."""
+    from kvindex.v1 import kvindex_pb2 as pb
+
+    listed = stub.ListInstances(pb.ListInstancesRequest(), timeout=timeout)
+    known = sorted({i.model for i in listed.instances if i.model})
+    return f"no instance of model {model!r} is known to the index (it knows: {', '.join(known) or 'none'})"
 
 
 def _query(args: argparse.Namespace) -> int:
@@ -278,6 +419,13 @@ def _query(args: argparse.Namespace) -> int:
     from kvindex.v1 import kvindex_pb2 as pb
     from kvindex.v1 import kvindex_pb2_grpc as pb_grpc
 
+    fields: dict[str, Any] = {}
+    try:
+        if args.command in ("score", "lookup"):
+            fields = _prompt_fields(args)
+    except UsageError as exc:
+        print(f"kvindex {args.command}: error: {exc}", file=sys.stderr)
+        return 2
     try:
         channel = open_channel(args.server, ClientTLS.from_args(args), token_from_args(args))
     except SecurityConfigError as exc:
@@ -287,21 +435,17 @@ def _query(args: argparse.Namespace) -> int:
         stub = pb_grpc.KvIndexStub(channel)
         try:
             if args.command in ("score", "lookup"):
-                fields: dict[str, Any] = {"model": args.model, "lora": args.lora, "salt": args.salt}
-                if args.tokens is not None:
-                    fields["token_ids"] = _int_list(args.tokens)
-                elif args.keys is not None:
-                    fields["block_keys"] = _int_list(args.keys)
-                elif args.prompt is not None:
-                    fields["prompt"] = _text(args.prompt)
-                else:
-                    fields["messages"] = _text(args.messages)
-                if args.candidates:
-                    fields["candidates"] = [c for c in args.candidates.split(",") if c]
                 if args.command == "score":
                     reply = stub.Score(pb.ScoreRequest(top_k=args.top_k, **fields), timeout=args.timeout)
                 else:
                     reply = stub.Lookup(pb.LookupRequest(**fields), timeout=args.timeout)
+                if not reply.block_size:  # the index answers an unknown model with no block size
+                    unknown = _unknown_model(stub, args.model, args.timeout)
+                    if args.command == "score" or ("prompt" not in fields and "messages" not in fields):
+                        print(f"kvindex {args.command}: error: {unknown}", file=sys.stderr)
+                        return 2
+                    # A text lookup still answers how the index tokenizes it: shown, with the note.
+                    print(f"kvindex lookup: note: {unknown}; nothing can match", file=sys.stderr)
             elif args.command == "stats":
                 reply = stub.Stats(pb.StatsRequest(), timeout=args.timeout)
             else:
@@ -337,6 +481,7 @@ def _serve(args: argparse.Namespace) -> int:
     from kvindex.lifecycle import Stop, run
     from kvindex.repair.nats_repair import RepairConfig
     from kvindex.routing_sync.sync import SyncConfig
+    from kvindex.scoring.costs import CostConfig
     from kvindex.scoring.router import RouterConfig
     from kvindex.service.app import CLEANUP_BUDGET, IndexService, ServiceConfig, serve_until_stopped
     from kvindex.service.readiness import ReadinessConfig
@@ -352,8 +497,17 @@ def _serve(args: argparse.Namespace) -> int:
     except ValueError as exc:
         structlog.get_logger("kvindex").error("bad_admission_option", error=str(exc))
         return 2
+    if nats is not None and args.embedded_nats_listen is not None:
+        print(
+            "kvindex serve: error: --embedded-nats-listen is for the embedded server; not with --nats",
+            file=sys.stderr,
+        )
+        return 2
+    nats_host, nats_port = args.embedded_nats_listen or ("127.0.0.1", 0)
     config = ServiceConfig(
         nats_url=nats,
+        embedded_nats_host=nats_host,
+        embedded_nats_port=nats_port,
         grpc_host=args.grpc_host,
         grpc_port=args.grpc_port,
         subject_prefix=args.subject_prefix,
@@ -384,7 +538,14 @@ def _serve(args: argparse.Namespace) -> int:
         static_model=args.instance_model,
         static_block_size=args.instance_block_size,
         static_capacity=args.instance_capacity,
-        router=RouterConfig(predicted_ttl=args.predicted_ttl),
+        router=RouterConfig(
+            predicted_ttl=args.predicted_ttl,
+            costs=CostConfig(calibrate=args.calibration),
+            seed=args.seed,
+            pick=args.pick,
+            temperature=args.temperature if args.pick == "softmax" else 0.0,
+            warmup=args.warmup,
+        ),
         tokenizers=_tokenizer_dirs(args.tokenizer),
         tokenize_cache_bytes=int(args.tokenize_cache_mb * (1 << 20)),
         limits=_limits(args),
@@ -402,10 +563,18 @@ def _serve(args: argparse.Namespace) -> int:
         return 2
 
     async def main(stop: Stop) -> int:
+        from kvindex.api.listen import ListenError
+
         try:
             await serve_until_stopped(service, stop)
         except (NatsConfigError, NatsConnectError) as exc:
             structlog.get_logger("kvindex").error("nats_connect_failed", error=str(exc))
+            return 2
+        except ListenError as exc:
+            flag = _LISTEN_FLAGS.get(exc.what, "")
+            structlog.get_logger("kvindex").error(
+                "listen_failed", error=f"{exc} (choose another with {flag})"
+            )
             return 2
         return 0
 
@@ -428,7 +597,23 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _glue_negative_lists(argv: list[str]) -> list[str]:
+    """``--tokens -1,2``: argparse takes ``-1,2`` for an option and says only "expected one
+    argument"; glued as ``--tokens=-1,2`` the value reaches the range check, which says why not."""
+    out: list[str] = []
+    i = 0
+    while i < len(argv):
+        if argv[i] in _ID_BITS and i + 1 < len(argv) and re.fullmatch(r"-\d[\d, -]*", argv[i + 1]):
+            out.append(f"{argv[i]}={argv[i + 1]}")
+            i += 2
+            continue
+        out.append(argv[i])
+        i += 1
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = _glue_negative_lists(sys.argv[1:] if argv is None else list(argv))
     args = parse_layered(build_parser(), argv)  # command line, then KVINDEX_* environment, then --config TOML
     if args.command == "serve":
         return _serve(args)

@@ -1,7 +1,8 @@
 """`make run`: the whole loop on one machine, with a live dashboard.
 
-    python -m kvtools.demo                       # 8 simulated instances (GPU + CPU tiers), Mooncake trace x4
+    python -m kvtools.demo                       # 8 simulated instances (GPU + CPU tiers), trace x2.5
     python -m kvtools.demo --instances 16 --cpu-blocks 0 --speed 2 --time-scale 0.5
+    python -m kvtools.demo --time-scale 0.25     # x4: more than 8 instances can serve; queues grow
     python -m kvtools.demo --duration 30 --plain # no dashboard: a summary line every few seconds
 
 It starts `kvindex serve` (which starts its embedded nats-server), a fleet of simulated vLLM-like
@@ -9,7 +10,14 @@ engines publishing real KV events and heartbeats through the worker publisher, a
 that replays the Mooncake conversation trace: every request is routed by the real gRPC `Score`
 (policy `ttft`, committed), sent to the simulated instance it chose, and released at first token and
 at the end. The dashboard shows, per instance, what the index knows (blocks per tier, load, seq and
-epoch, repairs) and, overall, hit rate, estimated vs simulated TTFT and decisions per second.
+epoch, repairs) and, overall, the trace's progress, the load and whether the fleet keeps up, hit
+rate, estimated vs simulated TTFT and decisions per second.
+
+The default load, the trace at 2.5x its rate, is one the 8 instances serve with TTFT routing (in the
+trace-driven simulation, `benchmarks/routing_sim.py demo`, over the whole trace: TTFT mean 0.63 s,
+p90 1.27 s, steady) but not with round robin, whose queues build (mean 6.0 s, p90 18.9 s). At 4x
+(--time-scale 0.25) even TTFT routing saturates this fleet (mean 16 s over the first 2,000
+requests, rising): TTFT becomes queueing that no estimate foresees.
 Ctrl-C (or closing the terminal, SIGTERM, or the parent's exit) stops everything cleanly: the
 demo, its `kvindex serve` and the embedded nats-server (docs/deploy.md).
 """
@@ -21,6 +29,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import math
 import os
 import signal
 import subprocess
@@ -41,7 +50,6 @@ from kvindex.v1 import kvindex_pb2 as pb
 from kvindex.v1 import kvindex_pb2_grpc as pb_grpc
 from kvtools.data import mooncake_trace
 
-TRACE = mooncake_trace()
 MODEL = "demo-model"
 
 
@@ -59,6 +67,12 @@ class Tally:
     )  # (est, simulated) s
     decisions: deque[float] = field(default_factory=lambda: deque(maxlen=5000))  # decision times
     reasons: dict[str, int] = field(default_factory=dict)
+    trace_total: int = 0  # requests the driver replays (0: still reading the trace)
+    trace_span_s: float = 0.0  # arrival of the last one, simulated seconds
+    all_sent: bool = False
+    load: str = ""  # the offered load, said on screen
+    queued: float = 0.0  # requests waiting for admission over the fleet, averaged over ~20 s
+    queued_at: float = 0.0
     # Predicted against actual: the cached tokens the index predicted for each routed request, and
     # the engine's hit minus that, recent requests (tokens).
     predicted: dict[str, int] = field(default_factory=dict)
@@ -111,6 +125,9 @@ def _spawn_service(args: argparse.Namespace) -> tuple[subprocess.Popen[str], str
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
         # Even a SIGKILLed demo takes its service (and so the embedded nats-server) along.
         preexec_fn=die_with_parent(),
+        # Its own session: Ctrl-C in the terminal signals only the demo, which stops the simulated
+        # workers first and the service (and its NATS) after them, so no worker loses its server.
+        start_new_session=True,
     )
     return proc, f"127.0.0.1:{port}"
 
@@ -121,12 +138,16 @@ async def _service_up(proc: subprocess.Popen[str]) -> str:
     assert proc.stderr is not None
     loop = asyncio.get_running_loop()
     deadline = time.monotonic() + 30
+    why = ""
     while time.monotonic() < deadline:
         line = await loop.run_in_executor(None, proc.stderr.readline)
         if not line:
-            raise RuntimeError(f"kvindex serve exited (code {proc.poll()})")
-        with contextlib.suppress(json.JSONDecodeError):
+            # Its own error says what to change (e.g. a port in use and the flag that sets it).
+            raise RuntimeError(f"kvindex serve exited (code {proc.wait()}){': ' + why if why else ''}")
+        with contextlib.suppress(json.JSONDecodeError, AttributeError):
             record = json.loads(line)
+            if record.get("level") == "error":
+                why = str(record.get("error") or record.get("event"))
             if record.get("event") == "embedded_nats_started":
                 nats_url = record["url"]
             if record.get("event") == "kvindex_serving":
@@ -160,6 +181,9 @@ async def _drive(
         time_scale=args.time_scale,
         id_prefix="demo-",
     )
+    tally.trace_total = len(reqs)
+    tally.trace_span_s = reqs[-1].arrival if reqs else 0.0
+    tally.load = _offered_load(args, reqs)
     speed = args.speed
     start = time.monotonic()
     for req in reqs:
@@ -199,10 +223,60 @@ async def _drive(
         tally.decisions.append(time.monotonic())
         tally.reasons[top.explain] = tally.reasons.get(top.explain, 0) + 1
         await fleet.submit(top.worker, req)
+    tally.all_sent = True
+
+
+def _offered_load(args: argparse.Namespace, reqs: list[Any]) -> str:
+    """What the replayed trace offers, per simulated second, over the whole replay."""
+    where = f"trace x{1 / args.time_scale:.1f} (--time-scale {args.time_scale:g})"
+    if len(reqs) < 2 or reqs[-1].arrival <= 0:
+        return where
+    span = reqs[-1].arrival
+    tokens = sum(r.prompt_tokens for r in reqs)
+    per_instance = len(reqs) / span / args.instances
+    return (
+        f"{where}: {len(reqs) / span:.1f} requests/s, {tokens / span / 1000:,.0f}k prompt tokens/s "
+        f"({per_instance:.2f} requests/s per instance)"
+    )
+
+
+def _fleet_state(instances: list[Any], tally: Tally) -> str:
+    """Whether the fleet keeps up, from what the index knows of it: requests waiting for admission,
+    averaged over ~20 s (a burst queues a few for a moment). Beyond two per instance queues are
+    building: TTFT is then mostly waiting, which no estimate foresees."""
+    engines = [i for i in instances if not i.pool]
+    if not engines:
+        return ""
+    waiting = sum(i.load.waiting for i in engines)
+    now = time.monotonic()
+    weight = 1 - math.exp(-(now - tally.queued_at) / 20) if tally.queued_at else 1.0
+    tally.queued += weight * (waiting - tally.queued)
+    tally.queued_at = now
+    kv = sum(i.load.kv_usage for i in engines) / len(engines)
+    per_instance = tally.queued / len(engines)
+    if per_instance <= 1:
+        state = "keeping up"
+    elif per_instance <= 2:
+        state = "busy: short queues"
+    else:
+        state = "SATURATED: queues building, TTFT is mostly waiting"
+    return f"{state} ({waiting} waiting now, {tally.queued:.0f} on average; mean KV use {kv:.0%})"
+
+
+def _progress(tally: Tally) -> str:
+    if not tally.trace_total:
+        return "reading the trace"
+    if not tally.all_sent:
+        return f"{tally.routed:,} of {tally.trace_total:,} requests sent"
+    if tally.finished < tally.routed:
+        return f"all {tally.trace_total:,} requests sent; {tally.routed - tally.finished:,} still running"
+    return f"done: all {tally.trace_total:,} requests finished (Ctrl-C to quit)"
 
 
 async def _release(stub: pb_grpc.KvIndexStub, request: pb.ReleaseRequest) -> None:
-    await stub.Release(request, timeout=5)
+    # A release the service cannot take (it is stopping) loses nothing: its ledger entry expires.
+    with contextlib.suppress(grpc.aio.AioRpcError):
+        await stub.Release(request, timeout=5)
 
 
 def _on_completion(tally: Tally, stub: pb_grpc.KvIndexStub, pending: set[asyncio.Task[Any]]) -> Any:
@@ -237,11 +311,20 @@ def _on_completion(tally: Tally, stub: pb_grpc.KvIndexStub, pending: set[asyncio
     return handle
 
 
-def _render(instances: list[Any], stats: Any, tally: Tally, events_per_s: float, elapsed: float) -> Any:
+def _clock(elapsed: float, speed: float) -> str:
+    """The simulated fleet runs ``speed`` simulated seconds per wall second."""
+    if speed == 1:
+        return f"{elapsed:.0f} s (simulated = wall clock)"
+    return f"simulated {elapsed * speed:.0f} s (wall {elapsed:.0f} s, --speed {speed:g})"
+
+
+def _render(
+    instances: list[Any], stats: Any, tally: Tally, events_per_s: float, elapsed: float, speed: float = 1.0
+) -> Any:
     from rich.console import Group
     from rich.table import Table
 
-    t = Table(title=f"kvindex demo — {elapsed:.0f} s", expand=True)
+    t = Table(title=f"kvindex demo — {_clock(elapsed, speed)}", expand=True)
     for col in (
         "instance",
         "gpu blocks",
@@ -279,6 +362,8 @@ def _render(instances: list[Any], stats: Any, tally: Tally, events_per_s: float,
     sim = sum(p[1] for p in pairs) / len(pairs) if pairs else 0.0
     hit = tally.hit_tokens / tally.prompt_tokens if tally.prompt_tokens else 0.0
     o = Table(show_header=False, expand=True)
+    o.add_row("trace", _progress(tally))
+    o.add_row("load", "; ".join(s for s in (tally.load, _fleet_state(instances, tally)) if s) or "-")
     o.add_row(
         "requests routed / first tokens / finished",
         f"{tally.routed:,} / {tally.first_tokens:,} / {tally.finished:,}",
@@ -362,6 +447,7 @@ async def _watch(args: argparse.Namespace, stub: pb_grpc.KvIndexStub, tally: Tal
     started = time.monotonic()
     last_events, last_t = 0, started
     use_rich = not args.plain and sys.stdout.isatty()
+    load_said = False
     live = None
     if use_rich:
         from rich.live import Live
@@ -377,17 +463,22 @@ async def _watch(args: argparse.Namespace, stub: pb_grpc.KvIndexStub, tally: Tal
             rate = (events - last_events) / max(now - last_t, 1e-6)
             last_events, last_t = events, now
             if live is not None:
-                live.update(_render(list(listed.instances), stats, tally, rate, now - started))
+                live.update(_render(list(listed.instances), stats, tally, rate, now - started, args.speed))
             else:
+                if tally.load and not load_said:
+                    print(f"load: {tally.load}", flush=True)
+                    load_said = True
                 pairs = list(tally.pairs)
                 est = sum(p[0] for p in pairs) / len(pairs) if pairs else 0.0
                 sim = sum(p[1] for p in pairs) / len(pairs) if pairs else 0.0
                 hit = tally.hit_tokens / tally.prompt_tokens if tally.prompt_tokens else 0.0
                 print(
-                    f"[{now - started:5.0f} s] routed {tally.routed} first tokens {tally.first_tokens} "
+                    f"[{now - started:5.0f} s wall] {_progress(tally)}: "
+                    f"routed {tally.routed} first tokens {tally.first_tokens} "
                     f"hit {hit:.1%} ttft est {est:.3f}s sim {sim:.3f}s "
                     f"{tally.decisions_per_s(now):.1f} decisions/s {rate:,.0f} events/s gaps {stats.gaps} "
-                    f"predicted vs engine: {tally.outcome_line(list(listed.instances))}",
+                    f"predicted vs engine: {tally.outcome_line(list(listed.instances))}; "
+                    f"{_fleet_state(list(listed.instances), tally)}",
                     flush=True,
                 )
             with contextlib.suppress(TimeoutError):
@@ -398,34 +489,68 @@ async def _watch(args: argparse.Namespace, stub: pb_grpc.KvIndexStub, tally: Tal
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    from workers_shim.sim.timemodel import PROFILES
+
     p = argparse.ArgumentParser(
         prog="python -m kvtools.demo",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--instances", type=int, default=8)
-    p.add_argument("--profile", default="llama3-8b-h100")
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--cpu-blocks", type=int, default=50_000, help="CPU offload tier per instance (0: none)")
-    p.add_argument("--trace", default=str(TRACE))
-    p.add_argument("--limit", type=int, default=None)
+    p.add_argument("--instances", type=int, default=8, help="simulated engine instances in the fleet")
     p.add_argument(
-        "--time-scale", type=float, default=0.25, help="trace arrival times x this (0.25: 4x the load)"
+        "--profile",
+        default="llama3-8b-h100",
+        choices=sorted(PROFILES),
+        help="model and hardware each instance simulates (time model and GPU KV capacity)",
     )
-    p.add_argument("--speed", type=float, default=1.0, help="virtual seconds per wall second")
-    p.add_argument("--duration", type=float, default=0.0, help="stop after this many seconds (0: Ctrl-C)")
-    p.add_argument("--grpc-port", type=int, default=50051)
-    p.add_argument("--metrics-port", type=int, default=9400)
+    p.add_argument("--block-size", type=int, default=16, help="KV block size in tokens (as vLLM's)")
+    p.add_argument("--cpu-blocks", type=int, default=50_000, help="CPU offload tier per instance (0: none)")
+    p.add_argument(
+        "--trace",
+        default=None,
+        help="Mooncake-format trace (.jsonl or .jsonl.gz); default: the conversation trace shipped in "
+        "kvtools/data",
+    )
+    p.add_argument("--limit", type=int, default=None, help="replay only the first N requests of the trace")
+    p.add_argument(
+        "--time-scale",
+        type=float,
+        default=0.4,
+        help="trace arrival times x this: 0.4 (default) is 2.5x the trace's rate, 0.25 is 4x (saturates 8 "
+        "instances)",
+    )
+    p.add_argument(
+        "--speed",
+        type=float,
+        default=1.0,
+        help="simulated seconds per wall second (2: the fleet runs and the trace plays twice as fast)",
+    )
+    p.add_argument(
+        "--duration", type=float, default=0.0, help="stop after this many wall seconds (0: at Ctrl-C)"
+    )
+    p.add_argument(
+        "--grpc-port", type=int, default=50051, help="gRPC port of its kvindex serve (0: any free port)"
+    )
+    p.add_argument(
+        "--metrics-port", type=int, default=9400, help="its Prometheus /metrics port (0: any free, -1: none)"
+    )
     p.add_argument("--plain", action="store_true", help="no dashboard: a summary line every few seconds")
-    p.add_argument("--report-every", type=float, default=5.0)
+    p.add_argument(
+        "--report-every", type=float, default=5.0, help="seconds between summary lines with --plain"
+    )
     return p.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
+    try:
+        args.trace = args.trace or str(mooncake_trace())
+    except FileNotFoundError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     if not Path(args.trace).exists():
         print(
-            f"trace not found: {args.trace} (pass --trace PATH to a Mooncake-format JSONL file)",
+            f"trace not found: {args.trace} (--trace takes a Mooncake-format .jsonl or .jsonl.gz)",
             file=sys.stderr,
         )
         return 2

@@ -16,12 +16,10 @@ from kvindex.repair.nats_repair import RepairConfig
 from kvindex.service.app import IndexService, ServiceConfig
 from kvindex.service.natsd import EmbeddedNats
 from kvindex.v1 import kvindex_pb2_grpc as pb_grpc
-from kvtools.data import shared_dir
 from kvtools.testing.faults import FaultyPublisher
 from workers_shim.publisher import Publisher
 
 ROOT = Path(__file__).resolve().parents[1]
-SHARED = shared_dir()
 
 
 @pytest.fixture

@@ -1,4 +1,4 @@
-"""Real vLLM 0.32.0 bytes (../shared/data/vllm-capture) through the real bridge.
+"""Real vLLM 0.32.0 bytes (kvtools/data/vllm_capture) through the real bridge.
 
 The fake engine sends the captured frames byte for byte (live messages on its PUB socket, the captured
 DEALER answers on its ROUTER socket); the expected index state comes from the prompts the capture's

@@ -17,7 +17,6 @@ import threading
 import time
 from collections.abc import AsyncIterator, Sequence
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -27,11 +26,11 @@ import zmq.asyncio
 from kvindex.service.app import IndexService
 from kvindex.v1 import kvindex_pb2 as pb
 from kvindex.v1 import kvindex_pb2_grpc as pb_grpc
-from kvtools.data import shared_dir
+from kvtools.data import vllm_captures
 from tests.conftest import wait_until
 from workers_shim.bridges import Bridge, BridgeConfig
 
-CAPTURES = shared_dir() / "data" / "vllm-capture"
+CAPTURES = vllm_captures()
 END = b"\xff" * 8
 
 
@@ -407,7 +406,7 @@ class MetricsPage:
 
 def read_capture(name: str) -> list[list[bytes]]:
     """Messages of ``{name}.frames.bin``: per message a BE u32 frame count, then BE u32 length + bytes."""
-    data = Path(CAPTURES / f"{name}.frames.bin").read_bytes()
+    data = (CAPTURES / f"{name}.frames.bin").read_bytes()
     out, off = [], 0
     while off < len(data):
         (count,) = struct.unpack_from(">I", data, off)

@@ -101,3 +101,62 @@ def test_serve_score_stats_and_clean_shutdown(served: tuple[subprocess.Popen[str
 
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=15) == 0
+
+
+@pytest.mark.parametrize(
+    ("flag", "value", "says"),
+    [
+        ("--tokens", "a,b", "'a' is not an integer"),
+        ("--tokens", "@missing.json", "@missing.json: no such file"),
+        ("--tokens", "99999999999999999999999", "out of range: token ids are unsigned 32-bit"),
+        ("--tokens", "-1,2", "-1 is out of range: token ids are unsigned 32-bit integers (0 to 4294967295)"),
+        ("--keys", "x", "'x' is not an integer"),
+        ("--keys", "-5", "block keys are unsigned 64-bit"),
+        ("--tokens", "@list.json", "True is not an integer"),
+        ("--tokens", "@bad.json", "not JSON"),
+        ("--prompt", "@missing.txt", "--prompt @missing.txt: no such file"),
+    ],
+)
+def test_bad_query_arguments_are_one_line_errors(
+    flag: str,
+    value: str,
+    says: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Checked before any connection: no server is needed to be told what is wrong."""
+    from kvindex.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "list.json").write_text("[1, true]")
+    (tmp_path / "bad.json").write_text("[1,")
+    assert main(["score", "--server", "127.0.0.1:1", "--model", "m", flag, value]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("kvindex score: error: ") and says in err and err.count("\n") == 1, err
+
+
+def test_unknown_model_is_an_error_naming_the_known_ones(
+    served: tuple[subprocess.Popen[str], str, str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    from kvindex.cli import main
+
+    _, nats_url, server = served
+
+    async def publish() -> None:
+        pub = await Publisher.connect(nats_url, worker="node-b", model="known", block_size=16)
+        await pub.close()
+
+    asyncio.run(publish())
+    deadline = time.monotonic() + 10
+    while main(["score", "--server", server, "--model", "known", "--tokens", "1,2"]) != 0:
+        assert time.monotonic() < deadline, capsys.readouterr().err
+        time.sleep(0.05)
+    capsys.readouterr()
+    for command in ("score", "lookup"):
+        assert main([command, "--server", server, "--model", "nope", "--tokens", "1,2,3"]) == 2
+        out = capsys.readouterr()
+        assert out.out == ""
+        assert out.err == (
+            f"kvindex {command}: error: no instance of model 'nope' is known to the index (it knows: known)\n"
+        )

@@ -384,8 +384,8 @@ def test_steady_path_matches_the_full_decoder(seed: int) -> None:
     fast, full = make(Recorder()), make(Recorder())
     fast_samples: list[Any] = []
     full_samples: list[Any] = []
-    fast.prefill_samples = lambda model, s: fast_samples.append((model, s))
-    full.prefill_samples = lambda model, s: full_samples.append((model, s))
+    fast.prefill_samples = lambda model, s, instance: fast_samples.append((model, s, instance))
+    full.prefill_samples = lambda model, s, instance: full_samples.append((model, s, instance))
     seqs = {"w1": 0, "w2": 0}
     last: dict[str, dict] = {}
     for _ in range(400):

@@ -345,6 +345,12 @@ def test_bank_summaries_stay_exact(backend: str, ops: list, queries: list) -> No
             for key, _mask in bank.tiers[t].items():
                 want[key] = want.get(key, 0) | 1 << (b % 64)
         assert dict(shard.summaries[t].items()) == want
+    # The GPU summary's holder counts (the match's shortcut for blocks every instance holds).
+    gpu_holders: dict[int, int] = {}
+    for bank in shard.banks:
+        for key, mask in bank.tiers[0].items():
+            gpu_holders[key] = gpu_holders.get(key, 0) + mask.bit_count()
+    assert {k: shard.summaries[0].holders(k) for k, _m in shard.summaries[0].items()} == gpu_holders
     pooled = set().union(*(h[SHARED] for h in held.values()))
     for keys in queries:
         expect = {}
@@ -363,4 +369,91 @@ def test_bank_summaries_stay_exact(backend: str, ops: list, queries: list) -> No
         else:
             got = ix.match("m", keys)
         assert got == expect
+        assert _flatten_groups(ix, "m", keys, None) == ix.match("m", keys)
         assert ix.stats().distinct_blocks == tuple(len(s.items()) for s in shard.summaries)
+
+
+def _flatten_groups(
+    ix: InvertedIndex, model: str, keys: list[int], subset: list | None, listed: int = 2
+) -> dict:
+    """match_groups' answer as match gives it: the listed instances plus every group's members."""
+    listed_matches, groups = ix.match_groups(model, keys, subset, listed=listed)
+    out = dict(listed_matches)
+    _layout, owners = ix.slot_layout(model)
+    for group in groups:
+        assert group.count > listed
+        masks = [int.from_bytes(group.masks[i : i + 8], "little") for i in range(0, len(group.masks), 8)]
+        members = [owners[b * 64 + s] for b, m in enumerate(masks) for s in range(64) if m >> s & 1]
+        assert len(members) == group.count
+        for inst in members:
+            assert inst not in out
+            out[inst] = group.match
+    return out
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@settings(max_examples=30, deadline=None)
+@given(
+    n=st.integers(1, 200),
+    seed=st.integers(0, 2**32 - 1),
+    shared=st.integers(0, 12),
+    subset=st.booleans(),
+    everyone=st.booleans(),
+)
+def test_fleet_wide_prefix_match_and_groups(
+    backend: str, n: int, seed: int, shared: int, subset: bool, everyone: bool
+) -> None:
+    """Most instances hold one deep prefix on the GPU (a system prompt) and differ in their tails,
+    tiers and gaps: the match (which skips the blocks every instance holds, by the GPU summary's
+    counts) and the grouped match agree with sets, over one or several banks."""
+    import random
+
+    rng = random.Random(seed)
+    ix = InvertedIndex(BACKENDS[backend])
+    ref = Brute()
+    prompt = [rng.getrandbits(64) for _ in range(24)]
+    names = [(f"s{i}", 0) for i in range(n)]
+    for inst in names:
+        MODEL_OF.setdefault(inst, "fleet")
+        ix.add_instance(inst, "fleet")
+        ref.ensure(inst)
+        sets = ref.held[inst]
+        kind = rng.random()
+        depth = shared if kind < 0.85 else rng.randint(shared if everyone else 0, len(prompt))
+        tail = rng.randint(depth, len(prompt)) if rng.random() < 0.1 else depth
+        parts = [(0, prompt[:depth])]
+        if tail > depth:
+            parts.append((rng.choice([0, 0, 1, 2, 3]), prompt[depth:tail]))
+        if rng.random() < (0.01 if everyone else 0.05) and depth:
+            gap = rng.randrange(depth)  # an evicted middle block
+            parts.append((-1, [prompt[gap]]))
+        for tier, keys in parts:
+            if tier < 0:
+                ix.remove(inst, 0, keys)
+                sets[0] -= set(keys)
+            else:
+                ix.store(inst, tier, keys)
+                sets[tier] |= set(keys)
+    if everyone and n > 64 and shared:
+        # Every instance holds the shared prefix but for evicted blocks: the shortcut's case.
+        gpu_holders = sum(1 for sets in ref.held.values() if prompt[0] in sets[0])
+        assert gpu_holders >= n - 3
+        assert ix._shards["fleet"].summaries[0].holders(prompt[0]) == gpu_holders
+    for _ in range(3):
+        cut = rng.randint(0, len(prompt))
+        keys = prompt[:cut] + ([rng.getrandbits(64)] if rng.random() < 0.3 else [])
+        insts = rng.sample(names, rng.randint(1, n)) if subset else None
+        want = ref.match("fleet", keys, insts if insts is not None else names)
+        assert ix.match("fleet", keys, insts) == want
+        assert _flatten_groups(ix, "fleet", keys, insts) == want
+    # Instances leave and join: the counts follow (a newcomer holds nothing, so the shortcut stops).
+    gone = rng.choice(names)
+    ix.drop_instance(gone)
+    ref.held.pop(gone)
+    ix.add_instance(("late", 0), "fleet")
+    MODEL_OF[("late", 0)] = "fleet"
+    ref.ensure(("late", 0))
+    live = [i for i in names if i != gone] + [("late", 0)]
+    want = ref.match("fleet", prompt, live)
+    assert ix.match("fleet", prompt) == want
+    assert _flatten_groups(ix, "fleet", prompt, None) == want

@@ -125,3 +125,34 @@ async def test_index_survives_losing_its_nats_node(cluster: NatsCluster) -> None
         for p in pubs:
             await p.close()
         await svc.stop()
+
+
+async def test_a_replicated_stream_waits_for_the_cluster_to_place_it() -> None:
+    """A node down while the index starts (a cluster still forming, a node restarting): JetStream
+    cannot place a 3-replica stream and says so; the start waits and completes once the node is back."""
+    cluster = await NatsCluster(jetstream=True).start()
+    try:
+        down = cluster.nodes[2]
+        await down.kill()
+        svc = IndexService(
+            ServiceConfig(
+                nats_url=NatsSettings(servers=tuple(cluster.urls[:2])),
+                grpc_host="127.0.0.1",
+                grpc_port=0,
+                repair=RepairConfig(reconcile_interval=0),
+                jetstream=JetStreamConfig(replicas=3),
+            )
+        )
+        starting = asyncio.create_task(svc.start())
+        await asyncio.sleep(1.5)
+        assert not starting.done()  # still waiting for placement, not failed
+        await down.start()
+        await asyncio.wait_for(starting, 30)
+        try:
+            assert svc.source is not None and svc.source.nc is not None
+            info = await svc.source.nc.jetstream().stream_info(svc.source.stream)
+            assert info.config.num_replicas == 3
+        finally:
+            await svc.stop()
+    finally:
+        await cluster.stop()

@@ -100,7 +100,8 @@ async def pd(nats_server: EmbeddedNats, service: IndexService) -> AsyncIterator[
             for _ in range(300):
                 try:
                     async with http.get(f"http://127.0.0.1:{port}/health") as resp:
-                        if resp.status == 200:
+                        # Serving, and its instance list (roles, groups) fetched from the index.
+                        if resp.status == 200 and (await resp.json())["instances_known"] == len(ROLES):
                             break
                 except aiohttp.ClientConnectorError:
                     pass

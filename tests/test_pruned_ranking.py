@@ -64,14 +64,29 @@ def _restore(router: Router, name: str, saved: tuple) -> None:
 
 
 def build_fleet(
-    rng: random.Random, n: int, n_prompts: int, backend: str, all_routable: bool = False
+    rng: random.Random,
+    n: int,
+    n_prompts: int,
+    backend: str,
+    all_routable: bool = False,
+    shared: bool = False,
 ) -> tuple[Router, list[list[int]], Clock]:
+    """``shared``: the prompts start with one system prompt that most instances hold (on the GPU,
+    or partly on other tiers, or a shorter part of it), and 1-4 instances hold each prompt deeper:
+    the pruned rankings see match groups (ranked by columns) besides single holders."""
     clock = Clock()
     index = InvertedIndex(_pytable if backend == "python" else None)
     registry = Registry(clock=clock)
-    router = Router(index, registry, config=RouterConfig(prune_min_instances=0), clock=clock)
+    config = RouterConfig(prune_min_instances=0, group_min_instances=rng.choice([0, 1, 3, 16]))
+    router = Router(index, registry, config=config, clock=clock)
     router.tables  # noqa: B018 - start watching before the fleet is built, as a server would
-    prompts = [[rng.getrandbits(64) for _ in range(rng.randint(0, 40))] for _ in range(n_prompts)]
+    system = [rng.getrandbits(64) for _ in range(rng.randint(1, 24))] if shared else []
+    prompts = [
+        system[: rng.choice([len(system), len(system), rng.randint(0, len(system))])]
+        + [rng.getrandbits(64) for _ in range(rng.randint(0, 40))]
+        for _ in range(n_prompts)
+    ]
+    pooled = shared and rng.random() < 0.15  # someone offloads the system prompt to the pool
     for i in range(n):
         key = (f"w{rng.randint(0, n * 2)}-{i}", rng.randint(0, 2))
         index.add_instance(key, MODEL)
@@ -98,10 +113,22 @@ def build_fleet(
                 waiting_prefill_tokens=rng.choice([0, rng.randint(0, 60_000)]),
                 kv_usage=rng.choice([0.0, 0.5, rng.random()]),
             )
-        # Holders: a prefix of some prompt, on a random tier.
+        if system:
+            part = rng.random()
+            if pooled and i == 0:
+                index.store(key, SHARED, system)
+            elif part < 0.8:
+                index.store(key, GPU, system)
+            elif part < 0.88:  # the system prompt's tail offloaded to the CPU (or disk)
+                cut = rng.randint(0, len(system))
+                index.store(key, GPU, system[:cut])
+                index.store(key, rng.choice([CPU, DISK]), system[cut:])
+            elif part < 0.95:
+                index.store(key, GPU, system[: rng.randint(0, len(system))])
+        # Holders: a prefix of some prompt, on a random tier (with a system prompt: past it).
         for keys in prompts:
-            if keys and rng.random() < 3 / max(n, 3):
-                depth = rng.randint(1, len(keys))
+            if keys and rng.random() < (rng.randint(1, 4) if shared else 3) / max(n, 3):
+                depth = rng.randint(min(len(system), len(keys) - 1) + 1, len(keys))
                 tier = rng.choice([GPU, GPU, CPU, DISK, SHARED])
                 index.store(key, tier, keys[:depth])
     return router, prompts, clock
@@ -134,6 +161,7 @@ def _natives(backend: str) -> Iterator[None]:
     with (
         mock.patch.object(fleet_table, "_native_waits", None),
         mock.patch.object(router_module, "_native_rank_others", None),
+        mock.patch.object(router_module, "_native_rank_grouped", None),
     ):
         yield
 
@@ -159,6 +187,9 @@ def _exercise(
             if rng.random() < 0.3 and len(router.ledger):
                 rid = rng.choice(list(router.ledger._entries))
                 router.release(rid, rng.choice(["prefill", "finished"]))
+        # Degraded instances (their match credited in part): holders and members of match groups.
+        if states and rng.random() < 0.5:
+            router.degraded ^= {s.key for s in rng.sample(states, min(len(states), rng.randint(1, 3)))}
         clock.t += rng.choice([0.01, 0.2, 1.0, 7.0])
         for state in rng.sample(states, min(len(states), 5)):
             state.last_status_at = clock.t
@@ -222,6 +253,36 @@ def test_pruned_top_k_equals_exhaustive_every_instance_routable(
     ttft._k = rng.choice([0.0, 0.5, 3.0])  # type: ignore[attr-defined]
     with _natives(backend):
         _exercise(rng, router, prompts, clock, [1, 2, 4, 9])
+
+
+@pytest.mark.parametrize("backend", ["native", "python"])
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    n=st.integers(1, 300),
+    congestion=st.sampled_from([0.0, 10.0]),
+    all_routable=st.booleans(),
+)
+def test_pruned_top_k_equals_exhaustive_shared_prefix(
+    backend: str, seed: int, n: int, congestion: float, all_routable: bool
+) -> None:
+    """Most instances hold the prompts' system prompt and differ in tails, tiers, loads and ledger
+    entries: their answers form match groups, ranked by columns like the non-holders."""
+    rng = random.Random(seed)
+    router, prompts, clock = build_fleet(rng, n, 4, backend, all_routable=all_routable, shared=True)
+    ttft = router.policies["ttft"]
+    ttft.congestion = congestion  # type: ignore[attr-defined]
+    ttft._k = rng.choice([0.0, 0.5, 3.0])  # type: ignore[attr-defined]
+    with _natives(backend):
+        _exercise(rng, router, prompts, clock, [1, 2, 4, 9])
+
+
+@settings(max_examples=3, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 2**32 - 1))
+def test_pruned_top_k_equals_exhaustive_shared_prefix_thousands(seed: int) -> None:
+    rng = random.Random(seed)
+    router, prompts, clock = build_fleet(rng, rng.choice([700, 2500]), 3, "native", shared=True)
+    _exercise(rng, router, prompts, clock, [1, 4])
 
 
 def test_smallest_is_exact_with_ties() -> None:

@@ -125,6 +125,7 @@ async def test_non_streaming_routed_by_the_index_bytes_unchanged_and_released(fl
         got = await resp.read()
         assert resp.status == 200
         assert resp.headers["x-kvindex-instance"] == "w1/0" and resp.headers["x-kvindex-decision"] == "index"
+        assert float(resp.headers["x-kvindex-est-ttft-ms"]) > 0  # the index's estimate for w1
     w1 = fleet.engines["w1"]
     assert w1.bodies == [body]  # the request body reached the engine byte for byte
     assert got == w1.sent[0]  # and the engine's answer the client
@@ -159,7 +160,12 @@ async def test_streaming_bytes_unchanged_prefill_released_at_first_chunk(fleet: 
     assert first + rest == b"".join(sse_chunks("w1", w1.tokens))
     assert b'"usage"' in w1.sent[0] and b'"usage"' not in first + rest
     await wait_until(lambda: fleet.ledger() == 0, what="ledger released at the end")
-    m = await fleet.metrics()
+    # The proxy counts the release when the index's answer is back, a moment after the index applied it.
+    for _ in range(500):
+        m = await fleet.metrics()
+        if sample(m, "kvindex_route_releases_total", phase="finished", result="found"):
+            break
+        await asyncio.sleep(0.01)
     assert sample(m, "kvindex_route_ttft_seconds_count", stream="true") == 1
     assert sample(m, "kvindex_route_releases_total", phase="finished", result="found") == 1
 
@@ -274,6 +280,7 @@ async def test_index_down_the_fallback_serves_consistently_and_is_counted(fleet:
         async with await fleet.post({"model": MODEL, "prompt": prompt}) as resp:
             assert resp.status == 200
             assert resp.headers["x-kvindex-decision"] == "fallback"
+            assert "x-kvindex-est-ttft-ms" not in resp.headers  # nothing was estimated
             served.append(resp.headers["x-kvindex-instance"])
     assert len(set(served)) == 1  # one prefix, one instance, without the index
     m = await fleet.metrics()
@@ -596,6 +603,39 @@ async def test_cli_over_mutual_tls_and_a_token(
         for e in f.engines.values():
             await e.close()
         await svc.stop()
+
+
+async def test_chat_without_a_tokenizer_is_said_once_per_model(fleet: Fleet) -> None:
+    """The index (no --tokenizer) rejects text: chat is routed by hash, and the proxy says so once
+    per model, naming the fix, instead of only counting fallbacks."""
+    from structlog.testing import capture_logs
+
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hello"}]}
+    with capture_logs() as logs:
+        for _ in range(3):
+            async with await fleet.post(body, path="/v1/chat/completions") as resp:
+                assert resp.status == 200 and resp.headers["x-kvindex-decision"] == "fallback"
+    said = [r for r in logs if r["event"] == "chat_routing_hash_only"]
+    assert len(said) == 1 and said[0]["model"] == MODEL
+    assert f"--tokenizer {MODEL}=DIR" in said[0]["fix"]
+    assert not [r for r in logs if r["event"] == "index_rejected_request"]
+    assert sample(await fleet.metrics(), "kvindex_route_fallbacks_total", reason="rejected") == 3
+    await wait_until(lambda: fleet.ledger() == 0, what="ledger empty")
+
+
+def test_cli_without_the_route_extra_names_it(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from kvindex.cli import main
+
+    monkeypatch.setitem(sys.modules, "aiohttp", None)  # import aiohttp fails as if not installed
+    monkeypatch.delitem(sys.modules, "kvindex.route.proxy", raising=False)
+    assert main(["route", "--port", "0"]) == 2
+    err = capsys.readouterr().err
+    assert err == (
+        "kvindex route: error: the routing proxy needs aiohttp, which is not installed: "
+        "pip install 'kvindex[route]'\n"
+    )
 
 
 async def test_the_engine_usage_is_reported_with_the_release(fleet: Fleet) -> None:

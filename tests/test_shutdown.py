@@ -201,13 +201,15 @@ ENTRY_POINTS: dict[str, tuple[Command, str, str | None, bool]] = {
 }  # fmt: skip
 
 
-def spawn(cmd: list[str], on_stdout: bool) -> tuple[subprocess.Popen[str], Lines]:
+def spawn(cmd: list[str], on_stdout: bool, own_group: bool = False) -> tuple[subprocess.Popen[str], Lines]:
+    """``own_group``: in a process group of its own, as a shell starts a job in a terminal."""
     proc = subprocess.Popen(
         cmd,
         stdout=subprocess.PIPE if on_stdout else subprocess.DEVNULL,
         stderr=subprocess.STDOUT if on_stdout else subprocess.PIPE,
         text=True,
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        start_new_session=own_group,
     )
     return proc, Lines(proc.stdout if on_stdout else proc.stderr)
 
@@ -422,10 +424,12 @@ async def test_close_nats_ends_the_reconnect_loop_every_time() -> None:
     assert not problems, problems
 
 
-@pytest.mark.parametrize("how", ["SIGHUP", "SIGKILL"])
+@pytest.mark.parametrize("how", ["SIGHUP", "SIGKILL", "Ctrl-C"])
 def test_demo_takes_its_service_and_nats_server_along(how: str) -> None:
-    """`make run` in a terminal that is closed (SIGHUP) or a demo killed outright: the demo, its
-    `kvindex serve` and the embedded nats-server all exit and :50051/:9400-like ports are freed."""
+    """`make run` in a terminal that is closed (SIGHUP), a demo killed outright, or Ctrl-C (SIGINT to
+    the terminal's whole process group): the demo, its `kvindex serve` and the embedded nats-server
+    all exit and :50051/:9400-like ports are freed. Ctrl-C stops the simulated workers before the
+    service and its NATS: nothing is logged but the summary."""
     from kvtools.data import mooncake_trace
 
     grpc_port, metrics_port = free_port(), free_port()
@@ -434,6 +438,7 @@ def test_demo_takes_its_service_and_nats_server_along(how: str) -> None:
          "--grpc-port", str(grpc_port), "--metrics-port", str(metrics_port), "--instances", "2",
          "--limit", "200", "--trace", str(mooncake_trace())],
         on_stdout=True,
+        own_group=how == "Ctrl-C",
     )  # fmt: skip
     try:
         lines.wait_for("routed", timeout=60)
@@ -445,6 +450,15 @@ def test_demo_takes_its_service_and_nats_server_along(how: str) -> None:
             demo.send_signal(signal.SIGHUP)
             assert demo.wait(timeout=15) == 0, lines.tail()
             assert "stopped:" in lines.tail()
+        elif how == "Ctrl-C":
+            wait_handlers(demo.pid)
+            seen = len(lines.lines)
+            os.killpg(demo.pid, signal.SIGINT)
+            assert demo.wait(timeout=15) == 0, lines.tail()
+            tail = lines.tail()  # also takes in every line left
+            # Summary lines ("[  3 s wall] ...", "load: ...") may still come; nothing else may.
+            after = [ln for ln in lines.lines[seen:] if ln.strip() and not ln.startswith(("[", "load:"))]
+            assert len(after) == 1 and after[0].startswith("stopped:"), tail
         else:
             demo.kill()
             demo.wait()

@@ -5,13 +5,13 @@ from __future__ import annotations
 import random
 import time
 from collections.abc import Awaitable, Callable
-from pathlib import Path
 
 import pytest
 
 from kvindex.service.app import IndexService
 from kvindex.wire.schema import TIER_BY_NAME
-from tests.conftest import SHARED, wait_until
+from kvtools.data import mooncake_trace
+from tests.conftest import wait_until
 from workers_shim.publisher import Publisher
 from workers_shim.sim import (
     EngineConfig,
@@ -27,7 +27,7 @@ from workers_shim.sim.trace import mooncake_requests
 TM = TimeModel(
     a_ms=2.0, b_ms_per_token=0.01, c_ms_per_token2=1e-5, d_ms_per_decode_seq=0.02, e_ms_per_decode_ctx=1e-4
 )
-TRACE = SHARED / "data" / "mooncake" / "conversation_trace.jsonl"
+TRACE = mooncake_trace()
 
 
 def workload(rng: random.Random, n: int, block_size: int) -> list[SimRequest]:
@@ -105,8 +105,6 @@ def test_events_mirror_holds_after_random_workload(seed: int) -> None:
 
 def test_mooncake_slice_through_16_engines_speed(capsys: pytest.CaptureFixture[str]) -> None:
     """Throughput of the simulator itself (printed, not asserted): Mooncake requests, 16 engines."""
-    if not TRACE.exists():
-        pytest.skip(f"no trace at {TRACE}")
     reqs = mooncake_requests(TRACE, model="m", limit=3000)
     cfg = EngineConfig.llama3_70b_8xa800(block_size=512)
     engines = [SimEngine(f"e{i}", cfg, MirrorSink()) for i in range(16)]
@@ -165,13 +163,11 @@ async def test_real_publisher_and_index_equal_holds(service: IndexService, make_
 
 
 def test_trace_keys_are_wire_keys() -> None:
-    if not TRACE.exists():
-        pytest.skip(f"no trace at {TRACE}")
     from kvindex.keys import block_keys
     from workers_shim.sim.trace import mooncake_rows, mooncake_tokens
 
     rows = list(mooncake_rows(TRACE, limit=5))
-    reqs = mooncake_requests(Path(TRACE), model="m", limit=5, block_size=16)
+    reqs = mooncake_requests(TRACE, model="m", limit=5, block_size=16)
     for row, r in zip(rows, reqs, strict=True):
         tokens = mooncake_tokens(row["hash_ids"], row["input_length"])
         assert len(tokens) == row["input_length"] == r.prompt_tokens

@@ -297,6 +297,8 @@ def test_serve_with_tokenizer_flags(tok_dirs: dict[str, str], tmp_path: Path) ->
         assert out.returncode == 0, out.stderr
         got = [int(x) for x in json.loads(out.stdout)["tokenIds"]]
         assert got == reference(tok_dirs).encode_chat("qwen", CHAT).tolist()
+        # No qwen instance yet: the tokenization is the answer, and the user is told nothing can match.
+        assert "note: no instance of model 'qwen' is known to the index" in out.stderr
         out = run_cli("score", "--server", f"127.0.0.1:{port}", "--model", "other", "--prompt", "hi")
         assert out.returncode == 1 and "no tokenizer configured" in out.stderr
     finally:

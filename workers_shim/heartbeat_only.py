@@ -21,7 +21,7 @@ import structlog
 
 from kvindex.lifecycle import Stop, run
 from workers_shim.bridges.engines import ENGINES
-from workers_shim.bridges.load import LoadReader, scrape
+from workers_shim.bridges.load import LoadReader, PrefillSampler, scrape
 from workers_shim.publisher import Publisher
 
 
@@ -82,17 +82,22 @@ async def heartbeat_until_signalled(args: argparse.Namespace, stop: Stop) -> Non
         return
     log.info("kvshim_started", mode="heartbeat", worker=args.worker_id, endpoint=args.endpoint)
     reader = LoadReader(ENGINES[args.engine])
+    sampler = PrefillSampler(reader)  # the engine's prefill times, for the index's calibration
     try:
         while not stop.requested:
             if args.metrics_url:
                 try:
-                    load = reader.load(await scrape(args.metrics_url, 2.0), 0)
+                    samples = await scrape(args.metrics_url, 2.0)
+                    load = reader.load(samples, 0)
                     pub.set_load(
                         running=load.running,
                         waiting=load.waiting,
                         waiting_prefill_tokens=load.waiting_prefill_tokens,
                         kv_usage=load.kv_usage,
                     )
+                    prefill = sampler.sample(samples, 0)
+                    if prefill is not None:
+                        pub.prefill_sample(*prefill)
                 except Exception as exc:  # the engine may be restarting: keep announcing
                     log.warning("kv_load_scrape_failed", url=args.metrics_url, error=str(exc))
             with contextlib.suppress(TimeoutError):

@@ -12,6 +12,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
+from kvindex.api import listen
 from kvindex.api.security import ServerSecurity
 from kvindex.api.servicer import KvIndexServicer
 from kvindex.v1 import kvindex_pb2, kvindex_pb2_grpc
@@ -45,8 +46,13 @@ class GrpcPort:
 
     @property
     def address(self) -> str:
-        host = "127.0.0.1" if self.host in ("0.0.0.0", "::", "[::]") else self.host
-        return f"{host}:{self.port}"
+        """Where a client on this machine connects."""
+        return listen.address(listen.connect_host(self.host), self.port)
+
+    @property
+    def bound(self) -> str:
+        """The address as bound (``0.0.0.0:50051``: every interface)."""
+        return listen.address(self.host, self.port)
 
     def register(self, server: grpc.aio.Server) -> None:
         raise NotImplementedError
@@ -55,9 +61,17 @@ class GrpcPort:
         server = self.security.new_server(options=list(self.options))
         self.register(server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
-        self.port = self.security.add_port(server, f"{self.host}:{self.requested_port}")
+        try:
+            self.port = self.security.add_port(server, f"{self.host}:{self.requested_port}")
+        except RuntimeError:  # grpcio >= 1.6x raises where older ones returned 0
+            self.port = 0
         if not self.port:
-            raise OSError(f"cannot bind the {self.what} port {self.host}:{self.requested_port}")
+            # gRPC says only that it failed (its C core logs why): taken port or foreign host.
+            raise listen.ListenError(
+                self.what,
+                listen.address(self.host, self.requested_port),
+                "the port is in use or the host is not this machine's",
+            )
         await server.start()
         self._server = server
         await self.health.set(LIVENESS, _SERVING)

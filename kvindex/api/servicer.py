@@ -21,6 +21,7 @@ from kvindex.observability.counters import IngestCounters, Metrics
 from kvindex.scoring.base import DECODE_ROLE, PREFILL_ROLE, RouteRequest
 from kvindex.scoring.ledger import FINISHED, PREFILL
 from kvindex.scoring.outcomes import INVALID, Report
+from kvindex.scoring.pick import PickOptions
 from kvindex.scoring.policies import POLICY_NAMES
 from kvindex.scoring.router import Router
 from kvindex.tokenize import ChatOptions, TokenizeError, Tokenizers
@@ -286,11 +287,30 @@ class KvIndexServicer(pb_grpc.KvIndexServicer):
             raise BadRequest(f"role must be {PREFILL_ROLE!r} or {DECODE_ROLE!r}, got {role!r}")
         if request.commit and not request.request_id:
             raise BadRequest("commit needs a request_id (Release refers to it)")
+        pick = self.pick_options(request)
         response = self.score(
-            request, prompt.block_size, prompt.keys, candidates, policy, role, prompt_tokens=prompt.tokens
+            request,
+            prompt.block_size,
+            prompt.keys,
+            candidates,
+            policy,
+            role,
+            prompt_tokens=prompt.tokens,
+            pick=pick,
         )
         self._observe("Score", started)
         return response
+
+    def pick_options(self, request: pb.ScoreRequest) -> PickOptions:
+        """The request's pick over the router's defaults (BadRequest when they make no sense)."""
+        try:
+            return self.router.picker.options(
+                request.pick or None,
+                request.temperature if request.HasField("temperature") else None,
+                request.pick_seed if request.HasField("pick_seed") else None,
+            )
+        except ValueError as exc:
+            raise BadRequest(str(exc)) from exc
 
     async def Score(self, request: pb.ScoreRequest, context: grpc.aio.ServicerContext) -> pb.ScoreResponse:
         try:
@@ -319,6 +339,7 @@ class KvIndexServicer(pb_grpc.KvIndexServicer):
         policy: str | None,
         role: str,
         prompt_tokens: int | None = None,
+        pick: PickOptions | None = None,
     ) -> pb.ScoreResponse:
         model = request.model
         prompt = _prompt_tokens(request, block_size, keys) if prompt_tokens is None else prompt_tokens
@@ -332,13 +353,24 @@ class KvIndexServicer(pb_grpc.KvIndexServicer):
         chosen = self.router.policies["decode"] if role == DECODE_ROLE else self.router.policy(policy)
         response.policy = chosen.name
         response.cost_unit = chosen.cost_unit
+        options = pick or self.router.picker.default
+        response.pick = options.mode
+        response.temperature = options.temperature
         if not block_size:
             return response  # unknown model: empty ranking, not an error
         route = RouteRequest(model, keys, prompt, block_size, request.request_id, role)
-        result = self.router.score(route, candidates, policy, commit=request.commit, top_k=request.top_k)
+        result = self.router.score(
+            route, candidates, policy, commit=request.commit, top_k=request.top_k, pick=pick
+        )
         if result.committed is not None:
             response.committed_instance_id = result.committed.instance_id
         choices = result.choices[: request.top_k] if request.top_k else result.choices
+        drawn = result.pick
+        if drawn is not None and drawn.drawn:
+            response.pick_seed = drawn.seed
+            response.pick_draw = drawn.draw
+            response.picked_rank = drawn.rank
+        probabilities = drawn.probabilities if drawn is not None and drawn.drawn else None
         now = self.registry.clock()
         explain = request.explain
         add = response.ranked.add
@@ -382,6 +414,9 @@ class KvIndexServicer(pb_grpc.KvIndexServicer):
             m.gpu, m.cpu, m.disk, m.shared = t[0], t[1], t[2], t[3]
             if explain:
                 r.explain = choice.reason or "ranked"
+        if probabilities is not None:
+            for r, p in zip(response.ranked, probabilities, strict=False):
+                r.pick_probability = p
         return response
 
     async def Commit(self, request: pb.CommitRequest, context: grpc.aio.ServicerContext) -> pb.CommitResponse:
@@ -462,8 +497,10 @@ class KvIndexServicer(pb_grpc.KvIndexServicer):
         states = self.registry.of_model(request.model) if request.model else self.registry.all()
         now = self.registry.clock()
         response = pb.ListInstancesResponse()
+        calibrator = self.router.calibrator
         for state in sorted(states, key=lambda s: (s.model, s.key)):
             cap = state.capacity
+            fit = calibrator.status(state.model, state.instance_id)
             response.instances.add(
                 instance_id=state.instance_id,
                 worker=state.worker,
@@ -486,6 +523,15 @@ class KvIndexServicer(pb_grpc.KvIndexServicer):
                 approximate=state.approximate,
                 role=state.role,
                 pd_group=state.pd_group or "",
+                prefill=pb.PrefillFit(
+                    source=fit.source,
+                    a_ms=fit.model.a_ms,
+                    b_ms_per_token=fit.model.b_ms_per_token,
+                    c_ms_per_token2=fit.model.c_ms_per_token2,
+                    samples=fit.samples,
+                    error=fit.error or 0.0,
+                    has_error=fit.error is not None,
+                ),
             )
             info = response.instances[-1]
             info.state, info.state_reason = self.router.state_of(state)

@@ -124,6 +124,11 @@ def add_replay(sub: Any) -> None:
         "--query", action="append", default=[], metavar="PROMPT.json", help="rank a prompt (repeatable)"
     )
     p.add_argument("--request", default="", metavar="ID", help="stop at a recorded commit; show its ranking")
+    p.add_argument(
+        "--check-picks",
+        action="store_true",
+        help="re-rank every recorded Score (with its recorded pick and seed); compare with the live pick",
+    )
     p.add_argument("--timeline", choices=("notable", "all", "none"), default="notable")
     p.add_argument("--report", metavar="FILE.json", help="write summary, timeline and queries as JSON")
     p.add_argument("--progress", choices=("auto", "on", "off"), default="auto")
@@ -290,6 +295,7 @@ def run_replay(args: argparse.Namespace) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     r = driver.replayer
+    r.check_picks = args.check_picks
     meta = driver.reader.meta
     if args.until is not None:
         try:
@@ -437,6 +443,12 @@ def _report(driver: Any, args: argparse.Namespace, out: Output, queries: list) -
             f"live-state checks: {checks['matched']} matched, {checks['diverged']} diverged",
             "green" if not checks["diverged"] else "red",
         )
+    picks = summary["picks"]
+    if picks["checked"]:
+        out.line(
+            f"picks re-derived: {picks['checked']}, same as live {picks['same']}, differ {picks['differ']}",
+            "green" if not picks["differ"] else "red",
+        )
     out.line(f"state digest: {summary['digest']}", "bold")
     code = 0
     if stats.truncated_tail:
@@ -446,6 +458,14 @@ def _report(driver: Any, args: argparse.Namespace, out: Output, queries: list) -
     if r.divergences:
         first = r.divergences[0]
         out.line(f"error: the replay diverged from the live service at record {first.offset}", "red")
+        code = 1
+    if r.pick_differences:
+        first_pick = r.pick_differences[0]
+        out.line(
+            f"error: request {first_pick.request_id} (record {first_pick.offset}) re-ranked to "
+            f"{first_pick.replayed or '?'}, live it went to {first_pick.live}",
+            "red",
+        )
         code = 1
     if r.exceptions:
         offset, _error, trace = r.exceptions[0]

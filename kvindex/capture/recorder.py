@@ -31,6 +31,7 @@ from kvindex.config.nats import connect as nats_connect
 from kvindex.index.base import InstanceKey
 from kvindex.lifecycle import close_nats
 from kvindex.lifecycle.bounded import finish
+from kvindex.scoring.pick import SOFTMAX
 from kvindex.wire.reconcile import Snapshot
 from kvindex.wire.subjects import EVENTS, STATUS
 
@@ -162,7 +163,9 @@ class Recorder:
     def message(self, subject: str, payload: bytes, received: float | None = None) -> None:
         """An events/status message about to be handed to the consumer (NatsSource.tap)."""
         self.messages += 1
-        self._add([R.MSG, self.clock(), time.time() if received is None else received, subject, payload])
+        clock = self.clock
+        mono = clock.pin() if isinstance(clock, PinnableClock) else clock()
+        self._add([R.MSG, mono, time.time() if received is None else received, subject, payload])
 
     # -- the repairer's answers and decisions ---------------------------------------------------
 
@@ -185,11 +188,16 @@ class Recorder:
     # -- service state --------------------------------------------------------------------------
 
     def calibration(self, calibrator: Calibrator) -> None:
-        models = {model: calibrator.export(model) for model in calibrator.models}
-        self._add([*self._head(R.CALIBRATION), models])
+        snap = calibrator.snapshot()
+        # The models' shared fits as before; the instances' own fits after them.
+        self._add([*self._head(R.CALIBRATION), snap["models"], snap["instances"]])
 
-    def route(self, method: str, request: bytes, instance: str = "") -> None:
-        self._add([*self._head(R.ROUTE), method, request, instance])
+    def route(self, method: str, request: bytes, instance: str = "", mono: float | None = None) -> None:
+        """``mono``: when the call started (a Score's ranking read the clock then), default now."""
+        head = self._head(R.ROUTE)
+        if mono is not None:
+            head[1] = mono
+        self._add([*head, method, request, instance])
 
     def check(self) -> None:
         """The live state's digest: a replay compares its own at this point in the stream."""
@@ -247,6 +255,40 @@ class Recorder:
         )
 
 
+class PinnableClock:
+    """The service's monotonic clock while it captures. The code a record describes runs with the
+    clock pinned at the record's time: a consumer call from the moment its message is recorded to
+    the end of that event-loop turn (``pin``), a routing call for its duration. Every clock read of
+    that code (heartbeat times, the ranking, the pick, the commit) returns the record's ``mono``,
+    so a replay on a virtual clock set to it reads exactly the times the live service read."""
+
+    __slots__ = ("_unpin_scheduled", "pinned")
+
+    def __init__(self) -> None:
+        self.pinned: float | None = None
+        self._unpin_scheduled = False
+
+    def __call__(self) -> float:
+        pinned = self.pinned
+        return time.monotonic() if pinned is None else pinned
+
+    def pin(self) -> float:
+        """Pin the clock at the real time until the end of the current loop turn; that time."""
+        now = time.monotonic()
+        if not self._unpin_scheduled:
+            try:
+                asyncio.get_running_loop().call_soon(self._unpin)
+            except RuntimeError:  # no loop (a test driving the recorder directly): no pinning
+                return now
+            self._unpin_scheduled = True
+        self.pinned = now
+        return now
+
+    def _unpin(self) -> None:
+        self.pinned = None
+        self._unpin_scheduled = False
+
+
 class RecordingServicer(KvIndexServicer):
     """The gRPC servicer, plus a ROUTE record for every call that changed routing state (a Score
     with commit, a Commit, a Release that found its request), written after the call on the same
@@ -258,31 +300,50 @@ class RecordingServicer(KvIndexServicer):
         self.recorder = recorder
 
     def score_request(self, request: Any) -> Any:  # Score and ScoreStream
-        response = super().score_request(request)
+        clock = self.recorder.clock
+        started = clock()
+        pinned = clock if isinstance(clock, PinnableClock) and clock.pinned is None else None
+        if pinned is not None:
+            pinned.pinned = started
+        try:
+            response = super().score_request(request)
+        finally:
+            if pinned is not None:
+                pinned.pinned = None
         if response.committed_instance_id:
-            self.recorder.route("Score", self._compact(request), response.committed_instance_id)
+            compact = self._compact(request)
+            # The pick as applied (the server's defaults filled in, the draw's seed): a replay
+            # re-ranking this request draws the same instance.
+            compact.pick = response.pick
+            if response.pick == SOFTMAX:
+                compact.temperature = response.temperature
+            if response.pick_seed:
+                compact.pick_seed = response.pick_seed
+            self.recorder.route(
+                "Score", compact.SerializeToString(), response.committed_instance_id, mono=started
+            )
         return response
 
     async def Commit(self, request: Any, context: Any) -> Any:
         response = await super().Commit(request, context)
         if response.committed:
-            self.recorder.route("Commit", self._compact(request), request.instance_id)
+            self.recorder.route("Commit", self._compact(request).SerializeToString(), request.instance_id)
         return response
 
-    def _compact(self, request: Any) -> bytes:
-        """The request with its prompt as block keys (and the token count) instead of token ids or text:
-        the same request to the router, several times smaller (one key per block of tokens)."""
-        if not (len(request.token_ids) or request.prompt or request.messages):
-            return request.SerializeToString()
-        prompt = self.resolve(request)  # text prompts: the tokenizer cache makes this a lookup
+    def _compact(self, request: Any) -> Any:
+        """A copy of the request with its prompt as block keys (and the token count) instead of token
+        ids or text: the same request to the router, several times smaller (one key per block)."""
         compact = type(request)()
         compact.CopyFrom(request)
+        if not (len(request.token_ids) or request.prompt or request.messages):
+            return compact
+        prompt = self.resolve(request)  # text prompts: the tokenizer cache makes this a lookup
         for name in ("token_ids", "prompt", "messages", "prompt_options"):
             compact.ClearField(name)
         compact.lora = compact.salt = ""  # already folded into the keys
         compact.block_keys.extend(prompt.keys)
         compact.prompt_tokens = prompt.tokens
-        return compact.SerializeToString()
+        return compact
 
     async def Release(self, request: Any, context: Any) -> Any:
         response = await super().Release(request, context)

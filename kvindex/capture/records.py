@@ -12,7 +12,7 @@
 | TIMER | what, worker, rank, cause | stale / forget / reconcile(cause) / give_up decided by a timer |
 | FLAGS | {heartbeat_repairs, status_in_order} | the source changed how heartbeats are used |
 | CHECK | digest, instances, entries per tier | periodically and at close: the live state digest |
-| CALIBRATION | {model: calibration} | at start: the prefill calibration loaded from the bucket |
+| CALIBRATION | {model: calibration}, {model: {instance: calibration}} | at start: the calibrations loaded |
 | ROUTE | method, request (protobuf, prompt as keys), instance | a routing change over gRPC (commit...) |
 | CLOSE | reason | the writer stopped cleanly |
 

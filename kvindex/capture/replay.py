@@ -40,7 +40,7 @@ from kvindex.ingest.limits import limits_from_meta
 from kvindex.observability.counters import IngestCounters
 from kvindex.repair.nats_repair import RepairConfig
 from kvindex.scoring.base import DECODE_ROLE, RouteRequest
-from kvindex.scoring.calibration import Calibrator, ModelCalibration
+from kvindex.scoring.calibration import Calibrator
 from kvindex.scoring.router import Router, RouterConfig
 from kvindex.v1 import kvindex_pb2 as pb
 from kvindex.wire.reconcile import Snapshot
@@ -189,6 +189,14 @@ class Divergence:
 
 
 @dataclass
+class PickDifference:
+    offset: str
+    request_id: str
+    live: str
+    replayed: str
+
+
+@dataclass
 class QueryResult:
     name: str
     request: dict[str, Any]
@@ -231,6 +239,9 @@ class Replayer:
         config = RouterConfig()
         config.default_policy = router_meta.get("default_policy", config.default_policy)
         config.seed = int(router_meta.get("seed", config.seed))
+        config.pick = str(router_meta.get("pick", config.pick))
+        config.temperature = float(router_meta.get("temperature", config.temperature))
+        config.warmup = float(router_meta.get("warmup", config.warmup))
         self.calibrator = Calibrator(config.costs.default_prefill)
         self.router = Router(self.index, self.registry, self.calibrator, config)
         self.consumer.prefill_samples = self.calibrator.add
@@ -264,6 +275,12 @@ class Replayer:
         self.exceptions: list[tuple[str, str, str]] = []  # (offset, error, traceback)
         self.where = ""
         self.watch_request = ""  # request id whose live ranking to reconstruct (see route())
+        # Re-rank every recorded Score (with its recorded pick and seed) before applying its commit,
+        # and compare the pick with the live one (``kvindex replay --check-picks``).
+        self.check_picks = False
+        self.picks_checked = 0
+        self.picks_same = 0
+        self.pick_differences: list[PickDifference] = []
         self.watched: QueryResult | None = None
 
     # -- time ---------------------------------------------------------------------------------
@@ -401,10 +418,8 @@ class Replayer:
         self.moment("", "DIVERGED", f"state digest {mine} but the live service had {live}", True)
 
     def _calibration(self, record: list[Any]) -> None:
-        for model, data in record[3].items():
-            cal = ModelCalibration(prior=self.calibrator.prior)
-            cal.load(data)
-            self.calibrator.models[model] = cal
+        instances = record[4] if len(record) > 4 else {}  # (captures before per-instance fits: none)
+        self.calibrator.load_snapshot({"models": record[3], "instances": instances})
 
     def _route(self, record: list[Any]) -> None:
         method, body, instance = record[3], record[4], record[5] if len(record) > 5 else ""
@@ -413,11 +428,16 @@ class Replayer:
             self.router.release_reported(req.request_id, req.phase, release_report(req))
             return
         req = pb.ScoreRequest.FromString(body) if method == "Score" else pb.CommitRequest.FromString(body)
-        if self.watch_request and req.request_id == self.watch_request and self.watched is None:
+        watched = self.watch_request and req.request_id == self.watch_request and self.watched is None
+        if watched or (self.check_picks and method == "Score"):
             try:
-                self.watched = self._explain_recorded(req, instance)
+                explained = self._explain_recorded(req, instance)
             except Exception as exc:  # the explanation must not cost the commit below
-                self.watched = QueryResult(f"request {req.request_id}", {}, None, f"cannot re-rank: {exc!r}")
+                explained = QueryResult(f"request {req.request_id}", {}, None, f"cannot re-rank: {exc!r}")
+            if watched:
+                self.watched = explained
+            if self.check_picks and method == "Score":
+                self._check_pick(req.request_id, instance, explained)
         worker, _, rank = instance.partition("/")
         try:
             block_size, keys = self.servicer.prompt_keys(req)
@@ -431,6 +451,22 @@ class Replayer:
         )
         policy = "decode" if role == DECODE_ROLE else (getattr(req, "policy", "") or None)
         self.router.commit(route, (worker, int(rank)), policy)
+
+    def _check_pick(self, request_id: str, instance: str, explained: QueryResult) -> None:
+        """Whether the re-ranking, with the recorded pick and seed, picked the recorded instance."""
+        response = explained.response
+        picked = response.ranked[0].instance_id if response is not None and response.ranked else ""
+        self.picks_checked += 1
+        if picked == instance:
+            self.picks_same += 1
+            return
+        self.pick_differences.append(PickDifference(self.where, request_id, instance, picked))
+        self.moment(
+            instance,
+            "PICK",
+            f"request {request_id}: re-ranked pick {picked or explained.error!r}, live {instance!r}",
+            True,
+        )
 
     def _explain_recorded(self, req: Any, instance: str) -> QueryResult:
         """The ranking the recorded request got, recomputed just before its commit."""
@@ -474,9 +510,9 @@ class Replayer:
     def query(self, spec: dict[str, Any], name: str = "query") -> QueryResult:
         """Rank instances for a prompt as of now, with explain: ``spec`` has ``model`` and
         ``token_ids`` or ``block_keys``, optionally ``lora``, ``salt``, ``policy``, ``candidates``,
-        ``top_k``, ``role``, ``prompt_tokens``."""
+        ``top_k``, ``role``, ``prompt_tokens``, ``pick``, ``temperature``, ``pick_seed``."""
         allowed = {"model", "lora", "salt", "token_ids", "block_keys", "candidates", "top_k", "policy"}
-        allowed |= {"role", "prompt_tokens"}
+        allowed |= {"role", "prompt_tokens", "pick", "temperature", "pick_seed"}
         unknown = sorted(set(spec) - allowed)
         if unknown:
             return QueryResult(name, spec, None, f"unknown field(s) {', '.join(unknown)}")
@@ -562,6 +598,11 @@ class Replayer:
             },
             "ledger": len(self.router.ledger),
             "checks": {"matched": self.checks_ok, "diverged": len(self.divergences)},
+            "picks": {
+                "checked": self.picks_checked,
+                "same": self.picks_same,
+                "differ": len(self.pick_differences),
+            },
             "exceptions": [{"offset": o, "error": e} for o, e, _ in self.exceptions],
             "closed": self.closed,
             "digest": self.digest(),

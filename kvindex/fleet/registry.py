@@ -136,6 +136,9 @@ class Registry:
         # endpoint -> instances announcing it (the ranks of one data-parallel engine share its server)
         self._by_endpoint: dict[str, dict[InstanceKey, InstanceState]] = {}
         self._watchers: tuple[set[InstanceKey], ...] = ()
+        # Bumped whenever an instance is added or removed: views of the membership (the pick's
+        # fleet ages) recompute only when it moved.
+        self.membership = 0
 
     def watch(self) -> set[InstanceKey]:
         """A set that receives the key of every instance added, removed or assigned a watched field
@@ -166,6 +169,7 @@ class Registry:
 
     def add(self, instance: InstanceKey, model: str, block_size: int) -> InstanceState:
         state = InstanceState(instance, model, block_size, first_seen=self.clock())
+        self.membership += 1
         state._watchers = self._watchers
         old = self._states.get(instance)
         if old is not None:
@@ -179,6 +183,7 @@ class Registry:
     def remove(self, instance: InstanceKey) -> InstanceState | None:
         state = self._states.pop(instance, None)
         if state is not None:
+            self.membership += 1
             state.removed = True
             self.set_endpoint(state, None)
             for changed in self._watchers:

@@ -15,10 +15,12 @@ The pure-Python twin with the same API is _pytable.py; tests run both against a 
 from cpython.long cimport PyLong_AsUnsignedLongLong
 from libc.stdint cimport uint64_t
 from libc.stdlib cimport calloc, free, malloc, realloc
-from libc.string cimport memset
+from libc.string cimport memcpy, memset
+from cpython.bytearray cimport PyByteArray_AS_STRING
 
 cdef extern from *:
     int __builtin_ctzll(unsigned long long) nogil
+    int __builtin_popcountll(unsigned long long) nogil
     void __builtin_prefetch(const void*) nogil
 
 # How many blocks ahead a match prefetches table cells. The walk's probes are independent of each
@@ -168,6 +170,12 @@ cdef class BlockTable:
     cdef BlockTable summary
     cdef uint64_t group_bit
     cdef list siblings
+    # A GPU summary's holder counts: per cell, how many instances of the model hold the key on the
+    # GPU (NULL elsewhere). With it a match skips the leading blocks every instance holds instead of
+    # walking each bank through them (a fleet-wide system prompt). ``counted``: this bank table
+    # reports its holders to its summary's counts.
+    cdef unsigned int* aux
+    cdef bint counted
 
     def __cinit__(self, Py_ssize_t capacity=16):
         cdef uint64_t cap = 16
@@ -179,9 +187,12 @@ cdef class BlockTable:
         self.summary = None
         self.group_bit = 0
         self.siblings = []
+        self.aux = NULL
+        self.counted = False
 
     def __dealloc__(self):
         free(self.cells)
+        free(self.aux)
 
     # -- C level -------------------------------------------------------------------------------
 
@@ -209,15 +220,26 @@ cdef class BlockTable:
         cdef uint64_t old_cap = self.mask + 1
         cdef Cell* cells = _alloc_cells(cap)
         cdef uint64_t i, j, m = cap - 1
+        cdef unsigned int* old_aux = self.aux
+        cdef unsigned int* aux = NULL
+        if old_aux != NULL:
+            aux = <unsigned int*>calloc(cap, sizeof(unsigned int))
+            if aux == NULL:
+                free(cells)
+                raise MemoryError()
         for i in range(old_cap):
             if old[i].val != 0:
                 j = _mix(old[i].key) & m
                 while cells[j].val != 0:
                     j = (j + 1) & m
                 cells[j] = old[i]
+                if aux != NULL:
+                    aux[j] = old_aux[i]
         self.cells = cells
         self.mask = m
+        self.aux = aux
         free(old)
+        free(old_aux)
         return 0
 
     cdef int _rehash_for(self, Py_ssize_t n) except -1:
@@ -248,22 +270,50 @@ cdef class BlockTable:
             # Move cell j into the hole at i unless its home lies cyclically in (i, j].
             if (i <= j and (home <= i or home > j)) or (i > j and home <= i and home > j):
                 cells[i] = cells[j]
+                if self.aux != NULL:
+                    self.aux[i] = self.aux[j]
                 i = j
         cells[i].val = 0
         cells[i].key = 0
+        if self.aux != NULL:
+            self.aux[i] = 0
         self.count -= 1
 
-    cdef int _or_bits(self, uint64_t key, uint64_t bits) except -1:
+    cdef Py_ssize_t _or_bits(self, uint64_t key, uint64_t bits) except -1:
+        """OR ``bits`` into key's cell (made if absent); returns the cell's index."""
         cdef Cell* cell
+        cdef uint64_t i
         self._reserve_one()
-        cell = &self.cells[self._slot(key)]
+        i = self._slot(key)
+        cell = &self.cells[i]
         if cell.val == 0:
             cell.key = key
             cell.val = bits
             self.count += 1
         else:
             cell.val |= bits
-        return 0
+        return <Py_ssize_t>i
+
+    cdef inline void _count(self, uint64_t key, int delta) noexcept nogil:
+        """Add ``delta`` to a present key's holder count (a counting summary)."""
+        cdef uint64_t i = self._slot(key)
+        if self.cells[i].val:
+            self.aux[i] += delta
+
+    def enable_counts(self):
+        """Keep a holder count per key (a model's GPU summary; see ``aux``), zero for now: the
+        bank tables linked afterwards report their holders."""
+        if self.aux == NULL:
+            self.aux = <unsigned int*>calloc(self.mask + 1, sizeof(unsigned int))
+            if self.aux == NULL:
+                raise MemoryError()
+
+    def holders(self, uint64_t key):
+        """A counting summary's holder count of ``key`` (0 when absent)."""
+        cdef uint64_t i = self._slot(key)
+        if self.aux == NULL or not self.cells[i].val:
+            return 0
+        return self.aux[i]
 
     cdef int _gone(self, uint64_t key) except -1:
         """``key`` left this table: drop this bank's bit from the summary unless a sibling holds it."""
@@ -282,12 +332,16 @@ cdef class BlockTable:
     def link_summary(self, BlockTable summary, uint64_t group_bit):
         """Report this table's keys to ``summary`` under ``group_bit`` from now on (and now)."""
         cdef uint64_t i
+        cdef Py_ssize_t at
         self.summary = summary
         self.group_bit = group_bit
+        self.counted = summary.aux != NULL
         summary._rehash_for(self.count)
         for i in range(self.mask + 1):
             if self.cells[i].val:
-                summary._or_bits(self.cells[i].key, group_bit)
+                at = summary._or_bits(self.cells[i].key, group_bit)
+                if self.counted:
+                    summary.aux[at] += __builtin_popcountll(self.cells[i].val)
 
     def set_siblings(self, list siblings):
         self.siblings = siblings
@@ -308,6 +362,7 @@ cdef class BlockTable:
     cdef inline int _set(self, uint64_t key, uint64_t bit, KeyLog log) except -1:
         """Set ``bit`` on ``key``; 1 when it was not set (the key is then logged), else 0."""
         cdef Cell* cell
+        cdef Py_ssize_t at
         self._reserve_one()
         cell = &self.cells[self._slot(key)]
         if cell.val == 0:
@@ -315,11 +370,15 @@ cdef class BlockTable:
             cell.val = bit
             self.count += 1
             if self.summary is not None:
-                self.summary._or_bits(key, self.group_bit)
+                at = self.summary._or_bits(key, self.group_bit)
+                if self.counted:
+                    self.summary.aux[at] += 1
         elif cell.val & bit:
             return 0
         else:
             cell.val |= bit
+            if self.counted:
+                self.summary._count(key, 1)
         log.push(key)
         return 1
 
@@ -328,6 +387,8 @@ cdef class BlockTable:
         cdef uint64_t i = self._slot(key)
         if self.cells[i].val & bit:
             self.cells[i].val ^= bit
+            if self.counted:  # (before _gone, which may delete the summary's cell)
+                self.summary._count(key, -1)
             if self.cells[i].val == 0:
                 self._delete_at(i)
                 if self.summary is not None:
@@ -367,6 +428,8 @@ cdef class BlockTable:
             i = self._slot(log.data[n])
             if self.cells[i].val & bit:
                 self.cells[i].val ^= bit
+                if self.counted:
+                    self.summary._count(log.data[n], -1)
                 if self.cells[i].val == 0:
                     self._delete_at(i)
                     if self.summary is not None:
@@ -414,7 +477,7 @@ cdef class BlockTable:
         return self.mask + 1
 
     def nbytes(self):
-        return (self.mask + 1) * sizeof(Cell)
+        return (self.mask + 1) * (sizeof(Cell) + (sizeof(unsigned int) if self.aux != NULL else 0))
 
     def items(self):
         cdef uint64_t i
@@ -534,18 +597,19 @@ cdef class Differ:
 
 
 cdef int _walk_gpu(BlockTable gpu, KeyArray keys, uint64_t alive,
-                   int* slots, Py_ssize_t* lens) noexcept:
+                   int* slots, Py_ssize_t* lens, Py_ssize_t start) noexcept:
     """The GPU walk: fills (slot, matched blocks) for slots that matched at least one block (at most
-    64, one bank) and returns how many."""
+    64, one bank) and returns how many. Every slot of ``alive`` holds the first ``start`` keys on
+    the GPU (the model's holder counts said so): the walk starts after them."""
     cdef Py_ssize_t i
     cdef uint64_t still, dropped
     cdef int count = 0
     cdef Py_ssize_t n = keys.n
     cdef uint64_t* karr = keys.data
     cdef uint64_t* mixed = keys.mixed
-    for i in range(min(n, PREFETCH)):
+    for i in range(start, min(n, start + PREFETCH)):
         _prefetch_mixed(gpu, mixed[i])
-    for i in range(n):
+    for i in range(start, n):
         if i + PREFETCH < n:
             _prefetch_mixed(gpu, mixed[i + PREFETCH])
         still = alive & gpu.get_mixed(karr[i], mixed[i])
@@ -576,7 +640,7 @@ def match_gpu_into(BlockTable gpu, KeyArray keys, uint64_t alive, list owners, d
     are immutable and shared). No tuple per instance and no Python loop around the walk."""
     cdef int slots[64]
     cdef Py_ssize_t lens[64]
-    cdef int count = _walk_gpu(gpu, keys, alive, slots, lens)
+    cdef int count = _walk_gpu(gpu, keys, alive, slots, lens, 0)
     _emit_gpu(count, slots, lens, owners, out, same, match_type)
 
 
@@ -610,9 +674,10 @@ cdef inline bint _in_pool(list pools, uint64_t key, uint64_t mixed):
 
 
 cdef int _walk_tiered(BlockTable gpu, BlockTable cpu, BlockTable disk, list pools, KeyArray keys,
-                      uint64_t alive, long long* counts, long long* lengths) except -1:
+                      uint64_t alive, long long* counts, long long* lengths, Py_ssize_t start) except -1:
     """The tiered walk: ``lengths[slot]`` (blocks matched) and ``counts[slot * 4 + tier]`` for every
-    slot of ``alive``; both arrays are zeroed here."""
+    slot of ``alive``; both arrays are zeroed here. The first ``start`` keys are on every slot's GPU
+    (see _walk_gpu): they count as one run on the GPU."""
     cdef Py_ssize_t i, run = 0
     cdef uint64_t key, on_gpu, on_cpu, on_disk, in_pool, rest, still
     cdef uint64_t p_gpu = 0, p_cpu = 0, p_disk = 0, p_pool = 0, dropped
@@ -623,9 +688,11 @@ cdef int _walk_tiered(BlockTable gpu, BlockTable cpu, BlockTable disk, list pool
     cdef uint64_t h
     memset(counts, 0, 256 * sizeof(long long))
     memset(lengths, 0, 64 * sizeof(long long))
-    for i in range(min(n, PREFETCH)):
+    if start:
+        p_gpu, run = alive, start
+    for i in range(start, min(n, start + PREFETCH)):
         _prefetch_mixed(gpu, mixed[i])
-    for i in range(n):
+    for i in range(start, n):
         key = karr[i]
         h = mixed[i]
         if i + PREFETCH < n:
@@ -678,7 +745,7 @@ def match_tiered(BlockTable gpu, BlockTable cpu, BlockTable disk, list pools, Ke
     cdef long long counts[256]
     cdef long long lengths[64]
     cdef int slot
-    _walk_tiered(gpu, cpu, disk, pools, keys, alive, counts, lengths)
+    _walk_tiered(gpu, cpu, disk, pools, keys, alive, counts, lengths, 0)
     out = []
     for slot in range(64):
         if lengths[slot]:
@@ -688,7 +755,7 @@ def match_tiered(BlockTable gpu, BlockTable cpu, BlockTable disk, list pools, Ke
 
 
 def match_banks_into(list bank_tiers, list alive, list bank_owners, list summaries, list pools,
-                     KeyArray keys, dict out, dict same, object match_type):
+                     KeyArray keys, dict out, dict same, object match_type, Py_ssize_t everyone=-1):
     """A whole match over a model's banks in one call (inverted.InvertedIndex.match): which banks to
     walk, each bank's walk, and the results stored into ``out`` (``owner -> match_type(n, (gpu, cpu,
     disk, shared))``, equal GPU-only matches shared through ``same``).
@@ -698,9 +765,12 @@ def match_banks_into(list bank_tiers, list alive, list bank_owners, list summari
     bit b % 64; None with a single bank) narrow the walk to the banks holding the first block on a
     local tier, or every bank with candidates when the pool holds it. ``pools`` are the shared-tier
     tables to consult (the shared summary, or each bank's). Done natively because at thousands of
-    instances the Python loop around the per-bank walks cost more than the walks themselves."""
-    cdef Py_ssize_t b, nb = len(bank_tiers), j
-    cdef uint64_t mask, groups = 0xFFFFFFFFFFFFFFFFULL, first
+    instances the Python loop around the per-bank walks cost more than the walks themselves.
+
+    ``everyone``: how many instances the model has (-1: unknown); the leading keys that many hold on
+    the GPU (the GPU summary's counts) are matched by every candidate without walking a bank."""
+    cdef Py_ssize_t b, nb = len(bank_tiers), j, start
+    cdef uint64_t mask, groups
     cdef int slots[64]
     cdef Py_ssize_t lens[64]
     cdef long long counts[256]
@@ -711,10 +781,7 @@ def match_banks_into(list bank_tiers, list alive, list bank_owners, list summari
     cdef bint any_pool = len(pools) > 0
     if keys.n == 0:
         return
-    first = keys.data[0]
-    if summaries is not None and not (<BlockTable>summaries[3]).get(first):
-        groups = ((<BlockTable>summaries[0]).get(first) | (<BlockTable>summaries[1]).get(first)
-                  | (<BlockTable>summaries[2]).get(first))
+    groups, start = _banks_to_walk(summaries, keys, everyone)
     for b in range(nb):
         if not (groups >> (b & 63)) & 1:
             continue
@@ -727,14 +794,163 @@ def match_banks_into(list bank_tiers, list alive, list bank_owners, list summari
         cpu = <BlockTable>tiers[1]
         disk = <BlockTable>tiers[2]
         if any_pool or cpu.count or disk.count:
-            _walk_tiered(gpu, cpu, disk, pools, keys, mask, counts, lengths)
+            _walk_tiered(gpu, cpu, disk, pools, keys, mask, counts, lengths, start)
             for slot in range(64):
                 if lengths[slot]:
                     out[owners[slot]] = tuple.__new__(match_type, (lengths[slot], (
                         counts[slot * 4], counts[slot * 4 + 1], counts[slot * 4 + 2], counts[slot * 4 + 3])))
         else:
-            count = _walk_gpu(gpu, keys, mask, slots, lens)
+            count = _walk_gpu(gpu, keys, mask, slots, lens, start)
             _emit_gpu(count, slots, lens, owners, out, same, match_type)
+
+
+cdef tuple _banks_to_walk(list summaries, KeyArray keys, Py_ssize_t everyone):
+    """(bank groups to walk (bit b % 64), keys every instance holds on the GPU): the banks holding
+    the first key on a local tier (all when the pool holds it), and how many leading keys the GPU
+    summary counts ``everyone`` holders of (only with a counting summary, 0 otherwise)."""
+    cdef uint64_t groups = 0xFFFFFFFFFFFFFFFFULL, first = keys.data[0]
+    cdef BlockTable gpu_summary
+    cdef Py_ssize_t start = 0, n = keys.n
+    cdef uint64_t i
+    if summaries is None:
+        return groups, 0
+    gpu_summary = <BlockTable>summaries[0]
+    if everyone > 0 and gpu_summary.aux != NULL:
+        while start < n:
+            i = gpu_summary._slot(keys.data[start])
+            if not gpu_summary.cells[i].val or gpu_summary.aux[i] != <unsigned int>everyone:
+                break
+            start += 1
+    if start == 0 and not (<BlockTable>summaries[3]).get(first):
+        groups = (gpu_summary.get(first) | (<BlockTable>summaries[1]).get(first)
+                  | (<BlockTable>summaries[2]).get(first))
+    return groups, start
+
+
+cdef int _walk_gpu_drops(BlockTable gpu, KeyArray keys, uint64_t alive, uint64_t* masks,
+                         Py_ssize_t* lens, Py_ssize_t start) noexcept:
+    """_walk_gpu, reporting the slots by the key where they drop out (a mask per matched length)
+    rather than one by one; returns how many (mask, length) pairs (at most 64)."""
+    cdef Py_ssize_t i
+    cdef uint64_t still
+    cdef int count = 0
+    cdef Py_ssize_t n = keys.n
+    cdef uint64_t* karr = keys.data
+    cdef uint64_t* mixed = keys.mixed
+    for i in range(start, min(n, start + PREFETCH)):
+        _prefetch_mixed(gpu, mixed[i])
+    for i in range(start, n):
+        if i + PREFETCH < n:
+            _prefetch_mixed(gpu, mixed[i + PREFETCH])
+        still = alive & gpu.get_mixed(karr[i], mixed[i])
+        if still != alive:
+            if i:
+                masks[count] = alive ^ still
+                lens[count] = i
+                count += 1
+            alive = still
+            if not alive:
+                return count
+    if alive:
+        masks[count] = alive
+        lens[count] = n
+        count += 1
+    return count
+
+
+cdef inline int _group_add(list g, Py_ssize_t b, uint64_t mask) except -1:
+    """Add ``mask`` (bank b's slots) to group ``g``: [match, count, [[bank, mask]...]] (banks
+    ascending: a bank's slots are added before the next bank's)."""
+    cdef list pairs = <list>g[2], last
+    g[1] = <Py_ssize_t>g[1] + __builtin_popcountll(mask)
+    if pairs:
+        last = <list>pairs[len(pairs) - 1]
+        if <Py_ssize_t>last[0] == b:
+            last[1] = <uint64_t>last[1] | mask
+            return 0
+    pairs.append([b, mask])
+    return 0
+
+
+def match_banks_grouped(list bank_tiers, list alive, list bank_owners, list summaries, list pools,
+                        KeyArray keys, dict out, object match_type, Py_ssize_t everyone=-1,
+                        Py_ssize_t listed=-1):
+    """match_banks_into's match, grouped by its answer, so that a prompt every instance holds costs
+    per bank and per distinct answer, not per instance. Answers of at most ``listed`` instances are
+    stored into ``out`` per instance as match_banks_into does; returns ``[match, count, masks]`` for
+    each larger one (``masks``: bytes of one little-endian u64 per bank, the slots with that answer).
+    Equal answers are one group whether from a GPU-only or a tiered walk."""
+    cdef Py_ssize_t b, nb = len(bank_tiers), j, start, n
+    cdef uint64_t mask, groups_mask
+    cdef uint64_t drops[64]
+    cdef Py_ssize_t lens[64]
+    cdef long long counts[256]
+    cdef long long lengths[64]
+    cdef int count, slot
+    cdef BlockTable gpu, cpu, disk
+    cdef list tiers, g, owners, large = []
+    cdef bint any_pool = len(pools) > 0
+    cdef dict groups = {}
+    cdef dict by_length = {}  # GPU-only answers: matched length -> its group
+    if keys.n == 0:
+        return large
+    groups_mask, start = _banks_to_walk(summaries, keys, everyone)
+    for b in range(nb):
+        if not (groups_mask >> (b & 63)) & 1:
+            continue
+        mask = alive[b]
+        if not mask:
+            continue
+        tiers = <list>bank_tiers[b]
+        gpu = <BlockTable>tiers[0]
+        cpu = <BlockTable>tiers[1]
+        disk = <BlockTable>tiers[2]
+        if any_pool or cpu.count or disk.count:
+            _walk_tiered(gpu, cpu, disk, pools, keys, mask, counts, lengths, start)
+            for slot in range(64):
+                if lengths[slot]:
+                    m = tuple.__new__(match_type, (lengths[slot], (
+                        counts[slot * 4], counts[slot * 4 + 1], counts[slot * 4 + 2], counts[slot * 4 + 3])))
+                    g = groups.get(m)
+                    if g is None:
+                        g = groups[m] = [m, 0, []]
+                    _group_add(g, b, (<uint64_t>1) << slot)
+        else:
+            count = _walk_gpu_drops(gpu, keys, mask, drops, lens, start)
+            for j in range(count):
+                n = lens[j]
+                g = by_length.get(n)
+                if g is None:
+                    m = tuple.__new__(match_type, (n, (n, 0, 0, 0)))
+                    g = groups.get(m)
+                    if g is None:
+                        g = groups[m] = [m, 0, []]
+                    by_length[n] = g
+                _group_add(g, b, drops[j])
+    for g in groups.values():
+        if <Py_ssize_t>g[1] > listed:
+            large.append([g[0], g[1], _pairs_bytes(<list>g[2], nb)])
+            continue
+        m = g[0]
+        for pair in <list>g[2]:
+            owners = <list>bank_owners[<Py_ssize_t>(<list>pair)[0]]
+            mask = (<list>pair)[1]
+            while mask:
+                out[owners[__builtin_ctzll(mask)]] = m
+                mask &= mask - 1
+    return large
+
+
+cdef bytes _pairs_bytes(list pairs, Py_ssize_t nb):
+    cdef bytearray raw = bytearray(nb * 8)
+    cdef char* p = PyByteArray_AS_STRING(raw)
+    cdef uint64_t mask
+    cdef Py_ssize_t b
+    for pair in pairs:
+        b = (<list>pair)[0]
+        mask = (<list>pair)[1]
+        memcpy(p + b * 8, &mask, 8)
+    return bytes(raw)
 
 
 # -- a batch's events in one call (the ingest hot path for small events) ----------------------------
@@ -1101,3 +1317,104 @@ def rank_others(const double[::1] wait, const double[::1] running, const unsigne
         free(bc)
         free(br)
     return filled, low, waiting
+
+
+def rank_grouped(const double[::1] wait, const double[::1] running, const unsigned char[::1] mask,
+                 const long long[::1] explicit_rows, const int[::1] group, const double[::1] ga,
+                 const double[::1] gb, const double[::1] gf, double k, const double[::1] kv,
+                 const double[::1] load, const long long[::1] key_rank, long long[::1] out,
+                 long long[::1] filled):
+    """rank_others with the rows split into groups by match (``group[row]``; 0: the rows that hold
+    nothing of the prompt, g > 0: the instances sharing one answer of the index): per row of group
+    g, prefill = ga[g] * running + gb[g], est = wait + prefill + gf[g] (the fetch) and cost = est +
+    k * (prefill + gf[g]) when k, else est. Puts the first ``top_k = len(out) // len(ga)`` rows of
+    each group in (cost, kv, load, key rank) order into ``out[g * top_k:]`` (unordered;
+    ``filled[g]`` of them) and returns (the lowest prefill of every row, how many rows wait at most
+    that long), as rank_others does."""
+    cdef Py_ssize_t n = wait.shape[0], n_groups = ga.shape[0], i, j, g, base, last
+    cdef Py_ssize_t top_k = out.shape[0] // n_groups if n_groups else 0
+    cdef Py_ssize_t n_explicit = explicit_rows.shape[0], waiting = 0, f
+    cdef double low = 0.0, p, c
+    cdef double* bc
+    cdef long long* br
+    if top_k <= 0:
+        raise ValueError("out must hold top_k rows per group")
+    bc = <double*>malloc(n_groups * (top_k + 1) * 3 * sizeof(double))
+    br = <long long*>malloc(n_groups * (top_k + 1) * 2 * sizeof(long long))
+    if bc == NULL or br == NULL:
+        free(bc)
+        free(br)
+        raise MemoryError()
+    try:
+        for g in range(n_groups):
+            filled[g] = 0
+        for i in range(n):
+            g = group[i]
+            p = ga[g] * running[i] + gb[g]
+            if i == 0 or p < low:
+                low = p
+            c = wait[i] + p
+            c = c + gf[g]
+            if k:
+                c = c + k * (p + gf[g])
+            f = filled[g]
+            base = g * (top_k + 1)
+            last = base + f - 1
+            if f == top_k and c > bc[3 * last]:
+                continue
+            if not mask[i] or _listed(explicit_rows, n_explicit, i):
+                continue
+            if f == top_k and not _before(c, kv[i], load[i], key_rank[i], bc[3 * last],
+                                           bc[3 * last + 1], bc[3 * last + 2], br[2 * last]):
+                continue
+            j = base + (f if f < top_k else top_k - 1)
+            while j > base and _before(c, kv[i], load[i], key_rank[i], bc[3 * (j - 1)],
+                                       bc[3 * (j - 1) + 1], bc[3 * (j - 1) + 2], br[2 * (j - 1)]):
+                bc[3 * j] = bc[3 * (j - 1)]
+                bc[3 * j + 1] = bc[3 * (j - 1) + 1]
+                bc[3 * j + 2] = bc[3 * (j - 1) + 2]
+                br[2 * j] = br[2 * (j - 1)]
+                br[2 * j + 1] = br[2 * (j - 1) + 1]
+                j -= 1
+            bc[3 * j] = c
+            bc[3 * j + 1] = kv[i]
+            bc[3 * j + 2] = load[i]
+            br[2 * j] = key_rank[i]
+            br[2 * j + 1] = i
+            if f < top_k:
+                filled[g] = f + 1
+        for i in range(n):
+            waiting += wait[i] <= low
+        for g in range(n_groups):
+            for j in range(filled[g]):
+                out[g * top_k + j] = br[2 * (g * (top_k + 1) + j) + 1]
+    finally:
+        free(bc)
+        free(br)
+    return low, waiting
+
+
+def mark_group_rows(const unsigned char[::1] masks, const long long[::1] slot_rows,
+                    const unsigned char[::1] candidate, int[::1] group_of, int g):
+    """``group_of[row] = g`` for the table row of every slot in ``masks`` (a MatchGroup's, one
+    little-endian u64 per bank; ``slot_rows[slot]``: the row, -1 for none); returns how many of
+    those rows are ``candidate``. One loop over the set bits instead of numpy passes over every
+    slot (kvindex/scoring/router.py, match groups)."""
+    cdef Py_ssize_t nb = masks.shape[0] // 8, b, n_slots = slot_rows.shape[0]
+    cdef Py_ssize_t slot
+    cdef uint64_t m
+    cdef long long row
+    cdef Py_ssize_t count = 0
+    for b in range(nb):
+        memcpy(&m, &masks[b * 8], 8)
+        while m:
+            slot = b * 64 + __builtin_ctzll(m)
+            m &= m - 1
+            if slot >= n_slots:
+                continue
+            row = slot_rows[slot]
+            if row < 0:
+                continue
+            group_of[row] = g
+            count += candidate[row]
+    return count

@@ -62,19 +62,38 @@ class Differ:
 
 
 class BlockTable:
-    __slots__ = ("_d", "group_bit", "siblings", "summary")
+    __slots__ = ("_d", "counts", "group_bit", "siblings", "summary")
 
     def __init__(self, capacity: int = 16) -> None:
         self._d: dict[int, int] = {}
         self.summary: BlockTable | None = None  # see _native.BlockTable: banks holding each key
         self.group_bit = 0
         self.siblings: list[BlockTable] = []
+        self.counts: dict[int, int] | None = None  # a GPU summary's holder counts (_native: aux)
+
+    def enable_counts(self) -> None:
+        if self.counts is None:
+            self.counts = {}
+
+    def holders(self, key: int) -> int:
+        return 0 if self.counts is None else self.counts.get(key, 0)
+
+    def _count(self, key: int, delta: int) -> None:
+        summary = self.summary
+        if summary is not None and summary.counts is not None:
+            counts = summary.counts
+            left = counts.get(key, 0) + delta
+            if left:
+                counts[key] = left
+            else:
+                counts.pop(key, None)
 
     def link_summary(self, summary: BlockTable, group_bit: int) -> None:
         self.summary = summary
         self.group_bit = group_bit
-        for key in self._d:
+        for key, held in self._d.items():
             summary._d[key] = summary._d.get(key, 0) | group_bit
+            self._count(key, held.bit_count())
 
     def set_siblings(self, siblings: list[BlockTable]) -> None:
         self.siblings = siblings
@@ -101,9 +120,11 @@ class BlockTable:
             if held & bit:
                 continue
             d[key] = held | bit
-            if not held and self.summary is not None:
-                sd = self.summary._d
-                sd[key] = sd.get(key, 0) | self.group_bit
+            if self.summary is not None:
+                if not held:
+                    sd = self.summary._d
+                    sd[key] = sd.get(key, 0) | self.group_bit
+                self._count(key, 1)
             added += 1
             x ^= key
             push(key)
@@ -116,6 +137,7 @@ class BlockTable:
         for key in keys:
             held = d.get(key, 0)
             if held & bit:
+                self._count(key, -1)
                 if held == bit:
                     del d[key]
                     self._gone(key)
@@ -201,10 +223,11 @@ def apply_events(
     return result_type(added, removed, cleared, *n_ev, bool(local))
 
 
-def match_gpu(gpu: BlockTable, keys: list[int], alive: int) -> list[tuple[int, int]]:
+def match_gpu(gpu: BlockTable, keys: list[int], alive: int, start: int = 0) -> list[tuple[int, int]]:
     get = gpu._d.get
     out = []
-    for i, key in enumerate(keys):
+    for i in range(start, len(keys)):
+        key = keys[i]
         still = alive & get(key, 0)
         if still != alive:
             if i:
@@ -233,12 +256,19 @@ def match_gpu_into(
 
 
 def match_tiered(
-    gpu: BlockTable, cpu: BlockTable, disk: BlockTable, pools: list[BlockTable], keys: list[int], alive: int
+    gpu: BlockTable,
+    cpu: BlockTable,
+    disk: BlockTable,
+    pools: list[BlockTable],
+    keys: list[int],
+    alive: int,
+    start: int = 0,
 ) -> list[tuple[int, int, int, int, int, int]]:
     lengths: dict[int, int] = {}
-    counts: dict[int, list[int]] = {}
+    counts: dict[int, list[int]] = {slot: [start, 0, 0, 0] for slot in _bits(alive)} if start else {}
     n = len(keys)
-    for i, key in enumerate(keys):
+    for i in range(start, n):
+        key = keys[i]
         on_gpu = alive & gpu._d.get(key, 0)
         rest = alive ^ on_gpu
         on_cpu = rest & cpu._d.get(key, 0)
@@ -270,22 +300,87 @@ def match_banks_into(
     out: dict[Any, Any],
     same: dict[int, Any],
     match_type: Any,
+    everyone: int = -1,
 ) -> None:
     """See _native.match_banks_into: the banks holding the first block (summaries), each walked."""
     if not keys:
         return
+    walk = _walk_banks(bank_tiers, alive, summaries, pools, keys, everyone, bank_owners)
+    for _b, owners, (slot, n, g, c, d, s) in walk:
+        out[owners[slot]] = (
+            same.setdefault(n, tuple.__new__(match_type, (n, (n, 0, 0, 0))))
+            if (g, c, d, s) == (n, 0, 0, 0)
+            else tuple.__new__(match_type, (n, (g, c, d, s)))
+        )
+
+
+def _walk_banks(
+    bank_tiers: list[list[BlockTable]],
+    alive: list[int],
+    summaries: list[BlockTable] | None,
+    pools: list[BlockTable],
+    keys: list[int],
+    everyone: int,
+    bank_owners: list[list[Any]] | None = None,
+) -> Iterator[tuple[int, Any, tuple[int, int, int, int, int, int]]]:
+    """Per matched slot: (bank, its owners, (slot, matched, gpu, cpu, disk, shared))."""
     first = keys[0]
     groups = -1  # every bank
-    if summaries is not None and not summaries[_SHARED].get_mask(first):
-        groups = summaries[0].get_mask(first) | summaries[1].get_mask(first) | summaries[2].get_mask(first)
+    start = 0
+    if summaries is not None:
+        if everyone > 0 and summaries[0].counts is not None:
+            while start < len(keys) and summaries[0].holders(keys[start]) == everyone:
+                start += 1
+        if not start and not summaries[_SHARED].get_mask(first):
+            groups = (
+                summaries[0].get_mask(first) | summaries[1].get_mask(first) | summaries[2].get_mask(first)
+            )
     for b, tiers in enumerate(bank_tiers):
         mask = alive[b]
         if not mask or not (groups >> (b % 64)) & 1:
             continue
         gpu, cpu, disk = tiers[0], tiers[1], tiers[2]
-        owners = bank_owners[b]
+        owners = bank_owners[b] if bank_owners is not None else None
         if pools or len(cpu) or len(disk):
-            for slot, n, g, c, d, s in match_tiered(gpu, cpu, disk, pools, keys, mask):
-                out[owners[slot]] = tuple.__new__(match_type, (n, (g, c, d, s)))
+            for row in match_tiered(gpu, cpu, disk, pools, keys, mask, start):
+                yield b, owners, row
         else:
-            match_gpu_into(gpu, keys, mask, owners, out, same, match_type)
+            for slot, n in match_gpu(gpu, keys, mask, start):
+                yield b, owners, (slot, n, n, 0, 0, 0)
+
+
+def match_banks_grouped(
+    bank_tiers: list[list[BlockTable]],
+    alive: list[int],
+    bank_owners: list[list[Any]],
+    summaries: list[BlockTable] | None,
+    pools: list[BlockTable],
+    keys: list[int],
+    out: dict[Any, Any],
+    match_type: Any,
+    everyone: int = -1,
+    listed: int = -1,
+) -> list[list[Any]]:
+    """See _native.match_banks_grouped: small answers into ``out``, ``[match, count, masks]`` of
+    the larger ones."""
+    if not keys:
+        return []
+    nb = len(bank_tiers)
+    groups: dict[Any, list[Any]] = {}
+    for b, owners, (slot, n, g, c, d, s) in _walk_banks(
+        bank_tiers, alive, summaries, pools, keys, everyone, bank_owners
+    ):
+        m = tuple.__new__(match_type, (n, (g, c, d, s)))
+        entry = groups.get(m)
+        if entry is None:
+            entry = groups[m] = [m, [], [0] * nb]
+        entry[1].append(owners[slot])
+        entry[2][b] |= 1 << slot
+    large = []
+    for m, members, masks in groups.values():
+        if len(members) > listed:
+            large.append([m, len(members), b"".join(x.to_bytes(8, "little") for x in masks)])
+        else:
+            for inst in members:
+                out[inst] = m
+    return large

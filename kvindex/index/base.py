@@ -25,6 +25,16 @@ class InstanceMatch(NamedTuple):
 NO_MATCH = InstanceMatch(0, (0, 0, 0, 0))
 
 
+class MatchGroup(NamedTuple):
+    """Many instances with one answer (InvertedIndex.match_groups): ``count`` instances, named by
+    ``masks``, one little-endian u64 per 64-slot bank (bit s of bank b: slot b * 64 + s; owners
+    from ``slot_layout``)."""
+
+    match: InstanceMatch
+    count: int
+    masks: bytes
+
+
 class Applied(NamedTuple):
     """What applying one batch's events did (see KvBlockIndex.apply)."""
 

@@ -15,11 +15,12 @@ Why this shape (README.md in this folder has the measurements):
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 from kvindex.index import _pytable
-from kvindex.index.base import Applied, IndexStats, InstanceKey, InstanceMatch
+from kvindex.index.base import Applied, IndexStats, InstanceKey, InstanceMatch, MatchGroup
 from kvindex.wire.schema import TIER_BY_NAME
 
 try:
@@ -34,6 +35,7 @@ BANK_SLOTS = 64
 _N_TIERS = 4
 _SHARED = 3
 _COMPACT_SLACK = 1024  # mirrored in _native.pyx (COMPACT_SLACK) and _pytable.py
+_LAYOUTS = itertools.count(1)  # slot layouts, unique across models and their re-creation
 
 
 class _Bank:
@@ -55,6 +57,7 @@ class _Shard:
         "banks",
         "free_slots",
         "impl",
+        "layout",
         "next_slot",
         "slot_owner",
         "summaries",
@@ -72,6 +75,7 @@ class _Shard:
         self.slot_owner: dict[int, InstanceKey] = {}
         self.free_slots: list[int] = []
         self.next_slot = 0
+        self.layout = next(_LAYOUTS)  # renewed whenever a slot changes owner (InvertedIndex.slot_layout)
 
     def allocate(self, instance: InstanceKey) -> int:
         # Reuse the lowest free slot so that instances stay packed in few banks under churn.
@@ -90,6 +94,7 @@ class _Shard:
         self.slot_owner[slot] = instance
         self.bank_owners[slot // BANK_SLOTS][slot % BANK_SLOTS] = instance
         self.bank_masks[slot // BANK_SLOTS] |= 1 << (slot % BANK_SLOTS)
+        self.layout = next(_LAYOUTS)
         return slot
 
     def _link_summaries(self) -> None:
@@ -99,6 +104,9 @@ class _Shard:
             return
         if self.summaries is None:
             self.summaries = [self.impl.BlockTable() for _ in range(_N_TIERS)]
+            # The GPU summary also counts each key's holders: a match then skips the leading blocks
+            # every instance holds (a fleet-wide system prompt) without walking each bank.
+            self.summaries[0].enable_counts()
             linked = 0
         else:
             linked = len(self.banks) - 1
@@ -118,6 +126,7 @@ class _Shard:
         self.bank_owners[slot // BANK_SLOTS][slot % BANK_SLOTS] = None
         self.bank_masks[slot // BANK_SLOTS] &= ~(1 << (slot % BANK_SLOTS))
         self.free_slots.append(slot)
+        self.layout = next(_LAYOUTS)
 
 
 class _Holder:
@@ -259,26 +268,32 @@ class InvertedIndex:
 
     # -- queries --------------------------------------------------------------------------------
 
+    def _alive(self, shard: _Shard, instances: Iterable[InstanceKey] | None) -> list[int]:
+        if instances is None:
+            return shard.bank_masks
+        alive = [0] * len(shard.banks)
+        holders = self._holders
+        for inst in instances:
+            holder = holders.get(inst)
+            if holder is not None and holder.shard is shard:
+                alive[holder.slot // BANK_SLOTS] |= holder.bit
+        return alive
+
+    @staticmethod
+    def _pools(shard: _Shard) -> list[Any]:
+        if shard.summaries is not None:  # the shared tier's summary: "in some bank's pool"
+            pool = shard.summaries[_SHARED]
+            return [pool] if len(pool) else []
+        return [bank.tiers[_SHARED] for bank in shard.banks if len(bank.tiers[_SHARED])]
+
     def match(
         self, model: str, keys: list[int], instances: Iterable[InstanceKey] | None = None
     ) -> dict[InstanceKey, InstanceMatch]:
         shard = self._shards.get(model)
         if shard is None or not keys:
             return {}
-        if instances is None:
-            alive = shard.bank_masks
-        else:
-            alive = [0] * len(shard.banks)
-            holders = self._holders
-            for inst in instances:
-                holder = holders.get(inst)
-                if holder is not None and holder.shard is shard:
-                    alive[holder.slot // BANK_SLOTS] |= holder.bit
-        if shard.summaries is not None:  # the shared tier's summary: "in some bank's pool"
-            pool = shard.summaries[_SHARED]
-            pools = [pool] if len(pool) else []
-        else:
-            pools = [bank.tiers[_SHARED] for bank in shard.banks if len(bank.tiers[_SHARED])]
+        alive = self._alive(shard, instances)
+        pools = self._pools(shard)
         out: dict[InstanceKey, InstanceMatch] = {}
         # One native call: only the banks holding the first block (or all, if the pool does) can
         # match anything; each bank's walk stops at its first block that none of its instances
@@ -293,8 +308,49 @@ class InvertedIndex:
             out,
             {},  # matches of one length are equal and immutable: each GPU-only one is built once
             InstanceMatch,
+            len(shard.slot_owner),
         )
         return out
+
+    def match_groups(
+        self,
+        model: str,
+        keys: list[int],
+        instances: Iterable[InstanceKey] | None = None,
+        listed: int = 16,
+    ) -> tuple[dict[InstanceKey, InstanceMatch], list[MatchGroup]]:
+        """``match`` grouped by answer, for rankings that treat many equal matches alike: the
+        instances of answers that at most ``listed`` instances share, as ``match`` gives them, and
+        the larger groups as slot masks (``MatchGroup``; rows through ``slot_layout``). A prompt
+        every instance holds the start of costs per bank and per distinct answer, not per instance."""
+        shard = self._shards.get(model)
+        if shard is None or not keys:
+            return {}, []
+        out: dict[InstanceKey, InstanceMatch] = {}
+        large = self.impl.match_banks_grouped(
+            shard.bank_tiers,
+            self._alive(shard, instances),
+            shard.bank_owners,
+            shard.summaries,
+            self._pools(shard),
+            self.impl.KeyArray(keys),
+            out,
+            InstanceMatch,
+            len(shard.slot_owner),
+            listed,
+        )
+        return out, [MatchGroup(m, count, masks) for m, count, masks in large]
+
+    def slot_layout(self, model: str, known: int = -1) -> tuple[int, list[InstanceKey | None]]:
+        """(a number that changes whenever a slot of ``model`` changes owner, the owner of each
+        slot: bank b's slot s at b * 64 + s, None where free), to turn MatchGroup masks into
+        instances; the list is empty when the number is ``known`` (the caller has it)."""
+        shard = self._shards.get(model)
+        if shard is None:
+            return -1, []
+        if shard.layout == known:
+            return known, []
+        return shard.layout, [owner for owners in shard.bank_owners for owner in owners]
 
     def block_counts(self, instance: InstanceKey) -> tuple[int, int, int, int]:
         holder = self._holders.get(instance)

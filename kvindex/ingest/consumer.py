@@ -127,8 +127,9 @@ class Consumer:
         # a heartbeat ahead of the batches must be seen twice before it counts as a lost tail.
         self.heartbeat_repairs = True
         self.status_in_order = True
-        # Where heartbeats' prefill samples go (model, [(prompt, cached, ms)]): the calibration.
-        self.prefill_samples: Callable[[str, list[tuple[int, int, float]]], Any] | None = None
+        # Where heartbeats' prefill samples go (model, [(prompt, cached, ms)], instance id): the
+        # calibration (kvindex/scoring/calibration.py).
+        self.prefill_samples: Callable[[str, list[tuple[int, int, float]], str], Any] | None = None
         # Told when an instance is forgotten (routing state about it can go too).
         self.on_forget: Callable[[InstanceKey], Any] | None = None
         # Told when an instance's repair state changes (sync, sync_cause, repair_failed) and when a
@@ -707,7 +708,7 @@ class Consumer:
             )
             self.registry.set_role(state, report.role, report.pd_group)
         if report.prefill and self.prefill_samples is not None:
-            self.prefill_samples(state.model, report.prefill)
+            self.prefill_samples(state.model, report.prefill, state.instance_id)
         if state.stale:
             state.stale = False
             self.log.info("instance_alive_again", worker=state.worker, dp_rank=state.dp_rank)

@@ -15,6 +15,7 @@ subscriptions, so one heartbeat may overtake the batch before it).
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -23,8 +24,9 @@ from typing import Any
 import structlog
 from nats.aio.client import Client
 from nats.aio.msg import Msg
+from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js.api import DeliverPolicy, StorageType, StreamConfig
-from nats.js.errors import NotFoundError
+from nats.js.errors import BadRequestError, NotFoundError, ServiceUnavailableError
 
 from kvindex.config.nats import NatsSettings, redact_url
 from kvindex.config.nats import connect as nats_connect
@@ -36,6 +38,9 @@ from kvindex.wire.subjects import EVENTS, STATUS
 # Generous client-side buffer: a burst must wait in memory rather than be dropped as a slow consumer.
 _PENDING_MSGS = 1_000_000
 _PENDING_BYTES = 1 << 30
+# JetStream's "no suitable peers for placement": a replicated stream asked of a cluster still forming.
+_NO_PLACEMENT = 10005
+_PLACEMENT_WAIT = 20.0
 
 
 @dataclass
@@ -99,6 +104,26 @@ class NatsSource:
             "nats_subscribed", url=self.url, subject=self._head + ">", direct=self.direct is not None
         )
 
+    async def _ensure_stream(self, js: Any, config: StreamConfig) -> Any:
+        """Create or update the stream. A cluster still forming (a node just started, peers not yet
+        known to the meta leader, a node restarting) answers "no suitable peers for placement" for a
+        replicated stream, or nothing in time: that is retried for a while instead of failing the start."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + _PLACEMENT_WAIT
+        while True:
+            try:
+                try:
+                    await js.stream_info(self.stream)
+                    return await js.update_stream(config)
+                except NotFoundError:
+                    return await js.add_stream(config)
+            except (BadRequestError, ServiceUnavailableError, NatsTimeoutError) as exc:
+                forming = not isinstance(exc, BadRequestError) or exc.err_code == _NO_PLACEMENT
+                if not forming or loop.time() > deadline:
+                    raise
+                self.log.warning("jetstream_placement_waiting", stream=self.stream, error=str(exc))
+                await asyncio.sleep(0.25)
+
     async def _start_jetstream(self, cfg: JetStreamConfig) -> None:
         assert self.nc is not None
         prefix = self.consumer.subjects.prefix
@@ -113,11 +138,7 @@ class NatsSource:
             storage=StorageType.FILE,
             num_replicas=cfg.replicas,
         )
-        try:
-            info = await js.stream_info(self.stream)
-            info = await js.update_stream(config)
-        except NotFoundError:
-            info = await js.add_stream(config)
+        info = await self._ensure_stream(js, config)
         # Until the stream is read to its end, heartbeats are ahead of the batches being replayed.
         self.caught_up = info.state.messages == 0
         self.consumer.heartbeat_repairs = self.caught_up

@@ -34,6 +34,20 @@ def add_route(sub: Any) -> None:
     )
     p.add_argument("--fallback-blocks", type=int, default=4, help="prompt blocks the fallback hashes")
     p.add_argument("--policy", default="", help="ranking policy asked of the index (default: its own)")
+    p.add_argument(
+        "--pick",
+        choices=("best", "softmax"),
+        default="",
+        help="how the index picks from its ranking: its first choice, or a softmax over estimated TTFT "
+        "among the --top-k (default: the index's --pick)",
+    )
+    p.add_argument(
+        "--temperature",
+        type=float,
+        default=None,
+        help="softmax: the TTFT excess, in units of the request's own prefill, that costs a factor e "
+        "in probability (default: the index's)",
+    )
     add_pd_arguments(p)
     p.add_argument("--log-format", choices=("auto", "json", "console"), default="auto")
     p.add_argument("--log-level", default="info")
@@ -122,8 +136,22 @@ def pd_config_from_args(args: argparse.Namespace) -> Any:
         raise SystemExit(f"kvindex route: error: --pd: {exc}") from None
 
 
+# The route extra (pyproject.toml): aiohttp and what it brings.
+_ROUTE_EXTRA = frozenset({"aiohttp", "multidict", "yarl"})
+
+
 def run_route(args: argparse.Namespace) -> int:
-    from kvindex.route.proxy import RouteConfig, RouteProxy, serve_until_stopped
+    try:
+        from kvindex.route.proxy import RouteConfig, RouteProxy, serve_until_stopped
+    except ImportError as exc:
+        if (exc.name or "").split(".")[0] not in _ROUTE_EXTRA:
+            raise
+        print(
+            f"kvindex route: error: the routing proxy needs {exc.name}, which is not installed: "
+            "pip install 'kvindex[route]'",
+            file=sys.stderr,
+        )
+        return 2
 
     configure_logging(args.log_format, args.log_level)
     try:
@@ -133,6 +161,10 @@ def run_route(args: argparse.Namespace) -> int:
         admission, objectives = admission_from_args(args)
     except (SecurityConfigError, ValueError) as exc:
         raise SystemExit(f"kvindex route: error: {exc}") from None
+    if args.temperature is not None and (args.temperature < 0 or args.temperature != args.temperature):
+        raise SystemExit("kvindex route: error: --temperature must be a number >= 0")
+    if args.temperature is not None and args.pick != "softmax":
+        raise SystemExit("kvindex route: error: --temperature applies to --pick softmax")
     config = RouteConfig(
         index=args.index,
         host=args.host,
@@ -144,6 +176,8 @@ def run_route(args: argparse.Namespace) -> int:
         refresh_interval=args.refresh_interval,
         fallback_blocks=args.fallback_blocks,
         policy=args.policy,
+        pick=args.pick,
+        temperature=args.temperature,
         tls=tls,
         token=token_from_args(args),
         admission=admission,
@@ -155,7 +189,8 @@ def run_route(args: argparse.Namespace) -> int:
         try:
             await serve_until_stopped(RouteProxy(config), stop)
         except OSError as exc:  # the port is taken, the host is not ours
-            print(f"kvindex route: error: cannot listen on {args.host}:{args.port}: {exc}", file=sys.stderr)
+            where = f"{args.host}:{args.port}"
+            print(f"kvindex route: error: cannot listen on {where} (--host/--port): {exc}", file=sys.stderr)
             return 1
         return 0
 

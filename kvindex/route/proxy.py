@@ -68,6 +68,10 @@ ENGINE_KEEPALIVE = 4.0  # seconds an idle engine connection is kept (uvicorn clo
 REJECTED = "rejected"  # the index refused the request (e.g. no tokenizer for the model)
 TEXT_UNSUPPORTED = "text_unsupported"  # a text prompt, and this index API takes only token ids
 
+# How the index says it cannot tokenize a model's text (kvindex/tokenize/registry.py); tests/test_route.py
+# checks the proxy recognises it from a real index.
+_NO_TOKENIZER = "has no tokenizer configured"
+
 # A Score that may have reached the index and committed although no answer came back: release it.
 _MAYBE_COMMITTED = frozenset({DEADLINE, STREAM_BROKEN, ERROR})
 
@@ -108,6 +112,10 @@ class RouteConfig:
     fallback_blocks: int = 4
     grace: float = 30.0
     policy: str = ""  # "" = the index's default (ttft)
+    # The pick from the ranking (docs/scoring.md#picking): "" = the index's default (serve --pick);
+    # "best" or "softmax" at ``temperature`` (None: the index's default temperature).
+    pick: str = ""
+    temperature: float | None = None
     # Secured gRPC to the index: TLS / mutual TLS (ClientTLS.from_args of the --tls* flags) and a
     # bearer token (--auth-token-file), as every kvindex client takes them.
     tls: ClientTLS | None = None
@@ -140,6 +148,16 @@ def _estimates(trial: tuple[Decision | None, str]) -> list[Estimate]:
         return []
     by_id = {r.instance_id: r for r in decision.response.ranked}
     return [Estimate.of(by_id[t.instance_id]) for t in decision.targets if t.instance_id in by_id]
+
+
+def _estimate(decision: Decision, instance_id: str) -> float | None:
+    """The index's TTFT estimate (ms) for the instance the request went to, if it ranked it."""
+    if decision.response is None:
+        return None
+    for ranked in decision.response.ranked:
+        if ranked.instance_id == instance_id:
+            return ranked.est_ttft_ms
+    return None
 
 
 def forward_headers(headers: CIMultiDictProxy[str]) -> CIMultiDict[str]:
@@ -255,6 +273,9 @@ class RouteProxy:
         # and interval (with a count of the rest); the metrics count every one.
         self._limited_log = RateLimitedLog(log)
         self.pd = PdRoute(self, config.pd, _fields_taken) if config.pd is not None else None
+        # Models whose text/chat requests the index cannot tokenize: said once per model (a fallback
+        # counter alone leaves a whole model routed blind without anyone noticing).
+        self._text_hash_only: set[str] = set()
         self.app = web.Application(client_max_size=MAX_BODY_BYTES)
         for path in COMPLETION_PATHS:
             self.app.router.add_post(path, self.handle_completion)
@@ -431,6 +452,10 @@ class RouteProxy:
             else:
                 if self.config.policy:
                     fields["policy"] = self.config.policy
+                if self.config.pick:
+                    fields["pick"] = self.config.pick
+                if self.config.temperature is not None:
+                    fields["temperature"] = self.config.temperature
                 fields.update(extra)
                 decision = await self.client.score(
                     spec.model,
@@ -442,9 +467,12 @@ class RouteProxy:
                 )
         except BadRequest as exc:
             # The body was fine for us, so the engine may well serve it: route without the index.
-            self._limited_log.warning(
-                ("rejected", spec.model), "index_rejected_request", model=spec.model, error=str(exc)
-            )
+            if spec.token_ids is None and _NO_TOKENIZER in str(exc):
+                self._text_routing(spec.model, hash_only=True, why=str(exc))
+            else:
+                self._limited_log.warning(
+                    ("rejected", spec.model), "index_rejected_request", model=spec.model, error=str(exc)
+                )
             decision = self._hash_decision(spec, request_id, REJECTED)
         except IndexUnavailable as exc:
             decision, why = None, str(exc)
@@ -452,9 +480,30 @@ class RouteProxy:
             self.metrics.score_latency.observe(time.monotonic() - started)
         if decision is not None and decision.source == "fallback":
             self.metrics.fallbacks.labels(decision.reason).inc()
+            if decision.reason == TEXT_UNSUPPORTED:
+                self._text_routing(spec.model, hash_only=True, why="this index's API takes token ids only")
+        elif decision is not None and spec.token_ids is None and spec.model in self._text_hash_only:
+            self._text_routing(spec.model, hash_only=False)
         if decision is None and not why:
             why = "the index could not rank it and no instance of it is known"
         return decision, why
+
+    def _text_routing(self, model: str, hash_only: bool, why: str = "") -> None:
+        """Log when a model's text/chat requests start being routed by hash only, and when the
+        index routes them again (it was restarted with a tokenizer for the model)."""
+        if hash_only and model not in self._text_hash_only:
+            self._text_hash_only.add(model)
+            log.warning(
+                "chat_routing_hash_only",
+                model=model,
+                why=why,
+                effect="text and chat requests for this model are routed by a hash of the prompt, not "
+                "by cache and load, until the index can tokenize them",
+                fix=f"start kvindex serve with --tokenizer {model}=DIR (docs/tokenize.md), or send token ids",
+            )
+        elif not hash_only and model in self._text_hash_only:
+            self._text_hash_only.discard(model)
+            log.info("chat_routing_by_index", model=model)
 
     # -- handlers ----------------------------------------------------------------------------------
 
@@ -606,9 +655,10 @@ class RouteProxy:
         self.metrics.decisions.labels(reason).inc()
         if decision.committed and target.instance_id != decision.committed_instance_id:
             ledger.move(target, spec)
+        est = _estimate(decision, target.instance_id)
         try:
             return await self._relay(
-                request, upstream, target, reason, ledger, received, strip_usage, added, first_byte
+                request, upstream, target, reason, ledger, received, strip_usage, added, first_byte, est
             )
         finally:
             upstream.close()  # a no-op after a full read (the connection went back to the pool)
@@ -624,6 +674,7 @@ class RouteProxy:
         strip_usage: bool = False,
         added: dict[str, str] | None = None,
         first_byte: FirstByte | None = None,
+        est_ttft_ms: float | None = None,
     ) -> tuple[web.StreamResponse, str]:
         if upstream.status >= 500:
             self.metrics.upstream_errors.labels("http_5xx").inc()
@@ -644,6 +695,8 @@ class RouteProxy:
         response.headers["x-kvindex-request-id"] = ledger.request_id
         if added:
             response.headers.update(added)
+        if est_ttft_ms is not None:  # what the index predicted, for a client to compare with
+            response.headers["x-kvindex-est-ttft-ms"] = f"{est_ttft_ms:.1f}"
         await response.prepare(request)
         first = True
         first_at = received

@@ -81,6 +81,9 @@ class CostConfig:
     default_prefill: PrefillModel = DEFAULT_PREFILL
     # Assume the queue a heartbeat reported has been draining since, at the prefill rate.
     drain_reported_queue: bool = True
+    # Learn the prefill model from measured prefills (kvindex/scoring/calibration.py); False: the
+    # default ranks every instance.
+    calibrate: bool = True
 
 
 def queue_ms(model: PrefillModel, shape: EngineShape, queued_tokens: float, running: int) -> float:

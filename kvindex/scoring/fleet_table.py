@@ -528,7 +528,9 @@ class FleetTables:
                     entry[4].append(at)
                     continue
                 n_new = tokens_new = inflight = 0
-                steady = bool(capacity) and at is not None and not stale
+                # (Without a capacity, a local block seen decides it too: that flag is never unset,
+                # and a capacity reported later is a new object, which the test above sees.)
+                steady = (bool(capacity) or state.local_blocks_seen) and at is not None and not stale
             entry[1].append(i)
             entry[2].append(_row(load, at, n_new, tokens_new, inflight, not state.is_pool and not stale))
             if steady:

@@ -15,8 +15,8 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from kvindex.fleet.registry import InstanceState, Registry
-from kvindex.index.base import NO_MATCH, InstanceKey, InstanceMatch, KvBlockIndex
+from kvindex.fleet.registry import InstanceState, Registry, instance_id
+from kvindex.index.base import NO_MATCH, InstanceKey, InstanceMatch, KvBlockIndex, MatchGroup
 from kvindex.scoring.approximate import PredictedCache
 from kvindex.scoring.base import DECODE_ROLE, Candidate, Choice, Policy, RouteRequest
 from kvindex.scoring.calibration import Calibrator
@@ -24,9 +24,13 @@ from kvindex.scoring.costs import CostConfig, queue_ms
 from kvindex.scoring.fleet_table import FleetTables, ModelTable, smallest
 
 try:
+    from kvindex.index._native import mark_group_rows as _native_mark_group_rows
+    from kvindex.index._native import rank_grouped as _native_rank_grouped
     from kvindex.index._native import rank_others as _native_rank_others
 except ImportError:  # no compiler at install time: numpy columns (CandidatePool.smallest)
     _native_rank_others = None
+    _native_rank_grouped = None
+    _native_mark_group_rows = None
 from kvindex.scoring.ledger import FINISHED, PREFILL, Ledger, SpeculativeKeys
 from kvindex.scoring.outcomes import (
     ALREADY_RELEASED,
@@ -34,11 +38,13 @@ from kvindex.scoring.outcomes import (
     DUPLICATE,
     NO_PREDICTION,
     UNKNOWN_REQUEST,
+    Outcome,
     OutcomeConfig,
     OutcomeTracker,
     Prediction,
     Report,
 )
+from kvindex.scoring.pick import Picker, PickOptions, PickResult
 from kvindex.scoring.policies import make_policies
 
 
@@ -55,6 +61,15 @@ class RouterConfig:
     # Score with top_k ranks only the holders and the best few others (Router.pool) from this many
     # instances of the model on; below it the full ranking is as cheap (0: always prune).
     prune_min_instances: int = 128
+    # The pick after the ranking (kvindex/scoring/pick.py): "best" (the policy's first choice) or
+    # "softmax" over estimated TTFT at ``temperature``; ``warmup`` s > 0 ramps new instances' share.
+    pick: str = "best"
+    temperature: float = 0.0
+    warmup: float = 0.0
+    # Pruned rankings: an answer of the index (matched blocks per tier) shared by more than this
+    # many instances is ranked like the non-holders, by the instances' own columns, instead of one
+    # candidate per instance (a prompt that starts with the fleet's system prompt).
+    group_min_instances: int = 16
     # Predicted against actual: outcome reports, per-instance state, degraded credit.
     outcomes: OutcomeConfig = field(default_factory=OutcomeConfig)
 
@@ -74,6 +89,7 @@ class ScoreResult:
     policy: str
     choices: list[Choice]
     committed: InstanceState | None = None
+    pick: PickResult | None = None  # how choices[0] was drawn; None: the policy's first, no draw
 
 
 class Router:
@@ -90,11 +106,15 @@ class Router:
         self.registry = registry
         self.config = config or RouterConfig()
         self.clock = clock or registry.clock
-        self.calibrator = calibrator or Calibrator(self.config.costs.default_prefill)
+        costs = self.config.costs
+        self.calibrator = calibrator or Calibrator(costs.default_prefill, learn=costs.calibrate)
         self.ledger = Ledger(
             self.clock, ttl=self.config.ledger_ttl, released_memory=self.config.outcomes.released_memory
         )
         self.outcomes = OutcomeTracker(self.clock, self.config.outcomes)
+        # A request's report (measured TTFT minus the predicted wait, with the engine's cached
+        # tokens) is a prefill sample of the instance it ran on.
+        self.outcomes.subscribe(self._calibrate)
         # Instances whose state is degraded: their cache credit is discounted (docs/scoring.md).
         self.degraded: set[InstanceKey] = set()
         self.speculative = SpeculativeKeys(self.clock)
@@ -102,11 +122,22 @@ class Router:
             index, self.clock, self.config.predicted_ttl, self.config.predicted_capacity
         )
         self.rng = random.Random(self.config.seed)
+        cfg = self.config
+        self.picker = Picker(registry, cfg.seed, cfg.pick, cfg.temperature, cfg.warmup)
         self.policies: dict[str, Policy] = make_policies(policy_options or {})
         self.observer: RoutingObserver | None = None  # None: a lone replica, nothing to share
         self._tables: FleetTables | None = None
+        # model -> (slot layout, table, table version, row of each index slot), for match groups
+        self._slot_rows: dict[str, tuple[int, ModelTable, int, np.ndarray]] = {}
         if self.config.default_policy not in self.policies:
             raise ValueError(f"unknown default policy {self.config.default_policy!r}")
+
+    def _calibrate(self, outcome: Outcome) -> None:
+        p, r = outcome.prediction, outcome.report
+        if r.ttft_ms is not None and r.cached_tokens is not None:
+            self.calibrator.add_reported(
+                p.model, instance_id(p.instance), p.prompt_tokens, r.cached_tokens, r.ttft_ms, p.wait_ms
+            )
 
     # -- candidates -----------------------------------------------------------------------------
 
@@ -128,14 +159,18 @@ class Router:
             matches = self.index.match(request.model, keys, None if every else [s.key for s in states])
         else:
             matches = {}
-        model = self.calibrator.prefill(request.model)
+        shared = self.calibrator.prefill(request.model)
+        # Instances ranked with their own calibrated model (usually none; kvindex/scoring/calibration.py).
+        own = self.calibrator.own_models(request.model)
         costs = self.config.costs
         shape = costs.engine
+        drains = costs.drain_reported_queue
         # Hoisted: this loop runs once per instance on every Score.
+        model = shared
         b_ms = model.b_ms_per_token
         chunk, dps = shape.chunk_tokens, shape.decode_ms_per_seq
         f_cpu, f_disk, f_pool = costs.fetch.per_token_ms[1:]
-        drain_rate = 1000 / b_ms if costs.drain_reported_queue and b_ms > 0 else 0.0
+        drain_rate = shared_rate = 1000 / b_ms if drains and b_ms > 0 else 0.0
         b = request.block_size
         prompt = request.prompt_tokens
         cap = max(prompt - 1, 0)  # vLLM always recomputes at least the prompt's last token
@@ -147,10 +182,20 @@ class Router:
         degraded = self.degraded
         credit = self.config.outcomes.degraded_credit
         prefill_of: dict[int, float] = {}  # many instances share a miss size
+        shared_prefill_of = prefill_of
         out = []
         append = out.append
         for state in states:
             key = state.key
+            if own:
+                fit = own.get(state.instance_id)
+                if fit is not None:
+                    model, prefill_of = fit, {}
+                    b_ms = fit.b_ms_per_token
+                    drain_rate = 1000 / b_ms if drains and b_ms > 0 else 0.0
+                elif model is not shared:
+                    model, prefill_of, drain_rate = shared, shared_prefill_of, shared_rate
+                    b_ms = shared.b_ms_per_token
             match = get_match(key, NO_MATCH)
             blocks, t = match
             gpu = t[0]
@@ -224,20 +269,29 @@ class Router:
         policy: str | None = None,
         commit: bool = False,
         top_k: int = 0,
+        pick: PickOptions | None = None,
     ) -> ScoreResult:
         """Rank the routable instances (all of them, or ``candidates``) for ``request``.
 
         ``top_k`` > 0 asks for the best ``top_k`` only: a policy that can (``rank_top``) then looks
         at the instances holding some of the prompt and the few best others, not the whole fleet
-        (the answer is the same as the first ``top_k`` of the full ranking)."""
+        (the answer is the same as the first ``top_k`` of the full ranking).
+
+        ``pick`` (default: the router's): how the request's instance is drawn from those choices
+        (kvindex/scoring/pick.py); the picked one comes first and is the one committed."""
         # Disaggregated decode instances are chosen for KV headroom, not for prefix overlap.
         chosen = self.policies["decode"] if request.role == DECODE_ROLE else self.policy(policy)
         self.predicted.expire()
+        wanted = top_k
+        if top_k > 0 and self.picker.warmup > 0:  # room for the share new instances give up
+            top_k += self.picker.extra(request.model, self.clock())
         rank_top = getattr(chosen, "rank_top", None)
         if (
             top_k > 0
             and rank_top is not None
             and len(self.registry.members(request.model)) >= self.config.prune_min_instances
+            # The columns price every instance with one prefill model (see docs/scoring.md).
+            and not self.calibrator.own_models(request.model)
         ):
             pool = self.pool(request, candidates, chosen.speculative_ttl)
             choices = rank_top(request, pool, self, top_k) if pool is not None else []
@@ -248,6 +302,14 @@ class Router:
             if top_k > 0:
                 choices = choices[:top_k]
         result = ScoreResult(request, chosen.name, choices)
+        options = pick or self.picker.default
+        if len(choices) > 1 and self.picker.needed(options):
+            result.choices, result.pick = self.picker.pick(
+                request.model, request.request_id, choices, options, self.clock()
+            )
+            choices = result.choices
+        if len(choices) > wanted > 0:
+            choices = result.choices = choices[:wanted]
         if commit and choices:
             top = choices[0].candidate
             self._commit(request, top, chosen)
@@ -292,9 +354,14 @@ class Router:
         keys = request.keys
         states = table.states
         row = table.row
+        groups: list[MatchGroup] = []
         if keys:
             restrict = None if candidates is None else [states[i].key for i in np.flatnonzero(mask)]
-            matches = self.index.match(request.model, keys, restrict)
+            match_groups = getattr(self.index, "match_groups", None)
+            if match_groups is not None:
+                matches, groups = match_groups(request.model, keys, restrict, self.config.group_min_instances)
+            else:
+                matches = self.index.match(request.model, keys, restrict)
         else:
             matches = {}
         if everyone:  # a set lookup per holder rather than a numpy scalar read
@@ -302,18 +369,80 @@ class Router:
             rows = [i for k in matches if (i := row.get(k)) is not None and i not in out]
         else:
             rows = [i for k in matches if (i := row.get(k)) is not None and mask[i]]
+        if groups:
+            group_of, marked = self._group_rows(request.model, table, groups, mask)
+        else:
+            group_of, marked = None, []
         if spec_ttl > 0 and keys:
-            # An instance whose speculative keys start the prompt extends its match past 0 blocks.
+            # An instance whose speculative keys continue its match extends it: a full candidate
+            # (past 0 blocks for a non-holder, past its group's answer for a group's member).
             now = self.clock()
-            first = keys[0]
+            n_keys = len(keys)
             for inst, held in self.speculative._keys.items():
-                expiry = held.get(first)
-                if expiry is not None and expiry > now and inst not in matches:
-                    i = row.get(inst)
-                    if i is not None and mask[i]:
-                        rows.append(i)
+                if inst in matches:
+                    continue
+                i = row.get(inst)
+                if i is None or not mask[i]:
+                    continue
+                g = int(group_of[i]) if group_of is not None else 0
+                depth = groups[g - 1].match.length if g else 0
+                expiry = held.get(keys[depth]) if depth < n_keys else None
+                if expiry is not None and expiry > now:
+                    rows.append(i)
+                    if g:
+                        matches[inst] = groups[g - 1].match
+        if group_of is not None and self.degraded:
+            # A degraded instance is credited only part of its match: not its group's terms.
+            for inst in self.degraded:
+                i = row.get(inst)
+                if i is None or not mask[i] or inst in matches:
+                    continue
+                g = int(group_of[i])
+                if g:
+                    rows.append(i)
+                    matches[inst] = groups[g - 1].match
         explicit = self.candidates(request, [states[i] for i in rows], spec_ttl, matches=matches)
-        return CandidatePool(self, request, table, mask, count, everyone, explicit, rows, spec_ttl)
+        pool = CandidatePool(
+            self, request, table, mask, count, everyone, explicit, rows, spec_ttl, groups, group_of
+        )
+        if group_of is not None:
+            # Per group, its candidates that are not explicit (explicit ones: pulled out above).
+            counts = [0, *marked]
+            for i in rows:
+                g = group_of[i]
+                if g:
+                    counts[g] -= 1
+            counts[0] = count - len(rows) - sum(counts)
+            pool.group_counts = counts
+        return pool
+
+    def _group_rows(
+        self, model: str, table: ModelTable, groups: list[MatchGroup], mask: np.ndarray
+    ) -> tuple[np.ndarray, list[int]]:
+        """Per table row, the match group (1-based) of its instance, 0 for none; and per group, how
+        many of its rows are in ``mask``."""
+        cached = self._slot_rows.get(model)
+        known = -1 if cached is None or cached[1] is not table or cached[2] != table.version else cached[0]
+        layout, owners = self.index.slot_layout(model, known)  # type: ignore[attr-defined]
+        if layout != known or cached is None:
+            get = table.row.get
+            slot_rows = np.array([-1 if o is None else get(o, -1) for o in owners], dtype=np.int64)
+            cached = self._slot_rows[model] = (layout, table, table.version, slot_rows)
+        slot_rows = cached[3]
+        group_of = np.zeros(table.n, dtype=np.int32)
+        marked = []
+        if _native_mark_group_rows is not None:
+            candidate = mask.view(np.uint8)
+            for g, group in enumerate(groups, 1):
+                marked.append(_native_mark_group_rows(group.masks, slot_rows, candidate, group_of, g))
+            return group_of, marked
+        for g, group in enumerate(groups, 1):
+            held = np.unpackbits(np.frombuffer(group.masks, dtype=np.uint8), bitorder="little")
+            rows = slot_rows[: len(held)][held.view(bool)]
+            rows = rows[rows >= 0]
+            group_of[rows] = g
+            marked.append(int(np.count_nonzero(mask[rows])))
+        return group_of, marked
 
     def commit(self, request: RouteRequest, instance: InstanceKey, policy: str | None = None) -> bool:
         """Record that ``request`` was sent to ``instance`` (outside a Score with commit)."""
@@ -433,11 +562,15 @@ class Router:
 class CandidatePool:
     """One request's candidates, for a pruned ranking (Policy ``rank_top``).
 
-    ``explicit`` are full candidates: every routable instance that holds some of the prompt. The
-    others hold nothing of it, so their terms are those of ``Router.candidates`` with no match:
-    ``wait`` and ``prefill`` (of the whole prompt) per table row, computed here with the same
-    float64 operations in the same order, hence bit-identical. ``materialize`` turns rows into
-    full candidates through ``Router.candidates`` itself.
+    ``explicit`` are full candidates: the routable instances that hold some of the prompt, except
+    the members of large match groups. The others are ranked through per-row columns: those that
+    hold nothing of it (group 0: ``Router.candidates`` with no match) and the members of each match
+    group g >= 1 (``groups[g - 1]``: many instances with one answer of the index, such as a
+    fleet-wide system prompt), whose terms differ from group 0's only by constants of the answer
+    (``templates``: one candidate per group, of which only the match's terms are read). ``wait``,
+    ``prefill``, ``fetch`` and the costs per table row are computed here with the same float64
+    operations in the same order, hence bit-identical. ``materialize`` turns rows into full
+    candidates through ``Router.candidates`` itself.
     """
 
     def __init__(
@@ -451,6 +584,8 @@ class CandidatePool:
         explicit: list[Candidate],
         explicit_rows: list[int],
         spec_ttl: float,
+        groups: list[MatchGroup] | None = None,
+        group_of: np.ndarray | None = None,
     ) -> None:
         self.router = router
         self.request = request
@@ -467,6 +602,46 @@ class CandidatePool:
         self.kv = table.kv[:n]
         self.load = table.load[:n]
         self.key_rank = table.ranks()
+        # Match groups ranked by columns; group_of: per row, its group (0: none). None: no groups.
+        self.groups = groups or []
+        self.group_of = group_of if self.groups else None
+
+    @cached_property
+    def templates(self) -> list[Candidate]:
+        """Per group (0: no match), a candidate with the group's answer, for its constant terms
+        (blocks, tokens by tier, hit, miss, fetch); its instance's own terms are not meant."""
+        # (an instance whose match is credited in full: a degraded one's is cut; when every one is
+        # degraded, every group member is explicit and only the no-match template is read)
+        degraded = self.router.degraded
+        state = next((s for s in self.table.states if s.key not in degraded), self.table.states[0])
+        matches = [NO_MATCH] + [g.match for g in self.groups]
+        # (no speculative keys: the members whose keys extend their answer are explicit)
+        return [
+            self.router.candidates(self.request, [state], 0.0, matches={state.key: m})[0] for m in matches
+        ]
+
+    @cached_property
+    def group_counts(self) -> list[int]:
+        """Per group (0: no match), how many of the request's candidates are in it (not explicit;
+        Router.pool sets it from the rows it marked)."""
+        if self.group_of is None:
+            return [self.count - len(self.explicit)]
+        return np.bincount(self.group_of[self.rest_rows], minlength=len(self.groups) + 1).tolist()
+
+    def group_rows(self, g: int) -> np.ndarray:
+        """The rows of group g among the request's candidates that are not explicit, ascending."""
+        rows = self.rest_rows
+        if self.group_of is None:
+            return rows if g == 0 else rows[:0]
+        return rows[self.group_of[rows] == g]
+
+    @cached_property
+    def blocks(self) -> np.ndarray:
+        """Blocks matched per row for the others (0, or their group's answer)."""
+        if self.group_of is None:
+            return np.zeros(self.table.n, dtype=np.int64)
+        depth = np.array([t.blocks for t in self.templates], dtype=np.int64)
+        return depth[self.group_of]
 
     # The cost terms of the others, per row (only the ttft policy reads them: made on first use).
 
@@ -483,9 +658,19 @@ class CandidatePool:
             router.clock(), b_ms, shape.step_ms, shape.chunk_tokens, shape.decode_ms_per_seq, drain_rate
         )[: self.table.n]
 
+    def _prefill_terms(self, miss: int) -> tuple[float, float]:
+        """(a, b) with Router.candidates' prefill = a * running + b for a miss of ``miss`` tokens."""
+        if miss <= 0:
+            return 0.0, 0.0
+        model = self.router.calibrator.prefill(self.request.model)
+        shape = self.router.config.costs.engine
+        return -(-miss // shape.chunk_tokens) * shape.decode_ms_per_seq, model.ms(
+            miss, self.request.prompt_tokens
+        )
+
     @cached_property
     def prefill(self) -> np.ndarray:
-        """Router.candidates' prefill of the whole prompt per row."""
+        """Router.candidates' prefill per row: of the whole prompt, or of its group's miss."""
         table = self.table
         n = table.n
         prompt = self.request.prompt_tokens
@@ -495,22 +680,44 @@ class CandidatePool:
         shape = self.router.config.costs.engine
         prefill = (-(-prompt // shape.chunk_tokens) * shape.decode_ms_per_seq) * table.running_now[:n]
         prefill += model.ms(prompt, prompt)
+        if self.group_of is not None:
+            running = table.running_now[:n]
+            for g, t in enumerate(self.templates[1:], 1):
+                rows = self.group_of == g
+                a, b = self._prefill_terms(t.miss_tokens)
+                part = a * running[rows]
+                part += b
+                prefill[rows] = part
         return prefill
 
     @cached_property
+    def fetch(self) -> np.ndarray | None:
+        """Router.candidates' fetch per row (its group's); None: 0 everywhere (no groups)."""
+        if self.group_of is None:
+            return None
+        per_group = np.array([t.fetch_ms for t in self.templates])
+        return per_group[self.group_of]
+
+    @cached_property
     def est(self) -> np.ndarray:
-        """Candidate.est_ttft_ms per row (no fetch: nothing held)."""
-        return self.wait + self.prefill
+        """Candidate.est_ttft_ms per row (wait + prefill + fetch)."""
+        est = self.wait + self.prefill
+        if self.fetch is not None:
+            est += self.fetch
+        return est
 
     def cost(self, k: float) -> np.ndarray:
         """The ttft policy's cost per row with congestion weight ``k``."""
-        return self.est + k * (self.prefill + 0.0) if k else self.est
+        if not k:
+            return self.est
+        return self.est + k * (self.prefill + (0.0 if self.fetch is None else self.fetch))
 
     def rank_others(self, k: float, top_k: int) -> tuple[np.ndarray, float, int] | None:
         """The ttft policy's selection of the others in one native pass (``_native.rank_others``):
-        the ``top_k`` rows first in (``cost(k)``, kv, load, key) order, the lowest prefill of any
-        row and how many rows wait at most that long; None without the extension (or for a large
-        ``top_k``, where its insertion into a sorted buffer would not pay): then the columns."""
+        the ``top_k`` rows first in (``cost(k)``, kv, load, key) order, of each group when there are
+        match groups, the lowest prefill of any row and how many rows wait at most that long; None
+        without the extension (or for a large ``top_k``, where its insertion into a sorted buffer
+        would not pay): then the columns."""
         if _native_rank_others is None or not 0 < top_k <= 64:
             return None
         table = self.table
@@ -518,6 +725,33 @@ class CandidatePool:
         model = self.router.calibrator.prefill(self.request.model)
         shape = self.router.config.costs.engine
         n = table.n
+        if self.group_of is not None:
+            if _native_rank_grouped is None:
+                return None
+            terms = [self._prefill_terms(prompt)] + [
+                self._prefill_terms(t.miss_tokens) for t in self.templates[1:]
+            ]
+            n_groups = len(terms)
+            out = np.empty(top_k * n_groups, dtype=np.int64)
+            filled = np.empty(n_groups, dtype=np.int64)
+            low, waiting = _native_rank_grouped(
+                self.wait,
+                table.running_now[:n],
+                self.mask.view(np.uint8),
+                np.sort(self.explicit_rows),
+                self.group_of,
+                np.array([a for a, _ in terms]),
+                np.array([b for _, b in terms]),
+                np.array([t.fetch_ms for t in self.templates]),
+                k,
+                self.kv,
+                self.load,
+                self.key_rank,
+                out,
+                filled,
+            )
+            chosen = np.concatenate([out[g * top_k : g * top_k + filled[g]] for g in range(n_groups)])
+            return chosen, low, waiting
         out = np.empty(top_k, dtype=np.int64)
         found, low, waiting = _native_rank_others(
             self.wait,
@@ -537,13 +771,34 @@ class CandidatePool:
 
     def materialize(self, rows: list[int] | np.ndarray) -> list[Candidate]:
         states = self.table.states
-        return self.router.candidates(self.request, [states[i] for i in rows], self.spec_ttl, matches={})
+        group_of = self.group_of
+        if group_of is None:
+            matches: dict[InstanceKey, InstanceMatch] = {}
+        else:
+            groups = self.groups
+            matches = {states[i].key: groups[g - 1].match for i in rows if (g := group_of[i])}
+        return self.router.candidates(self.request, [states[i] for i in rows], self.spec_ttl, matches=matches)
 
-    def top(self, columns: list[np.ndarray], key: Callable[[Candidate], Any], top_k: int) -> list[Candidate]:
+    def top(
+        self,
+        columns: list[np.ndarray] | Callable[[Candidate], list[np.ndarray]],
+        key: Callable[[Candidate], Any],
+        top_k: int,
+    ) -> list[Candidate]:
         """The first ``top_k`` candidates in ``key`` order: the explicit ones and the best ``top_k``
-        others, chosen on ``columns`` (per row, the others' values of ``key``'s leading terms, in
-        order; the instance key, ``key``'s last term, is added here)."""
-        rows = smallest([*columns, self.key_rank], self.rest_rows, top_k)
+        others of each group, chosen on ``columns`` (per row, the others' values of ``key``'s
+        leading terms, in order; the instance key, ``key``'s last term, is added here). A callable
+        gives them for a group from its template candidate (``templates``); a list serves every
+        group (right when the leading terms do not depend on the match within a group)."""
+        if self.group_of is None:
+            cols = columns(self.templates[0]) if callable(columns) else columns
+            rows = smallest([*cols, self.key_rank], self.rest_rows, top_k)
+        else:
+            parts = []
+            for g, template in enumerate(self.templates):
+                cols = columns(template) if callable(columns) else columns
+                parts.append(smallest([*cols, self.key_rank], self.group_rows(g), top_k))
+            rows = np.concatenate(parts)
         cands = self.explicit + self.materialize(rows)
         cands.sort(key=key)
         return cands[:top_k]
@@ -560,8 +815,14 @@ class CandidatePool:
         return out if self.everyone and len(out) == self.count else out[self.mask]
 
     def smallest(self, cost: np.ndarray, top_k: int) -> np.ndarray:
-        """The ``top_k`` others first in (``cost``, kv, load, instance key) order, unordered."""
+        """The ``top_k`` others first in (``cost``, kv, load, instance key) order, unordered (of
+        each group, with match groups)."""
         table = self.table
+        if self.group_of is not None:
+            tie = table.tie_order()
+            columns = [cost, self.kv, self.load, self.key_rank] if tie is None else [cost, tie]
+            parts = [smallest(columns, self.group_rows(g), top_k) for g in range(len(self.groups) + 1)]
+            return np.concatenate(parts)
         tie = table.tie_order()
         n = table.n
         others = self.count - len(self.explicit)

@@ -11,11 +11,18 @@ from typing import Any
 import structlog
 from prometheus_client import start_http_server
 
+from kvindex.api import listen
 from kvindex.api.ext_proc import EndpointPicker, ExtProcServer
 from kvindex.api.security import ServerSecurity
 from kvindex.api.server import GrpcServer
 from kvindex.api.servicer import KvIndexServicer
-from kvindex.capture.recorder import CaptureConfig, Recorder, RecordingServicer, service_meta
+from kvindex.capture.recorder import (
+    CaptureConfig,
+    PinnableClock,
+    Recorder,
+    RecordingServicer,
+    service_meta,
+)
 from kvindex.config.nats import NatsSettings
 from kvindex.fleet.registry import Registry
 from kvindex.index.base import InstanceKey
@@ -48,6 +55,10 @@ class ServiceConfig:
     # URL(s) (comma-separated: a cluster), or NatsSettings with credentials and TLS
     # (kvindex/config/nats.py). None: start an embedded nats-server.
     nats_url: str | NatsSettings | None = None
+    # Where the embedded nats-server listens (nats_url None): loopback by default, so only workers on
+    # this machine reach it; 0.0.0.0 for workers elsewhere. Port 0: any free port.
+    embedded_nats_host: str = "127.0.0.1"
+    embedded_nats_port: int = 0
     grpc_host: str = "0.0.0.0"
     grpc_port: int = 50051  # 0: any free port
     subject_prefix: str = "kvindex"
@@ -99,7 +110,13 @@ def _capture_meta(config: ServiceConfig) -> dict[str, Any]:
             "replay_timeout": r.replay_timeout,
             "snapshot_timeout": r.snapshot_timeout,
         },
-        router={"default_policy": config.router.default_policy, "seed": config.router.seed},
+        router={
+            "default_policy": config.router.default_policy,
+            "seed": config.router.seed,
+            "pick": config.router.pick,
+            "temperature": config.router.temperature,
+            "warmup": config.router.warmup,
+        },
         limits=dataclasses.asdict(config.limits),
     )
 
@@ -110,7 +127,8 @@ class IndexService:
         self.log = log or structlog.get_logger("kvindex")
         self.subjects = Subjects(config.subject_prefix)
         self.index = InvertedIndex()
-        self.registry = Registry()
+        # Capturing: routing calls run with the clock pinned at their start, as their records say.
+        self.registry = Registry(PinnableClock()) if config.capture is not None else Registry()
         self.counters = IngestCounters()
         self.metrics = Metrics(self.counters, self._gauges)
         # Loaded before anything starts: a bad tokenizer directory fails `serve` at once, clearly.
@@ -124,7 +142,8 @@ class IndexService:
             ingest_limits=config.limits,
         )
         self.repairer = NatsRepairer(self.consumer, config.repair)
-        self.calibrator = Calibrator(config.router.costs.default_prefill)
+        costs = config.router.costs
+        self.calibrator = Calibrator(costs.default_prefill, learn=costs.calibrate)
         self.calibration = CalibrationStore(
             self.calibrator, replicas=config.jetstream.replicas if config.jetstream else 1
         )
@@ -223,10 +242,21 @@ class IndexService:
     async def start(self) -> None:
         if not self.config.nats_url:
             # JetStream on: the calibration bucket lives there (and the optional event stream).
-            self.natsd = EmbeddedNats(jetstream=True)
+            cfg = self.config
+            self.natsd = EmbeddedNats(cfg.embedded_nats_port, cfg.embedded_nats_host, jetstream=True)
             await self.natsd.start()
             self.nats_url = self.natsd.url
-            self.log.info("embedded_nats_started", url=self.nats_url)
+            local = listen.is_loopback(cfg.embedded_nats_host)
+            self.log.info(
+                "embedded_nats_started",
+                url=self.nats_url,  # for this machine
+                listen=listen.address(cfg.embedded_nats_host, self.natsd.port),
+                workers_url=self.natsd.workers_url,  # what kvshim --nats / Publisher.connect take
+                reachable_from="this machine only (--embedded-nats-listen 0.0.0.0:4222 for workers "
+                "elsewhere, or an external nats-server)"
+                if local
+                else "other machines too",
+            )
             nats_settings = NatsSettings.from_url(self.natsd.url)
         else:
             nats_settings = NatsSettings.coerce(self.config.nats_url)
@@ -256,24 +286,58 @@ class IndexService:
             self.recorder.calibration(self.calibrator)
         self.readiness.start(time.monotonic())
         self._readiness_task = asyncio.create_task(self._track_readiness(), name="kvindex-readiness")
+        metrics_bound = None
         if self.config.metrics_port is not None:
-            server, _thread = start_http_server(
-                self.config.metrics_port, addr=self.config.metrics_host, registry=self.metrics.registry
-            )
+            host = self.config.metrics_host
+            try:
+                server, _thread = start_http_server(
+                    self.config.metrics_port, addr=host, registry=self.metrics.registry
+                )
+            except OSError as exc:
+                where = listen.address(host, self.config.metrics_port)
+                raise listen.ListenError("metrics", where, exc.strerror or str(exc)) from None
             self._metrics_server = server
             self.metrics_port = server.server_port
+            metrics_bound = listen.address(host, self.metrics_port)
+        self._warn_if_exposed()
         self.log.info(
             "kvindex_serving",
-            grpc=self.grpc.address,
+            grpc=self.grpc.bound,  # as bound: 0.0.0.0 is every interface
+            metrics=metrics_bound,
             grpc_security=self.grpc.security.mode,
             nats=self.nats_url,
             nats_auth=nats_settings.auth,
             nats_tls=nats_settings.tls,
             subject_prefix=self.config.subject_prefix,
             metrics_port=self.metrics_port,
-            ext_proc=self.ext_proc.address if self.ext_proc is not None else None,
+            ext_proc=self.ext_proc.bound if self.ext_proc is not None else None,
             routing_sync=self.routing_sync.replica_id if self.routing_sync is not None else None,
         )
+
+    def _warn_if_exposed(self) -> None:
+        """One warning naming every listener other machines can reach without TLS or without
+        authentication: the start log says where it listens, this says what that means."""
+        exposed = []
+        for server in (self.grpc, self.ext_proc):
+            if server is None or listen.is_loopback(server.host):
+                continue
+            sec = server.security
+            # A token without TLS has its own warning (auth_token_without_tls, security.py).
+            if sec.token or (sec.tls is not None and sec.tls.client_ca):
+                continue
+            missing = "no TLS, no token" if sec.tls is None else "no token or client certificate"
+            exposed.append(f"{server.what} {server.bound} ({missing})")
+        if self.natsd is not None and not listen.is_loopback(self.natsd.host):
+            where = listen.address(self.natsd.host, self.natsd.port)
+            exposed.append(f"embedded NATS {where} (no TLS, no authentication: anyone can publish events)")
+        if exposed:
+            self.log.warning(
+                "serving_without_protection",
+                listeners=exposed,
+                fix="bind 127.0.0.1 (--grpc-host), or --tls-cert/--tls-key with --auth-token-file or "
+                "--tls-client-ca (docs/deploy.md); for remote workers an external nats-server with "
+                "auth and TLS (--nats)",
+            )
 
     def ready(self) -> tuple[bool, str]:
         source = self.source

@@ -1,5 +1,8 @@
 """Persists and shares prefill-model calibrations in a NATS KV bucket.
 
+One key per model's shared fit (the model name, base64url) and one per instance's own fit (model
+and instance id, each base64url, joined by ".": base64url has no ".").
+
 At start every stored calibration is loaded (a restarted index, or a second replica, ranks with a
 calibrated model from its first request); afterwards changed calibrations are written every few
 seconds. Needs JetStream on the server; without it calibration stays in memory and a warning says
@@ -33,6 +36,16 @@ def _model(key: str) -> str:
     return base64.urlsafe_b64decode(key + "=" * (-len(key) % 4)).decode()
 
 
+def _entry_key(model: str, instance: str) -> str:
+    return f"{_key(model)}.{_key(instance)}" if instance else _key(model)
+
+
+def _entry(key: str) -> tuple[str, str]:
+    """(model, instance id or "") of a bucket key."""
+    model, _, instance = key.partition(".")
+    return _model(model), _model(instance) if instance else ""
+
+
 class CalibrationStore:
     def __init__(
         self,
@@ -51,6 +64,9 @@ class CalibrationStore:
         self._task: asyncio.Task[None] | None = None
 
     async def start(self, nc: Client) -> None:
+        if not self.calibrator.learn:
+            self.log.info("calibration_off", reason="--no-calibration: the default prefill model ranks")
+            return
         js = nc.jetstream()
         try:
             try:
@@ -62,7 +78,7 @@ class CalibrationStore:
             self.kv = None
             self.log.warning("calibration_not_persisted", reason=str(exc) or type(exc).__name__)
             return
-        self.log.info("calibration_loaded", bucket=self.bucket, models=loaded)
+        self.log.info("calibration_loaded", bucket=self.bucket, entries=loaded)
         self._task = asyncio.create_task(self._loop(), name="kvindex-calibration")
 
     async def load(self) -> int:
@@ -73,13 +89,15 @@ class CalibrationStore:
         for key in keys:
             entry = await self.kv.get(key)
             if entry.value:
-                self.calibrator.restore(_model(key), json.loads(entry.value))
+                model, instance = _entry(key)
+                self.calibrator.restore(model, json.loads(entry.value), instance)
         return len(keys)
 
     async def save(self) -> int:
         dirty, self.calibrator.dirty = self.calibrator.dirty, set()
-        for model in dirty:
-            await self.kv.put(_key(model), json.dumps(self.calibrator.export(model)).encode())
+        for model, instance in dirty:
+            data = self.calibrator.export(model, instance)
+            await self.kv.put(_entry_key(model, instance), json.dumps(data).encode())
         return len(dirty)
 
     async def _loop(self) -> None:

@@ -5,12 +5,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import re
 import shutil
 import socket
 import sys
 import tempfile
 from pathlib import Path
 
+from kvindex.api.listen import ListenError, address, connect_host, reachable_host
 from kvindex.lifecycle.children import die_with_parent
 
 
@@ -34,7 +36,8 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 class EmbeddedNats:
-    """Runs nats-server as a child process on a free loopback port (JetStream optional)."""
+    """Runs nats-server as a child process, by default on a free loopback port (JetStream optional).
+    ``host`` 0.0.0.0 lets workers on other machines connect (``workers_url``)."""
 
     def __init__(
         self,
@@ -55,7 +58,14 @@ class EmbeddedNats:
 
     @property
     def url(self) -> str:
-        return f"{self.scheme}://{self.host}:{self.port}"
+        """For clients on this machine (a wildcard bind is reached through loopback)."""
+        return f"{self.scheme}://{address(connect_host(self.host), self.port)}"
+
+    @property
+    def workers_url(self) -> str:
+        """For workers anywhere the bound address is reachable from (this machine's name for a
+        wildcard bind)."""
+        return f"{self.scheme}://{address(reachable_host(self.host), self.port)}"
 
     async def start(self, timeout: float = 10.0) -> None:
         last_error = ""
@@ -86,8 +96,11 @@ class EmbeddedNats:
             if self.port:
                 # A restart on the same port can race the previous server's socket release.
                 await asyncio.sleep(0.2)
-        where = f"{self.host}:{self.port or 'a free port'}"
-        raise RuntimeError(f"nats-server did not start on {where}: {last_error or 'no output'}")
+        where = address(self.host, self.port) if self.port else f"{self.host} (a free port)"
+        # nats-server's last line says why (e.g. "listen tcp ...: bind: address already in use").
+        reason = last_error.splitlines()[-1] if last_error else "nats-server exited without output"
+        reason = re.sub(r"^\[\d+\] \S+ \S+ \[\w+\] ", "", reason)  # its "[pid] date time [FTL] " prefix
+        raise ListenError("embedded NATS", where, reason)
 
     async def _wait_ready(self, proc: asyncio.subprocess.Process, port: int, timeout: float) -> bool:
         loop = asyncio.get_running_loop()
@@ -96,15 +109,25 @@ class EmbeddedNats:
             if proc.returncode is not None:
                 return False
             try:
-                _r, w = await asyncio.open_connection(self.host, port)
+                r, w = await asyncio.open_connection(connect_host(self.host), port)
+            except OSError:
+                await asyncio.sleep(0.02)
+                continue
+            try:
+                # A NATS server greets with INFO at once; whatever else holds a fixed port does not
+                # (our nats-server then exits with "address already in use").
+                greeting = await asyncio.wait_for(r.readline(), 1.0)
+            except (TimeoutError, OSError):
+                greeting = b""
+            finally:
                 w.close()
                 with contextlib.suppress(Exception):
                     await w.wait_closed()
+            if greeting.startswith(b"INFO"):
                 # Drain stderr in the background so the server never blocks on a full pipe.
                 asyncio.get_running_loop().create_task(self._drain(proc))
                 return True
-            except OSError:
-                await asyncio.sleep(0.02)
+            await asyncio.sleep(0.02)
         return False
 
     @staticmethod

@@ -49,7 +49,7 @@ class PromptOptions(_message.Message):
     def __init__(self, add_generation_prompt: _Optional[bool] = ..., continue_final_message: _Optional[bool] = ..., chat_template_kwargs: _Optional[str] = ..., tools: _Optional[str] = ..., documents: _Optional[str] = ..., add_special_tokens: _Optional[bool] = ...) -> None: ...
 
 class ScoreRequest(_message.Message):
-    __slots__ = ("model", "lora", "salt", "token_ids", "block_keys", "candidates", "top_k", "policy", "explain", "role", "commit", "request_id", "prompt_tokens", "prompt", "messages", "prompt_options")
+    __slots__ = ("model", "lora", "salt", "token_ids", "block_keys", "candidates", "top_k", "policy", "explain", "role", "commit", "request_id", "prompt_tokens", "prompt", "messages", "prompt_options", "pick", "temperature", "pick_seed")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     LORA_FIELD_NUMBER: _ClassVar[int]
     SALT_FIELD_NUMBER: _ClassVar[int]
@@ -66,6 +66,9 @@ class ScoreRequest(_message.Message):
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
     PROMPT_OPTIONS_FIELD_NUMBER: _ClassVar[int]
+    PICK_FIELD_NUMBER: _ClassVar[int]
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    PICK_SEED_FIELD_NUMBER: _ClassVar[int]
     model: str
     lora: str
     salt: str
@@ -82,10 +85,13 @@ class ScoreRequest(_message.Message):
     prompt: str
     messages: str
     prompt_options: PromptOptions
-    def __init__(self, model: _Optional[str] = ..., lora: _Optional[str] = ..., salt: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., block_keys: _Optional[_Iterable[int]] = ..., candidates: _Optional[_Iterable[str]] = ..., top_k: _Optional[int] = ..., policy: _Optional[str] = ..., explain: _Optional[bool] = ..., role: _Optional[str] = ..., commit: _Optional[bool] = ..., request_id: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., prompt: _Optional[str] = ..., messages: _Optional[str] = ..., prompt_options: _Optional[_Union[PromptOptions, _Mapping]] = ...) -> None: ...
+    pick: str
+    temperature: float
+    pick_seed: int
+    def __init__(self, model: _Optional[str] = ..., lora: _Optional[str] = ..., salt: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., block_keys: _Optional[_Iterable[int]] = ..., candidates: _Optional[_Iterable[str]] = ..., top_k: _Optional[int] = ..., policy: _Optional[str] = ..., explain: _Optional[bool] = ..., role: _Optional[str] = ..., commit: _Optional[bool] = ..., request_id: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., prompt: _Optional[str] = ..., messages: _Optional[str] = ..., prompt_options: _Optional[_Union[PromptOptions, _Mapping]] = ..., pick: _Optional[str] = ..., temperature: _Optional[float] = ..., pick_seed: _Optional[int] = ...) -> None: ...
 
 class RankedInstance(_message.Message):
-    __slots__ = ("instance_id", "worker", "dp_rank", "cost", "matched_blocks", "matched", "matched_tokens", "load", "est_ttft_ms", "wait_ms", "prefill_ms", "fetch_ms", "matched_tokens_by_tier", "explain", "endpoint")
+    __slots__ = ("instance_id", "worker", "dp_rank", "cost", "matched_blocks", "matched", "matched_tokens", "load", "est_ttft_ms", "wait_ms", "prefill_ms", "fetch_ms", "matched_tokens_by_tier", "explain", "endpoint", "pick_probability")
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     WORKER_FIELD_NUMBER: _ClassVar[int]
     DP_RANK_FIELD_NUMBER: _ClassVar[int]
@@ -101,6 +107,7 @@ class RankedInstance(_message.Message):
     MATCHED_TOKENS_BY_TIER_FIELD_NUMBER: _ClassVar[int]
     EXPLAIN_FIELD_NUMBER: _ClassVar[int]
     ENDPOINT_FIELD_NUMBER: _ClassVar[int]
+    PICK_PROBABILITY_FIELD_NUMBER: _ClassVar[int]
     instance_id: str
     worker: str
     dp_rank: int
@@ -116,10 +123,11 @@ class RankedInstance(_message.Message):
     matched_tokens_by_tier: TierBlocks
     explain: str
     endpoint: str
-    def __init__(self, instance_id: _Optional[str] = ..., worker: _Optional[str] = ..., dp_rank: _Optional[int] = ..., cost: _Optional[float] = ..., matched_blocks: _Optional[int] = ..., matched: _Optional[_Union[TierBlocks, _Mapping]] = ..., matched_tokens: _Optional[int] = ..., load: _Optional[_Union[Load, _Mapping]] = ..., est_ttft_ms: _Optional[float] = ..., wait_ms: _Optional[float] = ..., prefill_ms: _Optional[float] = ..., fetch_ms: _Optional[float] = ..., matched_tokens_by_tier: _Optional[_Union[TierBlocks, _Mapping]] = ..., explain: _Optional[str] = ..., endpoint: _Optional[str] = ...) -> None: ...
+    pick_probability: float
+    def __init__(self, instance_id: _Optional[str] = ..., worker: _Optional[str] = ..., dp_rank: _Optional[int] = ..., cost: _Optional[float] = ..., matched_blocks: _Optional[int] = ..., matched: _Optional[_Union[TierBlocks, _Mapping]] = ..., matched_tokens: _Optional[int] = ..., load: _Optional[_Union[Load, _Mapping]] = ..., est_ttft_ms: _Optional[float] = ..., wait_ms: _Optional[float] = ..., prefill_ms: _Optional[float] = ..., fetch_ms: _Optional[float] = ..., matched_tokens_by_tier: _Optional[_Union[TierBlocks, _Mapping]] = ..., explain: _Optional[str] = ..., endpoint: _Optional[str] = ..., pick_probability: _Optional[float] = ...) -> None: ...
 
 class ScoreResponse(_message.Message):
-    __slots__ = ("model", "block_size", "total_blocks", "ranked", "cost_unit", "policy", "committed_instance_id", "request_id", "error", "prompt_tokens")
+    __slots__ = ("model", "block_size", "total_blocks", "ranked", "cost_unit", "policy", "committed_instance_id", "request_id", "error", "prompt_tokens", "pick", "temperature", "pick_seed", "pick_draw", "picked_rank")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     TOTAL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -130,6 +138,11 @@ class ScoreResponse(_message.Message):
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PICK_FIELD_NUMBER: _ClassVar[int]
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    PICK_SEED_FIELD_NUMBER: _ClassVar[int]
+    PICK_DRAW_FIELD_NUMBER: _ClassVar[int]
+    PICKED_RANK_FIELD_NUMBER: _ClassVar[int]
     model: str
     block_size: int
     total_blocks: int
@@ -140,7 +153,12 @@ class ScoreResponse(_message.Message):
     request_id: str
     error: str
     prompt_tokens: int
-    def __init__(self, model: _Optional[str] = ..., block_size: _Optional[int] = ..., total_blocks: _Optional[int] = ..., ranked: _Optional[_Iterable[_Union[RankedInstance, _Mapping]]] = ..., cost_unit: _Optional[str] = ..., policy: _Optional[str] = ..., committed_instance_id: _Optional[str] = ..., request_id: _Optional[str] = ..., error: _Optional[str] = ..., prompt_tokens: _Optional[int] = ...) -> None: ...
+    pick: str
+    temperature: float
+    pick_seed: int
+    pick_draw: float
+    picked_rank: int
+    def __init__(self, model: _Optional[str] = ..., block_size: _Optional[int] = ..., total_blocks: _Optional[int] = ..., ranked: _Optional[_Iterable[_Union[RankedInstance, _Mapping]]] = ..., cost_unit: _Optional[str] = ..., policy: _Optional[str] = ..., committed_instance_id: _Optional[str] = ..., request_id: _Optional[str] = ..., error: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., pick: _Optional[str] = ..., temperature: _Optional[float] = ..., pick_seed: _Optional[int] = ..., pick_draw: _Optional[float] = ..., picked_rank: _Optional[int] = ...) -> None: ...
 
 class CommitRequest(_message.Message):
     __slots__ = ("request_id", "instance_id", "model", "lora", "salt", "token_ids", "block_keys", "prompt_tokens", "prompt", "messages", "prompt_options")
@@ -257,7 +275,7 @@ class ListInstancesRequest(_message.Message):
     def __init__(self, model: _Optional[str] = ...) -> None: ...
 
 class InstanceInfo(_message.Message):
-    __slots__ = ("instance_id", "worker", "dp_rank", "model", "block_size", "epoch", "last_seq", "load", "blocks", "capacity", "batches", "gaps", "missing_batches", "restarts", "pool", "stale", "sync", "endpoint", "approximate", "state", "state_reason", "outcomes_exact", "outcomes_over", "outcomes_under", "role", "pd_group")
+    __slots__ = ("instance_id", "worker", "dp_rank", "model", "block_size", "epoch", "last_seq", "load", "blocks", "capacity", "batches", "gaps", "missing_batches", "restarts", "pool", "stale", "sync", "endpoint", "approximate", "state", "state_reason", "outcomes_exact", "outcomes_over", "outcomes_under", "role", "pd_group", "prefill")
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     WORKER_FIELD_NUMBER: _ClassVar[int]
     DP_RANK_FIELD_NUMBER: _ClassVar[int]
@@ -284,6 +302,7 @@ class InstanceInfo(_message.Message):
     OUTCOMES_UNDER_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     PD_GROUP_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_FIELD_NUMBER: _ClassVar[int]
     instance_id: str
     worker: str
     dp_rank: int
@@ -310,7 +329,26 @@ class InstanceInfo(_message.Message):
     outcomes_under: int
     role: str
     pd_group: str
-    def __init__(self, instance_id: _Optional[str] = ..., worker: _Optional[str] = ..., dp_rank: _Optional[int] = ..., model: _Optional[str] = ..., block_size: _Optional[int] = ..., epoch: _Optional[int] = ..., last_seq: _Optional[int] = ..., load: _Optional[_Union[Load, _Mapping]] = ..., blocks: _Optional[_Union[TierBlocks, _Mapping]] = ..., capacity: _Optional[_Union[TierBlocks, _Mapping]] = ..., batches: _Optional[int] = ..., gaps: _Optional[int] = ..., missing_batches: _Optional[int] = ..., restarts: _Optional[int] = ..., pool: _Optional[bool] = ..., stale: _Optional[bool] = ..., sync: _Optional[str] = ..., endpoint: _Optional[str] = ..., approximate: _Optional[bool] = ..., state: _Optional[str] = ..., state_reason: _Optional[str] = ..., outcomes_exact: _Optional[int] = ..., outcomes_over: _Optional[int] = ..., outcomes_under: _Optional[int] = ..., role: _Optional[str] = ..., pd_group: _Optional[str] = ...) -> None: ...
+    prefill: PrefillFit
+    def __init__(self, instance_id: _Optional[str] = ..., worker: _Optional[str] = ..., dp_rank: _Optional[int] = ..., model: _Optional[str] = ..., block_size: _Optional[int] = ..., epoch: _Optional[int] = ..., last_seq: _Optional[int] = ..., load: _Optional[_Union[Load, _Mapping]] = ..., blocks: _Optional[_Union[TierBlocks, _Mapping]] = ..., capacity: _Optional[_Union[TierBlocks, _Mapping]] = ..., batches: _Optional[int] = ..., gaps: _Optional[int] = ..., missing_batches: _Optional[int] = ..., restarts: _Optional[int] = ..., pool: _Optional[bool] = ..., stale: _Optional[bool] = ..., sync: _Optional[str] = ..., endpoint: _Optional[str] = ..., approximate: _Optional[bool] = ..., state: _Optional[str] = ..., state_reason: _Optional[str] = ..., outcomes_exact: _Optional[int] = ..., outcomes_over: _Optional[int] = ..., outcomes_under: _Optional[int] = ..., role: _Optional[str] = ..., pd_group: _Optional[str] = ..., prefill: _Optional[_Union[PrefillFit, _Mapping]] = ...) -> None: ...
+
+class PrefillFit(_message.Message):
+    __slots__ = ("source", "a_ms", "b_ms_per_token", "c_ms_per_token2", "samples", "error", "has_error")
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    A_MS_FIELD_NUMBER: _ClassVar[int]
+    B_MS_PER_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    C_MS_PER_TOKEN2_FIELD_NUMBER: _ClassVar[int]
+    SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    HAS_ERROR_FIELD_NUMBER: _ClassVar[int]
+    source: str
+    a_ms: float
+    b_ms_per_token: float
+    c_ms_per_token2: float
+    samples: int
+    error: float
+    has_error: bool
+    def __init__(self, source: _Optional[str] = ..., a_ms: _Optional[float] = ..., b_ms_per_token: _Optional[float] = ..., c_ms_per_token2: _Optional[float] = ..., samples: _Optional[int] = ..., error: _Optional[float] = ..., has_error: _Optional[bool] = ...) -> None: ...
 
 class ListInstancesResponse(_message.Message):
     __slots__ = ("instances",)

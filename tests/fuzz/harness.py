@@ -15,8 +15,8 @@ exception other than the documented rejection, or a broken invariant). The docum
   ``DecodeError``; a bad event inside a good batch becomes an ``EventError``; translating the events
   never raises.
 
-Seeds come from proto/vectors, the real vLLM captures in ../shared/data/vllm-capture (read at run
-time) and messages built here for the shapes the captures lack (SGLang arrays, TRT-LLM pull API).
+Seeds come from proto/vectors, the real vLLM captures shipped in kvtools/data/vllm_capture and
+messages built here for the shapes the captures lack (SGLang arrays, TRT-LLM pull API).
 """
 
 from __future__ import annotations
@@ -448,13 +448,10 @@ def _vectors() -> dict[str, bytes]:
 
 
 def _capture_messages() -> list[list[bytes]]:
-    """Every ZMQ message of the real vLLM captures (frames), if the shared data is there."""
-    from kvtools.data import shared_dir
+    """Every ZMQ message of the real vLLM captures (frames), shipped in kvtools/data."""
+    from kvtools.data import vllm_captures
 
-    try:
-        folder = shared_dir() / "data" / "vllm-capture"
-    except FileNotFoundError:
-        return []
+    folder = vllm_captures()
     out = []
     for path in sorted(folder.glob("*.frames.bin")):
         raw = path.read_bytes()

@@ -50,7 +50,7 @@ from kvindex.wire.endpoint import check_endpoint, endpoint_from_url
 from workers_shim.bridges import blocksize
 from workers_shim.bridges.blocksize import BlockSizeConflict
 from workers_shim.bridges.engines import ENGINES, EngineProfile
-from workers_shim.bridges.load import LoadReader, scrape
+from workers_shim.bridges.load import LoadReader, PrefillSampler, scrape
 from workers_shim.bridges.native import DecodeError, Decoder
 from workers_shim.bridges.stats import BridgeStats
 from workers_shim.bridges.stream import EventStream, FrameError, ReplayClient, offset_endpoint, parse_live
@@ -644,6 +644,7 @@ class Bridge:
         cfg = self.config
         assert cfg.metrics_url is not None
         reader = LoadReader(cfg.profile)
+        sampler = PrefillSampler(reader)  # the engine's prefill times, for the index's calibration
         while True:
             try:
                 samples = await scrape(cfg.metrics_url, cfg.scrape_timeout)
@@ -658,6 +659,10 @@ class Bridge:
                 if self.ranks_started:
                     for rank in self.ranks.values():
                         self._apply_load(reader, samples, rank)
+                        prefill = sampler.sample(samples, rank.dp_rank)
+                        if prefill is not None and rank.publisher is not None:
+                            rank.publisher.prefill_sample(*prefill)
+                            self.stats.add("prefill", "sample")
             await asyncio.sleep(cfg.scrape_interval)
 
     async def _learn_block_size_from_metrics(self, reader: LoadReader, samples: Any) -> None:

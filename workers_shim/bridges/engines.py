@@ -50,6 +50,14 @@ class EngineProfile:
     rank_labels: tuple[str, ...] = ("dp_rank",)
     # An info gauge carrying the engine's block size / pool sizes as labels (vLLM).
     cache_info: str | None = None
+    # Prefill samples for the index's calibration (load.PrefillSampler): histograms observed once per
+    # finished request, so that their deltas between two scrapes cover the same requests: prefill
+    # seconds, prompt tokens, and prompt tokens computed (not found cached). Without the last, counters
+    # of cached prompt tokens (first present wins) stand in for it.
+    prefill_seconds: str | None = None
+    prefill_prompt: str | None = None
+    prefill_computed: str | None = None
+    prefill_cached: tuple[str, ...] = ()
     # The engine may store a short last block (announcing its own length as block_size): SGLang pages.
     partial_blocks: bool = False
     media: dict[str, str] = field(default_factory=lambda: dict(DEFAULT_MEDIA))
@@ -63,6 +71,10 @@ VLLM = EngineProfile(
     prompt_mean=(("vllm:request_prompt_tokens_sum", "vllm:request_prompt_tokens_count"),),
     rank_labels=("engine", "dp_rank"),
     cache_info="vllm:cache_config_info",
+    prefill_seconds="vllm:request_prefill_time_seconds",
+    prefill_prompt="vllm:request_prompt_tokens",
+    prefill_computed="vllm:request_prefill_kv_computed_tokens",
+    prefill_cached=("vllm:prompt_tokens_cached_total", "vllm:prefix_cache_hits_total"),
 )
 
 SGLANG = EngineProfile(

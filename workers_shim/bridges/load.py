@@ -1,4 +1,5 @@
-"""Engine load from its Prometheus ``/metrics`` page, for the status heartbeat's ``load``.
+"""Engine load from its Prometheus ``/metrics`` page, for the status heartbeat's ``load``, and prefill
+samples for the index's calibration (``PrefillSampler``).
 
 Per data-parallel rank: running and waiting requests, KV-cache usage (0..1), and queued prompt tokens
 (``waiting_prefill_tokens``). No engine exports the last one directly today, so unless the profile
@@ -96,6 +97,60 @@ class LoadReader:
             info.cpu_blocks = _int_label(labels, "num_cpu_blocks")
             break
         return info
+
+
+class PrefillSampler:
+    """Prefill samples from the engine's per-request histograms, one per rank and scrape.
+
+    Between two scrapes, the histograms' counts and sums grew by the requests that finished in
+    between: their mean prompt length, mean cached tokens (prompt minus computed) and mean prefill
+    time make one sample ``(prompt tokens, cached tokens, ms)`` for the heartbeat. The scrape interval
+    (1 s) keeps a sample to a few requests at the loads where ranking matters. A counter that went
+    back (the engine restarted) starts over; an engine without the histograms gives no samples.
+    """
+
+    def __init__(self, reader: LoadReader) -> None:
+        self.reader = reader
+        # Per rank: the totals of the last scrape (requests, seconds, prompt tokens, computed tokens).
+        self._last: dict[int, tuple[float, float, float, float]] = {}
+
+    def _totals(self, samples: Samples, rank: int) -> tuple[float, float, float, float] | None:
+        p = self.reader.profile
+        if p.prefill_seconds is None or p.prefill_prompt is None:
+            return None
+        s = self.reader._sum
+        n = s(samples, (p.prefill_seconds + "_count",), rank)
+        seconds = s(samples, (p.prefill_seconds + "_sum",), rank)
+        prompt = s(samples, (p.prefill_prompt + "_sum",), rank)
+        prompt_n = s(samples, (p.prefill_prompt + "_count",), rank)
+        if n is None or seconds is None or prompt is None or prompt_n != n:
+            return None  # absent, or not observed for the same requests
+        computed = None
+        if p.prefill_computed is not None:
+            computed_n = s(samples, (p.prefill_computed + "_count",), rank)
+            if computed_n == n:
+                computed = s(samples, (p.prefill_computed + "_sum",), rank)
+        if computed is None:
+            cached = s(samples, p.prefill_cached, rank) if p.prefill_cached else None
+            if cached is None:
+                return None
+            computed = prompt - cached
+        return (n, seconds, prompt, computed)
+
+    def sample(self, samples: Samples, rank: int) -> tuple[int, int, float] | None:
+        """The mean prefill of the requests finished since the last call, or None."""
+        totals = self._totals(samples, rank)
+        if totals is None:
+            return None
+        last = self._last.get(rank)
+        self._last[rank] = totals
+        if last is None:
+            return None
+        n, seconds, prompt, computed = (now - before for now, before in zip(totals, last, strict=True))
+        if n <= 0 or seconds < 0 or prompt < 0 or computed < 0 or computed > prompt:
+            return None  # nothing finished, or the engine restarted (counters went back)
+        mean_prompt = round(prompt / n)
+        return (mean_prompt, max(0, mean_prompt - round(computed / n)), seconds / n * 1000.0)
 
 
 def _int_label(labels: dict[str, str], name: str) -> int | None:

@@ -1,6 +1,6 @@
 """Decode engines' native KV-event payloads (msgpack) into one normalized form.
 
-Shapes accepted (../shared/reference/anchors.md §1 and the engines' source):
+Shapes accepted (the engines' source and published event formats):
 
 - outer batch as an array ``[ts, events, dp_rank?]`` (vLLM ``data_parallel_rank``, SGLang
   ``attn_dp_rank``, TRT-LLM) or as a map with ``ts``/``events`` and one of those rank names;

@@ -24,6 +24,7 @@ FAMILIES: dict[str, tuple[str, str]] = {
     "keys": ("op", "block keys published (stored, removed)"),
     "recovery": ("action", "gaps, replays, rebuilds, resyncs and engine restarts"),
     "load": ("outcome", "Prometheus scrapes of the engine (ok, error)"),
+    "prefill": ("outcome", "prefill samples from the engine's histograms, sent for calibration"),
 }
 
 

@@ -182,8 +182,11 @@ class SimFleet:
         return self.engines[worker].load(drain=False)
 
     def _heartbeat_load(self, name: str) -> dict[str, float]:
-        """Publisher ``load_fn``: bring the engine to now, pass on its prefill samples, report its load."""
-        self._sync(name)
+        """Publisher ``load_fn``: bring the engine to now, pass on its prefill samples, report its load.
+        Once the fleet is closing the engine stays where it is: its publisher takes no more events, and
+        the goodbye heartbeat reports the load as of the last step."""
+        if not self._closed:
+            self._sync(name)
         load = self.engines[name].load(drain=True)
         if load.prefill_samples:
             self.prefill_samples[name].extend(load.prefill_samples)

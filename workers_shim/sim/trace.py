@@ -10,6 +10,7 @@ that asks kvindex with these tokens, and the engines that cache them, agree.
 
 from __future__ import annotations
 
+import gzip
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -27,7 +28,9 @@ _OFFSETS = np.arange(TRACE_BLOCK, dtype=np.uint64)
 
 
 def mooncake_rows(path: str | Path, limit: int | None = None) -> Iterator[dict[str, Any]]:
-    with open(path) as f:
+    """Rows of a ``.jsonl`` or gzip-compressed ``.jsonl.gz`` trace, read line by line (streaming)."""
+    opener = gzip.open if str(path).endswith(".gz") else open
+    with opener(path, "rt", encoding="utf-8") as f:
         for i, line in enumerate(f):
             if limit is not None and i >= limit:
                 return

@@ -1,4 +1,5 @@
-"""Ranking policies: ours (``ttft``) and the peers', each as published (anchors.md §3).
+"""Ranking policies: ours (``ttft``) and the peers', each as published
+(docs/scoring.md, Peer policies).
 
 One module per policy; each exposes a class with ``name``, ``speculative_ttl``, ``rank`` and
 ``on_commit`` (kvindex/scoring/base.py). ``make_policies`` builds one instance of each; options

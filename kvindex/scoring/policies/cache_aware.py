@@ -1,6 +1,7 @@
 """``cache_aware``: SGLang model gateway's cache-aware policy.
 
-Definition (anchors.md §3; defaults cache_threshold 0.3, balance_abs 64, balance_rel 1.5): if the
+Definition, as its authors published it (docs/scoring.md, Peer policies;
+defaults cache_threshold 0.3, balance_abs 64, balance_rel 1.5): if the
 load imbalance is large ((max - min) > balance_abs and max > balance_rel x min), go to the least
 loaded worker. Otherwise find the longest match in an approximate radix tree built from the router's
 own past decisions (not from real cache state); if its match rate > cache_threshold go there, else

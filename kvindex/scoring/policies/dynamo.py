@@ -1,6 +1,7 @@
 """``dynamo``: NVIDIA Dynamo's KV router cost.
 
-Definition (anchors.md §3): cost_i = w * prefill_blocks_i + decode_blocks_i, w = 1, argmin (temperature
+Definition, as its authors published it (docs/scoring.md, Peer policies):
+cost_i = w * prefill_blocks_i + decode_blocks_i, w = 1, argmin (temperature
 0; ties to the smaller tree), prefill_blocks_i = active_prefill_blocks_i + (ISL - overlap_i * B) / B.
 Newer versions credit lower tiers: a matched block counts 1 on GPU, 0.75 in host memory, 0.25 on disk
 or an external pool.

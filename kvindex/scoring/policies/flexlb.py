@@ -1,6 +1,7 @@
 """``flexlb``: FlexLB's cost-based prefill scheduling.
 
-Definition (anchors.md §3): S_i = T_prefill + T_inflight,i + T_batcher,i in ms; the FormulaPredictor
+Definition, as its authors published it (docs/scoring.md, Peer policies):
+S_i = T_prefill + T_inflight,i + T_batcher,i in ms; the FormulaPredictor
 gives T_prefill = sum(miss tokens) + 0.3 * sum(hit tokens) (1 ms per missed token, 0.3 ms per hit
 token); T_inflight = max(0, sum of the predicted times of the instance's in-flight requests - time
 since the earliest started) — the serial assumption, which overestimates busy instances whose

@@ -1,6 +1,7 @@
 """``llmd``: llm-d's precise prefix-cache scoring (inference scheduler defaults).
 
-Definition (anchors.md §3): score = 2 * (weighted consecutive matched blocks / total; gpu 1.0,
+Definition, as its authors published it (docs/scoring.md, Peer policies):
+score = 2 * (weighted consecutive matched blocks / total; gpu 1.0,
 cpu 0.8) + 1 * (1 - kv_usage) + 1 * (maxQ - q) / (maxQ - minQ), argmax; the chosen pod gets
 speculative entries for 2 s. Disk and external-pool blocks are weighted like CPU (0.8). When all
 queues are equal the queue term is 1 for everyone.
@@ -68,9 +69,12 @@ class LlmdPrecise:
             return 1.0 if qmax == qmin else (qmax - q) / (qmax - qmin)
 
         rest_queue = np.ones(table.n) if qmax == qmin else (qmax - queues) / (qmax - qmin)
-        rest = -(
-            self.prefix_weight * 0.0 / total + self.kv_weight * (1 - pool.kv) + self.queue_weight * rest_queue
-        )
+        kv_term = self.kv_weight * (1 - pool.kv)
+        queue_term = self.queue_weight * rest_queue
+
+        def columns(t: Candidate) -> list[np.ndarray]:  # per group: its weighted hit (0 for none)
+            weighted = sum(w * x for w, x in zip(TIER_WEIGHT, t.tokens_by_tier, strict=True)) / b
+            return [-(self.prefix_weight * weighted / total + kv_term + queue_term)]
 
         def cost(c: Candidate) -> float:
             weighted = sum(w * t for w, t in zip(TIER_WEIGHT, c.tokens_by_tier, strict=True)) / b
@@ -81,7 +85,7 @@ class LlmdPrecise:
             )
             return -score
 
-        top = pool.top([rest], lambda c: (cost(c), c.state.key), top_k)
+        top = pool.top(columns, lambda c: (cost(c), c.state.key), top_k)
         return [Choice(c, cost(c)) for c in top]
 
     def on_commit(self, request: RouteRequest, instance: Candidate, router: Router) -> None:

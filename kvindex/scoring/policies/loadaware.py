@@ -1,6 +1,6 @@
 """``loadaware``: vLLM production-stack's load-aware KV routing.
 
-Definition (anchors.md §3):
+Definition, as its authors published it (docs/scoring.md, Peer policies):
     score_i = min(matched_i, P) / max(P, 1) - beta * (L_i - mean L) / max(1, mean L),   argmax
 with P the prompt length, matched_i the cached prefix tokens, L_i the in-prefill + in-decode requests
 of instance i; beta defaults to 1.0 (0.5 in the published experiment).
@@ -9,6 +9,8 @@ of instance i; beta defaults to 1.0 (0.5 in the published experiment).
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
+
+import numpy as np
 
 from kvindex.scoring.base import Candidate, Choice, RouteRequest
 
@@ -39,12 +41,15 @@ class LoadAware:
         """``rank``'s first ``top_k``; the fleet's mean load is a sum over the columns."""
         p = request.prompt_tokens
         mean = float(pool.load[pool.mask].sum()) / pool.count
-        rest = -(0.0 - self.beta * (pool.load - mean) / max(1.0, mean))
+        spread = self.beta * (pool.load - mean) / max(1.0, mean)
+
+        def columns(t: Candidate) -> list[np.ndarray]:  # per group: its hit (0 for none)
+            return [-(min(t.hit_tokens, p) / max(p, 1) - spread)]
 
         def cost(c: Candidate) -> float:
             return -(min(c.hit_tokens, p) / max(p, 1) - self.beta * (c.load - mean) / max(1.0, mean))
 
-        top = pool.top([rest], lambda c: (cost(c), c.state.key), top_k)
+        top = pool.top(columns, lambda c: (cost(c), c.state.key), top_k)
         return [Choice(c, cost(c)) for c in top]
 
     def on_commit(self, request: RouteRequest, instance: Candidate, router: Router) -> None:

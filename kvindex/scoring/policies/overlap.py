@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 from kvindex.scoring.base import Candidate, Choice, RouteRequest
 
 if TYPE_CHECKING:
@@ -38,14 +40,19 @@ class Overlap:
     def rank_top(
         self, request: RouteRequest, pool: CandidatePool, router: Router, top_k: int
     ) -> list[Choice]:
-        """``rank``'s first ``top_k``: the others' cost is their queue plus the whole prompt."""
+        """``rank``'s first ``top_k``: the others' cost is their queue plus their group's miss and
+        fetch (the whole prompt and none when they hold nothing)."""
         b = request.block_size
         table = pool.table
-        n = table.n
-        rest = table.queued_now[:n] / b + request.prompt_tokens / b
-        top = pool.top(
-            [rest, pool.kv], lambda c: (self._cost(c, b), c.state.load.kv_usage, c.state.key), top_k
-        )
+        queued = table.queued_now[: table.n]
+        w = TIER_WEIGHTS
+
+        def columns(t: Candidate) -> list[np.ndarray]:
+            tiers = t.tokens_by_tier
+            fetch = (w[1] * tiers[1] + w[2] * tiers[2] + w[3] * tiers[3]) / b
+            return [queued / b + t.miss_tokens / b + fetch, pool.kv]
+
+        top = pool.top(columns, lambda c: (self._cost(c, b), c.state.load.kv_usage, c.state.key), top_k)
         return [Choice(c, self._cost(c, b)) for c in top]
 
     @staticmethod

@@ -1,6 +1,7 @@
 """``preble``: Preble's scheduling (as in AIBrix's prefix-cache-preble).
 
-Definition (anchors.md §3): if the longest match covers more than half the prompt, go to the least
+Definition, as its authors published it (docs/scoring.md, Peer policies):
+if the longest match covers more than half the prompt, go to the least
 loaded among the instances holding that longest match; otherwise take the argmin over instances of
 load cost (recent window: miss-weighted prefill time + decode time of the requests routed there)
 plus eviction cost.

@@ -1,6 +1,7 @@
 """``prefix_hash``: SGLang model gateway's prefix-hash policy.
 
-Definition (anchors.md §3): key = xxh3_64 of the first min(len, 256) tokens on a consistent-hash
+Definition, as its authors published it (docs/scoring.md, Peer policies):
+key = xxh3_64 of the first min(len, 256) tokens on a consistent-hash
 ring with 150 virtual nodes per worker; if the home's load > 1.25 x (total load + 1) / n, go to the
 least-loaded worker instead; load = the router's in-flight request count.
 

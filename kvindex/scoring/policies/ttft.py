@@ -204,7 +204,10 @@ class Ttft:
         keys = request.keys
         if keys:
             h = home_block(len(keys), request.block_size, self.home_tokens)
-            longest = max((c.blocks for c in explicit), default=0)
+            # (match groups: the others of a group hold its answer; a group of none is empty)
+            counts = pool.group_counts if pool.groups else None
+            depths = [t.blocks for g, t in enumerate(pool.templates) if counts[g]] if counts else []
+            longest = max(max((c.blocks for c in explicit), default=0), max(depths, default=0))
             held = min(h + 1, longest)
             useful = max(1, min(self.useful_tokens // request.block_size, (len(keys) + 1) // 2))
             if longest < useful:
@@ -214,14 +217,21 @@ class Ttft:
             elif best.blocks < held:
                 ordered = [candidates[i] for i in _order(candidates, costs, math.inf)]
                 cost = {c.state.key: x for c, x in zip(candidates, costs, strict=True)}
-                holders = [c for c in ordered if c.blocks >= held]  # all explicit (held >= 1)
+                # Explicit ones and the best of each match group (held >= 1): the first in order of
+                # them all is among them; their number counts every member of a group.
+                holders = [c for c in ordered if c.blocks >= held]
+                n_holders = len([c for c in explicit if c.blocks >= held])
+                if counts:
+                    n_holders += sum(
+                        n for n, t in zip(counts, pool.templates, strict=True) if t.blocks >= held
+                    )
                 dup = max(0.0, best.prefill_ms - holders[0].prefill_ms)
                 hot = min(1.0, self._heat(keys[h], router.clock()) / self.hot_requests)
                 slack = best_cost * (1 + self.margin) + self.margin_ms + self.replica_cost * hot * dup
                 within = [c for c in holders if cost[c.state.key] <= slack]
                 if within:
                     pick, reason = within[0], "replica"
-                elif len(holders) < self.max_replicas:
+                elif n_holders < self.max_replicas:
                     pick, reason = self._first_home(
                         pool, explicit, cost_e, pool.cost(k), limit, keys[h], held, "spill"
                     )
@@ -258,6 +268,8 @@ class Ttft:
         weights = table.weights(key & 0xFFFFFFFFFFFFFFFF)
         eligible = pool.mask.copy()
         if held:
+            if pool.groups:  # a match group's members hold its answer
+                eligible &= pool.blocks < held
             eligible[pool.explicit_rows] = [c.blocks < held for c in explicit]
         within = pool.column(cost_rest <= limit, [x <= limit for x in cost_e]) & eligible
         target = within if within.any() else eligible
