@@ -921,7 +921,7 @@ def goodput_summary(rows: list[dict[str, Any]]) -> str:
             rr = [r for r in sel if r["router"] == router]
             shares = [r["slo_met"] / r["requests"] for r in rr if r["requests"]]
             rates = [r["slo_met"] / r["duration_s"] for r in rr]  # per second of arrivals
-            name = "kvindex route (ttft, admission)" if router == "kvindex" else f"vllm-router {router}"
+            name = ROUTER_NAMES.get(router, f"vllm-router {router}")  # kvindex: with admission
             p90s = [r["ttft_p90"] for r in rr if r["ttft_p90"] is not None]
             lines.append(
                 f"| {load} ({rr[0]['rate']} req/s) | {name} | {statistics.fmean(shares):.1%} "
