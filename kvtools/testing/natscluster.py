@@ -24,7 +24,9 @@ class NatsCluster:
     def urls(self) -> list[str]:
         return [n.url for n in self.nodes]
 
-    async def start(self, timeout: float = 20.0) -> NatsCluster:
+    async def start(self, timeout: float = 20.0, only: int | None = None) -> NatsCluster:
+        """Start the nodes and wait until they form a cluster; ``only=N`` starts the first N nodes
+        (the rest are configured and can be started later: a cluster still forming)."""
         route_ports = [free_port() for _ in range(self.size)]
         for i, own in enumerate(route_ports):
             routes = ", ".join(f"nats-route://127.0.0.1:{p}" for p in route_ports if p != own)
@@ -34,16 +36,17 @@ class NatsCluster:
                 f"cluster {{ name: {self.name}, listen: 127.0.0.1:{own}, routes: [{routes}] }}\n"
             )
             self.nodes.append(EmbeddedNats(port=free_port(), config=conf, jetstream=self.jetstream))
-        await asyncio.gather(*(n.start() for n in self.nodes))
-        await self._wait_formed(timeout)
+        running = self.nodes[: self.size if only is None else only]
+        await asyncio.gather(*(n.start() for n in running))
+        await self._wait_formed(timeout, [n.url for n in running])
         return self
 
-    async def _wait_formed(self, timeout: float) -> None:
+    async def _wait_formed(self, timeout: float, urls: list[str]) -> None:
         """Until a message published on each node reaches subscribers on all others (and, with
         JetStream, the meta leader answers)."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
-        conns = [await nats.connect(u) for u in self.urls]
+        conns = [await nats.connect(u) for u in urls]
         try:
             while True:
                 if loop.time() > deadline:
