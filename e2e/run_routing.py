@@ -185,7 +185,9 @@ async def send_all(
                 ):
                     ttft = time.perf_counter() - sent
             total = time.perf_counter() - sent
-            return Result(req.at, req.kind, ttft, total, "", float(est) / 1000 if est else None, instance)
+            return Result(
+                req.at, req.kind, ttft, total, est_ttft=float(est) / 1000 if est else None, instance=instance
+            )
         except Exception as exc:  # a failed request is reported, not retried
             error = f"{type(exc).__name__}: {exc}"[:200]
             return Result(req.at, req.kind, None, None, error, getattr(exc, "status_code", None))
