@@ -8,7 +8,8 @@ PROTO_SRC := proto/kvindex/v1/kvindex.proto
 
 .PHONY: install install-bench proto run test bench soak sample-log lint fmt clean fuzz
 
-$(STAMP): pyproject.toml
+# The Cython extensions are built at install: a changed .pyx reinstalls (rebuilds) them.
+$(STAMP): pyproject.toml setup.py $(wildcard kvindex/*.pyx kvindex/*/*.pyx)
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -e '.[dev]'
