@@ -41,7 +41,19 @@ from kvindex.v1 import kvindex_pb2 as pb
 from kvindex.v1 import kvindex_pb2_grpc as pb_grpc
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from run_vllm import BIN, BLOCK, MAX_MODEL_LEN, MODEL, ROOT, Proc, free_port, http, log, wait_log_event
+from run_vllm import (
+    BIN,
+    BLOCK,
+    MAX_MODEL_LEN,
+    MODEL,
+    ROOT,
+    Proc,
+    free_port,
+    http,
+    log,
+    missing_inputs,
+    wait_log_event,
+)
 
 WORKER = "vllm-feedback-0"
 INSTANCE = f"{WORKER}/0"
@@ -397,10 +409,8 @@ def main() -> int:
         "--degraded-within", type=int, default=3, help="requests after the loss can show that must suffice"
     )
     args = p.parse_args()
-    for path, what in ((args.vllm_python, "the vLLM venv"), (args.model_dir / "config.json", "the model")):
-        if not path.exists():
-            print(f"{path} missing: {what} is created by `make e2e-vllm`", file=sys.stderr)
-            return 2
+    if missing_inputs(args):
+        return 2
     return Run(args).main()
 
 

@@ -978,6 +978,15 @@ def log(msg: str) -> None:
     print(f"[e2e {time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
+def missing_inputs(args: argparse.Namespace) -> bool:
+    """Whether the vLLM venv or the model (made by `make e2e-vllm`) is missing; says which."""
+    for path, what in ((args.vllm_python, "the vLLM venv"), (args.model_dir / "config.json", "the model")):
+        if not path.exists():
+            print(f"{path} missing: {what} is created by `make e2e-vllm`", file=sys.stderr)
+            return True
+    return False
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--vllm-python", type=Path, default=ROOT / ".venv-vllm" / "bin" / "python")
@@ -992,10 +1001,8 @@ def main() -> int:
     p.add_argument("--load-output-tokens", type=int, default=440)
     p.add_argument("--tokenize-only", action="store_true", help="only the tokenization comparison")
     args = p.parse_args()
-    for path, what in ((args.vllm_python, "the vLLM venv"), (args.model_dir / "config.json", "the model")):
-        if not path.exists():
-            print(f"{path} missing: {what} is created by `make e2e-vllm`", file=sys.stderr)
-            return 2
+    if missing_inputs(args):
+        return 2
     return Run(args).main()
 
 

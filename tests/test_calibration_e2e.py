@@ -64,6 +64,21 @@ class FinishingEngine(MetricsPage):
         pass
 
 
+def scraping_bridge(nats_url: str, engine: FakeEngine, page: MetricsPage) -> Any:
+    """``kvshim vllm`` for worker w1 scraping ``page`` often, with quick heartbeats."""
+    return running_bridge(
+        nats_url,
+        engine,
+        engine="vllm",
+        worker_id="w1",
+        model=MODEL,
+        block_size=4,
+        metrics_url=page.url,
+        scrape_interval=0.03,
+        heartbeat_interval=0.1,
+    )
+
+
 async def instance(address: str) -> Any:
     async with grpc.aio.insecure_channel(address) as channel:
         reply = await pb_grpc.KvIndexStub(channel).ListInstances(pb.ListInstancesRequest(model=MODEL))
@@ -81,17 +96,7 @@ async def test_vllm_prefill_times_calibrate_the_instance_and_persist(
         first = IndexService(cfg)
         await first.start()
         try:
-            async with running_bridge(
-                natsd.url,
-                engine,
-                engine="vllm",
-                worker_id="w1",
-                model=MODEL,
-                block_size=4,
-                metrics_url=page.url,
-                scrape_interval=0.03,
-                heartbeat_interval=0.1,
-            ) as bridge:
+            async with scraping_bridge(natsd.url, engine, page) as bridge:
                 # Before enough samples: the default, as for any new instance.
                 await wait_until(lambda: first.registry.get(("w1", 0)) is not None, what="the instance")
                 info = await instance(first.grpc.address)
@@ -145,17 +150,7 @@ async def test_calibration_off_keeps_the_default_model(engine: FakeEngine) -> No
     service = IndexService(cfg)
     await service.start()
     try:
-        async with running_bridge(
-            natsd.url,
-            engine,
-            engine="vllm",
-            worker_id="w1",
-            model=MODEL,
-            block_size=4,
-            metrics_url=page.url,
-            scrape_interval=0.03,
-            heartbeat_interval=0.1,
-        ):
+        async with scraping_bridge(natsd.url, engine, page):
             await wait_until(lambda: service.calibrator.ignored >= 30, timeout=20, what="samples arriving")
             info = await instance(service.grpc.address)
         assert info.prefill.source == "default" and info.prefill.samples == 0
