@@ -29,7 +29,7 @@ sys.path.insert(0, str(ROOT))
 from kvindex.keys import block_keys  # noqa: E402
 from kvindex.service.app import IndexService, ServiceConfig  # noqa: E402
 from kvindex.service.natsd import EmbeddedNats  # noqa: E402
-from tests.fake_openai import FakeOpenAIEngine  # noqa: E402
+from tests.integration.fake_openai import FakeOpenAIEngine  # noqa: E402
 from workers_shim.publisher import Publisher  # noqa: E402
 
 MODEL = "bench-model"

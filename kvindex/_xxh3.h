@@ -7,7 +7,7 @@
  * do all the work; blocks of more than 60 tokens take the long path, whose stripe loop uses SSE2
  * where the compiler targets it (every x86-64) and plain 64-bit arithmetic elsewhere.
  *
- * Results equal the `xxhash` package's xxh3_64 for every length and seed: tests/test_keys.py checks
+ * Results equal the `xxhash` package's xxh3_64 for every length and seed: tests/unit/test_keys.py checks
  * random inputs of 0..4096 bytes with random seeds and the vectors in proto/vectors.
  */
 #ifndef KVINDEX_XXH3_H

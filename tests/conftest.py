@@ -1,105 +1,20 @@
-"""Shared fixtures: a real nats-server, a real kvindex service and a real gRPC client over a socket."""
+"""Helpers shared by unit and integration tests (the real parts' fixtures: tests/integration/conftest.py)."""
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
-import grpc
-import nats
 import pytest
+import trustme
 
-from kvindex.repair.nats_repair import RepairConfig
 from kvindex.service.app import IndexService, ServiceConfig
-from kvindex.service.natsd import EmbeddedNats
-from kvindex.v1 import kvindex_pb2_grpc as pb_grpc
 from kvtools.testing.faults import FaultyPublisher
-from workers_shim.publisher import Publisher
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-@pytest.fixture
-async def engine() -> AsyncIterator[Any]:
-    """A fake inference engine publishing KV events over real ZMQ (tests/test_bridge_fakes.py)."""
-    from tests.test_bridge_fakes import FakeEngine  # it imports this module's helpers
-
-    eng = await FakeEngine().start()
-    try:
-        yield eng
-    finally:
-        await eng.close()
-
-
-@pytest.fixture
-async def nats_server() -> AsyncIterator[EmbeddedNats]:
-    server = EmbeddedNats()
-    await server.start()
-    try:
-        yield server
-    finally:
-        await server.stop()
-
-
-@pytest.fixture
-async def service(nats_server: EmbeddedNats) -> AsyncIterator[IndexService]:
-    svc = IndexService(ServiceConfig(nats_url=nats_server.url, grpc_host="127.0.0.1", grpc_port=0))
-    await svc.start()
-    try:
-        yield svc
-    finally:
-        await svc.stop()
-
-
-@pytest.fixture
-async def make_service(nats_server: EmbeddedNats) -> AsyncIterator[Callable[..., Awaitable[IndexService]]]:
-    """Factory of started services on the shared nats-server, with a custom repair config."""
-    made: list[IndexService] = []
-
-    async def make(repair: RepairConfig | None = None, **kwargs: object) -> IndexService:
-        config = ServiceConfig(
-            nats_url=nats_server.url, grpc_host="127.0.0.1", grpc_port=0, repair=repair or RepairConfig()
-        )
-        for name, value in kwargs.items():
-            setattr(config, name, value)
-        svc = IndexService(config)
-        await svc.start()
-        made.append(svc)
-        return svc
-
-    yield make
-    for svc in made:
-        await svc.stop()
-
-
-@pytest.fixture
-async def stub(service: IndexService) -> AsyncIterator[pb_grpc.KvIndexStub]:
-    async with grpc.aio.insecure_channel(service.grpc.address) as channel:
-        yield pb_grpc.KvIndexStub(channel)
-
-
-@pytest.fixture
-async def make_publisher(nats_server: EmbeddedNats) -> AsyncIterator[Callable[..., Awaitable[Publisher]]]:
-    """Factory of started publishers, each on its own NATS connection, closed at teardown."""
-    made: list[Publisher] = []
-
-    async def make(cls: type[Publisher] = Publisher, **kwargs: object) -> Publisher:
-        nc = await nats.connect(nats_server.url)
-        kwargs.setdefault("heartbeat_interval", 0.2)
-        pub = cls(nc, **kwargs)  # type: ignore[arg-type]
-        pub._owns_nc = True
-        await pub.start()
-        made.append(pub)
-        return pub
-
-    yield make
-    for pub in made:
-        if isinstance(pub, FaultyPublisher):
-            pub.faults.quiet()  # no delayed sends or partitions while closing
-        await pub.close()
 
 
 async def wait_until(predicate: Callable[[], bool], timeout: float = 5.0, what: str = "condition") -> None:
@@ -146,3 +61,51 @@ def mtls_token_config(nats_url: str, directory: Path, token: str = "s3cret") -> 
         ServerTLS(files.server_cert, files.server_key, client_ca=files.ca), token_file=directory / "token"
     )
     return config
+
+
+# -- gRPC TLS: certificates made at test time (tests/*/test_grpc_security.py) --------------------------
+
+
+@dataclass
+class Pki:
+    """A CA with a server certificate for 127.0.0.1/localhost and a client certificate; another CA
+    (the wrong one) with its own client certificate; all as PEM files."""
+
+    ca: Path
+    server_cert: Path
+    server_key: Path
+    client_cert: Path
+    client_key: Path
+    other_ca: Path
+    other_client_cert: Path
+    other_client_key: Path
+    dir: Path
+
+
+def _write_pair(cert: trustme.LeafCert, directory: Path, name: str) -> tuple[Path, Path]:
+    chain, key = directory / f"{name}.pem", directory / f"{name}.key"
+    cert.cert_chain_pems[0].write_to_path(str(chain))
+    for extra in cert.cert_chain_pems[1:]:
+        extra.write_to_path(str(chain), append=True)
+    cert.private_key_pem.write_to_path(str(key))
+    return chain, key
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
+    d = tmp_path_factory.mktemp("pki")
+    ca, other = trustme.CA(), trustme.CA()
+    ca.cert_pem.write_to_path(str(d / "ca.pem"))
+    other.cert_pem.write_to_path(str(d / "other-ca.pem"))
+    server_cert, server_key = _write_pair(ca.issue_cert("127.0.0.1", "localhost"), d, "server")
+    client_cert, client_key = _write_pair(ca.issue_cert("router-1.clients"), d, "client")
+    o_cert, o_key = _write_pair(other.issue_cert("intruder.clients"), d, "other-client")
+    return Pki(
+        d / "ca.pem", server_cert, server_key, client_cert, client_key, d / "other-ca.pem", o_cert, o_key, d
+    )
+
+
+def token_file(directory: Path, *tokens: str, name: str = "token") -> Path:
+    path = directory / name
+    path.write_text("".join(f"{t}\n" for t in tokens))
+    return path

@@ -68,8 +68,8 @@ ENGINE_KEEPALIVE = 4.0  # seconds an idle engine connection is kept (uvicorn clo
 REJECTED = "rejected"  # the index refused the request (e.g. no tokenizer for the model)
 TEXT_UNSUPPORTED = "text_unsupported"  # a text prompt, and this index API takes only token ids
 
-# How the index says it cannot tokenize a model's text (kvindex/tokenize/registry.py); tests/test_route.py
-# checks the proxy recognises it from a real index.
+# How the index says it cannot tokenize a model's text (kvindex/tokenize/registry.py);
+# tests/integration/test_route.py checks the proxy recognises it from a real index.
 _NO_TOKENIZER = "has no tokenizer configured"
 
 # A Score that may have reached the index and committed although no answer came back: release it.

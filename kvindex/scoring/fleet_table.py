@@ -10,7 +10,7 @@ few best others, and selects those others with a handful of vector operations in
 object per instance (router.py, ``Router.score`` with ``top_k``).
 
 The vector formulas repeat ``Router.candidates`` operation for operation in float64, so a value
-computed here is bit-identical to the scalar one (tests/test_pruned_ranking.py checks rankings
+computed here is bit-identical to the scalar one (tests/unit/test_pruned_ranking.py checks rankings
 against the exhaustive path over random fleets).
 """
 
@@ -389,7 +389,7 @@ def _wait_rows(
 
 def row_values(state: InstanceState, ledger: Ledger) -> tuple:
     """An instance's row, in column order (_FLOAT_COLS, then _BOOL_COLS). (FleetTables.refresh
-    builds its rows with the same _row; tests/test_consumer_status.py checks the tables against this.)"""
+    builds its rows with the same _row; tests/unit/test_consumer_status.py checks the tables against this.)"""
     load = state.load
     at = state.last_status_at
     if state.key in ledger.busy:

@@ -2,7 +2,7 @@
 directory the way ``transformers`` writes one (``tokenizer.json`` + ``tokenizer_config.json``, optionally
 ``chat_template.jinja``), with a chat template in one of the common families.
 
-Used by the test suite (tests/test_tokenize*.py) and by ``e2e/make_model.py`` (the tiny model the real
+Used by the test suite (tests/*/test_tokenize*.py) and by ``e2e/make_model.py`` (the tiny model the real
 vLLM serves), so the tokenizer checked against the engine is built by the same code the tests use.
 Nothing is downloaded: the BPE merges are trained on a generated corpus in well under a second.
 

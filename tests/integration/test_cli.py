@@ -1,0 +1,129 @@
+"""The CLI as a user runs it: `kvindex serve` (embedded nats-server) queried by `kvindex score/stats`."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from kvindex.keys import block_keys
+from kvindex.service.natsd import free_port
+from workers_shim.publisher import Publisher
+
+KVINDEX = str(Path(sys.executable).with_name("kvindex"))
+
+
+def serve_argv(port: int) -> list[str]:
+    """``kvindex serve`` on 127.0.0.1:``port`` with its embedded NATS and no metrics port."""
+    return [KVINDEX, "serve", "--grpc-host", "127.0.0.1", "--grpc-port", str(port), "--metrics-port", "-1"]
+
+
+def read_log_until(proc: subprocess.Popen[str], event: str, timeout: float = 20.0) -> dict:
+    deadline = time.monotonic() + timeout
+    assert proc.stderr is not None
+    while time.monotonic() < deadline:
+        line = proc.stderr.readline()
+        if not line:
+            raise AssertionError(f"kvindex exited early (code {proc.poll()})")
+        record = json.loads(line)  # not a TTY: one JSON object per line
+        if record.get("event") == event:
+            return record
+    raise AssertionError(f"no {event!r} log line within {timeout}s")
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([KVINDEX, *args], capture_output=True, text=True, timeout=30, check=False)
+
+
+@pytest.fixture
+def served() -> tuple[subprocess.Popen[str], str, str]:
+    port = free_port()
+    proc = subprocess.Popen(
+        # The test's publisher says its piece and leaves: a long --stale-after keeps its instance
+        # ranked however slowly the CLI calls run on a loaded machine.
+        [
+            *serve_argv(port),
+            "--stale-after",
+            "120",
+            "--forget-after",
+            "300",
+        ],
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    try:
+        nats_url = read_log_until(proc, "embedded_nats_started")["url"]
+        read_log_until(proc, "kvindex_serving")
+        yield proc, nats_url, f"127.0.0.1:{port}"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+
+
+def test_serve_score_stats_and_clean_shutdown(served: tuple[subprocess.Popen[str], str, str]) -> None:
+    proc, nats_url, server = served
+    tokens = list(range(64))
+    keys = block_keys(tokens, 16, "demo")
+
+    async def publish() -> None:
+        pub = await Publisher.connect(nats_url, worker="node-a", model="demo", block_size=16)
+        pub.stored(keys[:3])
+        await pub.close()
+
+    asyncio.run(publish())
+    deadline = time.monotonic() + 10
+    while True:
+        stats = json.loads(run_cli("stats", "--server", server).stdout)
+        if int(stats["entries"]["gpu"]) == 3 or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    assert int(stats["entries"]["gpu"]) == 3 and int(stats["batchesApplied"]) >= 1
+
+    score = run_cli("score", "--server", server, "--model", "demo", "--tokens", ",".join(map(str, tokens)))
+    assert score.returncode == 0, score.stderr
+    ranked = json.loads(score.stdout)["ranked"]
+    assert [(r["instanceId"], r["matchedBlocks"]) for r in ranked] == [("node-a/0", 3)]
+
+    look = run_cli("lookup", "--server", server, "--model", "demo", "--keys", ",".join(map(str, keys)))
+    assert json.loads(look.stdout)["matches"][0]["matched"]["gpu"] == "3"
+
+    bad = run_cli("score", "--server", server, "--model", "demo", "--tokens", "1", "--candidates", "no such")
+    assert bad.returncode == 1 and "INVALID_ARGUMENT" in bad.stderr
+
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=15) == 0
+
+
+def test_unknown_model_is_an_error_naming_the_known_ones(
+    served: tuple[subprocess.Popen[str], str, str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    from kvindex.cli import main
+
+    _, nats_url, server = served
+
+    async def publish() -> None:
+        pub = await Publisher.connect(nats_url, worker="node-b", model="known", block_size=16)
+        await pub.close()
+
+    asyncio.run(publish())
+    deadline = time.monotonic() + 10
+    while main(["score", "--server", server, "--model", "known", "--tokens", "1,2"]) != 0:
+        assert time.monotonic() < deadline, capsys.readouterr().err
+        time.sleep(0.05)
+    capsys.readouterr()
+    for command in ("score", "lookup"):
+        assert main([command, "--server", server, "--model", "nope", "--tokens", "1,2,3"]) == 2
+        out = capsys.readouterr()
+        assert out.out == ""
+        assert out.err == (
+            f"kvindex {command}: error: no instance of model 'nope' is known to the index (it knows: known)\n"
+        )

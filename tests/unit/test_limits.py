@@ -1,0 +1,255 @@
+"""Ingest limits (kvindex/ingest/limits.py): beyond a bound the input is refused, counted by reason,
+logged once per instance and reason per minute, and nothing else changes."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvindex.fleet.registry import Registry
+from kvindex.index import InvertedIndex
+from kvindex.ingest.consumer import Consumer
+from kvindex.ingest.limits import (
+    BLOCK_LIMIT,
+    HELD_LIMIT,
+    INSTANCE_LIMIT,
+    MODEL_LIMIT,
+    REPAIR_LIMIT,
+    IngestLimits,
+)
+from kvindex.wire import encode_batch, encode_status
+from kvindex.wire.reconcile import Snapshot
+from tests.unit.test_consumer import snapshot as index_state
+from tests.unit.test_consumer import stored
+
+
+class Pending:
+    """A repair transport whose answers never come (the test answers by hand)."""
+
+    def __init__(self) -> None:
+        self.asked: list[tuple[Any, str]] = []
+
+    def request_replay(self, instance: Any, epoch: int, first: int, last: int) -> None:
+        self.asked.append((instance, "replay"))
+
+    def request_snapshot(self, instance: Any, cause: str) -> None:
+        self.asked.append((instance, "snapshot"))
+
+
+class Log:
+    def __init__(self) -> None:
+        self.lines: list[tuple[str, dict]] = []
+
+    def warning(self, event: str, **kw: Any) -> None:
+        self.lines.append((event, kw))
+
+    info = error = warning
+
+
+def make(repair: Any = None, **limits: Any) -> tuple[Consumer, Log]:
+    log = Log()
+    c = Consumer(InvertedIndex(), Registry(), repair=repair, ingest_limits=IngestLimits(**limits), log=log)
+    return c, log
+
+
+def batch(
+    seq: int, events: list[dict], worker: str = "w1", model: str = "m", epoch: int = 1, **kw: Any
+) -> bytes:
+    return encode_batch(
+        worker=worker, model=model, epoch=epoch, seq=seq, ts=0.0, block_size=4, events=events, **kw
+    )
+
+
+def status(seq: int, capacity: dict, digest: dict | None = None, worker: str = "w1", epoch: int = 1) -> bytes:
+    return encode_status(
+        worker=worker,
+        model="m",
+        epoch=epoch,
+        seq=seq,
+        ts=0.0,
+        block_size=4,
+        load={},
+        capacity=capacity,
+        digest=digest or {},
+    )
+
+
+def refusals(log: Log) -> list[str]:
+    return [kw["reason"] for event, kw in log.lines if event == "limit_refused"]
+
+
+def xor(keys: range | list[int]) -> int:
+    out = 0
+    for k in keys:
+        out ^= k
+    return out
+
+
+def test_limits_follow_announced_capacity_with_slack_and_default() -> None:
+    lim = IngestLimits(capacity_slack=1.25, default_tier_blocks=500, max_tier_blocks=10_000)
+    assert lim.block_limits({0: 100, 1: 0}) == (125, 500, 500, 500)  # 0 means "not announced"
+    assert lim.block_limits({3: 1 << 40}) == (500, 500, 500, 10_000)  # never above the ceiling
+
+
+def test_stores_beyond_capacity_are_dropped_removals_still_apply_and_others_unaffected() -> None:
+    c, log = make()
+    w1, w2 = ("w1", 0), ("w2", 0)
+    assert c.on_status("kvindex.status.w1", status(0, {"gpu": 8}))  # limit 10
+    c.on_status("kvindex.status.w2", status(0, {"gpu": 8}, worker="w2"))
+    assert c.on_events("kvindex.events.w1", batch(1, [stored(*range(1, 9))]))
+    assert c.index.block_counts(w1) == (8, 0, 0, 0)
+    # 20 more: only 2 fit; the removal in the same batch still applies, and frees room first.
+    c.on_events(
+        "kvindex.events.w1",
+        batch(2, [{"type": "removed", "tier": "gpu", "keys": [1]}, stored(*range(100, 120))]),
+    )
+    assert c.index.block_counts(w1) == (10, 0, 0, 0)
+    assert set(c.index.keys_of(w1, 0)) == set(range(2, 9)) | {100, 101, 102}
+    assert c.counters.rejects[BLOCK_LIMIT] == 1 and c.counters.blocks_refused == 17
+    state = c.registry.get(w1)
+    assert state is not None and state.capped == 1 and state.last_seq == 2  # the seq is consumed
+    # Already-held keys cost no room; every further new store is refused, logged once a minute.
+    c.on_events("kvindex.events.w1", batch(3, [stored(2, 3, 200)]))
+    assert c.index.block_counts(w1) == (10, 0, 0, 0) and 200 not in set(c.index.keys_of(w1, 0))
+    assert c.counters.rejects[BLOCK_LIMIT] == 2 and refusals(log) == [BLOCK_LIMIT]
+    # Another instance of the same model is unaffected.
+    assert c.on_events("kvindex.events.w2", batch(1, [stored(*range(1, 11))], worker="w2"))
+    assert c.index.block_counts(w2) == (10, 0, 0, 0)
+    assert c.counters.rejects_by_worker == {"w1": 2}
+
+
+def test_capped_tier_skips_the_digest_until_the_worker_fits_then_a_snapshot_makes_it_exact() -> None:
+    pending = Pending()
+    c, _ = make(repair=pending)
+    w1 = ("w1", 0)
+    c.on_status("kvindex.status.w1", status(0, {"gpu": 4}))  # limit 5
+    c.on_events("kvindex.events.w1", batch(1, [stored(*range(1, 11))]))  # the worker holds 10
+    assert c.index.block_counts(w1) == (5, 0, 0, 0)
+    # Its heartbeat's digest disagrees, as it must: no drift snapshot (it would be capped again).
+    c.on_status("kvindex.status.w1", status(1, {"gpu": 4}, {"gpu": (10, xor(range(1, 11)))}))
+    assert pending.asked == [] and c.counters.drift_detected == 0
+    # It evicts down to 4 blocks; the index, holding a subset, drifts; now the digest counts again.
+    c.on_events(
+        "kvindex.events.w1", batch(2, [{"type": "removed", "tier": "gpu", "keys": list(range(1, 7))}])
+    )
+    c.on_status("kvindex.status.w1", status(2, {"gpu": 4}, {"gpu": (4, xor(range(7, 11)))}))
+    assert pending.asked == [(w1, "snapshot")] and c.counters.drift_detected == 1
+    c.on_snapshot(w1, Snapshot(1, 2, {0: list(range(7, 11))}))
+    assert sorted(c.index.keys_of(w1, 0)) == [7, 8, 9, 10]
+    state = c.registry.get(w1)
+    assert state is not None and state.capped == 0 and state.sync == "synced"
+
+
+def test_snapshot_beyond_the_limit_is_applied_up_to_it() -> None:
+    pending = Pending()
+    c, _ = make(repair=pending)
+    w1 = ("w1", 0)
+    c.on_status("kvindex.status.w1", status(5, {"gpu": 8}))  # discovered mid-stream: snapshot
+    assert pending.asked == [(w1, "snapshot")]
+    c.on_snapshot(w1, Snapshot(1, 5, {0: list(range(1, 101))}))
+    assert c.index.block_counts(w1) == (10, 0, 0, 0)
+    assert c.counters.rejects[BLOCK_LIMIT] == 1 and c.counters.blocks_refused == 90
+    state = c.registry.get(w1)
+    assert state is not None and state.capped == 1 and state.sync == "synced"
+
+
+def test_new_instances_and_models_beyond_the_limits_are_refused_whole() -> None:
+    c, log = make(max_instances_per_model=2, max_models=2)
+    assert c.on_events("kvindex.events.a", batch(1, [stored(1)], worker="a"))
+    assert c.on_events("kvindex.events.b", batch(1, [stored(1)], worker="b"))
+    before = index_state(c)
+    assert not c.on_events("kvindex.events.c", batch(1, [stored(1)], worker="c"))
+    assert not c.on_status("kvindex.status.c", status(0, {"gpu": 8}, worker="c"))
+    assert c.on_events("kvindex.events.d", batch(1, [stored(1)], worker="d", model="m2"))
+    assert not c.on_events("kvindex.events.e", batch(1, [stored(1)], worker="e", model="m3"))
+    assert c.counters.rejects == {INSTANCE_LIMIT: 2, MODEL_LIMIT: 1}
+    assert c.registry.get(("c", 0)) is None and c.registry.get(("e", 0)) is None
+    assert index_state(c)[1] == {**before[1], ("d", 0): (1, 0, 0, 0)}
+    assert refusals(log) == [INSTANCE_LIMIT, MODEL_LIMIT]  # c's second refusal is not logged again
+    # Existing instances keep working.
+    assert c.on_events("kvindex.events.a", batch(2, [stored(2)], worker="a"))
+    # When one goes, a new one fits.
+    c.forget(("b", 0))
+    assert c.on_events("kvindex.events.c", batch(1, [stored(1)], worker="c"))
+
+
+def test_held_batches_beyond_the_limit_are_dropped_for_a_snapshot() -> None:
+    pending = Pending()
+    c, _ = make(repair=pending, max_held_batches=3, max_held_keys=10)
+    w1 = ("w1", 0)
+    c.on_events("kvindex.events.w1", batch(1, [stored(1)]))
+    c.on_events("kvindex.events.w1", batch(3, [stored(3)]))  # gap: replay asked, batch 3 held
+    assert pending.asked == [(w1, "replay")]
+    c.on_events("kvindex.events.w1", batch(4, [stored(*range(10, 19))]))  # 10 keys held: at the limit
+    cursor = c.sequencer.cursor(w1)
+    assert cursor is not None and cursor.held_keys == 10 and len(cursor.buffer) == 2
+    c.on_events("kvindex.events.w1", batch(5, [stored(5)]))  # 11 keys: over, dropped
+    assert cursor.held_keys == 0 and not cursor.buffer
+    assert pending.asked[-1] == (w1, "snapshot") and c.counters.rejects[HELD_LIMIT] == 1
+    assert c.index.block_counts(w1) == (1, 0, 0, 0)  # nothing held was applied out of order
+    # The snapshot makes it exact; batches after it apply in order.
+    c.on_snapshot(w1, Snapshot(1, 5, {0: [1, 3, 5, *range(10, 19)]}))
+    assert c.on_events("kvindex.events.w1", batch(6, [stored(6)]))
+    assert c.index.block_counts(w1) == (13, 0, 0, 0) and cursor.repairing is None
+
+
+def test_repairs_beyond_the_limit_are_not_started_and_are_asked_again_later() -> None:
+    pending = Pending()
+    c, _ = make(repair=pending, max_pending_repairs=1)
+    for w in ("a", "b"):
+        c.on_events(f"kvindex.events.{w}", batch(1, [stored(1)], worker=w))
+    c.on_events("kvindex.events.a", batch(3, [stored(3)], worker="a"))  # a: repair 1 of 1
+    c.on_events("kvindex.events.b", batch(3, [stored(3)], worker="b"))  # b: refused, hole accepted
+    assert pending.asked == [(("a", 0), "replay")]
+    assert c.counters.rejects[REPAIR_LIMIT] == 1
+    assert sorted(c.index.keys_of(("b", 0), 0)) == [1, 3]  # applied across the hole, as NoRepair does
+    b = c.sequencer.cursor(("b", 0))
+    assert b is not None and b.repairing is None and b.applied == 3
+    # Once a's repair ends, b's drift (its heartbeat's digest) starts b's own repair.
+    c.give_up(("a", 0))
+    c.on_status("kvindex.status.b", status(3, {"gpu": 8}, {"gpu": (3, 1 ^ 2 ^ 3)}, worker="b"))
+    assert pending.asked[-1] == (("b", 0), "snapshot")
+
+
+def test_a_batch_may_pass_the_limit_on_the_way_if_it_ends_within_it() -> None:
+    # Engines store before they evict (an offload tier takes its victims, then trims to capacity):
+    # the limit holds for what a batch leaves.
+    c, log = make()
+    w1 = ("w1", 0)
+    c.on_status("kvindex.status.w1", status(0, {"gpu": 8, "cpu": 8}))  # limits 10
+    c.on_events(
+        "kvindex.events.w1",
+        batch(
+            1,
+            [
+                stored(*range(1, 21), tier="cpu"),
+                {"type": "removed", "tier": "cpu", "keys": list(range(1, 13))},
+            ],
+        ),
+    )
+    assert sorted(c.index.keys_of(w1, 1)) == list(range(13, 21))
+    assert not c.counters.rejects and not refusals(log)
+    # Ending beyond it: the newest stores go, and only as many as needed.
+    c.on_events("kvindex.events.w1", batch(2, [stored(30, 31, 32, 33, tier="cpu")]))
+    assert sorted(c.index.keys_of(w1, 1)) == [*range(13, 21), 30, 31]
+    assert c.counters.blocks_refused == 2 and c.counters.rejects == {BLOCK_LIMIT: 1}
+
+
+def test_an_instance_at_the_limit_may_restart_with_another_block_size() -> None:
+    c, _ = make(max_instances_per_model=1)
+    assert c.on_events("kvindex.events.w1", batch(1, [stored(1)]))
+    b = encode_batch(worker="w1", model="m", epoch=2, seq=1, ts=0.0, block_size=8, events=[stored(2)])
+    assert c.on_events("kvindex.events.w1", b)
+    state = c.registry.get(("w1", 0))
+    assert state is not None and state.block_size == 8 and not c.counters.rejects
+
+
+def test_serve_limit_flags_from_the_command_line_and_the_environment() -> None:
+    import argparse
+
+    from kvindex import cli
+    from kvindex.config import parse_layered
+
+    parser = argparse.ArgumentParser()
+    cli._add_serve(parser.add_subparsers(dest="command"))
+    args = parse_layered(parser, ["serve", "--max-models", "7"], env={"KVINDEX_CAPACITY_SLACK": "2.0"})
+    assert cli._limits(args) == IngestLimits(capacity_slack=2.0, max_models=7)
