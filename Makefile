@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 BENCH_STAMP := $(VENV)/.installed-bench
 PROTO_SRC := proto/kvindex/v1/kvindex.proto
 
-.PHONY: install install-bench proto run test bench soak sample-log lint fmt clean fuzz
+.PHONY: install install-bench proto run test test-fast bench soak sample-log lint fmt clean fuzz
 
 # The Cython extensions are built at install: a changed .pyx reinstalls (rebuilds) them.
 $(STAMP): pyproject.toml setup.py $(wildcard kvindex/*.pyx kvindex/*/*.pyx)
@@ -34,8 +34,13 @@ run: $(STAMP)
 serve: $(STAMP)
 	$(VENV)/bin/kvindex serve $(ARGS)
 
+# Every test: tests/unit (pure logic) and tests/integration (real nats-server, gRPC, processes).
 test: $(STAMP)
 	$(PY) -m pytest -q $(ARGS)
+
+# The unit tests alone (tests/README.md): no NATS, no servers, no sockets; well under a minute.
+test-fast: $(STAMP)
+	$(PY) -m pytest -q tests/unit $(ARGS)
 
 bench: $(BENCH_STAMP)
 	$(PY) benchmarks/bench_index.py
