@@ -600,13 +600,15 @@ cdef class Differ:
         return self.log_pos >= size
 
 
-cdef int _walk_gpu(BlockTable gpu, KeyArray keys, uint64_t alive,
-                   int* slots, Py_ssize_t* lens, Py_ssize_t start) noexcept:
-    """The GPU walk: fills (slot, matched blocks) for slots that matched at least one block (at most
-    64, one bank) and returns how many. Every slot of ``alive`` holds the first ``start`` keys on
-    the GPU (the model's holder counts said so): the walk starts after them."""
+cdef int _walk_gpu_drops(BlockTable gpu, KeyArray keys, uint64_t alive, uint64_t* masks,
+                         Py_ssize_t* lens, Py_ssize_t start) noexcept:
+    """The GPU walk: the slots of ``alive`` that matched at least one block, by the key where they
+    drop out: (mask, matched blocks) pairs, at most 64 (one bank); returns how many. Every slot of
+    ``alive`` holds the first ``start`` keys on the GPU (the model's holder counts said so): the
+    walk starts after them. The grouped match uses the masks as they are (a group grows per
+    drop-out key, not per slot); _walk_gpu lists them per slot."""
     cdef Py_ssize_t i
-    cdef uint64_t still, dropped
+    cdef uint64_t still
     cdef int count = 0
     cdef Py_ssize_t n = keys.n
     cdef uint64_t* karr = keys.data
@@ -618,21 +620,36 @@ cdef int _walk_gpu(BlockTable gpu, KeyArray keys, uint64_t alive,
             _prefetch_mixed(gpu, mixed[i + PREFETCH])
         still = alive & gpu.get_mixed(karr[i], mixed[i])
         if still != alive:
-            dropped = alive ^ still
             if i:
-                while dropped:
-                    slots[count] = __builtin_ctzll(dropped)
-                    lens[count] = i
-                    count += 1
-                    dropped &= dropped - 1
+                masks[count] = alive ^ still
+                lens[count] = i
+                count += 1
             alive = still
             if not alive:
                 return count
-    while alive:
-        slots[count] = __builtin_ctzll(alive)
+    if alive:
+        masks[count] = alive
         lens[count] = n
         count += 1
-        alive &= alive - 1
+    return count
+
+
+cdef int _walk_gpu(BlockTable gpu, KeyArray keys, uint64_t alive,
+                   int* slots, Py_ssize_t* lens, Py_ssize_t start) noexcept:
+    """_walk_gpu_drops per slot: fills (slot, matched blocks) for slots that matched at least one
+    block (at most 64, one bank) and returns how many."""
+    cdef uint64_t drops[64]
+    cdef Py_ssize_t drop_lens[64]
+    cdef int n_drops = _walk_gpu_drops(gpu, keys, alive, drops, drop_lens, start)
+    cdef int j, count = 0
+    cdef uint64_t m
+    for j in range(n_drops):
+        m = drops[j]
+        while m:
+            slots[count] = __builtin_ctzll(m)
+            lens[count] = drop_lens[j]
+            count += 1
+            m &= m - 1
     return count
 
 
@@ -829,37 +846,6 @@ cdef tuple _banks_to_walk(list summaries, KeyArray keys, Py_ssize_t everyone):
         groups = (gpu_summary.get(first) | (<BlockTable>summaries[1]).get(first)
                   | (<BlockTable>summaries[2]).get(first))
     return groups, start
-
-
-cdef int _walk_gpu_drops(BlockTable gpu, KeyArray keys, uint64_t alive, uint64_t* masks,
-                         Py_ssize_t* lens, Py_ssize_t start) noexcept:
-    """_walk_gpu, reporting the slots by the key where they drop out (a mask per matched length)
-    rather than one by one; returns how many (mask, length) pairs (at most 64)."""
-    cdef Py_ssize_t i
-    cdef uint64_t still
-    cdef int count = 0
-    cdef Py_ssize_t n = keys.n
-    cdef uint64_t* karr = keys.data
-    cdef uint64_t* mixed = keys.mixed
-    for i in range(start, min(n, start + PREFETCH)):
-        _prefetch_mixed(gpu, mixed[i])
-    for i in range(start, n):
-        if i + PREFETCH < n:
-            _prefetch_mixed(gpu, mixed[i + PREFETCH])
-        still = alive & gpu.get_mixed(karr[i], mixed[i])
-        if still != alive:
-            if i:
-                masks[count] = alive ^ still
-                lens[count] = i
-                count += 1
-            alive = still
-            if not alive:
-                return count
-    if alive:
-        masks[count] = alive
-        lens[count] = n
-        count += 1
-    return count
 
 
 cdef inline int _group_add(list g, Py_ssize_t b, uint64_t mask) except -1:
