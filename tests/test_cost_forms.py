@@ -36,8 +36,16 @@ MODEL = "m"
 BS = 16
 
 
-def test_the_native_kernels_are_built() -> None:
-    assert _kernels.wait_rows is not None, "kvindex/scoring/_kernels.pyx was not compiled"
+def test_the_rankings_use_the_native_kernels() -> None:
+    """Built (the import above) and picked up by the modules that rank with them."""
+    from kvindex.scoring import fleet_table
+    from kvindex.scoring import router as router_module
+
+    assert fleet_table._native_waits is _kernels.wait_rows
+    assert fleet_table._native_weights is _kernels.rendezvous_weights
+    assert router_module._native_rank_others is _kernels.rank_others
+    assert router_module._native_rank_grouped is _kernels.rank_grouped
+    assert router_module._native_mark_group_rows is _kernels.mark_group_rows
 
 
 class Clock:
