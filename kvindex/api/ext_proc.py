@@ -50,7 +50,6 @@ from google.protobuf import struct_pb2
 from prometheus_client import Counter
 
 from kvindex.api.openai_body import BodyError, PromptSpec, parse_body
-from kvindex.api.security import ServerSecurity
 from kvindex.api.server import READINESS, GrpcPort
 from kvindex.api.servicer import BadRequest, KvIndexServicer
 from kvindex.api.usage import UsageReader
@@ -78,6 +77,7 @@ from kvindex.scoring.admission import (
 )
 from kvindex.scoring.ledger import FINISHED, PREFILL
 from kvindex.scoring.outcomes import Report
+from kvindex.security import ServerSecurity
 from kvindex.v1 import kvindex_pb2 as pb
 
 SERVICE_NAME = ep.DESCRIPTOR.services_by_name["ExternalProcessor"].full_name
