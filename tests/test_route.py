@@ -22,9 +22,9 @@ from google.protobuf import descriptor_pb2, descriptor_pool
 from google.protobuf.message_factory import GetMessageClass
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvindex.api.openai_body import parse_body
 from kvindex.api.server import GrpcServer
 from kvindex.keys import block_keys
+from kvindex.route.openai_body import parse_body
 from kvindex.route.proxy import RouteConfig, RouteProxy, _fields_taken
 from kvindex.security import ClientTLS
 from kvindex.service.app import IndexService

@@ -12,7 +12,6 @@ import structlog
 from prometheus_client import start_http_server
 
 from kvindex.api import listen
-from kvindex.api.ext_proc import EndpointPicker, ExtProcServer
 from kvindex.api.server import GrpcServer
 from kvindex.api.servicer import KvIndexServicer
 from kvindex.capture.recorder import (
@@ -34,6 +33,7 @@ from kvindex.observability.counters import IngestCounters, Metrics
 from kvindex.observability.outcomes import OutcomeCollector
 from kvindex.observability.tokenize import TokenizeCollector
 from kvindex.repair.nats_repair import NatsRepairer, RepairConfig
+from kvindex.route.ext_proc import EndpointPicker, ExtProcServer
 from kvindex.route.pd import PdConfig
 from kvindex.routing_sync.metrics import SyncCollector
 from kvindex.routing_sync.nats_link import NatsRoutingLink
