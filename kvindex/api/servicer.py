@@ -15,7 +15,8 @@ import grpc
 import numpy as np
 
 from kvindex.fleet.registry import InstanceState, Registry
-from kvindex.index.base import NO_MATCH, InstanceKey, KvBlockIndex
+from kvindex.index.base import NO_MATCH, KvBlockIndex
+from kvindex.instance import InstanceKey
 from kvindex.keys import keys_from_le_bytes, model_seed
 from kvindex.observability.counters import IngestCounters, Metrics
 from kvindex.scoring.base import DECODE_ROLE, PREFILL_ROLE, RouteRequest

@@ -33,10 +33,10 @@ from kvindex.capture.digest import state_digest
 from kvindex.capture.format import LogError, LogReader
 from kvindex.fleet.liveness import sweep
 from kvindex.fleet.registry import Registry, instance_id
-from kvindex.index.base import InstanceKey
 from kvindex.index.inverted import InvertedIndex
 from kvindex.ingest.consumer import SNAPSHOT, Consumer
 from kvindex.ingest.limits import limits_from_meta
+from kvindex.instance import InstanceKey
 from kvindex.observability.counters import IngestCounters
 from kvindex.repair.nats_repair import RepairConfig
 from kvindex.scoring.base import DECODE_ROLE, RouteRequest

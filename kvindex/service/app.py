@@ -23,11 +23,11 @@ from kvindex.capture.recorder import (
 )
 from kvindex.config.nats import NatsSettings
 from kvindex.fleet.registry import Registry
-from kvindex.index.base import InstanceKey
 from kvindex.index.inverted import InvertedIndex
 from kvindex.ingest.consumer import Consumer
 from kvindex.ingest.limits import IngestLimits
 from kvindex.ingest.nats_source import JetStreamConfig, NatsSource
+from kvindex.instance import InstanceKey
 from kvindex.lifecycle import Stop, bounded
 from kvindex.observability.counters import IngestCounters, Metrics
 from kvindex.observability.outcomes import OutcomeCollector
