@@ -19,7 +19,7 @@ from kvindex.index.base import NO_MATCH, KvBlockIndex
 from kvindex.instance import InstanceKey
 from kvindex.keys import keys_from_le_bytes, model_seed
 from kvindex.observability.counters import IngestCounters, Metrics
-from kvindex.scoring.base import DECODE_ROLE, PREFILL_ROLE, RouteRequest
+from kvindex.scoring.base import DECODE_ROLE, PREFILL_ROLE, RouteRequest, prompt_length
 from kvindex.scoring.ledger import FINISHED, PREFILL
 from kvindex.scoring.outcomes import INVALID, Report
 from kvindex.scoring.pick import PickOptions
@@ -108,13 +108,6 @@ def _check_candidates(candidates: Sequence[str]) -> list[str] | None:
 
 def _tier_blocks(t: Sequence[int]) -> pb.TierBlocks:
     return pb.TierBlocks(gpu=t[0], cpu=t[1], disk=t[2], shared=t[3])
-
-
-def _prompt_tokens(request: Any, block_size: int, keys: list[int]) -> int:
-    """L: the token count when tokens were sent, else the caller's figure, else whole blocks."""
-    if len(request.token_ids):
-        return len(request.token_ids)
-    return request.prompt_tokens or len(keys) * block_size
 
 
 def _load(state: InstanceState, now: float) -> pb.Load:
@@ -343,7 +336,7 @@ class KvIndexServicer(pb_grpc.KvIndexServicer):
         pick: PickOptions | None = None,
     ) -> pb.ScoreResponse:
         model = request.model
-        prompt = _prompt_tokens(request, block_size, keys) if prompt_tokens is None else prompt_tokens
+        prompt = prompt_length(request, block_size, keys) if prompt_tokens is None else prompt_tokens
         response = pb.ScoreResponse(
             model=model,
             block_size=block_size,
