@@ -14,6 +14,7 @@ from typing import Any, NamedTuple, NoReturn
 import grpc
 import numpy as np
 
+from kvindex.api.errors import BadRequest
 from kvindex.fleet.registry import InstanceState, Registry
 from kvindex.index.base import NO_MATCH, KvBlockIndex
 from kvindex.instance import InstanceKey
@@ -36,10 +37,6 @@ MAX_BLOCK_KEYS = 1_000_000
 MAX_CANDIDATES = 100_000
 
 _seed = lru_cache(maxsize=4096)(model_seed)
-
-
-class BadRequest(ValueError):
-    """An argument error; becomes INVALID_ARGUMENT with this message."""
 
 
 class Prompt(NamedTuple):

@@ -49,8 +49,9 @@ from envoy.type.v3 import http_status_pb2
 from google.protobuf import struct_pb2
 from prometheus_client import Counter
 
+from kvindex.api.errors import BadRequest
 from kvindex.api.server import READINESS, GrpcPort
-from kvindex.api.servicer import BadRequest, KvIndexServicer
+from kvindex.api.servicer import KvIndexServicer
 from kvindex.fleet.registry import InstanceState
 from kvindex.route.openai_body import BodyError, PromptSpec, parse_body
 from kvindex.route.pd import (
