@@ -20,10 +20,10 @@ import aiohttp
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvindex.api.security import ClientTLS
 from kvindex.api.server import GrpcServer
 from kvindex.keys import block_keys
 from kvindex.route.proxy import RouteConfig, RouteProxy
+from kvindex.security import ClientTLS
 from kvindex.service.app import IndexService
 from kvindex.service.natsd import EmbeddedNats
 from tests.conftest import ROOT, mtls_token_config, wait_until

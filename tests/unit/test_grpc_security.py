@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from kvindex.api.security import (
+from kvindex.security import (
     ClientTLS,
     SecurityConfigError,
     ServerSecurity,

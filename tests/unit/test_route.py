@@ -11,7 +11,7 @@ import pytest
 from google.protobuf import descriptor_pb2, descriptor_pool
 from google.protobuf.message_factory import GetMessageClass
 
-from kvindex.api.openai_body import parse_body
+from kvindex.route.openai_body import parse_body
 from kvindex.route.proxy import _fields_taken
 from kvindex.v1 import kvindex_pb2 as pb
 
