@@ -382,7 +382,7 @@ class Simulation:
     def send(self, subject: str, data: bytes) -> None:
         if ".events." in subject and self.cluster.loss and self.rng.random() < self.cluster.loss:
             return
-        on = self.consumer.on_events if ".events." in subject else self.consumer.on_status
+        on = self.consumer.on_events if ".events." in subject else self.consumer.on_heartbeat
         self.later(self.cluster.delay_s, lambda: on(subject, data))
 
     def _flush(self) -> None:
@@ -564,9 +564,8 @@ class Simulation:
             if name in self.late:
                 continue
             for subject, data in log.heartbeat_messages():
-                self.consumer.on_events(subject, data) if ".events." in subject else self.consumer.on_status(
-                    subject, data
-                )
+                on = self.consumer.on_events if ".events." in subject else self.consumer.on_heartbeat
+                on(subject, data)
         self.later(self.cluster.heartbeat_s, self._heartbeat)
         if self.late:
             self.later(self.cluster.join_at, self._join)

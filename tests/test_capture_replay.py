@@ -128,7 +128,7 @@ async def test_replay_reproduces_the_live_service_exactly(captured: tuple[Path, 
             state.stale,
             state.sync,
         )
-        assert mine.last_status_at == pytest.approx(state.last_status_at, abs=0.05)  # type: ignore[arg-type]
+        assert mine.last_heartbeat_at == pytest.approx(state.last_heartbeat_at, abs=0.05)  # type: ignore[arg-type]
     # Every live-state checkpoint along the way matched too.
     assert r.checks_ok >= 2 and not r.divergences
     # The repairs were the live ones, answer for answer.

@@ -33,7 +33,7 @@ from kvindex.lifecycle import close_nats
 from kvindex.lifecycle.bounded import finish
 from kvindex.scoring.pick import SOFTMAX
 from kvindex.wire.reconcile import Snapshot
-from kvindex.wire.subjects import EVENTS, STATUS
+from kvindex.wire.subjects import EVENTS, HEARTBEAT
 
 if TYPE_CHECKING:
     from kvindex.ingest.consumer import Consumer
@@ -135,7 +135,7 @@ class Recorder:
         if consumer is not None and record[0] != R.FLAGS:
             # How the source lets heartbeats drive repairs (JetStream catch-up) changes between
             # records: log the change before the record it first applies to.
-            flags = (consumer.heartbeat_repairs, consumer.status_in_order)
+            flags = (consumer.heartbeat_repairs, consumer.heartbeats_in_order)
             if flags != self._flags:
                 self._flags = flags
                 self._add(
@@ -161,7 +161,7 @@ class Recorder:
     # -- the source's tap -----------------------------------------------------------------------
 
     def message(self, subject: str, payload: bytes, received: float | None = None) -> None:
-        """An events/status message about to be handed to the consumer (NatsSource.tap)."""
+        """An events/heartbeat message about to be handed to the consumer (NatsSource.tap)."""
         self.messages += 1
         clock = self.clock
         mono = clock.pin() if isinstance(clock, PinnableClock) else clock()
@@ -353,7 +353,7 @@ class RecordingServicer(KvIndexServicer):
 
 
 class Capture:
-    """``kvindex capture``: record every events/status message under a prefix, with no index.
+    """``kvindex capture``: record every events/heartbeat message under a prefix, with no index.
 
     It cannot see a service's replay/snapshot answers (they go to that service's inbox), so a replay
     of its log runs the consumer without repairs: holes are counted and accepted.
@@ -382,7 +382,7 @@ class Capture:
 
     async def _on_msg(self, msg: Any) -> None:
         kind = msg.subject[len(self._head) :].partition(".")[0]
-        if kind in (EVENTS, STATUS):
+        if kind in (EVENTS, HEARTBEAT):
             self.recorder.message(msg.subject, msg.data)
 
     async def stop(self) -> None:

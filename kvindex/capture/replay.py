@@ -3,7 +3,7 @@
 Nothing here re-implements ingestion. Records are handed to the very methods the live service
 called, in the same order, with the registry's clock set to the record's time:
 
-- ``msg`` -> ``Consumer.on_events`` / ``on_status`` (decode, sequence, apply, decide repairs);
+- ``msg`` -> ``Consumer.on_events`` / ``on_heartbeat`` (decode, sequence, apply, decide repairs);
 - ``replay_reply`` / ``replay_failed`` / ``snapshot`` -> ``on_replay`` / ``on_replay_failed`` /
   ``on_snapshot`` (the answers the live repairer got, byte for byte);
 - ``timer`` -> ``mark_stale`` / ``forget`` / ``reconcile`` / ``give_up`` (the live timers' decisions);
@@ -14,7 +14,7 @@ down the log. A log from ``kvindex capture`` has no answers, so it is replayed w
 (holes counted and accepted) and liveness is simulated with the service's own sweep.
 
 Time is virtual: ``VirtualClock`` returns the current record's ``mono``, so first-seen and
-heartbeat times, status ages, repair durations and ledger ages are those of the live service.
+heartbeat times, heartbeat ages, repair durations and ledger ages are those of the live service.
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ from kvindex.scoring.router import Router, RouterConfig
 from kvindex.v1 import kvindex_pb2 as pb
 from kvindex.wire.reconcile import Snapshot
 from kvindex.wire.schema import TIER_NAMES
-from kvindex.wire.subjects import EVENTS, STATUS, Subjects
+from kvindex.wire.subjects import EVENTS, HEARTBEAT, Subjects
 
 log = structlog.get_logger("kvindex.replay")
 
@@ -257,7 +257,7 @@ class Replayer:
         self._tick = defaults.tick
         self._next_sweep = self.start_mono
         self._events_head = f"{self.prefix}.{EVENTS}."
-        self._status_head = f"{self.prefix}.{STATUS}."
+        self._heartbeat_head = f"{self.prefix}.{HEARTBEAT}."
         self.on_moment = on_moment
         self.keep_moments = keep_moments
         self.moments: list[Moment] = []
@@ -348,8 +348,8 @@ class Replayer:
         subject, payload = record[3], record[4]
         if subject.startswith(self._events_head):
             self.consumer.on_events(subject, payload)
-        elif subject.startswith(self._status_head):
-            self.consumer.on_status(subject, payload)
+        elif subject.startswith(self._heartbeat_head):
+            self.consumer.on_heartbeat(subject, payload)
 
     def _replay_reply(self, record: list[Any]) -> None:
         worker, rank, epoch, status, payloads = record[3:8]
@@ -406,7 +406,7 @@ class Replayer:
     def _flags(self, record: list[Any]) -> None:
         flags = record[3]
         self.consumer.heartbeat_repairs = bool(flags.get("heartbeat_repairs", True))
-        self.consumer.status_in_order = bool(flags.get("status_in_order", True))
+        self.consumer.heartbeats_in_order = bool(flags.get("status_in_order", True))
 
     def _check(self, record: list[Any]) -> None:
         live = record[3]
@@ -546,7 +546,7 @@ class Replayer:
             for t in range(4):
                 totals[t] += blocks[t]
             cursor = self.consumer.sequencer.cursor(state.key)
-            age = state.status_age(now)
+            age = state.heartbeat_age(now)
             instances.append(
                 {
                     "instance": state.instance_id,
@@ -583,7 +583,7 @@ class Replayer:
                 "gaps": c.gaps,
                 "missing_batches": c.missing_batches,
                 "restarts": c.restarts,
-                "status_received": c.status_received,
+                "status_received": c.heartbeats_received,
                 "rejects": dict(c.rejects),
                 "replays_requested": c.replays_requested,
                 "replays_ok": c.replays_ok,

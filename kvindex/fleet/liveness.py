@@ -31,7 +31,7 @@ def sweep_next(
         if state.static:
             continue  # registered by the operator, not by heartbeats: nothing to age
         # An instance never heard in a heartbeat ages from when it was first seen.
-        last = state.last_status_at if state.last_status_at is not None else state.first_seen
+        last = state.last_heartbeat_at if state.last_heartbeat_at is not None else state.first_seen
         silent = now - last
         if silent > forget_after:
             forget.append(state.key)

@@ -1,7 +1,7 @@
 """From wire bytes to index state: decode, check identity, sequence, apply.
 
 The consumer is synchronous and transport-free: NATS subscriptions, offline replay and benchmarks all
-call ``on_events`` / ``on_status`` with (subject, payload). Nothing a message contains can raise out of
+call ``on_events`` / ``on_heartbeat`` with (subject, payload). Nothing a message contains can raise out of
 these methods: a bad message is rejected whole (counted by reason and logged with its worker id) and
 the index is left exactly as it was.
 """
@@ -34,12 +34,12 @@ from kvindex.sequencer.cursor import Cursor, Sequencer, Verdict, decide
 from kvindex.wire import errors
 from kvindex.wire.codec import (
     DEFAULT_LIMITS,
+    HeartbeatMemory,
+    HeartbeatPeek,
     Limits,
-    StatusMemory,
-    StatusPeek,
     decode_batch,
-    decode_status,
-    decode_status_into,
+    decode_heartbeat,
+    decode_heartbeat_into,
     load_of,
     peek_decoder,
 )
@@ -53,10 +53,10 @@ from kvindex.wire.schema import (
     TIER_NAMES,
     WIRE_VERSION,
     EventBatch,
+    HeartbeatReport,
     Load,
-    StatusReport,
 )
-from kvindex.wire.subjects import EVENTS, STATUS, Subjects, valid_worker_id
+from kvindex.wire.subjects import EVENTS, HEARTBEAT, Subjects, valid_worker_id
 
 
 class RepairScheduler(Protocol):
@@ -117,16 +117,16 @@ class Consumer:
         # Refusals by a limit: once per (instance, reason) per minute, with the count suppressed.
         self._limit_log = RateLimitedLog(self.log, interval=60.0)
         self._events_head = f"{self.subjects.prefix}.{EVENTS}."
-        self._status_head = f"{self.subjects.prefix}.{STATUS}."
-        # Per status subject, the last heartbeat that changed nothing (see _Repeat): the next one
+        self._heartbeat_head = f"{self.subjects.prefix}.{HEARTBEAT}."
+        # Per heartbeat subject, the last heartbeat that changed nothing (see _Repeat): the next one
         # equal to it but for its timestamp only refreshes liveness.
         self._repeats: dict[str, _Repeat] = {}
-        self._pending_repeat: tuple[bytes, str] | None = None  # (set by _apply_status)
+        self._pending_repeat: tuple[bytes, str] | None = None  # (set by _apply_heartbeat)
         # Heartbeats drive repairs (tail loss, drift, discovery) unless the event source is still
         # replaying history; and when they do not share one ordered subscription with the batches,
         # a heartbeat ahead of the batches must be seen twice before it counts as a lost tail.
         self.heartbeat_repairs = True
-        self.status_in_order = True
+        self.heartbeats_in_order = True
         # Where heartbeats' prefill samples go (model, [(prompt, cached, ms)], instance id): the
         # calibration (kvindex/scoring/calibration.py).
         self.prefill_samples: Callable[[str, list[tuple[int, int, float]], str], Any] | None = None
@@ -551,7 +551,7 @@ class Consumer:
 
     def forget(self, instance: InstanceKey) -> None:
         """Silent for long: drop the instance and its blocks (a heartbeat brings it back)."""
-        self._repeats.pop(self._status_head + instance[0], None)
+        self._repeats.pop(self._heartbeat_head + instance[0], None)
         dropped = self.index.drop_instance(instance)
         self.registry.remove(instance)
         self.sequencer.forget(instance)
@@ -583,11 +583,11 @@ class Consumer:
         state.repair_failed = True  # holes accepted: blocks may be missing until a snapshot
         self._sync_changed(state)
 
-    # -- status heartbeats -----------------------------------------------------------------------
+    # -- heartbeats -----------------------------------------------------------------------
 
-    def on_status(self, subject: str, payload: bytes) -> bool:
-        """Handle one status heartbeat; True when accepted."""
-        self.counters.status_received += 1
+    def on_heartbeat(self, subject: str, payload: bytes) -> bool:
+        """Handle one heartbeat; True when accepted."""
+        self.counters.heartbeats_received += 1
         repeat = self._repeats.get(subject)
         if repeat is not None:
             tail = repeat.tail_of(payload)
@@ -600,14 +600,14 @@ class Consumer:
                     if load is not state.load:
                         state.load = load
                         repeat.load_raw = load_raw
-                    state.last_status_at = self.registry.clock()
-                    state.last_status_ts = ts
+                    state.last_heartbeat_at = self.registry.clock()
+                    state.last_heartbeat_ts = ts
                     return True
             del self._repeats[subject]
         # Steady state: a known instance whose heartbeat repeats the previous one's maps (all but
         # its load, mostly) takes them from the previous report instead of decoding them again.
-        head = self._status_head
-        if type(payload) is bytes:  # (codec.peek_status, inline)
+        head = self._heartbeat_head
+        if type(payload) is bytes:  # (codec.peek_heartbeat, inline)
             try:
                 peek = _peek(payload)
             except msgspec.MsgspecError:
@@ -622,41 +622,41 @@ class Consumer:
             and peek.worker == subject[len(head) :]
         ):
             state = self.registry.get((peek.worker, peek.dp_rank))
-            # A memo means decode_status accepted a heartbeat of this instance: the worker, rank,
+            # A memo means decode_heartbeat accepted a heartbeat of this instance: the worker, rank,
             # model and block size the peek leaves unchecked are valid when they equal its own.
             if (
                 state is not None
-                and state.status_memo is not None
+                and state.heartbeat_memo is not None
                 and state.model == peek.model
                 and state.block_size == peek.block_size
             ):
-                memo: _StatusMemo = state.status_memo
-                if decode_status_into(peek, memo):
+                memo: _HeartbeatMemo = state.heartbeat_memo
+                if decode_heartbeat_into(peek, memo):
                     report = memo.report
                     if report.endpoint_error is None and report.role_error is None:  # (else counted)
-                        self._apply_status(state, report, payload)
+                        self._apply_heartbeat(state, report, payload)
                         return True
-                    return self._accept_status(subject, state, report)
+                    return self._accept_heartbeat(subject, state, report)
         worker = None
         try:
-            worker = self.subjects.worker_of(subject, STATUS)
-            report = decode_status(payload, worker)
+            worker = self.subjects.worker_of(subject, HEARTBEAT)
+            report = decode_heartbeat(payload, worker)
             state = self._state_for(
                 report.worker, report.dp_rank, report.model, report.block_size, report.epoch
             )
         except WireError as exc:
             self._reject(worker, subject, exc)
             return False
-        memo = state.status_memo
+        memo = state.heartbeat_memo
         if peek is None:
-            state.status_memo = None  # (a payload that is not bytes: nothing to compare the next with)
+            state.heartbeat_memo = None  # (a payload that is not bytes: nothing to compare the next with)
         elif memo is None:
-            state.status_memo = _StatusMemo(peek, report)
+            state.heartbeat_memo = _HeartbeatMemo(peek, report)
         else:
             memo.renew(peek, report)
-        return self._accept_status(subject, state, report)
+        return self._accept_heartbeat(subject, state, report)
 
-    def _accept_status(self, subject: str, state: InstanceState, report: StatusReport) -> bool:
+    def _accept_heartbeat(self, subject: str, state: InstanceState, report: HeartbeatReport) -> bool:
         if report.endpoint_error is not None:
             # The heartbeat still counts (load, digest, liveness); only the endpoint is dropped, so
             # routers never see an address they could not connect to.
@@ -664,19 +664,21 @@ class Consumer:
         if report.role_error is not None:
             # Likewise a role or group that cannot be read: the instance serves whole requests.
             self._reject(state.worker, subject, WireError(errors.BAD_ROLE, report.role_error))
-        self._apply_status(state, report)
+        self._apply_heartbeat(state, report)
         return True
 
-    def _apply_status(self, state: InstanceState, report: StatusReport, payload: bytes | None = None) -> None:
+    def _apply_heartbeat(
+        self, state: InstanceState, report: HeartbeatReport, payload: bytes | None = None
+    ) -> None:
         key = state.key
         cursor = self.sequencer.cursor(key)
-        state.last_status_at = self.registry.clock()
-        state.last_status_ts = report.ts
+        state.last_heartbeat_at = self.registry.clock()
+        state.last_heartbeat_ts = report.ts
         # A heartbeat whose capacity and digest repeat the previous one's: if it also changes
         # nothing below, the next one equal to it but for its ts and load takes the short path.
         unchanged = payload is not None and report.capacity is state.capacity
         self._pending_repeat = (payload, report.worker) if unchanged else None
-        # The same objects as the previous report's when unchanged (codec.decode_status_into):
+        # The same objects as the previous report's when unchanged (codec.decode_heartbeat_into):
         # assigning them again would only notify the watchers a second time.
         if report.load is not state.load:
             state.load = report.load
@@ -732,7 +734,7 @@ class Consumer:
             if cursor is not None:
                 if report.epoch in cursor.retired:
                     return  # a late heartbeat from before the restart we already handled
-                self._restart(state, report.epoch, "new epoch in status")
+                self._restart(state, report.epoch, "new epoch in heartbeat")
             cursor = self.sequencer.open(key, report.epoch)
             state.epoch, state.last_seq = report.epoch, 0
             if report.seq:
@@ -743,7 +745,7 @@ class Consumer:
         if cursor.repairing is not None:
             return
         if report.seq > cursor.applied:
-            if not self.status_in_order and cursor.behind <= cursor.applied:
+            if not self.heartbeats_in_order and cursor.behind <= cursor.applied:
                 cursor.behind = report.seq  # maybe just overtaken: check again at the next heartbeat
                 return
             # The worker published more than we received: the tail batches were lost.
@@ -753,7 +755,7 @@ class Consumer:
             return
         if report.seq != cursor.applied:
             return
-        memo = state.status_memo
+        memo = state.heartbeat_memo
         if memo is not None and memo.report is report and not state.capped:
             # Steady state: a digest found equal stays so until either side changes (the report's
             # digest is replaced by an unequal one, or the index's version moves).
@@ -772,17 +774,17 @@ class Consumer:
         self._begin(state, cursor, SNAPSHOT, "drift")
 
     def _remember_repeat(
-        self, state: InstanceState, cursor: Cursor, report: StatusReport, version: int
+        self, state: InstanceState, cursor: Cursor, report: HeartbeatReport, version: int
     ) -> None:
         pending, self._pending_repeat = self._pending_repeat, None
-        if pending is None or self.status_in_order is False or not self.heartbeat_repairs:
+        if pending is None or self.heartbeats_in_order is False or not self.heartbeat_repairs:
             return
         payload, worker = pending
         repeat = _Repeat.of(payload, report.ts, report.load, state, cursor, version)
         if repeat is not None:
-            self._repeats[self._status_head + worker] = repeat
+            self._repeats[self._heartbeat_head + worker] = repeat
 
-    def _digest_matches(self, state: InstanceState, report: StatusReport) -> bool:
+    def _digest_matches(self, state: InstanceState, report: HeartbeatReport) -> bool:
         """Digests agree on every tier, except capped ones (the index keeps a subset there)."""
         reported, key, capped = report.digest, state.key, state.capped
         return all(
@@ -915,22 +917,22 @@ class Consumer:
 _peek = peek_decoder.decode
 
 
-class _StatusMemo(StatusMemory):
-    """StatusMemory (kept on the InstanceState), and the reported digest as the index compares it."""
+class _HeartbeatMemo(HeartbeatMemory):
+    """HeartbeatMemory (kept on the InstanceState), and the reported digest as the index compares it."""
 
     __slots__ = ("_lists", "matched")
 
-    def __init__(self, peek: StatusPeek, report: StatusReport) -> None:
+    def __init__(self, peek: HeartbeatPeek, report: HeartbeatReport) -> None:
         self._lists: tuple[list[int], list[int]] | None = None
         # The index's digest_version when it last equalled report.digest (-1: not since it changed).
         self.matched = -1
-        StatusMemory.renew(self, peek, report)
+        HeartbeatMemory.renew(self, peek, report)
 
-    def renew(self, peek: StatusPeek, report: StatusReport) -> None:
+    def renew(self, peek: HeartbeatPeek, report: HeartbeatReport) -> None:
         if report.digest != self.report.digest:
             self._lists = None
             self.matched = -1
-        StatusMemory.renew(self, peek, report)
+        HeartbeatMemory.renew(self, peek, report)
 
     def digest_lists(self) -> tuple[list[int], list[int]]:
         """The report's digest as (counts, xors) per tier, (0, 0) for the tiers it leaves out."""
@@ -948,7 +950,7 @@ _unpack_ts = struct.Struct(">d").unpack_from
 
 class _Repeat:
     """A heartbeat that changed nothing but its load, as bytes. The publishers here put ``ts`` and
-    ``load`` last (wire/codec.encode_status), so a steady worker's next heartbeat is the same bytes
+    ``load`` last (wire/codec.encode_heartbeat), so a steady worker's next heartbeat is the same bytes
     up to the 8 of its ts value, then the load map to the end: as long as the instance, its cursor
     and its blocks are the ones it was checked against, it only refreshes liveness and, if its load
     bytes moved, the load (about 1.5 us, or 2.5 with a new load, instead of a peek decode and every
