@@ -257,7 +257,7 @@ class _SimRepair:
 
         def deliver() -> None:
             payloads = [b for r in replies for b in r.batches]
-            self.sim.consumer.on_replay(
+            self.sim.consumer.repairs.on_replay(
                 instance, epoch, replies[-1].status if replies else "timeout", payloads
             )
 
@@ -273,7 +273,9 @@ class _SimRepair:
         for part in decoded:
             for tier, keys in part.tiers.items():
                 snap.tiers.setdefault(TIER_BY_NAME[tier], []).extend(keys)
-        self.sim.later(2 * self.sim.cluster.delay_s, lambda: self.sim.consumer.on_snapshot(instance, snap))
+        self.sim.later(
+            2 * self.sim.cluster.delay_s, lambda: self.sim.consumer.repairs.on_snapshot(instance, snap)
+        )
 
 
 class Simulation:

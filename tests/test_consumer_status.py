@@ -406,7 +406,7 @@ def test_steady_path_matches_the_full_decoder(seed: int) -> None:
         # A bytearray takes the full decoder every time (no memory kept), so ``full`` is the reference.
         assert fast.on_heartbeat(subject, payload) == full.on_heartbeat(subject, bytearray(payload))
         assert _view(fast, fast_samples) == _view(full, full_samples)
-        assert fast.repair.asked == full.repair.asked  # type: ignore[attr-defined]
+        assert fast.repairs.scheduler.asked == full.repairs.scheduler.asked  # type: ignore[attr-defined]
     # The sequences exercised both paths.
     assert any(s.heartbeat_memo is not None for s in fast.registry.all())
 
@@ -565,7 +565,7 @@ def test_a_repeated_heartbeat_only_refreshes_liveness() -> None:
     subject = "kvindex.status.w1"
     for t in (1.0, 2.0, 3.0):  # join; digest found equal; then remembered as a repeat
         assert c.on_heartbeat(subject, hb(t))
-    assert subject in c._repeats
+    assert subject in c.heartbeats._repeats
     state = c.registry.get(("w1", 0))
     assert state is not None
     before = state.last_heartbeat_at
@@ -582,20 +582,20 @@ def test_a_repeat_is_dropped_when_anything_moves() -> None:
     state = c.registry.get(("w1", 0))
     # Another load (a busy worker): the short path still, with the new load.
     assert c.on_heartbeat(subject, hb(4.0, running=5))
-    assert state.load.running == 5 and subject in c._repeats
+    assert state.load.running == 5 and subject in c.heartbeats._repeats
     for t in (5.0, 6.0):
         c.on_heartbeat(subject, hb(t, running=5))
-    assert subject in c._repeats
+    assert subject in c.heartbeats._repeats
     # A batch moves the cursor and the index: the same heartbeat again is checked in full, and a
     # heartbeat whose digest no longer matches the index brings a snapshot.
     assert c.on_events("kvindex.events.w1", batch(1, [11, 12]))
     c.on_heartbeat(subject, hb(7.0, running=5))  # seq 0 < applied 1: an old heartbeat, nothing to do
-    assert subject not in c._repeats
+    assert subject not in c.heartbeats._repeats
     drift = c.counters.drift_detected
     c.on_heartbeat(subject, hb(8.0, seq=1, running=5, digest=(2, 11 ^ 12)))
     c.on_heartbeat(subject, hb(9.0, seq=1, running=5, digest=(2, 11 ^ 12)))
     c.on_heartbeat(subject, hb(10.0, seq=1, running=5, digest=(2, 11 ^ 12)))
-    assert c.counters.drift_detected == drift and subject in c._repeats
+    assert c.counters.drift_detected == drift and subject in c.heartbeats._repeats
     # The index loses a block behind the worker's back (drift): the repeat must not hide it.
     c.index.clear(("w1", 0))
     c.on_heartbeat(subject, hb(11.0, seq=1, running=5, digest=(2, 11 ^ 12)))
@@ -613,9 +613,9 @@ def test_a_stale_or_forgotten_instance_takes_the_full_path() -> None:
     assert not state.stale  # alive again, as the full path says
     for t in (5.0, 6.0):
         c.on_heartbeat(subject, hb(t))
-    assert subject in c._repeats
+    assert subject in c.heartbeats._repeats
     c.forget(("w1", 0))
-    assert subject not in c._repeats
+    assert subject not in c.heartbeats._repeats
     assert c.on_heartbeat(subject, hb(7.0))
     assert c.registry.get(("w1", 0)) is not state  # back as a new instance
 
@@ -626,7 +626,7 @@ def test_a_look_alike_of_the_ts_field_is_not_taken_for_it() -> None:
     import msgpack
 
     from kvindex.fleet.registry import Registry
-    from kvindex.ingest.consumer import _Repeat
+    from kvindex.ingest.heartbeats import _Repeat
     from kvindex.sequencer.cursor import Cursor
     from kvindex.wire.codec import encode_heartbeat, load_of
 
@@ -662,12 +662,12 @@ def test_a_busy_worker_s_loads_are_applied_and_a_bad_one_rejected() -> None:
     subject = "kvindex.status.w1"
     for t in (1.0, 2.0, 3.0):
         c.on_heartbeat(subject, hb(t))
-    assert subject in c._repeats
+    assert subject in c.heartbeats._repeats
     state = c.registry.get(("w1", 0))
     for i, running in enumerate([7, 9, 9, 0, 31]):
         assert c.on_heartbeat(subject, hb(4.0 + i, running=running))
         assert state.load.running == running and state.last_heartbeat_ts == 4.0 + i
-    assert subject in c._repeats
+    assert subject in c.heartbeats._repeats
     # A load decode_heartbeat refuses: the full path says so (counted, with the worker id), nothing
     # is applied, and the short path is gone.
     bad = encode_heartbeat(
@@ -685,4 +685,4 @@ def test_a_busy_worker_s_loads_are_applied_and_a_bad_one_rejected() -> None:
     before = sum(c.counters.rejects.values())
     assert not c.on_heartbeat(subject, bad)
     assert sum(c.counters.rejects.values()) == before + 1
-    assert state.load.running == 31 and subject not in c._repeats
+    assert state.load.running == 31 and subject not in c.heartbeats._repeats

@@ -8,14 +8,8 @@ from typing import Any
 from kvindex.fleet.registry import Registry
 from kvindex.index import InvertedIndex
 from kvindex.ingest.consumer import Consumer
-from kvindex.ingest.limits import (
-    BLOCK_LIMIT,
-    HELD_LIMIT,
-    INSTANCE_LIMIT,
-    MODEL_LIMIT,
-    REPAIR_LIMIT,
-    IngestLimits,
-)
+from kvindex.ingest.limits import BLOCK_LIMIT, INSTANCE_LIMIT, MODEL_LIMIT, IngestLimits
+from kvindex.repair.machine import HELD_LIMIT, REPAIR_LIMIT
 from kvindex.wire import encode_batch, encode_heartbeat
 from kvindex.wire.reconcile import Snapshot
 from tests.test_consumer import snapshot as index_state
@@ -135,7 +129,7 @@ def test_capped_tier_skips_the_digest_until_the_worker_fits_then_a_snapshot_make
     )
     c.on_heartbeat("kvindex.status.w1", heartbeat(2, {"gpu": 4}, {"gpu": (4, xor(range(7, 11)))}))
     assert pending.asked == [(w1, "snapshot")] and c.counters.drift_detected == 1
-    c.on_snapshot(w1, Snapshot(1, 2, {0: list(range(7, 11))}))
+    c.repairs.on_snapshot(w1, Snapshot(1, 2, {0: list(range(7, 11))}))
     assert sorted(c.index.keys_of(w1, 0)) == [7, 8, 9, 10]
     state = c.registry.get(w1)
     assert state is not None and state.capped == 0 and state.sync == "synced"
@@ -147,7 +141,7 @@ def test_snapshot_beyond_the_limit_is_applied_up_to_it() -> None:
     w1 = ("w1", 0)
     c.on_heartbeat("kvindex.status.w1", heartbeat(5, {"gpu": 8}))  # discovered mid-stream: snapshot
     assert pending.asked == [(w1, "snapshot")]
-    c.on_snapshot(w1, Snapshot(1, 5, {0: list(range(1, 101))}))
+    c.repairs.on_snapshot(w1, Snapshot(1, 5, {0: list(range(1, 101))}))
     assert c.index.block_counts(w1) == (10, 0, 0, 0)
     assert c.counters.rejects[BLOCK_LIMIT] == 1 and c.counters.blocks_refused == 90
     state = c.registry.get(w1)
@@ -189,7 +183,7 @@ def test_held_batches_beyond_the_limit_are_dropped_for_a_snapshot() -> None:
     assert pending.asked[-1] == (w1, "snapshot") and c.counters.rejects[HELD_LIMIT] == 1
     assert c.index.block_counts(w1) == (1, 0, 0, 0)  # nothing held was applied out of order
     # The snapshot makes it exact; batches after it apply in order.
-    c.on_snapshot(w1, Snapshot(1, 5, {0: [1, 3, 5, *range(10, 19)]}))
+    c.repairs.on_snapshot(w1, Snapshot(1, 5, {0: [1, 3, 5, *range(10, 19)]}))
     assert c.on_events("kvindex.events.w1", batch(6, [stored(6)]))
     assert c.index.block_counts(w1) == (13, 0, 0, 0) and cursor.repairing is None
 
@@ -207,7 +201,7 @@ def test_repairs_beyond_the_limit_are_not_started_and_are_asked_again_later() ->
     b = c.sequencer.cursor(("b", 0))
     assert b is not None and b.repairing is None and b.applied == 3
     # Once a's repair ends, b's drift (its heartbeat's digest) starts b's own repair.
-    c.give_up(("a", 0))
+    c.repairs.give_up(("a", 0))
     c.on_heartbeat("kvindex.status.b", heartbeat(3, {"gpu": 8}, {"gpu": (3, 1 ^ 2 ^ 3)}, worker="b"))
     assert pending.asked[-1] == (("b", 0), "snapshot")
 

@@ -80,7 +80,7 @@ def test_role_changes_take_every_decode_path() -> None:
     for ts in (2.0, 3.0, 4.0):  # peek path, then the repeated-bytes path
         assert consumer.on_heartbeat(SUBJECT, heartbeat(ts=ts, role="prefill"))
         assert state.role == "prefill" and state.last_heartbeat_ts == ts
-    assert consumer._repeats, "a steady heartbeat takes the repeated-bytes path"
+    assert consumer.heartbeats._repeats, "a steady heartbeat takes the repeated-bytes path"
     assert consumer.on_heartbeat(SUBJECT, heartbeat(ts=5.0, role="decode", pd_group="g2"))
     assert (state.role, state.pd_group) == ("decode", "g2")
     assert consumer.on_heartbeat(SUBJECT, heartbeat(ts=6.0))  # the field withdrawn: back to both

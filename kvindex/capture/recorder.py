@@ -135,7 +135,7 @@ class Recorder:
         if consumer is not None and record[0] != R.FLAGS:
             # How the source lets heartbeats drive repairs (JetStream catch-up) changes between
             # records: log the change before the record it first applies to.
-            flags = (consumer.heartbeat_repairs, consumer.heartbeats_in_order)
+            flags = (consumer.heartbeats.drive_repairs, consumer.heartbeats.in_order)
             if flags != self._flags:
                 self._flags = flags
                 self._add(

@@ -35,9 +35,10 @@ from kvindex.fleet.liveness import sweep
 from kvindex.fleet.registry import Registry, instance_id
 from kvindex.index.base import InstanceKey
 from kvindex.index.inverted import InvertedIndex
-from kvindex.ingest.consumer import SNAPSHOT, Consumer
+from kvindex.ingest.consumer import Consumer
 from kvindex.ingest.limits import limits_from_meta
 from kvindex.observability.counters import IngestCounters
+from kvindex.repair.machine import SNAPSHOT
 from kvindex.repair.nats_repair import RepairConfig
 from kvindex.scoring.base import DECODE_ROLE, RouteRequest
 from kvindex.scoring.calibration import Calibrator
@@ -357,12 +358,12 @@ class Replayer:
             self.moment(f"{worker}/{rank}", "replay!", f"replay answered {status!r}", True)
         else:
             self.moment(f"{worker}/{rank}", "replay", f"replay answered with {len(payloads)} batches", False)
-        self.consumer.on_replay((worker, rank), epoch, status, payloads)
+        self.consumer.repairs.on_replay((worker, rank), epoch, status, payloads)
 
     def _replay_failed(self, record: list[Any]) -> None:
         worker, rank, epoch, why = record[3:7]
         self.moment(f"{worker}/{rank}", "replay!", f"replay request failed: {why}", True)
-        self.consumer.on_replay_failed((worker, rank), epoch, why)
+        self.consumer.repairs.on_replay_failed((worker, rank), epoch, why)
 
     def _snapshot(self, record: list[Any]) -> None:
         worker, rank, epoch, seq, tiers = record[3:8]
@@ -377,11 +378,11 @@ class Replayer:
             f"snapshot received: epoch {epoch} seq {seq}, {n} blocks ({cause or 'check'})",
             cause not in ("", "periodic"),
         )
-        self.consumer.on_snapshot(key, snap)
+        self.consumer.repairs.on_snapshot(key, snap)
 
     def _snapshot_failed(self, record: list[Any]) -> None:
         worker, rank, why = record[3:6]
-        self.consumer.snapshot_failed((worker, rank), why)  # what NatsRepairer does before retrying
+        self.consumer.repairs.snapshot_failed((worker, rank), why)  # what NatsRepairer does before retrying
         self.moment(f"{worker}/{rank}", "snapshot!", f"snapshot request failed: {why} (retried)", True)
 
     def _timer(self, record: list[Any]) -> None:
@@ -397,16 +398,16 @@ class Replayer:
         elif what == R.RECONCILE:
             if cause != "periodic":
                 self.moment(f"{worker}/{rank}", "reconcile", f"resynchronise ({cause})", True)
-            consumer.reconcile(key, cause)
+            consumer.repairs.reconcile(key, cause)
         elif what == R.GIVE_UP:
-            consumer.give_up(key)
+            consumer.repairs.give_up(key)
         else:
             self.unknown += 1
 
     def _flags(self, record: list[Any]) -> None:
         flags = record[3]
-        self.consumer.heartbeat_repairs = bool(flags.get("heartbeat_repairs", True))
-        self.consumer.heartbeats_in_order = bool(flags.get("status_in_order", True))
+        self.consumer.heartbeats.drive_repairs = bool(flags.get("heartbeat_repairs", True))
+        self.consumer.heartbeats.in_order = bool(flags.get("status_in_order", True))
 
     def _check(self, record: list[Any]) -> None:
         live = record[3]

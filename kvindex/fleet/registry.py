@@ -84,8 +84,8 @@ class InstanceState:
     # None until the consumer first needs it (instances registered elsewhere, e.g. static ones).
     block_limits: tuple[int, int, int, int] | None = None
     capped: int = 0
-    # The consumer's memory of the last accepted heartbeat (kvindex.ingest.consumer._HeartbeatMemo): the
-    # next one reuses its decoded maps when their bytes are the same. Goes with the state.
+    # The memory of the last accepted heartbeat (kvindex.ingest.heartbeats._HeartbeatMemo): the next
+    # one reuses its decoded maps when their bytes are the same. Goes with the state.
     heartbeat_memo: Any = None
     # No longer the registry's entry for its key (removed, or replaced by a new one): whoever kept
     # it (the consumer's repeated-heartbeat path) learns so without a lookup.

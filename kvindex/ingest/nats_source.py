@@ -141,8 +141,8 @@ class NatsSource:
         info = await self._ensure_stream(js, config)
         # Until the stream is read to its end, heartbeats are ahead of the batches being replayed.
         self.caught_up = info.state.messages == 0
-        self.consumer.heartbeat_repairs = self.caught_up
-        self.consumer.heartbeats_in_order = False
+        self.consumer.heartbeats.drive_repairs = self.caught_up
+        self.consumer.heartbeats.in_order = False
         sub = await self.nc.subscribe(
             self._head + HEARTBEAT + ".*",
             cb=self._on_msg,
@@ -172,7 +172,7 @@ class NatsSource:
         self.consumer.on_events(msg.subject, msg.data)
         if not self.caught_up and msg.metadata.num_pending == 0:
             self.caught_up = True
-            self.consumer.heartbeat_repairs = True
+            self.consumer.heartbeats.drive_repairs = True
             self.log.info("jetstream_caught_up", stream=self.stream, stream_seq=msg.metadata.sequence.stream)
 
     async def _on_msg(self, msg: Msg) -> None:

@@ -239,7 +239,7 @@ def replay_target(data: bytes) -> None:
         except msgspec.MsgspecError:
             continue  # documented rejection: the repairer counts a malformed answer as a failure
         cursor = c.sequencer.cursor(w2)
-        c.on_replay(w2, cursor.epoch if cursor else 1, reply.status, list(reply.batches))
+        c.repairs.on_replay(w2, cursor.epoch if cursor else 1, reply.status, list(reply.batches))
         invariants(c)
 
 
@@ -260,7 +260,7 @@ def snapshot_target(data: bytes) -> None:
         return  # never finished: a timeout in the repairer
     snapshot = _assemble(parts.ordered())
     snapshot.trimmed = trim.trimmed
-    c.on_snapshot(w3, snapshot)
+    c.repairs.on_snapshot(w3, snapshot)
     invariants(c)
 
 
