@@ -829,7 +829,7 @@ def sweep_child(instances: int, blocks: int, seed: int, calls: int) -> dict[str,
         rounds.append((heartbeat / len(payloads), refresh / len(payloads)))
     heartbeat_s, refresh_s = min(r[0] for r in rounds), min(r[1] for r in rounds)
     # The service's liveness sweep walks every instance, but only when one can find something
-    # (kvindex/repair: sweep_next's deadline): part of what a large fleet costs the server while
+    # (kvindex/fleet/liveness.py: sweep_next's deadline): part of what a large fleet costs the server while
     # idle, besides the heartbeats themselves. Here every instance was heard in the last moments.
     from kvindex.fleet.liveness import sweep_next
 

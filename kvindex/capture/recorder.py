@@ -76,8 +76,9 @@ def service_meta(
     """Header of a ``serve --capture`` log: enough to rebuild the consumer the way it was set up.
 
     Plain values, built by the service (``kvindex.service.app``): the recorder must not import the
-    service that imports it. ``repair`` holds the ``RepairConfig`` timings the replay reads
-    (stale_after, forget_after, reconcile_interval, replay_timeout, snapshot_timeout), ``router`` the
+    service that imports it. ``repair`` holds the timings the replay reads: the
+    ``LivenessConfig``'s stale_after and forget_after, the ``RepairConfig``'s reconcile_interval,
+    replay_timeout and snapshot_timeout; ``router`` the
     ``RouterConfig`` default_policy and seed, ``limits`` the ``IngestLimits`` fields.
     """
     return log_meta(

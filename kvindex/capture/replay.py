@@ -31,7 +31,7 @@ from kvindex.api.servicer import KvIndexServicer, _prompt_tokens, release_report
 from kvindex.capture import records as R
 from kvindex.capture.digest import state_digest
 from kvindex.capture.format import LogError, LogReader
-from kvindex.fleet.liveness import sweep
+from kvindex.fleet.liveness import LivenessConfig, sweep
 from kvindex.fleet.registry import Registry, instance_id
 from kvindex.index.base import InstanceKey
 from kvindex.index.inverted import InvertedIndex
@@ -39,7 +39,6 @@ from kvindex.ingest.consumer import Consumer
 from kvindex.ingest.limits import limits_from_meta
 from kvindex.observability.counters import IngestCounters
 from kvindex.repair.machine import SNAPSHOT
-from kvindex.repair.nats_repair import RepairConfig
 from kvindex.scoring.base import DECODE_ROLE, RouteRequest
 from kvindex.scoring.calibration import Calibrator
 from kvindex.scoring.router import Router, RouterConfig
@@ -252,7 +251,7 @@ class Replayer:
         self.consumer.on_sync_change = self.router.sync_changed
         self.servicer = KvIndexServicer(self.index, self.registry, self.counters, None, self.router)
         repair = meta.get("repair") or {}
-        defaults = RepairConfig()
+        defaults = LivenessConfig()  # what the service used unless the log says otherwise
         self.stale_after = float(repair.get("stale_after", defaults.stale_after))
         self.forget_after = float(repair.get("forget_after", defaults.forget_after))
         self._tick = defaults.tick

@@ -1,12 +1,22 @@
 """Which instances went quiet: no heartbeat for ``stale_after`` -> stale (not ranked); for
-``forget_after`` -> forgotten (blocks dropped). Pure, so the sweep is easy to test."""
+``forget_after`` -> forgotten (blocks dropped). Pure, so the sweep is easy to test; the service runs
+it (kvindex/service/app.py), an offline replay runs it on log time (kvindex/capture/replay.py), and
+the consumer carries out what it finds (``Consumer.mark_stale`` / ``forget``)."""
 
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 from kvindex.fleet.registry import InstanceState
 from kvindex.index.base import InstanceKey
+
+
+@dataclass
+class LivenessConfig:
+    stale_after: float = 5.0  # no heartbeat this long: not ranked (s)
+    forget_after: float = 120.0  # no heartbeat this long: blocks dropped (s)
+    tick: float = 0.25  # how often the service looks whether a sweep is due (s)
 
 
 def sweep(

@@ -1,5 +1,5 @@
 """Runs the repair machine's requests over NATS: replay and snapshot requests, retries, periodic
-reconciliation, liveness, and resynchronisation after a reconnect.
+reconciliation, and resynchronisation after a reconnect.
 
 Decisions (what to repair, when a repair is done) stay in the synchronous repair machine
 (kvindex/repair/machine.py); this module only does the I/O and the timing. At most one repair task
@@ -20,7 +20,6 @@ from typing import Any, Protocol
 import structlog
 from nats.aio.client import Client
 
-from kvindex.fleet.liveness import sweep_next
 from kvindex.fleet.registry import InstanceState
 from kvindex.index.base import InstanceKey
 from kvindex.lifecycle.bounded import finish
@@ -43,9 +42,7 @@ class RepairConfig:
     # digests catch drift within a heartbeat; the periodic check is the backstop for the rare drift
     # a digest cannot see, so it may come less often in a large fleet.
     reconcile_rate: float = 8.0
-    stale_after: float = 5.0
-    forget_after: float = 120.0
-    tick: float = 0.25
+    tick: float = 0.25  # how often periodic checks that are due are started (s)
     max_backoff: float = 5.0
     diff_step: int = 16384  # snapshot keys compared per event-loop turn (~1-2 ms each)
 
@@ -57,10 +54,6 @@ class RepairedConsumer(Protocol):
     repairs: RepairMachine
 
     def limits_of(self, state: InstanceState) -> tuple[int, int, int, int]: ...
-
-    def mark_stale(self, state: InstanceState) -> None: ...
-
-    def forget(self, instance: InstanceKey) -> None: ...
 
 
 class RequestFailed(Exception):
@@ -84,7 +77,6 @@ class NatsRepairer:
         self._tasks: dict[InstanceKey, asyncio.Task[None]] = {}
         self._snapshots = asyncio.Semaphore(self.config.max_concurrent_snapshots)
         self._next_reconcile: dict[InstanceKey, float] = {}
-        self._next_sweep = float("-inf")  # liveness: when a sweep can next find something
         # (due, instance) in due order; an entry whose due no longer matches _next_reconcile is old.
         # A tick then costs what is due, not a walk over every instance (8,192 of them 4 times a
         # second cost ~1 % of a core).
@@ -296,31 +288,19 @@ class NatsRepairer:
 
     async def _maintain(self) -> None:
         cfg = self.config
-        consumer = self.consumer
         while True:
             await asyncio.sleep(cfg.tick)
+            if cfg.reconcile_interval <= 0:
+                continue
             try:
-                now = self.machine.registry.clock()
-                if now >= self._next_sweep:
-                    stale, forget, self._next_sweep = sweep_next(
-                        self.machine.registry.all(), now, cfg.stale_after, cfg.forget_after
-                    )
-                else:
-                    stale, forget = [], []
-                rec = self.recorder
-                for state in stale:
-                    if rec is not None:
-                        rec.timer("mark_stale", state.key)
-                    consumer.mark_stale(state)
-                for key in forget:
-                    if rec is not None:
-                        rec.timer("forget", key)
-                    consumer.forget(key)
-                    self._next_reconcile.pop(key, None)
-                if cfg.reconcile_interval > 0:
-                    self._periodic(now)
-            except Exception as exc:  # keep maintaining whatever one sweep ran into
+                self._periodic(self.machine.registry.clock())
+            except Exception as exc:  # keep maintaining whatever one round ran into
                 self.log.error("maintenance_failed", error=str(exc), error_type=type(exc).__name__)
+
+    def forget(self, instance: InstanceKey) -> None:
+        """The instance was forgotten (the service's liveness sweep): no periodic check is due for it,
+        and if it comes back it is scheduled anew."""
+        self._next_reconcile.pop(instance, None)
 
     def reconcile_every(self) -> float:
         """Seconds between an instance's periodic checks: the interval, longer in a fleet too large
