@@ -4,9 +4,10 @@ Nothing here re-implements ingestion. Records are handed to the very methods the
 called, in the same order, with the registry's clock set to the record's time:
 
 - ``msg`` -> ``Consumer.on_events`` / ``on_heartbeat`` (decode, sequence, apply, decide repairs);
-- ``replay_reply`` / ``replay_failed`` / ``snapshot`` -> ``on_replay`` / ``on_replay_failed`` /
-  ``on_snapshot`` (the answers the live repairer got, byte for byte);
-- ``timer`` -> ``mark_stale`` / ``forget`` / ``reconcile`` / ``give_up`` (the live timers' decisions);
+- ``replay_reply`` / ``replay_failed`` / ``snapshot`` -> the repair machine's ``on_replay`` /
+  ``on_replay_failed`` / ``on_snapshot`` (the answers the live repairer got, byte for byte);
+- ``timer`` -> ``Consumer.mark_stale`` / ``forget``, the machine's ``reconcile`` / ``give_up`` (the
+  live timers' decisions);
 - ``route`` -> ``Router.commit`` / ``release`` (the live routing state changes).
 
 The consumer's repair requests go to ``LoggedRepair``, which does nothing: the answers are further
