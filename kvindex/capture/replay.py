@@ -28,19 +28,19 @@ from typing import Any
 
 import structlog
 
-from kvindex.api.servicer import KvIndexServicer, _prompt_tokens, release_report
+from kvindex.api.servicer import KvIndexServicer, release_report
 from kvindex.capture import records as R
 from kvindex.capture.digest import state_digest
 from kvindex.capture.format import LogError, LogReader
 from kvindex.fleet.liveness import LivenessConfig, sweep
 from kvindex.fleet.registry import Registry, instance_id
-from kvindex.index.base import InstanceKey
 from kvindex.index.inverted import InvertedIndex
 from kvindex.ingest.consumer import Consumer
 from kvindex.ingest.limits import limits_from_meta
+from kvindex.instance import InstanceKey
 from kvindex.observability.counters import IngestCounters
 from kvindex.repair.machine import SNAPSHOT
-from kvindex.scoring.base import DECODE_ROLE, RouteRequest
+from kvindex.scoring.base import DECODE_ROLE, RouteRequest, prompt_length
 from kvindex.scoring.calibration import Calibrator
 from kvindex.scoring.router import Router, RouterConfig
 from kvindex.v1 import kvindex_pb2 as pb
@@ -448,7 +448,7 @@ class Replayer:
             return
         role = getattr(req, "role", "") or "prefill"
         route = RouteRequest(
-            req.model, keys, _prompt_tokens(req, block_size, keys), block_size, req.request_id, role
+            req.model, keys, prompt_length(req, block_size, keys), block_size, req.request_id, role
         )
         policy = "decode" if role == DECODE_ROLE else (getattr(req, "policy", "") or None)
         self.router.commit(route, (worker, int(rank)), policy)

@@ -9,7 +9,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from kvindex.fleet.registry import InstanceState
-from kvindex.index.base import InstanceKey
+from kvindex.instance import InstanceKey
 
 
 @dataclass

@@ -20,7 +20,7 @@ from typing import Any
 import structlog
 
 from kvindex.fleet.registry import InstanceState, Registry, instance_id
-from kvindex.index.base import Applied, InstanceKey, KvBlockIndex
+from kvindex.index.base import Applied, KvBlockIndex
 from kvindex.ingest.heartbeats import Heartbeats
 from kvindex.ingest.limits import (
     BLOCK_LIMIT,
@@ -30,6 +30,7 @@ from kvindex.ingest.limits import (
     IngestLimits,
     LimitExceeded,
 )
+from kvindex.instance import InstanceKey
 from kvindex.observability.counters import IngestCounters
 from kvindex.observability.logs import RateLimitedLog
 from kvindex.repair.machine import REPLAY, SNAPSHOT, RepairMachine, RepairScheduler

@@ -16,7 +16,8 @@ from collections.abc import Callable
 from typing import Any, Final, Protocol
 
 from kvindex.fleet.registry import InstanceState, Registry
-from kvindex.index.base import InstanceKey, KvBlockIndex
+from kvindex.index.base import KvBlockIndex
+from kvindex.instance import InstanceKey
 from kvindex.observability.counters import IngestCounters
 from kvindex.sequencer.cursor import Cursor, Sequencer
 from kvindex.wire.codec import Limits, decode_batch

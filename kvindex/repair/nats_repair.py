@@ -21,7 +21,7 @@ import structlog
 from nats.aio.client import Client
 
 from kvindex.fleet.registry import InstanceState
-from kvindex.index.base import InstanceKey
+from kvindex.instance import InstanceKey
 from kvindex.lifecycle.bounded import finish
 from kvindex.repair.machine import SNAPSHOT, RepairMachine
 from kvindex.wire import reconcile
