@@ -8,6 +8,7 @@ from collections.abc import Awaitable, Callable
 import grpc
 import pytest
 
+from kvindex.fleet.liveness import LivenessConfig
 from kvindex.repair.nats_repair import RepairConfig
 from kvindex.service.app import IndexService
 from kvindex.v1 import kvindex_pb2 as pb
@@ -20,10 +21,11 @@ FAST = RepairConfig(
     replay_timeout=0.5,
     snapshot_timeout=1.0,
     reconcile_interval=0,
-    stale_after=0.6,
-    forget_after=1.5,
     tick=0.05,
 )
+
+
+LIVENESS = LivenessConfig(stale_after=0.6, forget_after=1.5, tick=0.05)
 
 
 MakeService = Callable[..., Awaitable[IndexService]]
@@ -45,7 +47,7 @@ def make_worker(
 
 
 async def test_gap_is_repaired_by_replay(make_service: MakeService, make_worker) -> None:
-    svc = await make_service(FAST)
+    svc = await make_service(FAST, liveness=LIVENESS)
     w = await make_worker("w1")
     w.stored([1, 2, 3])
     await w.flush()
@@ -60,7 +62,7 @@ async def test_gap_is_repaired_by_replay(make_service: MakeService, make_worker)
 
 
 async def test_lost_tail_is_found_by_heartbeat(make_service: MakeService, make_worker) -> None:
-    svc = await make_service(FAST)
+    svc = await make_service(FAST, liveness=LIVENESS)
     w = await make_worker("w1")
     w.stored([1])
     await w.flush()
@@ -74,7 +76,7 @@ async def test_lost_tail_is_found_by_heartbeat(make_service: MakeService, make_w
 
 
 async def test_replay_too_old_falls_back_to_snapshot(make_service: MakeService, make_worker) -> None:
-    svc = await make_service(FAST)
+    svc = await make_service(FAST, liveness=LIVENESS)
     w = await make_worker("w1", history=2)
     w.stored([1])
     await w.flush()
@@ -90,7 +92,7 @@ async def test_replay_too_old_falls_back_to_snapshot(make_service: MakeService, 
 
 
 async def test_restart_with_cache_kept_or_lost(make_service: MakeService, make_worker) -> None:
-    svc = await make_service(FAST)
+    svc = await make_service(FAST, liveness=LIVENESS)
     w = await make_worker("w1")
     w.stored([1, 2, 3])
     await converged(svc, w)
@@ -108,7 +110,7 @@ async def test_restart_with_cache_kept_or_lost(make_service: MakeService, make_w
 
 
 async def test_drift_is_detected_from_the_digest(make_service: MakeService, make_worker) -> None:
-    svc = await make_service(FAST)
+    svc = await make_service(FAST, liveness=LIVENESS)
     w = await make_worker("w1")
     w.stored([1, 2, 3])
     await converged(svc, w)
@@ -124,7 +126,7 @@ async def test_index_started_after_the_workers(make_service: MakeService, make_w
     w2.stored(list(range(150, 250)), tier="cpu")
     await w1.flush()
     await w2.flush()
-    svc = await make_service(FAST)  # joins mid-stream: every worker is resynchronised
+    svc = await make_service(FAST, liveness=LIVENESS)  # joins mid-stream: every worker is resynchronised
     w1.stored([7])
     await converged(svc, w1, w2)
     assert svc.counters.snapshots_requested["start"] >= 2
@@ -137,13 +139,13 @@ async def test_large_snapshot_spans_several_messages(make_service: MakeService, 
     await w.flush()
     _sealed, parts = w.snapshot_messages()
     assert len(parts) >= 3
-    svc = await make_service(FAST)
+    svc = await make_service(FAST, liveness=LIVENESS)
     await converged(svc, w, timeout=15)
     assert svc.index.block_counts(("big", 0))[0] == 300_000
 
 
 async def test_stale_then_forgotten_then_back(make_service: MakeService, make_worker) -> None:
-    svc = await make_service(FAST)
+    svc = await make_service(FAST, liveness=LIVENESS)
     w = await make_worker("w1")
     other = await make_worker("w2")
     w.stored([1])
@@ -169,7 +171,7 @@ async def test_many_index_replicas_do_not_storm_a_worker(make_service: MakeServi
     w = await make_worker("w1")
     w.stored(list(range(1, 5001)))
     await w.flush()
-    replicas = [await make_service(FAST) for _ in range(4)]
+    replicas = [await make_service(FAST, liveness=LIVENESS) for _ in range(4)]
     for svc in replicas:
         await converged(svc, w)
     # Four replicas joined and each resynchronised from a snapshot.

@@ -22,7 +22,7 @@ def _scheduled_fleet(n: int, cfg: RepairConfig, seed: int) -> tuple[Any, Any, li
     consumer = Consumer(InvertedIndex(), Registry())
     repairer = NatsRepairer(consumer, cfg, rng=random.Random(seed))
     checked: list[tuple[str, int]] = []
-    consumer.reconcile = lambda key, cause: checked.append(key)  # type: ignore[method-assign]
+    consumer.repairs.reconcile = lambda key, cause: checked.append(key)  # type: ignore[method-assign]
     for i in range(n):
         join(consumer, (f"w{i}", 0))
     return repairer, consumer, checked
