@@ -101,6 +101,7 @@ class Router:
         config: RouterConfig | None = None,
         clock: Callable[[], float] | None = None,
         policy_options: dict[str, dict] | None = None,
+        on_degraded: Callable[[InstanceKey], None] | None = None,
     ) -> None:
         self.index = index
         self.registry = registry
@@ -111,7 +112,7 @@ class Router:
         self.ledger = Ledger(
             self.clock, ttl=self.config.ledger_ttl, released_memory=self.config.outcomes.released_memory
         )
-        self.outcomes = OutcomeTracker(self.clock, self.config.outcomes)
+        self.outcomes = OutcomeTracker(self.clock, self.config.outcomes, on_degraded=on_degraded)
         # A request's report (measured TTFT minus the predicted wait, with the engine's cached
         # tokens) is a prefill sample of the instance it ran on.
         self.outcomes.subscribe(self._calibrate)
