@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from msgspec import Struct
 
@@ -11,7 +11,7 @@ from kvindex.fleet.registry import InstanceState
 from kvindex.index.base import InstanceMatch
 
 if TYPE_CHECKING:
-    from kvindex.scoring.router import Router
+    from kvindex.scoring.router import CandidatePool, Router
 
 PREFILL_ROLE = "prefill"  # also the default for unified (non-disaggregated) serving
 DECODE_ROLE = "decode"
@@ -76,6 +76,20 @@ class Policy(Protocol):
 
     def on_commit(self, request: RouteRequest, instance: Candidate, router: Router) -> None:
         """Called when a routing decision is committed (policies with memory update it here)."""
+        ...
+
+
+@runtime_checkable
+class PrunedPolicy(Policy, Protocol):
+    """A policy that can rank a pruned pool: Score with ``top_k`` then builds candidates for the
+    instances holding some of the prompt only and hands the others over as columns
+    (``CandidatePool``), instead of a candidate per instance. The router checks for it once per
+    policy, when it is built (kvindex/scoring/router.py)."""
+
+    def rank_top(
+        self, request: RouteRequest, pool: CandidatePool, router: Router, top_k: int
+    ) -> list[Choice]:
+        """The first ``top_k`` of ``rank`` over every candidate of ``pool``, the same choices."""
         ...
 
 
