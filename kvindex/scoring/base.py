@@ -91,8 +91,3 @@ class PrunedPolicy(Policy, Protocol):
     ) -> list[Choice]:
         """The first ``top_k`` of ``rank`` over every candidate of ``pool``, the same choices."""
         ...
-
-
-def by_cost(choices: list[Choice]) -> list[Choice]:
-    """Stable order: cost, then instance id (deterministic ties)."""
-    return sorted(choices, key=lambda c: (c.cost, c.candidate.state.key))
