@@ -947,10 +947,11 @@ def preset_loadaware(args: argparse.Namespace) -> Experiment:
 
 
 def preset_llmd(args: argparse.Namespace) -> Experiment:
-    n = 800 if args.quick else 3000
+    # --limit: requests per level (a longer trace keeps an overload going longer).
+    n = args.limit or (800 if args.quick else 3000)
     cluster = Cluster(8, {"profile": "llama3-8b-h100", "block_size": 16}, slo_s=args.slo or 2.0)
     levels = []
-    for qps in (40, 80, 120):
+    for qps in args.rates or (40, 80, 120):
         reqs = shared_prefix_groups(
             groups=150,
             prefix_tokens=6000 // 16 * 16,
@@ -962,7 +963,7 @@ def preset_llmd(args: argparse.Namespace) -> Experiment:
             block_size=16,
             seed=args.seed,
         )
-        levels.append((f"{qps} req/s", reqs, cluster))
+        levels.append((f"{qps:g} req/s", reqs, cluster))
     return Experiment("llmd", levels, args.policies)
 
 
@@ -1171,8 +1172,16 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("preset", choices=sorted(PRESETS))
     parser.add_argument("--trace", default=str(TRACE))
-    parser.add_argument("--limit", type=int, default=None, help="first N trace rows")
+    parser.add_argument(
+        "--limit", type=int, default=None, help="first N trace rows (llmd preset: requests per level)"
+    )
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument(
+        "--rates",
+        type=lambda v: tuple(float(x) for x in v.split(",")),
+        default=(),
+        help="llmd preset: arrival rates (req/s, comma-separated) instead of 40,80,120",
+    )
     parser.add_argument("--instances", type=int, default=0)
     parser.add_argument("--policies", default=",".join(DEFAULT_POLICIES))
     parser.add_argument("--seed", type=int, default=0)

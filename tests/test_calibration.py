@@ -117,6 +117,14 @@ def test_router_reports_become_samples_of_the_instance() -> None:
     router.score(RouteRequest(MODEL, keys, 1600, 16, "r2"), commit=True)
     assert router.release("r2", "finished", Report(cached_tokens=0, ttft_ms=0.0))
     assert router.calibrator.rejected == 1 and router.calibrator.models[MODEL].samples == 1
+    # Committed while another prefill was in flight on the instance: batched with it, no sample.
+    lone = fleet_router(("a",))
+    lone.score(RouteRequest(MODEL, keys, 1600, 16, "r3"), commit=True)
+    lone.score(RouteRequest(MODEL, keys, 1600, 16, "r4"), commit=True)
+    assert lone.release("r4", "finished", Report(cached_tokens=320, ttft_ms=900.0))
+    assert lone.calibrator.queued == 1 and MODEL not in lone.calibrator.models
+    assert lone.release("r3", "finished", Report(cached_tokens=0, ttft_ms=400.0))
+    assert lone.calibrator.models[MODEL].samples == 1  # r3 had nothing ahead of it
 
 
 def test_reports_of_requests_the_index_saw_waiting_are_not_learned_from() -> None:
@@ -228,6 +236,15 @@ def test_vllm_histograms_give_the_mean_prefill_between_scrapes() -> None:
         480,
         pytest.approx(50.0),
     )
+    # Requests waiting at a scrape: the prefills around it ran batched with others'; no sample for
+    # the interval before it or the one after.
+    busy = PrefillSampler(LoadReader(VLLM))
+    waiting = 'vllm:num_requests_waiting{engine="0",model_name="m"} 2\n'
+    assert busy.sample(parse_samples(_page(1, 0.1, 500, 500)), 0) is None
+    assert busy.sample(parse_samples(_page(2, 0.2, 1000, 1000) + waiting), 0) is None
+    assert busy.sample(parse_samples(_page(3, 0.3, 1500, 1500)), 0) is None
+    assert busy.sample(parse_samples(_page(4, 0.4, 2000, 2000)), 0) == (500, 0, pytest.approx(100.0))
+    assert busy.skipped_queued == 2
     # Histograms that disagree on the request count, or an engine without them: nothing.
     broken = _page(4, 1.0, 7100, 2624).replace('prompt_tokens_count{engine="0",model_name="m"} 4', "x 1")
     assert PrefillSampler(LoadReader(VLLM))._totals(parse_samples(broken), 0) is None

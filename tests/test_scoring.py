@@ -211,6 +211,30 @@ def test_cold_prefix_goes_home_and_siblings_follow() -> None:
     assert second.choices[0].candidate.blocks == 150
 
 
+def test_released_prompt_keeps_no_speculative_credit_for_blocks_evicted_since() -> None:
+    """A committed prompt's speculative keys end a grace after its release: from then the KV
+    events alone say what the engine holds, so a prefix stored and then evicted is not promised
+    to a sibling for the rest of the TTL (an ``over`` outcome on a real engine)."""
+    router, index, _registry, clock = fleet(8)
+    keys = prompt(200, seed=9)
+    first = router.score(request(keys, rid="a"), commit=True).choices[0].candidate.state.key
+    index.store(first, 0, keys)  # the engine prefilled it: stored events
+    assert router.release("a", "prefill")
+    index.remove(first, 0, keys[100:])  # ... and evicted its second half soon after
+    sibling = keys[:150] + prompt(50, seed=10)
+    within_grace = router.score(request(sibling))
+    assert within_grace.choices[0].candidate.blocks == 150  # events may still be in flight
+    clock.t += router.config.speculative_grace + 0.01
+    after = router.score(request(sibling)).choices
+    assert [c.candidate.blocks for c in after if c.candidate.state.key == first] == [100]
+    # A request never released keeps its keys for the policy's TTL.
+    other = prompt(200, seed=11)
+    home = router.score(request(other, rid="b"), commit=True).choices[0].candidate.state.key
+    clock.t += 5.0
+    held = [c.candidate.blocks for c in router.score(request(other)).choices if c.candidate.state.key == home]
+    assert held == [200]
+
+
 def test_hot_prefix_spills_to_the_next_home_and_is_capped() -> None:
     router, index, registry, _clock = fleet(8)
     ttft = router.policies["ttft"]

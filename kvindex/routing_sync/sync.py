@@ -281,6 +281,7 @@ class RoutingSync:
         router = self.router
         instance = (op.worker, op.dp_rank)
         request = RouteRequest(op.model, op.keys, op.prompt_tokens, op.block_size, op.id, op.role)
+        gone = None
         if op.id:
             gone = self._released.get(op.id)
             if gone is not None and gone[2] == sender:
@@ -291,11 +292,16 @@ class RoutingSync:
             if gone is not None and gone[0] == FINISHED:
                 self.dropped["finished_before_commit"] += 1  # its heat and keys still count
             else:
-                router.ledger.commit(op.id, instance, op.model, op.prompt_tokens, op.miss_tokens)
-                if gone is not None:
-                    router.ledger.release(op.id, PREFILL)
+                entry = router.ledger.commit(op.id, instance, op.model, op.prompt_tokens, op.miss_tokens)
+                if op.spec_ttl > 0 and op.keys:
+                    entry.keys = op.keys
         if op.spec_ttl > 0 and op.keys:
             router.speculative.add(instance, op.keys, op.spec_ttl)
+        if gone is not None:  # released here before the commit came: its keys are settled already
+            if gone[0] == FINISHED:
+                router.speculative.settle(instance, op.keys, router.clock() + router.config.speculative_grace)
+            else:
+                router.released(op.id, PREFILL)
         state = router.registry.get(instance)
         if state is not None and state.model == op.model:  # else only the ledger and keys above
             if state.approximate and op.keys:  # an engine without KV events: its cache is predicted
@@ -308,7 +314,7 @@ class RoutingSync:
 
     def _apply_release(self, op: ReleaseOp, sender: tuple[str, int]) -> None:
         self._remember_release(op.id, op.phase, sender)
-        self.router.ledger.release(op.id, op.phase)
+        self.router.released(op.id, op.phase)
         self.applied["release"] += 1
 
     def _remember_release(self, request_id: str, phase: str, by: tuple[str, int] | None) -> None:

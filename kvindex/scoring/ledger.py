@@ -41,6 +41,9 @@ class Entry:
     # from another replica. ``reported``: an outcome report was compared already.
     prediction: Prediction | None = None
     reported: bool = False
+    # The prompt's block keys when they were added to the speculative keys: its release settles
+    # them (SpeculativeKeys.settle).
+    keys: list[int] | None = None
 
 
 class Ledger:
@@ -196,6 +199,19 @@ class SpeculativeKeys:
                 break
             i += 1
         return i
+
+    def settle(self, instance: InstanceKey, keys: Iterable[int], until: float) -> None:
+        """The request that added ``keys`` has prefilled (or ended): its blocks are in the engine's
+        cache now and its KV events vouch for them, evictions included. Speculative credit for them
+        ends at ``until`` (a grace for the events in flight) instead of the TTL: kept for the TTL, a
+        prefix the engine evicted after storing it would still be promised (an ``over`` outcome)."""
+        held = self._keys.get(instance)
+        if not held:
+            return
+        for key in keys:
+            expiry = held.get(key)
+            if expiry is not None and expiry > until:
+                held[key] = until
 
     def instances(self) -> KeysView[InstanceKey]:
         """The instances with expected keys (some may have expired: see ``extend``), a live view."""

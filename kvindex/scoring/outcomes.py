@@ -81,6 +81,10 @@ class Prediction:
     committed_at: float
     keys: list[int] = field(default_factory=list)  # the prompt's block keys (to look again at report)
     removals: int = 0  # the instance's InstanceState.removals at the decision
+    # Requests ahead of it on the instance at the decision whose prefill was not done (the ledger's,
+    # and the waiting ones its last heartbeat reported): its TTFT then includes batching with
+    # them, so its report is no prefill sample (Router._calibrate).
+    prefills_ahead: int = 0
 
     @property
     def cached_tokens(self) -> int:

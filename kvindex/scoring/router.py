@@ -70,6 +70,9 @@ class RouterConfig:
     # many instances is ranked like the non-holders, by the instances' own columns, instead of one
     # candidate per instance (a prompt that starts with the fleet's system prompt).
     group_min_instances: int = 16
+    # Seconds a committed prompt's speculative keys outlive its release (prefill done or finished):
+    # time for its KV events to arrive; from then on the events alone say what the engine holds.
+    speculative_grace: float = 1.0
     # Predicted against actual: outcome reports, per-instance state, degraded credit.
     outcomes: OutcomeConfig = field(default_factory=OutcomeConfig)
 
@@ -142,6 +145,9 @@ class Router:
     def _calibrate(self, outcome: Outcome) -> None:
         p, r = outcome.prediction, outcome.report
         if r.ttft_ms is not None and r.cached_tokens is not None:
+            if p.prefills_ahead > 0:
+                self.calibrator.queued += 1
+                return
             self.calibrator.add_reported(
                 p.model, instance_id(p.instance), p.prompt_tokens, r.cached_tokens, r.ttft_ms, p.wait_ms
             )
@@ -470,6 +476,7 @@ class Router:
             # A disaggregated decode receives the prompt's KV from a prefill instance: it queues no
             # prefill work there (a decode instance prefilling itself is committed as a prefill).
             miss = 0 if request.role == DECODE_ROLE else cand.miss_tokens
+            ahead = sum(1 for e in self.ledger.of(key) if not e.prefill_done) + cand.state.load.waiting
             entry = self.ledger.commit(request.request_id, key, request.model, request.prompt_tokens, miss)
             entry.prediction = Prediction(
                 key,
@@ -487,9 +494,12 @@ class Router:
                 entry.committed_at,
                 request.keys,
                 cand.state.removals,
+                ahead,
             )
         if policy.speculative_ttl > 0 and request.keys:
             self.speculative.add(key, request.keys, policy.speculative_ttl)
+            if request.request_id:
+                entry.keys = request.keys
         if cand.state.approximate and request.keys:
             self.predicted.on_commit(cand.state, request.keys)
         policy.on_commit(request, cand, self)
@@ -507,10 +517,19 @@ class Router:
         status = ""
         if report is not None and not report.empty():
             status = self._report(request_id, report)
-        found = self.ledger.release(request_id, phase) is not None
+        found = self.released(request_id, phase)
         if self.observer is not None:  # told even when not found: another replica may hold it
             self.observer.released(request_id, phase)
         return found, status
+
+    def released(self, request_id: str, phase: str) -> bool:
+        """Release the ledger entry (here or from another replica) and settle its speculative keys."""
+        entry = self.ledger.release(request_id, phase)
+        if entry is None:
+            return False
+        if entry.keys is not None:
+            self.speculative.settle(entry.instance, entry.keys, self.clock() + self.config.speculative_grace)
+        return True
 
     def _report(self, request_id: str, report: Report) -> str:
         outcomes = self.outcomes

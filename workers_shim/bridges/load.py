@@ -113,6 +113,8 @@ class PrefillSampler:
         self.reader = reader
         # Per rank: the totals of the last scrape (requests, seconds, prompt tokens, computed tokens).
         self._last: dict[int, tuple[float, float, float, float]] = {}
+        self._queued: dict[int, bool] = {}  # per rank: requests waiting at the last scrape
+        self.skipped_queued = 0  # intervals not sampled: requests were waiting
 
     def _totals(self, samples: Samples, rank: int) -> tuple[float, float, float, float] | None:
         p = self.reader.profile
@@ -138,13 +140,24 @@ class PrefillSampler:
         return (n, seconds, prompt, computed)
 
     def sample(self, samples: Samples, rank: int) -> tuple[int, int, float] | None:
-        """The mean prefill of the requests finished since the last call, or None."""
+        """The mean prefill of the requests finished since the last call, or None.
+
+        None too when the engine had requests waiting at this scrape or the last: their prefills
+        ran batched with others' (vLLM's prefill time is from scheduling to first token, so a
+        short prompt batched with a long one takes the long one's step), and a fit fed with them
+        learns the load instead of the compute (the index prices queueing separately)."""
         totals = self._totals(samples, rank)
         if totals is None:
             return None
         last = self._last.get(rank)
         self._last[rank] = totals
+        queued = self.reader.load(samples, rank).waiting > 0
+        was_queued = self._queued.get(rank, False)
+        self._queued[rank] = queued
         if last is None:
+            return None
+        if queued or was_queued:
+            self.skipped_queued += 1
             return None
         n, seconds, prompt, computed = (now - before for now, before in zip(totals, last, strict=True))
         if n <= 0 or seconds < 0 or prompt < 0 or computed < 0 or computed > prompt:
