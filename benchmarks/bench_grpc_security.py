@@ -3,7 +3,7 @@ bearer token, and mutual TLS + token; ratios against plaintext measured in the s
 
 One ``kvindex serve`` process per mode (on a nats-server this script starts, empty index), all
 running; in each round every mode is measured in turn, from this process with the real client code
-(``kvindex.api.security.open_channel``); medians over the rounds:
+(``kvindex.security.open_channel``); medians over the rounds:
 
 1. sequential Score calls on one open channel (one call in flight: the per-call round trip; the
    model is unknown, so the server does no index work and the figure is the transport's),
@@ -31,7 +31,7 @@ import grpc
 import trustme
 from bench_score import NatsProcess, code_version, cpu_seconds, stop_process
 
-from kvindex.api.security import ClientTLS, open_channel
+from kvindex.security import ClientTLS, open_channel
 from kvindex.service.natsd import free_port
 from kvindex.v1 import kvindex_pb2 as pb
 from kvindex.v1 import kvindex_pb2_grpc as pb_grpc

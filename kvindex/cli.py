@@ -13,12 +13,12 @@ from typing import Any
 
 import structlog
 
-from kvindex.api.security import add_client_options, add_server_options
 from kvindex.capture.cli import add_capture, add_replay, add_serve_capture, serve_capture_config
 from kvindex.config import NatsConfigError, NatsConnectError, NatsSettings, add_nats_arguments, parse_layered
 from kvindex.observability.logs import configure_logging
 from kvindex.route.cli import add_route
 from kvindex.scoring.admission import add_admission_options, admission_from_args
+from kvindex.security import add_client_options, add_server_options
 
 
 def _add_serve(sub: Any) -> None:
@@ -415,7 +415,7 @@ def _query(args: argparse.Namespace) -> int:
     import grpc
     from google.protobuf.json_format import MessageToDict
 
-    from kvindex.api.security import ClientTLS, SecurityConfigError, open_channel, token_from_args
+    from kvindex.security import ClientTLS, SecurityConfigError, open_channel, token_from_args
     from kvindex.v1 import kvindex_pb2 as pb
     from kvindex.v1 import kvindex_pb2_grpc as pb_grpc
 
@@ -476,13 +476,13 @@ def _ext_proc_pd(args: argparse.Namespace) -> Any:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from kvindex.api.security import ServerSecurity
     from kvindex.ingest.nats_source import JetStreamConfig
     from kvindex.lifecycle import Stop, run
     from kvindex.repair.nats_repair import RepairConfig
     from kvindex.routing_sync.sync import SyncConfig
     from kvindex.scoring.costs import CostConfig
     from kvindex.scoring.router import RouterConfig
+    from kvindex.security import ServerSecurity
     from kvindex.service.app import CLEANUP_BUDGET, IndexService, ServiceConfig, serve_until_stopped
     from kvindex.service.readiness import ReadinessConfig
 

@@ -24,10 +24,10 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from kvindex.fleet.registry import InstanceState, Registry
-from kvindex.index.base import InstanceKey
 from kvindex.index.inverted import InvertedIndex
 from kvindex.ingest.consumer import Consumer, RepairScheduler
 from kvindex.ingest.limits import IngestLimits
+from kvindex.instance import InstanceKey
 from kvindex.observability.counters import IngestCounters
 from kvindex.scoring.calibration import Calibrator
 from kvindex.scoring.router import Router, RouterConfig

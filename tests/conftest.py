@@ -136,7 +136,7 @@ def mtls_token_config(nats_url: str, directory: Path, token: str = "s3cret") -> 
     """A service on ``nats_url`` with mutual TLS and a bearer token: certificates made at test time in
     ``directory`` (ca.pem, server.pem/.key, client.pem/.key: kvtools.testing.natsauth.make_tls_files)
     and the token in ``directory/token``."""
-    from kvindex.api.security import ServerSecurity, ServerTLS
+    from kvindex.security import ServerSecurity, ServerTLS
     from kvtools.testing.natsauth import make_tls_files
 
     files = make_tls_files(directory)

@@ -33,7 +33,7 @@ from tests.test_bridge_fakes import (
 )
 from workers_shim.bridges import Bridge, BridgeConfig, blocksize
 from workers_shim.bridges.blocksize import BlockSizeConflict
-from workers_shim.bridges.native import Stored
+from workers_shim.bridges.native import NativeStored
 
 KVSHIM = str(Path(sys.executable).with_name("kvshim"))
 MODEL = "bs-model"
@@ -154,8 +154,8 @@ async def test_bridge_announces_the_endpoint_it_is_given(
 
 
 def test_sglang_partial_pages_are_not_a_conflict() -> None:
-    def page(n_tokens: int, size: int) -> Stored:
-        return Stored([1], None, list(range(n_tokens)), size, "gpu")
+    def page(n_tokens: int, size: int) -> NativeStored:
+        return NativeStored([1], None, list(range(n_tokens)), size, "gpu")
 
     seen = blocksize.evidence([page(16, 16), page(16, 16), page(5, 5)], kv_group=0)
     assert blocksize.learn(seen, partial_blocks=True) == 16
@@ -163,10 +163,10 @@ def test_sglang_partial_pages_are_not_a_conflict() -> None:
     assert blocksize.conflict(seen, 16, partial_blocks=False) == 5  # vLLM never stores short blocks
     assert blocksize.conflict(blocksize.evidence([page(32, 32)], 0), 16, partial_blocks=True) == 32
     # Stores of other KV groups, token-less placeholders and inconsistent ones tell nothing.
-    other = Stored([1, 2], None, list(range(64)), 32, "gpu", group=1)
-    tokenless = Stored([1], None, [], 0, "cpu")
-    assert blocksize.evidence([other, tokenless, Stored([1, 2], None, [1, 2, 3], 0, "gpu")], 0) == []
-    assert blocksize.evidence([Stored([1, 2], None, list(range(8)), 0, "gpu")], 0) == [(4, False)]
+    other = NativeStored([1, 2], None, list(range(64)), 32, "gpu", group=1)
+    tokenless = NativeStored([1], None, [], 0, "cpu")
+    assert blocksize.evidence([other, tokenless, NativeStored([1, 2], None, [1, 2, 3], 0, "gpu")], 0) == []
+    assert blocksize.evidence([NativeStored([1, 2], None, list(range(8)), 0, "gpu")], 0) == [(4, False)]
 
 
 async def test_kvshim_exits_non_zero_naming_both_sizes(nats_server: EmbeddedNats) -> None:

@@ -338,7 +338,7 @@ async def test_index_that_lost_a_known_model_is_treated_as_down(index: IndexServ
 async def test_mutual_tls_and_token(
     nats_server: EmbeddedNats, tmp_path: Path, make_publisher: MakePub
 ) -> None:
-    from kvindex.api.security import ClientTLS
+    from kvindex.security import ClientTLS
 
     config = mtls_token_config(nats_server.url, tmp_path)
     svc = IndexService(config)

@@ -23,8 +23,8 @@ import pytest
 import trustme
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from kvindex.api.security import ClientTLS, open_channel
 from kvindex.api.server import LIVENESS, READINESS
+from kvindex.security import ClientTLS, open_channel
 from kvindex.service.natsd import EmbeddedNats, free_port
 from kvindex.v1 import kvindex_pb2 as pb
 from kvindex.v1 import kvindex_pb2_grpc as pb_grpc

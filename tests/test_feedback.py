@@ -301,11 +301,11 @@ async def test_degraded_state_shows_and_discounts_the_cache(
     await wait_until(lambda: not svc.router.degraded, what="exact again")
 
 
-# -- reading the engine's usage (kvindex/api/usage.py) -------------------------------------------------
+# -- reading the engine's usage (kvindex/route/usage.py) -------------------------------------------------
 
 
 def test_include_usage_is_added_without_touching_the_rest() -> None:
-    from kvindex.api.usage import add_include_usage
+    from kvindex.route.usage import add_include_usage
 
     raw = b'{"model": "m", "prompt": "caf\\u00e9", "stream": true}'
     assert add_include_usage(raw) == b'{"stream_options":{"include_usage":true},' + raw[1:]
@@ -321,7 +321,7 @@ def test_include_usage_is_added_without_touching_the_rest() -> None:
 
 
 def test_usage_reader_streams_split_anywhere_and_strips_the_usage_chunk() -> None:
-    from kvindex.api.usage import UsageReader
+    from kvindex.route.usage import UsageReader
 
     events = [
         b'data: {"choices": [{"text": " a"}]}\n\n',

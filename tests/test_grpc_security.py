@@ -21,7 +21,12 @@ import trustme
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from kvindex.api.security import (
+from kvindex.capture.recorder import CaptureConfig
+from kvindex.capture.replay import replay
+from kvindex.capture.serve import serve_replayed
+from kvindex.cli import main
+from kvindex.keys import block_keys
+from kvindex.security import (
     ClientTLS,
     SecurityConfigError,
     ServerSecurity,
@@ -30,11 +35,6 @@ from kvindex.api.security import (
     open_channel,
     read_token,
 )
-from kvindex.capture.recorder import CaptureConfig
-from kvindex.capture.replay import replay
-from kvindex.capture.serve import serve_replayed
-from kvindex.cli import main
-from kvindex.keys import block_keys
 from kvindex.service.app import IndexService, ServiceConfig
 from kvindex.service.natsd import EmbeddedNats, free_port
 from kvindex.v1 import kvindex_pb2 as pb

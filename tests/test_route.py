@@ -22,11 +22,11 @@ from google.protobuf import descriptor_pb2, descriptor_pool
 from google.protobuf.message_factory import GetMessageClass
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvindex.api.openai_body import parse_body
-from kvindex.api.security import ClientTLS
 from kvindex.api.server import GrpcServer
 from kvindex.keys import block_keys
+from kvindex.route.openai_body import parse_body
 from kvindex.route.proxy import RouteConfig, RouteProxy, _fields_taken
+from kvindex.security import ClientTLS
 from kvindex.service.app import IndexService
 from kvindex.service.natsd import EmbeddedNats
 from kvindex.v1 import kvindex_pb2 as pb

@@ -13,8 +13,8 @@ from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
 from kvindex.api import listen
-from kvindex.api.security import ServerSecurity
 from kvindex.api.servicer import KvIndexServicer
+from kvindex.security import ServerSecurity
 from kvindex.v1 import kvindex_pb2, kvindex_pb2_grpc
 
 SERVICE_NAME = kvindex_pb2.DESCRIPTOR.services_by_name["KvIndex"].full_name

@@ -14,11 +14,13 @@ from typing import Any, NamedTuple, NoReturn
 import grpc
 import numpy as np
 
+from kvindex.api.errors import BadRequest
 from kvindex.fleet.registry import InstanceState, Registry
-from kvindex.index.base import NO_MATCH, InstanceKey, KvBlockIndex
+from kvindex.index.base import NO_MATCH, KvBlockIndex
+from kvindex.instance import InstanceKey
 from kvindex.keys import keys_from_le_bytes, model_seed
 from kvindex.observability.counters import IngestCounters, Metrics
-from kvindex.scoring.base import DECODE_ROLE, PREFILL_ROLE, RouteRequest
+from kvindex.scoring.base import DECODE_ROLE, PREFILL_ROLE, RouteRequest, prompt_length
 from kvindex.scoring.ledger import FINISHED, PREFILL
 from kvindex.scoring.outcomes import INVALID, Report
 from kvindex.scoring.pick import PickOptions
@@ -35,10 +37,6 @@ MAX_BLOCK_KEYS = 1_000_000
 MAX_CANDIDATES = 100_000
 
 _seed = lru_cache(maxsize=4096)(model_seed)
-
-
-class BadRequest(ValueError):
-    """An argument error; becomes INVALID_ARGUMENT with this message."""
 
 
 class Prompt(NamedTuple):
@@ -107,13 +105,6 @@ def _check_candidates(candidates: Sequence[str]) -> list[str] | None:
 
 def _tier_blocks(t: Sequence[int]) -> pb.TierBlocks:
     return pb.TierBlocks(gpu=t[0], cpu=t[1], disk=t[2], shared=t[3])
-
-
-def _prompt_tokens(request: Any, block_size: int, keys: list[int]) -> int:
-    """L: the token count when tokens were sent, else the caller's figure, else whole blocks."""
-    if len(request.token_ids):
-        return len(request.token_ids)
-    return request.prompt_tokens or len(keys) * block_size
 
 
 def _load(state: InstanceState, now: float) -> pb.Load:
@@ -342,7 +333,7 @@ class KvIndexServicer(pb_grpc.KvIndexServicer):
         pick: PickOptions | None = None,
     ) -> pb.ScoreResponse:
         model = request.model
-        prompt = _prompt_tokens(request, block_size, keys) if prompt_tokens is None else prompt_tokens
+        prompt = prompt_length(request, block_size, keys) if prompt_tokens is None else prompt_tokens
         response = pb.ScoreResponse(
             model=model,
             block_size=block_size,

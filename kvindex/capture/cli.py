@@ -16,10 +16,10 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from kvindex.api.security import add_server_options
 from kvindex.capture.format import LogError, zstd_available
 from kvindex.config.nats import NatsConfigError, NatsConnectError, NatsSettings, add_nats_arguments
 from kvindex.lifecycle import Stop, run
+from kvindex.security import add_server_options
 
 _UNITS = {"": 1.0, "s": 1.0, "m": 60.0, "h": 3600.0, "ms": 0.001}
 _DURATION_RE = re.compile(r"(\d+(?:\.\d*)?)(ms|s|m|h)?")
@@ -350,8 +350,8 @@ async def _replay_and_serve(
     driver: Any, args: argparse.Namespace, out: Output, queries: list, stop: Stop
 ) -> int:
     """Serve the API while replaying (``--speed`` N: watch the state evolve), then keep serving."""
-    from kvindex.api.security import ServerSecurity
     from kvindex.capture.serve import serve_replayed
+    from kvindex.security import ServerSecurity
 
     security = ServerSecurity.from_args(args)
     server = await serve_replayed(driver.replayer, args.grpc_host, args.grpc_port, security)

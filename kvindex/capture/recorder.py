@@ -28,7 +28,7 @@ from kvindex.capture.digest import state_digest
 from kvindex.capture.format import LogWriter
 from kvindex.config.nats import NatsSettings
 from kvindex.config.nats import connect as nats_connect
-from kvindex.index.base import InstanceKey
+from kvindex.instance import InstanceKey
 from kvindex.lifecycle import close_nats
 from kvindex.lifecycle.bounded import finish
 from kvindex.scoring.pick import SOFTMAX

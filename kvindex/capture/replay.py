@@ -27,18 +27,18 @@ from typing import Any
 
 import structlog
 
-from kvindex.api.servicer import KvIndexServicer, _prompt_tokens, release_report
+from kvindex.api.servicer import KvIndexServicer, release_report
 from kvindex.capture import records as R
 from kvindex.capture.digest import state_digest
 from kvindex.capture.format import LogError, LogReader
 from kvindex.core import CoreConfig, build_core
 from kvindex.fleet.liveness import sweep
 from kvindex.fleet.registry import instance_id
-from kvindex.index.base import InstanceKey
 from kvindex.ingest.consumer import SNAPSHOT
 from kvindex.ingest.limits import limits_from_meta
+from kvindex.instance import InstanceKey
 from kvindex.repair.nats_repair import RepairConfig
-from kvindex.scoring.base import DECODE_ROLE, RouteRequest
+from kvindex.scoring.base import DECODE_ROLE, RouteRequest, prompt_length
 from kvindex.scoring.router import RouterConfig
 from kvindex.v1 import kvindex_pb2 as pb
 from kvindex.wire.reconcile import Snapshot
@@ -442,7 +442,7 @@ class Replayer:
             return
         role = getattr(req, "role", "") or "prefill"
         route = RouteRequest(
-            req.model, keys, _prompt_tokens(req, block_size, keys), block_size, req.request_id, role
+            req.model, keys, prompt_length(req, block_size, keys), block_size, req.request_id, role
         )
         policy = "decode" if role == DECODE_ROLE else (getattr(req, "policy", "") or None)
         self.router.commit(route, (worker, int(rank)), policy)

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from kvindex.api.security import ServerSecurity
 from kvindex.api.server import GrpcServer
 from kvindex.capture.replay import Replayer
+from kvindex.security import ServerSecurity
 
 
 async def serve_replayed(

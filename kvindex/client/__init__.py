@@ -6,6 +6,7 @@ first blocks over the instances last seen) when the index is down or slow. Desig
 modes: kvindex/client/README.md.
 """
 
+from kvindex.api.errors import BadRequest
 from kvindex.client.aio import (
     DEADLINE,
     ERROR,
@@ -18,7 +19,7 @@ from kvindex.client.aio import (
     Target,
 )
 from kvindex.client.channel import call_metadata, create_channel
-from kvindex.client.errors import BadRequest, IndexUnavailable
+from kvindex.client.errors import IndexUnavailable
 from kvindex.client.fallback import Fallback, InstanceCache, KnownInstance, RendezvousFallback, prefix_key
 from kvindex.client.sync import KvIndexClient
 

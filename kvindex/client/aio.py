@@ -18,11 +18,12 @@ from typing import Any
 import grpc
 import structlog
 
-from kvindex.api.security import ClientTLS
+from kvindex.api.errors import BadRequest
 from kvindex.client.channel import call_metadata, create_channel
-from kvindex.client.errors import BadRequest, IndexUnavailable
+from kvindex.client.errors import IndexUnavailable
 from kvindex.client.fallback import Fallback, InstanceCache, KnownInstance, RendezvousFallback, prefix_key
 from kvindex.observability.logs import RateLimitedLog
+from kvindex.security import ClientTLS
 from kvindex.v1 import kvindex_pb2 as pb
 from kvindex.v1 import kvindex_pb2_grpc as pb_grpc
 

@@ -1,6 +1,6 @@
 """The one place a client's gRPC channel is made: plaintext or TLS/mTLS, plus call metadata.
 
-Secured deployments pass a :class:`kvindex.api.security.ClientTLS` (the CLI's ``--tls``, ``--tls-ca``,
+Secured deployments pass a :class:`kvindex.security.ClientTLS` (the CLI's ``--tls``, ``--tls-ca``,
 ``--tls-cert``/``--tls-key``, ``--server-name``; files read here) or ready ``grpc.ChannelCredentials``,
 and a bearer token (``read_token(--auth-token-file)``), sent as call metadata on every call; nothing
 else in the client knows about security.
@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 import grpc
 
-from kvindex.api.security import ClientTLS
+from kvindex.security import ClientTLS
 
 # Reconnect quickly after the index restarts: gRPC's default backoff grows to 120 s, during which
 # every call would take the fallback although the index is back. Messages as large as the server's.

@@ -1,4 +1,5 @@
-"""What a client call can raise."""
+"""What a client call can raise besides ``kvindex.api.errors.BadRequest`` (the index rejected the
+arguments): ``IndexUnavailable``."""
 
 from __future__ import annotations
 
@@ -14,8 +15,3 @@ class IndexUnavailable(ConnectionError):
         super().__init__(message)
         self.reason = reason
         self.code = code
-
-
-class BadRequest(ValueError):
-    """The index rejected the request's arguments (INVALID_ARGUMENT, or ScoreResponse.error on the
-    stream): a caller's error, never answered by the fallback."""

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from kvindex.fleet.registry import InstanceState
-from kvindex.index.base import InstanceKey
+from kvindex.instance import InstanceKey
 
 
 def sweep(

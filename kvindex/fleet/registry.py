@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from operator import attrgetter
 from typing import TYPE_CHECKING, Any
 
-from kvindex.index.base import InstanceKey
+from kvindex.instance import InstanceKey
 from kvindex.wire.schema import CPU, DISK, GPU, SHARED, Load
 
 

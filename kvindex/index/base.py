@@ -8,8 +8,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Protocol, runtime_checkable
 
-# An instance is one (worker id, data-parallel rank) pair: the unit a router sends requests to.
-InstanceKey = tuple[str, int]
+from kvindex.instance import InstanceKey
 
 
 class InstanceMatch(NamedTuple):

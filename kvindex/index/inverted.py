@@ -20,7 +20,8 @@ from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 from kvindex.index import _pytable
-from kvindex.index.base import Applied, IndexStats, InstanceKey, InstanceMatch, MatchGroup
+from kvindex.index.base import Applied, IndexStats, InstanceMatch, MatchGroup
+from kvindex.instance import InstanceKey
 from kvindex.wire.schema import TIER_BY_NAME
 
 try:

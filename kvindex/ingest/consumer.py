@@ -17,7 +17,7 @@ import msgspec
 import structlog
 
 from kvindex.fleet.registry import InstanceState, Registry, instance_id
-from kvindex.index.base import Applied, InstanceKey, KvBlockIndex
+from kvindex.index.base import Applied, KvBlockIndex
 from kvindex.ingest.limits import (
     BLOCK_LIMIT,
     DEFAULT_INGEST_LIMITS,
@@ -28,6 +28,7 @@ from kvindex.ingest.limits import (
     IngestLimits,
     LimitExceeded,
 )
+from kvindex.instance import InstanceKey
 from kvindex.observability.counters import IngestCounters
 from kvindex.observability.logs import RateLimitedLog
 from kvindex.sequencer.cursor import Cursor, Sequencer, Verdict, decide

@@ -20,8 +20,8 @@ import structlog
 from nats.aio.client import Client
 
 from kvindex.fleet.liveness import sweep_next
-from kvindex.index.base import InstanceKey
 from kvindex.ingest.consumer import SNAPSHOT, Consumer
+from kvindex.instance import InstanceKey
 from kvindex.lifecycle.bounded import finish
 from kvindex.wire import reconcile
 from kvindex.wire.reconcile import Snapshot

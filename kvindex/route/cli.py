@@ -6,10 +6,10 @@ import argparse
 import sys
 from typing import Any
 
-from kvindex.api.security import ClientTLS, SecurityConfigError, add_client_options, token_from_args
 from kvindex.lifecycle import Stop, run
 from kvindex.observability.logs import configure_logging
 from kvindex.scoring.admission import add_admission_options, admission_from_args
+from kvindex.security import ClientTLS, SecurityConfigError, add_client_options, token_from_args
 
 
 def add_route(sub: Any) -> None:

@@ -20,8 +20,8 @@ import aiohttp
 import structlog
 from aiohttp import web
 
-from kvindex.api.openai_body import PromptSpec
 from kvindex.client import BadRequest, Decision, IndexUnavailable, Target
+from kvindex.route.openai_body import PromptSpec
 from kvindex.route.pd import (
     CACHED_ON_DECODE,
     NO_ESTIMATE,

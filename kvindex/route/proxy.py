@@ -27,9 +27,6 @@ from google.protobuf.message_factory import GetMessageClass
 from multidict import CIMultiDict, CIMultiDictProxy
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from kvindex.api.openai_body import MAX_BODY_BYTES, BodyError, PromptSpec, parse_body
-from kvindex.api.security import ClientTLS
-from kvindex.api.usage import UsageReader, add_include_usage
 from kvindex.client import (
     DEADLINE,
     ERROR,
@@ -44,8 +41,10 @@ from kvindex.client import (
 from kvindex.lifecycle import Stop
 from kvindex.observability.logs import RateLimitedLog
 from kvindex.route.metrics import RouteMetrics
+from kvindex.route.openai_body import MAX_BODY_BYTES, BodyError, PromptSpec, parse_body
 from kvindex.route.pd import PdConfig
 from kvindex.route.pd_proxy import FirstByte, PdRoute
+from kvindex.route.usage import UsageReader, add_include_usage
 from kvindex.scoring.admission import (
     AdmissionConfig,
     AdmissionGate,
@@ -57,6 +56,7 @@ from kvindex.scoring.admission import (
     Shed,
 )
 from kvindex.scoring.ledger import FINISHED, PREFILL
+from kvindex.security import ClientTLS
 from kvindex.v1 import kvindex_pb2 as pb
 
 log = structlog.get_logger("kvindex.route")

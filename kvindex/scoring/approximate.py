@@ -20,7 +20,8 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable
 
 from kvindex.fleet.registry import InstanceState
-from kvindex.index.base import InstanceKey, KvBlockIndex
+from kvindex.index.base import KvBlockIndex
+from kvindex.instance import InstanceKey
 from kvindex.wire.schema import GPU
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sized
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
@@ -25,6 +26,25 @@ class RouteRequest:
     block_size: int
     request_id: str = ""
     role: str = PREFILL_ROLE
+
+
+class PromptCounts(Protocol):
+    """What a request says about its prompt's length (a Score or Commit request has both fields)."""
+
+    @property
+    def token_ids(self) -> Sized: ...
+
+    @property
+    def prompt_tokens(self) -> int: ...
+
+
+def prompt_length(request: PromptCounts, block_size: int, keys: Sized) -> int:
+    """L (``RouteRequest.prompt_tokens``): the token count when tokens were sent, else the caller's
+    figure, else whole blocks. The service and replay both derive it here, so a replayed commit
+    charges the ledger what the live one did."""
+    if len(request.token_ids):
+        return len(request.token_ids)
+    return request.prompt_tokens or len(keys) * block_size
 
 
 # Candidates and choices are made for every instance on every Score: msgspec Structs construct in C,

@@ -22,7 +22,7 @@ import numpy as np
 import xxhash
 
 from kvindex.fleet.registry import InstanceState, Registry
-from kvindex.index.base import InstanceKey
+from kvindex.instance import InstanceKey
 from kvindex.scoring.ledger import Ledger
 from kvindex.wire.schema import Load
 

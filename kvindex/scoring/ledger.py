@@ -18,7 +18,7 @@ from collections.abc import Callable, ItemsView, Iterable, KeysView, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from kvindex.index.base import InstanceKey
+from kvindex.instance import InstanceKey
 
 if TYPE_CHECKING:
     from kvindex.scoring.outcomes import Prediction

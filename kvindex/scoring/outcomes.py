@@ -34,7 +34,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvindex.fleet.registry import InstanceState
-from kvindex.index.base import InstanceKey
+from kvindex.instance import InstanceKey
 
 EXACT = "exact"
 OVER = "over"

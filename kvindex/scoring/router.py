@@ -16,7 +16,8 @@ from typing import Any, Protocol
 import numpy as np
 
 from kvindex.fleet.registry import InstanceState, Registry, instance_id
-from kvindex.index.base import NO_MATCH, GroupedIndex, InstanceKey, InstanceMatch, KvBlockIndex, MatchGroup
+from kvindex.index.base import NO_MATCH, GroupedIndex, InstanceMatch, KvBlockIndex, MatchGroup
+from kvindex.instance import InstanceKey
 from kvindex.scoring.approximate import PredictedCache
 from kvindex.scoring.base import DECODE_ROLE, Candidate, Choice, Policy, PrunedPolicy, RouteRequest
 from kvindex.scoring.calibration import Calibrator

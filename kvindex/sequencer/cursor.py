@@ -14,7 +14,7 @@ from enum import Enum
 
 from sortedcontainers import SortedDict
 
-from kvindex.index.base import InstanceKey
+from kvindex.instance import InstanceKey
 
 # Epochs a worker has left behind; a late batch from one of them is stale, not a new restart.
 _RETIRED_EPOCHS_KEPT = 8

@@ -12,8 +12,6 @@ import structlog
 from prometheus_client import start_http_server
 
 from kvindex.api import listen
-from kvindex.api.ext_proc import EndpointPicker, ExtProcServer
-from kvindex.api.security import ServerSecurity
 from kvindex.api.server import GrpcServer
 from kvindex.api.servicer import KvIndexServicer
 from kvindex.capture.recorder import (
@@ -25,20 +23,22 @@ from kvindex.capture.recorder import (
 )
 from kvindex.config.nats import NatsSettings
 from kvindex.core import CoreConfig, build_core
-from kvindex.index.base import InstanceKey
 from kvindex.ingest.limits import IngestLimits
 from kvindex.ingest.nats_source import JetStreamConfig, NatsSource
+from kvindex.instance import InstanceKey
 from kvindex.lifecycle import Stop, bounded
 from kvindex.observability.counters import Metrics
 from kvindex.observability.outcomes import OutcomeCollector
 from kvindex.observability.tokenize import TokenizeCollector
 from kvindex.repair.nats_repair import NatsRepairer, RepairConfig
+from kvindex.route.ext_proc import EndpointPicker, ExtProcServer
 from kvindex.route.pd import PdConfig
 from kvindex.routing_sync.metrics import SyncCollector
 from kvindex.routing_sync.nats_link import NatsRoutingLink
 from kvindex.routing_sync.sync import RoutingSync, SyncConfig
 from kvindex.scoring.admission import AdmissionConfig, ObjectiveDefaults
 from kvindex.scoring.router import RouterConfig
+from kvindex.security import ServerSecurity
 from kvindex.service.calibration_store import CalibrationStore
 from kvindex.service.natsd import EmbeddedNats
 from kvindex.service.readiness import Readiness, ReadinessConfig
@@ -315,7 +315,7 @@ class IndexService:
             if server is None or listen.is_loopback(server.host):
                 continue
             sec = server.security
-            # A token without TLS has its own warning (auth_token_without_tls, security.py).
+            # A token without TLS has its own warning (auth_token_without_tls, kvindex/security/server.py).
             if sec.token or (sec.tls is not None and sec.tls.client_ca):
                 continue
             missing = "no TLS, no token" if sec.tls is None else "no token or client certificate"

@@ -23,7 +23,7 @@ from typing import Any
 import structlog
 
 from kvindex.fleet.registry import Registry
-from kvindex.index.base import InstanceKey
+from kvindex.instance import InstanceKey
 from kvindex.sequencer.cursor import Sequencer
 
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from workers_shim.bridges.native import Event, Stored
+from workers_shim.bridges.native import NativeEvent, NativeStored
 
 
 class BlockSizeConflict(RuntimeError):
@@ -37,7 +37,7 @@ class BlockSizeConflict(RuntimeError):
         self.source = source
 
 
-def announced(ev: Stored) -> int | None:
+def announced(ev: NativeStored) -> int | None:
     """Tokens per block a keyed store announces; None for token-less or inconsistent ones."""
     n = len(ev.hashes)
     if not n or not ev.tokens:
@@ -48,16 +48,16 @@ def announced(ev: Stored) -> int | None:
     return size if size > 0 else None
 
 
-def maybe_partial(ev: Stored, size: int) -> bool:
+def maybe_partial(ev: NativeStored, size: int) -> bool:
     """A single block whose announced size is just its token count: possibly a short last page."""
     return len(ev.hashes) == 1 and len(ev.tokens) == size
 
 
-def evidence(events: Iterable[Event], kv_group: int) -> list[tuple[int, bool]]:
+def evidence(events: Iterable[NativeEvent], kv_group: int) -> list[tuple[int, bool]]:
     """(announced size, maybe partial) of each keyed store of the indexed KV group, in order."""
     out = []
     for ev in events:
-        if isinstance(ev, Stored) and (ev.group is None or ev.group == kv_group):
+        if isinstance(ev, NativeStored) and (ev.group is None or ev.group == kv_group):
             size = announced(ev)
             if size is not None:
                 out.append((size, maybe_partial(ev, size)))

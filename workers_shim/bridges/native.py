@@ -45,7 +45,10 @@ class DecodeError(Exception):
 
 
 @dataclass(slots=True)
-class Stored:
+class NativeStored:
+    """Blocks an engine stored, as it published them: engine hashes, not block keys. The translator
+    keys them and the publisher sends them as the wire's ``stored`` event (``kvindex.wire.schema.Stored``)."""
+
     hashes: list[Hash]
     parent: Hash | None
     tokens: list[Any]  # token ids; empty for token-less placeholders (CPU offload)
@@ -60,7 +63,9 @@ class Stored:
 
 
 @dataclass(slots=True)
-class Removed:
+class NativeRemoved:
+    """Blocks an engine no longer holds on a tier, by engine hash (on the wire: ``removed``)."""
+
     hashes: list[Hash]
     tier: str
     group: int | None = None
@@ -68,7 +73,9 @@ class Removed:
 
 
 @dataclass(slots=True)
-class Cleared:
+class NativeCleared:
+    """An engine dropped every block of a tier, or of every local tier (on the wire: ``cleared``)."""
+
     tier: str | None  # None: every local tier (gpu, cpu, disk)
     dp_rank: int | None = None
 
@@ -86,14 +93,14 @@ class EventError:
     dp_rank: int | None = None
 
 
-Event = Stored | Removed | Cleared | Ignored | EventError
+NativeEvent = NativeStored | NativeRemoved | NativeCleared | Ignored | EventError
 
 
 @dataclass(slots=True)
 class Batch:
     ts: float
     dp_rank: int | None
-    events: list[Event]
+    events: list[NativeEvent]
 
 
 def _int(value: Any, what: str, *, optional: bool = True) -> int | None:
@@ -193,7 +200,7 @@ class Decoder:
             raise DecodeError("bad_batch", f"bad dp rank {rank!r}")
         if not isinstance(ts, int | float) or isinstance(ts, bool):
             ts = 0.0
-        out: list[Event] = []
+        out: list[NativeEvent] = []
         for raw in events:
             try:
                 out.extend(self.event(raw))
@@ -203,7 +210,7 @@ class Decoder:
 
     # -- events ---------------------------------------------------------------------------------
 
-    def event(self, raw: Any) -> list[Event]:
+    def event(self, raw: Any) -> list[NativeEvent]:
         if isinstance(raw, list | tuple):
             if not raw:
                 raise DecodeError("bad_event", "empty event array")
@@ -216,10 +223,10 @@ class Decoder:
                     raise DecodeError("missing_field", "BlockRemoved without block_hashes")
                 medium = raw[2] if len(raw) > 2 and not isinstance(raw[2], int) else None
                 group = raw[3] if len(raw) > 3 else None
-                return [Removed(_hashes(raw[1]), self.tier(medium), _int(group, "group_idx"))]
+                return [NativeRemoved(_hashes(raw[1]), self.tier(medium), _int(group, "group_idx"))]
             if kind in _CLEARED:
                 medium = raw[1] if len(raw) > 1 and isinstance(raw[1], str | bytes) else None
-                return [Cleared(self.tier(medium) if medium is not None else None)]
+                return [NativeCleared(self.tier(medium) if medium is not None else None)]
             raise DecodeError("unknown_event_type", str(tag))
         if isinstance(raw, dict):
             tag = raw.get("type")
@@ -232,16 +239,16 @@ class Decoder:
                 if "block_hashes" not in raw:
                     raise DecodeError("missing_field", "BlockRemoved without block_hashes")
                 group = _int(raw.get("group_idx"), "group_idx")
-                return [Removed(_hashes(raw["block_hashes"]), self.tier(raw.get("medium")), group)]
+                return [NativeRemoved(_hashes(raw["block_hashes"]), self.tier(raw.get("medium")), group)]
             if kind in _CLEARED:
                 medium = raw.get("medium")
-                return [Cleared(self.tier(medium) if medium is not None else None)]
+                return [NativeCleared(self.tier(medium) if medium is not None else None)]
             if kind in _IGNORED:
                 return [Ignored(kind)]
             raise DecodeError("unknown_event_type", str(tag))
         raise DecodeError("bad_event", f"event is a {type(raw).__name__}")
 
-    def _stored_array(self, raw: list[Any] | tuple[Any, ...]) -> Stored:
+    def _stored_array(self, raw: list[Any] | tuple[Any, ...]) -> NativeStored:
         if len(raw) < 5:
             raise DecodeError("missing_field", f"BlockStored array has {len(raw)} fields")
         lora_id = _int(raw[5], "lora_id") if len(raw) > 5 else None
@@ -266,7 +273,7 @@ class Decoder:
             raw[1], raw[2], raw[3], raw[4], lora_id, medium, lora_name, salt, extra_keys, group, None, None
         )
 
-    def _stored_map(self, raw: dict[str, Any]) -> Stored:
+    def _stored_map(self, raw: dict[str, Any]) -> NativeStored:
         if "block_hashes" not in raw:
             raise DecodeError("missing_field", "BlockStored without block_hashes")
         metadata = raw.get("metadata")
@@ -302,7 +309,7 @@ class Decoder:
         group: int | None,
         mm_keys: Any,
         block_infos: Any,
-    ) -> Stored:
+    ) -> NativeStored:
         hashes = _hashes(hashes_raw)
         parent = None if parent_raw is None else normalize_hash(parent_raw)
         bs = _int(block_size, "block_size") or 0
@@ -316,7 +323,7 @@ class Decoder:
             lora, synthetic = f"lora-id:{lora_id}", True
         extras = ex.merge(info.extras, ex.from_mm_keys(mm_keys, n))
         extras = ex.merge(extras, ex.from_block_infos(block_infos, n))
-        return Stored(
+        return NativeStored(
             hashes=hashes,
             parent=parent,
             tokens=_tokens(tokens_raw),
@@ -329,7 +336,7 @@ class Decoder:
             synthetic_lora=synthetic,
         )
 
-    def _pull_api(self, raw: dict[str, Any]) -> list[Event]:
+    def _pull_api(self, raw: dict[str, Any]) -> list[NativeEvent]:
         """TensorRT-LLM ``LLM.get_kv_cache_events()`` serialized dicts."""
         data = raw["data"]
         rank = _int(raw.get("attention_dp_rank"), "attention_dp_rank")
@@ -337,14 +344,17 @@ class Decoder:
         if kind == "stored":
             return self._pull_stored(data, rank)
         if kind == "removed":
-            return [Removed(_hashes(data.get("block_hashes")), "gpu", None, rank)]
+            return [NativeRemoved(_hashes(data.get("block_hashes")), "gpu", None, rank)]
         if kind == "updated":
             level = data.get("cache_level")
             if isinstance(level, dict) and "old_value" in level and "new_value" in level:
                 h = normalize_hash(data.get("block_hash"))
                 old, new = self._level(level["old_value"]), self._level(level["new_value"])
                 if old != new:  # a block moved between cache levels: drop it on one, hold it on the other
-                    return [Removed([h], old, None, rank), Stored([h], None, [], 0, new, dp_rank=rank)]
+                    return [
+                        NativeRemoved([h], old, None, rank),
+                        NativeStored([h], None, [], 0, new, dp_rank=rank),
+                    ]
             return [Ignored("updated", rank)]
         if kind == "created":
             return [Ignored("created", rank)]
@@ -357,13 +367,13 @@ class Decoder:
             raise DecodeError("unknown_medium", f"cache_level {level}")
         return tier
 
-    def _pull_stored(self, data: dict[str, Any], rank: int | None) -> list[Event]:
+    def _pull_stored(self, data: dict[str, Any], rank: int | None) -> list[NativeEvent]:
         blocks = data.get("blocks")
         if not isinstance(blocks, list):
             raise DecodeError("missing_field", "stored without blocks")
         parent = None if data.get("parent_hash") is None else normalize_hash(data["parent_hash"])
-        out: list[Event] = []
-        run: Stored | None = None
+        out: list[NativeEvent] = []
+        run: NativeStored | None = None
         for block in blocks:
             if not isinstance(block, dict):
                 raise DecodeError("bad_event", "block is not a map")
@@ -383,7 +393,7 @@ class Decoder:
             salt = _str(block.get("cache_salt"), "cache_salt")
             lora_id = _int(block.get("lora_id"), "lora_id")
             if run is None or run.tier != tier or run.salt != salt:
-                run = Stored(
+                run = NativeStored(
                     [], parent if run is None else run.hashes[-1], [], len(tokens), tier, dp_rank=rank
                 )
                 run.salt = salt
@@ -398,7 +408,7 @@ class Decoder:
             if len(tokens) != run.block_size:
                 run.block_size = -1  # blocks of different sizes: reported as a block-size mismatch
         for ev in out:
-            assert isinstance(ev, Stored)
+            assert isinstance(ev, NativeStored)
             if not any(ev.extras or ()):
                 ev.extras = None
         return out

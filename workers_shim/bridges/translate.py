@@ -28,7 +28,15 @@ from collections.abc import Iterable, Mapping
 from typing import Protocol
 
 from kvindex.keys import keys_from_le_bytes_extra, model_seed, tokens_to_le_bytes
-from workers_shim.bridges.native import Cleared, Event, EventError, Hash, Ignored, Removed, Stored
+from workers_shim.bridges.native import (
+    EventError,
+    Hash,
+    Ignored,
+    NativeCleared,
+    NativeEvent,
+    NativeRemoved,
+    NativeStored,
+)
 from workers_shim.bridges.stats import BridgeStats
 
 TIERS = ("gpu", "cpu", "disk", "shared")
@@ -125,19 +133,19 @@ class Translator:
 
     # -- applying events ------------------------------------------------------------------------
 
-    def apply(self, ev: Event, recover: bool = False) -> bool:
+    def apply(self, ev: NativeEvent, recover: bool = False) -> bool:
         """Apply one decoded event. ``False``: not applied, the map needs rebuilding first."""
-        if isinstance(ev, Stored):
+        if isinstance(ev, NativeStored):
             self.stats.add("events", "stored")
             if ev.synthetic_lora:
                 self.stats.throttled(
                     "lora_without_name", "warning", "kv_lora_without_name", lora=ev.lora_name, **self.context
                 )
             return self._stored(ev, recover)
-        if isinstance(ev, Removed):
+        if isinstance(ev, NativeRemoved):
             self.stats.add("events", "removed")
             self._removed(ev)
-        elif isinstance(ev, Cleared):
+        elif isinstance(ev, NativeCleared):
             self.stats.add("events", "cleared")
             self._cleared(ev)
         elif isinstance(ev, Ignored):
@@ -146,7 +154,7 @@ class Translator:
             self.stats.skip(ev.reason, detail=ev.detail, **self.context)
         return True
 
-    def _stored(self, ev: Stored, recover: bool) -> bool:
+    def _stored(self, ev: NativeStored, recover: bool) -> bool:
         n = len(ev.hashes)
         if n == 0:
             self.stats.skip("empty_event", 0, level="debug", **self.context)
@@ -226,7 +234,7 @@ class Translator:
         self._publish_stored(new, ev.tier)
         return True
 
-    def _stored_tokenless(self, ev: Stored, tier: int, recover: bool) -> bool:
+    def _stored_tokenless(self, ev: NativeStored, tier: int, recover: bool) -> bool:
         known = []
         for h in ev.hashes:
             k = self._known(h)
@@ -280,7 +288,7 @@ class Translator:
                 self._remember(self.retired, h, (e.key, e.parent, e.depth))
         return gone
 
-    def _removed(self, ev: Removed) -> None:
+    def _removed(self, ev: NativeRemoved) -> None:
         if ev.group is not None and ev.group != self.kv_group:
             self.stats.skip("other_kv_group", len(ev.hashes), level="debug", group=ev.group, **self.context)
             return
@@ -302,7 +310,7 @@ class Translator:
             self.stats.add("keys", "removed", len(gone))
             self.sink.removed(gone, ev.tier)
 
-    def _cleared(self, ev: Cleared) -> None:
+    def _cleared(self, ev: NativeCleared) -> None:
         tiers = LOCAL_TIERS if ev.tier is None else (TIER_INDEX[ev.tier],)
         for tier in tiers:
             for h, e in list(self.entries.items()):

@@ -32,8 +32,8 @@ __all__ = [
     "TIERS",
     "Completion",
     "EngineConfig",
+    "EngineLoad",
     "EngineStats",
-    "Load",
     "SimEngine",
     "SimRequest",
 ]
@@ -105,11 +105,13 @@ class Completion:
 
 
 @dataclass(slots=True)
-class Load:
-    """What a worker reports: requests admitted (``running``) and queued (``waiting``), prompt tokens
-    not yet prefilled (queued requests minus their cached part, estimated at submission, plus the
-    remainder of admitted prefills), GPU KV usage (cached free blocks count as free), and the
-    prefill samples ``(prompt_tokens, cached_tokens, measured_prefill_ms)`` since the last drain."""
+class EngineLoad:
+    """The simulated engine's own load, before it becomes the heartbeat's ``load`` map (``wire()``;
+    the index decodes that as ``kvindex.wire.schema.Load``): requests admitted (``running``) and
+    queued (``waiting``), prompt tokens not yet prefilled (queued requests minus their cached part,
+    estimated at submission, plus the remainder of admitted prefills), GPU KV usage (cached free
+    blocks count as free), and the prefill samples ``(prompt_tokens, cached_tokens,
+    measured_prefill_ms)`` since the last drain."""
 
     running: int
     waiting: int
@@ -403,7 +405,7 @@ class SimEngine:
         out, self._out = self._out, []
         return out
 
-    def load(self, drain: bool = True) -> Load:
+    def load(self, drain: bool = True) -> EngineLoad:
         """Current load; ``drain`` hands over (and forgets) the prefill samples collected so far."""
         used = self.cfg.gpu_blocks - self._anon - len(self._free)
         st = self._step
@@ -419,7 +421,7 @@ class SimEngine:
             self._samples = []
         else:
             samples = list(samples)
-        return Load(
+        return EngineLoad(
             running=len(self._running),
             waiting=len(self._waiting),
             waiting_prefill_tokens=pending,

@@ -31,7 +31,7 @@ from kvindex.config.nats import NatsSettings
 from kvindex.lifecycle import finish
 from kvindex.wire.endpoint import format_endpoint, parse_endpoint
 from workers_shim.publisher import Publisher
-from workers_shim.sim.engine import Completion, EngineConfig, Load, SimEngine, SimRequest
+from workers_shim.sim.engine import Completion, EngineConfig, EngineLoad, SimEngine, SimRequest
 from workers_shim.sim.tiers import SharedPool
 
 __all__ = ["SimFleet", "run_fleet"]
@@ -176,7 +176,7 @@ class SimFleet:
             return self.pool.holds() if self.pool is not None else set()
         return self.engines[worker].holds(tier)
 
-    def load(self, worker: str) -> Load:
+    def load(self, worker: str) -> EngineLoad:
         """The worker's load now (prefill samples are not drained: see ``prefill_samples``)."""
         self._sync(worker)
         return self.engines[worker].load(drain=False)

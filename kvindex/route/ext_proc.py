@@ -6,7 +6,7 @@ external processor where each inference request should go. For every HTTP reques
 headers, the request body (in chunks, the last with ``end_of_stream``), then the response headers,
 body and trailers. This picker:
 
-1. buffers the request body, reads model and prompt (kvindex/api/openai_body.py) and ranks the
+1. buffers the request body, reads model and prompt (kvindex/route/openai_body.py) and ranks the
    instances with the index's own ``Score`` (commit: the request enters the in-flight ledger);
 2. answers with header ``x-gateway-destination-endpoint`` = ``ip:port[,ip:port...]`` (the first is
    the pick, the rest are ranked fallbacks for Envoy's retries) and the same value in dynamic
@@ -17,7 +17,7 @@ body and trailers. This picker:
    Envoy fell back to another endpoint), releases the prefill at the first response body chunk and
    the request at the end of the response — or when the stream ends any other way (client gone,
    upstream reset), so the ledger never leaks. Where the gateway sends the response body, the final
-   release carries the engine's ``usage`` (its cached tokens; kvindex/api/usage.py) and the time from
+   release carries the engine's ``usage`` (its cached tokens; kvindex/route/usage.py) and the time from
    the pick to the first response byte, which the index compares with its prediction
    (docs/feedback.md). A stream has ``usage`` only when its client asked for it
    (``stream_options.include_usage``) or the engine forces it (vLLM ``--enable-force-include-usage``).
@@ -49,12 +49,11 @@ from envoy.type.v3 import http_status_pb2
 from google.protobuf import struct_pb2
 from prometheus_client import Counter
 
-from kvindex.api.openai_body import BodyError, PromptSpec, parse_body
-from kvindex.api.security import ServerSecurity
+from kvindex.api.errors import BadRequest
 from kvindex.api.server import READINESS, GrpcPort
-from kvindex.api.servicer import BadRequest, KvIndexServicer
-from kvindex.api.usage import UsageReader
+from kvindex.api.servicer import KvIndexServicer
 from kvindex.fleet.registry import InstanceState
+from kvindex.route.openai_body import BodyError, PromptSpec, parse_body
 from kvindex.route.pd import (
     REMOTE,
     PairCosts,
@@ -66,6 +65,7 @@ from kvindex.route.pd import (
     decode_candidates,
     prefill_candidates,
 )
+from kvindex.route.usage import UsageReader
 from kvindex.scoring.admission import (
     AdmissionConfig,
     AdmissionGate,
@@ -78,6 +78,7 @@ from kvindex.scoring.admission import (
 )
 from kvindex.scoring.ledger import FINISHED, PREFILL
 from kvindex.scoring.outcomes import Report
+from kvindex.security import ServerSecurity
 from kvindex.v1 import kvindex_pb2 as pb
 
 SERVICE_NAME = ep.DESCRIPTOR.services_by_name["ExternalProcessor"].full_name

@@ -1,7 +1,7 @@
 """What routing needs from an OpenAI request body: the model and the prompt, in the form the engine
 will tokenize.
 
-Shared by the Envoy ext_proc endpoint picker (kvindex/api/ext_proc.py) and the routing proxy
+Shared by the Envoy ext_proc endpoint picker (kvindex/route/ext_proc.py) and the routing proxy
 (``kvindex route``): both read ``/v1/completions`` and ``/v1/chat/completions`` bodies and turn them
 into the prompt fields of a ``ScoreRequest``. Bodies are never changed: this only reads them.
 
