@@ -26,7 +26,7 @@ RUN python -m venv /opt/kvindex \
     && /opt/kvindex/bin/pip install "$(ls /wheels/kvindex-*.whl)[capture,route]"
 # The extensions are optional in setup.py (a machine without a compiler falls back to pure Python,
 # several times slower): here a missing one must fail the build instead.
-RUN /opt/kvindex/bin/python -c "import kvindex._keys_native, kvindex.index._native" \
+RUN /opt/kvindex/bin/python -c "import kvindex._keys_native, kvindex.index._native, kvindex.scoring._kernels" \
     && /opt/kvindex/bin/kvindex serve --help > /dev/null \
     && /opt/kvindex/bin/kvshim vllm --help > /dev/null
 

@@ -1,8 +1,9 @@
-"""Builds the index's native extension; everything else is in pyproject.toml.
+"""Builds kvindex's native extensions; everything else is in pyproject.toml.
 
 The extensions are optional: without a C compiler the install still succeeds and kvindex uses the
 pure-Python twins (kvindex/index/_pytable.py, the loop in kvindex/keys.py, the frame loop in
-kvindex/ingest/direct_dispatch.py), several times slower.
+kvindex/ingest/direct_dispatch.py, the rankings' numpy columns in kvindex/scoring/), several times
+slower.
 """
 
 from Cython.Build import cythonize
@@ -12,8 +13,15 @@ extensions = [
     Extension(
         "kvindex.index._native",
         ["kvindex/index/_native.pyx"],
+        extra_compile_args=["-O3"],
+        optional=True,
+    ),
+    Extension(
+        "kvindex.scoring._kernels",
+        ["kvindex/scoring/_kernels.pyx"],
         depends=["kvindex/_xxh3.h"],
-        # No fused multiply-add: the pruned rankings' waits (wait_rows) must round as Python does.
+        # No fused multiply-add: the rankings' costs must round as the scalar definitions do
+        # (kvindex/scoring/costs.py), so that every form gives bit-identical values.
         extra_compile_args=["-O3", "-ffp-contract=off"],
         optional=True,
     ),

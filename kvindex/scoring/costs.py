@@ -1,5 +1,13 @@
 """The time model behind est_ttft: prefill time of the missed tokens, cost of loading matched
-blocks from slower tiers, and the queue ahead of a request (docs/scoring.md has the reasoning)."""
+blocks from slower tiers, and the queue ahead of a request (docs/scoring.md has the reasoning).
+
+This module is the definition. The rankings compute the same terms in three more forms, each
+repeating these float64 operations in the same order so that every form gives bit-identical values:
+inline in ``Router.candidates``' per-instance loop (kvindex/scoring/router.py), as numpy columns over
+a fleet's rows (``fleet_table.wait_columns``, ``CandidatePool``'s columns) and as native loops over
+those columns (kvindex/scoring/_kernels.pyx). tests/test_cost_forms.py compares every form with
+these functions on random inputs; a change here is a change to all of them.
+"""
 
 from __future__ import annotations
 
@@ -86,11 +94,57 @@ class CostConfig:
     calibrate: bool = True
 
 
+def drain_rate(model: PrefillModel, drain: bool) -> float:
+    """Tokens per second at which a reported queue is assumed to drain since its heartbeat: the
+    prefill rate, 1000 / b; 0 for none (``CostConfig.drain_reported_queue`` off, or b <= 0)."""
+    b_ms = model.b_ms_per_token
+    return 1000 / b_ms if drain and b_ms > 0 else 0.0
+
+
+def queued_now(reported: float, reported_at: float | None, now: float, rate: float, routed: float) -> float:
+    """Prefill tokens queued at an instance at ``now``: the ``reported`` queue of its heartbeat at
+    ``reported_at``, drained since at ``rate`` tokens/s (``drain_rate``) but never below 0, plus the
+    ``routed`` tokens sent there since (the ledger)."""
+    if reported and rate and reported_at is not None:
+        reported = max(0.0, reported - (now - reported_at) * rate)
+    return reported + routed
+
+
 def queue_ms(model: PrefillModel, shape: EngineShape, queued_tokens: float, running: int) -> float:
-    """Time to drain ``queued_tokens`` of prefill on an engine with ``running`` decoding requests."""
+    """Time to drain ``queued_tokens`` of prefill on an engine with ``running`` decoding requests:
+    the request's wait."""
     if queued_tokens <= 0:
         return 0.0
     # The calibrated per-prefill constant (a) is not paid per step: a step costs the engine's own
     # fixed overhead plus one decode token per running request.
     steps = -(-queued_tokens // shape.chunk_tokens)
     return model.b_ms_per_token * queued_tokens + steps * (shape.step_ms + shape.decode_ms_per_seq * running)
+
+
+def prefill_terms(model: PrefillModel, shape: EngineShape, miss: int, context: int) -> tuple[float, float]:
+    """(per_running, alone): ``prefill_ms`` is ``alone + per_running * running``. The columns compute
+    these once per request (or match group) and the running count per row."""
+    if miss <= 0:
+        return 0.0, 0.0
+    return -(-miss // shape.chunk_tokens) * shape.decode_ms_per_seq, model.ms(miss, context)
+
+
+def prefill_ms(model: PrefillModel, shape: EngineShape, miss: int, context: int, running: float) -> float:
+    """Time to prefill ``miss`` tokens of a ``context``-token prompt on an engine with ``running``
+    decoding requests: the model's time, plus one decode token of every running request per chunk
+    of the prefill (chunked prefill shares each step with the decodes)."""
+    per_running, alone = prefill_terms(model, shape, miss, context)
+    return alone + per_running * running if miss > 0 else 0.0
+
+
+def est_ttft_ms(wait_ms: float, prefill_ms: float, fetch_ms: float) -> float:
+    """The estimated time to first token (``Candidate.est_ttft_ms``): wait, then prefill, then the
+    fetch of matched blocks from slower tiers, added in that order."""
+    return wait_ms + prefill_ms + fetch_ms
+
+
+def weighted_cost(est_ms: float, prefill_ms: float, fetch_ms: float, k: float) -> float:
+    """The ttft policy's cost with congestion weight ``k`` (kvindex/scoring/policies/ttft.py): the
+    estimate plus ``k`` times the engine work the request adds (its prefill and fetch), which every
+    request queued after it waits for; the estimate itself when ``k`` is 0."""
+    return est_ms + k * (prefill_ms + fetch_ms) if k else est_ms

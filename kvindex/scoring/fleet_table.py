@@ -9,9 +9,10 @@ builds full ``Candidate`` objects only for the instances that hold some of the p
 few best others, and selects those others with a handful of vector operations instead of a Python
 object per instance (router.py, ``Router.score`` with ``top_k``).
 
-The vector formulas repeat ``Router.candidates`` operation for operation in float64, so a value
-computed here is bit-identical to the scalar one (tests/test_pruned_ranking.py checks rankings
-against the exhaustive path over random fleets).
+The vector formulas repeat kvindex/scoring/costs.py (as ``Router.candidates`` inlines it) operation
+for operation in float64, so a value computed here is bit-identical to the scalar one
+(tests/test_cost_forms.py compares the forms on random inputs, tests/test_pruned_ranking.py the
+rankings against the exhaustive path over random fleets).
 """
 
 from __future__ import annotations
@@ -27,8 +28,8 @@ from kvindex.scoring.ledger import Ledger
 from kvindex.wire.schema import Load
 
 try:
-    from kvindex.index._native import rendezvous_weights as _native_weights
-    from kvindex.index._native import wait_rows as _native_waits
+    from kvindex.scoring._kernels import rendezvous_weights as _native_weights
+    from kvindex.scoring._kernels import wait_rows as _native_waits
 except ImportError:  # no compiler at install time
     _native_weights = None
     _native_waits = None
@@ -308,12 +309,27 @@ class ModelTable:
             )
             cache.active = draining[:found]
         elif rows is None:
-            cache.wait[:], still = _wait_rows(self, slice(0, n), now, params)
+            cache.wait[:], still = self._wait_columns(slice(0, n), now, params)
             cache.active = np.flatnonzero(still) if still is not None else _NO_ROWS
         else:
-            cache.wait[rows], still = _wait_rows(self, rows, now, params)
+            cache.wait[rows], still = self._wait_columns(rows, now, params)
             cache.active = rows[still] if still is not None else _NO_ROWS
         return cache.wait
+
+    def _wait_columns(
+        self, rows: slice | np.ndarray, now: float, params: tuple
+    ) -> tuple[np.ndarray, np.ndarray | None]:
+        return wait_columns(
+            self.queued,
+            self.status_at,
+            self.tokens_new,
+            self.queued_now,
+            self.running_now,
+            self.drains,
+            rows,
+            now,
+            *params,
+        )
 
     def tie_order(self) -> np.ndarray | None:
         """Each row's position in (kv, load, instance key) order, the rankings' tie-breaks after the
@@ -355,35 +371,50 @@ class _Waits:
         self.seen = seen
 
 
-def _wait_rows(
-    table: ModelTable, rows: slice | np.ndarray, now: float, params: tuple
+def wait_columns(
+    queued: np.ndarray,
+    status_at: np.ndarray,
+    tokens_new: np.ndarray,
+    queued_now: np.ndarray,
+    running_now: np.ndarray,
+    drains: np.ndarray,
+    rows: slice | np.ndarray,
+    now: float,
+    b_ms: float,
+    step_ms: float,
+    chunk: float,
+    dps: float,
+    drain_rate: float,
 ) -> tuple[np.ndarray, np.ndarray | None]:
-    """The wait of ``rows`` (Router.candidates with no match, operation for operation), and which of
-    them have a reported queue still draining (None: none can)."""
-    b_ms, step_ms, chunk, dps, drain_rate = params
-    drains = table.drains[rows]
+    """The queue wait of ``rows`` of the columns (the table's: reported queue, heartbeat time, tokens
+    routed since, their sum, running requests, whether the reported queue drains), and which of them
+    have a reported queue still draining (None: none can). The numpy form of costs'
+    ``queue_ms(queued_now(...))`` and of the native ``_kernels.wait_rows``: the same float64
+    operations in the same order."""
+    drains = drains[rows]
     draining = None
     if drain_rate and drains.any():
-        # max(0, reported - (now - heartbeat) * rate) + routed since, where the queue drains.
-        drained = now - table.status_at[rows]
+        # costs.queued_now: max(0, reported - (now - heartbeat) * rate) + routed since, where the
+        # queue drains.
+        drained = now - status_at[rows]
         drained *= drain_rate
-        np.subtract(table.queued[rows], drained, out=drained)
+        np.subtract(queued[rows], drained, out=drained)
         np.maximum(drained, 0.0, out=drained)
         draining = drains & (drained > 0)
-        drained += table.tokens_new[rows]
-        queued = np.where(drains, drained, table.queued_now[rows])
+        drained += tokens_new[rows]
+        q = np.where(drains, drained, queued_now[rows])
     else:
-        queued = table.queued_now[rows]
-    running = table.running_now[rows]
-    steps = np.negative(queued)
+        q = queued_now[rows]
+    running = running_now[rows]
+    steps = np.negative(q)
     np.floor_divide(steps, chunk, out=steps)
     np.negative(steps, out=steps)
-    # b * queued + steps * (step_ms + dps * running), as queue_ms computes it.
+    # costs.queue_ms: b * queued + steps * (step_ms + dps * running).
     wait = dps * running
     wait += step_ms
     wait *= steps
-    wait += b_ms * queued
-    wait[queued <= 0] = 0.0
+    wait += b_ms * q
+    wait[q <= 0] = 0.0
     return wait, draining
 
 
@@ -576,4 +607,4 @@ def median_of(values: np.ndarray) -> float:
     return (float(part[i - 1]) + float(part[i])) / 2
 
 
-__all__ = ["FleetTables", "ModelTable", "median_of", "rendezvous_weights", "smallest"]
+__all__ = ["FleetTables", "ModelTable", "median_of", "rendezvous_weights", "smallest", "wait_columns"]

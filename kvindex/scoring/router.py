@@ -21,13 +21,13 @@ from kvindex.instance import InstanceKey
 from kvindex.scoring.approximate import PredictedCache
 from kvindex.scoring.base import DECODE_ROLE, Candidate, Choice, Policy, PrunedPolicy, RouteRequest
 from kvindex.scoring.calibration import Calibrator
-from kvindex.scoring.costs import CostConfig, queue_ms
+from kvindex.scoring.costs import CostConfig, drain_rate, prefill_terms, queue_ms
 from kvindex.scoring.fleet_table import FleetTables, ModelTable, smallest
 
 try:
-    from kvindex.index._native import mark_group_rows as _native_mark_group_rows
-    from kvindex.index._native import rank_grouped as _native_rank_grouped
-    from kvindex.index._native import rank_others as _native_rank_others
+    from kvindex.scoring._kernels import mark_group_rows as _native_mark_group_rows
+    from kvindex.scoring._kernels import rank_grouped as _native_rank_grouped
+    from kvindex.scoring._kernels import rank_others as _native_rank_others
 except ImportError:  # no compiler at install time: numpy columns (CandidatePool.smallest)
     _native_rank_others = None
     _native_rank_grouped = None
@@ -165,7 +165,11 @@ class Router:
     ) -> list[Candidate]:
         """``every``: ``states`` are all the model's routable instances, so the index may match all
         of its instances (the extra ones, stale or pools, are not looked at) instead of building a
-        mask from the list. ``matches``: the index's answer, when the caller already has it."""
+        mask from the list. ``matches``: the index's answer, when the caller already has it.
+
+        The estimate's terms are kvindex/scoring/costs.py's (``queued_now``, ``queue_ms``,
+        ``prefill_ms``, ``FetchCosts.ms``), inlined where a call per instance would cost: the same
+        operations in the same order (tests/test_cost_forms.py holds them equal)."""
         keys = request.keys
         if matches is not None:
             pass
@@ -181,10 +185,9 @@ class Router:
         drains = costs.drain_reported_queue
         # Hoisted: this loop runs once per instance on every Score.
         model = shared
-        b_ms = model.b_ms_per_token
         chunk, dps = shape.chunk_tokens, shape.decode_ms_per_seq
         f_cpu, f_disk, f_pool = costs.fetch.per_token_ms[1:]
-        drain_rate = shared_rate = 1000 / b_ms if drains and b_ms > 0 else 0.0
+        rate = shared_rate = drain_rate(model, drains)
         b = request.block_size
         prompt = request.prompt_tokens
         cap = max(prompt - 1, 0)  # vLLM always recomputes at least the prompt's last token
@@ -205,11 +208,9 @@ class Router:
                 fit = own.get(state.instance_id)
                 if fit is not None:
                     model, prefill_of = fit, {}
-                    b_ms = fit.b_ms_per_token
-                    drain_rate = 1000 / b_ms if drains and b_ms > 0 else 0.0
+                    rate = drain_rate(fit, drains)
                 elif model is not shared:
-                    model, prefill_of, drain_rate = shared, shared_prefill_of, shared_rate
-                    b_ms = shared.b_ms_per_token
+                    model, prefill_of, rate = shared, shared_prefill_of, shared_rate
             match = get_match(key, NO_MATCH)
             blocks, t = match
             gpu = t[0]
@@ -234,20 +235,22 @@ class Router:
                 n_new, tokens_new, inflight = pending(key, state.last_status_at)
             else:  # nothing routed there in flight (the common case: skip the ledger walk)
                 n_new = tokens_new = inflight = 0
+            # costs.queued_now, inline: the reported queue has been draining since the heartbeat,
+            # at the engine's rate.
             queued = load.waiting_prefill_tokens
-            if queued and drain_rate and state.last_status_at is not None:
-                # The reported queue has been draining since the heartbeat, at the engine's rate.
-                queued = max(0.0, queued - (now - state.last_status_at) * drain_rate)
+            if queued and rate and state.last_status_at is not None:
+                queued = max(0.0, queued - (now - state.last_status_at) * rate)
             queued += tokens_new
             running = load.running + n_new
             wait = queue_ms(model, shape, queued, running) if queued > 0 else 0.0
-            if miss > 0:
+            if miss > 0:  # costs.prefill_ms, inline, with the model's term cached per miss size
                 base = prefill_of.get(miss)
                 if base is None:
                     base = prefill_of[miss] = model.ms(miss, prompt)
                 prefill = base + -(-miss // chunk) * dps * running
             else:
                 prefill = 0.0
+            # costs.FetchCosts.ms, inline (0 when every matched block is on the GPU)
             fetch = f_cpu * by_tier[1] + f_disk * by_tier[2] + f_pool * by_tier[3] if blocks > gpu else 0.0
             append(
                 Candidate(
@@ -598,8 +601,9 @@ class CandidatePool:
     group g >= 1 (``groups[g - 1]``: many instances with one answer of the index, such as a
     fleet-wide system prompt), whose terms differ from group 0's only by constants of the answer
     (``templates``: one candidate per group, of which only the match's terms are read). ``wait``,
-    ``prefill``, ``fetch`` and the costs per table row are computed here with the same float64
-    operations in the same order, hence bit-identical. ``materialize`` turns rows into full
+    ``prefill``, ``fetch`` and the costs per table row are kvindex/scoring/costs.py's terms as
+    columns: the same float64 operations in the same order, hence bit-identical to
+    ``Router.candidates`` (tests/test_cost_forms.py). ``materialize`` turns rows into full
     candidates through ``Router.candidates`` itself.
     """
 
@@ -682,21 +686,20 @@ class CandidatePool:
         model = router.calibrator.prefill(self.request.model)
         costs = router.config.costs
         shape = costs.engine
-        b_ms = model.b_ms_per_token
-        drain_rate = 1000 / b_ms if costs.drain_reported_queue and b_ms > 0 else 0.0
         return self.table.waits(
-            router.clock(), b_ms, shape.step_ms, shape.chunk_tokens, shape.decode_ms_per_seq, drain_rate
+            router.clock(),
+            model.b_ms_per_token,
+            shape.step_ms,
+            shape.chunk_tokens,
+            shape.decode_ms_per_seq,
+            drain_rate(model, costs.drain_reported_queue),
         )[: self.table.n]
 
     def _prefill_terms(self, miss: int) -> tuple[float, float]:
-        """(a, b) with Router.candidates' prefill = a * running + b for a miss of ``miss`` tokens."""
-        if miss <= 0:
-            return 0.0, 0.0
+        """(a, b) with Router.candidates' prefill = a * running + b for a miss of ``miss`` tokens
+        (costs.prefill_terms)."""
         model = self.router.calibrator.prefill(self.request.model)
-        shape = self.router.config.costs.engine
-        return -(-miss // shape.chunk_tokens) * shape.decode_ms_per_seq, model.ms(
-            miss, self.request.prompt_tokens
-        )
+        return prefill_terms(model, self.router.config.costs.engine, miss, self.request.prompt_tokens)
 
     @cached_property
     def prefill(self) -> np.ndarray:
@@ -706,10 +709,9 @@ class CandidatePool:
         prompt = self.request.prompt_tokens
         if prompt <= 0:
             return np.zeros(n)
-        model = self.router.calibrator.prefill(self.request.model)
-        shape = self.router.config.costs.engine
-        prefill = (-(-prompt // shape.chunk_tokens) * shape.decode_ms_per_seq) * table.running_now[:n]
-        prefill += model.ms(prompt, prompt)
+        a, b = self._prefill_terms(prompt)
+        prefill = a * table.running_now[:n]
+        prefill += b
         if self.group_of is not None:
             running = table.running_now[:n]
             for g, t in enumerate(self.templates[1:], 1):
@@ -730,20 +732,20 @@ class CandidatePool:
 
     @cached_property
     def est(self) -> np.ndarray:
-        """Candidate.est_ttft_ms per row (wait + prefill + fetch)."""
+        """Candidate.est_ttft_ms per row (costs.est_ttft_ms: wait + prefill + fetch)."""
         est = self.wait + self.prefill
         if self.fetch is not None:
             est += self.fetch
         return est
 
     def cost(self, k: float) -> np.ndarray:
-        """The ttft policy's cost per row with congestion weight ``k``."""
+        """The ttft policy's cost per row with congestion weight ``k`` (costs.weighted_cost)."""
         if not k:
             return self.est
         return self.est + k * (self.prefill + (0.0 if self.fetch is None else self.fetch))
 
     def rank_others(self, k: float, top_k: int) -> tuple[np.ndarray, float, int] | None:
-        """The ttft policy's selection of the others in one native pass (``_native.rank_others``):
+        """The ttft policy's selection of the others in one native pass (``_kernels.rank_others``):
         the ``top_k`` rows first in (``cost(k)``, kv, load, key) order, of each group when there are
         match groups, the lowest prefill of any row and how many rows wait at most that long; None
         without the extension (or for a large ``top_k``, where its insertion into a sorted buffer
@@ -752,8 +754,6 @@ class CandidatePool:
             return None
         table = self.table
         prompt = self.request.prompt_tokens
-        model = self.router.calibrator.prefill(self.request.model)
-        shape = self.router.config.costs.engine
         n = table.n
         if self.group_of is not None:
             if _native_rank_grouped is None:
@@ -783,14 +783,15 @@ class CandidatePool:
             chosen = np.concatenate([out[g * top_k : g * top_k + filled[g]] for g in range(n_groups)])
             return chosen, low, waiting
         out = np.empty(top_k, dtype=np.int64)
+        a, b = self._prefill_terms(prompt)
         found, low, waiting = _native_rank_others(
             self.wait,
             table.running_now[:n],
             self.mask.view(np.uint8),
             np.sort(self.explicit_rows),
             prompt > 0,
-            (-(-prompt // shape.chunk_tokens) * shape.decode_ms_per_seq) if prompt > 0 else 0.0,
-            model.ms(prompt, prompt) if prompt > 0 else 0.0,
+            a,
+            b,
             k,
             self.kv,
             self.load,

@@ -1,7 +1,8 @@
 """``ttft`` (ours): lowest estimated time to first token, with stable homes and bounded spread.
 
-est_ttft_i = wait_i + prefill_i(miss_i, L) + fetch_i  (kvindex/scoring/router.py computes the parts;
-docs/scoring.md explains them). Placement rules on top of the estimate:
+est_ttft_i = wait_i + prefill_i(miss_i, L) + fetch_i  (kvindex/scoring/costs.py defines the parts and
+the weighted cost below, kvindex/scoring/router.py computes them; docs/scoring.md explains them; the
+sums here are costs.est_ttft_ms and costs.weighted_cost, inline). Placement rules on top of the estimate:
 
 - Cold prompt (no instance holds ``useful_tokens`` of it, or half of a shorter one): go to the
   rendezvous home of its home prefix (its first ``home_tokens``) unless that instance's estimate is

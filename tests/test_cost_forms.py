@@ -1,0 +1,294 @@
+"""One cost model, four forms, bit-identical: the scalar definition (kvindex/scoring/costs.py), its
+inline form in ``Router.candidates``, the numpy columns (``fleet_table.wait_columns``,
+``CandidatePool``'s wait / prefill / est / cost and its selection) and the native kernels
+(kvindex/scoring/_kernels.pyx), compared on random fleets, engine shapes and prefill models."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvindex.fleet.registry import InstanceState, Registry
+from kvindex.index import InvertedIndex
+from kvindex.scoring import _kernels
+from kvindex.scoring.base import RouteRequest
+from kvindex.scoring.costs import (
+    CostConfig,
+    EngineShape,
+    FetchCosts,
+    PrefillModel,
+    drain_rate,
+    est_ttft_ms,
+    prefill_ms,
+    queue_ms,
+    queued_now,
+    weighted_cost,
+)
+from kvindex.scoring.fleet_table import wait_columns
+from kvindex.scoring.router import CandidatePool, Router, RouterConfig
+from kvindex.wire.schema import CPU, DISK, GPU, SHARED, Load
+
+MODEL = "m"
+BS = 16
+
+
+def test_the_rankings_use_the_native_kernels() -> None:
+    """Built (the import above) and picked up by the modules that rank with them."""
+    from kvindex.scoring import fleet_table
+    from kvindex.scoring import router as router_module
+
+    assert fleet_table._native_waits is _kernels.wait_rows
+    assert fleet_table._native_weights is _kernels.rendezvous_weights
+    assert router_module._native_rank_others is _kernels.rank_others
+    assert router_module._native_rank_grouped is _kernels.rank_grouped
+    assert router_module._native_mark_group_rows is _kernels.mark_group_rows
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 5000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def _bits(x: float) -> int:
+    """The float's bits (0.0 and -0.0 both as 0.0: no form distinguishes them)."""
+    return int(np.float64(x + 0.0).view(np.uint64))
+
+
+def _same(a: float, b: float) -> bool:
+    return _bits(a) == _bits(b)
+
+
+def _build(rng: random.Random) -> tuple[Router, RouteRequest, Clock]:
+    clock = Clock()
+    shape = EngineShape(
+        chunk_tokens=rng.choice([1, 7, 512, 2048, 8192, 16384]),
+        step_ms=rng.choice([0.0, 10.0, rng.uniform(0, 30)]),
+        decode_ms_per_seq=rng.choice([0.0, 0.3, rng.uniform(0, 2)]),
+    )
+    model = PrefillModel(
+        rng.choice([0.0, 25.0, rng.uniform(0, 100)]),
+        rng.choice([0.0, 0.11, rng.uniform(0, 0.5)]),
+        rng.choice([0.0, 0.11 / 32_768, rng.uniform(0, 1e-4)]),
+    )
+    fetch = FetchCosts((0.0, rng.uniform(0, 0.05), rng.uniform(0, 0.2), rng.uniform(0, 0.1)))
+    costs = CostConfig(
+        fetch=fetch,
+        engine=shape,
+        default_prefill=model,
+        drain_reported_queue=rng.random() < 0.8,
+        calibrate=False,
+    )
+    config = RouterConfig(costs=costs, prune_min_instances=0, group_min_instances=rng.choice([0, 2, 1000]))
+    index = InvertedIndex()
+    registry = Registry(clock=clock)
+    router = Router(index, registry, config=config, clock=clock)
+    router.tables  # noqa: B018 - watching before the fleet is built, as a server does
+    system = [rng.getrandbits(64) for _ in range(rng.randint(0, 12))]
+    tail = [rng.getrandbits(64) for _ in range(rng.randint(0, 12))]
+    keys = system + tail
+    for i in range(rng.randint(1, 60)):
+        key = (f"w{i:03d}", rng.randint(0, 1))
+        index.add_instance(key, MODEL)
+        state = registry.add(key, MODEL, BS)
+        state.capacity = {GPU: 10_000}
+        state.local_blocks_seen = True
+        if rng.random() < 0.9:
+            state.last_status_at = clock.t - rng.choice([0.0, rng.uniform(0, 3), rng.uniform(0, 60)])
+        if rng.random() < 0.05:
+            state.stale = True  # a row that is not a candidate
+        if rng.random() > 0.3:
+            state.load = Load(
+                running=rng.randint(0, 64),
+                waiting=rng.randint(0, 10),
+                waiting_prefill_tokens=rng.choice([0, rng.randint(1, 100), rng.randint(0, 300_000)]),
+                kv_usage=rng.choice([0.0, 0.5, rng.random()]),
+            )
+        where = rng.random()
+        if system and where < 0.6:
+            index.store(key, GPU, system)
+        elif system and where < 0.75:
+            cut = rng.randint(0, len(system))
+            index.store(key, GPU, system[:cut])
+            index.store(key, rng.choice([CPU, DISK, SHARED]), system[cut:])
+        if keys and rng.random() < 0.1:
+            index.store(key, rng.choice([GPU, CPU]), keys[: rng.randint(1, len(keys))])
+        for j in range(rng.choice([0, 0, 1, 3])):  # routed there since its heartbeat (the ledger)
+            router.ledger.commit(f"{i}-{j}", key, MODEL, rng.randint(1, 9000), rng.randint(0, 9000))
+    clock.t += rng.choice([0.0, 0.05, 1.0, 30.0])
+    prompt = len(keys) * BS + rng.choice([0, 0, 5]) if keys else rng.choice([0, rng.randint(1, 50_000)])
+    return router, RouteRequest(MODEL, keys, prompt, BS, "r"), clock
+
+
+def _scalar(
+    router: Router, state: InstanceState, prompt: int, miss: int, by_tier: tuple[int, int, int, int]
+) -> tuple[float, float, float]:
+    """(wait, prefill, fetch) of the instance by the definitions in costs.py."""
+    costs = router.config.costs
+    model = router.calibrator.prefill(MODEL)
+    at = state.last_status_at
+    n_new, routed, _ = router.ledger.pending(state.key, at)
+    rate = drain_rate(model, costs.drain_reported_queue)
+    queued = queued_now(state.load.waiting_prefill_tokens, at, router.clock(), rate, routed)
+    running = state.load.running + n_new
+    return (
+        queue_ms(model, costs.engine, queued, running),
+        prefill_ms(model, costs.engine, miss, prompt, running),
+        costs.fetch.ms(by_tier),
+    )
+
+
+def _expected_selection(pool: CandidatePool, cost: dict[int, float], top_k: int) -> set[int]:
+    """The selection of the others from the scalar costs: per group, the first ``top_k`` others in
+    (cost, kv, load, instance key) order."""
+    table = pool.table
+    group_of = pool.group_of
+    by_group: dict[int, list[int]] = {}
+    for i in pool.rest_rows.tolist():
+        by_group.setdefault(0 if group_of is None else int(group_of[i]), []).append(i)
+    chosen: set[int] = set()
+    for rows in by_group.values():
+        rows.sort(key=lambda i: (cost[i], pool.kv[i], pool.load[i], table.states[i].key))
+        chosen |= set(rows[:top_k])
+    return chosen
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 2**32 - 1), k=st.sampled_from([0.0, 0.5, 3.0, 17.25]))
+def test_every_form_of_the_cost_model_agrees_bit_for_bit(seed: int, k: float) -> None:
+    rng = random.Random(seed)
+    router, request, clock = _build(rng)
+    prompt = request.prompt_tokens
+    states = router.registry.routable(MODEL, None)
+
+    # The inline form (Router.candidates) against the definition, instance by instance.
+    for cand in router.candidates(request, states, 0.0):
+        wait, prefill, fetch = _scalar(router, cand.state, prompt, cand.miss_tokens, cand.tokens_by_tier)
+        assert _same(cand.wait_ms, wait), (cand.state.key, cand.wait_ms, wait)
+        assert _same(cand.prefill_ms, prefill), (cand.state.key, cand.prefill_ms, prefill)
+        assert _same(cand.fetch_ms, fetch), (cand.state.key, cand.fetch_ms, fetch)
+        assert _same(cand.est_ttft_ms, est_ttft_ms(wait, prefill, fetch))
+
+    pool = router.pool(request, None, 0.0)
+    if pool is None:
+        return
+    table = pool.table
+    n = table.n
+    model = router.calibrator.prefill(MODEL)
+    costs = router.config.costs
+    shape = costs.engine
+    rate = drain_rate(model, costs.drain_reported_queue)
+
+    # The columns: every row's wait, prefill, est and cost against the definition, with its group's
+    # answer (the template's miss and tokens by tier).
+    templates = pool.templates
+    group_of = pool.group_of
+    est_col, cost_col = pool.est, pool.cost(k)
+    cost: dict[int, float] = {}
+    low = None
+    for i in range(n):
+        t = templates[0 if group_of is None else int(group_of[i])]
+        wait, prefill, fetch = _scalar(router, table.states[i], prompt, t.miss_tokens, t.tokens_by_tier)
+        assert _same(pool.wait[i], wait), (i, pool.wait[i], wait)
+        assert _same(pool.prefill[i], prefill), (i, pool.prefill[i], prefill)
+        est = est_ttft_ms(wait, prefill, fetch)
+        assert _same(est_col[i], est), (i, est_col[i], est)
+        cost[i] = weighted_cost(est, prefill, fetch, k)
+        assert _same(cost_col[i], cost[i]), (i, cost_col[i], cost[i])
+        low = prefill if low is None or prefill < low else low
+
+    # The native and numpy waits of any rows (listed twice, or all of them) against the columns.
+    rows = np.array(sorted(rng.choices(range(n), k=rng.randint(1, 2 * n))), dtype=np.int64)
+    for listed in (rows, None):
+        want, _ = wait_columns(
+            table.queued, table.status_at, table.tokens_new, table.queued_now, table.running_now,
+            table.drains, slice(0, n) if listed is None else listed, clock.t,
+            model.b_ms_per_token, shape.step_ms, shape.chunk_tokens, shape.decode_ms_per_seq, rate,
+        )  # fmt: skip
+        got = np.full(n, np.nan)
+        _kernels.wait_rows(
+            table.queued, table.status_at, table.tokens_new, table.queued_now, table.running_now,
+            table.drains.view(np.uint8), np.zeros(0, np.int64) if listed is None else listed,
+            n if listed is None else len(listed), clock.t, model.b_ms_per_token, shape.step_ms,
+            float(shape.chunk_tokens), shape.decode_ms_per_seq, rate, got, np.empty(2 * n + 1, np.int64),
+            np.zeros(n, np.uint8),
+        )  # fmt: skip
+        at = np.arange(n) if listed is None else listed
+        assert np.array_equal((got[at] + 0.0).view(np.uint64), (want + 0.0).view(np.uint64))
+        assert np.array_equal(got[at], pool.wait[at])
+
+    # The selection of the best others: native (rank_others / rank_grouped) and numpy (the columns'
+    # partition) against the scalar order.
+    for top_k in (1, 3, 8):
+        want_rows = _expected_selection(pool, cost, top_k)
+        numpy_rows = set(pool.smallest(pool.cost(k), top_k).tolist())
+        assert numpy_rows == want_rows
+        native = pool.rank_others(k, top_k)
+        assert native is not None
+        chosen, native_low, waiting = native
+        assert set(chosen.tolist()) == want_rows
+        assert _same(native_low, low)
+        assert waiting == sum(1 for i in range(n) if pool.wait[i] <= low)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    reported=st.one_of(st.just(0), st.integers(1, 2**40)),
+    age=st.one_of(st.none(), st.floats(0, 1e4)),
+    routed=st.integers(0, 2**40),
+    running=st.integers(0, 10_000),
+    b=st.one_of(st.just(0.0), st.floats(1e-6, 10)),
+    chunk=st.integers(1, 1 << 20),
+    step=st.floats(0, 1e3),
+    dps=st.floats(0, 10),
+    drain=st.booleans(),
+)
+def test_the_wait_kernels_equal_the_definition_on_any_input(
+    reported: int,
+    age: float | None,
+    routed: int,
+    running: int,
+    b: float,
+    chunk: int,
+    step: float,
+    dps: float,
+    drain: bool,
+) -> None:
+    """One row at the edges (huge queues, chunk 1, no drain, no heartbeat), native and numpy."""
+    now = 1e6
+    model = PrefillModel(1.0, b, 1e-6)
+    shape = EngineShape(chunk_tokens=chunk, step_ms=step, decode_ms_per_seq=dps)
+    rate = drain_rate(model, drain)
+    at = None if age is None else now - age
+    want = queue_ms(model, shape, queued_now(reported, at, now, rate, routed), running)
+    col = lambda x: np.array([float(x)])  # noqa: E731
+    drains = np.array([bool(reported) and at is not None])
+    args = (col(reported), col(0.0 if at is None else at), col(routed), col(reported + routed), col(running))
+    numpy_wait, _ = wait_columns(*args, drains, slice(0, 1), now, b, step, chunk, dps, rate)
+    native_wait = np.full(1, np.nan)
+    _kernels.wait_rows(
+        *args, drains.view(np.uint8), np.zeros(0, np.int64), 1, now, b, step, float(chunk), dps, rate,
+        native_wait, np.empty(1, np.int64), np.zeros(1, np.uint8),
+    )  # fmt: skip
+    assert _same(numpy_wait[0], want), (numpy_wait[0], want)
+    assert _same(native_wait[0], want), (native_wait[0], want)
+
+
+@pytest.mark.parametrize("miss", [0, 1, 7, 8192, 8193, 100_000])
+def test_prefill_terms_are_the_prefill(miss: int) -> None:
+    """The columns' ``a * running + b`` is prefill_ms for every running count."""
+    from kvindex.scoring.costs import prefill_terms
+
+    model = PrefillModel(25.0, 0.11, 0.11 / 32_768)
+    shape = EngineShape(chunk_tokens=8192, step_ms=10.0, decode_ms_per_seq=0.3)
+    a, b = prefill_terms(model, shape, miss, 100_000)
+    running = np.arange(0, 500, dtype=np.float64)
+    col = a * running
+    col += b
+    assert [_bits(x) for x in col] == [_bits(prefill_ms(model, shape, miss, 100_000, r)) for r in range(500)]
