@@ -797,7 +797,7 @@ def sweep_child(instances: int, blocks: int, seed: int, calls: int) -> dict[str,
 
     match = timed(lambda: ix.match("m", prompt))
     cold_match = timed(lambda: ix.match("m", cold))
-    # The heartbeat path: every worker's status message through the consumer (steady state: the
+    # The heartbeat path: every worker's heartbeat through the consumer (steady state: the
     # instances are known), then the router's per-model columns catching up with them.
     core = build_core(CoreConfig(index_tables=TABLES))
     consumer, router = core.consumer, core.router
@@ -807,7 +807,7 @@ def sweep_child(instances: int, blocks: int, seed: int, calls: int) -> dict[str,
         log.set_load(running=i % 7, waiting=i % 3, waiting_prefill_tokens=(i * 977) % 8192)
     for log in logs:
         for subject, data in log.heartbeat_messages():
-            consumer.on_status(subject, data)
+            consumer.on_heartbeat(subject, data)
     router.tables.refresh()
     # A server refreshes the columns at each ranking: with 16 K heartbeats/s and ~500 Scores/s, about
     # 32 rows at a time, soon after their heartbeats.
@@ -815,20 +815,20 @@ def sweep_child(instances: int, blocks: int, seed: int, calls: int) -> dict[str,
     rounds = []
     for _ in range(5):
         payloads = [m for log in logs for m in log.heartbeat_messages()]
-        status = refresh = 0.0
+        heartbeat = refresh = 0.0
         for start in range(0, len(payloads), chunk):
             t0 = time.perf_counter()
             for subject, data in payloads[start : start + chunk]:
-                consumer.on_status(subject, data)
+                consumer.on_heartbeat(subject, data)
             t1 = time.perf_counter()
             router.tables.refresh()
             t2 = time.perf_counter()
-            status += t1 - t0
+            heartbeat += t1 - t0
             refresh += t2 - t1
-        rounds.append((status / len(payloads), refresh / len(payloads)))
-    status_s, refresh_s = min(r[0] for r in rounds), min(r[1] for r in rounds)
+        rounds.append((heartbeat / len(payloads), refresh / len(payloads)))
+    heartbeat_s, refresh_s = min(r[0] for r in rounds), min(r[1] for r in rounds)
     # The service's liveness sweep walks every instance, but only when one can find something
-    # (kvindex/repair: sweep_next's deadline): part of what a large fleet costs the server while
+    # (kvindex/fleet/liveness.py: sweep_next's deadline): part of what a large fleet costs the server while
     # idle, besides the heartbeats themselves. Here every instance was heard in the last moments.
     from kvindex.fleet.liveness import sweep_next
 
@@ -849,7 +849,7 @@ def sweep_child(instances: int, blocks: int, seed: int, calls: int) -> dict[str,
         "match_p99_us": match[1],
         "cold_p50_us": cold_match[0],
         "cold_p99_us": cold_match[1],
-        "heartbeat_us": status_s * 1e6,
+        "heartbeat_us": heartbeat_s * 1e6,
         "refresh_us": refresh_s * 1e6,
     }
 
@@ -873,7 +873,7 @@ def fleet_sweep(sizes: list[int], blocks: int, seed: int, calls: int) -> list[di
         "vs first",
         "cold prompt: p50 / p99 us",
         "B per distinct block (RSS / self-reported)",
-        "heartbeat: status + columns (32 per refresh), us",
+        "heartbeat: consumer + columns (32 per refresh), us",
         "share of a core at 2 heartbeats/s each",
         "liveness sweep: ms, next in s (heard just now; heartbeats every 0.5 s: ~4.5 s)",
     ]

@@ -643,7 +643,7 @@ def build_local(fleet: Fleet, seed: int) -> KvIndexServicer:
         if ".events." in subject:
             service.consumer.on_events(subject, data)
         else:
-            service.consumer.on_status(subject, data)
+            service.consumer.on_heartbeat(subject, data)
     return service.servicer
 
 

@@ -43,7 +43,7 @@ from bench_score import CpuMeter, NatsProcess, ServerProcess, code_version, fmt_
 
 from kvindex.v1 import kvindex_pb2 as pb
 from kvindex.v1 import kvindex_pb2_grpc as pb_grpc
-from kvindex.wire.codec import encode_batch, encode_status
+from kvindex.wire.codec import encode_batch, encode_heartbeat
 from workers_shim.publisher import Publisher
 
 try:  # the snapshot protocol of a self-healing index (absent from early kvindex versions)
@@ -102,8 +102,8 @@ class RawPublisher:
     def stored(self, keys: list[int]) -> None:
         self.pending.append({"type": "stored", "tier": "gpu", "keys": keys, "parent": None})
 
-    def status(self) -> bytes:
-        return encode_status(
+    def heartbeat(self) -> bytes:
+        return encode_heartbeat(
             worker=self.worker,
             model=MODEL,
             epoch=self.epoch,
@@ -118,14 +118,14 @@ class RawPublisher:
     async def start(self) -> None:
         if reconcile is not None:
             await self.nc.subscribe(f"kvindex.snapshot.{self.worker}", cb=self._on_snapshot)
-        await self.nc.publish(f"kvindex.status.{self.worker}", self.status())
+        await self.nc.publish(f"kvindex.status.{self.worker}", self.heartbeat())
         self._tasks.append(asyncio.create_task(self._heartbeats()))
 
     async def _heartbeats(self) -> None:
         while True:
             await asyncio.sleep(0.5)
             await self.flush()  # a heartbeat's seq and digest cover everything sent before it
-            await self.nc.publish(f"kvindex.status.{self.worker}", self.status())
+            await self.nc.publish(f"kvindex.status.{self.worker}", self.heartbeat())
 
     async def _on_snapshot(self, msg: Any) -> None:
         assert reconcile is not None
@@ -164,7 +164,7 @@ class RawPublisher:
         for task in self._tasks:
             task.cancel()
         await self.flush()
-        await self.nc.publish(f"kvindex.status.{self.worker}", self.status())
+        await self.nc.publish(f"kvindex.status.{self.worker}", self.heartbeat())
 
 
 async def load_main(args: argparse.Namespace) -> None:

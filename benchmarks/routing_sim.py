@@ -254,7 +254,7 @@ class _SimRepair:
 
         def deliver() -> None:
             payloads = [b for r in replies for b in r.batches]
-            self.sim.consumer.on_replay(
+            self.sim.consumer.repairs.on_replay(
                 instance, epoch, replies[-1].status if replies else "timeout", payloads
             )
 
@@ -270,7 +270,9 @@ class _SimRepair:
         for part in decoded:
             for tier, keys in part.tiers.items():
                 snap.tiers.setdefault(TIER_BY_NAME[tier], []).extend(keys)
-        self.sim.later(2 * self.sim.cluster.delay_s, lambda: self.sim.consumer.on_snapshot(instance, snap))
+        self.sim.later(
+            2 * self.sim.cluster.delay_s, lambda: self.sim.consumer.repairs.on_snapshot(instance, snap)
+        )
 
 
 class Simulation:
@@ -374,7 +376,7 @@ class Simulation:
     def send(self, subject: str, data: bytes) -> None:
         if ".events." in subject and self.cluster.loss and self.rng.random() < self.cluster.loss:
             return
-        on = self.consumer.on_events if ".events." in subject else self.consumer.on_status
+        on = self.consumer.on_events if ".events." in subject else self.consumer.on_heartbeat
         self.later(self.cluster.delay_s, lambda: on(subject, data))
 
     def _flush(self) -> None:
@@ -556,9 +558,8 @@ class Simulation:
             if name in self.late:
                 continue
             for subject, data in log.heartbeat_messages():
-                self.consumer.on_events(subject, data) if ".events." in subject else self.consumer.on_status(
-                    subject, data
-                )
+                on = self.consumer.on_events if ".events." in subject else self.consumer.on_heartbeat
+                on(subject, data)
         self.later(self.cluster.heartbeat_s, self._heartbeat)
         if self.late:
             self.later(self.cluster.join_at, self._join)

@@ -476,6 +476,7 @@ def _ext_proc_pd(args: argparse.Namespace) -> Any:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    from kvindex.fleet.liveness import LivenessConfig
     from kvindex.ingest.nats_source import JetStreamConfig
     from kvindex.lifecycle import Stop, run
     from kvindex.repair.nats_repair import RepairConfig
@@ -516,12 +517,11 @@ def _serve(args: argparse.Namespace) -> int:
         repair=RepairConfig(
             reconcile_interval=args.reconcile_interval,
             reconcile_rate=args.reconcile_rate,
-            stale_after=args.stale_after,
-            forget_after=args.forget_after,
             max_concurrent_snapshots=args.max_concurrent_snapshots,
             replay_timeout=args.replay_timeout,
             snapshot_timeout=args.snapshot_timeout,
         ),
+        liveness=LivenessConfig(stale_after=args.stale_after, forget_after=args.forget_after),
         jetstream=JetStreamConfig(max_age=args.stream_max_age, replicas=args.stream_replicas)
         if args.jetstream
         else None,

@@ -25,10 +25,11 @@ from typing import Any
 
 from kvindex.fleet.registry import InstanceState, Registry
 from kvindex.index.inverted import InvertedIndex
-from kvindex.ingest.consumer import Consumer, RepairScheduler
+from kvindex.ingest.consumer import Consumer
 from kvindex.ingest.limits import IngestLimits
 from kvindex.instance import InstanceKey
 from kvindex.observability.counters import IngestCounters
+from kvindex.repair.machine import RepairScheduler
 from kvindex.scoring.calibration import Calibrator
 from kvindex.scoring.router import Router, RouterConfig
 from kvindex.sequencer.cursor import Sequencer

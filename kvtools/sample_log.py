@@ -22,6 +22,7 @@ import nats
 
 from kvindex.capture.format import zstd_available
 from kvindex.capture.recorder import CaptureConfig
+from kvindex.fleet.liveness import LivenessConfig
 from kvindex.keys import block_keys
 from kvindex.observability.logs import configure_logging
 from kvindex.repair.nats_repair import RepairConfig
@@ -52,9 +53,8 @@ async def generate(out: Path, seconds: float, zstd: bool) -> list[int]:
             nats_url=natsd.url,
             grpc_host="127.0.0.1",
             grpc_port=0,
-            repair=RepairConfig(
-                reconcile_interval=3.0, stale_after=1.0, forget_after=2.5, replay_timeout=0.5, tick=0.1
-            ),
+            repair=RepairConfig(reconcile_interval=3.0, replay_timeout=0.5, tick=0.1),
+            liveness=LivenessConfig(stale_after=1.0, forget_after=2.5, tick=0.1),
             capture=CaptureConfig(str(out), zstd=zstd, check_interval=1.0),
         )
     )

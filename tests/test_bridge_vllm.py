@@ -281,12 +281,12 @@ async def test_a_lost_last_batch_is_found_by_the_index_snapshot(
         await wait_until(lambda: bridge.links[0].applied == 0, what="first batch applied")
         await settle(bridge, service)
         assert await lookup(stub, MODEL, token_ids=P) == {"w1/0": (2, (2, 0, 0, 0))}
-        service.consumer.reconcile(("w1", 0), "degraded")
+        service.consumer.repairs.reconcile(("w1", 0), "degraded")
         await expect(stub, MODEL, {"w1/0": (4, (4, 0, 0, 0))}, token_ids=P)
         assert bridge.stats.get("recovery", "snapshot_check") == 1
         assert engine.replay_requests == [0, 1]
         # Nothing missed: a later snapshot's check finds nothing new and applies nothing.
-        service.consumer.reconcile(("w1", 0), "degraded")
+        service.consumer.repairs.reconcile(("w1", 0), "degraded")
         await wait_until(lambda: engine.replay_requests == [0, 1, 2], what="checked again")
         assert bridge.stats.get("recovery", "snapshot_check") == 1
 

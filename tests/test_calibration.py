@@ -168,7 +168,7 @@ def fleet_router(workers: tuple[str, ...], prune_min_instances: int = 128) -> Ro
     for w in workers:
         index.add_instance((w, 0), MODEL)
         state = registry.add((w, 0), MODEL, 16)
-        state.last_status_at = registry.clock()
+        state.last_heartbeat_at = registry.clock()
         state.capacity = {0: 10_000}
         state.local_blocks_seen = True
     return Router(index, registry, config=RouterConfig(prune_min_instances=prune_min_instances))

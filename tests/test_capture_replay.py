@@ -16,6 +16,7 @@ from kvindex.capture.recorder import CaptureConfig
 from kvindex.capture.replay import Driver, replay
 from kvindex.capture.serve import serve_replayed
 from kvindex.cli import main
+from kvindex.fleet.liveness import LivenessConfig
 from kvindex.ingest.nats_source import JetStreamConfig
 from kvindex.keys import block_keys
 from kvindex.repair.nats_repair import RepairConfig
@@ -30,10 +31,9 @@ FAST = RepairConfig(
     replay_timeout=0.5,
     snapshot_timeout=1.0,
     reconcile_interval=0.4,
-    stale_after=0.5,
-    forget_after=30,
     tick=0.05,
 )
+LIVENESS = LivenessConfig(stale_after=0.5, forget_after=30, tick=0.05)
 TOKENS = list(range(64))
 KEYS = block_keys(TOKENS, 4, "m")
 
@@ -60,6 +60,7 @@ async def captured(nats_server: EmbeddedNats, tmp_path: Path) -> tuple[Path, Ind
             grpc_host="127.0.0.1",
             grpc_port=0,
             repair=FAST,
+            liveness=LIVENESS,
             capture=CaptureConfig(str(path), check_interval=0.3),
         )
     )
@@ -128,7 +129,7 @@ async def test_replay_reproduces_the_live_service_exactly(captured: tuple[Path, 
             state.stale,
             state.sync,
         )
-        assert mine.last_status_at == pytest.approx(state.last_status_at, abs=0.05)  # type: ignore[arg-type]
+        assert mine.last_heartbeat_at == pytest.approx(state.last_heartbeat_at, abs=0.05)  # type: ignore[arg-type]
     # Every live-state checkpoint along the way matched too.
     assert r.checks_ok >= 2 and not r.divergences
     # The repairs were the live ones, answer for answer.

@@ -10,7 +10,7 @@ import pytest
 from kvindex.fleet.registry import Registry
 from kvindex.index import InvertedIndex
 from kvindex.ingest.consumer import Consumer
-from kvindex.wire import encode_batch, encode_status
+from kvindex.wire import encode_batch, encode_heartbeat
 from kvindex.wire import errors as E
 from kvindex.wire.codec import Limits
 
@@ -93,13 +93,13 @@ def test_restart_during_a_repair_reports_the_new_history_as_synced() -> None:
     assert sorted(c.index.keys_of(("w1", 0), 0)) == [7]
 
 
-def test_status_with_new_epoch_clears_and_tail_loss_is_a_gap() -> None:
+def test_heartbeat_with_new_epoch_clears_and_tail_loss_is_a_gap() -> None:
     c = make()
     c.on_events("kvindex.events.w1", ev_batch(1, [stored(1)], epoch=1))
     st = {"model": "m", "block_size": 4, "ts": 0.0, "load": {}, "capacity": {"gpu": 10}, "digest": {}}
-    assert c.on_status("kvindex.status.w1", encode_status(worker="w1", epoch=1, seq=3, **st))
+    assert c.on_heartbeat("kvindex.status.w1", encode_heartbeat(worker="w1", epoch=1, seq=3, **st))
     assert c.counters.gaps == 1 and c.counters.missing_batches == 2
-    assert c.on_status("kvindex.status.w1", encode_status(worker="w1", epoch=9, seq=0, **st))
+    assert c.on_heartbeat("kvindex.status.w1", encode_heartbeat(worker="w1", epoch=9, seq=0, **st))
     assert c.index.block_counts(("w1", 0)) == (0, 0, 0, 0) and c.counters.restarts == 1
 
 
@@ -136,9 +136,9 @@ def test_bad_input_rejected_counted_and_harmless(
     assert c.index.block_counts(("w1", 0)) == (3, 0, 0, 0)
 
 
-def test_bad_status_rejected() -> None:
+def test_bad_heartbeat_rejected() -> None:
     c = make()
-    assert not c.on_status("kvindex.status.w1", msgpack.packb({"v": 1, "worker": "w1"}))
+    assert not c.on_heartbeat("kvindex.status.w1", msgpack.packb({"v": 1, "worker": "w1"}))
     assert c.counters.rejects[E.MISSING_FIELD] == 1
     assert c.counters.rejects_by_worker["w1"] == 1
     assert len(c.registry) == 0

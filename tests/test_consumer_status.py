@@ -1,4 +1,4 @@
-"""Status heartbeats through the consumer's steady-state path (codec.peek_status, decode_status_into):
+"""Heartbeats through the consumer's steady-state path (codec.peek_heartbeat, decode_heartbeat_into):
 a heartbeat that repeats the previous one's maps reuses their decoded objects, and must still do
 everything a fully decoded one does."""
 
@@ -14,7 +14,7 @@ import pytest
 from kvindex.fleet.registry import Registry
 from kvindex.index import InvertedIndex
 from kvindex.ingest.consumer import Consumer
-from kvindex.wire import encode_batch, encode_status
+from kvindex.wire import encode_batch, encode_heartbeat
 from kvindex.wire import errors as E
 
 SUBJECT = "kvindex.status.w1"
@@ -46,7 +46,7 @@ def make(repair: Any = None) -> Consumer:
     return Consumer(InvertedIndex(), Registry(clock=Clock()), repair=repair)
 
 
-def status(worker: str = "w1", **kw: Any) -> bytes:
+def heartbeat(worker: str = "w1", **kw: Any) -> bytes:
     fields_: dict[str, Any] = {
         "model": "m",
         "epoch": 1,
@@ -58,7 +58,7 @@ def status(worker: str = "w1", **kw: Any) -> bytes:
         "digest": {"gpu": (0, 0)},
     }
     fields_.update(kw)
-    return encode_status(worker=worker, **fields_)
+    return encode_heartbeat(worker=worker, **fields_)
 
 
 def batch(seq: int, *keys: int, worker: str = "w1", epoch: int = 1) -> bytes:
@@ -76,36 +76,36 @@ def xor(*keys: int) -> int:
 def test_equal_heartbeat_refreshes_liveness_and_reuses_the_decoded_maps() -> None:
     c = make()
     changed = c.registry.watch()
-    assert c.on_status(SUBJECT, status(ts=1.0))
+    assert c.on_heartbeat(SUBJECT, heartbeat(ts=1.0))
     state = c.registry.get(("w1", 0))
     assert state is not None
-    load, capacity, at = state.load, state.capacity, state.last_status_at
+    load, capacity, at = state.load, state.capacity, state.last_heartbeat_at
     changed.clear()
-    assert c.on_status(SUBJECT, status(ts=2.0))
-    assert state.last_status_at is not None and at is not None and state.last_status_at > at
-    assert state.last_status_ts == 2.0
+    assert c.on_heartbeat(SUBJECT, heartbeat(ts=2.0))
+    assert state.last_heartbeat_at is not None and at is not None and state.last_heartbeat_at > at
+    assert state.last_heartbeat_ts == 2.0
     # Nothing new was built for what did not change, and the row is still marked changed.
     assert state.load is load and state.capacity is capacity
     assert changed == {("w1", 0)}
-    assert c.counters.status_received == 2 and not c.counters.rejects
+    assert c.counters.heartbeats_received == 2 and not c.counters.rejects
 
 
 def test_heartbeat_equal_but_for_its_load_updates_the_load() -> None:
     c = make()
-    assert c.on_status(SUBJECT, status())
+    assert c.on_heartbeat(SUBJECT, heartbeat())
     state = c.registry.get(("w1", 0))
     assert state is not None
     capacity = state.capacity
-    assert c.on_status(SUBJECT, status(load={"running": 7, "waiting_prefill_tokens": 5, "extra": 2}))
+    assert c.on_heartbeat(SUBJECT, heartbeat(load={"running": 7, "waiting_prefill_tokens": 5, "extra": 2}))
     assert (state.load.running, state.load.waiting, state.load.waiting_prefill_tokens) == (7, 0, 5)
     assert state.load.kv_usage == 0.0 and state.load.extra == {"extra": 2.0}
     assert state.capacity is capacity
     # Back to no load at all: the defaults, not the previous values.
-    assert c.on_status(SUBJECT, status(load={}))
+    assert c.on_heartbeat(SUBJECT, heartbeat(load={}))
     assert state.load.running == 0 and state.load.extra == {}
-    raw = msgpack.unpackb(status())
+    raw = msgpack.unpackb(heartbeat())
     del raw["load"]
-    assert c.on_status(SUBJECT, msgpack.packb(raw))
+    assert c.on_heartbeat(SUBJECT, msgpack.packb(raw))
     assert state.load.running == 0 and state.load.waiting_prefill_tokens == 0
 
 
@@ -122,17 +122,17 @@ def test_malformed_load_after_steady_heartbeats_is_rejected_with_the_worker(
     load: dict, reason: str, where: str
 ) -> None:
     c = make()
-    assert c.on_status(SUBJECT, status())
-    assert c.on_status(SUBJECT, status(ts=2.0))
+    assert c.on_heartbeat(SUBJECT, heartbeat())
+    assert c.on_heartbeat(SUBJECT, heartbeat(ts=2.0))
     state = c.registry.get(("w1", 0))
     assert state is not None
-    before = (state.load, state.last_status_at, state.last_status_ts)
-    assert not c.on_status(SUBJECT, status(ts=3.0, load=load))
+    before = (state.load, state.last_heartbeat_at, state.last_heartbeat_ts)
+    assert not c.on_heartbeat(SUBJECT, heartbeat(ts=3.0, load=load))
     assert c.counters.rejects == {reason: 1} and c.counters.rejects_by_worker == {"w1": 1}
-    assert (state.load, state.last_status_at, state.last_status_ts) == before
+    assert (state.load, state.last_heartbeat_at, state.last_heartbeat_ts) == before
     # The next good heartbeat is taken again.
-    assert c.on_status(SUBJECT, status(ts=4.0))
-    assert state.last_status_ts == 4.0
+    assert c.on_heartbeat(SUBJECT, heartbeat(ts=4.0))
+    assert state.last_heartbeat_ts == 4.0
 
 
 @pytest.mark.parametrize(
@@ -150,42 +150,42 @@ def test_malformed_load_after_steady_heartbeats_is_rejected_with_the_worker(
 )
 def test_malformed_fields_after_steady_heartbeats_are_rejected(change: dict, reason: str) -> None:
     c = make()
-    assert c.on_status(SUBJECT, status())
-    assert c.on_status(SUBJECT, status(ts=2.0))
-    raw = msgpack.unpackb(status(ts=3.0), strict_map_key=False)
+    assert c.on_heartbeat(SUBJECT, heartbeat())
+    assert c.on_heartbeat(SUBJECT, heartbeat(ts=2.0))
+    raw = msgpack.unpackb(heartbeat(ts=3.0), strict_map_key=False)
     raw.update(change)
-    assert not c.on_status(SUBJECT, msgpack.packb(raw))
+    assert not c.on_heartbeat(SUBJECT, msgpack.packb(raw))
     assert c.counters.rejects == {reason: 1} and c.counters.rejects_by_worker == {"w1": 1}
 
 
 def test_subject_checks_hold_for_known_instances() -> None:
     c = make()
-    assert c.on_status(SUBJECT, status())
+    assert c.on_heartbeat(SUBJECT, heartbeat())
     # Another worker's subject for w1's heartbeat, a subject that is no worker id, another prefix.
-    assert not c.on_status("kvindex.status.w2", status())
-    assert not c.on_status("kvindex.status.a b", status())
-    assert not c.on_status("other.status.w1", status())
+    assert not c.on_heartbeat("kvindex.status.w2", heartbeat())
+    assert not c.on_heartbeat("kvindex.status.a b", heartbeat())
+    assert not c.on_heartbeat("other.status.w1", heartbeat())
     assert c.counters.rejects == {E.SUBJECT_MISMATCH: 1, E.BAD_SUBJECT: 2}
     assert c.counters.rejects_by_worker == {"w2": 1}
 
 
 def test_changed_endpoint_is_parsed_and_validated_each_time() -> None:
     c = make()
-    assert c.on_status(SUBJECT, status(endpoint="a:1"))
-    assert c.on_status(SUBJECT, status(endpoint="a:1", ts=2.0))
+    assert c.on_heartbeat(SUBJECT, heartbeat(endpoint="a:1"))
+    assert c.on_heartbeat(SUBJECT, heartbeat(endpoint="a:1", ts=2.0))
     assert c.registry.endpoint("w1/0") == "a:1"
-    assert c.on_status(SUBJECT, status(endpoint="b:2"))
+    assert c.on_heartbeat(SUBJECT, heartbeat(endpoint="b:2"))
     assert c.registry.endpoint("w1/0") == "b:2" and c.registry.at_endpoint("a:1") == []
     # A bad one is dropped (and counted) at every heartbeat that carries it, not only the first.
     for _ in range(3):
-        assert c.on_status(SUBJECT, status(endpoint="no port"))
+        assert c.on_heartbeat(SUBJECT, heartbeat(endpoint="no port"))
         assert c.registry.endpoint("w1/0") is None
     assert c.counters.rejects == {E.BAD_ENDPOINT: 3} and c.counters.rejects_by_worker == {"w1": 3}
-    assert c.on_status(SUBJECT, status(endpoint=8000))
+    assert c.on_heartbeat(SUBJECT, heartbeat(endpoint=8000))
     assert c.counters.rejects == {E.BAD_ENDPOINT: 4}
-    assert c.on_status(SUBJECT, status(endpoint="b:2"))
+    assert c.on_heartbeat(SUBJECT, heartbeat(endpoint="b:2"))
     assert c.registry.endpoint("w1/0") == "b:2"
-    assert c.on_status(SUBJECT, status())  # withdrawn
+    assert c.on_heartbeat(SUBJECT, heartbeat())  # withdrawn
     assert c.registry.endpoint("w1/0") is None and c.counters.rejects == {E.BAD_ENDPOINT: 4}
 
 
@@ -195,11 +195,11 @@ def test_drift_after_equal_heartbeats_is_detected() -> None:
     assert c.on_events("kvindex.events.w1", batch(1, 5, 6))
     good = {"gpu": (2, xor(5, 6))}
     for ts in (1.0, 2.0, 3.0):
-        assert c.on_status(SUBJECT, status(seq=1, digest=good, ts=ts))
+        assert c.on_heartbeat(SUBJECT, heartbeat(seq=1, digest=good, ts=ts))
     assert rec.asked == [] and c.counters.drift_detected == 0
     # The index loses track behind the consumer's back: the same heartbeat now shows drift.
     c.index.store(("w1", 0), 0, [9])
-    assert c.on_status(SUBJECT, status(seq=1, digest=good, ts=4.0))
+    assert c.on_heartbeat(SUBJECT, heartbeat(seq=1, digest=good, ts=4.0))
     assert c.counters.drift_detected == 1 and rec.asked == [(("w1", 0), "snapshot drift")]
 
 
@@ -207,9 +207,9 @@ def test_digest_that_changes_while_seq_stays_brings_a_snapshot() -> None:
     rec = Recorder()
     c = make(rec)
     assert c.on_events("kvindex.events.w1", batch(1, 5, 6))
-    assert c.on_status(SUBJECT, status(seq=1, digest={"gpu": (2, xor(5, 6))}))
-    assert c.on_status(SUBJECT, status(seq=1, digest={"gpu": (2, xor(5, 6))}, ts=2.0))
-    assert c.on_status(SUBJECT, status(seq=1, digest={"gpu": (2, xor(5, 7))}, ts=3.0))
+    assert c.on_heartbeat(SUBJECT, heartbeat(seq=1, digest={"gpu": (2, xor(5, 6))}))
+    assert c.on_heartbeat(SUBJECT, heartbeat(seq=1, digest={"gpu": (2, xor(5, 6))}, ts=2.0))
+    assert c.on_heartbeat(SUBJECT, heartbeat(seq=1, digest={"gpu": (2, xor(5, 7))}, ts=3.0))
     assert c.counters.drift_detected == 1 and rec.asked == [(("w1", 0), "snapshot drift")]
 
 
@@ -217,29 +217,29 @@ def test_a_digest_found_equal_is_checked_again_after_the_index_changes() -> None
     rec = Recorder()
     c = make(rec)
     assert c.on_events("kvindex.events.w1", batch(1, 5))
-    assert c.on_status(SUBJECT, status(seq=1, digest={"gpu": (1, 5)}))
+    assert c.on_heartbeat(SUBJECT, heartbeat(seq=1, digest={"gpu": (1, 5)}))
     assert c.on_events("kvindex.events.w1", batch(2, 6))
     # The old digest is stale now; the new one matches.
-    assert c.on_status(SUBJECT, status(seq=2, digest={"gpu": (2, xor(5, 6))}))
-    assert c.on_status(SUBJECT, status(seq=2, digest={"gpu": (2, xor(5, 6))}, ts=2.0))
+    assert c.on_heartbeat(SUBJECT, heartbeat(seq=2, digest={"gpu": (2, xor(5, 6))}))
+    assert c.on_heartbeat(SUBJECT, heartbeat(seq=2, digest={"gpu": (2, xor(5, 6))}, ts=2.0))
     assert c.counters.drift_detected == 0
     # A removal and a store that bring the index back to the same digest: still equal.
     c.index.remove(("w1", 0), 0, [6])
     c.index.store(("w1", 0), 0, [6])
-    assert c.on_status(SUBJECT, status(seq=2, digest={"gpu": (2, xor(5, 6))}, ts=3.0))
+    assert c.on_heartbeat(SUBJECT, heartbeat(seq=2, digest={"gpu": (2, xor(5, 6))}, ts=3.0))
     assert c.counters.drift_detected == 0 and rec.asked == []
 
 
 def test_payloads_that_are_not_bytes_take_the_full_decoder() -> None:
     c = make()
-    assert c.on_status(SUBJECT, status())
-    assert c.on_status(SUBJECT, bytearray(status(load={"running": 4})))
+    assert c.on_heartbeat(SUBJECT, heartbeat())
+    assert c.on_heartbeat(SUBJECT, bytearray(heartbeat(load={"running": 4})))
     state = c.registry.get(("w1", 0))
-    assert state is not None and state.load.running == 4 and state.status_memo is None
-    assert c.on_status(SUBJECT, memoryview(status(load={"running": 5})))
+    assert state is not None and state.load.running == 4 and state.heartbeat_memo is None
+    assert c.on_heartbeat(SUBJECT, memoryview(heartbeat(load={"running": 5})))
     assert state.load.running == 5
-    assert c.on_status(SUBJECT, status(load={"running": 6}))
-    assert state.load.running == 6 and state.status_memo is not None
+    assert c.on_heartbeat(SUBJECT, heartbeat(load={"running": 6}))
+    assert state.load.running == 6 and state.heartbeat_memo is not None
 
 
 def test_digest_version_moves_with_every_change_and_never_repeats() -> None:
@@ -281,13 +281,13 @@ def test_digest_version_moves_with_every_change_and_never_repeats() -> None:
 
 def test_block_size_of_a_model_is_checked_against_the_other_instances() -> None:
     c = make()
-    assert c.on_status(SUBJECT, status(block_size=4))
+    assert c.on_heartbeat(SUBJECT, heartbeat(block_size=4))
     # Alone, an instance may restart with another block size...
-    assert c.on_status(SUBJECT, status(block_size=8, epoch=2))
-    assert c.on_status("kvindex.status.w2", status("w2", block_size=8))
+    assert c.on_heartbeat(SUBJECT, heartbeat(block_size=8, epoch=2))
+    assert c.on_heartbeat("kvindex.status.w2", heartbeat("w2", block_size=8))
     # ...but not once the model has others, whichever comes first in the model.
-    assert not c.on_status(SUBJECT, status(block_size=16, epoch=3))
-    assert not c.on_status("kvindex.status.w2", status("w2", block_size=16, epoch=2))
+    assert not c.on_heartbeat(SUBJECT, heartbeat(block_size=16, epoch=3))
+    assert not c.on_heartbeat("kvindex.status.w2", heartbeat("w2", block_size=16, epoch=2))
     assert c.counters.rejects == {E.BLOCK_SIZE_MISMATCH: 2}
 
 
@@ -367,7 +367,7 @@ def _view(c: Consumer, samples: list[Any]) -> Any:
     states = {}
     for s in c.registry.all():
         states[s.key] = {
-            f.name: getattr(s, f.name) for f in fields(s) if f.name not in ("status_memo", "_watchers")
+            f.name: getattr(s, f.name) for f in fields(s) if f.name not in ("heartbeat_memo", "_watchers")
         }
     cursors = {
         k: (cur.epoch, cur.applied, cur.repairing, cur.target, cur.behind, cur.rounds, cur.cause)
@@ -404,15 +404,15 @@ def test_steady_path_matches_the_full_decoder(seed: int) -> None:
             continue
         subject, payload = _heartbeat(rng, fast.index, last)
         # A bytearray takes the full decoder every time (no memory kept), so ``full`` is the reference.
-        assert fast.on_status(subject, payload) == full.on_status(subject, bytearray(payload))
+        assert fast.on_heartbeat(subject, payload) == full.on_heartbeat(subject, bytearray(payload))
         assert _view(fast, fast_samples) == _view(full, full_samples)
-        assert fast.repair.asked == full.repair.asked  # type: ignore[attr-defined]
+        assert fast.repairs.scheduler.asked == full.repairs.scheduler.asked  # type: ignore[attr-defined]
     # The sequences exercised both paths.
-    assert any(s.status_memo is not None for s in fast.registry.all())
+    assert any(s.heartbeat_memo is not None for s in fast.registry.all())
 
 
-def test_load_decoding_matches_decode_status() -> None:
-    from kvindex.wire import decode_status
+def test_load_decoding_matches_decode_heartbeat() -> None:
+    from kvindex.wire import decode_heartbeat
     from kvindex.wire.codec import load_of
 
     rng = random.Random(3)
@@ -440,10 +440,10 @@ def test_load_decoding_matches_decode_status() -> None:
     loads.append(b"\x82\xa7running\x01\xa7running\x02")  # a duplicate key: the last one counts
     for load in loads:
         raw = load if isinstance(load, bytes) else msgpack.packb(load)
-        empty = status(load={})
+        empty = heartbeat(load={})
         assert empty.count(b"\xa4load\x80") == 1
         try:
-            expected = decode_status(empty.replace(b"\xa4load\x80", b"\xa4load" + raw)).load
+            expected = decode_heartbeat(empty.replace(b"\xa4load\x80", b"\xa4load" + raw)).load
         except Exception:
             expected = None
         assert repr(load_of(raw)) == repr(expected), load  # (repr: nan equals itself there)
@@ -478,7 +478,7 @@ def test_fleet_tables_rows_equal_row_values_through_heartbeats(seed: int) -> Non
             if rng.random() < 0.1:
                 chosen[w] = (rng.choice(loads), rng.choice(capacities))
             load, capacity = chosen[w]
-            c.on_status(f"kvindex.status.{w}", status(w, load=load, capacity=capacity, ts=rng.random()))
+            c.on_heartbeat(f"kvindex.status.{w}", heartbeat(w, load=load, capacity=capacity, ts=rng.random()))
         elif r < 0.7:
             requests += 1
             ledger.commit(f"r{requests}", (w, 0), "m", 100, rng.randrange(0, 100))
@@ -513,14 +513,14 @@ def test_fleet_tables_follow_an_instance_forgotten_and_back_between_refreshes() 
     clock = Clock()
     c = Consumer(InvertedIndex(), Registry(clock=clock))
     tables = FleetTables(c.registry, Ledger(clock))
-    assert c.on_status(SUBJECT, status(load={"running": 1}))
+    assert c.on_heartbeat(SUBJECT, heartbeat(load={"running": 1}))
     old = c.registry.get(("w1", 0))
     assert old is not None
     c.mark_stale(old)
     table = tables.get("m")
     assert table is not None and table.states == [old] and not table.routable[0]
     c.forget(("w1", 0))
-    assert c.on_status(SUBJECT, status(load={"running": 5}))  # back before any ranking refreshed
+    assert c.on_heartbeat(SUBJECT, heartbeat(load={"running": 5}))  # back before any ranking refreshed
     new = c.registry.get(("w1", 0))
     table = tables.get("m")
     assert table is not None and new is not old
@@ -535,12 +535,12 @@ def _repeat_setup():
     from kvindex.fleet.registry import Registry
     from kvindex.index import InvertedIndex
     from kvindex.ingest.consumer import Consumer
-    from kvindex.wire.codec import encode_batch, encode_status
+    from kvindex.wire.codec import encode_batch, encode_heartbeat
 
     c = Consumer(InvertedIndex(), Registry())
 
     def hb(ts: float, seq: int = 0, running: int = 1, digest=(0, 0)) -> bytes:
-        return encode_status(
+        return encode_heartbeat(
             worker="w1",
             model="m",
             epoch=1,
@@ -564,41 +564,41 @@ def test_a_repeated_heartbeat_only_refreshes_liveness() -> None:
     c, hb, _ = _repeat_setup()
     subject = "kvindex.status.w1"
     for t in (1.0, 2.0, 3.0):  # join; digest found equal; then remembered as a repeat
-        assert c.on_status(subject, hb(t))
-    assert subject in c._repeats
+        assert c.on_heartbeat(subject, hb(t))
+    assert subject in c.heartbeats._repeats
     state = c.registry.get(("w1", 0))
     assert state is not None
-    before = state.last_status_at
-    assert c.on_status(subject, hb(4.5))
-    assert state.last_status_ts == 4.5 and state.last_status_at >= before
-    assert c.counters.status_received == 4
+    before = state.last_heartbeat_at
+    assert c.on_heartbeat(subject, hb(4.5))
+    assert state.last_heartbeat_ts == 4.5 and state.last_heartbeat_at >= before
+    assert c.counters.heartbeats_received == 4
 
 
 def test_a_repeat_is_dropped_when_anything_moves() -> None:
     c, hb, batch = _repeat_setup()
     subject = "kvindex.status.w1"
     for t in (1.0, 2.0, 3.0):
-        c.on_status(subject, hb(t))
+        c.on_heartbeat(subject, hb(t))
     state = c.registry.get(("w1", 0))
     # Another load (a busy worker): the short path still, with the new load.
-    assert c.on_status(subject, hb(4.0, running=5))
-    assert state.load.running == 5 and subject in c._repeats
+    assert c.on_heartbeat(subject, hb(4.0, running=5))
+    assert state.load.running == 5 and subject in c.heartbeats._repeats
     for t in (5.0, 6.0):
-        c.on_status(subject, hb(t, running=5))
-    assert subject in c._repeats
+        c.on_heartbeat(subject, hb(t, running=5))
+    assert subject in c.heartbeats._repeats
     # A batch moves the cursor and the index: the same heartbeat again is checked in full, and a
     # heartbeat whose digest no longer matches the index brings a snapshot.
     assert c.on_events("kvindex.events.w1", batch(1, [11, 12]))
-    c.on_status(subject, hb(7.0, running=5))  # seq 0 < applied 1: an old heartbeat, nothing to do
-    assert subject not in c._repeats
+    c.on_heartbeat(subject, hb(7.0, running=5))  # seq 0 < applied 1: an old heartbeat, nothing to do
+    assert subject not in c.heartbeats._repeats
     drift = c.counters.drift_detected
-    c.on_status(subject, hb(8.0, seq=1, running=5, digest=(2, 11 ^ 12)))
-    c.on_status(subject, hb(9.0, seq=1, running=5, digest=(2, 11 ^ 12)))
-    c.on_status(subject, hb(10.0, seq=1, running=5, digest=(2, 11 ^ 12)))
-    assert c.counters.drift_detected == drift and subject in c._repeats
+    c.on_heartbeat(subject, hb(8.0, seq=1, running=5, digest=(2, 11 ^ 12)))
+    c.on_heartbeat(subject, hb(9.0, seq=1, running=5, digest=(2, 11 ^ 12)))
+    c.on_heartbeat(subject, hb(10.0, seq=1, running=5, digest=(2, 11 ^ 12)))
+    assert c.counters.drift_detected == drift and subject in c.heartbeats._repeats
     # The index loses a block behind the worker's back (drift): the repeat must not hide it.
     c.index.clear(("w1", 0))
-    c.on_status(subject, hb(11.0, seq=1, running=5, digest=(2, 11 ^ 12)))
+    c.on_heartbeat(subject, hb(11.0, seq=1, running=5, digest=(2, 11 ^ 12)))
     assert c.counters.drift_detected == drift + 1
 
 
@@ -606,17 +606,17 @@ def test_a_stale_or_forgotten_instance_takes_the_full_path() -> None:
     c, hb, _ = _repeat_setup()
     subject = "kvindex.status.w1"
     for t in (1.0, 2.0, 3.0):
-        c.on_status(subject, hb(t))
+        c.on_heartbeat(subject, hb(t))
     state = c.registry.get(("w1", 0))
     c.mark_stale(state)
-    c.on_status(subject, hb(4.0))
+    c.on_heartbeat(subject, hb(4.0))
     assert not state.stale  # alive again, as the full path says
     for t in (5.0, 6.0):
-        c.on_status(subject, hb(t))
-    assert subject in c._repeats
+        c.on_heartbeat(subject, hb(t))
+    assert subject in c.heartbeats._repeats
     c.forget(("w1", 0))
-    assert subject not in c._repeats
-    assert c.on_status(subject, hb(7.0))
+    assert subject not in c.heartbeats._repeats
+    assert c.on_heartbeat(subject, hb(7.0))
     assert c.registry.get(("w1", 0)) is not state  # back as a new instance
 
 
@@ -626,25 +626,25 @@ def test_a_look_alike_of_the_ts_field_is_not_taken_for_it() -> None:
     import msgpack
 
     from kvindex.fleet.registry import Registry
-    from kvindex.ingest.consumer import _Repeat
+    from kvindex.ingest.heartbeats import _Repeat
     from kvindex.sequencer.cursor import Cursor
-    from kvindex.wire.codec import encode_status, load_of
+    from kvindex.wire.codec import encode_heartbeat, load_of
 
     state = Registry().add(("w1", 0), "m", 16)
     look_alike = "m\u00a2ts\u02c9abcdef\u00a4load"  # UTF-8: ... a2 74 73 cb <8 bytes> a4 6c 6f 61 64
     assert b"\xa2ts\xcb" in look_alike.encode() and b"\xa4load" in look_alike.encode()
 
-    def status(ts: float, running: int) -> bytes:
-        return encode_status(
+    def heartbeat(ts: float, running: int) -> bytes:
+        return encode_heartbeat(
             worker="w1", model=look_alike, epoch=1, seq=0, ts=ts, block_size=16,
             load={"running": running}, capacity={}, digest={},
         )  # fmt: skip
 
     # Our encoder (ts and load last): the real fields are found, whatever the model says.
-    first = status(1.0, 1)
+    first = heartbeat(1.0, 1)
     repeat = _Repeat.of(first, 1.0, load_of(msgpack.packb({"running": 1})), state, Cursor(1), 0)
     assert repeat is not None
-    assert repeat.tail_of(status(2.5, 7)) == (2.5, msgpack.packb({"running": 7}))
+    assert repeat.tail_of(heartbeat(2.5, 7)) == (2.5, msgpack.packb({"running": 7}))
     # Another encoder, with a look-alike after the real fields: not taken (no short path).
     other = msgpack.packb(
         {
@@ -656,21 +656,21 @@ def test_a_look_alike_of_the_ts_field_is_not_taken_for_it() -> None:
 
 
 def test_a_busy_worker_s_loads_are_applied_and_a_bad_one_rejected() -> None:
-    from kvindex.wire.codec import encode_status
+    from kvindex.wire.codec import encode_heartbeat
 
     c, hb, _ = _repeat_setup()
     subject = "kvindex.status.w1"
     for t in (1.0, 2.0, 3.0):
-        c.on_status(subject, hb(t))
-    assert subject in c._repeats
+        c.on_heartbeat(subject, hb(t))
+    assert subject in c.heartbeats._repeats
     state = c.registry.get(("w1", 0))
     for i, running in enumerate([7, 9, 9, 0, 31]):
-        assert c.on_status(subject, hb(4.0 + i, running=running))
-        assert state.load.running == running and state.last_status_ts == 4.0 + i
-    assert subject in c._repeats
-    # A load decode_status refuses: the full path says so (counted, with the worker id), nothing
+        assert c.on_heartbeat(subject, hb(4.0 + i, running=running))
+        assert state.load.running == running and state.last_heartbeat_ts == 4.0 + i
+    assert subject in c.heartbeats._repeats
+    # A load decode_heartbeat refuses: the full path says so (counted, with the worker id), nothing
     # is applied, and the short path is gone.
-    bad = encode_status(
+    bad = encode_heartbeat(
         worker="w1",
         model="m",
         epoch=1,
@@ -683,6 +683,6 @@ def test_a_busy_worker_s_loads_are_applied_and_a_bad_one_rejected() -> None:
         endpoint="10.0.0.1:8000",
     )
     before = sum(c.counters.rejects.values())
-    assert not c.on_status(subject, bad)
+    assert not c.on_heartbeat(subject, bad)
     assert sum(c.counters.rejects.values()) == before + 1
-    assert state.load.running == 31 and subject not in c._repeats
+    assert state.load.running == 31 and subject not in c.heartbeats._repeats

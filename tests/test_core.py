@@ -54,8 +54,8 @@ def test_service_replay_and_simulation_build_the_same_core() -> None:
     assert replayer.router.outcomes.on_degraded is None
     assert sim.router.outcomes.on_degraded is None
     assert replayer.registry.clock is replayer.clock and sim.registry.clock == sim.clock
-    assert isinstance(replayer.consumer.repair, LoggedRepair)
-    assert service.consumer.repair is service.repairer
+    assert isinstance(replayer.consumer.repairs.scheduler, LoggedRepair)
+    assert service.consumer.repairs.scheduler is service.repairer
     # The simulation's independent routers: seeded one apart, each its own routing state.
     assert [r.config.seed for r in sim.routers] == [7, 8, 9]
     assert len({id(r.ledger) for r in sim.routers}) == 3

@@ -100,7 +100,7 @@ def _build(rng: random.Random) -> tuple[Router, RouteRequest, Clock]:
         state.capacity = {GPU: 10_000}
         state.local_blocks_seen = True
         if rng.random() < 0.9:
-            state.last_status_at = clock.t - rng.choice([0.0, rng.uniform(0, 3), rng.uniform(0, 60)])
+            state.last_heartbeat_at = clock.t - rng.choice([0.0, rng.uniform(0, 3), rng.uniform(0, 60)])
         if rng.random() < 0.05:
             state.stale = True  # a row that is not a candidate
         if rng.random() > 0.3:
@@ -132,7 +132,7 @@ def _scalar(
     """(wait, prefill, fetch) of the instance by the definitions in costs.py."""
     costs = router.config.costs
     model = router.calibrator.prefill(MODEL)
-    at = state.last_status_at
+    at = state.last_heartbeat_at
     n_new, routed, _ = router.ledger.pending(state.key, at)
     rate = drain_rate(model, costs.drain_reported_queue)
     queued = queued_now(state.load.waiting_prefill_tokens, at, router.clock(), rate, routed)

@@ -17,9 +17,9 @@ from kvindex.keys import block_keys
 from kvindex.service.app import IndexService
 from kvindex.v1 import kvindex_pb2 as pb
 from kvindex.v1 import kvindex_pb2_grpc as pb_grpc
-from kvindex.wire import encode_status
+from kvindex.wire import encode_heartbeat
 from kvindex.wire import errors as E
-from kvindex.wire.codec import decode_status
+from kvindex.wire.codec import decode_heartbeat
 from kvindex.wire.endpoint import BadEndpoint, endpoint_from_url, parse_endpoint
 from tests.conftest import wait_until
 from workers_shim.publisher import Publisher
@@ -79,8 +79,8 @@ def test_endpoint_from_metrics_url() -> None:
         endpoint_from_url("http:///metrics")
 
 
-def status(worker: str = "w1", **extra: Any) -> bytes:
-    return encode_status(
+def heartbeat(worker: str = "w1", **extra: Any) -> bytes:
+    return encode_heartbeat(
         worker=worker,
         model=MODEL,
         epoch=1,
@@ -95,20 +95,20 @@ def status(worker: str = "w1", **extra: Any) -> bytes:
 
 
 def test_heartbeat_without_endpoint_still_decodes() -> None:
-    report = decode_status(status())  # an old worker: wire v1 without the field
+    report = decode_heartbeat(heartbeat())  # an old worker: wire v1 without the field
     assert report.endpoint is None and report.endpoint_error is None
-    assert decode_status(status(endpoint="10.0.0.7:8000")).endpoint == "10.0.0.7:8000"
+    assert decode_heartbeat(heartbeat(endpoint="10.0.0.7:8000")).endpoint == "10.0.0.7:8000"
 
 
 @pytest.mark.parametrize("bad", ["10.0.0.7", 8000, {"host": "x"}, "x" * 1000, "h:99999"])
 def test_malformed_endpoint_is_dropped_counted_and_logged_heartbeat_kept(bad: Any) -> None:
     consumer = Consumer(InvertedIndex(), Registry())
-    assert consumer.on_status("kvindex.status.w1", status(endpoint="10.0.0.7:8000"))
+    assert consumer.on_heartbeat("kvindex.status.w1", heartbeat(endpoint="10.0.0.7:8000"))
     assert consumer.registry.endpoint("w1/0") == "10.0.0.7:8000"
     with structlog.testing.capture_logs() as logs:
-        assert consumer.on_status("kvindex.status.w1", status(endpoint=bad))  # applied, not rejected
+        assert consumer.on_heartbeat("kvindex.status.w1", heartbeat(endpoint=bad))  # applied, not rejected
     state = consumer.registry.get(("w1", 0))
-    assert state is not None and state.load.running == 2 and state.last_status_at is not None
+    assert state is not None and state.load.running == 2 and state.last_heartbeat_at is not None
     # An address that cannot be used is not routed to (nor the one announced before it).
     assert state.endpoint is None and consumer.registry.at_endpoint("10.0.0.7:8000") == []
     assert consumer.counters.rejects == {E.BAD_ENDPOINT: 1}
@@ -121,17 +121,17 @@ def test_registry_endpoint_lookups_follow_moves_and_forgetting() -> None:
     consumer = Consumer(InvertedIndex(), Registry())
     reg = consumer.registry
     for worker, rank, endpoint in [("w1", 0, "a:1"), ("w2", 0, "b:2"), ("w2", 1, "b:2")]:
-        hb = msgpack.unpackb(status(worker, endpoint=endpoint))
+        hb = msgpack.unpackb(heartbeat(worker, endpoint=endpoint))
         hb["dp_rank"] = rank
-        assert consumer.on_status(f"kvindex.status.{worker}", msgpack.packb(hb))
+        assert consumer.on_heartbeat(f"kvindex.status.{worker}", msgpack.packb(hb))
     assert reg.endpoint("w1/0") == "a:1" and reg.endpoint(("w2", 1)) == "b:2"
     assert reg.endpoint("w9/0") is None and reg.endpoint("w1") is None
     assert sorted(s.instance_id for s in reg.at_endpoint("b:2")) == ["w2/0", "w2/1"]
-    consumer.on_status("kvindex.status.w1", status("w1", endpoint="a:9"))  # moved
+    consumer.on_heartbeat("kvindex.status.w1", heartbeat("w1", endpoint="a:9"))  # moved
     assert reg.at_endpoint("a:1") == [] and [s.instance_id for s in reg.at_endpoint("a:9")] == ["w1/0"]
     consumer.forget(("w2", 0))
     assert [s.instance_id for s in reg.at_endpoint("b:2")] == ["w2/1"]
-    consumer.on_status("kvindex.status.w1", status("w1"))  # no longer announced
+    consumer.on_heartbeat("kvindex.status.w1", heartbeat("w1"))  # no longer announced
     assert reg.endpoint("w1/0") is None and reg.at_endpoint("a:9") == []
 
 
@@ -141,9 +141,9 @@ def test_publisher_refuses_a_malformed_endpoint() -> None:
     with pytest.raises(ValueError, match="port"):
         WorkerLog(worker="w1", model=MODEL, block_size=BS, endpoint="10.0.0.7:http")
     log = WorkerLog(worker="w1", model=MODEL, block_size=BS, endpoint="10.0.0.7:8000")
-    assert msgpack.unpackb(log.status_payload())["endpoint"] == "10.0.0.7:8000"
+    assert msgpack.unpackb(log.heartbeat_payload())["endpoint"] == "10.0.0.7:8000"
     assert "endpoint" not in msgpack.unpackb(
-        WorkerLog(worker="w2", model=MODEL, block_size=BS).status_payload()
+        WorkerLog(worker="w2", model=MODEL, block_size=BS).heartbeat_payload()
     )
 
 

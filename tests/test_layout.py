@@ -155,11 +155,13 @@ LAYERS: list[tuple[str, ...]] = [
     ("kvindex.index",),
     ("kvindex.fleet",),
     ("kvindex.scoring",),
-    # what feeds the index and keeps it right (the consumer drives the repair state machine and the
-    # repairer answers the consumer), routing state shared between replicas, and the metric collectors
+    # what keeps the index right: the repair state machine and the repairer that runs its requests
+    # (they see the consumer through protocols, never import it)
+    ("kvindex.repair",),
+    # what feeds the index (the consumer drives the repair machine), routing state shared between
+    # replicas, and the metric collectors
     (
         "kvindex.ingest",
-        "kvindex.repair",
         "kvindex.routing_sync",
         "kvindex.observability.outcomes",
         "kvindex.observability.tokenize",

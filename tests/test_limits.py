@@ -8,15 +8,9 @@ from typing import Any
 from kvindex.fleet.registry import Registry
 from kvindex.index import InvertedIndex
 from kvindex.ingest.consumer import Consumer
-from kvindex.ingest.limits import (
-    BLOCK_LIMIT,
-    HELD_LIMIT,
-    INSTANCE_LIMIT,
-    MODEL_LIMIT,
-    REPAIR_LIMIT,
-    IngestLimits,
-)
-from kvindex.wire import encode_batch, encode_status
+from kvindex.ingest.limits import BLOCK_LIMIT, INSTANCE_LIMIT, MODEL_LIMIT, IngestLimits
+from kvindex.repair.machine import HELD_LIMIT, REPAIR_LIMIT
+from kvindex.wire import encode_batch, encode_heartbeat
 from kvindex.wire.reconcile import Snapshot
 from tests.test_consumer import snapshot as index_state
 from tests.test_consumer import stored
@@ -59,8 +53,10 @@ def batch(
     )
 
 
-def status(seq: int, capacity: dict, digest: dict | None = None, worker: str = "w1", epoch: int = 1) -> bytes:
-    return encode_status(
+def heartbeat(
+    seq: int, capacity: dict, digest: dict | None = None, worker: str = "w1", epoch: int = 1
+) -> bytes:
+    return encode_heartbeat(
         worker=worker,
         model="m",
         epoch=epoch,
@@ -93,8 +89,8 @@ def test_limits_follow_announced_capacity_with_slack_and_default() -> None:
 def test_stores_beyond_capacity_are_dropped_removals_still_apply_and_others_unaffected() -> None:
     c, log = make()
     w1, w2 = ("w1", 0), ("w2", 0)
-    assert c.on_status("kvindex.status.w1", status(0, {"gpu": 8}))  # limit 10
-    c.on_status("kvindex.status.w2", status(0, {"gpu": 8}, worker="w2"))
+    assert c.on_heartbeat("kvindex.status.w1", heartbeat(0, {"gpu": 8}))  # limit 10
+    c.on_heartbeat("kvindex.status.w2", heartbeat(0, {"gpu": 8}, worker="w2"))
     assert c.on_events("kvindex.events.w1", batch(1, [stored(*range(1, 9))]))
     assert c.index.block_counts(w1) == (8, 0, 0, 0)
     # 20 more: only 2 fit; the removal in the same batch still applies, and frees room first.
@@ -121,19 +117,19 @@ def test_capped_tier_skips_the_digest_until_the_worker_fits_then_a_snapshot_make
     pending = Pending()
     c, _ = make(repair=pending)
     w1 = ("w1", 0)
-    c.on_status("kvindex.status.w1", status(0, {"gpu": 4}))  # limit 5
+    c.on_heartbeat("kvindex.status.w1", heartbeat(0, {"gpu": 4}))  # limit 5
     c.on_events("kvindex.events.w1", batch(1, [stored(*range(1, 11))]))  # the worker holds 10
     assert c.index.block_counts(w1) == (5, 0, 0, 0)
     # Its heartbeat's digest disagrees, as it must: no drift snapshot (it would be capped again).
-    c.on_status("kvindex.status.w1", status(1, {"gpu": 4}, {"gpu": (10, xor(range(1, 11)))}))
+    c.on_heartbeat("kvindex.status.w1", heartbeat(1, {"gpu": 4}, {"gpu": (10, xor(range(1, 11)))}))
     assert pending.asked == [] and c.counters.drift_detected == 0
     # It evicts down to 4 blocks; the index, holding a subset, drifts; now the digest counts again.
     c.on_events(
         "kvindex.events.w1", batch(2, [{"type": "removed", "tier": "gpu", "keys": list(range(1, 7))}])
     )
-    c.on_status("kvindex.status.w1", status(2, {"gpu": 4}, {"gpu": (4, xor(range(7, 11)))}))
+    c.on_heartbeat("kvindex.status.w1", heartbeat(2, {"gpu": 4}, {"gpu": (4, xor(range(7, 11)))}))
     assert pending.asked == [(w1, "snapshot")] and c.counters.drift_detected == 1
-    c.on_snapshot(w1, Snapshot(1, 2, {0: list(range(7, 11))}))
+    c.repairs.on_snapshot(w1, Snapshot(1, 2, {0: list(range(7, 11))}))
     assert sorted(c.index.keys_of(w1, 0)) == [7, 8, 9, 10]
     state = c.registry.get(w1)
     assert state is not None and state.capped == 0 and state.sync == "synced"
@@ -143,9 +139,9 @@ def test_snapshot_beyond_the_limit_is_applied_up_to_it() -> None:
     pending = Pending()
     c, _ = make(repair=pending)
     w1 = ("w1", 0)
-    c.on_status("kvindex.status.w1", status(5, {"gpu": 8}))  # discovered mid-stream: snapshot
+    c.on_heartbeat("kvindex.status.w1", heartbeat(5, {"gpu": 8}))  # discovered mid-stream: snapshot
     assert pending.asked == [(w1, "snapshot")]
-    c.on_snapshot(w1, Snapshot(1, 5, {0: list(range(1, 101))}))
+    c.repairs.on_snapshot(w1, Snapshot(1, 5, {0: list(range(1, 101))}))
     assert c.index.block_counts(w1) == (10, 0, 0, 0)
     assert c.counters.rejects[BLOCK_LIMIT] == 1 and c.counters.blocks_refused == 90
     state = c.registry.get(w1)
@@ -158,7 +154,7 @@ def test_new_instances_and_models_beyond_the_limits_are_refused_whole() -> None:
     assert c.on_events("kvindex.events.b", batch(1, [stored(1)], worker="b"))
     before = index_state(c)
     assert not c.on_events("kvindex.events.c", batch(1, [stored(1)], worker="c"))
-    assert not c.on_status("kvindex.status.c", status(0, {"gpu": 8}, worker="c"))
+    assert not c.on_heartbeat("kvindex.status.c", heartbeat(0, {"gpu": 8}, worker="c"))
     assert c.on_events("kvindex.events.d", batch(1, [stored(1)], worker="d", model="m2"))
     assert not c.on_events("kvindex.events.e", batch(1, [stored(1)], worker="e", model="m3"))
     assert c.counters.rejects == {INSTANCE_LIMIT: 2, MODEL_LIMIT: 1}
@@ -187,7 +183,7 @@ def test_held_batches_beyond_the_limit_are_dropped_for_a_snapshot() -> None:
     assert pending.asked[-1] == (w1, "snapshot") and c.counters.rejects[HELD_LIMIT] == 1
     assert c.index.block_counts(w1) == (1, 0, 0, 0)  # nothing held was applied out of order
     # The snapshot makes it exact; batches after it apply in order.
-    c.on_snapshot(w1, Snapshot(1, 5, {0: [1, 3, 5, *range(10, 19)]}))
+    c.repairs.on_snapshot(w1, Snapshot(1, 5, {0: [1, 3, 5, *range(10, 19)]}))
     assert c.on_events("kvindex.events.w1", batch(6, [stored(6)]))
     assert c.index.block_counts(w1) == (13, 0, 0, 0) and cursor.repairing is None
 
@@ -205,8 +201,8 @@ def test_repairs_beyond_the_limit_are_not_started_and_are_asked_again_later() ->
     b = c.sequencer.cursor(("b", 0))
     assert b is not None and b.repairing is None and b.applied == 3
     # Once a's repair ends, b's drift (its heartbeat's digest) starts b's own repair.
-    c.give_up(("a", 0))
-    c.on_status("kvindex.status.b", status(3, {"gpu": 8}, {"gpu": (3, 1 ^ 2 ^ 3)}, worker="b"))
+    c.repairs.give_up(("a", 0))
+    c.on_heartbeat("kvindex.status.b", heartbeat(3, {"gpu": 8}, {"gpu": (3, 1 ^ 2 ^ 3)}, worker="b"))
     assert pending.asked[-1] == (("b", 0), "snapshot")
 
 
@@ -215,7 +211,7 @@ def test_a_batch_may_pass_the_limit_on_the_way_if_it_ends_within_it() -> None:
     # the limit holds for what a batch leaves.
     c, log = make()
     w1 = ("w1", 0)
-    c.on_status("kvindex.status.w1", status(0, {"gpu": 8, "cpu": 8}))  # limits 10
+    c.on_heartbeat("kvindex.status.w1", heartbeat(0, {"gpu": 8, "cpu": 8}))  # limits 10
     c.on_events(
         "kvindex.events.w1",
         batch(

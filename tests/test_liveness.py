@@ -15,7 +15,7 @@ def _fleet(lasts: list[float | None], stale: list[bool]) -> Registry:
     for i, (last, is_stale) in enumerate(zip(lasts, stale, strict=True)):
         state = registry.add((f"w{i}", 0), "m", 16)
         state.first_seen = 0.0
-        state.last_status_at = last
+        state.last_heartbeat_at = last
         state.stale = is_stale and last is not None
     return registry
 

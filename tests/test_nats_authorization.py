@@ -86,7 +86,7 @@ async def test_workers_cannot_publish_as_each_other(secured: EmbeddedNats) -> No
         await converged(svc, node1, node2)
         assert faults.injected["drop"] == 1 and node1.replays_served >= 1
         # A snapshot request (reconciliation) is answered too, in parts if need be.
-        svc.consumer.reconcile(("node-2", 0), "test")
+        svc.consumer.repairs.reconcile(("node-2", 0), "test")
         await wait_until(lambda: node2.snapshots_served >= 1, what="node-2 answering a snapshot")
         await converged(svc, node1, node2)
         restarts, received = svc.counters.restarts, svc.counters.batches_received

@@ -17,9 +17,9 @@ from kvindex.ingest.consumer import Consumer
 from kvindex.service.app import IndexService
 from kvindex.v1 import kvindex_pb2 as pb
 from kvindex.v1 import kvindex_pb2_grpc as pb_grpc
-from kvindex.wire import encode_status
+from kvindex.wire import encode_heartbeat
 from kvindex.wire import errors as E
-from kvindex.wire.codec import decode_status
+from kvindex.wire.codec import decode_heartbeat
 from kvindex.wire.role import BadRole, check_group, check_role
 from tests.conftest import wait_until
 from workers_shim.publisher import Publisher, WorkerLog
@@ -29,8 +29,8 @@ SUBJECT = "kvindex.status.w1"
 MakePub = Callable[..., Awaitable[Publisher]]
 
 
-def status(worker: str = "w1", ts: float = 1.0, **extra: Any) -> bytes:
-    return encode_status(
+def heartbeat(worker: str = "w1", ts: float = 1.0, **extra: Any) -> bytes:
+    return encode_heartbeat(
         worker=worker, model=MODEL, epoch=1, seq=0, ts=ts, block_size=4,
         load={"running": 2}, capacity={"gpu": 10}, digest={}, **extra,
     )  # fmt: skip
@@ -48,22 +48,22 @@ def test_role_and_group_parsers() -> None:
 
 
 def test_heartbeat_without_role_is_both() -> None:
-    report = decode_status(status())  # every worker that predates the field
+    report = decode_heartbeat(heartbeat())  # every worker that predates the field
     assert (report.role, report.pd_group, report.role_error) == ("both", None, None)
-    report = decode_status(status(role="prefill", pd_group="rack-1"))
+    report = decode_heartbeat(heartbeat(role="prefill", pd_group="rack-1"))
     assert (report.role, report.pd_group, report.role_error) == ("prefill", "rack-1", None)
 
 
 @pytest.mark.parametrize("bad", [{"role": "encode"}, {"role": 7}, {"pd_group": "a b"}, {"pd_group": [1]}])
 def test_malformed_role_is_dropped_counted_and_logged_heartbeat_kept(bad: dict[str, Any]) -> None:
     consumer = Consumer(InvertedIndex(), Registry())
-    assert consumer.on_status(SUBJECT, status(role="decode", pd_group="g1"))
+    assert consumer.on_heartbeat(SUBJECT, heartbeat(role="decode", pd_group="g1"))
     state = consumer.registry.get(("w1", 0))
     assert state is not None and (state.role, state.pd_group) == ("decode", "g1")
     with structlog.testing.capture_logs() as logs:
-        assert consumer.on_status(SUBJECT, status(ts=2.0, **{"role": "decode", **bad}))  # applied
+        assert consumer.on_heartbeat(SUBJECT, heartbeat(ts=2.0, **{"role": "decode", **bad}))  # applied
     # Neither half of the role is trusted: the instance serves whole requests, as one that says nothing.
-    assert (state.role, state.pd_group) == ("both", None) and state.last_status_ts == 2.0
+    assert (state.role, state.pd_group) == ("both", None) and state.last_heartbeat_ts == 2.0
     assert consumer.counters.rejects == {E.BAD_ROLE: 1}
     (rejected,) = [e for e in logs if e["event"] == "message_rejected"]
     assert rejected["worker"] == "w1" and rejected["reason"] == E.BAD_ROLE and "must" in rejected["error"]
@@ -74,17 +74,17 @@ def test_role_changes_take_every_decode_path() -> None:
     role right, and a change of role leaves the repeated-bytes path (its head bytes differ)."""
     consumer = Consumer(InvertedIndex(), Registry())
     reg = consumer.registry
-    assert consumer.on_status(SUBJECT, status(ts=1.0, role="prefill"))  # full decode
+    assert consumer.on_heartbeat(SUBJECT, heartbeat(ts=1.0, role="prefill"))  # full decode
     state = reg.get(("w1", 0))
     assert state is not None and state.role == "prefill"
     for ts in (2.0, 3.0, 4.0):  # peek path, then the repeated-bytes path
-        assert consumer.on_status(SUBJECT, status(ts=ts, role="prefill"))
-        assert state.role == "prefill" and state.last_status_ts == ts
-    assert consumer._repeats, "a steady heartbeat takes the repeated-bytes path"
-    assert consumer.on_status(SUBJECT, status(ts=5.0, role="decode", pd_group="g2"))
+        assert consumer.on_heartbeat(SUBJECT, heartbeat(ts=ts, role="prefill"))
+        assert state.role == "prefill" and state.last_heartbeat_ts == ts
+    assert consumer.heartbeats._repeats, "a steady heartbeat takes the repeated-bytes path"
+    assert consumer.on_heartbeat(SUBJECT, heartbeat(ts=5.0, role="decode", pd_group="g2"))
     assert (state.role, state.pd_group) == ("decode", "g2")
-    assert consumer.on_status(SUBJECT, status(ts=6.0))  # the field withdrawn: back to both
-    assert (state.role, state.pd_group, state.last_status_ts) == ("both", None, 6.0)
+    assert consumer.on_heartbeat(SUBJECT, heartbeat(ts=6.0))  # the field withdrawn: back to both
+    assert (state.role, state.pd_group, state.last_heartbeat_ts) == ("both", None, 6.0)
     assert not consumer.counters.rejects
 
 
@@ -94,11 +94,13 @@ def test_publisher_announces_role_only_when_given() -> None:
     with pytest.raises(ValueError, match="pd_group must"):
         WorkerLog(worker="w1", model=MODEL, block_size=4, pd_group="no spaces")
     log = WorkerLog(worker="w1", model=MODEL, block_size=4, role="decode", pd_group="r1")
-    hb = msgpack.unpackb(log.status_payload())
+    hb = msgpack.unpackb(log.heartbeat_payload())
     assert (hb["role"], hb["pd_group"]) == ("decode", "r1")
     # ts and load stay last (the index's repeated-heartbeat path relies on it).
     assert list(hb)[-2:] == ["ts", "load"]
-    assert "role" not in msgpack.unpackb(WorkerLog(worker="w2", model=MODEL, block_size=4).status_payload())
+    assert "role" not in msgpack.unpackb(
+        WorkerLog(worker="w2", model=MODEL, block_size=4).heartbeat_payload()
+    )
 
 
 async def test_list_instances_returns_roles(

@@ -128,11 +128,11 @@ def test_new_instance_share_over_time_through_the_router() -> None:
     router = Router(index, registry, config=RouterConfig(warmup=60.0), clock=clock)
     clock.t += 3600.0  # the fleet is an hour old
     for state in registry.all():
-        state.last_status_at = clock.t
+        state.last_heartbeat_at = clock.t
         state.load = Load(running=4, waiting=2, waiting_prefill_tokens=4000)
     new = registry.add(("new", 0), MODEL, 16)
     index.add_instance(("new", 0), MODEL)
-    new.last_status_at = clock.t
+    new.last_heartbeat_at = clock.t
     new.capacity = {0: 10_000}
     new.local_blocks_seen = True
     base = clock.t
@@ -140,7 +140,7 @@ def test_new_instance_share_over_time_through_the_router() -> None:
     for age in (0.0, 15.0, 30.0, 45.0, 60.0, 120.0):
         clock.t = base + age
         for state in registry.all():
-            state.last_status_at = clock.t
+            state.last_heartbeat_at = clock.t
         won = 0
         n = 400
         for i in range(n):
@@ -216,7 +216,7 @@ def test_ramp_holds_when_the_top_k_are_all_new_instances() -> None:
         new.local_blocks_seen = True
     clock.t += 15.0
     for state in registry.all():
-        state.last_status_at = clock.t
+        state.last_heartbeat_at = clock.t
     assert router.picker.extra(MODEL, clock.t) == 3
     n = 400
     results = [router.score(request(prompt(8, seed=i), rid=f"a{i}"), top_k=3) for i in range(n)]

@@ -100,7 +100,7 @@ def build_fleet(
             state.capacity = {GPU: 10_000}
             state.local_blocks_seen = True
         if rng.random() < 0.9:
-            state.last_status_at = clock.t - rng.random() * 2
+            state.last_heartbeat_at = clock.t - rng.random() * 2
         if rng.random() < 0.05 and not all_routable:
             state.stale = True
         busy = rng.random()
@@ -192,7 +192,7 @@ def _exercise(
             router.degraded ^= {s.key for s in rng.sample(states, min(len(states), rng.randint(1, 3)))}
         clock.t += rng.choice([0.01, 0.2, 1.0, 7.0])
         for state in rng.sample(states, min(len(states), 5)):
-            state.last_status_at = clock.t
+            state.last_heartbeat_at = clock.t
             if rng.random() < 0.4:
                 continue  # a heartbeat that moved only its time (the tables' time-only rows)
             state.load = Load(running=rng.randint(0, 30), waiting_prefill_tokens=rng.randint(0, 30_000))
@@ -337,7 +337,7 @@ def test_a_heartbeat_that_moves_only_its_time_refreshes_a_draining_wait(backend:
             state = registry.add(key, MODEL, BS)
             state.capacity = {GPU: 10_000}
             state.local_blocks_seen = True
-            state.last_status_at = clock.t
+            state.last_heartbeat_at = clock.t
             # Everyone but w000 has a small queue that is still draining; w000's is the largest.
             state.load = Load(running=2, waiting_prefill_tokens=60_000 if i == 0 else 2_000 + i)
             states.append(state)
@@ -348,7 +348,7 @@ def test_a_heartbeat_that_moves_only_its_time_refreshes_a_draining_wait(backend:
         drained = router.score(req).choices
         assert _view(router.score(req, top_k=4).choices) == _view(drained[:4])
         assert drained[0].candidate.state.key == ("w000", 0)  # all tied: key order
-        states[0].last_status_at = clock.t  # its queue is 60 K again (same Load object)
+        states[0].last_heartbeat_at = clock.t  # its queue is 60 K again (same Load object)
         again = router.score(req).choices
         assert _view(router.score(req, top_k=4).choices) == _view(again[:4])
         rank = {c.candidate.state.key: i for i, c in enumerate(again)}

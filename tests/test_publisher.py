@@ -10,7 +10,7 @@ import nats
 import pytest
 
 from kvindex.service.natsd import EmbeddedNats
-from kvindex.wire import CLEARED, GPU, REMOVED, STORED, decode_batch, decode_status
+from kvindex.wire import CLEARED, GPU, REMOVED, STORED, decode_batch, decode_heartbeat
 from workers_shim.publisher import Publisher
 
 
@@ -45,7 +45,7 @@ async def test_batches_numbered_deduplicated_and_digest_consistent(nats_server: 
     await nc.close()
 
     batches = [decode_batch(d, "w1") for s, d in got if s == "kvindex.events.w1"]
-    statuses = [decode_status(d, "w1") for s, d in got if s == "kvindex.status.w1"]
+    heartbeats = [decode_heartbeat(d, "w1") for s, d in got if s == "kvindex.status.w1"]
     assert [b.seq for b in batches] == list(range(1, len(batches) + 1))
     assert {b.epoch for b in batches} == {pub.epoch}
     events = [(e.op, e.tier, list(e.keys)) for b in batches for e in b.events]
@@ -55,7 +55,7 @@ async def test_batches_numbered_deduplicated_and_digest_consistent(nats_server: 
         (REMOVED, "gpu", [1]),
         (CLEARED, None, []),
     ]
-    first, mid, last = statuses[0], statuses[1], statuses[-1]
+    first, mid, last = heartbeats[0], heartbeats[1], heartbeats[-1]
     assert first.seq == 0
     assert mid.seq == 1 and mid.digest[GPU] == (3, reduce(xor, [2, 3, 4]))
     assert last.seq == batches[-1].seq and last.digest.get(GPU, (0, 0)) == (0, 0)

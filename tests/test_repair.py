@@ -9,6 +9,7 @@ from typing import Any
 import grpc
 import pytest
 
+from kvindex.fleet.liveness import LivenessConfig
 from kvindex.repair.nats_repair import RepairConfig
 from kvindex.service.app import IndexService
 from kvindex.v1 import kvindex_pb2 as pb
@@ -21,10 +22,9 @@ FAST = RepairConfig(
     replay_timeout=0.5,
     snapshot_timeout=1.0,
     reconcile_interval=0,
-    stale_after=0.6,
-    forget_after=1.5,
     tick=0.05,
 )
+LIVENESS = LivenessConfig(stale_after=0.6, forget_after=1.5, tick=0.05)
 MakeService = Callable[..., Awaitable[IndexService]]
 
 
@@ -44,7 +44,7 @@ def make_worker(
 
 
 async def test_gap_is_repaired_by_replay(make_service: MakeService, make_worker) -> None:
-    svc = await make_service(FAST)
+    svc = await make_service(FAST, liveness=LIVENESS)
     w = await make_worker("w1")
     w.stored([1, 2, 3])
     await w.flush()
@@ -59,7 +59,7 @@ async def test_gap_is_repaired_by_replay(make_service: MakeService, make_worker)
 
 
 async def test_lost_tail_is_found_by_heartbeat(make_service: MakeService, make_worker) -> None:
-    svc = await make_service(FAST)
+    svc = await make_service(FAST, liveness=LIVENESS)
     w = await make_worker("w1")
     w.stored([1])
     await w.flush()
@@ -73,7 +73,7 @@ async def test_lost_tail_is_found_by_heartbeat(make_service: MakeService, make_w
 
 
 async def test_replay_too_old_falls_back_to_snapshot(make_service: MakeService, make_worker) -> None:
-    svc = await make_service(FAST)
+    svc = await make_service(FAST, liveness=LIVENESS)
     w = await make_worker("w1", history=2)
     w.stored([1])
     await w.flush()
@@ -89,7 +89,7 @@ async def test_replay_too_old_falls_back_to_snapshot(make_service: MakeService, 
 
 
 async def test_restart_with_cache_kept_or_lost(make_service: MakeService, make_worker) -> None:
-    svc = await make_service(FAST)
+    svc = await make_service(FAST, liveness=LIVENESS)
     w = await make_worker("w1")
     w.stored([1, 2, 3])
     await converged(svc, w)
@@ -107,7 +107,7 @@ async def test_restart_with_cache_kept_or_lost(make_service: MakeService, make_w
 
 
 async def test_drift_is_detected_from_the_digest(make_service: MakeService, make_worker) -> None:
-    svc = await make_service(FAST)
+    svc = await make_service(FAST, liveness=LIVENESS)
     w = await make_worker("w1")
     w.stored([1, 2, 3])
     await converged(svc, w)
@@ -123,7 +123,7 @@ async def test_index_started_after_the_workers(make_service: MakeService, make_w
     w2.stored(list(range(150, 250)), tier="cpu")
     await w1.flush()
     await w2.flush()
-    svc = await make_service(FAST)  # joins mid-stream: every worker is resynchronised
+    svc = await make_service(FAST, liveness=LIVENESS)  # joins mid-stream: every worker is resynchronised
     w1.stored([7])
     await converged(svc, w1, w2)
     assert svc.counters.snapshots_requested["start"] >= 2
@@ -136,13 +136,13 @@ async def test_large_snapshot_spans_several_messages(make_service: MakeService, 
     await w.flush()
     _sealed, parts = w.snapshot_messages()
     assert len(parts) >= 3
-    svc = await make_service(FAST)
+    svc = await make_service(FAST, liveness=LIVENESS)
     await converged(svc, w, timeout=15)
     assert svc.index.block_counts(("big", 0))[0] == 300_000
 
 
 async def test_stale_then_forgotten_then_back(make_service: MakeService, make_worker) -> None:
-    svc = await make_service(FAST)
+    svc = await make_service(FAST, liveness=LIVENESS)
     w = await make_worker("w1")
     other = await make_worker("w2")
     w.stored([1])
@@ -168,7 +168,7 @@ async def test_many_index_replicas_do_not_storm_a_worker(make_service: MakeServi
     w = await make_worker("w1")
     w.stored(list(range(1, 5001)))
     await w.flush()
-    replicas = [await make_service(FAST) for _ in range(4)]
+    replicas = [await make_service(FAST, liveness=LIVENESS) for _ in range(4)]
     for svc in replicas:
         await converged(svc, w)
     # Four replicas joined and each resynchronised from a snapshot.
@@ -216,7 +216,7 @@ def _scheduled_fleet(n: int, cfg: RepairConfig, seed: int) -> tuple[Any, Any, li
     consumer = Consumer(InvertedIndex(), Registry())
     repairer = NatsRepairer(consumer, cfg, rng=random.Random(seed))
     checked: list[tuple[str, int]] = []
-    consumer.reconcile = lambda key, cause: checked.append(key)  # type: ignore[method-assign]
+    consumer.repairs.reconcile = lambda key, cause: checked.append(key)  # type: ignore[method-assign]
     for i in range(n):
         join(consumer, (f"w{i}", 0))
     return repairer, consumer, checked

@@ -24,6 +24,7 @@ from prometheus_client import generate_latest
 
 from kvindex.cli import _add_serve
 from kvindex.config.layers import parse_layered
+from kvindex.fleet.liveness import LivenessConfig
 from kvindex.repair.nats_repair import RepairConfig
 from kvindex.routing_sync.sync import DELAY_BUCKETS, SyncConfig
 from kvindex.scoring.base import RouteRequest
@@ -110,7 +111,8 @@ async def replicas(
 ) -> list[IndexService]:
     made = [
         await make_service(
-            repair=RepairConfig(stale_after=120.0, forget_after=300.0, reconcile_interval=0),
+            repair=RepairConfig(reconcile_interval=0),
+            liveness=LivenessConfig(stale_after=120.0, forget_after=300.0),
             routing_sync=SyncConfig(enabled=sync, replica_id=f"replica-{i}"),
         )
         for i in range(n)

@@ -39,7 +39,7 @@ def fleet(n: int, clock: Clock | None = None) -> tuple[Router, InvertedIndex, Re
         key = (f"w{i}", 0)
         index.add_instance(key, MODEL)
         state = registry.add(key, MODEL, BS)
-        state.last_status_at = clock.t
+        state.last_heartbeat_at = clock.t
         state.capacity = {GPU: 10_000}
         state.local_blocks_seen = True
     return Router(index, registry, clock=clock), index, registry, clock
@@ -112,7 +112,7 @@ def test_reported_queue_drains_and_ledger_adds_what_came_after() -> None:
     (after_commit,) = router.candidates(request(keys), [state], 0.0)
     assert after_commit.routed_tokens == 1600 and after_commit.wait_ms > later.wait_ms
     # A heartbeat after the commit reports it in its queue: the ledger stops counting it.
-    state.last_status_at = clock.t + 0.001
+    state.last_heartbeat_at = clock.t + 0.001
     clock.t += 0.002
     (reported,) = router.candidates(request(keys), [state], 0.0)
     assert reported.routed_tokens == 0

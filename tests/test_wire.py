@@ -18,9 +18,9 @@ from kvindex.wire import (
     Subjects,
     WireError,
     decode_batch,
-    decode_status,
+    decode_heartbeat,
     encode_batch,
-    encode_status,
+    encode_heartbeat,
 )
 from kvindex.wire import errors as E
 from tests.conftest import ROOT
@@ -74,8 +74,8 @@ def test_published_batch_vector_decodes() -> None:
     ) == bytes.fromhex(vec["hex"])
 
 
-def test_published_status_vector_decodes() -> None:
-    s = decode_status(bytes.fromhex(MESSAGES["status"]["hex"]), "gpu-node-3")
+def test_published_heartbeat_vector_decodes() -> None:
+    s = decode_heartbeat(bytes.fromhex(MESSAGES["status"]["hex"]), "gpu-node-3")
     assert s.seq == 7 and s.load.running == 3 and s.load.waiting_prefill_tokens == 2048
     assert s.load.kv_usage == pytest.approx(0.42)
     assert s.capacity == {GPU: 24000, CPU: 100000}
@@ -210,7 +210,7 @@ def test_oversize_batches() -> None:
     assert len(decode_batch(pack(batch(events=[ev])), "w1", limits).events) == 1
 
 
-def status(**over: Any) -> bytes:
+def heartbeat(**over: Any) -> bytes:
     msg: dict[str, Any] = {
         "v": 1,
         "worker": "w1",
@@ -227,11 +227,11 @@ def status(**over: Any) -> bytes:
     return pack({k: v for k, v in msg.items() if v is not DROP})
 
 
-def test_status_decodes_and_keeps_extra_load() -> None:
-    s = decode_status(status(), "w1")
+def test_heartbeat_decodes_and_keeps_extra_load() -> None:
+    s = decode_heartbeat(heartbeat(), "w1")
     assert s.load.extra == {"gpu_util": 0.9}
     assert s.capacity == {GPU: 100} and s.digest == {GPU: (0, 0)}
-    assert decode_status(status(load=DROP, capacity=DROP, digest=DROP), "w1").load.running == 0
+    assert decode_heartbeat(heartbeat(load=DROP, capacity=DROP, digest=DROP), "w1").load.running == 0
 
 
 @pytest.mark.parametrize(
@@ -251,17 +251,17 @@ def test_status_decodes_and_keeps_extra_load() -> None:
         ({"worker": "other"}, E.SUBJECT_MISMATCH),
     ],
 )
-def test_bad_status_rejected(over: dict | bytes, reason: str) -> None:
-    payload = over if isinstance(over, bytes) else status(**over)
+def test_bad_heartbeat_rejected(over: dict | bytes, reason: str) -> None:
+    payload = over if isinstance(over, bytes) else heartbeat(**over)
     with pytest.raises(WireError) as info:
-        decode_status(payload, "w1")
+        decode_heartbeat(payload, "w1")
     assert info.value.reason == reason
 
 
 def test_subjects() -> None:
     s = Subjects("prod.kv")
     assert s.events("w-1") == "prod.kv.events.w-1"
-    assert s.status("w_1") == "prod.kv.status.w_1"
+    assert s.heartbeat("w_1") == "prod.kv.status.w_1"
     assert s.snapshot("w") == "prod.kv.snapshot.w" and s.replay("w") == "prod.kv.replay.w"
     assert s.worker_of("prod.kv.events.w-1", "events") == "w-1"
     for bad in ("prod.kv.events.", "prod.kv.events.a.b", "prod.kv.status.w1", "other.events.w1"):
@@ -275,8 +275,8 @@ def test_subjects() -> None:
         Subjects("bad prefix")
 
 
-def test_encode_status_round_trip() -> None:
-    data = encode_status(
+def test_encode_heartbeat_round_trip() -> None:
+    data = encode_heartbeat(
         worker="w1",
         model="m",
         epoch=1,
@@ -288,5 +288,5 @@ def test_encode_status_round_trip() -> None:
         digest={"cpu": (1, 99)},
         dp_rank=2,
     )
-    s = decode_status(data, "w1")
+    s = decode_heartbeat(data, "w1")
     assert (s.dp_rank, s.seq, s.digest, s.capacity) == (2, 3, {CPU: (1, 99)}, {CPU: 10})

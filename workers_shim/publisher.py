@@ -1,5 +1,5 @@
 """Worker-side publisher: engines and bridges report stored/removed/cleared blocks per tier; this
-library numbers, batches and publishes them on NATS and sends status heartbeats (docs/wire.md).
+library numbers, batches and publishes them on NATS and sends heartbeats (docs/wire.md).
 
 It keeps the worker's block set per tier, so that it
 - publishes only real changes (engines re-announce blocks on prefix hits; offload connectors repeat),
@@ -26,7 +26,7 @@ from kvindex.config.nats import NatsSettings
 from kvindex.config.nats import connect as nats_connect
 from kvindex.lifecycle import bounded, close_nats, finish
 from kvindex.wire import reconcile
-from kvindex.wire.codec import encode_batch, encode_status
+from kvindex.wire.codec import encode_batch, encode_heartbeat
 from kvindex.wire.endpoint import check_endpoint
 from kvindex.wire.role import check_group, check_role
 from kvindex.wire.schema import TIER_NAMES
@@ -108,7 +108,7 @@ class WorkerLog:
         self._pending: list[dict[str, Any]] = []
         self._pending_keys = 0
         self._events_subject = self.subjects.events(worker)
-        self._status_subject = self.subjects.status(worker)
+        self._heartbeat_subject = self.subjects.heartbeat(worker)
         self._closed = False
 
     def _queued(self, full: bool) -> None:
@@ -238,7 +238,7 @@ class WorkerLog:
         self.history.append((self.seq, data))
         return (self._events_subject, data)
 
-    def status_payload(self) -> bytes:
+    def heartbeat_payload(self) -> bytes:
         load = dict(self.load_fn()) if self.load_fn is not None else self.load
         samples, self._prefill_samples = self._prefill_samples, []
         extra: dict[str, Any] = {"prefill": [list(s) for s in samples]} if samples else {}
@@ -250,7 +250,7 @@ class WorkerLog:
             extra["role"] = self.role
         if self.pd_group is not None:
             extra["pd_group"] = self.pd_group
-        return encode_status(
+        return encode_heartbeat(
             worker=self.worker,
             model=self.model,
             epoch=self.epoch,
@@ -293,7 +293,7 @@ class WorkerLog:
     def heartbeat_messages(self) -> list[tuple[str, bytes]]:
         """Pending batches, then a heartbeat consistent with them (one synchronous step)."""
         messages = self.seal()
-        messages.append((self._status_subject, self.status_payload()))
+        messages.append((self._heartbeat_subject, self.heartbeat_payload()))
         return messages
 
     def snapshot_messages(self) -> tuple[list[tuple[str, bytes]], list[bytes]]:
@@ -432,7 +432,7 @@ class Publisher(WorkerLog):
         await self._publish(self.seal())
 
     async def heartbeat(self) -> None:
-        """Publish pending batches and then a status heartbeat consistent with them."""
+        """Publish pending batches and then a heartbeat consistent with them."""
         await self._publish(self.heartbeat_messages())
 
     async def start(self) -> None:

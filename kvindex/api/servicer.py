@@ -109,7 +109,7 @@ def _tier_blocks(t: Sequence[int]) -> pb.TierBlocks:
 
 def _load(state: InstanceState, now: float) -> pb.Load:
     load = state.load
-    age = state.status_age(now)
+    age = state.heartbeat_age(now)
     return pb.Load(
         running=load.running,
         waiting=load.waiting,
@@ -120,7 +120,7 @@ def _load(state: InstanceState, now: float) -> pb.Load:
 
 
 def _invariant_part(state: InstanceState) -> pb.RankedInstance:
-    """The fields of a ranked instance that change only with a heartbeat (status age excluded)."""
+    """The fields of a ranked instance that change only with a heartbeat (heartbeat age excluded)."""
     load = state.load
     return pb.RankedInstance(
         instance_id=state.instance_id,
@@ -388,7 +388,7 @@ class KvIndexServicer(pb_grpc.KvIndexServicer):
                 )
             r = add()
             r.CopyFrom(cached[3])
-            age = state.status_age(now)
+            age = state.heartbeat_age(now)
             r.load.status_age_s = -1.0 if age is None else age
             r.cost = choice.cost
             r.matched_blocks = c.blocks
@@ -550,7 +550,7 @@ class KvIndexServicer(pb_grpc.KvIndexServicer):
             gaps=c.gaps,
             missing_batches=c.missing_batches,
             restarts=c.restarts,
-            status_received=c.status_received,
+            status_received=c.heartbeats_received,
             events_stored=c.events_applied[0],
             events_removed=c.events_applied[1],
             events_cleared=c.events_applied[2],

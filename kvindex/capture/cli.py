@@ -87,8 +87,8 @@ def fmt_wall(wall: float, date: bool = False) -> str:
 def add_capture(sub: Any) -> None:
     p = sub.add_parser(
         "capture",
-        help="record every events/status message under a prefix to an event log",
-        description="Record every events/status message to an append-only event log. This sees the "
+        help="record every events/heartbeat message under a prefix to an event log",
+        description="Record every events/heartbeat message to an append-only event log. This sees the "
         "wire only, not a service's replay/snapshot answers: replaying it runs the consumer without "
         "repairs (holes accepted). Use `kvindex serve --capture` for exact replays.",
     )

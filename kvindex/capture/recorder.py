@@ -33,7 +33,7 @@ from kvindex.lifecycle import close_nats
 from kvindex.lifecycle.bounded import finish
 from kvindex.scoring.pick import SOFTMAX
 from kvindex.wire.reconcile import Snapshot
-from kvindex.wire.subjects import EVENTS, STATUS
+from kvindex.wire.subjects import EVENTS, HEARTBEAT
 
 if TYPE_CHECKING:
     from kvindex.ingest.consumer import Consumer
@@ -76,8 +76,9 @@ def service_meta(
     """Header of a ``serve --capture`` log: enough to rebuild the consumer the way it was set up.
 
     Plain values, built by the service (``kvindex.service.app``): the recorder must not import the
-    service that imports it. ``repair`` holds the ``RepairConfig`` timings the replay reads
-    (stale_after, forget_after, reconcile_interval, replay_timeout, snapshot_timeout), ``router`` the
+    service that imports it. ``repair`` holds the timings the replay reads: the
+    ``LivenessConfig``'s stale_after and forget_after, the ``RepairConfig``'s reconcile_interval,
+    replay_timeout and snapshot_timeout; ``router`` the
     ``RouterConfig`` default_policy and seed, ``limits`` the ``IngestLimits`` fields.
     """
     return log_meta(
@@ -135,7 +136,7 @@ class Recorder:
         if consumer is not None and record[0] != R.FLAGS:
             # How the source lets heartbeats drive repairs (JetStream catch-up) changes between
             # records: log the change before the record it first applies to.
-            flags = (consumer.heartbeat_repairs, consumer.status_in_order)
+            flags = (consumer.heartbeats.drive_repairs, consumer.heartbeats.in_order)
             if flags != self._flags:
                 self._flags = flags
                 self._add(
@@ -161,7 +162,7 @@ class Recorder:
     # -- the source's tap -----------------------------------------------------------------------
 
     def message(self, subject: str, payload: bytes, received: float | None = None) -> None:
-        """An events/status message about to be handed to the consumer (NatsSource.tap)."""
+        """An events/heartbeat message about to be handed to the consumer (NatsSource.tap)."""
         self.messages += 1
         clock = self.clock
         mono = clock.pin() if isinstance(clock, PinnableClock) else clock()
@@ -353,7 +354,7 @@ class RecordingServicer(KvIndexServicer):
 
 
 class Capture:
-    """``kvindex capture``: record every events/status message under a prefix, with no index.
+    """``kvindex capture``: record every events/heartbeat message under a prefix, with no index.
 
     It cannot see a service's replay/snapshot answers (they go to that service's inbox), so a replay
     of its log runs the consumer without repairs: holes are counted and accepted.
@@ -382,7 +383,7 @@ class Capture:
 
     async def _on_msg(self, msg: Any) -> None:
         kind = msg.subject[len(self._head) :].partition(".")[0]
-        if kind in (EVENTS, STATUS):
+        if kind in (EVENTS, HEARTBEAT):
             self.recorder.message(msg.subject, msg.data)
 
     async def stop(self) -> None:

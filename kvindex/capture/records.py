@@ -4,7 +4,7 @@
 
 | kind | fields after (kind, mono, wall) | written when |
 |---|---|---|
-| MSG | subject, payload | an events/status message is handed to the consumer |
+| MSG | subject, payload | an events/heartbeat message is handed to the consumer |
 | REPLAY_REPLY | worker, rank, epoch, status, [batch payloads] | a replay answer is handed to the consumer |
 | REPLAY_FAILED | worker, rank, epoch, why | a replay request failed (timeout, no responders...) |
 | SNAPSHOT | worker, rank, epoch, seq, {tier: keys as u64 LE bytes} | an assembled snapshot is handed over |

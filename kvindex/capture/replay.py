@@ -3,10 +3,11 @@
 Nothing here re-implements ingestion. Records are handed to the very methods the live service
 called, in the same order, with the registry's clock set to the record's time:
 
-- ``msg`` -> ``Consumer.on_events`` / ``on_status`` (decode, sequence, apply, decide repairs);
-- ``replay_reply`` / ``replay_failed`` / ``snapshot`` -> ``on_replay`` / ``on_replay_failed`` /
-  ``on_snapshot`` (the answers the live repairer got, byte for byte);
-- ``timer`` -> ``mark_stale`` / ``forget`` / ``reconcile`` / ``give_up`` (the live timers' decisions);
+- ``msg`` -> ``Consumer.on_events`` / ``on_heartbeat`` (decode, sequence, apply, decide repairs);
+- ``replay_reply`` / ``replay_failed`` / ``snapshot`` -> the repair machine's ``on_replay`` /
+  ``on_replay_failed`` / ``on_snapshot`` (the answers the live repairer got, byte for byte);
+- ``timer`` -> ``Consumer.mark_stale`` / ``forget``, the machine's ``reconcile`` / ``give_up`` (the
+  live timers' decisions);
 - ``route`` -> ``Router.commit`` / ``release`` (the live routing state changes).
 
 The consumer's repair requests go to ``LoggedRepair``, which does nothing: the answers are further
@@ -14,7 +15,7 @@ down the log. A log from ``kvindex capture`` has no answers, so it is replayed w
 (holes counted and accepted) and liveness is simulated with the service's own sweep.
 
 Time is virtual: ``VirtualClock`` returns the current record's ``mono``, so first-seen and
-heartbeat times, status ages, repair durations and ledger ages are those of the live service.
+heartbeat times, heartbeat ages, repair durations and ledger ages are those of the live service.
 """
 
 from __future__ import annotations
@@ -32,18 +33,17 @@ from kvindex.capture import records as R
 from kvindex.capture.digest import state_digest
 from kvindex.capture.format import LogError, LogReader
 from kvindex.core import CoreConfig, build_core
-from kvindex.fleet.liveness import sweep
+from kvindex.fleet.liveness import LivenessConfig, sweep
 from kvindex.fleet.registry import instance_id
-from kvindex.ingest.consumer import SNAPSHOT
 from kvindex.ingest.limits import limits_from_meta
 from kvindex.instance import InstanceKey
-from kvindex.repair.nats_repair import RepairConfig
+from kvindex.repair.machine import SNAPSHOT
 from kvindex.scoring.base import DECODE_ROLE, RouteRequest, prompt_length
 from kvindex.scoring.router import RouterConfig
 from kvindex.v1 import kvindex_pb2 as pb
 from kvindex.wire.reconcile import Snapshot
 from kvindex.wire.schema import TIER_NAMES
-from kvindex.wire.subjects import EVENTS, STATUS, Subjects
+from kvindex.wire.subjects import EVENTS, HEARTBEAT, Subjects
 
 log = structlog.get_logger("kvindex.replay")
 
@@ -246,13 +246,13 @@ class Replayer:
         self.consumer, self.calibrator, self.router = core.consumer, core.calibrator, core.router
         self.servicer = KvIndexServicer(self.index, self.registry, self.counters, None, self.router)
         repair = meta.get("repair") or {}
-        defaults = RepairConfig()
+        defaults = LivenessConfig()  # what the service used unless the log says otherwise
         self.stale_after = float(repair.get("stale_after", defaults.stale_after))
         self.forget_after = float(repair.get("forget_after", defaults.forget_after))
         self._tick = defaults.tick
         self._next_sweep = self.start_mono
         self._events_head = f"{self.prefix}.{EVENTS}."
-        self._status_head = f"{self.prefix}.{STATUS}."
+        self._heartbeat_head = f"{self.prefix}.{HEARTBEAT}."
         self.on_moment = on_moment
         self.keep_moments = keep_moments
         self.moments: list[Moment] = []
@@ -343,8 +343,8 @@ class Replayer:
         subject, payload = record[3], record[4]
         if subject.startswith(self._events_head):
             self.consumer.on_events(subject, payload)
-        elif subject.startswith(self._status_head):
-            self.consumer.on_status(subject, payload)
+        elif subject.startswith(self._heartbeat_head):
+            self.consumer.on_heartbeat(subject, payload)
 
     def _replay_reply(self, record: list[Any]) -> None:
         worker, rank, epoch, status, payloads = record[3:8]
@@ -352,12 +352,12 @@ class Replayer:
             self.moment(f"{worker}/{rank}", "replay!", f"replay answered {status!r}", True)
         else:
             self.moment(f"{worker}/{rank}", "replay", f"replay answered with {len(payloads)} batches", False)
-        self.consumer.on_replay((worker, rank), epoch, status, payloads)
+        self.consumer.repairs.on_replay((worker, rank), epoch, status, payloads)
 
     def _replay_failed(self, record: list[Any]) -> None:
         worker, rank, epoch, why = record[3:7]
         self.moment(f"{worker}/{rank}", "replay!", f"replay request failed: {why}", True)
-        self.consumer.on_replay_failed((worker, rank), epoch, why)
+        self.consumer.repairs.on_replay_failed((worker, rank), epoch, why)
 
     def _snapshot(self, record: list[Any]) -> None:
         worker, rank, epoch, seq, tiers = record[3:8]
@@ -372,11 +372,11 @@ class Replayer:
             f"snapshot received: epoch {epoch} seq {seq}, {n} blocks ({cause or 'check'})",
             cause not in ("", "periodic"),
         )
-        self.consumer.on_snapshot(key, snap)
+        self.consumer.repairs.on_snapshot(key, snap)
 
     def _snapshot_failed(self, record: list[Any]) -> None:
         worker, rank, why = record[3:6]
-        self.consumer.snapshot_failed((worker, rank), why)  # what NatsRepairer does before retrying
+        self.consumer.repairs.snapshot_failed((worker, rank), why)  # what NatsRepairer does before retrying
         self.moment(f"{worker}/{rank}", "snapshot!", f"snapshot request failed: {why} (retried)", True)
 
     def _timer(self, record: list[Any]) -> None:
@@ -392,16 +392,16 @@ class Replayer:
         elif what == R.RECONCILE:
             if cause != "periodic":
                 self.moment(f"{worker}/{rank}", "reconcile", f"resynchronise ({cause})", True)
-            consumer.reconcile(key, cause)
+            consumer.repairs.reconcile(key, cause)
         elif what == R.GIVE_UP:
-            consumer.give_up(key)
+            consumer.repairs.give_up(key)
         else:
             self.unknown += 1
 
     def _flags(self, record: list[Any]) -> None:
         flags = record[3]
-        self.consumer.heartbeat_repairs = bool(flags.get("heartbeat_repairs", True))
-        self.consumer.status_in_order = bool(flags.get("status_in_order", True))
+        self.consumer.heartbeats.drive_repairs = bool(flags.get("heartbeat_repairs", True))
+        self.consumer.heartbeats.in_order = bool(flags.get("status_in_order", True))
 
     def _check(self, record: list[Any]) -> None:
         live = record[3]
@@ -541,7 +541,7 @@ class Replayer:
             for t in range(4):
                 totals[t] += blocks[t]
             cursor = self.consumer.sequencer.cursor(state.key)
-            age = state.status_age(now)
+            age = state.heartbeat_age(now)
             instances.append(
                 {
                     "instance": state.instance_id,
@@ -578,7 +578,7 @@ class Replayer:
                 "gaps": c.gaps,
                 "missing_batches": c.missing_batches,
                 "restarts": c.restarts,
-                "status_received": c.status_received,
+                "status_received": c.heartbeats_received,
                 "rejects": dict(c.rejects),
                 "replays_requested": c.replays_requested,
                 "replays_ok": c.replays_ok,

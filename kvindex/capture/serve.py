@@ -12,7 +12,7 @@ async def serve_replayed(
 ) -> GrpcServer:
     """Start serving ``replayer``'s index, registry and router; stop with ``await server.stop()``.
 
-    Queries see the replayed state at its virtual time (status ages as of the last record applied, or
+    Queries see the replayed state at its virtual time (heartbeat ages as of the last record applied, or
     of ``--until``); Commit and Release change the replayed router's ledger like the live one's.
     ``security``: TLS / token as ``kvindex serve`` (None: plaintext, open).
     """

@@ -1,12 +1,22 @@
 """Which instances went quiet: no heartbeat for ``stale_after`` -> stale (not ranked); for
-``forget_after`` -> forgotten (blocks dropped). Pure, so the sweep is easy to test."""
+``forget_after`` -> forgotten (blocks dropped). Pure, so the sweep is easy to test; the service runs
+it (kvindex/service/app.py), an offline replay runs it on log time (kvindex/capture/replay.py), and
+the consumer carries out what it finds (``Consumer.mark_stale`` / ``forget``)."""
 
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 from kvindex.fleet.registry import InstanceState
 from kvindex.instance import InstanceKey
+
+
+@dataclass
+class LivenessConfig:
+    stale_after: float = 5.0  # no heartbeat this long: not ranked (s)
+    forget_after: float = 120.0  # no heartbeat this long: blocks dropped (s)
+    tick: float = 0.25  # how often the service looks whether a sweep is due (s)
 
 
 def sweep(
@@ -31,7 +41,7 @@ def sweep_next(
         if state.static:
             continue  # registered by the operator, not by heartbeats: nothing to age
         # An instance never heard in a heartbeat ages from when it was first seen.
-        last = state.last_status_at if state.last_status_at is not None else state.first_seen
+        last = state.last_heartbeat_at if state.last_heartbeat_at is not None else state.first_seen
         silent = now - last
         if silent > forget_after:
             forget.append(state.key)

@@ -22,7 +22,7 @@ def instance_id(instance: InstanceKey) -> str:
 # at heartbeats instead of re-reading every instance on every request (kvindex/scoring/fleet_table.py).
 # (local_blocks_seen is not watched: the consumer sets it on every batch with local blocks, and it
 # only matters while no capacity is reported; rankers re-read it for those few instances.)
-_WATCHED = ("load", "last_status_at", "stale", "capacity")
+_WATCHED = ("load", "last_heartbeat_at", "stale", "capacity")
 
 
 def _watched(name: str) -> property:
@@ -34,7 +34,7 @@ def _watched(name: str) -> property:
         for changed in self._watchers:
             changed.add(self.key)
 
-    # Reads stay in C (attrgetter): candidates read load and last_status_at of every instance.
+    # Reads stay in C (attrgetter): candidates read load and last_heartbeat_at of every instance.
     return property(attrgetter(slot), set_)
 
 
@@ -47,8 +47,8 @@ class InstanceState:
     last_seq: int = 0
     last_event_ts: float = 0.0
     first_seen: float = 0.0
-    _last_status_at: float | None = None  # local monotonic time of the last heartbeat
-    last_status_ts: float = 0.0  # worker's own timestamp in that heartbeat
+    _last_heartbeat_at: float | None = None  # local monotonic time of the last heartbeat
+    last_heartbeat_ts: float = 0.0  # worker's own timestamp in that heartbeat
     _load: Load = field(default_factory=Load)
     _capacity: dict[int, int] = field(default_factory=dict)
     reported_digest: dict[int, tuple[int, int]] = field(default_factory=dict)
@@ -84,15 +84,15 @@ class InstanceState:
     # None until the consumer first needs it (instances registered elsewhere, e.g. static ones).
     block_limits: tuple[int, int, int, int] | None = None
     capped: int = 0
-    # The consumer's memory of the last accepted heartbeat (kvindex.ingest.consumer._StatusMemo): the
-    # next one reuses its decoded maps when their bytes are the same. Goes with the state.
-    status_memo: Any = None
+    # The memory of the last accepted heartbeat (kvindex.ingest.heartbeats._HeartbeatMemo): the next
+    # one reuses its decoded maps when their bytes are the same. Goes with the state.
+    heartbeat_memo: Any = None
     # No longer the registry's entry for its key (removed, or replaced by a new one): whoever kept
     # it (the consumer's repeated-heartbeat path) learns so without a lookup.
     removed: bool = False
     if TYPE_CHECKING:  # properties installed below the class (watched fields)
         load: Load
-        last_status_at: float | None
+        last_heartbeat_at: float | None
         capacity: dict[int, int]
         stale: bool
 
@@ -117,8 +117,8 @@ class InstanceState:
             return SHARED in capacity and not (get(GPU) or get(CPU) or get(DISK))
         return not self.local_blocks_seen and self.batches > 0
 
-    def status_age(self, now: float) -> float | None:
-        return None if self.last_status_at is None else max(0.0, now - self.last_status_at)
+    def heartbeat_age(self, now: float) -> float | None:
+        return None if self.last_heartbeat_at is None else max(0.0, now - self.last_heartbeat_at)
 
 
 # Assigning a new Load (as heartbeats do) is seen; mutating one in place is not.

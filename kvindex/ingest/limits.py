@@ -11,14 +11,14 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any, Final
 
+from kvindex.repair.machine import HELD_LIMIT, REPAIR_LIMIT
 from kvindex.wire.errors import WireError
 
-# Refusal reasons (metric labels), alongside kvindex.wire.errors.REASONS.
+# Refusal reasons (metric labels), alongside kvindex.wire.errors.REASONS; the repair machine's own
+# two (held batches, pending repairs) are defined with it.
 BLOCK_LIMIT: Final = "block_limit"  # an (instance, tier) would hold more than its limit: stores dropped
 INSTANCE_LIMIT: Final = "instance_limit"  # a new instance of a model that has the most allowed
 MODEL_LIMIT: Final = "model_limit"  # a new model beyond the most allowed
-HELD_LIMIT: Final = "held_limit"  # batches held during a repair overflowed: dropped, snapshot instead
-REPAIR_LIMIT: Final = "repair_limit"  # too many repairs pending: this one is not started now
 
 LIMIT_REASONS: Final = (BLOCK_LIMIT, INSTANCE_LIMIT, MODEL_LIMIT, HELD_LIMIT, REPAIR_LIMIT)
 

@@ -33,7 +33,7 @@ from kvindex.config.nats import connect as nats_connect
 from kvindex.ingest import direct_dispatch
 from kvindex.ingest.consumer import Consumer
 from kvindex.lifecycle import close_nats
-from kvindex.wire.subjects import EVENTS, STATUS
+from kvindex.wire.subjects import EVENTS, HEARTBEAT
 
 # Generous client-side buffer: a burst must wait in memory rather than be dropped as a slow consumer.
 _PENDING_MSGS = 1_000_000
@@ -75,7 +75,7 @@ class NatsSource:
         self.jetstream = jetstream
         self.stream = ""
         self.caught_up = jetstream is None
-        # Called with (subject, payload, receive wall time) for every events/status message, just
+        # Called with (subject, payload, receive wall time) for every events/heartbeat message, just
         # before the consumer gets it: event-log capture (kvindex/capture) records here.
         self.tap: Callable[[str, bytes, float], None] | None = None
 
@@ -141,10 +141,10 @@ class NatsSource:
         info = await self._ensure_stream(js, config)
         # Until the stream is read to its end, heartbeats are ahead of the batches being replayed.
         self.caught_up = info.state.messages == 0
-        self.consumer.heartbeat_repairs = self.caught_up
-        self.consumer.status_in_order = False
+        self.consumer.heartbeats.drive_repairs = self.caught_up
+        self.consumer.heartbeats.in_order = False
         sub = await self.nc.subscribe(
-            self._head + STATUS + ".*",
+            self._head + HEARTBEAT + ".*",
             cb=self._on_msg,
             pending_msgs_limit=_PENDING_MSGS,
             pending_bytes_limit=_PENDING_BYTES,
@@ -172,7 +172,7 @@ class NatsSource:
         self.consumer.on_events(msg.subject, msg.data)
         if not self.caught_up and msg.metadata.num_pending == 0:
             self.caught_up = True
-            self.consumer.heartbeat_repairs = True
+            self.consumer.heartbeats.drive_repairs = True
             self.log.info("jetstream_caught_up", stream=self.stream, stream_seq=msg.metadata.sequence.stream)
 
     async def _on_msg(self, msg: Msg) -> None:
@@ -182,12 +182,12 @@ class NatsSource:
 
     def _on_raw(self, subject: str, payload: bytes) -> None:
         kind = subject[self._head_len :].partition(".")[0]
-        if self.tap is not None and kind in (EVENTS, STATUS):
+        if self.tap is not None and kind in (EVENTS, HEARTBEAT):
             self.tap(subject, payload, time.time())
         if kind == EVENTS:
             self.consumer.on_events(subject, payload)
-        elif kind == STATUS:
-            self.consumer.on_status(subject, payload)
+        elif kind == HEARTBEAT:
+            self.consumer.on_heartbeat(subject, payload)
         # snapshot/replay requests between other parties are not ours to handle.
 
     async def _on_error(self, exc: Exception) -> None:

@@ -63,7 +63,7 @@ class IngestCounters:
     missing_batches: int = 0
     restarts: int = 0
     joins_mid_stream: int = 0
-    status_received: int = 0
+    heartbeats_received: int = 0
     events_applied: list[int] = field(default_factory=lambda: [0, 0, 0])
     blocks_stored: int = 0
     blocks_removed: int = 0
@@ -144,7 +144,7 @@ class _Collector(Collector):
         yield counter("gaps", "Sequence gaps detected", c.gaps)
         yield counter("gap_missing_batches", "Batches known missing across all gaps", c.missing_batches)
         yield counter("worker_restarts", "Epoch changes (worker restarts) seen", c.restarts)
-        yield counter("status_received", "Status heartbeats received", c.status_received)
+        yield counter("status_received", "Heartbeats received", c.heartbeats_received)
         events = CounterMetricFamily("kvindex_events_applied", "Events applied by type", labels=["type"])
         for op, name in enumerate(OP_NAMES):
             events.add_metric([name], c.events_applied[op])

@@ -1,10 +1,11 @@
-"""Runs the consumer's repairs over NATS: replay and snapshot requests, retries, periodic
-reconciliation, liveness, and resynchronisation after a reconnect.
+"""Runs the repair machine's requests over NATS: replay and snapshot requests, retries, periodic
+reconciliation, and resynchronisation after a reconnect.
 
-Decisions (what to repair, when a repair is done) stay in the synchronous Consumer; this module only
-does the I/O and the timing. At most one repair task runs per instance; snapshot requests share a
-global limit so that an index with many workers, or many index replicas, never floods a worker
-(workers also coalesce simultaneous snapshot requests, see workers_shim/publisher.py).
+Decisions (what to repair, when a repair is done) stay in the synchronous repair machine
+(kvindex/repair/machine.py); this module only does the I/O and the timing. At most one repair task
+runs per instance; snapshot requests share a global limit so that an index with many workers, or
+many index replicas, never floods a worker (workers also coalesce simultaneous snapshot requests,
+see workers_shim/publisher.py).
 """
 
 from __future__ import annotations
@@ -14,18 +15,19 @@ import heapq
 import random
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import structlog
 from nats.aio.client import Client
 
-from kvindex.fleet.liveness import sweep_next
-from kvindex.ingest.consumer import SNAPSHOT, Consumer
+from kvindex.fleet.registry import InstanceState
 from kvindex.instance import InstanceKey
 from kvindex.lifecycle.bounded import finish
+from kvindex.repair.machine import SNAPSHOT, RepairMachine
 from kvindex.wire import reconcile
 from kvindex.wire.reconcile import Snapshot
 from kvindex.wire.schema import TIER_BY_NAME
+from kvindex.wire.subjects import Subjects
 
 
 @dataclass
@@ -40,11 +42,18 @@ class RepairConfig:
     # digests catch drift within a heartbeat; the periodic check is the backstop for the rare drift
     # a digest cannot see, so it may come less often in a large fleet.
     reconcile_rate: float = 8.0
-    stale_after: float = 5.0
-    forget_after: float = 120.0
-    tick: float = 0.25
+    tick: float = 0.25  # how often periodic checks that are due are started (s)
     max_backoff: float = 5.0
     diff_step: int = 16384  # snapshot keys compared per event-loop turn (~1-2 ms each)
+
+
+class RepairedConsumer(Protocol):
+    """The consumer as the repairer uses it (kvindex/ingest/consumer.py)."""
+
+    subjects: Subjects
+    repairs: RepairMachine
+
+    def limits_of(self, state: InstanceState) -> tuple[int, int, int, int]: ...
 
 
 class RequestFailed(Exception):
@@ -54,12 +63,13 @@ class RequestFailed(Exception):
 class NatsRepairer:
     def __init__(
         self,
-        consumer: Consumer,
+        consumer: RepairedConsumer,
         config: RepairConfig | None = None,
         log: Any = None,
         rng: random.Random | None = None,
     ) -> None:
         self.consumer = consumer
+        self.machine = machine = consumer.repairs
         self.config = config or RepairConfig()
         self.log = log or structlog.get_logger("kvindex.repair")
         self.rng = rng or random.Random()
@@ -67,7 +77,6 @@ class NatsRepairer:
         self._tasks: dict[InstanceKey, asyncio.Task[None]] = {}
         self._snapshots = asyncio.Semaphore(self.config.max_concurrent_snapshots)
         self._next_reconcile: dict[InstanceKey, float] = {}
-        self._next_sweep = float("-inf")  # liveness: when a sweep can next find something
         # (due, instance) in due order; an entry whose due no longer matches _next_reconcile is old.
         # A tick then costs what is due, not a walk over every instance (8,192 of them 4 times a
         # second cost ~1 % of a core).
@@ -82,7 +91,7 @@ class NatsRepairer:
         # Told every answer, failure and timer decision just before the consumer is (kvindex/capture:
         # a replay of the log then repairs exactly as this process did).
         self.recorder: Any = None
-        consumer.repair = self
+        machine.scheduler = self
 
     # -- lifecycle ------------------------------------------------------------------------------
 
@@ -98,17 +107,17 @@ class NatsRepairer:
 
     def on_reconnect(self) -> None:
         """Whatever was published while we were away is lost to us: check every instance."""
-        for key in list(self.consumer.sequencer.cursors()):
+        for key in list(self.machine.sequencer.cursors()):
             if self.recorder is not None:
                 self.recorder.timer("reconcile", key, "reconnect")
-            self.consumer.reconcile(key, "reconnect")
+            self.machine.reconcile(key, "reconnect")
 
     def reconcile_now(self, instance: InstanceKey, cause: str) -> None:
         """Ask for a snapshot of ``instance`` at once (the router found it degraded), unless a
         repair is already under way."""
         if self.recorder is not None:
             self.recorder.timer("reconcile", instance, cause)
-        self.consumer.reconcile(instance, cause)
+        self.machine.reconcile(instance, cause)
 
     # -- RepairScheduler ------------------------------------------------------------------------
 
@@ -142,13 +151,13 @@ class NatsRepairer:
         except RequestFailed as exc:
             if self.recorder is not None:
                 self.recorder.replay_failed(instance, epoch, str(exc))
-            self.consumer.on_replay_failed(instance, epoch, str(exc))
+            self.machine.on_replay_failed(instance, epoch, str(exc))
             return
         status = replies[-1].status
         payloads = [data for reply in replies for data in reply.batches]
         if self.recorder is not None:
             self.recorder.replay_reply(instance, epoch, status, payloads)
-        self.consumer.on_replay(instance, epoch, status, payloads)
+        self.machine.on_replay(instance, epoch, status, payloads)
 
     # -- snapshot -------------------------------------------------------------------------------
 
@@ -157,7 +166,7 @@ class NatsRepairer:
         subject = self.consumer.subjects.snapshot(worker)
         backoff = 0.25
         while self._wants_snapshot(instance):
-            state = self.consumer.registry.get(instance)
+            state = self.machine.registry.get(instance)
             trim = _Trim(None if state is None else self.consumer.limits_of(state))
             try:
                 async with self._snapshots:
@@ -170,7 +179,7 @@ class NatsRepairer:
             except RequestFailed as exc:
                 if self.recorder is not None:
                     self.recorder.snapshot_failed(instance, str(exc))
-                self.consumer.snapshot_failed(instance, str(exc))
+                self.machine.snapshot_failed(instance, str(exc))
                 self.log.info(
                     "snapshot_failed", worker=worker, dp_rank=rank, error=str(exc), retry_in=backoff
                 )
@@ -184,7 +193,7 @@ class NatsRepairer:
                 return  # given up or forgotten meanwhile
             if self.recorder is not None:
                 self.recorder.snapshot(instance, snapshot)
-            if self.consumer.on_snapshot(instance, snapshot, diffs):
+            if self.machine.on_snapshot(instance, snapshot, diffs):
                 return
 
     async def _diff(
@@ -195,8 +204,8 @@ class NatsRepairer:
         The instance's batches are held while its snapshot repair is pending, so its blocks cannot
         change under the comparison. None when the snapshot is of another epoch (nothing to diff).
         """
-        cursor = self.consumer.sequencer.cursor(instance)
-        index = self.consumer.index
+        cursor = self.machine.sequencer.cursor(instance)
+        index = self.machine.index
         if cursor is None or cursor.epoch != snapshot.epoch or not index.has_instance(instance):
             return None
         diffs = {}
@@ -210,7 +219,7 @@ class NatsRepairer:
         return diffs
 
     def _wants_snapshot(self, instance: InstanceKey) -> bool:
-        cursor = self.consumer.sequencer.cursor(instance)
+        cursor = self.machine.sequencer.cursor(instance)
         return cursor is not None and cursor.repairing == SNAPSHOT
 
     # -- request/reply with multi-part answers --------------------------------------------------
@@ -279,44 +288,32 @@ class NatsRepairer:
 
     async def _maintain(self) -> None:
         cfg = self.config
-        consumer = self.consumer
         while True:
             await asyncio.sleep(cfg.tick)
+            if cfg.reconcile_interval <= 0:
+                continue
             try:
-                now = consumer.registry.clock()
-                if now >= self._next_sweep:
-                    stale, forget, self._next_sweep = sweep_next(
-                        consumer.registry.all(), now, cfg.stale_after, cfg.forget_after
-                    )
-                else:
-                    stale, forget = [], []
-                rec = self.recorder
-                for state in stale:
-                    if rec is not None:
-                        rec.timer("mark_stale", state.key)
-                    consumer.mark_stale(state)
-                for key in forget:
-                    if rec is not None:
-                        rec.timer("forget", key)
-                    consumer.forget(key)
-                    self._next_reconcile.pop(key, None)
-                if cfg.reconcile_interval > 0:
-                    self._periodic(now)
-            except Exception as exc:  # keep maintaining whatever one sweep ran into
+                self._periodic(self.machine.registry.clock())
+            except Exception as exc:  # keep maintaining whatever one round ran into
                 self.log.error("maintenance_failed", error=str(exc), error_type=type(exc).__name__)
+
+    def forget(self, instance: InstanceKey) -> None:
+        """The instance was forgotten (the service's liveness sweep): no periodic check is due for it,
+        and if it comes back it is scheduled anew."""
+        self._next_reconcile.pop(instance, None)
 
     def reconcile_every(self) -> float:
         """Seconds between an instance's periodic checks: the interval, longer in a fleet too large
         to check each that often within ``reconcile_rate``."""
         cfg = self.config
-        n = len(self.consumer.sequencer.cursors())
+        n = len(self.machine.sequencer.cursors())
         return max(cfg.reconcile_interval, n / cfg.reconcile_rate if cfg.reconcile_rate > 0 else 0.0)
 
     def _periodic(self, now: float) -> None:
         interval = self.reconcile_every()
-        cursors = self.consumer.sequencer.cursors()
+        cursors = self.machine.sequencer.cursors()
         nxt, due_heap, rng = self._next_reconcile, self._due, self.rng
-        for key in self.consumer.sequencer.take_opened():
+        for key in self.machine.sequencer.take_opened():
             if key not in nxt and key in cursors:
                 # Spread first checks over a whole interval so that instances do not align.
                 nxt[key] = due = now + interval * rng.random()
@@ -331,11 +328,11 @@ class NatsRepairer:
                 continue
             nxt[key] = later = now + interval * (0.8 + 0.4 * rng.random())
             heapq.heappush(due_heap, (later, key))
-            state = self.consumer.registry.get(key)
+            state = self.machine.registry.get(key)
             if cursor.repairing is None and state is not None and not state.stale:
                 if self.recorder is not None:
                     self.recorder.timer("reconcile", key, "periodic")
-                self.consumer.reconcile(key, "periodic")
+                self.machine.reconcile(key, "periodic")
         if len(due_heap) > 2 * len(nxt) + 64:  # old entries pile up only with churn: rebuild
             self._due = [(d, k) for k, d in nxt.items()]
             heapq.heapify(self._due)

@@ -1,7 +1,7 @@
 """Predicted caches for instances that publish no KV events (the approximate mode of Dynamo and llm-d).
 
 Some engines cannot emit KV events (older vLLM, other servers). Such an instance joins with heartbeats
-only (``events: false`` in its status, e.g. ``kvshim heartbeat``) or is listed statically
+only (``events: false`` in its heartbeat, e.g. ``kvshim heartbeat``) or is listed statically
 (``kvindex serve --instance NAME=HOST:PORT``). The index then predicts its prefix cache from its own
 routing decisions: when a request is committed to it, the prompt's blocks are assumed cached there —
 stored in the index's GPU tier like reported blocks, so matching and the TTFT model need no special

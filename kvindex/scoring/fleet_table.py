@@ -422,7 +422,7 @@ def row_values(state: InstanceState, ledger: Ledger) -> tuple:
     """An instance's row, in column order (_FLOAT_COLS, then _BOOL_COLS). (FleetTables.refresh
     builds its rows with the same _row; tests/test_consumer_status.py checks the tables against this.)"""
     load = state.load
-    at = state.last_status_at
+    at = state.last_heartbeat_at
     if state.key in ledger.busy:
         n_new, tokens_new, inflight = ledger.pending(state.key, at)
     else:
@@ -541,7 +541,7 @@ class FleetTables:
             if moved:
                 i = table.row[key]
             # row_values' reads, inline: they serve the test below too.
-            load, at, capacity, stale = state.load, state.last_status_at, state.capacity, state.stale
+            load, at, capacity, stale = state.load, state.last_heartbeat_at, state.capacity, state.stale
             if key in busy:
                 n_new, tokens_new, inflight = ledger.pending(key, at)
                 steady = False

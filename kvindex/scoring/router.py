@@ -232,14 +232,14 @@ class Router:
             miss = prompt - hit
             load = state.load
             if key in busy:
-                n_new, tokens_new, inflight = pending(key, state.last_status_at)
+                n_new, tokens_new, inflight = pending(key, state.last_heartbeat_at)
             else:  # nothing routed there in flight (the common case: skip the ledger walk)
                 n_new = tokens_new = inflight = 0
             # costs.queued_now, inline: the reported queue has been draining since the heartbeat,
             # at the engine's rate.
             queued = load.waiting_prefill_tokens
-            if queued and rate and state.last_status_at is not None:
-                queued = max(0.0, queued - (now - state.last_status_at) * rate)
+            if queued and rate and state.last_heartbeat_at is not None:
+                queued = max(0.0, queued - (now - state.last_heartbeat_at) * rate)
             queued += tokens_new
             running = load.running + n_new
             wait = queue_ms(model, shape, queued, running) if queued > 0 else 0.0

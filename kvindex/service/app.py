@@ -23,6 +23,7 @@ from kvindex.capture.recorder import (
 )
 from kvindex.config.nats import NatsSettings
 from kvindex.core import CoreConfig, build_core
+from kvindex.fleet.liveness import LivenessConfig, sweep_next
 from kvindex.ingest.limits import IngestLimits
 from kvindex.ingest.nats_source import JetStreamConfig, NatsSource
 from kvindex.instance import InstanceKey
@@ -62,6 +63,7 @@ class ServiceConfig:
     metrics_port: int | None = None  # None: no HTTP metrics endpoint; 0: any free port
     metrics_host: str = "0.0.0.0"
     repair: RepairConfig = field(default_factory=RepairConfig)
+    liveness: LivenessConfig = field(default_factory=LivenessConfig)  # stale / forgotten instances
     jetstream: JetStreamConfig | None = None  # None: core NATS (default)
     router: RouterConfig = field(default_factory=RouterConfig)
     capture: CaptureConfig | None = None  # tee what the consumer sees into an event log
@@ -95,13 +97,13 @@ CLEANUP_BUDGET = 4.0
 
 def _capture_meta(config: ServiceConfig) -> dict[str, Any]:
     """The settings a ``serve --capture`` log records, as plain values for the recorder."""
-    r = config.repair
+    r, live = config.repair, config.liveness
     return service_meta(
         config.subject_prefix,
         jetstream=config.jetstream is not None,
-        repair={
-            "stale_after": r.stale_after,
-            "forget_after": r.forget_after,
+        repair={  # (the liveness timings too: logs have always kept them here)
+            "stale_after": live.stale_after,
+            "forget_after": live.forget_after,
             "reconcile_interval": r.reconcile_interval,
             "reconcile_rate": r.reconcile_rate,
             "replay_timeout": r.replay_timeout,
@@ -178,6 +180,7 @@ class IndexService:
             )
         self.readiness = Readiness(self.registry, self.consumer.sequencer, config.readiness)
         self._readiness_task: asyncio.Task[None] | None = None
+        self._liveness_task: asyncio.Task[None] | None = None
         # Replicas share their routing decisions (docs/deploy.md#replicas); by default only with an
         # external NATS: nothing else can reach an embedded server's replica.
         sync = config.routing_sync
@@ -272,6 +275,7 @@ class IndexService:
         await self.source.start()
         assert self.source.nc is not None
         self.repairer.start(self.source.nc)
+        self._liveness_task = asyncio.create_task(self._sweep_liveness(), name="kvindex-liveness")
         await self.calibration.start(self.source.nc)
         if self.routing_link is not None:
             await self.routing_link.start(self.source.nc)
@@ -348,6 +352,33 @@ class IndexService:
                 self.log.info("readiness_changed", ready=ready, reason=reason)
             await asyncio.sleep(self.readiness.config.tick)
 
+    async def _sweep_liveness(self) -> None:
+        """Stale instances stop being ranked, long-silent ones are forgotten (kvindex/fleet/liveness.py).
+        A sweep runs only when one can find something (``sweep_next``'s deadline), so a healthy
+        8,192-instance fleet is swept every few seconds, not at every tick."""
+        cfg = self.config.liveness
+        consumer, registry = self.consumer, self.registry
+        next_sweep = float("-inf")
+        while True:
+            await asyncio.sleep(cfg.tick)
+            try:
+                now = registry.clock()
+                if now < next_sweep:
+                    continue
+                stale, forget, next_sweep = sweep_next(registry.all(), now, cfg.stale_after, cfg.forget_after)
+                rec = self.recorder  # each decision recorded just before it is carried out (kvindex/capture)
+                for state in stale:
+                    if rec is not None:
+                        rec.timer("mark_stale", state.key)
+                    consumer.mark_stale(state)
+                for key in forget:
+                    if rec is not None:
+                        rec.timer("forget", key)
+                    consumer.forget(key)
+                    self.repairer.forget(key)
+            except Exception as exc:  # keep sweeping whatever one sweep ran into
+                self.log.error("liveness_failed", error=str(exc), error_type=type(exc).__name__)
+
     async def stop(self, grace: float | None = None) -> None:
         """Not ready at once; in-flight RPCs get ``grace`` (default: the configured shutdown grace);
         then NATS, the capture file and the embedded nats-server are closed, each step bounded, so
@@ -362,6 +393,9 @@ class IndexService:
         if self.ext_proc is not None:
             servers.append(self.ext_proc.stop(grace))
         await asyncio.gather(*servers)
+        if self._liveness_task is not None:
+            self._liveness_task.cancel()
+            self._liveness_task = None
         await bounded(self.repairer.stop(), 0.5, "repair_stop", self.log)
         await bounded(self.calibration.stop(), 1.0, "calibration_save", self.log)
         if self.routing_link is not None:

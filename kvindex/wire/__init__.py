@@ -4,9 +4,9 @@ from kvindex.wire.codec import (
     DEFAULT_LIMITS,
     Limits,
     decode_batch,
-    decode_status,
+    decode_heartbeat,
     encode_batch,
-    encode_status,
+    encode_heartbeat,
     event_to_wire,
 )
 from kvindex.wire.errors import WireError
@@ -24,9 +24,9 @@ from kvindex.wire.schema import (
     Cleared,
     Event,
     EventBatch,
+    HeartbeatReport,
     Load,
     Removed,
-    StatusReport,
     Stored,
 )
 from kvindex.wire.subjects import Subjects, valid_worker_id
@@ -46,17 +46,17 @@ __all__ = [
     "Cleared",
     "Event",
     "EventBatch",
+    "HeartbeatReport",
     "Limits",
     "Load",
     "Removed",
-    "StatusReport",
     "Stored",
     "Subjects",
     "WireError",
     "decode_batch",
-    "decode_status",
+    "decode_heartbeat",
     "encode_batch",
-    "encode_status",
+    "encode_heartbeat",
     "event_to_wire",
     "valid_worker_id",
 ]

@@ -1,4 +1,4 @@
-"""msgpack encoding and strict decoding of event batches and status heartbeats.
+"""msgpack encoding and strict decoding of event batches and heartbeats.
 
 Decoding validates everything the index relies on and raises WireError (with a reason used as a
 metric label) instead of letting a bad message reach the index: a message is accepted whole or not
@@ -41,9 +41,9 @@ from kvindex.wire.schema import (
     BlockSize,
     DpRank,
     EventBatch,
+    HeartbeatReport,
     Load,
     ModelName,
-    StatusReport,
     TierName,
     WorkerId,
 )
@@ -61,7 +61,7 @@ DEFAULT_LIMITS = Limits()
 MAX_PREFILL_SAMPLES = 1024
 
 
-class _StatusMsg(Struct, gc=False):
+class _HeartbeatMsg(Struct, gc=False):
     v: int
     worker: WorkerId
     model: ModelName
@@ -89,14 +89,14 @@ class _StatusMsg(Struct, gc=False):
 _NOT_SENT = Raw(b"")
 
 
-class StatusPeek(Struct, gc=False):
+class HeartbeatPeek(Struct, gc=False):
     """A heartbeat with its maps left undecoded (``Raw``: their bytes, absent -> ``_NOT_SENT``).
 
     A worker's heartbeats mostly repeat the previous one's capacity, digest and endpoint; comparing
-    those as bytes (``decode_status_into``) spares building them again at every heartbeat. Only for
+    those as bytes (``decode_heartbeat_into``) spares building them again at every heartbeat. Only for
     that comparison: worker, model, block size and rank are not validated here (the worker's
     pattern alone costs more than the rest of the decoding), so a peek may be used only where they
-    equal those of a heartbeat decode_status accepted; the other fields are typed as in _StatusMsg.
+    equal those of a heartbeat decode_heartbeat accepted; the other fields are typed as in _HeartbeatMsg.
     """
 
     v: int
@@ -118,8 +118,8 @@ class StatusPeek(Struct, gc=False):
 
 
 _batch_decoder = msgspec.msgpack.Decoder(EventBatch)
-_status_decoder = msgspec.msgpack.Decoder(_StatusMsg)
-peek_decoder = msgspec.msgpack.Decoder(StatusPeek)  # (peek_status without the checks; the consumer's)
+_heartbeat_decoder = msgspec.msgpack.Decoder(_HeartbeatMsg)
+peek_decoder = msgspec.msgpack.Decoder(HeartbeatPeek)  # (peek_heartbeat without the checks; the consumer's)
 _load_decoder = msgspec.msgpack.Decoder(dict[str, int | float])
 
 
@@ -211,17 +211,17 @@ def _load(raw: dict[str, int | float]) -> Load:
     return load
 
 
-def decode_status(payload: bytes, subject_worker: str | None = None) -> StatusReport:
-    """Decode and validate one status heartbeat. Raises WireError."""
+def decode_heartbeat(payload: bytes, subject_worker: str | None = None) -> HeartbeatReport:
+    """Decode and validate one heartbeat. Raises WireError."""
     try:
-        msg = _status_decoder.decode(payload)
+        msg = _heartbeat_decoder.decode(payload)
     except msgspec.MsgspecError as exc:
         raise _decode_error(exc, payload) from None
     if msg.v != WIRE_VERSION:
         raise _unsupported(msg.v)
     if subject_worker is not None and msg.worker != subject_worker:
         raise _subject_mismatch(msg.worker, subject_worker)
-    return StatusReport(
+    return HeartbeatReport(
         msg.worker,
         msg.model,
         msg.epoch,
@@ -239,8 +239,8 @@ def decode_status(payload: bytes, subject_worker: str | None = None) -> StatusRe
     )
 
 
-def peek_status(payload: bytes) -> StatusPeek | None:
-    """The heartbeat with its maps undecoded; None when it does not decode so (decode_status then
+def peek_heartbeat(payload: bytes) -> HeartbeatPeek | None:
+    """The heartbeat with its maps undecoded; None when it does not decode so (decode_heartbeat then
     says why) or when ``payload`` is not ``bytes`` (a ``Raw`` would point into a buffer its owner
     may reuse, and then compare equal to its own next message)."""
     if type(payload) is not bytes:
@@ -251,28 +251,28 @@ def peek_status(payload: bytes) -> StatusPeek | None:
         return None
 
 
-# Never the first byte of a msgpack value: marks an absent map in StatusMemory.maps, so that no
+# Never the first byte of a msgpack value: marks an absent map in HeartbeatMemory.maps, so that no
 # concatenation of present ones can equal it (msgpack values delimit themselves).
 _ABSENT = b"\xc1"
 
 
-def _maps_of(peek: StatusPeek) -> bytes:
+def _maps_of(peek: HeartbeatPeek) -> bytes:
     """The load, capacity and digest maps' bytes, one after the other (absent: _ABSENT)."""
     return b"".join((peek.load or _ABSENT, peek.capacity or _ABSENT, peek.digest or _ABSENT))
 
 
-class StatusMemory:
-    """What a heartbeat decode_status accepted leaves for the next one of its instance: the bytes of
+class HeartbeatMemory:
+    """What a heartbeat decode_heartbeat accepted leaves for the next one of its instance: the bytes of
     its maps (a copy: a peek's would hold its whole payload), where the load's bytes end in them,
-    and its report, which ``decode_status_into`` updates in place."""
+    and its report, which ``decode_heartbeat_into`` updates in place."""
 
     __slots__ = ("endpoint", "maps", "report", "role", "split")
 
-    def __init__(self, peek: StatusPeek, report: StatusReport) -> None:
+    def __init__(self, peek: HeartbeatPeek, report: HeartbeatReport) -> None:
         self.renew(peek, report)
 
-    def renew(self, peek: StatusPeek, report: StatusReport) -> None:
-        """``report`` is decode_status's result for the heartbeat ``peek`` was taken from."""
+    def renew(self, peek: HeartbeatPeek, report: HeartbeatReport) -> None:
+        """``report`` is decode_heartbeat's result for the heartbeat ``peek`` was taken from."""
         self.report = report
         self.maps = _maps_of(peek)
         self.split = len(peek.load) or 1
@@ -293,7 +293,7 @@ _known_load_decoder = msgspec.msgpack.Decoder(_KnownLoad)
 
 
 def load_of(raw: bytes) -> Load | None:
-    """The Load of a heartbeat's load map, as decode_status makes it; None if it rejects it."""
+    """The Load of a heartbeat's load map, as decode_heartbeat makes it; None if it rejects it."""
     try:
         k = _known_load_decoder.decode(raw)  # typed in C: a third of _load's cost
     except msgspec.MsgspecError:
@@ -304,14 +304,14 @@ def load_of(raw: bytes) -> Load | None:
     return Load(k.running, k.waiting, k.waiting_prefill_tokens, k.kv_usage)
 
 
-def decode_status_into(peek: StatusPeek, memory: StatusMemory) -> bool:
-    """Make ``memory.report`` what decode_status returns for the heartbeat ``peek`` was taken from:
+def decode_heartbeat_into(peek: HeartbeatPeek, memory: HeartbeatMemory) -> bool:
+    """Make ``memory.report`` what decode_heartbeat returns for the heartbeat ``peek`` was taken from:
     True then; False, and the memory untouched, when that needs the full decoder (capacity or
-    digest changed: rare; or a load that does not decode, which decode_status then names).
+    digest changed: rare; or a load that does not decode, which decode_heartbeat then names).
     Capacity and digest stay the same objects, and the load too when its bytes are the same: a
     steady heartbeat builds nothing that outlives it.
 
-    The caller checks that ``peek`` has decode_status's ``v``, worker (the subject's), model, block
+    The caller checks that ``peek`` has decode_heartbeat's ``v``, worker (the subject's), model, block
     size and rank: those of the report's heartbeat.
     """
     maps = _maps_of(peek)
@@ -408,7 +408,7 @@ def encode_batch(
     )
 
 
-def encode_status(
+def encode_heartbeat(
     *,
     worker: str,
     model: str,

@@ -97,7 +97,7 @@ class Load:
 
 
 @dataclass(slots=True)
-class StatusReport:
+class HeartbeatReport:
     worker: str
     model: str
     epoch: int

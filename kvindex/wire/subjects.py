@@ -11,10 +11,10 @@ WORKER_ID_RE = re.compile(r"[A-Za-z0-9_-]{1,128}")
 _PREFIX_RE = re.compile(r"[A-Za-z0-9_-]+(\.[A-Za-z0-9_-]+)*")
 
 EVENTS = "events"
-STATUS = "status"
+HEARTBEAT = "status"  # the subject token heartbeats travel under (named so on the wire since v1)
 SNAPSHOT = "snapshot"
 REPLAY = "replay"
-KINDS = (EVENTS, STATUS, SNAPSHOT, REPLAY)
+KINDS = (EVENTS, HEARTBEAT, SNAPSHOT, REPLAY)
 # Index replica -> index replicas: routing state (kvindex/routing_sync); the last token is a replica id.
 ROUTING = "routing"
 
@@ -41,8 +41,8 @@ class Subjects:
     def events(self, worker: str) -> str:
         return self.for_worker(EVENTS, worker)
 
-    def status(self, worker: str) -> str:
-        return self.for_worker(STATUS, worker)
+    def heartbeat(self, worker: str) -> str:
+        return self.for_worker(HEARTBEAT, worker)
 
     def snapshot(self, worker: str) -> str:
         return self.for_worker(SNAPSHOT, worker)

@@ -20,6 +20,7 @@ from typing import Any
 
 import nats
 
+from kvindex.fleet.liveness import LivenessConfig
 from kvindex.lifecycle import close_nats
 from kvindex.repair.nats_repair import RepairConfig
 from kvindex.service.app import IndexService, ServiceConfig
@@ -175,14 +176,15 @@ async def run_schedule(seed: int, cfg: ChaosConfig | None = None) -> ScheduleRes
         replay_timeout=0.3,
         snapshot_timeout=0.5,
         reconcile_interval=cfg.reconcile_interval,
-        stale_after=2.0,
-        forget_after=60.0,
         tick=0.05,
         max_backoff=0.3,
     )
     natsd = EmbeddedNats()
     await natsd.start()
-    svc_config = ServiceConfig(nats_url=natsd.url, grpc_host="127.0.0.1", grpc_port=0, repair=repair)
+    liveness = LivenessConfig(stale_after=2.0, forget_after=60.0, tick=0.05)
+    svc_config = ServiceConfig(
+        nats_url=natsd.url, grpc_host="127.0.0.1", grpc_port=0, repair=repair, liveness=liveness
+    )
     svc = IndexService(svc_config)
     await svc.start()
     workers = [

@@ -27,7 +27,7 @@ class Faults:
     dup: float = 0.0  # ... sent twice
     delay: float = 0.0  # ... held back (and so reordered after later ones)
     max_delay: float = 0.05
-    status_too: bool = True  # apply to heartbeats as well as event batches
+    heartbeats_too: bool = True  # apply to heartbeats as well as event batches
     partitioned: bool = False  # nothing goes out, requests are not answered
     only_seqs: set[int] = field(default_factory=set)  # drop exactly these batch seqs
     rng: random.Random = field(default_factory=lambda: random.Random(0))
@@ -48,14 +48,14 @@ class FaultyPublisher(Publisher):
     async def _publish(self, messages: list[tuple[str, bytes]]) -> None:
         f = self.faults
         for subject, data in messages:
-            is_status = ".status." in subject
+            is_heartbeat = ".status." in subject
             if f.partitioned:
                 f.injected["partition_drop"] += 1
                 continue
-            if not is_status and f.only_seqs and self._seq_of(data) in f.only_seqs:
+            if not is_heartbeat and f.only_seqs and self._seq_of(data) in f.only_seqs:
                 f.injected["drop"] += 1
                 continue
-            if is_status and not f.status_too:
+            if is_heartbeat and not f.heartbeats_too:
                 await self.nc.publish(subject, data)
                 continue
             r = f.rng.random()

@@ -3,7 +3,7 @@
 Each target is ``one_input(data: bytes) -> None``: it raises only on a real failure (a crash, an
 exception other than the documented rejection, or a broken invariant). The documented rejections:
 
-- ``batch`` / ``heartbeat``: ``Consumer.on_events`` / ``on_status`` never raise; a message rejected
+- ``batch`` / ``heartbeat``: ``Consumer.on_events`` / ``on_heartbeat`` never raise; a message rejected
   whole (a wire reason, or a new instance or model beyond its limit) leaves the index, the registry
   and the cursors exactly as they were.
 - ``replay`` / ``snapshot``: the answer decoders raise ``msgspec.MsgspecError``; a decoded answer
@@ -48,7 +48,7 @@ from kvindex.repair.nats_repair import _assemble, _Parts, _Trim
 from kvindex.scoring.router import Router
 from kvindex.tokenize import Tokenizers
 from kvindex.v1 import kvindex_pb2 as pb
-from kvindex.wire import encode_batch, encode_status
+from kvindex.wire import encode_batch, encode_heartbeat
 from kvindex.wire import errors as wire_errors
 from kvindex.wire.reconcile import decode_replay_reply, replay_replies, snapshot_parts
 from kvtools.testing.tokenizer_fixtures import make_tokenizer_dir
@@ -123,8 +123,8 @@ def _stored(keys: list[int] | range, tier: str = "gpu") -> dict:
     return {"type": "stored", "tier": tier, "keys": list(keys), "parent": None}
 
 
-def _status(worker: str, seq: int, capacity: dict, digest: dict | None = None, epoch: int = 1) -> bytes:
-    return encode_status(
+def _heartbeat(worker: str, seq: int, capacity: dict, digest: dict | None = None, epoch: int = 1) -> bytes:
+    return encode_heartbeat(
         worker=worker,
         model=MODEL,
         epoch=epoch,
@@ -143,14 +143,14 @@ def world() -> Consumer:
     c = Consumer(
         InvertedIndex(), Registry(clock=_Clock()), repair=_Pending(), ingest_limits=LIMITS, log=_Quiet()
     )
-    c.on_status("kvindex.status.w1", _status("w1", 0, {"gpu": 32}))
+    c.on_heartbeat("kvindex.status.w1", _heartbeat("w1", 0, {"gpu": 32}))
     c.on_events(
         "kvindex.events.w1", _batch("w1", 1, [_stored(range(1, 31)), _stored(range(500, 505), "cpu")])
     )
     c.on_events("kvindex.events.w1", _batch("w1", 2, [{"type": "removed", "tier": "gpu", "keys": [1, 2, 3]}]))
     c.on_events("kvindex.events.w2", _batch("w2", 1, [_stored(range(100, 110))]))
     c.on_events("kvindex.events.w2", _batch("w2", 3, [_stored(range(110, 112))]))
-    c.on_status("kvindex.status.w3", _status("w3", 5, {"gpu": 16, "shared": 8}))
+    c.on_heartbeat("kvindex.status.w3", _heartbeat("w3", 5, {"gpu": 16, "shared": 8}))
     return c
 
 
@@ -214,7 +214,7 @@ def _messages(c: Consumer, data: bytes, kind: str) -> None:
         subject = f"kvindex.{kind}.{worker}"
         before = fingerprint(c)
         rejects = c.counters.rejects.copy()
-        handle = c.on_events if kind == "events" else c.on_status
+        handle = c.on_events if kind == "events" else c.on_heartbeat
         ok = handle(subject, payload)
         new = set((c.counters.rejects - rejects).keys())
         if new & WHOLE_REJECTIONS:
@@ -239,7 +239,7 @@ def replay_target(data: bytes) -> None:
         except msgspec.MsgspecError:
             continue  # documented rejection: the repairer counts a malformed answer as a failure
         cursor = c.sequencer.cursor(w2)
-        c.on_replay(w2, cursor.epoch if cursor else 1, reply.status, list(reply.batches))
+        c.repairs.on_replay(w2, cursor.epoch if cursor else 1, reply.status, list(reply.batches))
         invariants(c)
 
 
@@ -260,7 +260,7 @@ def snapshot_target(data: bytes) -> None:
         return  # never finished: a timeout in the repairer
     snapshot = _assemble(parts.ordered())
     snapshot.trimmed = trim.trimmed
-    c.on_snapshot(w3, snapshot)
+    c.repairs.on_snapshot(w3, snapshot)
     invariants(c)
 
 
@@ -481,8 +481,8 @@ def seeds(target: str) -> list[bytes]:
         ]
     if target == "heartbeat":
         return [
-            frame(0, _status("w1", 2, {"gpu": 8}, {"gpu": (27, 0)})),
-            frame(1, _status("w2", 4, {"gpu": 8, "cpu": 4})) + frame(3, _status("w4", 0, {})),
+            frame(0, _heartbeat("w1", 2, {"gpu": 8}, {"gpu": (27, 0)})),
+            frame(1, _heartbeat("w2", 4, {"gpu": 8, "cpu": 4})) + frame(3, _heartbeat("w4", 0, {})),
             frame(0, vec["status"]),
         ]
     if target == "replay":

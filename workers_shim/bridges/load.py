@@ -1,4 +1,4 @@
-"""Engine load from its Prometheus ``/metrics`` page, for the status heartbeat's ``load``, and prefill
+"""Engine load from its Prometheus ``/metrics`` page, for the heartbeat's ``load``, and prefill
 samples for the index's calibration (``PrefillSampler``).
 
 Per data-parallel rank: running and waiting requests, KV-cache usage (0..1), and queued prompt tokens

@@ -1,0 +1,394 @@
+"""The repair state machine: what to do about a hole, a restart or a drift, and when an instance is
+back in sync.
+
+Synchronous and transport-free, like the consumer it serves (kvindex/ingest/consumer.py): the consumer
+hands it the batches it cannot apply in order (``hold``, ``gap``, ``begin``, ``restart``), the
+heartbeats hand it lost tails and drift, and a ``RepairScheduler`` (``NatsRepairer`` over NATS,
+``NoRepair`` offline, the simulation's own) runs the replays and snapshots it asks for and hands
+the answers back (``on_replay``, ``on_replay_failed``, ``on_snapshot``, ``snapshot_failed``).
+Applying batches and snapshots to the index stays the consumer's (``RepairHost``): the machine
+decides, the consumer applies, so limits and counters are kept in one place.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Final, Protocol
+
+from kvindex.fleet.registry import InstanceState, Registry
+from kvindex.index.base import KvBlockIndex
+from kvindex.instance import InstanceKey
+from kvindex.observability.counters import IngestCounters
+from kvindex.sequencer.cursor import Cursor, Sequencer
+from kvindex.wire.codec import Limits, decode_batch
+from kvindex.wire.errors import WireError
+from kvindex.wire.reconcile import REPLAY_OK, Snapshot
+from kvindex.wire.schema import EventBatch
+
+REPLAY: Final = "replay"
+SNAPSHOT: Final = "snapshot"
+# A hole that survives this many repair rounds in a row is left to the periodic reconciliation:
+# re-asking at once is how recovery loops start.
+MAX_REPAIR_ROUNDS: Final = 4
+
+# The machine's refusals (metric labels, with the other limits in kvindex/ingest/limits.py).
+HELD_LIMIT: Final = "held_limit"  # batches held during a repair overflowed: dropped, snapshot instead
+REPAIR_LIMIT: Final = "repair_limit"  # too many repairs pending: this one is not started now
+
+
+class RepairScheduler(Protocol):
+    """Runs replays and snapshots for the machine; answers come back through RepairMachine.on_replay
+    / on_snapshot / on_replay_failed. Requests for an instance with one already in flight are merged."""
+
+    def request_replay(self, instance: InstanceKey, epoch: int, first: int, last: int) -> None: ...
+
+    def request_snapshot(self, instance: InstanceKey, cause: str) -> None: ...
+
+
+class HeldLimits(Protocol):
+    """The bounds the machine keeps (kvindex/ingest/limits.py IngestLimits has them)."""
+
+    @property
+    def max_held_batches(self) -> int: ...
+
+    @property
+    def max_held_keys(self) -> int: ...
+
+    @property
+    def max_pending_repairs(self) -> int: ...
+
+
+class RepairHost(Protocol):
+    """The consumer as the machine uses it (kvindex/ingest/consumer.py): its state, and applying
+    batches and snapshots to the index within its limits."""
+
+    index: KvBlockIndex
+    registry: Registry
+    sequencer: Sequencer
+    counters: IngestCounters
+    limits: Limits
+    log: Any
+    on_sync_change: Callable[[InstanceState, bool], Any] | None
+
+    @property
+    def ingest_limits(self) -> HeldLimits: ...
+
+    def apply(self, state: InstanceState, batch: EventBatch, bound: int = -1) -> None: ...
+
+    def apply_snapshot(
+        self,
+        state: InstanceState,
+        snapshot: Snapshot,
+        diffs: dict[int, tuple[list[int], list[int]]] | None,
+    ) -> None: ...
+
+    def refuse(self, instance: InstanceKey, reason: str, message: str, **kw: Any) -> None: ...
+
+    def reject(self, worker: str | None, subject: str, exc: WireError) -> None: ...
+
+
+class NoRepair:
+    """For consumers with no transport to repair over (offline tools, benchmarks): a hole is counted
+    and logged, and the batches after it are applied in order as if it had not been there."""
+
+    def __init__(self) -> None:
+        self.machine: RepairMachine | None = None
+
+    def request_replay(self, instance: InstanceKey, epoch: int, first: int, last: int) -> None:
+        assert self.machine is not None
+        self.machine.give_up(instance)
+
+    def request_snapshot(self, instance: InstanceKey, cause: str) -> None:
+        assert self.machine is not None
+        self.machine.give_up(instance)
+
+
+class RepairMachine:
+    """Per instance: synced -> replay / snapshot -> synced (kvindex/repair/README.md)."""
+
+    def __init__(self, host: RepairHost, scheduler: RepairScheduler | None = None) -> None:
+        self.host = host
+        # Fixed for the consumer's life: read once, not through the host at every call.
+        self.index = host.index
+        self.registry = host.registry
+        self.sequencer = host.sequencer
+        self.counters = host.counters
+        self.log = host.log
+        self.scheduler: RepairScheduler = scheduler or NoRepair()
+        if isinstance(self.scheduler, NoRepair):
+            self.scheduler.machine = self
+
+    # -- what the consumer and the heartbeats hand over ------------------------------------------
+
+    def hold(self, state: InstanceState, cursor: Cursor, batch: EventBatch) -> None:
+        """Keep a batch until the repair in progress lets it apply in order (bounded)."""
+        cursor.buffer[batch.seq] = batch
+        cursor.held_keys += _n_keys(batch)
+        limits = self.host.ingest_limits
+        if len(cursor.buffer) > limits.max_held_batches or cursor.held_keys > limits.max_held_keys:
+            # A snapshot supersedes what is held; later batches are held again after it.
+            held, keys = len(cursor.buffer), cursor.held_keys
+            cursor.buffer.clear()
+            cursor.held_keys = 0
+            self.counters.buffer_overflows += 1
+            self.host.refuse(
+                state.key, HELD_LIMIT, f"{held} batches ({keys} keys) held: dropped for a snapshot"
+            )
+            if cursor.repairing != SNAPSHOT:
+                self.begin(state, cursor, SNAPSHOT, "overflow")
+
+    def begin(self, state: InstanceState, cursor: Cursor, how: str, cause: str, upto: int = 0) -> None:
+        """Start (or escalate) a repair; ``upto`` is a seq the worker is known to have published."""
+        if cursor.repairing is None and self._repairs_full():
+            # Not now: accept the hole as NoRepair does; a later heartbeat's digest (or the
+            # periodic check) asks again once repairs have drained.
+            cursor.target = max(cursor.target, upto)
+            self.host.refuse(
+                state.key,
+                REPAIR_LIMIT,
+                f"{self.host.ingest_limits.max_pending_repairs} repairs pending: {how} ({cause}) not started",
+            )
+            self.give_up(state.key)
+            return
+        if cursor.repairing is None:
+            cursor.repair_started = self.registry.clock()
+            cursor.rounds = 0
+            cursor.cause = cause
+        self.sequencer.set_repairing(state.key, cursor, how)
+        cursor.rounds += 1
+        cursor.target = max(cursor.target, upto)
+        state.sync = how
+        state.sync_cause = cursor.cause
+        self._sync_changed(state)
+        c = self.counters
+        if how == REPLAY:
+            hole = cursor.hole()
+            first, last = hole if hole else (cursor.applied + 1, max(cursor.target, cursor.applied + 1))
+            c.replays_requested += 1
+            self.log.info(
+                "repair_replay",
+                worker=state.worker,
+                dp_rank=state.dp_rank,
+                epoch=cursor.epoch,
+                first=first,
+                last=last,
+                cause=cause,
+            )
+            self.scheduler.request_replay(state.key, cursor.epoch, first, last)
+        else:
+            c.snapshots_requested[cause] += 1
+            self.log.info("repair_snapshot", worker=state.worker, dp_rank=state.dp_rank, cause=cause)
+            self.scheduler.request_snapshot(state.key, cause)
+
+    def _repairs_full(self) -> bool:
+        return self.sequencer.repairs() >= self.host.ingest_limits.max_pending_repairs
+
+    def gap(self, state: InstanceState, missing: tuple[int, int], why: str) -> None:
+        """Count and log a hole (first, last) in the instance's sequence."""
+        first, last = missing
+        n = last - first + 1
+        c = self.counters
+        c.gaps += 1
+        c.missing_batches += n
+        state.gaps += 1
+        state.missing_batches += n
+        self.log.warning(
+            "sequence_gap",
+            worker=state.worker,
+            dp_rank=state.dp_rank,
+            epoch=state.epoch,
+            missing_from=first,
+            missing_to=last,
+            missing=n,
+            why=why,
+        )
+
+    def restart(self, state: InstanceState, epoch: int, why: str) -> None:
+        """The worker restarted (a new epoch): its blocks are gone, and so is any repair of them."""
+        dropped = self.index.clear(state.key)
+        self.counters.restarts += 1
+        self.counters.blocks_cleared += dropped
+        state.restarts += 1
+        state.capped = 0
+        old, state.epoch, state.last_seq = state.epoch, epoch, 0
+        # A repair of the old history ends with it; the new one starts in sync unless it begins its own.
+        state.sync = "synced"
+        state.repair_failed = False
+        self._sync_changed(state, reconciled=True)
+        self.log.info(
+            "worker_restarted",
+            worker=state.worker,
+            dp_rank=state.dp_rank,
+            old_epoch=old,
+            new_epoch=epoch,
+            dropped_blocks=dropped,
+            why=why,
+        )
+
+    def _settle(self, state: InstanceState, cursor: Cursor) -> None:
+        """Apply held batches that are now in order; finish the repair or start the next round."""
+        buffer = cursor.buffer
+        while buffer:
+            seq = buffer.keys()[0]
+            if seq <= cursor.applied:
+                cursor.held_keys -= _n_keys(buffer.pop(seq))
+                continue
+            if seq != cursor.applied + 1:
+                break
+            batch = buffer.pop(seq)
+            cursor.held_keys -= _n_keys(batch)
+            self.host.apply(state, batch)
+            cursor.applied = seq
+        if not buffer and cursor.repairing is not None:
+            took = self.registry.clock() - cursor.repair_started
+            if cursor.cause != "periodic":  # routine checks are not repairs
+                self.counters.converged(took)
+            self.log.info(
+                "repaired",
+                worker=state.worker,
+                dp_rank=state.dp_rank,
+                seconds=round(took, 4),
+                applied=cursor.applied,
+            )
+            self.sequencer.set_repairing(state.key, cursor, None)
+            state.sync = "synced"
+            self._sync_changed(state)
+            return
+        if buffer:
+            if cursor.rounds >= MAX_REPAIR_ROUNDS:
+                self.log.warning(
+                    "repair_deferred", worker=state.worker, dp_rank=state.dp_rank, rounds=cursor.rounds
+                )
+                self.give_up(state.key)
+            elif cursor.repairing == REPLAY:
+                self.begin(state, cursor, SNAPSHOT, "replay_incomplete")
+            else:
+                self.begin(state, cursor, REPLAY, "after_snapshot")
+
+    def _sync_changed(self, state: InstanceState, reconciled: bool = False) -> None:
+        hook = self.host.on_sync_change
+        if hook is not None:
+            hook(state, reconciled)
+
+    # -- answers from the scheduler ----------------------------------------------------------------
+
+    def on_replay(self, instance: InstanceKey, epoch: int, status: str, payloads: list[bytes]) -> None:
+        """A replay answer: the original batches of the missing range (or why there are none)."""
+        state = self.registry.get(instance)
+        cursor = self.sequencer.cursor(instance)
+        if state is None or cursor is None or cursor.epoch != epoch or cursor.repairing != REPLAY:
+            return  # the instance moved on (restart, snapshot) since the request
+        c = self.counters
+        if status != REPLAY_OK:
+            c.replays_failed[status] += 1
+            self.begin(state, cursor, SNAPSHOT, "gap")
+            return
+        c.replays_ok += 1
+        host = self.host
+        limits = host.ingest_limits
+        for payload in payloads:
+            try:
+                batch = decode_batch(payload, instance[0], host.limits)
+            except WireError as exc:
+                host.reject(instance[0], "replay", exc)
+                continue
+            seq = batch.seq
+            if batch.epoch != cursor.epoch or batch.dp_rank != instance[1]:
+                continue
+            if seq <= cursor.applied or seq in cursor.buffer:
+                continue
+            n = _n_keys(batch)
+            if len(cursor.buffer) >= limits.max_held_batches or cursor.held_keys + n > limits.max_held_keys:
+                # What is left stays a hole: the next round asks for a snapshot instead.
+                host.refuse(instance, HELD_LIMIT, f"replay answer holds more than the limit (at seq {seq})")
+                break
+            cursor.buffer[seq] = batch
+            cursor.held_keys += n
+        self._settle(state, cursor)
+
+    def on_replay_failed(self, instance: InstanceKey, epoch: int, why: str) -> None:
+        state = self.registry.get(instance)
+        cursor = self.sequencer.cursor(instance)
+        if state is None or cursor is None or cursor.epoch != epoch or cursor.repairing != REPLAY:
+            return
+        self.counters.replays_failed[why] += 1
+        state.repair_failed = True
+        self.begin(state, cursor, SNAPSHOT, "gap")
+
+    def on_snapshot(
+        self,
+        instance: InstanceKey,
+        snapshot: Snapshot,
+        diffs: dict[int, tuple[list[int], list[int]]] | None = None,
+    ) -> bool:
+        """Make the instance's blocks equal the snapshot (as a diff), then apply what came after it.
+
+        ``diffs`` (tier -> (missing, extra)) may be computed beforehand, in steps, by the caller
+        (see index ``differ``); it is used only if the snapshot's epoch is the instance's.
+        Returns False when the snapshot is stale (an epoch the instance already left).
+        """
+        state = self.registry.get(instance)
+        cursor = self.sequencer.cursor(instance)
+        if state is None or cursor is None:
+            return True  # forgotten meanwhile: nothing to repair
+        if snapshot.epoch != cursor.epoch:
+            if snapshot.epoch in cursor.retired:
+                return False
+            # The worker restarted and the snapshot says so first.
+            self.restart(state, snapshot.epoch, "new epoch in snapshot")
+            repairing = cursor.repairing
+            cursor = self.sequencer.open(instance, snapshot.epoch)
+            cursor.repairing, cursor.repair_started, cursor.rounds = repairing, self.registry.clock(), 1
+            diffs = None
+        self.host.apply_snapshot(state, snapshot, diffs)
+        cursor.applied = max(cursor.applied, snapshot.seq)
+        state.epoch, state.last_seq = cursor.epoch, cursor.applied
+        state.repair_failed = False  # whatever was lost before is reconciled now
+        self._sync_changed(state, reconciled=True)
+        if cursor.repairing is None:  # a periodic check: nothing was waiting on it
+            return True
+        self._settle(state, cursor)
+        return True
+
+    def snapshot_failed(self, instance: InstanceKey, why: str) -> None:
+        """A snapshot request got no usable answer (the repairer retries with back-off)."""
+        self.counters.snapshots_failed += 1
+        state = self.registry.get(instance)
+        if state is not None and not state.repair_failed:
+            state.repair_failed = True
+            self._sync_changed(state)
+
+    # -- decisions from timers ----------------------------------------------------------------------
+
+    def reconcile(self, instance: InstanceKey, cause: str) -> None:
+        """Ask for a snapshot of an instance that looks in sync (periodic check, reconnect)."""
+        state = self.registry.get(instance)
+        cursor = self.sequencer.cursor(instance)
+        if state is None or cursor is None or cursor.repairing is not None:
+            return
+        self.begin(state, cursor, SNAPSHOT, cause)
+
+    def give_up(self, instance: InstanceKey) -> None:
+        """Stop repairing: apply held batches in order across their holes (the loss stays counted)."""
+        state = self.registry.get(instance)
+        cursor = self.sequencer.cursor(instance)
+        if state is None or cursor is None:
+            return
+        self.counters.repairs_abandoned += 1
+        for seq in list(cursor.buffer):
+            batch = cursor.buffer.pop(seq)
+            if seq > cursor.applied:
+                self.host.apply(state, batch)
+                cursor.applied = seq
+        cursor.held_keys = 0
+        # What is known lost stays lost; do not ask for it again on every heartbeat.
+        cursor.applied = max(cursor.applied, cursor.target)
+        state.last_seq = cursor.applied
+        self.sequencer.set_repairing(state.key, cursor, None)
+        state.sync = "synced"
+        state.repair_failed = True  # holes accepted: blocks may be missing until a snapshot
+        self._sync_changed(state)
+
+
+def _n_keys(batch: EventBatch) -> int:
+    return sum([len(ev.keys) for ev in batch.events])
