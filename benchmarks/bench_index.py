@@ -751,7 +751,7 @@ def sweep_child(instances: int, blocks: int, seed: int, calls: int) -> dict[str,
     background blocks (1.31 entries per block, as in the memory test), plus one instance holding a
     512-block prompt. Measures the prompt's match, a cold prompt's match, memory per distinct block,
     and the heartbeat path of the whole fleet."""
-    from kvindex.scoring.router import Router
+    from kvindex.core import CoreConfig, build_core
     from workers_shim.publisher import WorkerLog
 
     quiet_logs()
@@ -799,9 +799,8 @@ def sweep_child(instances: int, blocks: int, seed: int, calls: int) -> dict[str,
     cold_match = timed(lambda: ix.match("m", cold))
     # The heartbeat path: every worker's heartbeat through the consumer (steady state: the
     # instances are known), then the router's per-model columns catching up with them.
-    registry = Registry()
-    consumer = Consumer(new_index(), registry)
-    router = Router(consumer.index, registry)
+    core = build_core(CoreConfig(index_tables=TABLES))
+    consumer, router = core.consumer, core.router
     router.tables  # noqa: B018 - watching, as in a server that ranks with top_k
     logs = [WorkerLog(worker=n[0], model="m", block_size=16, capacity={"gpu": 100_000}) for n in names]
     for i, log in enumerate(logs):
@@ -836,7 +835,7 @@ def sweep_child(instances: int, blocks: int, seed: int, calls: int) -> dict[str,
     t0 = time.perf_counter()
     for _ in range(20):
         now = time.monotonic()
-        _, _, due = sweep_next(registry.all(), now, 5.0, 120.0)
+        _, _, due = sweep_next(core.registry.all(), now, 5.0, 120.0)
     sweep_s = (time.perf_counter() - t0) / 20
     return {
         "sweep_ms": sweep_s * 1e3,

@@ -51,9 +51,7 @@ from typing import Any
 import numpy as np
 import structlog
 
-from kvindex.fleet.registry import Registry
-from kvindex.index import InvertedIndex
-from kvindex.ingest.consumer import Consumer
+from kvindex.core import CoreConfig, build_core
 from kvindex.keys import block_keys
 from kvindex.scoring.admission import (
     ADMIT,
@@ -71,7 +69,6 @@ from kvindex.scoring.admission import (
     judge,
 )
 from kvindex.scoring.base import RouteRequest
-from kvindex.scoring.calibration import Calibrator
 from kvindex.scoring.home import home_block
 from kvindex.scoring.policies import POLICY_NAMES
 from kvindex.scoring.router import Router, RouterConfig
@@ -303,31 +300,26 @@ class Simulation:
         self._ticking = False
         self.correction = Correction()  # as the proxy: measured / estimated TTFT of what it served
         self._estimated: dict[str, tuple[float, float]] = {}  # request id -> (estimate ms, decided at)
-        clock = self.clock
-        self.index = InvertedIndex()
-        self.registry = Registry(clock=clock)
-        self.consumer = Consumer(self.index, self.registry, repair=_SimRepair(self))
-        self.calibrator = Calibrator()
-        self.consumer.prefill_samples = self.calibrator.add
-        self.routers = [
-            Router(
-                self.index,
-                self.registry,
-                self.calibrator,
-                RouterConfig(
+        # The service's core in virtual time (router r seeded seed + r).
+        self.core = build_core(
+            CoreConfig(
+                clock=self.clock,
+                repair=_SimRepair(self),
+                router=RouterConfig(
                     default_policy=base,
-                    seed=seed + r,
+                    seed=seed,
                     prune_min_instances=0,
                     pick=cluster.pick,
                     temperature=cluster.temperature,
                     warmup=cluster.warmup,
                 ),
-                clock=clock,
+                routers=cluster.routers,
                 policy_options=policy_options,
             )
-            for r in range(max(1, cluster.routers))
-        ]
-        self.router = self.routers[0]
+        )
+        core = self.core
+        self.index, self.registry, self.consumer = core.index, core.registry, core.consumer
+        self.calibrator, self.routers, self.router = core.calibrator, core.routers, core.router
         self.router_of: dict[str, Router] = {}
         cfg = EngineConfig.from_profile(**cluster.engine)
         self.block_size = cfg.block_size

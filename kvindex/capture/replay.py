@@ -32,17 +32,14 @@ from kvindex.api.servicer import KvIndexServicer, release_report
 from kvindex.capture import records as R
 from kvindex.capture.digest import state_digest
 from kvindex.capture.format import LogError, LogReader
+from kvindex.core import CoreConfig, build_core
 from kvindex.fleet.liveness import LivenessConfig, sweep
-from kvindex.fleet.registry import Registry, instance_id
-from kvindex.index.inverted import InvertedIndex
-from kvindex.ingest.consumer import Consumer
+from kvindex.fleet.registry import instance_id
 from kvindex.ingest.limits import limits_from_meta
 from kvindex.instance import InstanceKey
-from kvindex.observability.counters import IngestCounters
 from kvindex.repair.machine import SNAPSHOT
 from kvindex.scoring.base import DECODE_ROLE, RouteRequest, prompt_length
-from kvindex.scoring.calibration import Calibrator
-from kvindex.scoring.router import Router, RouterConfig
+from kvindex.scoring.router import RouterConfig
 from kvindex.v1 import kvindex_pb2 as pb
 from kvindex.wire.reconcile import Snapshot
 from kvindex.wire.schema import TIER_NAMES
@@ -223,19 +220,7 @@ class Replayer:
         self.start_wall = float(meta.get("created_wall", 0.0))
         self.clock = VirtualClock(self.start_mono)
         self.wall = self.start_wall
-        self.index = InvertedIndex()
-        self.registry = Registry(clock=self.clock)
-        self.counters = IngestCounters()
         self.repair = LoggedRepair() if self.exact else None
-        self.consumer = Consumer(
-            self.index,
-            self.registry,
-            subjects=Subjects(self.prefix),
-            counters=self.counters,
-            repair=self.repair,
-            ingest_limits=limits_from_meta(meta.get("limits")),
-            log=TimelineLog(self),
-        )
         router_meta = meta.get("router") or {}
         config = RouterConfig()
         config.default_policy = router_meta.get("default_policy", config.default_policy)
@@ -243,13 +228,22 @@ class Replayer:
         config.pick = str(router_meta.get("pick", config.pick))
         config.temperature = float(router_meta.get("temperature", config.temperature))
         config.warmup = float(router_meta.get("warmup", config.warmup))
-        self.calibrator = Calibrator(config.costs.default_prefill)
-        self.router = Router(self.index, self.registry, self.calibrator, config)
-        self.consumer.prefill_samples = self.calibrator.add
-        self.consumer.on_forget = self.router.forget
-        # Degraded instances follow the repairs; the reconciliations they asked for live are
-        # replayed from their timer records.
-        self.consumer.on_sync_change = self.router.sync_changed
+        self.core = build_core(
+            CoreConfig(
+                clock=self.clock,
+                subjects=Subjects(self.prefix),
+                ingest_limits=limits_from_meta(meta.get("limits")),
+                repair=self.repair,
+                consumer_log=TimelineLog(self),
+                router=config,
+                # None: the reconciliations degraded instances asked for live are replayed from
+                # their timer records.
+                on_degraded=None,
+            )
+        )
+        core = self.core
+        self.index, self.registry, self.counters = core.index, core.registry, core.counters
+        self.consumer, self.calibrator, self.router = core.consumer, core.calibrator, core.router
         self.servicer = KvIndexServicer(self.index, self.registry, self.counters, None, self.router)
         repair = meta.get("repair") or {}
         defaults = LivenessConfig()  # what the service used unless the log says otherwise

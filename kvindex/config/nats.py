@@ -17,7 +17,7 @@ import asyncio
 import contextlib
 import ssl
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
@@ -120,9 +120,6 @@ class NatsSettings:
             # Credentials meant for a real server must not silently go unused.
             raise NatsConfigError("NATS credentials or TLS options were given without --nats URL")
         return None
-
-    def with_servers(self, servers: str | Sequence[str]) -> NatsSettings:
-        return replace(self, servers=split_servers(servers))
 
     @property
     def auth(self) -> str:

@@ -1,10 +1,12 @@
-"""The index interface. Backends implement KvBlockIndex; the service depends only on this."""
+"""The index interface. Backends implement KvBlockIndex; the service depends only on this. A backend
+that can also answer grouped matches (GroupedIndex) lets pruned rankings treat many equal matches
+as one."""
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 from kvindex.instance import InstanceKey
 
@@ -111,3 +113,27 @@ class KvBlockIndex(Protocol):
         """The keys the instance holds on ``tier``, each once."""
 
     def stats(self) -> IndexStats: ...
+
+
+@runtime_checkable
+class GroupedIndex(KvBlockIndex, Protocol):
+    """An index that answers a match grouped by answer (InvertedIndex does): the router's pruned
+    rankings then price a large group (a prompt the whole fleet holds the start of) once, not per
+    instance. The router checks for it once, when it is built."""
+
+    def match_groups(
+        self,
+        model: str,
+        keys: list[int],
+        instances: Iterable[InstanceKey] | None = None,
+        listed: int = 16,
+    ) -> tuple[dict[InstanceKey, InstanceMatch], list[MatchGroup]]:
+        """``match``'s answer, except that answers shared by more than ``listed`` instances come as
+        ``MatchGroup`` slot masks instead of an entry per instance."""
+        ...
+
+    def slot_layout(self, model: str, known: int = -1) -> tuple[int, list[InstanceKey | None]]:
+        """(a number that changes whenever a slot of ``model`` changes owner, the owner of each
+        slot, None where free): what a ``MatchGroup``'s mask bits name; the list is empty when the
+        number is ``known``."""
+        ...

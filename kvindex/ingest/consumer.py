@@ -60,6 +60,9 @@ class Consumer:
         repair: RepairScheduler | None = None,
         ingest_limits: IngestLimits = DEFAULT_INGEST_LIMITS,
         log: Any = None,
+        prefill_samples: Callable[[str, list[tuple[int, int, float]], str], Any] | None = None,
+        on_forget: Callable[[InstanceKey], Any] | None = None,
+        on_sync_change: Callable[[InstanceState, bool], Any] | None = None,
     ) -> None:
         self.index = index
         self.registry = registry
@@ -75,12 +78,12 @@ class Consumer:
         self._events_head = f"{self.subjects.prefix}.{EVENTS}."
         # Where heartbeats' prefill samples go (model, [(prompt, cached, ms)], instance id): the
         # calibration (kvindex/scoring/calibration.py).
-        self.prefill_samples: Callable[[str, list[tuple[int, int, float]], str], Any] | None = None
+        self.prefill_samples = prefill_samples
         # Told when an instance is forgotten (routing state about it can go too).
-        self.on_forget: Callable[[InstanceKey], Any] | None = None
+        self.on_forget = on_forget
         # Told when an instance's repair state changes (sync, sync_cause, repair_failed) and when a
         # snapshot reconciled it: the router keeps its degraded instances (kvindex/scoring/outcomes.py).
-        self.on_sync_change: Callable[[InstanceState, bool], Any] | None = None
+        self.on_sync_change = on_sync_change
         # Holes, restarts and drift: decided there, repaired by ``repair`` (NoRepair when None).
         self.repairs = RepairMachine(self, repair)
         self.heartbeats = Heartbeats(self)

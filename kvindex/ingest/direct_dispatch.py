@@ -188,9 +188,3 @@ def install(nc: Any, sub: Any, handler: Handler, log: Any = None) -> DirectParse
         _init_direct(ps, log)
     ps.direct[str(sub._id).encode()] = _Target(sub, handler)
     return ps
-
-
-def uninstall(nc: Any, sub: Any) -> None:
-    ps = getattr(nc, "_ps", None)
-    if DirectParser is not None and isinstance(ps, DirectParser):
-        ps.direct.pop(str(sub._id).encode(), None)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sized
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from msgspec import Struct
 
@@ -12,7 +12,7 @@ from kvindex.fleet.registry import InstanceState
 from kvindex.index.base import InstanceMatch
 
 if TYPE_CHECKING:
-    from kvindex.scoring.router import Router
+    from kvindex.scoring.router import CandidatePool, Router
 
 PREFILL_ROLE = "prefill"  # also the default for unified (non-disaggregated) serving
 DECODE_ROLE = "decode"
@@ -99,6 +99,15 @@ class Policy(Protocol):
         ...
 
 
-def by_cost(choices: list[Choice]) -> list[Choice]:
-    """Stable order: cost, then instance id (deterministic ties)."""
-    return sorted(choices, key=lambda c: (c.cost, c.candidate.state.key))
+@runtime_checkable
+class PrunedPolicy(Policy, Protocol):
+    """A policy that can rank a pruned pool: Score with ``top_k`` then builds candidates for the
+    instances holding some of the prompt only and hands the others over as columns
+    (``CandidatePool``), instead of a candidate per instance. The router checks for it once per
+    policy, when it is built (kvindex/scoring/router.py)."""
+
+    def rank_top(
+        self, request: RouteRequest, pool: CandidatePool, router: Router, top_k: int
+    ) -> list[Choice]:
+        """The first ``top_k`` of ``rank`` over every candidate of ``pool``, the same choices."""
+        ...

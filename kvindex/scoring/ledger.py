@@ -14,7 +14,7 @@ one instead of each starting a copy elsewhere.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, ItemsView, Iterable, KeysView, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -213,8 +213,14 @@ class SpeculativeKeys:
             if expiry is not None and expiry > until:
                 held[key] = until
 
-    def instances(self) -> Iterable[InstanceKey]:
+    def instances(self) -> KeysView[InstanceKey]:
+        """The instances with expected keys (some may have expired: see ``extend``), a live view."""
         return self._keys.keys()
+
+    def by_instance(self) -> ItemsView[InstanceKey, Mapping[int, float]]:
+        """(instance, its expected keys -> expiry) for every instance with some, a live read-only
+        view: a pruned ranking walks it once per Score to find the instances a prompt continues on."""
+        return self._keys.items()
 
     def expire(self) -> None:
         now = self.clock()

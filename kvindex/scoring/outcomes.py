@@ -195,7 +195,12 @@ def _bucket(edges: tuple[float, ...], value: float) -> int:
 class OutcomeTracker:
     """Compares reports with predictions; holds the per-instance evidence and the counters."""
 
-    def __init__(self, clock: Callable[[], float], config: OutcomeConfig | None = None) -> None:
+    def __init__(
+        self,
+        clock: Callable[[], float],
+        config: OutcomeConfig | None = None,
+        on_degraded: Callable[[InstanceKey], None] | None = None,
+    ) -> None:
         self.clock = clock
         self.config = config or OutcomeConfig()
         self.instances: dict[InstanceKey, InstanceOutcomes] = {}
@@ -203,7 +208,7 @@ class OutcomeTracker:
         self.ignored: dict[str, int] = {}  # reports not compared, by reason
         self._subscribers: tuple[Callable[[Outcome], None], ...] = ()
         # Told when an instance's evidence turns it degraded (the service asks for a snapshot).
-        self.on_degraded: Callable[[InstanceKey], None] | None = None
+        self.on_degraded = on_degraded
         self.reconciles = 0  # snapshots asked for degraded instances
 
     def subscribe(self, fn: Callable[[Outcome], None]) -> None:

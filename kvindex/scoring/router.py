@@ -16,10 +16,10 @@ from typing import Any, Protocol
 import numpy as np
 
 from kvindex.fleet.registry import InstanceState, Registry, instance_id
-from kvindex.index.base import NO_MATCH, InstanceMatch, KvBlockIndex, MatchGroup
+from kvindex.index.base import NO_MATCH, GroupedIndex, InstanceMatch, KvBlockIndex, MatchGroup
 from kvindex.instance import InstanceKey
 from kvindex.scoring.approximate import PredictedCache
-from kvindex.scoring.base import DECODE_ROLE, Candidate, Choice, Policy, RouteRequest
+from kvindex.scoring.base import DECODE_ROLE, Candidate, Choice, Policy, PrunedPolicy, RouteRequest
 from kvindex.scoring.calibration import Calibrator
 from kvindex.scoring.costs import CostConfig, drain_rate, prefill_terms, queue_ms
 from kvindex.scoring.fleet_table import FleetTables, ModelTable, smallest
@@ -105,6 +105,7 @@ class Router:
         config: RouterConfig | None = None,
         clock: Callable[[], float] | None = None,
         policy_options: dict[str, dict] | None = None,
+        on_degraded: Callable[[InstanceKey], None] | None = None,
     ) -> None:
         self.index = index
         self.registry = registry
@@ -115,7 +116,7 @@ class Router:
         self.ledger = Ledger(
             self.clock, ttl=self.config.ledger_ttl, released_memory=self.config.outcomes.released_memory
         )
-        self.outcomes = OutcomeTracker(self.clock, self.config.outcomes)
+        self.outcomes = OutcomeTracker(self.clock, self.config.outcomes, on_degraded=on_degraded)
         # A request's report (measured TTFT minus the predicted wait, with the engine's cached
         # tokens) is a prefill sample of the instance it ran on.
         self.outcomes.subscribe(self._calibrate)
@@ -129,6 +130,12 @@ class Router:
         cfg = self.config
         self.picker = Picker(registry, cfg.seed, cfg.pick, cfg.temperature, cfg.warmup)
         self.policies: dict[str, Policy] = make_policies(policy_options or {})
+        # Capabilities, decided once here (an isinstance with a protocol would cost microseconds
+        # per Score): the policies that rank a pruned pool, and the index's grouped answers.
+        self.pruned: dict[str, PrunedPolicy] = {
+            name: p for name, p in self.policies.items() if isinstance(p, PrunedPolicy)
+        }
+        self.grouped_index: GroupedIndex | None = index if isinstance(index, GroupedIndex) else None
         self.observer: RoutingObserver | None = None  # None: a lone replica, nothing to share
         self._tables: FleetTables | None = None
         # model -> (slot layout, table, table version, row of each index slot), for match groups
@@ -185,7 +192,7 @@ class Router:
         prompt = request.prompt_tokens
         cap = max(prompt - 1, 0)  # vLLM always recomputes at least the prompt's last token
         now = self.clock()
-        spec = self.speculative._keys if spec_ttl > 0 and keys else {}
+        spec = self.speculative.instances() if spec_ttl > 0 and keys else ()
         pending = self.ledger.pending
         busy = self.ledger.busy
         get_match = matches.get
@@ -295,16 +302,16 @@ class Router:
         wanted = top_k
         if top_k > 0 and self.picker.warmup > 0:  # room for the share new instances give up
             top_k += self.picker.extra(request.model, self.clock())
-        rank_top = getattr(chosen, "rank_top", None)
+        pruned = self.pruned.get(chosen.name)
         if (
             top_k > 0
-            and rank_top is not None
+            and pruned is not None
             and len(self.registry.members(request.model)) >= self.config.prune_min_instances
             # The columns price every instance with one prefill model (see docs/scoring.md).
             and not self.calibrator.own_models(request.model)
         ):
             pool = self.pool(request, candidates, chosen.speculative_ttl)
-            choices = rank_top(request, pool, self, top_k) if pool is not None else []
+            choices = pruned.rank_top(request, pool, self, top_k) if pool is not None else []
         else:
             states = self.registry.routable(request.model, candidates)
             cands = self.candidates(request, states, chosen.speculative_ttl, every=candidates is None)
@@ -367,9 +374,11 @@ class Router:
         groups: list[MatchGroup] = []
         if keys:
             restrict = None if candidates is None else [states[i].key for i in np.flatnonzero(mask)]
-            match_groups = getattr(self.index, "match_groups", None)
-            if match_groups is not None:
-                matches, groups = match_groups(request.model, keys, restrict, self.config.group_min_instances)
+            grouped = self.grouped_index
+            if grouped is not None:
+                matches, groups = grouped.match_groups(
+                    request.model, keys, restrict, self.config.group_min_instances
+                )
             else:
                 matches = self.index.match(request.model, keys, restrict)
         else:
@@ -388,7 +397,7 @@ class Router:
             # (past 0 blocks for a non-holder, past its group's answer for a group's member).
             now = self.clock()
             n_keys = len(keys)
-            for inst, held in self.speculative._keys.items():
+            for inst, held in self.speculative.by_instance():
                 if inst in matches:
                     continue
                 i = row.get(inst)
@@ -433,7 +442,8 @@ class Router:
         many of its rows are in ``mask``."""
         cached = self._slot_rows.get(model)
         known = -1 if cached is None or cached[1] is not table or cached[2] != table.version else cached[0]
-        layout, owners = self.index.slot_layout(model, known)  # type: ignore[attr-defined]
+        assert self.grouped_index is not None  # groups come from its match_groups only
+        layout, owners = self.grouped_index.slot_layout(model, known)
         if layout != known or cached is None:
             get = table.row.get
             slot_rows = np.array([-1 if o is None else get(o, -1) for o in owners], dtype=np.int64)

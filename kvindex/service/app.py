@@ -22,15 +22,13 @@ from kvindex.capture.recorder import (
     service_meta,
 )
 from kvindex.config.nats import NatsSettings
+from kvindex.core import CoreConfig, build_core
 from kvindex.fleet.liveness import LivenessConfig, sweep_next
-from kvindex.fleet.registry import Registry
-from kvindex.index.inverted import InvertedIndex
-from kvindex.ingest.consumer import Consumer
 from kvindex.ingest.limits import IngestLimits
 from kvindex.ingest.nats_source import JetStreamConfig, NatsSource
 from kvindex.instance import InstanceKey
 from kvindex.lifecycle import Stop, bounded
-from kvindex.observability.counters import IngestCounters, Metrics
+from kvindex.observability.counters import Metrics
 from kvindex.observability.outcomes import OutcomeCollector
 from kvindex.observability.tokenize import TokenizeCollector
 from kvindex.repair.nats_repair import NatsRepairer, RepairConfig
@@ -40,8 +38,7 @@ from kvindex.routing_sync.metrics import SyncCollector
 from kvindex.routing_sync.nats_link import NatsRoutingLink
 from kvindex.routing_sync.sync import RoutingSync, SyncConfig
 from kvindex.scoring.admission import AdmissionConfig, ObjectiveDefaults
-from kvindex.scoring.calibration import Calibrator
-from kvindex.scoring.router import Router, RouterConfig
+from kvindex.scoring.router import RouterConfig
 from kvindex.security import ServerSecurity
 from kvindex.service.calibration_store import CalibrationStore
 from kvindex.service.natsd import EmbeddedNats
@@ -128,35 +125,31 @@ class IndexService:
         self.config = config
         self.log = log or structlog.get_logger("kvindex")
         self.subjects = Subjects(config.subject_prefix)
-        self.index = InvertedIndex()
-        # Capturing: routing calls run with the clock pinned at their start, as their records say.
-        self.registry = Registry(PinnableClock()) if config.capture is not None else Registry()
-        self.counters = IngestCounters()
+        self.core = build_core(
+            CoreConfig(
+                # Capturing: routing calls run with the clock pinned at their start, as their
+                # records say.
+                clock=PinnableClock() if config.capture is not None else time.monotonic,
+                subjects=self.subjects,
+                ingest_limits=config.limits,
+                router=config.router,
+                # Predicted against actual (docs/feedback.md): a degradation asks for a snapshot at
+                # once (rate-limited in the router; scheduled, never run inside the consumer's own
+                # call that changed the state).
+                on_degraded=self._reconcile_degraded,
+            )
+        )
+        core = self.core
+        self.index, self.registry, self.counters = core.index, core.registry, core.counters
+        self.consumer, self.calibrator, self.router = core.consumer, core.calibrator, core.router
         self.metrics = Metrics(self.counters, self._gauges)
         # Loaded before anything starts: a bad tokenizer directory fails `serve` at once, clearly.
         self.tokenizers = Tokenizers.from_dirs(config.tokenizers, config.tokenize_cache_bytes)
         self.metrics.registry.register(TokenizeCollector(self.tokenizers))
-        self.consumer = Consumer(
-            self.index,
-            self.registry,
-            subjects=self.subjects,
-            counters=self.counters,
-            ingest_limits=config.limits,
-        )
         self.repairer = NatsRepairer(self.consumer, config.repair)
-        costs = config.router.costs
-        self.calibrator = Calibrator(costs.default_prefill, learn=costs.calibrate)
         self.calibration = CalibrationStore(
             self.calibrator, replicas=config.jetstream.replicas if config.jetstream else 1
         )
-        self.router = Router(self.index, self.registry, self.calibrator, config.router)
-        self.consumer.prefill_samples = self.calibrator.add
-        self.consumer.on_forget = self.router.forget
-        # Predicted against actual (docs/feedback.md): degraded instances follow the repairs, and a
-        # degradation asks for a snapshot at once (rate-limited in the router; scheduled, never
-        # run inside the consumer's own call that changed the state).
-        self.consumer.on_sync_change = self.router.sync_changed
-        self.router.outcomes.on_degraded = self._reconcile_degraded
         self.metrics.registry.register(OutcomeCollector(self.router.outcomes, self._instance_states))
         self.recorder: Recorder | None = None
         if config.capture is not None:

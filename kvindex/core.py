@@ -1,0 +1,135 @@
+"""The core: the parts that turn worker events into rankings, assembled in one place.
+
+Registry, index, sequencer, consumer, calibration and router (with its ledger, speculative keys and
+outcomes) are built and connected by ``build_core`` only. The service, the replay of an event log
+(kvindex/capture/replay.py), the routing simulation and the benchmarks all call it, so they run one
+assembly: what differs between them is data in ``CoreConfig`` (the clock, the index's tables, the
+repair scheduler, the consumer's logger, the router's settings), never the wiring.
+
+Every hook is passed to the constructor of the part that calls it:
+
+- the consumer's heartbeat prefill samples go to the calibration (``Calibrator.add``);
+- an instance the consumer forgets is forgotten by every router (speculative keys, predicted cache,
+  outcome evidence, degraded set);
+- a change of an instance's repair state is told to every router (its degraded instances follow);
+- an instance the outcomes find degraded goes to ``CoreConfig.on_degraded`` (the service asks for a
+  snapshot; the replay and the simulation pass none).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from kvindex.fleet.registry import InstanceState, Registry
+from kvindex.index.inverted import InvertedIndex
+from kvindex.ingest.consumer import Consumer
+from kvindex.ingest.limits import IngestLimits
+from kvindex.instance import InstanceKey
+from kvindex.observability.counters import IngestCounters
+from kvindex.repair.machine import RepairScheduler
+from kvindex.scoring.calibration import Calibrator
+from kvindex.scoring.router import Router, RouterConfig
+from kvindex.sequencer.cursor import Sequencer
+from kvindex.wire.subjects import Subjects
+
+
+@dataclass
+class CoreConfig:
+    # The registry's and the routers' clock: monotonic seconds live, a pinnable one when capturing,
+    # the record's time in a replay, virtual time in the simulation.
+    clock: Callable[[], float] = time.monotonic
+    subjects: Subjects = field(default_factory=Subjects)
+    # InvertedIndex's table module: None is its default (native when built); benchmarks pass the
+    # pure-Python twin to measure the fallback.
+    index_tables: Any = None
+    ingest_limits: IngestLimits = field(default_factory=IngestLimits)
+    # Runs the consumer's replays and snapshots. None: holes are counted and accepted (NoRepair);
+    # the service's NatsRepairer takes the consumer and installs itself after the build.
+    repair: RepairScheduler | None = None
+    consumer_log: Any = None  # the consumer's logger; None: structlog's (replay: its timeline)
+    router: RouterConfig = field(default_factory=RouterConfig)
+    # Independent routers over the one index (the simulation's unsynchronised routers): router r is
+    # seeded ``router.seed + r``; each has its own ledger, speculative keys and policy memory.
+    routers: int = 1
+    policy_options: dict[str, dict[str, Any]] | None = None  # per policy, overrides of its defaults
+    # Told when outcomes find an instance degraded (the service schedules a snapshot of it).
+    on_degraded: Callable[[InstanceKey], None] | None = None
+
+
+@dataclass
+class Core:
+    index: InvertedIndex
+    registry: Registry
+    sequencer: Sequencer
+    counters: IngestCounters
+    consumer: Consumer
+    calibrator: Calibrator
+    routers: list[Router]
+
+    @property
+    def router(self) -> Router:
+        """The first (usually the only) router."""
+        return self.routers[0]
+
+
+def build_core(config: CoreConfig | None = None) -> Core:
+    config = config or CoreConfig()
+    index = InvertedIndex(config.index_tables)
+    registry = Registry(config.clock)
+    sequencer = Sequencer()
+    counters = IngestCounters()
+    costs = config.router.costs
+    calibrator = Calibrator(costs.default_prefill, learn=costs.calibrate)
+    routers = [
+        Router(
+            index,
+            registry,
+            calibrator,
+            config.router if r == 0 else _reseeded(config.router, r),
+            policy_options=config.policy_options,
+            on_degraded=config.on_degraded,
+        )
+        for r in range(max(1, config.routers))
+    ]
+    if len(routers) == 1:
+        on_forget: Callable[[InstanceKey], Any] = routers[0].forget
+        on_sync_change: Callable[[InstanceState, bool], Any] = routers[0].sync_changed
+    else:
+        on_forget, on_sync_change = _each_forget(routers), _each_sync_changed(routers)
+    consumer = Consumer(
+        index,
+        registry,
+        subjects=config.subjects,
+        sequencer=sequencer,
+        counters=counters,
+        repair=config.repair,
+        ingest_limits=config.ingest_limits,
+        log=config.consumer_log,
+        prefill_samples=calibrator.add,
+        on_forget=on_forget,
+        on_sync_change=on_sync_change,
+    )
+    return Core(index, registry, sequencer, counters, consumer, calibrator, routers)
+
+
+def _reseeded(config: RouterConfig, r: int) -> RouterConfig:
+    return replace(config, seed=config.seed + r)
+
+
+def _each_forget(routers: list[Router]) -> Callable[[InstanceKey], None]:
+    def forget(instance: InstanceKey) -> None:
+        for router in routers:
+            router.forget(instance)
+
+    return forget
+
+
+def _each_sync_changed(routers: list[Router]) -> Callable[[InstanceState, bool], None]:
+    def sync_changed(state: InstanceState, reconciled: bool = False) -> None:
+        for router in routers:
+            router.sync_changed(state, reconciled)
+
+    return sync_changed

@@ -1,0 +1,70 @@
+"""One core assembly (kvindex/core.py): the service, the replay of an event log and the routing
+simulation each build their registry, index, consumer, calibration and routers with ``build_core``,
+so the same parts are connected by the same hooks in all three; only what CoreConfig says differs."""
+
+from __future__ import annotations
+
+from benchmarks.routing_sim import Cluster, Simulation
+from kvindex.capture import records as R
+from kvindex.capture.replay import LoggedRepair, Replayer
+from kvindex.core import Core, CoreConfig, build_core
+from kvindex.scoring.router import RouterConfig
+from kvindex.service.app import IndexService, ServiceConfig
+
+KEY = ("w0", 0)
+
+
+def assert_assembled(core: Core) -> None:
+    """The parts share one index, registry, clock and calibration, and every hook is connected."""
+    consumer, router = core.consumer, core.router
+    assert consumer.index is core.index and consumer.registry is core.registry
+    assert consumer.sequencer is core.sequencer and consumer.counters is core.counters
+    assert consumer.prefill_samples == core.calibrator.add
+    for r in core.routers:
+        assert r.index is core.index and r.registry is core.registry
+        assert r.calibrator is core.calibrator and r.clock is core.registry.clock
+    if len(core.routers) == 1:
+        assert consumer.on_forget == router.forget
+        assert consumer.on_sync_change == router.sync_changed
+    # Functionally too: an instance the consumer forgets is forgotten by every router.
+    for r in core.routers:
+        r.speculative.add(KEY, [1, 2, 3])
+    consumer.forget(KEY)
+    assert all(KEY not in r.speculative.instances() for r in core.routers)
+
+
+def test_service_replay_and_simulation_build_the_same_core() -> None:
+    service = IndexService(ServiceConfig(nats_url="nats://unused", grpc_host="127.0.0.1", grpc_port=0))
+    replayer = Replayer({"source": R.SOURCE_SERVE})
+    cluster = Cluster(2, {"profile": "llama3-8b-h100", "block_size": 16}, routers=3)
+    sim = Simulation("ttft", [], cluster, seed=7)
+    for core in (service.core, replayer.core, sim.core):
+        assert_assembled(core)
+    # The parts each user reads are the core's.
+    assert (service.consumer, service.router, service.index) == (
+        service.core.consumer,
+        service.core.router,
+        service.core.index,
+    )
+    assert (replayer.consumer, replayer.router) == (replayer.core.consumer, replayer.core.router)
+    assert (sim.consumer, sim.routers) == (sim.core.consumer, sim.core.routers)
+    # What CoreConfig varies: who is told of degradations (the service schedules a snapshot; the
+    # replay replays the live reconciliations from their records), the clock, the repair scheduler.
+    assert service.router.outcomes.on_degraded == service._reconcile_degraded
+    assert replayer.router.outcomes.on_degraded is None
+    assert sim.router.outcomes.on_degraded is None
+    assert replayer.registry.clock is replayer.clock and sim.registry.clock == sim.clock
+    assert isinstance(replayer.consumer.repairs.scheduler, LoggedRepair)
+    assert service.consumer.repairs.scheduler is service.repairer
+    # The simulation's independent routers: seeded one apart, each its own routing state.
+    assert [r.config.seed for r in sim.routers] == [7, 8, 9]
+    assert len({id(r.ledger) for r in sim.routers}) == 3
+
+
+def test_several_routers_are_each_told_of_repair_changes() -> None:
+    core = build_core(CoreConfig(router=RouterConfig(seed=3), routers=2))
+    assert_assembled(core)
+    state = core.registry.add(KEY, "m", 16)
+    state.repair_failed = True  # a repair gave up: the instance is degraded everywhere
+    core.consumer.on_sync_change(state, False)
+    assert all(KEY in r.degraded for r in core.routers)
