@@ -437,7 +437,8 @@ def test_fleet_wide_prefix_match_and_groups(
     if everyone and n > 64 and shared:
         # Every instance holds the shared prefix but for evicted blocks: the shortcut's case.
         gpu_holders = sum(1 for sets in ref.held.values() if prompt[0] in sets[0])
-        assert gpu_holders >= n - 3
+        # (1 % of instances evict a random block of the prefix: a few may have lost the first one)
+        assert gpu_holders >= 0.9 * n
         assert ix._shards["fleet"].summaries[0].holders(prompt[0]) == gpu_holders
     for _ in range(3):
         cut = rng.randint(0, len(prompt))
