@@ -14,7 +14,7 @@ Virtual time, discrete events. The code under test is the real one, in process: 
 (workers_shim/sim) publish through the real worker-side core (WorkerLog) into real wire bytes, which
 reach the real consumer and index after a propagation delay (optionally lost, then repaired by replay
 and snapshot answered from the workers' own logs); heartbeats carry load and prefill samples to the
-real calibration; every arrival is routed by the real Router with the policy under test, committed,
+real calibration; every arrival is routed by the real Ranker with the policy under test, committed,
 and released at first token and at the end. So index freshness, heartbeat age and the policies'
 own state all matter, as they would in production.
 
@@ -71,7 +71,7 @@ from kvindex.scoring.admission import (
 from kvindex.scoring.base import RouteRequest
 from kvindex.scoring.home import home_block
 from kvindex.scoring.policies import POLICY_NAMES
-from kvindex.scoring.router import Router, RouterConfig
+from kvindex.scoring.ranker import Ranker, RankerConfig
 from kvindex.wire import reconcile
 from kvindex.wire.reconcile import Snapshot
 from kvindex.wire.schema import TIER_BY_NAME
@@ -305,7 +305,7 @@ class Simulation:
             CoreConfig(
                 clock=self.clock,
                 repair=_SimRepair(self),
-                router=RouterConfig(
+                router=RankerConfig(
                     default_policy=base,
                     seed=seed,
                     prune_min_instances=0,
@@ -320,7 +320,7 @@ class Simulation:
         core = self.core
         self.index, self.registry, self.consumer = core.index, core.registry, core.consumer
         self.calibrator, self.routers, self.router = core.calibrator, core.routers, core.router
-        self.router_of: dict[str, Router] = {}
+        self.router_of: dict[str, Ranker] = {}
         cfg = EngineConfig.from_profile(**cluster.engine)
         self.block_size = cfg.block_size
         self.logs: dict[str, WorkerLog] = {}

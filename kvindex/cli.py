@@ -482,7 +482,7 @@ def _serve(args: argparse.Namespace) -> int:
     from kvindex.repair.nats_repair import RepairConfig
     from kvindex.routing_sync.sync import SyncConfig
     from kvindex.scoring.costs import CostConfig
-    from kvindex.scoring.router import RouterConfig
+    from kvindex.scoring.ranker import RankerConfig
     from kvindex.security import ServerSecurity
     from kvindex.service.app import CLEANUP_BUDGET, IndexService, ServiceConfig, serve_until_stopped
     from kvindex.service.readiness import ReadinessConfig
@@ -538,7 +538,7 @@ def _serve(args: argparse.Namespace) -> int:
         static_model=args.instance_model,
         static_block_size=args.instance_block_size,
         static_capacity=args.instance_capacity,
-        router=RouterConfig(
+        router=RankerConfig(
             predicted_ttl=args.predicted_ttl,
             costs=CostConfig(calibrate=args.calibration),
             seed=args.seed,

@@ -31,7 +31,7 @@ from kvindex.instance import InstanceKey
 from kvindex.observability.counters import IngestCounters
 from kvindex.repair.machine import RepairScheduler
 from kvindex.scoring.calibration import Calibrator
-from kvindex.scoring.router import Router, RouterConfig
+from kvindex.scoring.ranker import Ranker, RankerConfig
 from kvindex.sequencer.cursor import Sequencer
 from kvindex.wire.subjects import Subjects
 
@@ -50,7 +50,7 @@ class CoreConfig:
     # the service's NatsRepairer takes the consumer and installs itself after the build.
     repair: RepairScheduler | None = None
     consumer_log: Any = None  # the consumer's logger; None: structlog's (replay: its timeline)
-    router: RouterConfig = field(default_factory=RouterConfig)
+    router: RankerConfig = field(default_factory=RankerConfig)
     # Independent routers over the one index (the simulation's unsynchronised routers): router r is
     # seeded ``router.seed + r``; each has its own ledger, speculative keys and policy memory.
     routers: int = 1
@@ -67,10 +67,10 @@ class Core:
     counters: IngestCounters
     consumer: Consumer
     calibrator: Calibrator
-    routers: list[Router]
+    routers: list[Ranker]
 
     @property
-    def router(self) -> Router:
+    def router(self) -> Ranker:
         """The first (usually the only) router."""
         return self.routers[0]
 
@@ -84,7 +84,7 @@ def build_core(config: CoreConfig | None = None) -> Core:
     costs = config.router.costs
     calibrator = Calibrator(costs.default_prefill, learn=costs.calibrate)
     routers = [
-        Router(
+        Ranker(
             index,
             registry,
             calibrator,
@@ -115,11 +115,11 @@ def build_core(config: CoreConfig | None = None) -> Core:
     return Core(index, registry, sequencer, counters, consumer, calibrator, routers)
 
 
-def _reseeded(config: RouterConfig, r: int) -> RouterConfig:
+def _reseeded(config: RankerConfig, r: int) -> RankerConfig:
     return replace(config, seed=config.seed + r)
 
 
-def _each_forget(routers: list[Router]) -> Callable[[InstanceKey], None]:
+def _each_forget(routers: list[Ranker]) -> Callable[[InstanceKey], None]:
     def forget(instance: InstanceKey) -> None:
         for router in routers:
             router.forget(instance)
@@ -127,7 +127,7 @@ def _each_forget(routers: list[Router]) -> Callable[[InstanceKey], None]:
     return forget
 
 
-def _each_sync_changed(routers: list[Router]) -> Callable[[InstanceState, bool], None]:
+def _each_sync_changed(routers: list[Ranker]) -> Callable[[InstanceState, bool], None]:
     def sync_changed(state: InstanceState, reconciled: bool = False) -> None:
         for router in routers:
             router.sync_changed(state, reconciled)

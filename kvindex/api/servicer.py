@@ -25,7 +25,7 @@ from kvindex.scoring.ledger import FINISHED, PREFILL
 from kvindex.scoring.outcomes import INVALID, Report
 from kvindex.scoring.pick import PickOptions
 from kvindex.scoring.policies import POLICY_NAMES
-from kvindex.scoring.router import Router
+from kvindex.scoring.ranker import Ranker
 from kvindex.tokenize import ChatOptions, TokenizeError, Tokenizers
 from kvindex.v1 import kvindex_pb2 as pb
 from kvindex.v1 import kvindex_pb2_grpc as pb_grpc
@@ -155,14 +155,14 @@ class KvIndexServicer(pb_grpc.KvIndexServicer):
         registry: Registry,
         counters: IngestCounters,
         metrics: Metrics | None = None,
-        router: Router | None = None,
+        router: Ranker | None = None,
         tokenizers: Tokenizers | None = None,
     ) -> None:
         self.index = index
         self.registry = registry
         self.counters = counters
         self.metrics = metrics
-        self.router = router or Router(index, registry)
+        self.router = router or Ranker(index, registry)
         self.tokenizers = tokenizers if tokenizers is not None else Tokenizers()
         # instance -> (load it was built from, instance_id, endpoint, RankedInstance with the
         # invariant fields)

@@ -3,7 +3,7 @@
 - ``format``: the log file (header, CRC-checked frames of msgpack records, optional zstd, segments).
 - ``records``: the record kinds.
 - ``recorder``: ``Recorder`` (fed by the service's NATS source and repairer), ``Capture`` (standalone).
-- ``replay``: ``Replayer`` / ``Driver``: the service's Consumer and Router driven by a log.
+- ``replay``: ``Replayer`` / ``Driver``: the service's Consumer and Ranker driven by a log.
 - ``digest``: the state digest both sides compare.
 """
 

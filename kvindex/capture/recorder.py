@@ -79,7 +79,7 @@ def service_meta(
     service that imports it. ``repair`` holds the timings the replay reads: the
     ``LivenessConfig``'s stale_after and forget_after, the ``RepairConfig``'s reconcile_interval,
     replay_timeout and snapshot_timeout; ``router`` the
-    ``RouterConfig`` default_policy and seed, ``limits`` the ``IngestLimits`` fields.
+    ``RankerConfig`` default_policy and seed, ``limits`` the ``IngestLimits`` fields.
     """
     return log_meta(
         R.SOURCE_SERVE,

@@ -1,4 +1,4 @@
-"""Replay: rebuild the index from an event log by running the service's own Consumer and Router.
+"""Replay: rebuild the index from an event log by running the service's own Consumer and Ranker.
 
 Nothing here re-implements ingestion. Records are handed to the very methods the live service
 called, in the same order, with the registry's clock set to the record's time:
@@ -8,7 +8,7 @@ called, in the same order, with the registry's clock set to the record's time:
   ``on_replay_failed`` / ``on_snapshot`` (the answers the live repairer got, byte for byte);
 - ``timer`` -> ``Consumer.mark_stale`` / ``forget``, the machine's ``reconcile`` / ``give_up`` (the
   live timers' decisions);
-- ``route`` -> ``Router.commit`` / ``release`` (the live routing state changes).
+- ``route`` -> ``Ranker.commit`` / ``release`` (the live routing state changes).
 
 The consumer's repair requests go to ``LoggedRepair``, which does nothing: the answers are further
 down the log. A log from ``kvindex capture`` has no answers, so it is replayed with ``NoRepair``
@@ -39,7 +39,7 @@ from kvindex.ingest.limits import limits_from_meta
 from kvindex.instance import InstanceKey
 from kvindex.repair.machine import SNAPSHOT
 from kvindex.scoring.base import DECODE_ROLE, RouteRequest, prompt_length
-from kvindex.scoring.router import RouterConfig
+from kvindex.scoring.ranker import RankerConfig
 from kvindex.v1 import kvindex_pb2 as pb
 from kvindex.wire.reconcile import Snapshot
 from kvindex.wire.schema import TIER_NAMES
@@ -222,7 +222,7 @@ class Replayer:
         self.wall = self.start_wall
         self.repair = LoggedRepair() if self.exact else None
         router_meta = meta.get("router") or {}
-        config = RouterConfig()
+        config = RankerConfig()
         config.default_policy = router_meta.get("default_policy", config.default_policy)
         config.seed = int(router_meta.get("seed", config.seed))
         config.pick = str(router_meta.get("pick", config.pick))

@@ -49,7 +49,7 @@ from kvindex.routing_sync.messages import (
 )
 from kvindex.scoring.base import DECODE_ROLE, PREFILL_ROLE, Candidate, Policy, RouteRequest
 from kvindex.scoring.ledger import FINISHED, PREFILL
-from kvindex.scoring.router import Router
+from kvindex.scoring.ranker import Ranker
 from kvindex.wire.errors import WireError
 from kvindex.wire.subjects import WORKER_ID_RE
 
@@ -143,7 +143,7 @@ class _Peer:
 class RoutingSync:
     def __init__(
         self,
-        router: Router,
+        router: Ranker,
         config: SyncConfig | None = None,
         wall: Callable[[], float] = time.time,
         log: Any = None,
@@ -192,7 +192,7 @@ class RoutingSync:
             dp_rank,
             request.block_size,
             request.prompt_tokens,
-            0 if request.role == DECODE_ROLE else candidate.miss_tokens,  # as Router._commit
+            0 if request.role == DECODE_ROLE else candidate.miss_tokens,  # as Ranker._commit
             policy.name,
             DECODE_ROLE if request.role == DECODE_ROLE else PREFILL_ROLE,
             ttl,

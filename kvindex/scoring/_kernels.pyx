@@ -8,7 +8,7 @@ the cost model is kvindex/scoring/costs.py (``queued_now``, ``queue_ms``, ``pref
 ``est_ttft_ms``, ``weighted_cost``), the rendezvous weights are kvindex/scoring/home.py's.
 tests/unit/test_cost_forms.py compares every form on random inputs. Without a C compiler at install time
 the rankings use the numpy columns (kvindex/scoring/fleet_table.py, ``CandidatePool`` in
-kvindex/scoring/router.py) instead.
+kvindex/scoring/ranker.py) instead.
 """
 
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_GET_SIZE
@@ -109,7 +109,7 @@ def wait_rows(const double[::1] queued, const double[::1] status_at, const doubl
     return out
 
 
-# -- the ttft policy's best rows (kvindex/scoring/router.py, CandidatePool.rank_others) -------------
+# -- the ttft policy's best rows (kvindex/scoring/ranker.py, CandidatePool.rank_others) -------------
 
 cdef inline bint _before(double c1, double kv1, double ld1, long long r1,
                          double c2, double kv2, double ld2, long long r2) noexcept nogil:
@@ -279,14 +279,14 @@ def rank_grouped(const double[::1] wait, const double[::1] running, const unsign
     return low, waiting
 
 
-# -- a match group's rows (kvindex/scoring/router.py, Router._group_rows) ---------------------------
+# -- a match group's rows (kvindex/scoring/ranker.py, Ranker._group_rows) ---------------------------
 
 def mark_group_rows(const unsigned char[::1] masks, const long long[::1] slot_rows,
                     const unsigned char[::1] candidate, int[::1] group_of, int g):
     """``group_of[row] = g`` for the table row of every slot in ``masks`` (a MatchGroup's, one
     little-endian u64 per bank; ``slot_rows[slot]``: the row, -1 for none); returns how many of
     those rows are ``candidate``. One loop over the set bits instead of numpy passes over every
-    slot (kvindex/scoring/router.py, match groups)."""
+    slot (kvindex/scoring/ranker.py, match groups)."""
     cdef Py_ssize_t nb = masks.shape[0] // 8, b, n_slots = slot_rows.shape[0]
     cdef Py_ssize_t slot
     cdef uint64_t m

@@ -12,7 +12,7 @@ from kvindex.fleet.registry import InstanceState
 from kvindex.index.base import InstanceMatch
 
 if TYPE_CHECKING:
-    from kvindex.scoring.router import CandidatePool, Router
+    from kvindex.scoring.ranker import CandidatePool, Ranker
 
 PREFILL_ROLE = "prefill"  # also the default for unified (non-disaggregated) serving
 DECODE_ROLE = "decode"
@@ -90,11 +90,11 @@ class Policy(Protocol):
     # stored events arrive (seconds); 0 for policies that do not use the index.
     speculative_ttl: float
 
-    def rank(self, request: RouteRequest, candidates: list[Candidate], router: Router) -> list[Choice]:
+    def rank(self, request: RouteRequest, candidates: list[Candidate], router: Ranker) -> list[Choice]:
         """All candidates, best first."""
         ...
 
-    def on_commit(self, request: RouteRequest, instance: Candidate, router: Router) -> None:
+    def on_commit(self, request: RouteRequest, instance: Candidate, router: Ranker) -> None:
         """Called when a routing decision is committed (policies with memory update it here)."""
         ...
 
@@ -104,10 +104,10 @@ class PrunedPolicy(Policy, Protocol):
     """A policy that can rank a pruned pool: Score with ``top_k`` then builds candidates for the
     instances holding some of the prompt only and hands the others over as columns
     (``CandidatePool``), instead of a candidate per instance. The router checks for it once per
-    policy, when it is built (kvindex/scoring/router.py)."""
+    policy, when it is built (kvindex/scoring/ranker.py)."""
 
     def rank_top(
-        self, request: RouteRequest, pool: CandidatePool, router: Router, top_k: int
+        self, request: RouteRequest, pool: CandidatePool, router: Ranker, top_k: int
     ) -> list[Choice]:
         """The first ``top_k`` of ``rank`` over every candidate of ``pool``, the same choices."""
         ...

@@ -3,7 +3,7 @@ blocks from slower tiers, and the queue ahead of a request (docs/scoring.md has 
 
 This module is the definition. The rankings compute the same terms in three more forms, each
 repeating these float64 operations in the same order so that every form gives bit-identical values:
-inline in ``Router.candidates``' per-instance loop (kvindex/scoring/router.py), as numpy columns over
+inline in ``Ranker.candidates``' per-instance loop (kvindex/scoring/ranker.py), as numpy columns over
 a fleet's rows (``fleet_table.wait_columns``, ``CandidatePool``'s columns) and as native loops over
 those columns (kvindex/scoring/_kernels.pyx). tests/unit/test_cost_forms.py compares every form with
 these functions on random inputs; a change here is a change to all of them.

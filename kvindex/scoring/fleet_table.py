@@ -7,9 +7,9 @@ changes: the registry and the ledger report which instances changed (``Registry.
 ``Ledger.watch``) and ``refresh`` rewrites just those rows before the next ranking. A ranking then
 builds full ``Candidate`` objects only for the instances that hold some of the prompt and for the
 few best others, and selects those others with a handful of vector operations instead of a Python
-object per instance (router.py, ``Router.score`` with ``top_k``).
+object per instance (ranker.py, ``Ranker.score`` with ``top_k``).
 
-The vector formulas repeat kvindex/scoring/costs.py (as ``Router.candidates`` inlines it) operation
+The vector formulas repeat kvindex/scoring/costs.py (as ``Ranker.candidates`` inlines it) operation
 for operation in float64, so a value computed here is bit-identical to the scalar one
 (tests/unit/test_cost_forms.py compares the forms on random inputs,
 tests/unit/test_pruned_ranking.py the rankings against the exhaustive path over random fleets).
@@ -251,7 +251,7 @@ class ModelTable:
     def waits(
         self, now: float, b_ms: float, step_ms: float, chunk: int, dps: float, drain_rate: float
     ) -> np.ndarray:
-        """Per row, ``Router.candidates``' wait (queue_ms of the reported queue drained until ``now``,
+        """Per row, ``Ranker.candidates``' wait (queue_ms of the reported queue drained until ``now``,
         plus what was routed since), with the same float64 operations, hence bit-identical.
 
         Kept across calls: a row's value changes only when the row is written or while its

@@ -83,7 +83,7 @@ class Prediction:
     removals: int = 0  # the instance's InstanceState.removals at the decision
     # Requests ahead of it on the instance at the decision whose prefill was not done (the ledger's,
     # and the waiting ones its last heartbeat reported): its TTFT then includes batching with
-    # them, so its report is no prefill sample (Router._calibrate).
+    # them, so its report is no prefill sample (Ranker._calibrate).
     prefills_ahead: int = 0
 
     @property

@@ -1,6 +1,6 @@
 """The pick: which of a ranking's candidates a request is sent to, applied after the ranking.
 
-A policy ranks (``Router.score``); the pick turns the ranking into a probability per candidate and
+A policy ranks (``Ranker.score``); the pick turns the ranking into a probability per candidate and
 draws one. ``best`` is the policy's first choice (deterministic). ``softmax`` spreads requests over
 the candidates whose estimated TTFT is close to it:
 

@@ -38,7 +38,7 @@ from kvindex.routing_sync.metrics import SyncCollector
 from kvindex.routing_sync.nats_link import NatsRoutingLink
 from kvindex.routing_sync.sync import RoutingSync, SyncConfig
 from kvindex.scoring.admission import AdmissionConfig, ObjectiveDefaults
-from kvindex.scoring.router import RouterConfig
+from kvindex.scoring.ranker import RankerConfig
 from kvindex.security import ServerSecurity
 from kvindex.service.calibration_store import CalibrationStore
 from kvindex.service.natsd import EmbeddedNats
@@ -65,7 +65,7 @@ class ServiceConfig:
     repair: RepairConfig = field(default_factory=RepairConfig)
     liveness: LivenessConfig = field(default_factory=LivenessConfig)  # stale / forgotten instances
     jetstream: JetStreamConfig | None = None  # None: core NATS (default)
-    router: RouterConfig = field(default_factory=RouterConfig)
+    router: RankerConfig = field(default_factory=RankerConfig)
     capture: CaptureConfig | None = None  # tee what the consumer sees into an event log
     limits: IngestLimits = field(default_factory=IngestLimits)
     grpc_security: ServerSecurity | None = None  # TLS / mutual TLS / token; None: plaintext, open

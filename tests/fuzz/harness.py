@@ -45,7 +45,7 @@ from kvindex.ingest.limits import INSTANCE_LIMIT, LIMIT_REASONS, MODEL_LIMIT, In
 from kvindex.keys import block_keys
 from kvindex.observability.counters import IngestCounters
 from kvindex.repair.nats_repair import _assemble, _Parts, _Trim
-from kvindex.scoring.router import Router
+from kvindex.scoring.ranker import Ranker
 from kvindex.tokenize import Tokenizers
 from kvindex.v1 import kvindex_pb2 as pb
 from kvindex.wire import encode_batch, encode_heartbeat
@@ -307,7 +307,7 @@ def grpc_target(data: bytes) -> None:
     if not data:
         return
     c = world()
-    router = Router(c.index, c.registry)
+    router = Ranker(c.index, c.registry)
     servicer = KvIndexServicer(c.index, c.registry, IngestCounters(), None, router, _fuzz_tokenizers())
     name, cls = _REQUESTS[data[0] % len(_REQUESTS)]
     try:

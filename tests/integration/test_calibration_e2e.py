@@ -17,7 +17,7 @@ import pytest
 
 from kvindex.cli import main
 from kvindex.scoring.costs import CostConfig, PrefillModel
-from kvindex.scoring.router import RouterConfig
+from kvindex.scoring.ranker import RankerConfig
 from kvindex.service.app import IndexService, ServiceConfig
 from kvindex.service.natsd import EmbeddedNats
 from kvindex.v1 import kvindex_pb2 as pb
@@ -145,7 +145,7 @@ async def test_calibration_off_keeps_the_default_model(engine: FakeEngine) -> No
         nats_url=natsd.url,
         grpc_host="127.0.0.1",
         grpc_port=0,
-        router=RouterConfig(costs=CostConfig(calibrate=False)),
+        router=RankerConfig(costs=CostConfig(calibrate=False)),
     )
     service = IndexService(cfg)
     await service.start()

@@ -16,7 +16,7 @@ from kvindex.scoring.base import RouteRequest
 from kvindex.scoring.calibration import DEFAULT, OWN, SHARED, Calibrator, ModelCalibration
 from kvindex.scoring.costs import DEFAULT_PREFILL, PrefillModel
 from kvindex.scoring.outcomes import Report
-from kvindex.scoring.router import Router, RouterConfig
+from kvindex.scoring.ranker import Ranker, RankerConfig
 from workers_shim.bridges.engines import SGLANG, VLLM
 from workers_shim.bridges.load import LoadReader, PrefillSampler, parse_samples
 
@@ -162,7 +162,7 @@ def test_persisted_and_replayed_state_picks_the_same_models() -> None:
     assert old.samples == 120 and not old.accepted and old.model() == DEFAULT_PREFILL
 
 
-def fleet_router(workers: tuple[str, ...], prune_min_instances: int = 128) -> Router:
+def fleet_router(workers: tuple[str, ...], prune_min_instances: int = 128) -> Ranker:
     registry = Registry()
     index = InvertedIndex()
     for w in workers:
@@ -171,7 +171,7 @@ def fleet_router(workers: tuple[str, ...], prune_min_instances: int = 128) -> Ro
         state.last_heartbeat_at = registry.clock()
         state.capacity = {0: 10_000}
         state.local_blocks_seen = True
-    return Router(index, registry, config=RouterConfig(prune_min_instances=prune_min_instances))
+    return Ranker(index, registry, config=RankerConfig(prune_min_instances=prune_min_instances))
 
 
 def test_the_ranking_prices_an_instance_with_its_own_model() -> None:

@@ -8,7 +8,7 @@ from benchmarks.routing_sim import Cluster, Simulation
 from kvindex.capture import records as R
 from kvindex.capture.replay import LoggedRepair, Replayer
 from kvindex.core import Core, CoreConfig, build_core
-from kvindex.scoring.router import RouterConfig
+from kvindex.scoring.ranker import RankerConfig
 from kvindex.service.app import IndexService, ServiceConfig
 
 KEY = ("w0", 0)
@@ -62,7 +62,7 @@ def test_service_replay_and_simulation_build_the_same_core() -> None:
 
 
 def test_several_routers_are_each_told_of_repair_changes() -> None:
-    core = build_core(CoreConfig(router=RouterConfig(seed=3), routers=2))
+    core = build_core(CoreConfig(router=RankerConfig(seed=3), routers=2))
     assert_assembled(core)
     state = core.registry.add(KEY, "m", 16)
     state.repair_failed = True  # a repair gave up: the instance is degraded everywhere

@@ -1,5 +1,5 @@
 """One cost model, four forms, bit-identical: the scalar definition (kvindex/scoring/costs.py), its
-inline form in ``Router.candidates``, the numpy columns (``fleet_table.wait_columns``,
+inline form in ``Ranker.candidates``, the numpy columns (``fleet_table.wait_columns``,
 ``CandidatePool``'s wait / prefill / est / cost and its selection) and the native kernels
 (kvindex/scoring/_kernels.pyx), compared on random fleets, engine shapes and prefill models."""
 
@@ -29,7 +29,7 @@ from kvindex.scoring.costs import (
     weighted_cost,
 )
 from kvindex.scoring.fleet_table import wait_columns
-from kvindex.scoring.router import CandidatePool, Router, RouterConfig
+from kvindex.scoring.ranker import CandidatePool, Ranker, RankerConfig
 from kvindex.wire.schema import CPU, DISK, GPU, SHARED, Load
 
 MODEL = "m"
@@ -39,7 +39,7 @@ BS = 16
 def test_the_rankings_use_the_native_kernels() -> None:
     """Built (the import above) and picked up by the modules that rank with them."""
     from kvindex.scoring import fleet_table
-    from kvindex.scoring import router as router_module
+    from kvindex.scoring import ranker as router_module
 
     assert fleet_table._native_waits is _kernels.wait_rows
     assert fleet_table._native_weights is _kernels.rendezvous_weights
@@ -65,7 +65,7 @@ def _same(a: float, b: float) -> bool:
     return _bits(a) == _bits(b)
 
 
-def _build(rng: random.Random) -> tuple[Router, RouteRequest, Clock]:
+def _build(rng: random.Random) -> tuple[Ranker, RouteRequest, Clock]:
     clock = Clock()
     shape = EngineShape(
         chunk_tokens=rng.choice([1, 7, 512, 2048, 8192, 16384]),
@@ -85,10 +85,10 @@ def _build(rng: random.Random) -> tuple[Router, RouteRequest, Clock]:
         drain_reported_queue=rng.random() < 0.8,
         calibrate=False,
     )
-    config = RouterConfig(costs=costs, prune_min_instances=0, group_min_instances=rng.choice([0, 2, 1000]))
+    config = RankerConfig(costs=costs, prune_min_instances=0, group_min_instances=rng.choice([0, 2, 1000]))
     index = InvertedIndex()
     registry = Registry(clock=clock)
-    router = Router(index, registry, config=config, clock=clock)
+    router = Ranker(index, registry, config=config, clock=clock)
     router.tables  # noqa: B018 - watching before the fleet is built, as a server does
     system = [rng.getrandbits(64) for _ in range(rng.randint(0, 12))]
     tail = [rng.getrandbits(64) for _ in range(rng.randint(0, 12))]
@@ -127,7 +127,7 @@ def _build(rng: random.Random) -> tuple[Router, RouteRequest, Clock]:
 
 
 def _scalar(
-    router: Router, state: InstanceState, prompt: int, miss: int, by_tier: tuple[int, int, int, int]
+    router: Ranker, state: InstanceState, prompt: int, miss: int, by_tier: tuple[int, int, int, int]
 ) -> tuple[float, float, float]:
     """(wait, prefill, fetch) of the instance by the definitions in costs.py."""
     costs = router.config.costs
@@ -167,7 +167,7 @@ def test_every_form_of_the_cost_model_agrees_bit_for_bit(seed: int, k: float) ->
     prompt = request.prompt_tokens
     states = router.registry.routable(MODEL, None)
 
-    # The inline form (Router.candidates) against the definition, instance by instance.
+    # The inline form (Ranker.candidates) against the definition, instance by instance.
     for cand in router.candidates(request, states, 0.0):
         wait, prefill, fetch = _scalar(router, cand.state, prompt, cand.miss_tokens, cand.tokens_by_tier)
         assert _same(cand.wait_ms, wait), (cand.state.key, cand.wait_ms, wait)

@@ -239,7 +239,7 @@ def test_layer_check_catches_an_upward_import() -> None:
     # The sequencer (layer 2) importing scoring, in each form, is caught; importing the wire is not.
     source = """
 from kvindex.wire.schema import GPU
-from kvindex.scoring.router import Router
+from kvindex.scoring.ranker import Ranker
 from kvindex import scoring
 import kvindex.api.servicer
 from ..scoring import base

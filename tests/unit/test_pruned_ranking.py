@@ -1,4 +1,4 @@
-"""Pruned rankings (Router.score with top_k: holders + the best few others) give the same first
+"""Pruned rankings (Ranker.score with top_k: holders + the best few others) give the same first
 top_k as the exhaustive ranking of every instance, over random fleets."""
 
 from __future__ import annotations
@@ -15,11 +15,11 @@ from hypothesis import strategies as st
 from kvindex.fleet.registry import Registry
 from kvindex.index import InvertedIndex, _pytable
 from kvindex.scoring import fleet_table
-from kvindex.scoring import router as router_module
+from kvindex.scoring import ranker as router_module
 from kvindex.scoring.base import Choice, RouteRequest
 from kvindex.scoring.fleet_table import median_of, rendezvous_weights, smallest
 from kvindex.scoring.policies import POLICY_CLASSES, POLICY_NAMES
-from kvindex.scoring.router import Router, RouterConfig
+from kvindex.scoring.ranker import Ranker, RankerConfig
 from kvindex.wire.schema import CPU, DISK, GPU, SHARED, Load
 
 MODEL = "m"
@@ -52,12 +52,12 @@ def _view(choices: list[Choice]) -> list[tuple]:
     ]
 
 
-def _policy_state(router: Router, name: str) -> tuple:
+def _policy_state(router: Ranker, name: str) -> tuple:
     p = router.policies[name]
     return tuple(getattr(p, a) for a in ("_k", "_k_at") if hasattr(p, a))
 
 
-def _restore(router: Router, name: str, saved: tuple) -> None:
+def _restore(router: Ranker, name: str, saved: tuple) -> None:
     p = router.policies[name]
     if saved:
         p._k, p._k_at = saved  # type: ignore[attr-defined]
@@ -70,15 +70,15 @@ def build_fleet(
     backend: str,
     all_routable: bool = False,
     shared: bool = False,
-) -> tuple[Router, list[list[int]], Clock]:
+) -> tuple[Ranker, list[list[int]], Clock]:
     """``shared``: the prompts start with one system prompt that most instances hold (on the GPU,
     or partly on other tiers, or a shorter part of it), and 1-4 instances hold each prompt deeper:
     the pruned rankings see match groups (ranked by columns) besides single holders."""
     clock = Clock()
     index = InvertedIndex(_pytable if backend == "python" else None)
     registry = Registry(clock=clock)
-    config = RouterConfig(prune_min_instances=0, group_min_instances=rng.choice([0, 1, 3, 16]))
-    router = Router(index, registry, config=config, clock=clock)
+    config = RankerConfig(prune_min_instances=0, group_min_instances=rng.choice([0, 1, 3, 16]))
+    router = Ranker(index, registry, config=config, clock=clock)
     router.tables  # noqa: B018 - start watching before the fleet is built, as a server would
     system = [rng.getrandbits(64) for _ in range(rng.randint(1, 24))] if shared else []
     prompts = [
@@ -134,7 +134,7 @@ def build_fleet(
     return router, prompts, clock
 
 
-def _requests(rng: random.Random, router: Router, prompts: list[list[int]]) -> list[RouteRequest]:
+def _requests(rng: random.Random, router: Ranker, prompts: list[list[int]]) -> list[RouteRequest]:
     out = []
     for j, keys in enumerate(prompts):
         tokens = len(keys) * BS + rng.choice([0, 0, 7])
@@ -142,7 +142,7 @@ def _requests(rng: random.Random, router: Router, prompts: list[list[int]]) -> l
     return out
 
 
-def _check(router: Router, name: str, req: RouteRequest, candidates: list[str] | None, top_k: int) -> None:
+def _check(router: Ranker, name: str, req: RouteRequest, candidates: list[str] | None, top_k: int) -> None:
     saved = _policy_state(router, name)
     full = router.score(req, candidates, name).choices
     after_full = _policy_state(router, name)
@@ -167,7 +167,7 @@ def _natives(backend: str) -> Iterator[None]:
 
 
 def _exercise(
-    rng: random.Random, router: Router, prompts: list[list[int]], clock: Clock, top_ks: list[int]
+    rng: random.Random, router: Ranker, prompts: list[list[int]], clock: Clock, top_ks: list[int]
 ) -> None:
     registry = router.registry
     states = registry.all()
@@ -328,7 +328,7 @@ def test_a_heartbeat_that_moves_only_its_time_refreshes_a_draining_wait(backend:
         clock = Clock()
         index = InvertedIndex(_pytable if backend == "python" else None)
         registry = Registry(clock=clock)
-        router = Router(index, registry, config=RouterConfig(prune_min_instances=0), clock=clock)
+        router = Ranker(index, registry, config=RankerConfig(prune_min_instances=0), clock=clock)
         router.tables  # noqa: B018 - watching before the fleet is built
         states = []
         for i in range(200):

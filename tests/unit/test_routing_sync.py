@@ -22,7 +22,7 @@ from kvindex.routing_sync.messages import (
 from kvindex.routing_sync.sync import RoutingSync, SyncConfig, check_replica_id, default_replica_id
 from kvindex.scoring.base import RouteRequest
 from kvindex.scoring.home import home_block
-from kvindex.scoring.router import Router
+from kvindex.scoring.ranker import Ranker
 from kvindex.wire.errors import (
     BAD_TYPE,
     BAD_VALUE,
@@ -43,7 +43,7 @@ class Pair:
 
     def __init__(self, n: int = 8, sync: bool = True) -> None:
         self.a, self.index, self.registry, self.clock = fleet(n)
-        self.b = Router(self.index, self.registry, clock=self.clock)
+        self.b = Ranker(self.index, self.registry, clock=self.clock)
         self.sync = sync
         self.wall = Clock()
         self.sa = RoutingSync(self.a, SyncConfig(replica_id="a"), wall=self.wall)
@@ -312,7 +312,7 @@ def test_replica_ids_follow_the_subject_rule() -> None:
 def test_a_replica_given_anothers_id_is_still_applied() -> None:
     """Two processes given the same --replica-id: told apart by their epochs (and logged)."""
     a, index, registry, clock = fleet(2)
-    b = Router(index, registry, clock=clock)
+    b = Ranker(index, registry, clock=clock)
     sa, sb = RoutingSync(a, SyncConfig(replica_id="same")), RoutingSync(b, SyncConfig(replica_id="same"))
     sb.epoch = sa.epoch + 1
     a.observer = sa
@@ -334,7 +334,7 @@ def _burst(
 
 
 def _copies(
-    routers: list[Router], clock: Clock, requests: list[tuple[int, list[int]]], pair: Pair | None
+    routers: list[Ranker], clock: Clock, requests: list[tuple[int, list[int]]], pair: Pair | None
 ) -> list[int]:
     placed: dict[int, set[tuple[str, int]]] = {}
     for i, (p, keys) in enumerate(requests):

@@ -16,7 +16,7 @@ from kvindex.scoring.costs import EngineShape, FetchCosts, KvProfile, PrefillMod
 from kvindex.scoring.home import home_block, rendezvous_order
 from kvindex.scoring.ledger import Ledger, SpeculativeKeys
 from kvindex.scoring.policies import POLICY_NAMES
-from kvindex.scoring.router import Router, RouterConfig
+from kvindex.scoring.ranker import Ranker, RankerConfig
 from kvindex.wire.schema import GPU, Load
 
 MODEL = "m"
@@ -31,7 +31,7 @@ class Clock:
         return self.t
 
 
-def fleet(n: int, clock: Clock | None = None) -> tuple[Router, InvertedIndex, Registry, Clock]:
+def fleet(n: int, clock: Clock | None = None) -> tuple[Ranker, InvertedIndex, Registry, Clock]:
     clock = clock or Clock()
     index = InvertedIndex()
     registry = Registry(clock=clock)
@@ -42,7 +42,7 @@ def fleet(n: int, clock: Clock | None = None) -> tuple[Router, InvertedIndex, Re
         state.last_heartbeat_at = clock.t
         state.capacity = {GPU: 10_000}
         state.local_blocks_seen = True
-    return Router(index, registry, clock=clock), index, registry, clock
+    return Ranker(index, registry, clock=clock), index, registry, clock
 
 
 def prompt(n_blocks: int, seed: int = 0) -> list[int]:
@@ -281,7 +281,7 @@ def test_loadaware_formula() -> None:
 
 def test_unknown_default_policy_is_refused() -> None:
     with pytest.raises(ValueError):
-        Router(InvertedIndex(), Registry(), config=RouterConfig(default_policy="nope"))
+        Ranker(InvertedIndex(), Registry(), config=RankerConfig(default_policy="nope"))
 
 
 # -- properties ------------------------------------------------------------------------------------
@@ -290,11 +290,11 @@ loads = st.lists(st.integers(0, 200_000), min_size=4, max_size=4)
 overlaps = st.lists(st.integers(0, 64), min_size=4, max_size=4)
 
 
-def _rank_of(router: Router, keys: list[int], worker: str) -> int:
+def _rank_of(router: Ranker, keys: list[int], worker: str) -> int:
     return [c.candidate.state.worker for c in router.score(request(keys)).choices].index(worker)
 
 
-def _setup(queue: list[int], overlap: list[int], keys: list[int]) -> tuple[Router, InvertedIndex, Registry]:
+def _setup(queue: list[int], overlap: list[int], keys: list[int]) -> tuple[Ranker, InvertedIndex, Registry]:
     router, index, registry, _clock = fleet(4)
     for i in range(4):
         index.store((f"w{i}", 0), 0, keys[: overlap[i]])

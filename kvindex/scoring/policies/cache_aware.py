@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 from kvindex.scoring.base import Candidate, Choice, RouteRequest
 
 if TYPE_CHECKING:
-    from kvindex.scoring.router import Router
+    from kvindex.scoring.ranker import Ranker
 
 
 class CacheAware:
@@ -52,7 +52,7 @@ class CacheAware:
             n += 1
         return n
 
-    def rank(self, request: RouteRequest, candidates: list[Candidate], router: Router) -> list[Choice]:
+    def rank(self, request: RouteRequest, candidates: list[Candidate], router: Ranker) -> list[Choice]:
         least = sorted(candidates, key=lambda c: (c.inflight, c.state.key))
         loads = [c.inflight for c in candidates]
         hi, lo = max(loads), min(loads)
@@ -71,7 +71,7 @@ class CacheAware:
                 ]
         return [Choice(c, float(i), "least_loaded" if i == 0 else "") for i, c in enumerate(least)]
 
-    def on_commit(self, request: RouteRequest, instance: Candidate, router: Router) -> None:
+    def on_commit(self, request: RouteRequest, instance: Candidate, router: Ranker) -> None:
         tree = self._trees.setdefault(instance.state.key, OrderedDict())
         for key in request.keys:
             tree[key] = None

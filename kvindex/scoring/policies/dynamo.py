@@ -18,7 +18,7 @@ from kvindex.scoring.base import Candidate, Choice, RouteRequest
 from kvindex.wire.schema import GPU
 
 if TYPE_CHECKING:
-    from kvindex.scoring.router import Router
+    from kvindex.scoring.ranker import Ranker
 
 TIER_CREDIT = (1.0, 0.75, 0.25, 0.25)
 
@@ -31,7 +31,7 @@ class Dynamo:
     def __init__(self, prefill_weight: float = 1.0) -> None:
         self.w = prefill_weight
 
-    def rank(self, request: RouteRequest, candidates: list[Candidate], router: Router) -> list[Choice]:
+    def rank(self, request: RouteRequest, candidates: list[Candidate], router: Ranker) -> list[Choice]:
         b = request.block_size
         out = []
         for c in candidates:
@@ -46,5 +46,5 @@ class Dynamo:
         out.sort(key=lambda x: (x[0], x[1], x[2]))
         return [Choice(c, cost) for cost, _tree, _key, c in out]
 
-    def on_commit(self, request: RouteRequest, instance: Candidate, router: Router) -> None:
+    def on_commit(self, request: RouteRequest, instance: Candidate, router: Ranker) -> None:
         return None

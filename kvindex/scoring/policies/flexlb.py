@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 from kvindex.scoring.base import Candidate, Choice, RouteRequest
 
 if TYPE_CHECKING:
-    from kvindex.scoring.router import Router
+    from kvindex.scoring.ranker import Ranker
 
 
 def _predict(miss: float, hit: float) -> float:
@@ -29,7 +29,7 @@ class FlexLB:
     cost_unit = "ms"
     speculative_ttl = 0.0
 
-    def rank(self, request: RouteRequest, candidates: list[Candidate], router: Router) -> list[Choice]:
+    def rank(self, request: RouteRequest, candidates: list[Candidate], router: Ranker) -> list[Choice]:
         now = router.clock()
         rows = []
         for c in candidates:
@@ -55,5 +55,5 @@ class FlexLB:
         rest = sorted((r for r in rows if r is not pick), key=lambda r: (r[1], r[0].state.key))
         return [Choice(pick[0], pick[1], "near_min")] + [Choice(r[0], r[1]) for r in rest]
 
-    def on_commit(self, request: RouteRequest, instance: Candidate, router: Router) -> None:
+    def on_commit(self, request: RouteRequest, instance: Candidate, router: Ranker) -> None:
         return None

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 from kvindex.scoring.base import Candidate, Choice, RouteRequest
 
 if TYPE_CHECKING:
-    from kvindex.scoring.router import CandidatePool, Router
+    from kvindex.scoring.ranker import CandidatePool, Ranker
 
 
 class KvAware:
@@ -19,16 +19,16 @@ class KvAware:
     cost_unit = "-matched_tokens"
     speculative_ttl = 0.0
 
-    def rank(self, request: RouteRequest, candidates: list[Candidate], router: Router) -> list[Choice]:
+    def rank(self, request: RouteRequest, candidates: list[Candidate], router: Ranker) -> list[Choice]:
         ordered = sorted(candidates, key=lambda c: (-c.hit_tokens, c.load, c.state.key))
         return [Choice(c, -c.hit_tokens) for c in ordered]
 
     def rank_top(
-        self, request: RouteRequest, pool: CandidatePool, router: Router, top_k: int
+        self, request: RouteRequest, pool: CandidatePool, router: Ranker, top_k: int
     ) -> list[Choice]:
         """``rank``'s first ``top_k``: the others match nothing, so they follow by load."""
         top = pool.top([pool.load], lambda c: (-c.hit_tokens, c.load, c.state.key), top_k)
         return [Choice(c, -c.hit_tokens) for c in top]
 
-    def on_commit(self, request: RouteRequest, instance: Candidate, router: Router) -> None:
+    def on_commit(self, request: RouteRequest, instance: Candidate, router: Ranker) -> None:
         return None

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 from kvindex.scoring.base import Candidate, Choice, RouteRequest
 
 if TYPE_CHECKING:
-    from kvindex.scoring.router import Router
+    from kvindex.scoring.ranker import Ranker
 
 
 class PowerOfTwo:
@@ -16,12 +16,12 @@ class PowerOfTwo:
     cost_unit = "requests"
     speculative_ttl = 0.0
 
-    def rank(self, request: RouteRequest, candidates: list[Candidate], router: Router) -> list[Choice]:
+    def rank(self, request: RouteRequest, candidates: list[Candidate], router: Ranker) -> list[Choice]:
         ordered = sorted(candidates, key=lambda c: c.state.key)
         pair = router.rng.sample(ordered, min(2, len(ordered)))
         pair.sort(key=lambda c: (c.load, c.state.key))
         rest = sorted((c for c in ordered if c not in pair), key=lambda c: (c.load, c.state.key))
         return [Choice(c, float(c.load)) for c in pair + rest]
 
-    def on_commit(self, request: RouteRequest, instance: Candidate, router: Router) -> None:
+    def on_commit(self, request: RouteRequest, instance: Candidate, router: Ranker) -> None:
         return None

@@ -20,7 +20,7 @@ from kvindex.scoring.base import Candidate, Choice, RouteRequest
 from kvindex.wire.schema import GPU
 
 if TYPE_CHECKING:
-    from kvindex.scoring.router import Router
+    from kvindex.scoring.ranker import Ranker
 
 
 class Preble:
@@ -42,7 +42,7 @@ class Preble:
             recent.popleft()
         return sum(cost for _t, cost in recent)
 
-    def rank(self, request: RouteRequest, candidates: list[Candidate], router: Router) -> list[Choice]:
+    def rank(self, request: RouteRequest, candidates: list[Candidate], router: Ranker) -> list[Choice]:
         now = router.clock()
         longest = max(c.hit_tokens for c in candidates)
         if request.prompt_tokens and longest / request.prompt_tokens > self.threshold:
@@ -66,7 +66,7 @@ class Preble:
             out.append(Choice(c, self._window_cost(state.key, now) + c.prefill_ms + eviction))
         return sorted(out, key=lambda ch: (ch.cost, ch.candidate.state.key))
 
-    def on_commit(self, request: RouteRequest, instance: Candidate, router: Router) -> None:
+    def on_commit(self, request: RouteRequest, instance: Candidate, router: Ranker) -> None:
         self._recent.setdefault(instance.state.key, deque()).append(
             (router.clock(), instance.prefill_ms + self.decode_ms)
         )

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 from kvindex.scoring.base import Candidate, Choice, RouteRequest
 
 if TYPE_CHECKING:
-    from kvindex.scoring.router import Router
+    from kvindex.scoring.ranker import Ranker
 
 
 class RoundRobin:
@@ -18,11 +18,11 @@ class RoundRobin:
     def __init__(self) -> None:
         self._next: dict[str, int] = {}
 
-    def rank(self, request: RouteRequest, candidates: list[Candidate], router: Router) -> list[Choice]:
+    def rank(self, request: RouteRequest, candidates: list[Candidate], router: Ranker) -> list[Choice]:
         ordered = sorted(candidates, key=lambda c: c.state.key)
         start = self._next.get(request.model, 0) % len(ordered)
         rotated = ordered[start:] + ordered[:start]
         return [Choice(c, float(i)) for i, c in enumerate(rotated)]
 
-    def on_commit(self, request: RouteRequest, instance: Candidate, router: Router) -> None:
+    def on_commit(self, request: RouteRequest, instance: Candidate, router: Ranker) -> None:
         self._next[request.model] = self._next.get(request.model, 0) + 1

@@ -1,7 +1,7 @@
 """``ttft`` (ours): lowest estimated time to first token, with stable homes and bounded spread.
 
 est_ttft_i = wait_i + prefill_i(miss_i, L) + fetch_i  (kvindex/scoring/costs.py defines the parts and
-the weighted cost below, kvindex/scoring/router.py computes them; docs/scoring.md explains them; the
+the weighted cost below, kvindex/scoring/ranker.py computes them; docs/scoring.md explains them; the
 sums here are costs.est_ttft_ms and costs.weighted_cost, inline). Placement rules on top of the estimate:
 
 - Cold prompt (no instance holds ``useful_tokens`` of it, or half of a shorter one): go to the
@@ -32,7 +32,7 @@ from kvindex.scoring.fleet_table import median_of
 from kvindex.scoring.home import home_block, rendezvous_order
 
 if TYPE_CHECKING:
-    from kvindex.scoring.router import CandidatePool, Router
+    from kvindex.scoring.ranker import CandidatePool, Ranker
 
 
 class Ttft:
@@ -73,7 +73,7 @@ class Ttft:
         # Recent requests per home prefix (exponentially decayed): how hot a prefix is.
         self._hot: OrderedDict[int, tuple[float, float]] = OrderedDict()
 
-    def rank(self, request: RouteRequest, candidates: list[Candidate], router: Router) -> list[Choice]:
+    def rank(self, request: RouteRequest, candidates: list[Candidate], router: Ranker) -> list[Choice]:
         est = [c.wait_ms + c.prefill_ms + c.fetch_ms for c in candidates]  # Candidate.est_ttft_ms
         costs = est
         if self.congestion:
@@ -158,9 +158,9 @@ class Ttft:
         return k
 
     def rank_top(
-        self, request: RouteRequest, pool: CandidatePool, router: Router, top_k: int
+        self, request: RouteRequest, pool: CandidatePool, router: Ranker, top_k: int
     ) -> list[Choice]:
-        """The first ``top_k`` of ``rank`` without a candidate per instance (Router.score).
+        """The first ``top_k`` of ``rank`` without a candidate per instance (Ranker.score).
 
         Only the prompt's holders are full candidates; the others hold nothing, so they are ranked by
         their own columns (pool) and only the best ``top_k`` of them, and a rendezvous home when the
@@ -298,7 +298,7 @@ class Ttft:
         count, at = entry
         return count * 0.5 ** ((now - at) / self.hot_half_life)
 
-    def on_commit(self, request: RouteRequest, instance: Candidate, router: Router) -> None:
+    def on_commit(self, request: RouteRequest, instance: Candidate, router: Ranker) -> None:
         keys = request.keys
         if not keys:
             return

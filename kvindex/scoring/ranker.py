@@ -50,7 +50,7 @@ from kvindex.scoring.policies import make_policies
 
 
 @dataclass
-class RouterConfig:
+class RankerConfig:
     costs: CostConfig = field(default_factory=CostConfig)
     default_policy: str = "ttft"
     ledger_ttl: float = 300.0  # seconds before an unreleased request is forgotten
@@ -59,7 +59,7 @@ class RouterConfig:
     # their capacity in blocks when they announce none (kvindex/scoring/approximate.py).
     predicted_ttl: float = 120.0
     predicted_capacity: int = 8192
-    # Score with top_k ranks only the holders and the best few others (Router.pool) from this many
+    # Score with top_k ranks only the holders and the best few others (Ranker.pool) from this many
     # instances of the model on; below it the full ranking is as cheap (0: always prune).
     prune_min_instances: int = 128
     # The pick after the ranking (kvindex/scoring/pick.py): "best" (the policy's first choice) or
@@ -96,20 +96,20 @@ class ScoreResult:
     pick: PickResult | None = None  # how choices[0] was drawn; None: the policy's first, no draw
 
 
-class Router:
+class Ranker:
     def __init__(
         self,
         index: KvBlockIndex,
         registry: Registry,
         calibrator: Calibrator | None = None,
-        config: RouterConfig | None = None,
+        config: RankerConfig | None = None,
         clock: Callable[[], float] | None = None,
         policy_options: dict[str, dict] | None = None,
         on_degraded: Callable[[InstanceKey], None] | None = None,
     ) -> None:
         self.index = index
         self.registry = registry
-        self.config = config or RouterConfig()
+        self.config = config or RankerConfig()
         self.clock = clock or registry.clock
         costs = self.config.costs
         self.calibrator = calibrator or Calibrator(costs.default_prefill, learn=costs.calibrate)
@@ -597,19 +597,19 @@ class CandidatePool:
 
     ``explicit`` are full candidates: the routable instances that hold some of the prompt, except
     the members of large match groups. The others are ranked through per-row columns: those that
-    hold nothing of it (group 0: ``Router.candidates`` with no match) and the members of each match
+    hold nothing of it (group 0: ``Ranker.candidates`` with no match) and the members of each match
     group g >= 1 (``groups[g - 1]``: many instances with one answer of the index, such as a
     fleet-wide system prompt), whose terms differ from group 0's only by constants of the answer
     (``templates``: one candidate per group, of which only the match's terms are read). ``wait``,
     ``prefill``, ``fetch`` and the costs per table row are kvindex/scoring/costs.py's terms as
     columns: the same float64 operations in the same order, hence bit-identical to
-    ``Router.candidates`` (tests/unit/test_cost_forms.py). ``materialize`` turns rows into full
-    candidates through ``Router.candidates`` itself.
+    ``Ranker.candidates`` (tests/unit/test_cost_forms.py). ``materialize`` turns rows into full
+    candidates through ``Ranker.candidates`` itself.
     """
 
     def __init__(
         self,
-        router: Router,
+        router: Ranker,
         request: RouteRequest,
         table: ModelTable,
         mask: np.ndarray,
@@ -657,7 +657,7 @@ class CandidatePool:
     @cached_property
     def group_counts(self) -> list[int]:
         """Per group (0: no match), how many of the request's candidates are in it (not explicit;
-        Router.pool sets it from the rows it marked)."""
+        Ranker.pool sets it from the rows it marked)."""
         if self.group_of is None:
             return [self.count - len(self.explicit)]
         return np.bincount(self.group_of[self.rest_rows], minlength=len(self.groups) + 1).tolist()
@@ -681,7 +681,7 @@ class CandidatePool:
 
     @cached_property
     def wait(self) -> np.ndarray:
-        """Router.candidates' wait per row (the table's cache: do not modify)."""
+        """Ranker.candidates' wait per row (the table's cache: do not modify)."""
         router = self.router
         model = router.calibrator.prefill(self.request.model)
         costs = router.config.costs
@@ -696,14 +696,14 @@ class CandidatePool:
         )[: self.table.n]
 
     def _prefill_terms(self, miss: int) -> tuple[float, float]:
-        """(a, b) with Router.candidates' prefill = a * running + b for a miss of ``miss`` tokens
+        """(a, b) with Ranker.candidates' prefill = a * running + b for a miss of ``miss`` tokens
         (costs.prefill_terms)."""
         model = self.router.calibrator.prefill(self.request.model)
         return prefill_terms(model, self.router.config.costs.engine, miss, self.request.prompt_tokens)
 
     @cached_property
     def prefill(self) -> np.ndarray:
-        """Router.candidates' prefill per row: of the whole prompt, or of its group's miss."""
+        """Ranker.candidates' prefill per row: of the whole prompt, or of its group's miss."""
         table = self.table
         n = table.n
         prompt = self.request.prompt_tokens
@@ -724,7 +724,7 @@ class CandidatePool:
 
     @cached_property
     def fetch(self) -> np.ndarray | None:
-        """Router.candidates' fetch per row (its group's); None: 0 everywhere (no groups)."""
+        """Ranker.candidates' fetch per row (its group's); None: 0 everywhere (no groups)."""
         if self.group_of is None:
             return None
         per_group = np.array([t.fetch_ms for t in self.templates])
