@@ -346,6 +346,15 @@ class Bench:
             status, body = http(f"{eng.base}/reset_prefix_cache", {})
             if status != 200:
                 raise RuntimeError(f"reset_prefix_cache on engine {eng.n}: {status} {body[:200]!r}")
+            # vLLM publishes the reset's AllBlocksCleared event with the engine's next step: until
+            # a request runs, a bridge started now replays the previous run's stored blocks as if
+            # they were cached, and every event-fed router starts the run on them (measured: the
+            # first second's cold prompts estimated as hits). One tiny request (shorter than a block,
+            # so it caches nothing) publishes the event before the router starts.
+            tiny = {"model": MODEL, "prompt": "x", "max_tokens": 1}
+            status, body = http(f"{eng.base}/v1/completions", tiny)
+            if status != 200:
+                raise RuntimeError(f"flushing engine {eng.n}'s events: {status} {body[:200]!r}")
 
     def start_router(self, name: str) -> tuple[str, list[Proc]]:
         """Start one router in front of the engines; its OpenAI base URL and its processes."""
