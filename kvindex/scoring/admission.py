@@ -612,16 +612,18 @@ class AdmissionGate(Generic[T]):
                 return Admitted(trial, verdict.pick, 0.0, est_ms=est_ms)
             await undo(trial)
             return self._shed(model, objective, QUEUE_FULL, verdict.retry_after_s or 1, None)
-        await undo(trial)
         if displaced is not None:
             displaced.evicted = True
             self._turn(displaced)
-        if self.metrics is not None:
-            self.metrics.queued.labels(model, objective.label, reason).inc()
-            self.metrics.depth.set(len(self.queue))
+        # Its turn exists before the first await: an arrival that displaces it from the queue while
+        # it undoes its trial must find the turn to wake it (else it waits forever, out of the queue).
         turn = self._turns[entry.seq] = asyncio.Event()
-        self._start()
         try:
+            await undo(trial)
+            if self.metrics is not None:
+                self.metrics.queued.labels(model, objective.label, reason).inc()
+                self.metrics.depth.set(len(self.queue))
+            self._start()
             return await self._held(entry, turn, attempt, estimates, undo)
         finally:
             self._turns.pop(entry.seq, None)

@@ -179,3 +179,44 @@ def test_queue_expiry() -> None:
     assert q.expired(0.5, CFG) == []
     assert q.expired(0.75, CFG) == [(late, DEADLINE)]  # 250 ms left, 300 ms of own work
     assert q.expired(CFG.max_wait_s, CFG) == [(late, DEADLINE), (patient, TIMEOUT)]
+
+
+def test_a_request_displaced_while_it_undoes_its_trial_is_not_forgotten() -> None:
+    """At overload the queue is full: a request being queued undoes its trial (a release, an await)
+    and a later, higher-ranked arrival displaces it meanwhile. It must still be woken (and shed or
+    admitted), never left waiting out of the queue with its client connection open."""
+    import asyncio
+
+    from kvindex.scoring.admission import AdmissionGate, Admitted
+
+    async def scenario() -> tuple[object, object]:
+        gate: AdmissionGate[str] = AdmissionGate(AdmissionConfig(max_queue=1, tick_s=0.01), clock=lambda: 0.0)
+        late = {"ms": 1500.0}  # over the 1 s objective, with 100 ms of own work: held, not shed
+        undoing = asyncio.Event()
+        release_a = asyncio.Event()
+
+        async def attempt(commit: bool) -> str:
+            return "trial"
+
+        def estimates(trial: str) -> list[Estimate]:
+            return [est(late["ms"], 100)]
+
+        async def undo_a(trial: str) -> None:
+            undoing.set()
+            await release_a.wait()
+
+        async def undo_b(trial: str) -> None:
+            return None
+
+        a = asyncio.ensure_future(gate.admit(MODEL, Objective(1000), 0.0, attempt, estimates, undo_a))
+        await undoing.wait()  # A is queued and awaiting its undo
+        b = asyncio.ensure_future(gate.admit(MODEL, Objective(1000, 1), 0.0, attempt, estimates, undo_b))
+        await asyncio.sleep(0.02)  # B displaces A (higher priority) and is held
+        release_a.set()
+        late["ms"] = 500.0  # the fleet drained: B fits now
+        return await asyncio.wait_for(asyncio.gather(a, b), timeout=5.0)
+
+    got_a, got_b = asyncio.run(scenario())
+    # Displaced, A was woken: the fleet had drained, so it was served (it could meet); so was B.
+    assert isinstance(got_a, Admitted) and got_a.committed is False
+    assert isinstance(got_b, Admitted)
