@@ -293,7 +293,7 @@ class AdmissionConfig:
 
 
 @dataclass(frozen=True, slots=True)
-class Verdict:
+class AdmissionVerdict:
     action: str  # ADMIT, QUEUE, SHED
     reason: str = ""  # the queue or shed reason
     pick: int = 0  # ADMIT (or a QUEUE that could meet): index of the ranked instance to use
@@ -310,28 +310,28 @@ def budget_ms(objective: Objective, elapsed_ms: float, config: AdmissionConfig) 
 
 def judge(
     objective: Objective, elapsed_ms: float, estimates: Sequence[Estimate], config: AdmissionConfig
-) -> Verdict:
+) -> AdmissionVerdict:
     """The rule, for ranked ``estimates`` (best-ranked first). Without estimates (the index did not
     rank: fallback, unknown model) there is nothing to judge by: admit."""
     if not estimates:
-        return Verdict(ADMIT, can_meet=True)
+        return AdmissionVerdict(ADMIT, can_meet=True)
     budget = budget_ms(objective, elapsed_ms, config)
     meets = next((i for i, e in enumerate(estimates) if e.est_ttft_ms <= budget), None)
     threshold = config.queue_threshold_ms
     saturated = threshold > 0 and all(e.wait_ms > threshold for e in estimates)
     if meets is not None:
         if saturated and objective.priority >= 0:
-            return Verdict(QUEUE, SATURATED, meets, can_meet=True)
-        return Verdict(ADMIT, pick=meets, can_meet=True)
+            return AdmissionVerdict(QUEUE, SATURATED, meets, can_meet=True)
+        return AdmissionVerdict(ADMIT, pick=meets, can_meet=True)
     retry = max(1, math.ceil(min(e.wait_ms for e in estimates) / 1000.0))
     if not any(e.service_ms <= budget for e in estimates):
         idle = next((i for i, e in enumerate(estimates) if e.wait_ms <= config.idle_wait_ms), None)
         if idle is not None:
-            return Verdict(ADMIT, BEST_EFFORT, pick=idle)
-        return Verdict(SHED, UNATTAINABLE, retry_after_s=retry)
+            return AdmissionVerdict(ADMIT, BEST_EFFORT, pick=idle)
+        return AdmissionVerdict(SHED, UNATTAINABLE, retry_after_s=retry)
     if objective.priority < 0:
-        return Verdict(SHED, SHEDDABLE, retry_after_s=retry)
-    return Verdict(QUEUE, OVER_OBJECTIVE)
+        return AdmissionVerdict(SHED, SHEDDABLE, retry_after_s=retry)
+    return AdmissionVerdict(QUEUE, OVER_OBJECTIVE)
 
 
 # -- the queue ------------------------------------------------------------------------------------

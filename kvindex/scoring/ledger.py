@@ -28,7 +28,7 @@ FINISHED = "finished"
 
 
 @dataclass(slots=True)
-class Entry:
+class LedgerEntry:
     request_id: str
     instance: InstanceKey
     model: str
@@ -59,12 +59,12 @@ class Ledger:
         self.clock = clock
         self.ttl = ttl
         self.max_entries = max_entries
-        self._entries: OrderedDict[str, Entry] = OrderedDict()  # oldest first, for expiry
+        self._entries: OrderedDict[str, LedgerEntry] = OrderedDict()  # oldest first, for expiry
         # The last finished request ids (bounded): a late report for one is told apart from a
         # report for a request never committed.
         self.released_memory = released_memory
         self._released: OrderedDict[str, None] = OrderedDict()
-        self._by_instance: dict[InstanceKey, dict[str, Entry]] = {}
+        self._by_instance: dict[InstanceKey, dict[str, LedgerEntry]] = {}
         self.expired = 0
         self._watchers: tuple[set[InstanceKey], ...] = ()
 
@@ -84,14 +84,14 @@ class Ledger:
 
     def commit(
         self, request_id: str, instance: InstanceKey, model: str, prompt_tokens: int, miss_tokens: int
-    ) -> Entry:
+    ) -> LedgerEntry:
         self.expire()
         old = self._entries.pop(request_id, None)
         if old is not None:
             self._by_instance.get(old.instance, {}).pop(request_id, None)
             self._changed(old.instance)
         now = self.clock()
-        entry = Entry(request_id, instance, model, prompt_tokens, miss_tokens, now, now + self.ttl)
+        entry = LedgerEntry(request_id, instance, model, prompt_tokens, miss_tokens, now, now + self.ttl)
         self._entries[request_id] = entry
         self._by_instance.setdefault(instance, {})[request_id] = entry
         self._changed(instance)
@@ -100,14 +100,14 @@ class Ledger:
             self.expired += 1
         return entry
 
-    def get(self, request_id: str) -> Entry | None:
+    def get(self, request_id: str) -> LedgerEntry | None:
         return self._entries.get(request_id)
 
     def was_released(self, request_id: str) -> bool:
         """Finished (or expired) recently: among the last ``released_memory`` ids let go."""
         return request_id in self._released
 
-    def release(self, request_id: str, phase: str) -> Entry | None:
+    def release(self, request_id: str, phase: str) -> LedgerEntry | None:
         """``prefill``: its prefill is done (it now only decodes); ``finished``: forget it."""
         entry = self._entries.get(request_id)
         if entry is None:
@@ -148,7 +148,7 @@ class Ledger:
         """The instances with requests in flight (a read-only view; test membership only)."""
         return self._by_instance
 
-    def of(self, instance: InstanceKey) -> Iterable[Entry]:
+    def of(self, instance: InstanceKey) -> Iterable[LedgerEntry]:
         return self._by_instance.get(instance, {}).values()
 
     def pending(self, instance: InstanceKey, since: float | None) -> tuple[int, int, int]:

@@ -97,7 +97,7 @@ class EventStream:
 
 
 @dataclass(slots=True)
-class ReplayResult:
+class EngineReplay:
     batches: list[tuple[int, bytes]] = field(default_factory=list)  # (seq, payload) in arrival order
     complete: bool = False  # the end marker arrived
     error: str | None = None  # "timeout" when the engine stopped answering (or never did)
@@ -117,8 +117,8 @@ class ReplayClient:
         self.endpoint = connectable(endpoint)
         self.timeout = timeout
 
-    async def request(self, start: int) -> ReplayResult:
-        result = ReplayResult()
+    async def request(self, start: int) -> EngineReplay:
+        result = EngineReplay()
         sock = self.ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.RCVHWM, 0)
