@@ -678,6 +678,12 @@ cdef inline int _emit_gpu(int count, int* slots, Py_ssize_t* lens, list owners, 
     return 0
 
 
+cdef inline object _tiered_match(object match_type, long long* lengths, long long* counts, int slot):
+    """A slot's answer from the tiered walk: (blocks matched, (gpu, cpu, disk, pool) blocks)."""
+    return tuple.__new__(match_type, (lengths[slot], (
+        counts[slot * 4], counts[slot * 4 + 1], counts[slot * 4 + 2], counts[slot * 4 + 3])))
+
+
 cdef inline void _add_run(long long* counts, uint64_t mask, int tier, long long run) noexcept nogil:
     cdef int slot
     while mask:
@@ -818,8 +824,7 @@ def match_banks_into(list bank_tiers, list alive, list bank_owners, list summari
             _walk_tiered(gpu, cpu, disk, pools, keys, mask, counts, lengths, start)
             for slot in range(64):
                 if lengths[slot]:
-                    out[owners[slot]] = tuple.__new__(match_type, (lengths[slot], (
-                        counts[slot * 4], counts[slot * 4 + 1], counts[slot * 4 + 2], counts[slot * 4 + 3])))
+                    out[owners[slot]] = _tiered_match(match_type, lengths, counts, slot)
         else:
             count = _walk_gpu(gpu, keys, mask, slots, lens, start)
             _emit_gpu(count, slots, lens, owners, out, same, match_type)
@@ -899,8 +904,7 @@ def match_banks_grouped(list bank_tiers, list alive, list bank_owners, list summ
             _walk_tiered(gpu, cpu, disk, pools, keys, mask, counts, lengths, start)
             for slot in range(64):
                 if lengths[slot]:
-                    m = tuple.__new__(match_type, (lengths[slot], (
-                        counts[slot * 4], counts[slot * 4 + 1], counts[slot * 4 + 2], counts[slot * 4 + 3])))
+                    m = _tiered_match(match_type, lengths, counts, slot)
                     g = groups.get(m)
                     if g is None:
                         g = groups[m] = [m, 0, []]

@@ -123,6 +123,26 @@ cdef inline bint _before(double c1, double kv1, double ld1, long long r1,
     return r1 < r2
 
 
+cdef inline void _insert(double* bc, long long* br, Py_ssize_t base, Py_ssize_t j, double c,
+                         double kv, double ld, long long rank, long long row) noexcept nogil:
+    """Put (c, kv, ld, rank, row) into the sorted top-k buffer that starts at ``base``, at ``j`` (its
+    first free place, or its last one when full) or before: the entries it ranks before move down
+    one place (bc holds cost, kv, load per entry; br key rank, row)."""
+    while j > base and _before(c, kv, ld, rank, bc[3 * (j - 1)], bc[3 * (j - 1) + 1],
+                               bc[3 * (j - 1) + 2], br[2 * (j - 1)]):
+        bc[3 * j] = bc[3 * (j - 1)]
+        bc[3 * j + 1] = bc[3 * (j - 1) + 1]
+        bc[3 * j + 2] = bc[3 * (j - 1) + 2]
+        br[2 * j] = br[2 * (j - 1)]
+        br[2 * j + 1] = br[2 * (j - 1) + 1]
+        j -= 1
+    bc[3 * j] = c
+    bc[3 * j + 1] = kv
+    bc[3 * j + 2] = ld
+    br[2 * j] = rank
+    br[2 * j + 1] = row
+
+
 cdef inline bint _listed(const long long[::1] rows, Py_ssize_t n, long long row) noexcept nogil:
     """Whether ``row`` is in the ascending ``rows[:n]`` (binary search)."""
     cdef Py_ssize_t lo = 0, hi = n, mid
@@ -178,20 +198,8 @@ def rank_others(const double[::1] wait, const double[::1] running, const unsigne
                                                bc[3 * (filled - 1)], bc[3 * (filled - 1) + 1],
                                                bc[3 * (filled - 1) + 2], br[2 * (filled - 1)]):
                 continue
-            j = filled if filled < top_k else top_k - 1
-            while j > 0 and _before(c, kv[i], load[i], key_rank[i], bc[3 * (j - 1)],
-                                    bc[3 * (j - 1) + 1], bc[3 * (j - 1) + 2], br[2 * (j - 1)]):
-                bc[3 * j] = bc[3 * (j - 1)]
-                bc[3 * j + 1] = bc[3 * (j - 1) + 1]
-                bc[3 * j + 2] = bc[3 * (j - 1) + 2]
-                br[2 * j] = br[2 * (j - 1)]
-                br[2 * j + 1] = br[2 * (j - 1) + 1]
-                j -= 1
-            bc[3 * j] = c
-            bc[3 * j + 1] = kv[i]
-            bc[3 * j + 2] = load[i]
-            br[2 * j] = key_rank[i]
-            br[2 * j + 1] = i
+            _insert(bc, br, 0, filled if filled < top_k else top_k - 1, c, kv[i], load[i],
+                    key_rank[i], i)
             if filled < top_k:
                 filled += 1
         for i in range(n):
@@ -252,20 +260,8 @@ def rank_grouped(const double[::1] wait, const double[::1] running, const unsign
             if f == top_k and not _before(c, kv[i], load[i], key_rank[i], bc[3 * last],
                                            bc[3 * last + 1], bc[3 * last + 2], br[2 * last]):
                 continue
-            j = base + (f if f < top_k else top_k - 1)
-            while j > base and _before(c, kv[i], load[i], key_rank[i], bc[3 * (j - 1)],
-                                       bc[3 * (j - 1) + 1], bc[3 * (j - 1) + 2], br[2 * (j - 1)]):
-                bc[3 * j] = bc[3 * (j - 1)]
-                bc[3 * j + 1] = bc[3 * (j - 1) + 1]
-                bc[3 * j + 2] = bc[3 * (j - 1) + 2]
-                br[2 * j] = br[2 * (j - 1)]
-                br[2 * j + 1] = br[2 * (j - 1) + 1]
-                j -= 1
-            bc[3 * j] = c
-            bc[3 * j + 1] = kv[i]
-            bc[3 * j + 2] = load[i]
-            br[2 * j] = key_rank[i]
-            br[2 * j + 1] = i
+            _insert(bc, br, base, base + (f if f < top_k else top_k - 1), c, kv[i], load[i],
+                    key_rank[i], i)
             if f < top_k:
                 filled[g] = f + 1
         for i in range(n):

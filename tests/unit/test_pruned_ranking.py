@@ -214,6 +214,22 @@ def _exercise(
             states.remove(gone)
 
 
+def _exercise_congested(
+    rng: random.Random,
+    router: Ranker,
+    prompts: list[list[int]],
+    clock: Clock,
+    backend: str,
+    congestion: float,
+) -> None:
+    """``_exercise`` with the ttft policy at a drawn congestion weight (and smoothed state)."""
+    ttft = router.policies["ttft"]
+    ttft.congestion = congestion  # type: ignore[attr-defined]
+    ttft._k = rng.choice([0.0, 0.5, 3.0])  # type: ignore[attr-defined]
+    with _natives(backend):
+        _exercise(rng, router, prompts, clock, [1, 2, 4, 9])
+
+
 @pytest.mark.parametrize("backend", ["native", "python"])
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(seed=st.integers(0, 2**32 - 1), n=st.integers(1, 120), congestion=st.sampled_from([0.0, 10.0]))
@@ -222,11 +238,7 @@ def test_pruned_top_k_equals_exhaustive_small_fleets(
 ) -> None:
     rng = random.Random(seed)
     router, prompts, clock = build_fleet(rng, n, 4, backend)
-    ttft = router.policies["ttft"]
-    ttft.congestion = congestion  # type: ignore[attr-defined]
-    ttft._k = rng.choice([0.0, 0.5, 3.0])  # type: ignore[attr-defined]
-    with _natives(backend):
-        _exercise(rng, router, prompts, clock, [1, 2, 4, 9])
+    _exercise_congested(rng, router, prompts, clock, backend, congestion)
 
 
 @settings(max_examples=3, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -248,11 +260,7 @@ def test_pruned_top_k_equals_exhaustive_every_instance_routable(
     and tie order) run, with many idle instances tied on cost."""
     rng = random.Random(seed)
     router, prompts, clock = build_fleet(rng, n, 4, backend, all_routable=True)
-    ttft = router.policies["ttft"]
-    ttft.congestion = congestion  # type: ignore[attr-defined]
-    ttft._k = rng.choice([0.0, 0.5, 3.0])  # type: ignore[attr-defined]
-    with _natives(backend):
-        _exercise(rng, router, prompts, clock, [1, 2, 4, 9])
+    _exercise_congested(rng, router, prompts, clock, backend, congestion)
 
 
 @pytest.mark.parametrize("backend", ["native", "python"])
@@ -270,11 +278,7 @@ def test_pruned_top_k_equals_exhaustive_shared_prefix(
     entries: their answers form match groups, ranked by columns like the non-holders."""
     rng = random.Random(seed)
     router, prompts, clock = build_fleet(rng, n, 4, backend, all_routable=all_routable, shared=True)
-    ttft = router.policies["ttft"]
-    ttft.congestion = congestion  # type: ignore[attr-defined]
-    ttft._k = rng.choice([0.0, 0.5, 3.0])  # type: ignore[attr-defined]
-    with _natives(backend):
-        _exercise(rng, router, prompts, clock, [1, 2, 4, 9])
+    _exercise_congested(rng, router, prompts, clock, backend, congestion)
 
 
 @settings(max_examples=3, deadline=None, suppress_health_check=[HealthCheck.too_slow])

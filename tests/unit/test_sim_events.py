@@ -9,21 +9,16 @@ import time
 import pytest
 
 from kvtools.data import mooncake_trace
+from tests.unit.test_sim_engine import TM  # the same small time model as the engine's own tests
 from workers_shim.sim import (
     EngineConfig,
     MirrorSink,
     SharedPool,
     SimEngine,
     SimRequest,
-    TimeModel,
     run_until_idle,
 )
 from workers_shim.sim.trace import mooncake_requests
-
-TM = TimeModel(
-    a_ms=2.0, b_ms_per_token=0.01, c_ms_per_token2=1e-5, d_ms_per_decode_seq=0.02, e_ms_per_decode_ctx=1e-4
-)
-
 
 TRACE = mooncake_trace()
 
