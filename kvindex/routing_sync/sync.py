@@ -292,7 +292,10 @@ class RoutingSync:
             if gone is not None and gone[0] == FINISHED:
                 self.dropped["finished_before_commit"] += 1  # its heat and keys still count
             else:
-                entry = router.ledger.commit(op.id, instance, op.model, op.prompt_tokens, op.miss_tokens)
+                work = router.prefill_work_ms(op.model, instance, op.miss_tokens, op.prompt_tokens)
+                entry = router.ledger.commit(
+                    op.id, instance, op.model, op.prompt_tokens, op.miss_tokens, work
+                )
                 if op.spec_ttl > 0 and op.keys:
                     entry.keys = op.keys
         if op.spec_ttl > 0 and op.keys:

@@ -63,22 +63,24 @@ cdef inline double _py_floordiv(double vx, double wx) noexcept nogil:
 
 def wait_rows(const double[::1] queued, const double[::1] status_at, const double[::1] tokens_new,
               const double[::1] queued_now, const double[::1] running_now,
-              const unsigned char[::1] drains, const long long[::1] rows, Py_ssize_t count,
+              const double[::1] busy_until, const unsigned char[::1] drains, const long long[::1] rows, Py_ssize_t count,
               double now, double b_ms, double step_ms, double chunk, double dps, double drain_rate,
               double[::1] wait, long long[::1] draining, unsigned char[::1] seen):
     """The pruned rankings' queue wait of ``count`` rows (``rows[:count]``, or rows 0..count-1 when
     ``rows`` is empty; a row listed twice is computed twice, to the same value), written to
-    ``wait[row]``; the rows whose reported queue is still draining go to ``draining`` once each
-    (``seen``: a zeroed flag per row, zeroed again on return), and their number is returned.
+    ``wait[row]``; the rows whose reported queue is still draining or whose ledger work is not over
+    go to ``draining`` once each (``seen``: a zeroed flag per row, zeroed again on return), and
+    their number is returned.
 
-    Per row, kvindex.scoring.costs' ``queue_ms(queued_now(...))`` with the same float64 operations
-    in the same order, hence bit-identical: queued = max(0, reported - (now - heartbeat) * rate) +
-    routed since where the queue drains, else reported + routed since; wait = b * queued +
-    ceil(queued / chunk) * (step + dps * running), 0 without a queue. One loop instead of some
-    twenty numpy passes (fleet_table's numpy form)."""
+    Per row, kvindex.scoring.costs' ``wait_ms(queue_ms(queued_now(...)), ledger_ms(...))`` with
+    the same float64 operations in the same order, hence bit-identical: queued = max(0, reported -
+    (now - heartbeat) * rate) + routed since where the queue drains, else reported + routed since;
+    wait = b * queued + ceil(queued / chunk) * (step + dps * running), 0 without a queue; then the
+    ledger's work left, busy_until - now, where that is longer. One loop instead of some twenty
+    numpy passes (fleet_table's numpy form)."""
     cdef Py_ssize_t j, i, out = 0
     cdef bint listed = rows.shape[0] > 0
-    cdef double q, steps, w
+    cdef double q, steps, w, left
     if chunk == 0:
         raise ZeroDivisionError("chunk_tokens is 0")
     for j in range(count):
@@ -103,6 +105,14 @@ def wait_rows(const double[::1] queued, const double[::1] status_at, const doubl
             w = w + b_ms * q
         else:
             w = 0.0
+        left = (busy_until[i] - now) * 1000.0
+        if left > 0:
+            if not seen[i]:
+                seen[i] = 1
+                draining[out] = i
+                out += 1
+            if left > w:
+                w = left
         wait[i] = w
     for j in range(out):
         seen[draining[j]] = 0

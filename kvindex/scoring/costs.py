@@ -121,6 +121,24 @@ def queue_ms(model: PrefillModel, shape: EngineShape, queued_tokens: float, runn
     return model.b_ms_per_token * queued_tokens + steps * (shape.step_ms + shape.decode_ms_per_seq * running)
 
 
+def ledger_ms(busy_until: float, now: float) -> float:
+    """What is left at ``now`` of the prefill work the ledger holds for an instance: the requests
+    routed there whose first token is not out yet, run one after the other from when each was
+    committed (or the engine's last finished prefill) for its own estimated prefill time, end at
+    ``busy_until`` (``Ledger.busy_until``, seconds on the ranker's clock); in ms, 0 once that has
+    passed."""
+    left = (busy_until - now) * 1000.0
+    return left if left > 0 else 0.0
+
+
+def wait_ms(queue: float, ledger: float) -> float:
+    """The request's wait: the longer of the reported queue's drain (``queue_ms``) and the ledger's
+    work left (``ledger_ms``). Both are lower bounds of the same queue: a heartbeat does not count
+    prompts the engine is prefilling (vLLM reports them as running, and a CPU or long-context
+    prefill runs for seconds), and the ledger does not know what other routers sent."""
+    return queue if queue >= ledger else ledger
+
+
 def prefill_terms(model: PrefillModel, shape: EngineShape, miss: int, context: int) -> tuple[float, float]:
     """(per_running, alone): ``prefill_ms`` is ``alone + per_running * running``. The columns compute
     these once per request (or match group) and the running count per row."""

@@ -46,6 +46,7 @@ _FLOAT_COLS = (
     "kv",  # kv_usage
     "load",  # running + waiting + in flight (Candidate.load)
     "queue",  # waiting + in flight (llmd's queue)
+    "busy_until",  # ledger: when the prefill work routed there ends (0 when none; costs.ledger_ms)
 )
 _BOOL_COLS = ("drains", "routable")  # a reported queue and a heartbeat time; not a pool, not stale
 
@@ -252,13 +253,15 @@ class ModelTable:
         self, now: float, b_ms: float, step_ms: float, chunk: int, dps: float, drain_rate: float
     ) -> np.ndarray:
         """Per row, ``Ranker.candidates``' wait (queue_ms of the reported queue drained until ``now``,
-        plus what was routed since), with the same float64 operations, hence bit-identical.
+        plus what was routed since, or the ledger's work left if longer), with the same float64
+        operations, hence bit-identical.
 
         Kept across calls: a row's value changes only when the row is written or while its
-        reported queue is still draining. The drained queue ``max(0, q - (now - at) * rate)`` is
-        non-increasing in ``now`` (every rounding step is monotone), so once it reaches 0 it stays 0
-        and the row is not recomputed again until written; a clock that goes back, other engine
-        parameters or moved rows recompute everything. The array is the cache itself: read it, do
+        reported queue is still draining or the ledger's work on it not yet over. The drained queue
+        ``max(0, q - (now - at) * rate)`` and the work left ``busy_until - now`` are non-increasing
+        in ``now`` (every rounding step is monotone), so once both reach 0 they stay 0 and the row
+        is not recomputed again until written; a clock that goes back, other engine parameters or
+        moved rows recompute everything. The array is the cache itself: read it, do
         not keep or modify it."""
         params = (b_ms, step_ms, chunk, dps, drain_rate)
         cache = self._waits
@@ -294,6 +297,7 @@ class ModelTable:
                 self.tokens_new,
                 self.queued_now,
                 self.running_now,
+                self.busy_until,
                 self.drains.view(np.uint8),
                 _NO_ROWS if rows is None else rows,
                 n if rows is None else len(rows),
@@ -325,6 +329,7 @@ class ModelTable:
             self.tokens_new,
             self.queued_now,
             self.running_now,
+            self.busy_until,
             self.drains,
             rows,
             now,
@@ -377,6 +382,7 @@ def wait_columns(
     tokens_new: np.ndarray,
     queued_now: np.ndarray,
     running_now: np.ndarray,
+    busy_until: np.ndarray,
     drains: np.ndarray,
     rows: slice | np.ndarray,
     now: float,
@@ -387,10 +393,11 @@ def wait_columns(
     drain_rate: float,
 ) -> tuple[np.ndarray, np.ndarray | None]:
     """The queue wait of ``rows`` of the columns (the table's: reported queue, heartbeat time, tokens
-    routed since, their sum, running requests, whether the reported queue drains), and which of them
-    have a reported queue still draining (None: none can). The numpy form of costs'
-    ``queue_ms(queued_now(...))`` and of the native ``_kernels.wait_rows``: the same float64
-    operations in the same order."""
+    routed since, their sum, running requests, the ledger's end of work, whether the reported queue
+    drains), and which of them are still changing with time: a reported queue still draining or
+    ledger work not over (None: none). The numpy form of costs'
+    ``wait_ms(queue_ms(queued_now(...)), ledger_ms(...))`` and of the native ``_kernels.wait_rows``:
+    the same float64 operations in the same order."""
     drains = drains[rows]
     draining = None
     if drain_rate and drains.any():
@@ -415,6 +422,14 @@ def wait_columns(
     wait *= steps
     wait += b_ms * q
     wait[q <= 0] = 0.0
+    # costs.wait_ms(queue, costs.ledger_ms(busy_until, now)): the wait is >= 0, so a negative
+    # ``left`` (no work, or over) leaves it.
+    left = busy_until[rows] - now
+    left *= 1000.0
+    working = left > 0
+    if working.any():
+        np.maximum(wait, left, out=wait)
+        draining = working if draining is None else draining | working
     return wait, draining
 
 
@@ -425,12 +440,16 @@ def row_values(state: InstanceState, ledger: Ledger) -> tuple:
     at = state.last_heartbeat_at
     if state.key in ledger.busy:
         n_new, tokens_new, inflight = ledger.pending(state.key, at)
+        busy = ledger.busy_until(state.key)
     else:
         n_new = tokens_new = inflight = 0
-    return _row(load, at, n_new, tokens_new, inflight, not state.is_pool and not state.stale)
+        busy = 0.0
+    return _row(load, at, n_new, tokens_new, inflight, busy, not state.is_pool and not state.stale)
 
 
-def _row(load: Load, at: float | None, n_new: int, tokens_new: int, inflight: int, routable: bool) -> tuple:
+def _row(
+    load: Load, at: float | None, n_new: int, tokens_new: int, inflight: int, busy: float, routable: bool
+) -> tuple:
     q = load.waiting_prefill_tokens
     running, waiting = load.running, load.waiting
     return (
@@ -442,6 +461,7 @@ def _row(load: Load, at: float | None, n_new: int, tokens_new: int, inflight: in
         load.kv_usage,
         running + waiting + inflight,
         waiting + inflight,
+        busy,
         bool(q) and at is not None,
         routable,
     )
@@ -544,6 +564,7 @@ class FleetTables:
             load, at, capacity, stale = state.load, state.last_heartbeat_at, state.capacity, state.stale
             if key in busy:
                 n_new, tokens_new, inflight = ledger.pending(key, at)
+                busy_until = ledger.busy_until(key)
                 steady = False
             else:
                 # A heartbeat that changed nothing else (a Load and a capacity are replaced, never
@@ -559,11 +580,14 @@ class FleetTables:
                     entry[4].append(at)
                     continue
                 n_new = tokens_new = inflight = 0
+                busy_until = 0.0
                 # (Without a capacity, a local block seen decides it too: that flag is never unset,
                 # and a capacity reported later is a new object, which the test above sees.)
                 steady = (bool(capacity) or state.local_blocks_seen) and at is not None and not stale
             entry[1].append(i)
-            entry[2].append(_row(load, at, n_new, tokens_new, inflight, not state.is_pool and not stale))
+            entry[2].append(
+                _row(load, at, n_new, tokens_new, inflight, busy_until, not state.is_pool and not stale)
+            )
             if steady:
                 table.basis_load[i], table.basis_capacity[i] = load, capacity
             else:

@@ -44,6 +44,9 @@ class LedgerEntry:
     # The prompt's block keys when they were added to the speculative keys: its release settles
     # them (SpeculativeKeys.settle).
     keys: list[int] | None = None
+    # The engine time its prefill was estimated to take at commit (prefill + fetch, ms): the
+    # ledger's work left on the instance (busy_until).
+    work_ms: float = 0.0
 
 
 class Ledger:
@@ -65,6 +68,8 @@ class Ledger:
         self.released_memory = released_memory
         self._released: OrderedDict[str, None] = OrderedDict()
         self._by_instance: dict[InstanceKey, dict[str, LedgerEntry]] = {}
+        # Per instance with entries: when its last prefill finished (a release of phase prefill).
+        self._done_at: dict[InstanceKey, float] = {}
         self.expired = 0
         self._watchers: tuple[set[InstanceKey], ...] = ()
 
@@ -83,7 +88,13 @@ class Ledger:
         return len(self._entries)
 
     def commit(
-        self, request_id: str, instance: InstanceKey, model: str, prompt_tokens: int, miss_tokens: int
+        self,
+        request_id: str,
+        instance: InstanceKey,
+        model: str,
+        prompt_tokens: int,
+        miss_tokens: int,
+        work_ms: float = 0.0,
     ) -> LedgerEntry:
         self.expire()
         old = self._entries.pop(request_id, None)
@@ -92,6 +103,7 @@ class Ledger:
             self._changed(old.instance)
         now = self.clock()
         entry = LedgerEntry(request_id, instance, model, prompt_tokens, miss_tokens, now, now + self.ttl)
+        entry.work_ms = work_ms if work_ms > 0 else 0.0
         self._entries[request_id] = entry
         self._by_instance.setdefault(instance, {})[request_id] = entry
         self._changed(instance)
@@ -113,7 +125,9 @@ class Ledger:
         if entry is None:
             return None
         if phase == PREFILL:
-            entry.prefill_done = True
+            if not entry.prefill_done:
+                entry.prefill_done = True
+                self._done_at[entry.instance] = self.clock()
             self._changed(entry.instance)
         else:
             self._drop(request_id)
@@ -133,6 +147,7 @@ class Ledger:
             per.pop(request_id, None)
             if not per:
                 del self._by_instance[entry.instance]
+                self._done_at.pop(entry.instance, None)
 
     def expire(self) -> None:
         now = self.clock()
@@ -163,6 +178,22 @@ class Ledger:
             n += 1
             tokens += e.miss_tokens
         return n, tokens, total
+
+    def busy_until(self, instance: InstanceKey) -> float:
+        """When the prefill work routed to ``instance`` ends, by the ledger (costs.ledger_ms): its
+        entries whose prefill is not done, in commit order, each starting when committed or when
+        the one before ends (from the instance's last finished prefill), for its ``work_ms``. An
+        engine batches concurrent prefills into shared steps, which ends the batch at the same time
+        as running them in turn would. 0.0 without such work."""
+        t = self._done_at.get(instance, 0.0)
+        busy = False
+        for e in self.of(instance):
+            if e.prefill_done or not e.work_ms:
+                continue
+            busy = True
+            start = e.committed_at if e.committed_at > t else t
+            t = start + e.work_ms / 1000.0
+        return t if busy else 0.0
 
 
 class SpeculativeKeys:

@@ -194,6 +194,7 @@ class Ranker:
         now = self.clock()
         spec = self.speculative.instances() if spec_ttl > 0 and keys else ()
         pending = self.ledger.pending
+        busy_until = self.ledger.busy_until
         busy = self.ledger.busy
         get_match = matches.get
         degraded = self.degraded
@@ -233,8 +234,10 @@ class Ranker:
             load = state.load
             if key in busy:
                 n_new, tokens_new, inflight = pending(key, state.last_heartbeat_at)
+                left = (busy_until(key) - now) * 1000.0  # costs.ledger_ms, compared below
             else:  # nothing routed there in flight (the common case: skip the ledger walk)
                 n_new = tokens_new = inflight = 0
+                left = 0.0
             # costs.queued_now, inline: the reported queue has been draining since the heartbeat,
             # at the engine's rate.
             queued = load.waiting_prefill_tokens
@@ -243,6 +246,8 @@ class Ranker:
             queued += tokens_new
             running = load.running + n_new
             wait = queue_ms(model, shape, queued, running) if queued > 0 else 0.0
+            if left > wait:  # costs.wait_ms: the longer of the reported queue and the ledger's work
+                wait = left
             if miss > 0:  # costs.prefill_ms, inline, with the model's term cached per miss size
                 base = prefill_of.get(miss)
                 if base is None:
@@ -474,6 +479,11 @@ class Ranker:
         self._commit(request, cand, chosen)
         return True
 
+    def prefill_work_ms(self, model: str, instance: InstanceKey, miss: int, prompt: int) -> float:
+        """The engine time a prefill of ``miss`` of ``prompt`` tokens takes on ``instance``, by the
+        prefill model that ranks it: the ledger's work for a decision another replica made."""
+        return self.calibrator.prefill_of(model, instance_id(instance)).ms(miss, prompt)
+
     def _commit(self, request: RouteRequest, cand: Candidate, policy: Policy) -> None:
         key = cand.state.key
         if request.request_id:
@@ -481,7 +491,10 @@ class Ranker:
             # prefill work there (a decode instance prefilling itself is committed as a prefill).
             miss = 0 if request.role == DECODE_ROLE else cand.miss_tokens
             ahead = sum(1 for e in self.ledger.of(key) if not e.prefill_done) + cand.state.load.waiting
-            entry = self.ledger.commit(request.request_id, key, request.model, request.prompt_tokens, miss)
+            work = cand.prefill_ms + cand.fetch_ms if miss else cand.fetch_ms
+            entry = self.ledger.commit(
+                request.request_id, key, request.model, request.prompt_tokens, miss, work
+            )
             entry.prediction = Prediction(
                 key,
                 request.model,

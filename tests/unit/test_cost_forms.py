@@ -23,9 +23,11 @@ from kvindex.scoring.costs import (
     PrefillModel,
     drain_rate,
     est_ttft_ms,
+    ledger_ms,
     prefill_ms,
     queue_ms,
     queued_now,
+    wait_ms,
     weighted_cost,
 )
 from kvindex.scoring.fleet_table import wait_columns
@@ -120,7 +122,11 @@ def _build(rng: random.Random) -> tuple[Ranker, RouteRequest, Clock]:
         if keys and rng.random() < 0.1:
             index.store(key, rng.choice([GPU, CPU]), keys[: rng.randint(1, len(keys))])
         for j in range(rng.choice([0, 0, 1, 3])):  # routed there since its heartbeat (the ledger)
-            router.ledger.commit(f"{i}-{j}", key, MODEL, rng.randint(1, 9000), rng.randint(0, 9000))
+            work = rng.choice([0.0, rng.uniform(0, 3000), rng.uniform(0, 60_000)])
+            router.ledger.commit(f"{i}-{j}", key, MODEL, rng.randint(1, 9000), rng.randint(0, 9000), work)
+            clock.t += rng.choice([0.0, 0.0, rng.uniform(0, 2)])
+            if rng.random() < 0.2:
+                router.ledger.release(f"{i}-{j}", "prefill")
     clock.t += rng.choice([0.0, 0.05, 1.0, 30.0])
     prompt = len(keys) * BS + rng.choice([0, 0, 5]) if keys else rng.choice([0, rng.randint(1, 50_000)])
     return router, RouteRequest(MODEL, keys, prompt, BS, "r"), clock
@@ -137,8 +143,9 @@ def _scalar(
     rate = drain_rate(model, costs.drain_reported_queue)
     queued = queued_now(state.load.waiting_prefill_tokens, at, router.clock(), rate, routed)
     running = state.load.running + n_new
+    ledger = ledger_ms(router.ledger.busy_until(state.key), router.clock())
     return (
-        queue_ms(model, costs.engine, queued, running),
+        wait_ms(queue_ms(model, costs.engine, queued, running), ledger),
         prefill_ms(model, costs.engine, miss, prompt, running),
         costs.fetch.ms(by_tier),
     )
@@ -208,13 +215,14 @@ def test_every_form_of_the_cost_model_agrees_bit_for_bit(seed: int, k: float) ->
     for listed in (rows, None):
         want, _ = wait_columns(
             table.queued, table.status_at, table.tokens_new, table.queued_now, table.running_now,
-            table.drains, slice(0, n) if listed is None else listed, clock.t,
+            table.busy_until, table.drains, slice(0, n) if listed is None else listed, clock.t,
             model.b_ms_per_token, shape.step_ms, shape.chunk_tokens, shape.decode_ms_per_seq, rate,
         )  # fmt: skip
         got = np.full(n, np.nan)
         _kernels.wait_rows(
             table.queued, table.status_at, table.tokens_new, table.queued_now, table.running_now,
-            table.drains.view(np.uint8), np.zeros(0, np.int64) if listed is None else listed,
+            table.busy_until, table.drains.view(np.uint8),
+            np.zeros(0, np.int64) if listed is None else listed,
             n if listed is None else len(listed), clock.t, model.b_ms_per_token, shape.step_ms,
             float(shape.chunk_tokens), shape.decode_ms_per_seq, rate, got, np.empty(2 * n + 1, np.int64),
             np.zeros(n, np.uint8),
@@ -248,6 +256,7 @@ def test_every_form_of_the_cost_model_agrees_bit_for_bit(seed: int, k: float) ->
     step=st.floats(0, 1e3),
     dps=st.floats(0, 10),
     drain=st.booleans(),
+    busy=st.one_of(st.just(0.0), st.floats(0, 2e6)),
 )
 def test_the_wait_kernels_equal_the_definition_on_any_input(
     reported: int,
@@ -259,17 +268,24 @@ def test_the_wait_kernels_equal_the_definition_on_any_input(
     step: float,
     dps: float,
     drain: bool,
+    busy: float,
 ) -> None:
-    """One row at the edges (huge queues, chunk 1, no drain, no heartbeat), native and numpy."""
+    """One row at the edges (huge queues, chunk 1, no drain, no heartbeat, ledger work over or
+    not), native and numpy."""
     now = 1e6
     model = PrefillModel(1.0, b, 1e-6)
     shape = EngineShape(chunk_tokens=chunk, step_ms=step, decode_ms_per_seq=dps)
     rate = drain_rate(model, drain)
     at = None if age is None else now - age
-    want = queue_ms(model, shape, queued_now(reported, at, now, rate, routed), running)
+    want = wait_ms(
+        queue_ms(model, shape, queued_now(reported, at, now, rate, routed), running), ledger_ms(busy, now)
+    )
     col = lambda x: np.array([float(x)])  # noqa: E731
     drains = np.array([bool(reported) and at is not None])
-    args = (col(reported), col(0.0 if at is None else at), col(routed), col(reported + routed), col(running))
+    args = (
+        col(reported), col(0.0 if at is None else at), col(routed), col(reported + routed), col(running),
+        col(busy),
+    )  # fmt: skip
     numpy_wait, _ = wait_columns(*args, drains, slice(0, 1), now, b, step, chunk, dps, rate)
     native_wait = np.full(1, np.nan)
     _kernels.wait_rows(

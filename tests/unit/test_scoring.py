@@ -122,6 +122,59 @@ def test_reported_queue_drains_and_ledger_adds_what_came_after() -> None:
         router.release("r1", "done")
 
 
+def test_ledger_work_runs_one_after_another_from_the_last_finished_prefill() -> None:
+    clock = Clock()
+    ledger = Ledger(clock)
+    w = ("w", 0)
+    t0 = clock.t
+    assert ledger.busy_until(w) == 0.0
+    ledger.commit("a", w, MODEL, 1000, 1000, work_ms=500.0)
+    clock.t += 0.1
+    ledger.commit("b", w, MODEL, 600, 600, work_ms=300.0)  # queued behind a
+    ledger.commit("c", w, MODEL, 600, 0, work_ms=0.0)  # nothing to prefill: no work
+    assert ledger.busy_until(w) == pytest.approx(t0 + 0.8)
+    clock.t = t0 + 1.0
+    ledger.commit("d", w, MODEL, 400, 400, work_ms=200.0)  # the engine was idle again: starts now
+    assert ledger.busy_until(w) == pytest.approx(t0 + 1.2)
+    # a finished late (its first token at 0.9 s): b could only start then.
+    clock.t = t0 + 0.9
+    ledger.release("a", "prefill")
+    assert ledger.busy_until(w) == pytest.approx(t0 + 1.4)  # b to 1.2, then d to 1.4
+    clock.t = t0 + 1.0
+    ledger.commit("e", w, MODEL, 400, 400, work_ms=100.0)
+    assert ledger.busy_until(w) == pytest.approx(t0 + 1.5)
+    for rid in ("b", "d", "e"):
+        ledger.release(rid, "prefill")
+    assert ledger.busy_until(w) == 0.0
+    for rid in "abcde":
+        ledger.release(rid, "finished")
+    assert ledger.busy_until(w) == 0.0 and not ledger.busy
+
+
+def test_a_prefill_the_heartbeat_does_not_count_is_still_waited_for() -> None:
+    """vLLM reports a prompt it is prefilling as running, not waiting: the heartbeat after its
+    commit shows no queue, but the ledger still holds its work until its first token."""
+    router, _index, registry, clock = fleet(2)
+    long = request(prompt(512, seed=5), rid="long")  # 8 K tokens, about a second of prefill
+    res = router.score(long, candidates=["w0"], commit=True)
+    work = res.choices[0].candidate.prefill_ms
+    w0 = registry.get(("w0", 0))
+    assert w0 is not None and work > 500
+    clock.t += 0.2
+    w0.load, w0.last_heartbeat_at = Load(running=1, waiting=0, waiting_prefill_tokens=0), clock.t
+    clock.t += 0.1
+    short = request(prompt(8, seed=6))
+    cands = {c.state.worker: c for c in router.candidates(short, registry.all(), 0.0)}
+    assert cands["w0"].routed_tokens == 0  # the heartbeat came after the commit
+    assert cands["w0"].wait_ms == pytest.approx(work - 300, rel=1e-6)
+    assert cands["w1"].wait_ms == 0.0
+    assert router.score(short).choices[0].candidate.state.worker == "w1"
+    clock.t += 0.1
+    router.release("long", "prefill")  # its first token: the engine is free
+    (after,) = router.candidates(short, [w0], 0.0)
+    assert after.wait_ms == 0.0
+
+
 def test_ledger_expiry_and_speculative_ttl() -> None:
     clock = Clock()
     ledger = Ledger(clock, ttl=10)
