@@ -123,7 +123,7 @@ class Ttft:
                 # work every later copy-holder does again. Holders win unless they are worse than
                 # the best by more than ``replica_cost`` x the duplicated prefill.
                 dup = max(0.0, best.prefill_ms - holders[0].prefill_ms)
-                hot = min(1.0, self._heat(keys[h], router.clock()) / self.hot_requests)
+                hot = min(1.0, self._heat(keys[heat_block(held, h)], router.clock()) / self.hot_requests)
                 slack = cost[id(best)] * (1 + self.margin) + self.margin_ms + self.replica_cost * hot * dup
                 within = [c for c in holders if cost[id(c)] <= slack]
                 if within:
@@ -227,7 +227,7 @@ class Ttft:
                         n for n, t in zip(counts, pool.templates, strict=True) if t.blocks >= held
                     )
                 dup = max(0.0, best.prefill_ms - holders[0].prefill_ms)
-                hot = min(1.0, self._heat(keys[h], router.clock()) / self.hot_requests)
+                hot = min(1.0, self._heat(keys[heat_block(held, h)], router.clock()) / self.hot_requests)
                 slack = best_cost * (1 + self.margin) + self.margin_ms + self.replica_cost * hot * dup
                 within = [c for c in holders if cost[c.state.key] <= slack]
                 if within:
@@ -302,12 +302,43 @@ class Ttft:
         keys = request.keys
         if not keys:
             return
-        key = keys[home_block(len(keys), request.block_size, self.home_tokens)]
+        h = home_block(len(keys), request.block_size, self.home_tokens)
         now = router.clock()
-        self._hot[key] = (self._heat(key, now) + 1.0, now)
-        self._hot.move_to_end(key)
-        while len(self._hot) > self.max_tracked:
-            self._hot.popitem(last=False)
+        hot = self._hot
+        for i in heat_blocks(len(keys), h):
+            key = keys[i]
+            hot[key] = (self._heat(key, now) + 1.0, now)
+            hot.move_to_end(key)
+        while len(hot) > self.max_tracked:
+            hot.popitem(last=False)
+
+
+def heat_blocks(n_blocks: int, home: int) -> list[int]:
+    """The block positions at which a committed prompt of ``n_blocks`` counts toward heat: 0, 1, 3,
+    7, ... (2**i - 1) below the home block ``home``, and the home block when the prompt reaches it.
+
+    A prompt shorter than the home prefix has no shared home block (its last block holds its own
+    question), so heat counts at a few depths instead: a prefix held by the holders is as hot as
+    the requests that shared at least ``heat_block(held)`` + 1 of its blocks."""
+    out = []
+    i = 1
+    while i - 1 < n_blocks and i - 1 < home:
+        out.append(i - 1)
+        i *= 2
+    if n_blocks > home:
+        out.append(home)
+    return out
+
+
+def heat_block(held: int, home: int) -> int:
+    """The position whose heat tells how hot a prefix of ``held`` blocks (>= 1) is: the home block
+    if it is held, else the deepest 2**i - 1 within the held blocks (``heat_blocks``)."""
+    if held > home:
+        return home
+    i = 1
+    while 2 * i - 1 <= held - 1:
+        i *= 2
+    return i - 1
 
 
 def _order(candidates: list[Candidate], costs: list[float], bound: float) -> list[int]:
