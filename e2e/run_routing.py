@@ -55,7 +55,10 @@ BIN = Path(sys.executable).parent
 MODEL = "routing-llama"
 BLOCK = 32  # vLLM's CPU attention backend takes multiples of 32
 ROUTERS = ("kvindex", "kvindex-default", "kv_aware", "cache_aware", "round_robin")
-KVINDEX = ("kvindex", "kvindex-default")
+KVINDEX = ["kvindex", "kvindex-default"]  # (+ the --variant routers)
+# --variant NAME=OPTION,...: kvindex (calibrated) with `serve --policy-option OPTION` each, as one
+# more router on the same arrivals (a same-invocation A/B of a policy parameter).
+VARIANTS: dict[str, list[str]] = {}
 
 
 # -- the workload ------------------------------------------------------------------------------------
@@ -378,6 +381,7 @@ class Bench:
                     "--metrics-port", str(metrics_port), "--log-format", "json", "--log-level", "info",
                     "--tokenizer", f"{MODEL}={self.args.model_dir}", "--nats", nats, "--no-routing-sync",
                     *(["--no-calibration"] if name == "kvindex-default" else []),
+                    *[a for opt in VARIANTS.get(name, []) for a in ("--policy-option", opt)],
                 ],
                 self.out / "kvindex.log",
             )  # fmt: skip
@@ -807,7 +811,9 @@ def predictions(rows: list[dict[str, Any]], warmup: dict[str, Any]) -> str:
         n = sum(outcomes.values())
         ratios = client_ratios(rr)
         logs = [abs(math.log(x)) for x in ratios]
-        model = "calibrated" if router == "kvindex" else "default"
+        model = "default" if router == "kvindex-default" else "calibrated"
+        if router in VARIANTS:
+            model += f" ({', '.join(VARIANTS[router])})"
         if load == "warmup":
             model = "learning (from the default)"
         share = {k: f"{outcomes.get(k, 0) / n:.1%}" if n else "-" for k in ("exact", "over", "under")}
@@ -830,7 +836,9 @@ def predictions(rows: list[dict[str, Any]], warmup: dict[str, Any]) -> str:
         ]
         for load, router, rr in groups:
             hist = {e: sum(r["prediction"]["error"].get(e, 0) for r in rr) for e in edges}
-            model = "calibrated" if router == "kvindex" else "default"
+            model = "default" if router == "kvindex-default" else "calibrated"
+            if router in VARIANTS:
+                model += f" ({', '.join(VARIANTS[router])})"
             lines.append(
                 f"| {load} | {model if load != 'warmup' else 'learning'} | "
                 + " | ".join(str(int(hist[e])) for e in edges)
@@ -949,7 +957,17 @@ def main() -> int:
     p.add_argument("--vllm-router", type=Path, default=ROOT / ".venv-vllm-router" / "bin" / "vllm-router")
     p.add_argument("--model-dir", type=Path, default=ROOT / "e2e" / "routing-llama")
     p.add_argument("--out", type=Path, default=ROOT / "e2e" / "out-routing")
-    p.add_argument("--routers", nargs="+", default=list(ROUTERS), choices=ROUTERS)
+    p.add_argument(
+        "--routers", nargs="+", default=list(ROUTERS), help=f"of {', '.join(ROUTERS)} and variants"
+    )
+    p.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        metavar="NAME=POLICY.PARAM=VALUE[,...]",
+        help="one more kvindex router, NAME, with these `kvindex serve --policy-option`s "
+        "(e.g. kvindex-rc0=ttft.replica_cost=0); list NAME in --routers",
+    )
     p.add_argument(
         "--loads", nargs="+", default=["light", "high"], choices=("light", "high", "peak", "overload")
     )
@@ -979,6 +997,16 @@ def main() -> int:
     p.add_argument("--startup-timeout", type=float, default=300.0)
     p.add_argument("--router-log-level", default="warning", help="vllm-router's (debug shows its picks)")
     args = p.parse_args()
+    for v in args.variant:
+        name, eq, opts = v.partition("=")
+        if not eq or not name.startswith("kvindex-") or name in ROUTERS or not opts:
+            p.error(f"--variant {v!r}: expected kvindex-NAME=POLICY.PARAM=VALUE[,...]")
+        VARIANTS[name] = opts.split(",")
+        KVINDEX.append(name)
+        ROUTER_NAMES[name] = f"kvindex route (ttft, calibrated, {', '.join(VARIANTS[name])})"
+    unknown = [r for r in args.routers if r not in ROUTERS and r not in VARIANTS]
+    if unknown:
+        p.error(f"--routers: unknown {unknown} (choose from {', '.join(ROUTERS)} or a --variant name)")
     for path in (args.vllm_python, args.model_dir / "kvindex-e2e.json"):
         if not path.exists():
             print(f"missing {path}: run `make e2e-routing` (it installs what is needed)", file=sys.stderr)

@@ -98,6 +98,15 @@ def _add_serve(sub: Any) -> None:
     k.add_argument(
         "--seed", type=int, default=0, help="seed of the picks' draws (and of randomised policies)"
     )
+    k.add_argument(
+        "--policy-option",
+        action="append",
+        default=[],
+        type=_policy_option,
+        metavar="POLICY.NAME=VALUE",
+        help="override one parameter of a ranking policy (docs/scoring.md), e.g. ttft.replica_cost=2 "
+        "or ttft.congestion=0; repeatable",
+    )
     a = p.add_argument_group("engines without KV events (approximate mode, docs/scoring.md)")
     a.add_argument(
         "--instance",
@@ -538,6 +547,7 @@ def _serve(args: argparse.Namespace) -> int:
         static_model=args.instance_model,
         static_block_size=args.instance_block_size,
         static_capacity=args.instance_capacity,
+        policy_options=_policy_options(args.policy_option),
         router=RankerConfig(
             predicted_ttl=args.predicted_ttl,
             costs=CostConfig(calibrate=args.calibration),
@@ -580,6 +590,54 @@ def _serve(args: argparse.Namespace) -> int:
 
     # SIGTERM/SIGINT/SIGHUP or the parent's exit stop it within the grace (docs/deploy.md).
     return run(main, grace=config.shutdown_grace + CLEANUP_BUDGET, name="kvindex-serve")
+
+
+def _policy_option(text: str) -> tuple[str, str, Any]:
+    """``POLICY.NAME=VALUE`` -> (policy, parameter, value); the value as a number or a boolean when
+    it reads as one. Unknown policies and parameters are refused when the options are checked."""
+    key, eq, raw = text.partition("=")
+    policy, dot, name = key.strip().partition(".")
+    if not eq or not dot or not policy or not name.isidentifier():
+        raise argparse.ArgumentTypeError(
+            f"expected POLICY.NAME=VALUE (e.g. ttft.replica_cost=2), got {text!r}"
+        )
+    value: Any = raw.strip()
+    low = value.lower()
+    if low in ("true", "false"):
+        value = low == "true"
+    else:
+        for kind in (int, float):
+            try:
+                value = kind(value)
+                break
+            except ValueError:
+                continue
+    return policy, name, value
+
+
+def _policy_options(options: list[tuple[str, str, Any]]) -> dict[str, dict[str, Any]]:
+    """The options by policy, checked against the policies' own parameters (a typo must not be
+    ignored silently)."""
+    import inspect
+
+    from kvindex.scoring.policies import POLICY_CLASSES
+
+    out: dict[str, dict[str, Any]] = {}
+    for policy, name, value in options:
+        cls = POLICY_CLASSES.get(policy)
+        if cls is None:
+            raise SystemExit(
+                f"kvindex serve: --policy-option: unknown policy {policy!r} "
+                f"(one of {', '.join(POLICY_CLASSES)})"
+            )
+        params = [p for p in inspect.signature(cls).parameters if p != "self"]
+        if name not in params:
+            raise SystemExit(
+                f"kvindex serve: --policy-option: {policy} has no parameter {name!r} "
+                f"(it has: {', '.join(params) or 'none'})"
+            )
+        out.setdefault(policy, {})[name] = value
+    return out
 
 
 def build_parser() -> argparse.ArgumentParser:

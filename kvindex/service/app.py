@@ -66,6 +66,8 @@ class ServiceConfig:
     liveness: LivenessConfig = field(default_factory=LivenessConfig)  # stale / forgotten instances
     jetstream: JetStreamConfig | None = None  # None: core NATS (default)
     router: RankerConfig = field(default_factory=RankerConfig)
+    # Per ranking policy, overrides of its published defaults (``serve --policy-option``).
+    policy_options: dict[str, dict[str, Any]] | None = None
     capture: CaptureConfig | None = None  # tee what the consumer sees into an event log
     limits: IngestLimits = field(default_factory=IngestLimits)
     grpc_security: ServerSecurity | None = None  # TLS / mutual TLS / token; None: plaintext, open
@@ -133,6 +135,7 @@ class IndexService:
                 subjects=self.subjects,
                 ingest_limits=config.limits,
                 router=config.router,
+                policy_options=config.policy_options,
                 # Predicted against actual (docs/feedback.md): a degradation asks for a snapshot at
                 # once (rate-limited in the router; scheduled, never run inside the consumer's own
                 # call that changed the state).

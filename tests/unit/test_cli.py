@@ -39,3 +39,26 @@ def test_bad_query_arguments_are_one_line_errors(
     assert main(["score", "--server", "127.0.0.1:1", "--model", "m", flag, value]) == 2
     err = capsys.readouterr().err
     assert err.startswith("kvindex score: error: ") and says in err and err.count("\n") == 1, err
+
+
+def test_policy_options_reach_the_policies_and_typos_are_refused() -> None:
+    """``serve --policy-option``: values typed as numbers or booleans, checked against the policy's
+    own parameters, and given to the service's ranker."""
+    import argparse
+
+    from kvindex.cli import _policy_option, _policy_options
+    from kvindex.service.app import IndexService, ServiceConfig
+
+    parsed = [_policy_option(t) for t in ("ttft.replica_cost=0", "ttft.margin=0.25", "cache_aware.x=true")]
+    assert parsed == [("ttft", "replica_cost", 0), ("ttft", "margin", 0.25), ("cache_aware", "x", True)]
+    with pytest.raises(argparse.ArgumentTypeError, match=r"POLICY\.NAME=VALUE"):
+        _policy_option("replica_cost=0")
+    with pytest.raises(SystemExit, match="ttft has no parameter 'replica_costs'"):
+        _policy_options([("ttft", "replica_costs", 1)])
+    with pytest.raises(SystemExit, match="unknown policy 'tft'"):
+        _policy_options([("tft", "margin", 1)])
+    options = _policy_options(parsed[:2])
+    assert options == {"ttft": {"replica_cost": 0, "margin": 0.25}}
+    service = IndexService(ServiceConfig(policy_options=options))
+    ttft = service.router.policies["ttft"]
+    assert ttft.replica_cost == 0 and ttft.margin == 0.25  # type: ignore[attr-defined]
