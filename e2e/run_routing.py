@@ -686,7 +686,7 @@ class Bench:
         finally:
             for p in reversed(self.procs):
                 p.stop()
-        table = summary(rows, self.calibration) + predictions(rows, self.warmup)
+        table = summary(rows, self.calibration) + paired_summary(rows) + "\n" + predictions(rows, self.warmup)
         table += "\n" + goodput_summary(rows)
         (self.out / "table.md").write_text(table)
         print(table)
@@ -922,6 +922,59 @@ def summary(rows: list[dict[str, Any]], calibration: dict[str, float]) -> str:
             )
         lines.append("")
     return "\n".join(lines)
+
+
+def paired_summary(rows: list[dict[str, Any]], ours: str = "kvindex") -> str:
+    """``ours`` against every other router, request by request: each run sends the same arrivals
+    through every router, so the TTFT of one request under two routers is a pair. Per load and
+    router: the mean difference (ours - theirs) with a 95 % bootstrap interval over the pairs, the
+    share of requests ours served faster, and the runs whose mean was lower. Requests in a run share
+    queues, so they are not independent: read the interval as optimistic, the runs column as the
+    check."""
+    rng = random.Random(0)
+    lines = [
+        f"### {ROUTER_NAMES.get(ours, ours)} against each router, request by request",
+        "",
+        "| load | router | pairs | mean TTFT difference, ours - theirs (ms) [95 % interval] "
+        "| ours faster | runs with our mean lower |",
+        "|---|---|---|---|---|---|",
+    ]
+    found = False
+    for load in dict.fromkeys(r["load"] for r in rows):
+        sel = [r for r in rows if r["load"] == load]
+        mine = {r["run"]: r for r in sel if r["router"] == ours}
+        for router in dict.fromkeys(r["router"] for r in sel):
+            if router == ours:
+                continue
+            diffs: list[float] = []
+            lower = runs = 0
+            for r in sel:
+                m = mine.get(r["run"]) if r["router"] == router else None
+                if m is None:
+                    continue
+                pairs = [
+                    (a["ttft"], b["ttft"])
+                    for a, b in zip(m["results"], r["results"], strict=True)
+                    if a["ttft"] is not None and b["ttft"] is not None
+                ]
+                if not pairs:
+                    continue
+                diffs += [(a - b) * 1000 for a, b in pairs]
+                runs += 1
+                lower += statistics.fmean(a for a, _ in pairs) < statistics.fmean(b for _, b in pairs)
+            if not diffs:
+                continue
+            found = True
+            n = len(diffs)
+            means = sorted(statistics.fmean(rng.choices(diffs, k=n)) for _ in range(1000))
+            name = ROUTER_NAMES.get(router, f"vllm-router {router}")
+            lines.append(
+                f"| {load} | {name} | {n} | {statistics.fmean(diffs):+.1f} "
+                f"[{means[25]:+.1f}, {means[974]:+.1f}] "
+                f"| {sum(d < 0 for d in diffs) / n:.0%} (equal {sum(d == 0 for d in diffs) / n:.0%}) "
+                f"| {lower} of {runs} |"
+            )
+    return "\n".join(lines) + "\n" if found else ""
 
 
 def goodput_summary(rows: list[dict[str, Any]]) -> str:
