@@ -83,9 +83,13 @@ def test_commit_on_one_replica_is_seen_by_the_other() -> None:
     # The ttft policy's heat for the prefix counts a's decision.
     key = keys[home_block(len(keys), BS, pair.b.policies["ttft"].home_tokens)]
     assert pair.b.policies["ttft"]._heat(key, pair.clock()) == pytest.approx(1.0)
-    # A sibling asked of b follows to the same instance, as it would on a.
-    sibling = pair.b.score(request(keys[:150] + prompt(50, seed=2), rid="r2"), commit=True)
-    assert sibling.committed.key == home
+    # A sibling asked of b is placed as a would place it, seeing the prefix on a's choice.
+    sibling_keys = keys[:150] + prompt(50, seed=2)
+    on_a = pair.a.score(request(sibling_keys))
+    sibling = pair.b.score(request(sibling_keys, rid="r2"), commit=True)
+    assert sibling.committed.key == on_a.choices[0].candidate.state.key
+    seen = {c.candidate.state.key: c.candidate.blocks for c in sibling.choices}
+    assert seen[home] == 150
     pair.deliver()
     assert len(pair.a.ledger) == len(pair.b.ledger) == 2
     assert pair.sa.published == {"commit": 1} and pair.sa.applied == {"commit": 1}
@@ -346,7 +350,7 @@ def _copies(
     return [len(placed[p]) for p in sorted(placed)]
 
 
-@pytest.mark.parametrize("shape", [(2, 48, 128, 64), (3, 48, 256, 128), (3, 8, 256, 16)])
+@pytest.mark.parametrize("shape", [(4, 24, 256, 64), (4, 48, 128, 64), (3, 8, 256, 16)])
 def test_a_burst_asked_alternately_is_placed_as_one_replica_places_it(
     shape: tuple[int, int, int, int],
 ) -> None:

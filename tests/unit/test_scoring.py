@@ -257,11 +257,19 @@ def test_cold_prefix_goes_home_and_siblings_follow() -> None:
     home = rendezvous_order(ids, ids, keys[home_block(200, BS, 2048)])[0]
     first = router.score(request(keys, rid="a"), commit=True)
     assert first.choices[0].candidate.state.instance_id == home and first.choices[0].reason == "home"
-    # A sibling sharing the prefix, before any stored event: the speculative keys attract it.
+    # A sibling sharing the prefix, before any stored event: the speculative keys show it on home.
     sibling = keys[:150] + prompt(50, seed=10)
+    ranked = router.score(request(sibling)).choices
+    assert {c.candidate.state.instance_id: c.candidate.blocks for c in ranked}[home] == 150
+    # Home is busy with the first's prefill and every other instance is idle: a recompute there
+    # delays nobody and serves sooner (replica_by_wait)...
+    assert ranked[0].candidate.state.instance_id != home and ranked[0].reason.startswith("spill")
+    assert ranked[0].candidate.wait_ms == 0.0
+    # ...while a duplicate that counts in full (a busy fleet) keeps the sibling with the first.
+    router.policies["ttft"].replica_by_wait = False  # type: ignore[attr-defined]
     second = router.score(request(sibling, rid="b"), commit=True)
     assert second.choices[0].candidate.state.instance_id == home
-    assert second.choices[0].candidate.blocks == 150
+    assert second.choices[0].candidate.blocks == 150 and second.choices[0].reason == "replica"
 
 
 def test_released_prompt_keeps_no_speculative_credit_for_blocks_evicted_since() -> None:

@@ -54,6 +54,7 @@ class Ttft:
         hot_requests: float = 3.0,
         hot_half_life: float = 30.0,
         max_tracked: int = 100_000,
+        replica_by_wait: bool = True,
     ) -> None:
         self.home_tokens = home_tokens
         self.useful_tokens = useful_tokens
@@ -69,6 +70,7 @@ class Ttft:
         self.replica_cost = replica_cost
         self.hot_requests = hot_requests
         self.hot_half_life = hot_half_life
+        self.replica_by_wait = replica_by_wait
         self.max_tracked = max_tracked
         # Recent requests per home prefix (exponentially decayed): how hot a prefix is.
         self._hot: OrderedDict[int, tuple[float, float]] = OrderedDict()
@@ -124,6 +126,7 @@ class Ttft:
                 # the best by more than ``replica_cost`` x the duplicated prefill.
                 dup = max(0.0, best.prefill_ms - holders[0].prefill_ms)
                 hot = min(1.0, self._heat(keys[heat_block(held, h)], router.clock()) / self.hot_requests)
+                dup *= self._replica_weight(best)
                 slack = cost[id(best)] * (1 + self.margin) + self.margin_ms + self.replica_cost * hot * dup
                 within = [c for c in holders if cost[id(c)] <= slack]
                 if within:
@@ -228,6 +231,7 @@ class Ttft:
                     )
                 dup = max(0.0, best.prefill_ms - holders[0].prefill_ms)
                 hot = min(1.0, self._heat(keys[heat_block(held, h)], router.clock()) / self.hot_requests)
+                dup *= self._replica_weight(best)
                 slack = best_cost * (1 + self.margin) + self.margin_ms + self.replica_cost * hot * dup
                 within = [c for c in holders if cost[c.state.key] <= slack]
                 if within:
@@ -290,6 +294,17 @@ class Ttft:
         at = np.flatnonzero(pool.explicit_rows == row)
         pick = explicit[int(at[0])] if len(at) else pool.materialize([row])[0]
         return pick, what if rank == 0 else f"{what}+{rank}"
+
+    def _replica_weight(self, best: Candidate) -> float:
+        """How much of a new replica's duplicated prefill counts against it: the best instance's own
+        wait over its prefill, capped at 1 (``replica_by_wait``; else always 1). On an idle
+        instance the duplicate delays nobody, so a hot prefix's holder that is busy does not keep
+        the request waiting; once the best instance has a queue as long as the work itself, the
+        duplicate is paid in full by whoever queues behind it."""
+        if not self.replica_by_wait:
+            return 1.0
+        prefill = best.prefill_ms + best.fetch_ms
+        return min(1.0, best.wait_ms / prefill) if prefill > 0 else 1.0
 
     def _heat(self, key: int, now: float) -> float:
         entry = self._hot.get(key)
