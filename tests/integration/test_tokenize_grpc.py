@@ -150,8 +150,10 @@ async def test_commit_and_stream_take_text_too(
     )
     assert committed.committed
     # The committed chat's blocks are now speculatively on w2: the token-id form of it sees them there.
+    # (Which instance ranks first is the policy's business: w2 is busy with r1's prefill.)
     reply = await kv.Score(pb.ScoreRequest(model="llama", token_ids=chat_ids))
-    assert reply.ranked[0].instance_id == "llama-w2/0" and reply.ranked[0].matched_blocks == n_blocks
+    matched = {r.instance_id: r.matched_blocks for r in reply.ranked}
+    assert matched["llama-w2/0"] == n_blocks and sum(matched.values()) == n_blocks
 
     requests = [
         pb.ScoreRequest(model="llama", messages=json.dumps(CHAT), request_id="a"),
@@ -165,7 +167,8 @@ async def test_commit_and_stream_take_text_too(
         replies.append(await call.read())
     await call.done_writing()
     assert [r.request_id for r in replies] == ["a", "b", "c"]
-    assert replies[0].ranked[0].instance_id == "llama-w2/0" and not replies[0].error
+    assert not replies[0].error
+    assert {r.instance_id: r.matched_blocks for r in replies[0].ranked}["llama-w2/0"] == n_blocks
     assert "no tokenizer configured" in replies[1].error
     assert not replies[2].error and replies[2].prompt_tokens > 0
 
