@@ -87,7 +87,7 @@ async def heartbeat_until_signalled(args: argparse.Namespace, stop: Stop) -> Non
         while not stop.requested:
             if args.metrics_url:
                 try:
-                    samples = await scrape(args.metrics_url, 2.0)
+                    samples = await scrape(args.metrics_url, 2.0, reader.profile.sample_names())
                     load = reader.load(samples, 0)
                     pub.set_load(
                         running=load.running,

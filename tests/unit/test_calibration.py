@@ -5,6 +5,7 @@ tests/integration/test_calibration_e2e.py)."""
 
 from __future__ import annotations
 
+import gzip
 import math
 import random
 
@@ -17,6 +18,7 @@ from kvindex.scoring.calibration import DEFAULT, OWN, SHARED, Calibrator, ModelC
 from kvindex.scoring.costs import DEFAULT_PREFILL, PrefillModel
 from kvindex.scoring.outcomes import Report
 from kvindex.scoring.ranker import Ranker, RankerConfig
+from kvtools import data
 from workers_shim.bridges.engines import SGLANG, VLLM
 from workers_shim.bridges.load import LoadReader, PrefillSampler, parse_samples
 
@@ -256,3 +258,35 @@ def test_calibration_off_keeps_the_default_and_counts_the_samples() -> None:
     assert cal.add(MODEL, samples(CPU, 60, 9), "w0/0") == 0
     assert cal.ignored == 60 and cal.models == {} and cal.dirty == set()
     assert cal.status(MODEL, "w0/0").source == DEFAULT and cal.prefill(MODEL) == DEFAULT_PREFILL
+
+
+def test_a_scrape_parses_only_the_samples_it_reads_and_reads_the_same() -> None:
+    """A real vLLM page (kvtools/data): parsing only the profile's sample names gives the load, the
+    cache info and the prefill totals the full parse gives, and drops the rest of the page."""
+    page = gzip.decompress((data.vllm_captures() / "metrics_page.txt.gz").read_bytes()).decode()
+    full = parse_samples(page)
+    names = VLLM.sample_names()
+    some = parse_samples(page, names)
+    assert set(some) <= names and len(some) < len(full) / 5
+    assert {name: full[name] for name in some} == some  # same series, same labels, same values
+    reader = LoadReader(VLLM)
+    assert reader.load(some, 0) == reader.load(full, 0)
+    assert reader.cache_info(some, 0) == reader.cache_info(full, 0)
+    assert reader.cache_info(some, 0).block_size == 32
+    totals = PrefillSampler(reader)._totals(some, 0)
+    assert totals is not None and totals == PrefillSampler(reader)._totals(full, 0)
+    assert totals[0] > 0  # the page holds finished requests: the samples are really read
+    # Comment lines, label values holding a wanted name, and a name's longer sibling are not taken.
+    tricky = "\n".join(
+        [
+            "# HELP vllm:num_requests_running running",
+            'vllm:other{name="vllm:num_requests_running"} 5',
+            'vllm:num_requests_running_max{engine="0"} 9',
+            'vllm:num_requests_running{engine="0"} 2',
+            "vllm:num_requests_waiting 1",
+        ]
+    )
+    assert parse_samples(tricky, names) == {
+        "vllm:num_requests_running": [({"engine": "0"}, 2.0)],
+        "vllm:num_requests_waiting": [({}, 1.0)],
+    }

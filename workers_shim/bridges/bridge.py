@@ -645,9 +645,10 @@ class Bridge:
         assert cfg.metrics_url is not None
         reader = LoadReader(cfg.profile)
         sampler = PrefillSampler(reader)  # the engine's prefill times, for the index's calibration
+        wanted = cfg.profile.sample_names()
         while True:
             try:
-                samples = await scrape(cfg.metrics_url, cfg.scrape_timeout)
+                samples = await scrape(cfg.metrics_url, cfg.scrape_timeout, wanted)
             except Exception as exc:
                 self.stats.add("load", "error")
                 self.stats.throttled(

@@ -62,6 +62,18 @@ class EngineProfile:
     partial_blocks: bool = False
     media: dict[str, str] = field(default_factory=lambda: dict(DEFAULT_MEDIA))
 
+    def sample_names(self) -> frozenset[str]:
+        """Every Prometheus sample name the shim reads: a scrape parses only these lines (a vLLM page
+        is 600 lines and parsing all of it costs 7 ms a scrape, on a core an engine may be using)."""
+        names = {*self.running, *self.waiting, *self.kv_usage, *self.waiting_tokens, *self.prefill_cached}
+        names.update(name for pair in self.prompt_mean for name in pair)
+        if self.cache_info is not None:
+            names.add(self.cache_info)
+        for histogram in (self.prefill_seconds, self.prefill_prompt, self.prefill_computed):
+            if histogram is not None:
+                names.update((histogram + "_sum", histogram + "_count"))
+        return frozenset(names)
+
 
 VLLM = EngineProfile(
     name="vllm",
