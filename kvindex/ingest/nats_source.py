@@ -78,6 +78,8 @@ class NatsSource:
         # Called with (subject, payload, receive wall time) for every events/heartbeat message, just
         # before the consumer gets it: event-log capture (kvindex/capture) records here.
         self.tap: Callable[[str, bytes, float], None] | None = None
+        # Called when the connection drops or comes back (the service re-evaluates readiness).
+        self.on_connection_change: Callable[[], None] | None = None
 
     async def start(self) -> None:
         self.nc = await nats_connect(
@@ -195,11 +197,15 @@ class NatsSource:
 
     async def _on_disconnected(self) -> None:
         self.log.warning("nats_disconnected", url=self.url)
+        if self.on_connection_change is not None:
+            self.on_connection_change()
 
     async def _on_reconnected(self) -> None:
         self.reconnects += 1
         server = self.nc.connected_url if self.nc is not None else None
         self.log.info("nats_reconnected", url=redact_url(server.geturl()) if server else self.url)
+        if self.on_connection_change is not None:
+            self.on_connection_change()
         # With JetStream the ordered consumer resumes where it was: nothing was lost.
         if self._on_reconnect_hook is not None and self.jetstream is None:
             self._on_reconnect_hook()

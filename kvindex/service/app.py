@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import time
 from dataclasses import dataclass, field
@@ -183,6 +184,7 @@ class IndexService:
             )
         self.readiness = Readiness(self.registry, self.consumer.sequencer, config.readiness)
         self._readiness_task: asyncio.Task[None] | None = None
+        self._readiness_changed = asyncio.Event()  # the NATS connection dropped or came back
         self._liveness_task: asyncio.Task[None] | None = None
         # Replicas share their routing decisions (docs/deploy.md#replicas); by default only with an
         # external NATS: nothing else can reach an embedded server's replica.
@@ -272,6 +274,7 @@ class IndexService:
             jetstream=self.config.jetstream,
         )
         self._register_static()
+        self.source.on_connection_change = self._readiness_changed.set
         if self.recorder is not None:
             self.source.tap = self.recorder.message
             self.recorder.start()
@@ -353,7 +356,12 @@ class IndexService:
                 if self.ext_proc is not None:
                     await self.ext_proc.set_ready(ready)
                 self.log.info("readiness_changed", ready=ready, reason=reason)
-            await asyncio.sleep(self.readiness.config.tick)
+            cfg = self.readiness.config
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(
+                    self._readiness_changed.wait(), cfg.settled_tick if self.readiness.synced else cfg.tick
+                )
+            self._readiness_changed.clear()
 
     async def _sweep_liveness(self) -> None:
         """Stale instances stop being ranked, long-silent ones are forgotten (kvindex/fleet/liveness.py).

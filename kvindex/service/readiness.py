@@ -31,7 +31,11 @@ from kvindex.sequencer.cursor import Sequencer
 class ReadinessConfig:
     window: float = 1.0  # first heartbeat window (s): instances heard in it must sync before ready
     grace: float = 30.0  # ready at the latest this long after subscribing (s), synced or not
-    tick: float = 0.1  # how often readiness is re-evaluated (s)
+    tick: float = 0.1  # how often readiness is re-evaluated until the initial sync is done (s)
+    # After it, only the NATS connection can take readiness away, and its changes wake the check at
+    # once: the tick is then a safety net. (Every wake-up of an idle index costs CPU on a host whose
+    # cores may be serving a CPU engine's prefill.)
+    settled_tick: float = 1.0
 
 
 class Readiness:

@@ -123,7 +123,9 @@ async def test_not_ready_while_nats_is_down(
 ) -> None:
     pub = await make_publisher(worker="n1", model=MODEL, block_size=BS)
     pub.stored([1, 2, 3])
-    svc = await make_service(readiness=ReadinessConfig(window=0.2, grace=10.0))
+    # A settled index re-checks readiness only every 30 s here: the connection's drop and return
+    # must wake the check themselves.
+    svc = await make_service(readiness=ReadinessConfig(window=0.2, grace=10.0, settled_tick=30.0))
     await wait_until(lambda: svc.grpc.ready, 5.0, "ready")
     await nats_server.stop(cleanup=False)
     await wait_until(lambda: not svc.grpc.ready, 3.0, "not ready once NATS is gone")
