@@ -136,6 +136,12 @@ $(ROUTING_MODEL)/kvindex-e2e.json: $(VLLM_STAMP) e2e/make_model.py
 e2e-routing: $(E2E_STAMP) $(ROUTER_STAMP) $(ROUTING_MODEL)/kvindex-e2e.json
 	$(PY) e2e/run_routing.py --vllm-python $(VLLM_PY) --vllm-router $(ROUTER_VENV)/bin/vllm-router --model-dir $(ROUTING_MODEL) $(ARGS)
 
+# What a router's own processes cost the engines' prefills on this host (docs/e2e-routing.md,
+# "The router's own cost"): cold prompts direct to an engine with the router running or stopped.
+.PHONY: e2e-overhead
+e2e-overhead: $(E2E_STAMP) $(ROUTER_STAMP) $(ROUTING_MODEL)/kvindex-e2e.json
+	$(PY) e2e/run_overhead.py --vllm-python $(VLLM_PY) --vllm-router $(ROUTER_VENV)/bin/vllm-router --model-dir $(ROUTING_MODEL) $(ARGS)
+
 # Disaggregated prefill/decode on real engines (docs/pd.md): two vLLM CPU engines moving KV with
 # NixlConnector (UCX, CPU buffer) behind `kvindex route --pd`. NIXL is not part of vLLM's CPU build:
 # its CUDA-12 wheel (whose UCX backend needs no GPU) goes into .nixl, on the engines' PYTHONPATH.
