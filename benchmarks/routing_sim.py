@@ -51,6 +51,7 @@ from typing import Any
 import numpy as np
 import structlog
 
+from kvindex.cli import check_policy_options, parse_policy_option
 from kvindex.core import CoreConfig, build_core
 from kvindex.keys import block_keys
 from kvindex.scoring.admission import (
@@ -1215,6 +1216,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--routers", type=int, default=1, help="independent routers (no routing sync), arrivals dealt in turn"
     )
+    parser.add_argument(
+        "--policy-option",
+        action="append",
+        default=[],
+        type=parse_policy_option,
+        metavar="POLICY.NAME=VALUE",
+        help="a policy parameter, as `kvindex serve --policy-option` (repeatable)",
+    )
     args = parser.parse_args(argv)
     args.policies = tuple(p for p in args.policies.split(",") if p)
     picks = pick_variants(args.pick)
@@ -1230,6 +1239,9 @@ def main(argv: list[str] | None = None) -> int:
         cluster.join_count, cluster.join_at = join_count, join_at
         cluster.routers = args.routers
     named = len(picks) > 1 or picks[0][0] != "best" or args.warmup > 0
+    options = dict(exp.options or {})
+    for policy, params in check_policy_options(args.policy_option).items():
+        options[policy] = {**options.get(policy, {}), **params}
     jobs = []
     for label, reqs, cluster in exp.levels:
         for p in exp.policies:
@@ -1239,7 +1251,7 @@ def main(argv: list[str] | None = None) -> int:
                 if named:
                     name += f" {mode}" + (f" T={temperature:g}" if mode == "softmax" else "")
                     name += f" ramp {args.warmup:g}s" if args.warmup > 0 else ""
-                jobs.append((p, label, reqs, c, args.seed, exp.options, name))
+                jobs.append((p, label, reqs, c, args.seed, options, name))
     started = time.perf_counter()
     results: list[RunResult] = []
     try:

@@ -102,7 +102,7 @@ def _add_serve(sub: Any) -> None:
         "--policy-option",
         action="append",
         default=[],
-        type=_policy_option,
+        type=parse_policy_option,
         metavar="POLICY.NAME=VALUE",
         help="override one parameter of a ranking policy (docs/scoring.md), e.g. ttft.replica_cost=2 "
         "or ttft.congestion=0; repeatable",
@@ -547,7 +547,7 @@ def _serve(args: argparse.Namespace) -> int:
         static_model=args.instance_model,
         static_block_size=args.instance_block_size,
         static_capacity=args.instance_capacity,
-        policy_options=_policy_options(args.policy_option),
+        policy_options=check_policy_options(args.policy_option),
         router=RankerConfig(
             predicted_ttl=args.predicted_ttl,
             costs=CostConfig(calibrate=args.calibration),
@@ -592,7 +592,7 @@ def _serve(args: argparse.Namespace) -> int:
     return run(main, grace=config.shutdown_grace + CLEANUP_BUDGET, name="kvindex-serve")
 
 
-def _policy_option(text: str) -> tuple[str, str, Any]:
+def parse_policy_option(text: str) -> tuple[str, str, Any]:
     """``POLICY.NAME=VALUE`` -> (policy, parameter, value); the value as a number or a boolean when
     it reads as one. Unknown policies and parameters are refused when the options are checked."""
     key, eq, raw = text.partition("=")
@@ -615,7 +615,7 @@ def _policy_option(text: str) -> tuple[str, str, Any]:
     return policy, name, value
 
 
-def _policy_options(options: list[tuple[str, str, Any]]) -> dict[str, dict[str, Any]]:
+def check_policy_options(options: list[tuple[str, str, Any]]) -> dict[str, dict[str, Any]]:
     """The options by policy, checked against the policies' own parameters (a typo must not be
     ignored silently)."""
     import inspect
@@ -627,14 +627,12 @@ def _policy_options(options: list[tuple[str, str, Any]]) -> dict[str, dict[str, 
         cls = POLICY_CLASSES.get(policy)
         if cls is None:
             raise SystemExit(
-                f"kvindex serve: --policy-option: unknown policy {policy!r} "
-                f"(one of {', '.join(POLICY_CLASSES)})"
+                f"--policy-option: unknown policy {policy!r} (one of {', '.join(POLICY_CLASSES)})"
             )
         params = [p for p in inspect.signature(cls).parameters if p != "self"]
         if name not in params:
             raise SystemExit(
-                f"kvindex serve: --policy-option: {policy} has no parameter {name!r} "
-                f"(it has: {', '.join(params) or 'none'})"
+                f"--policy-option: {policy} has no parameter {name!r} (it has: {', '.join(params) or 'none'})"
             )
         out.setdefault(policy, {})[name] = value
     return out

@@ -46,18 +46,19 @@ def test_policy_options_reach_the_policies_and_typos_are_refused() -> None:
     own parameters, and given to the service's ranker."""
     import argparse
 
-    from kvindex.cli import _policy_option, _policy_options
+    from kvindex.cli import check_policy_options, parse_policy_option
     from kvindex.service.app import IndexService, ServiceConfig
 
-    parsed = [_policy_option(t) for t in ("ttft.replica_cost=0", "ttft.margin=0.25", "cache_aware.x=true")]
+    texts = ("ttft.replica_cost=0", "ttft.margin=0.25", "cache_aware.x=true")
+    parsed = [parse_policy_option(t) for t in texts]
     assert parsed == [("ttft", "replica_cost", 0), ("ttft", "margin", 0.25), ("cache_aware", "x", True)]
     with pytest.raises(argparse.ArgumentTypeError, match=r"POLICY\.NAME=VALUE"):
-        _policy_option("replica_cost=0")
+        parse_policy_option("replica_cost=0")
     with pytest.raises(SystemExit, match="ttft has no parameter 'replica_costs'"):
-        _policy_options([("ttft", "replica_costs", 1)])
+        check_policy_options([("ttft", "replica_costs", 1)])
     with pytest.raises(SystemExit, match="unknown policy 'tft'"):
-        _policy_options([("tft", "margin", 1)])
-    options = _policy_options(parsed[:2])
+        check_policy_options([("tft", "margin", 1)])
+    options = check_policy_options(parsed[:2])
     assert options == {"ttft": {"replica_cost": 0, "margin": 0.25}}
     service = IndexService(ServiceConfig(policy_options=options))
     ttft = service.router.policies["ttft"]

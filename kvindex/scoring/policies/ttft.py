@@ -50,6 +50,7 @@ class Ttft:
         speculative_ttl: float = 10.0,
         congestion: float = 10.0,
         congestion_tau: float = 5.0,
+        congestion_max: float = math.inf,
         replica_cost: float = 4.0,
         hot_requests: float = 3.0,
         hot_half_life: float = 30.0,
@@ -65,6 +66,7 @@ class Ttft:
         self.speculative_ttl = speculative_ttl
         self.congestion = congestion
         self.congestion_tau = congestion_tau
+        self.congestion_max = congestion_max
         self._k = 0.0
         self._k_at: float | None = None
         self.replica_cost = replica_cost
@@ -150,7 +152,7 @@ class Ttft:
         return self._fold_congestion(wait, work, now)
 
     def _fold_congestion(self, wait: float, work: float, now: float) -> float:
-        return self._fold_target(self.congestion * max(0.0, wait / work - 1.0), now)
+        return self._fold_target(min(self.congestion_max, self.congestion * max(0.0, wait / work - 1.0)), now)
 
     def _fold_target(self, target: float, now: float) -> float:
         k = self._k
