@@ -387,3 +387,20 @@ def test_more_overlap_never_worsens_a_rank(
     overlap[who] = min(64, overlap[who] + extra)
     router, _index, _registry = _setup(queue, overlap, keys)
     assert _rank_of(router, keys, f"w{who}") <= before
+
+
+def test_congestion_weight_follows_the_fleet_and_is_capped_when_asked() -> None:
+    """The weight tends to congestion x (median wait / median prefill - 1), smoothed over
+    congestion_tau; ``congestion_max`` bounds it (docs/scoring.md)."""
+    from kvindex.scoring.policies.ttft import Ttft
+
+    free, capped = Ttft(), Ttft(congestion_max=30.0)
+    for t in range(200):  # 200 s of a fleet whose queues are 60x the work: far past congestion_tau
+        free._fold_congestion(60_000.0, 1_000.0, float(t))
+        capped._fold_congestion(60_000.0, 1_000.0, float(t))
+    assert free._k == pytest.approx(10.0 * 59.0)
+    assert capped._k == pytest.approx(30.0)
+    calm = Ttft(congestion_max=30.0)
+    for t in range(200):  # queues shorter than the work: no weight at all
+        calm._fold_congestion(500.0, 1_000.0, float(t))
+    assert calm._k == 0.0
