@@ -286,6 +286,9 @@ def test_a_scrape_parses_only_the_samples_it_reads_and_reads_the_same() -> None:
             "vllm:num_requests_waiting 1",
         ]
     )
+    with pytest.raises(ValueError, match="none of the"):  # not this engine's page: an error, not idle
+        parse_samples("garbage{\n<html>Bad Gateway</html>", names)
+    assert parse_samples("", names) == {}
     assert parse_samples(tricky, names) == {
         "vllm:num_requests_running": [({"engine": "0"}, 2.0)],
         "vllm:num_requests_waiting": [({}, 1.0)],

@@ -35,7 +35,13 @@ def parse_samples(text: str, names: Collection[str] | None = None) -> Samples:
     """Samples by name; with ``names``, only those samples' lines are parsed (the rest are skipped
     by name before the Prometheus parser sees them, which is what makes a scrape cheap)."""
     if names is not None:
-        text = "\n".join(line for line in text.splitlines() if _sample_name(line) in names)
+        lines = text.splitlines()
+        kept = [line for line in lines if _sample_name(line) in names]
+        if not kept and any(line.strip() and line[0] != "#" for line in lines):
+            # Not a page of this engine's metrics (an error page, another engine, garbage): say so
+            # instead of reading it as an idle engine.
+            raise ValueError(f"none of the {len(names)} samples read for this engine is on the page")
+        text = "\n".join(kept)
     samples: Samples = {}
     for family in text_string_to_metric_families(text):
         for s in family.samples:
