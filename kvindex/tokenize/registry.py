@@ -3,6 +3,7 @@ the routing proxy and the ext_proc picker call in-process (``encode_prompt``, ``
 
 from __future__ import annotations
 
+import contextlib
 import re
 import threading
 import time
@@ -78,7 +79,21 @@ class Tokenizers:
         if model in self._models:
             entry.index = max(m.index for m in self._models.values()) + 1  # old pieces age out
         self._models[model] = entry
+        self._warm(entry)
         return mt
+
+    @staticmethod
+    def _warm(entry: _Model) -> None:
+        """Pay the one-time costs now, not on the first request after a start (measured: the first
+        chat request took 20-90 ms longer than the next, most of it compiling the chat template):
+        compile and run the template once, and encode through the batch path the requests use.
+        Nothing enters the piece cache or the stats."""
+        mt = entry.mt
+        text = "Hello.\nWarm up."
+        with contextlib.suppress(TokenizeError):  # no template, or one that wants other messages
+            text = render_chat(mt, [{"role": "user", "content": text}], ChatOptions())
+        encode_batch = getattr(mt.tokenizer, "encode_batch_fast", mt.tokenizer.encode_batch)
+        encode_batch([text, text], add_special_tokens=False)
 
     def __contains__(self, model: object) -> bool:
         return model in self._models

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -64,6 +65,20 @@ CHAT = [
     {"role": "assistant", "content": "It keeps KV blocks of earlier prompts."},
     {"role": "user", "content": "  And why route by it?  "},
 ]
+
+
+def test_loading_compiles_the_template_and_leaves_cache_and_stats_empty(dirs: dict[str, Path]) -> None:
+    """The first request after a start must not pay the template's compile (tens of ms)."""
+    from kvindex.tokenize.chat import compile_template
+
+    compile_template.cache_clear()
+    toks = Tokenizers.from_dirs({"m": str(dirs["llama3"])})
+    source = toks.get("m").template(False)
+    hits = compile_template.cache_info().hits
+    compile_template(source)
+    assert compile_template.cache_info().hits == hits + 1  # compiled at load, not by this call
+    assert len(toks.cache) == 0 and toks.cache.stats.misses == 0  # the warm-up cached nothing
+    assert toks.stats.requests == Counter() and toks.stats.direct_encodes == 0  # no request counted
 
 
 # -- completions -------------------------------------------------------------------------------------
