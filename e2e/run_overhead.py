@@ -94,14 +94,17 @@ class Overhead:
                     time.sleep(a.gap)
                 pairs["running-stopped"].append((got["running"], got["stopped"]))
                 pairs["via-direct"].append((got["via"], got["running"]))
+            stages = route_stages(via) if a.router == "kvindex" else {}
             for proc in reversed(procs):
                 proc.stop()
         finally:
             for proc in reversed(b.procs):
                 proc.stop()
-        return self.report(pairs)
+        return self.report(pairs, stages)
 
-    def report(self, pairs: dict[str, list[tuple[float, float]]]) -> dict[str, Any]:
+    def report(
+        self, pairs: dict[str, list[tuple[float, float]]], stages: dict[str, float] | None = None
+    ) -> dict[str, Any]:
         out: dict[str, Any] = {"router": self.args.router, "tokens": self.args.tokens, "pairs": {}}
         lines = [
             f"router {self.args.router}: {len(pairs['running-stopped'])} pairs of cold "
@@ -123,8 +126,41 @@ class Overhead:
                 f"{statistics.fmean(diffs):+.1f} [{lo:+.1f}, {hi:+.1f}] / {statistics.median(diffs):+.1f} | "
                 f"{rel:+.1%} |"
             )
+        if stages:
+            # Where a via request's time went, from the proxy's own clock: what it did before
+            # forwarding, the engine's TTFT as the proxy saw it (compare with direct), the relay.
+            direct = statistics.fmean(y for _, y in pairs["via-direct"]) * 1000
+            out["stages_ms"] = stages
+            lines += [
+                "",
+                "kvindex route's stages on the via requests (means, ms): "
+                + ", ".join(f"{k} {v:.1f}" for k, v in stages.items())
+                + f"; the engine's TTFT direct while running: {direct:.1f}",
+            ]
         out["table"] = "\n".join(lines) + "\n"
         return out
+
+
+def route_stages(base: str) -> dict[str, float]:
+    """Mean milliseconds per stage of ``kvindex route``'s requests, from its /metrics."""
+    from prometheus_client.parser import text_string_to_metric_families
+    from run_vllm import http
+
+    status, body = http(base + "/metrics", timeout=5)
+    if status != 200:
+        return {}
+    sums: dict[str, float] = {}
+    counts: dict[str, float] = {}
+    for family in text_string_to_metric_families(body.decode()):
+        if family.name != "kvindex_route_stage_seconds":
+            continue
+        for sample in family.samples:
+            stage = sample.labels.get("stage", "")
+            if sample.name.endswith("_sum"):
+                sums[stage] = sample.value
+            elif sample.name.endswith("_count"):
+                counts[stage] = sample.value
+    return {k: sums[k] / counts[k] * 1000 for k in sums if counts.get(k)}
 
 
 def main() -> int:

@@ -238,9 +238,7 @@ class AsyncKvIndexClient:
         self.target = target
         self.timeout = timeout
         self.metadata = call_metadata(token, metadata)
-        self.channel = channel if channel is not None else create_channel(target, credentials, options, tls)
-        self._owns_channel = channel is None
-        self.stub = pb_grpc.KvIndexStub(self.channel)
+        self._connect(target, credentials, options, tls, channel)
         self.fallback: Fallback | None = (fallback or RendezvousFallback()) if use_fallback else None
         self.fallback_blocks = fallback_blocks
         self.instances = InstanceCache()
@@ -255,6 +253,20 @@ class AsyncKvIndexClient:
         self._refresher: asyncio.Task[None] | None = None
         self._closed = False
 
+    def _connect(
+        self,
+        target: str,
+        credentials: grpc.ChannelCredentials | None,
+        options: Sequence[tuple[str, object]],
+        tls: ClientTLS | None,
+        channel: grpc.aio.Channel | None,
+    ) -> None:
+        self.channel: grpc.aio.Channel | None = (
+            channel if channel is not None else create_channel(target, credentials, options, tls)
+        )
+        self._owns_channel = channel is None
+        self.stub = pb_grpc.KvIndexStub(self.channel)
+
     async def __aenter__(self) -> AsyncKvIndexClient:
         self.start()
         return self
@@ -267,6 +279,12 @@ class AsyncKvIndexClient:
         if self._refresher is None and self.refresh_interval > 0 and not self._closed:
             self._refresher = asyncio.create_task(self._refresh_loop(), name="kvindex-client-refresh")
 
+    async def open_stream(self) -> None:
+        """Open the Score stream now rather than with the first Score (a router's first request
+        then does not pay the stream's setup); the first Score opens it anyway."""
+        self.start()
+        await self._open_stream()
+
     async def close(self) -> None:
         self._closed = True
         if self._refresher is not None:
@@ -275,7 +293,7 @@ class AsyncKvIndexClient:
                 await self._refresher
         if self._stream is not None:
             await self._stream.close()
-        if self._owns_channel:
+        if self._owns_channel and self.channel is not None:
             await self.channel.close()
 
     # -- Score -------------------------------------------------------------------------------------

@@ -59,6 +59,13 @@ class RouteMetrics:
             "kvindex_route_request_seconds", "request received -> last byte sent to the client",
             ["stream"], buckets=TTFT_BUCKETS, registry=r,
         )  # fmt: skip
+        self.stages = Histogram(
+            "kvindex_route_stage_seconds",
+            "one request's time by stage: before_forward (received -> sent to the engine: body, "
+            "admission, Score), upstream_first_byte (sent -> first body byte from the engine: the "
+            "engine's own TTFT as seen here), first_write (that byte -> written to the client)",
+            ["stage"], buckets=TTFT_BUCKETS, registry=r,
+        )  # fmt: skip
         self.score_latency = Histogram(
             "kvindex_route_score_seconds", "time to a routing decision (index answer or fallback)",
             buckets=SCORE_BUCKETS, registry=r,

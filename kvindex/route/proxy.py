@@ -216,6 +216,7 @@ class _LedgerOps:
         self.objective = objective or Objective()  # its TTFT is judged against it at the first byte
         self.est_ms = 0.0  # the index's TTFT estimate for the instance chosen, and when it was chosen
         self.decided_at = 0.0
+        self.sent_at = 0.0  # the last attempt's send to an engine (the proxy's stage timings)
         self._tail: asyncio.Task[None] | None = None
         # The index may hold an entry for the request (Score committed it, or may have): only then
         # are releases sent (a fallback decision while the index is down has nothing to release).
@@ -309,7 +310,7 @@ class RouteProxy:
         # Learn the fleet before the first request (and connect the channel): a fallback needs it.
         if not await self.client.refresh_instances(timeout=max(1.0, cfg.score_timeout)):
             log.warning("index_unreachable_at_start", index=cfg.index)
-        self.client.start()
+        await self.client.open_stream()
         # auto_decompress off: the engine's bytes reach the client as sent (Content-Encoding kept).
         self._session = aiohttp.ClientSession(
             # Idle engine connections are dropped before uvicorn (vLLM's server) drops them at 5 s:
@@ -635,6 +636,9 @@ class RouteProxy:
             if attempt:
                 self.metrics.retries.inc()
             url = f"http://{target.endpoint}{request.path_qs}"
+            ledger.sent_at = time.monotonic()
+            if not attempt:
+                self.metrics.stages.labels("before_forward").observe(ledger.sent_at - received)
             try:
                 upstream = await self._session.request(request.method, url, data=raw, headers=headers)
             except (aiohttp.ClientError, TimeoutError) as exc:
@@ -699,6 +703,7 @@ class RouteProxy:
             response.headers["x-kvindex-est-ttft-ms"] = f"{est_ttft_ms:.1f}"
         await response.prepare(request)
         first = True
+        written = False
         first_at = received
         chunks = upstream.content.iter_any().__aiter__()
         while True:
@@ -720,6 +725,7 @@ class RouteProxy:
             if first:
                 first = False
                 first_at = time.monotonic()
+                self.metrics.stages.labels("upstream_first_byte").observe(first_at - ledger.sent_at)
                 ttft = first_at - received  # queue time included
                 self.metrics.ttft.labels(stream).observe(ttft)
                 self.admission_metrics.observe_ttft(ledger.model, ledger.objective, ttft)
@@ -739,6 +745,9 @@ class RouteProxy:
                 await response.write(chunk)
             except ConnectionResetError:
                 return response, "499"  # the client went away while we wrote
+            if not written:
+                written = True
+                self.metrics.stages.labels("first_write").observe(time.monotonic() - first_at)
         if first:
             first_at = time.monotonic()
             self.metrics.ttft.labels(stream).observe(first_at - received)
