@@ -5,8 +5,9 @@ a random Llama whose 2K-token prefill takes about a second) serve a chat workloa
 prompts, multi-turn sessions, long documents asked about repeatedly — sent with the official
 ``openai`` client at fixed, seeded arrival times. The same arrivals go through each router:
 
-- ``kvindex``: ``kvindex serve`` (the model's tokenizer) + one ``kvshim vllm`` per engine +
-  ``kvindex route`` (policy ttft), with the prefill model calibrated from the engines (a warm-up run
+- ``kvindex``: ``kvindex serve`` (the model's tokenizer) serving the OpenAI proxy in its own process
+  (``--route-port``; ``--kvindex-proxy process`` runs ``kvindex route`` apart, over gRPC) + one
+  ``kvshim vllm`` per engine (policy ttft), with the prefill model calibrated from the engines (a warm-up run
   before the measured ones; the calibration persists in the NATS KV bucket of a nats-server kept for
   the whole invocation, as in a deployment);
 - ``kvindex-default``: the same with ``kvindex serve --no-calibration`` (the default prefill model);
@@ -372,6 +373,7 @@ class Bench:
     def _start_router(self, name: str, procs: list[Proc]) -> tuple[str, list[Proc]]:
         port = free_port()
         if name in KVINDEX:
+            in_process = getattr(self.args, "kvindex_proxy", "in-process") == "in-process"
             grpc_port, metrics_port = free_port(), free_port()
             nats = self.start_nats()
             serve = Proc(
@@ -382,6 +384,7 @@ class Bench:
                     "--tokenizer", f"{MODEL}={self.args.model_dir}", "--nats", nats, "--no-routing-sync",
                     *(["--no-calibration"] if name == "kvindex-default" else []),
                     *[a for opt in VARIANTS.get(name, []) for a in ("--policy-option", opt)],
+                    *(["--route-host", "127.0.0.1", "--route-port", str(port)] if in_process else []),
                 ],
                 self.out / "kvindex.log",
             )  # fmt: skip
@@ -403,16 +406,17 @@ class Bench:
                         self.out / f"kvshim{eng.n}.log",
                     )
                 )  # fmt: skip
-            route = Proc(
-                "route",
-                [
-                    str(BIN / "kvindex"), "route", "--index", f"127.0.0.1:{grpc_port}",
-                    "--host", "127.0.0.1", "--port", str(port),
-                    "--log-format", "json", "--log-level", "warning",
-                ],
-                self.out / "route.log",
-            )  # fmt: skip
-            procs.append(route)
+            if not in_process:
+                route = Proc(
+                    "route",
+                    [
+                        str(BIN / "kvindex"), "route", "--index", f"127.0.0.1:{grpc_port}",
+                        "--host", "127.0.0.1", "--port", str(port),
+                        "--log-format", "json", "--log-level", "warning",
+                    ],
+                    self.out / "route.log",
+                )  # fmt: skip
+                procs.append(route)
             self.wait_instances(grpc_port)
         else:
             argv = [
@@ -1053,6 +1057,13 @@ def main() -> int:
     p.add_argument("--cache-blocks", type=int, default=400, help="KV blocks per engine (32 tokens each)")
     p.add_argument("--startup-timeout", type=float, default=300.0)
     p.add_argument("--router-log-level", default="warning", help="vllm-router's (debug shows its picks)")
+    p.add_argument(
+        "--kvindex-proxy",
+        choices=("in-process", "process"),
+        default="in-process",
+        help="kvindex's OpenAI proxy inside the index (serve --route-port, the default) or as its own "
+        "kvindex route process, calling the index over gRPC",
+    )
     args = p.parse_args()
     for v in args.variant:
         name, eq, opts = v.partition("=")

@@ -73,6 +73,16 @@ def _add_serve(sub: Any) -> None:
         "--ext-proc-pd-same-group", action="store_true", help="prefiller within the decode pick's --pd-group"
     )
     add_admission_options(e, named=True)
+    r = p.add_argument_group(
+        "the OpenAI routing proxy in this process (kvindex route without the gRPC hop; "
+        "kvindex/route/README.md). The admission flags above apply to it as well"
+    )
+    r.add_argument("--route-port", type=int, default=-1, help="serve the proxy on this port; -1: off")
+    r.add_argument("--route-host", default="0.0.0.0")
+    r.add_argument("--route-top-k", type=int, default=3, help="instances ranked: the first, then retries")
+    r.add_argument(
+        "--route-connect-timeout", type=float, default=2.0, help="per engine connection attempt (s)"
+    )
     k = p.add_argument_group("picking (docs/scoring.md#picking)")
     k.add_argument(
         "--pick",
@@ -217,6 +227,7 @@ _LISTEN_FLAGS = {
     "gRPC": "--grpc-host/--grpc-port",
     "metrics": "--metrics-host/--metrics-port",
     "ext_proc": "--ext-proc-host/--ext-proc-port",
+    "route": "--route-host/--route-port",
     "embedded NATS": "--embedded-nats-listen",
 }
 
@@ -484,6 +495,31 @@ def _ext_proc_pd(args: argparse.Namespace) -> Any:
         raise SystemExit(f"kvindex serve: error: --ext-proc-pd: {exc}") from None
 
 
+def _embedded_route(args: argparse.Namespace, admission: Any, objectives: Any) -> Any:
+    """The RouteConfig of ``--route-port`` (None: off); SystemExit when aiohttp is missing."""
+    if args.route_port < 0:
+        return None
+    if args.route_top_k < 1:
+        raise SystemExit("kvindex serve: error: --route-top-k must be at least 1")
+    try:
+        from kvindex.route.proxy import RouteConfig
+    except ImportError as exc:
+        raise SystemExit(
+            f"kvindex serve: error: --route-port needs {exc.name}, which is not installed: "
+            "pip install 'kvindex[route]'"
+        ) from None
+    return RouteConfig(
+        index="in-process",
+        host=args.route_host,
+        port=args.route_port,
+        top_k=args.route_top_k,
+        connect_timeout=args.route_connect_timeout,
+        grace=args.shutdown_grace,
+        admission=admission,
+        objectives=objectives,
+    )
+
+
 def _serve(args: argparse.Namespace) -> int:
     from kvindex.fleet.liveness import LivenessConfig
     from kvindex.ingest.nats_source import JetStreamConfig
@@ -542,6 +578,7 @@ def _serve(args: argparse.Namespace) -> int:
         ext_proc_pd=_ext_proc_pd(args),
         ext_proc_admission=admission,
         ext_proc_objectives=objectives,
+        route=_embedded_route(args, admission, objectives),
         routing_sync=SyncConfig(enabled=args.routing_sync, replica_id=args.replica_id),
         static_instances=args.instance,
         static_model=args.instance_model,

@@ -85,6 +85,9 @@ class ServiceConfig:
     ext_proc_admission: AdmissionConfig = field(default_factory=AdmissionConfig)
     ext_proc_objectives: ObjectiveDefaults = field(default_factory=ObjectiveDefaults)
     ext_proc_pd: PdConfig | None = None  # disaggregated prefill/decode picks (x-prefiller-host-port)
+    # The OpenAI routing proxy in this process (serve --route-port): a kvindex.route.proxy.RouteConfig
+    # whose Score, Commit and Release are calls on this servicer; None: off.
+    route: Any = None
     # Text prompts: model -> tokenizer directory (serve --tokenizer MODEL=DIR), and the cache's bytes.
     tokenizers: dict[str, str] = field(default_factory=dict)
     tokenize_cache_bytes: int = DEFAULT_CACHE_BYTES
@@ -182,6 +185,7 @@ class IndexService:
             self.ext_proc = ExtProcServer(
                 picker, config.ext_proc_host, config.ext_proc_port, config.grpc_security, ready=False
             )
+        self.route: Any = None  # the RouteProxy of config.route, made in start() (on the loop)
         self.readiness = Readiness(self.registry, self.consumer.sequencer, config.readiness)
         self._readiness_task: asyncio.Task[None] | None = None
         self._readiness_changed = asyncio.Event()  # the NATS connection dropped or came back
@@ -266,6 +270,8 @@ class IndexService:
         await self.grpc.start()
         if self.ext_proc is not None:
             await self.ext_proc.start()  # not ready: its readiness follows the service's
+        if self.config.route is not None:
+            await self._start_route(self.config.route)
         # Subscribe first, then repair: batches arriving while an instance resynchronises are held.
         self.source = NatsSource(
             self.consumer,
@@ -314,8 +320,28 @@ class IndexService:
             subject_prefix=self.config.subject_prefix,
             metrics_port=self.metrics_port,
             ext_proc=self.ext_proc.bound if self.ext_proc is not None else None,
+            route=listen.address(self.config.route.host, self.route.port) if self.route is not None else None,
             routing_sync=self.routing_sync.replica_id if self.routing_sync is not None else None,
         )
+
+    async def _start_route(self, cfg: Any) -> None:
+        # Imported here: aiohttp comes with the route extra, which a plain index does not need.
+        from kvindex.client.local import LocalKvIndexClient
+        from kvindex.route.proxy import RouteProxy
+
+        client = LocalKvIndexClient(
+            self.servicer,
+            timeout=cfg.score_timeout,
+            fallback_blocks=cfg.fallback_blocks,
+            refresh_interval=cfg.refresh_interval,
+        )
+        self.route = RouteProxy(cfg, client=client)
+        try:
+            await self.route.start()
+        except OSError as exc:
+            self.route = None
+            where = listen.address(cfg.host, cfg.port)
+            raise listen.ListenError("route", where, exc.strerror or str(exc)) from None
 
     def _warn_if_exposed(self) -> None:
         """One warning naming every listener other machines can reach without TLS or without
@@ -403,6 +429,8 @@ class IndexService:
         servers = [self.grpc.stop(grace)]
         if self.ext_proc is not None:
             servers.append(self.ext_proc.stop(grace))
+        if self.route is not None:  # its in-flight requests finish, then release here (in-process)
+            servers.append(self.route.stop())
         await asyncio.gather(*servers)
         if self._liveness_task is not None:
             self._liveness_task.cancel()

@@ -6,6 +6,7 @@ retry on an unreachable engine, the fallback when the index is down, errors, met
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -21,6 +22,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvindex.api.server import GrpcServer
+from kvindex.client.local import LocalKvIndexClient
 from kvindex.keys import block_keys
 from kvindex.route.proxy import RouteConfig, RouteProxy
 from kvindex.security import ClientTLS
@@ -74,8 +76,11 @@ def sample(m: dict, name: str, **labels: str) -> float:
     return m.get((name, tuple(sorted(labels.items()))), 0.0)
 
 
-async def start_fleet(service: IndexService, make_publisher: MakePub, **config: object) -> Fleet:
-    """Three engines w1..w3 with endpoints; w1 holds the prompt's first 6 blocks, w2 the first 2."""
+async def start_fleet(
+    service: IndexService, make_publisher: MakePub, in_process: bool = False, **config: object
+) -> Fleet:
+    """Three engines w1..w3 with endpoints; w1 holds the prompt's first 6 blocks, w2 the first 2.
+    ``in_process``: the proxy calls the servicer directly (serve --route-port), not over gRPC."""
     engines = {w: await FakeOpenAIEngine(w, MODEL).start() for w in ("w1", "w2", "w3")}
     pubs = {
         w: await make_publisher(
@@ -96,14 +101,22 @@ async def start_fleet(service: IndexService, make_publisher: MakePub, **config: 
     )
     settings: dict[str, object] = {"score_timeout": 2.0, "refresh_interval": 0.2, "grace": 5.0}
     settings.update(config)
-    proxy = RouteProxy(RouteConfig(index=service.grpc.address, host="127.0.0.1", port=0, **settings))  # type: ignore[arg-type]
+    cfg = RouteConfig(index=service.grpc.address, host="127.0.0.1", port=0, **settings)  # type: ignore[arg-type]
+    client = None
+    if in_process:
+        client = LocalKvIndexClient(
+            service.servicer, timeout=cfg.score_timeout, refresh_interval=cfg.refresh_interval
+        )
+    proxy = RouteProxy(cfg, client=client)
     await proxy.start()
     return Fleet(service, engines, pubs, proxy, aiohttp.ClientSession(auto_decompress=False))
 
 
-@pytest.fixture
-async def fleet(service: IndexService, make_publisher: MakePub) -> AsyncIterator[Fleet]:
-    f = await start_fleet(service, make_publisher)
+@contextlib.asynccontextmanager
+async def running_fleet(
+    service: IndexService, make_publisher: MakePub, in_process: bool
+) -> AsyncIterator[Fleet]:
+    f = await start_fleet(service, make_publisher, in_process=in_process)
     try:
         yield f
     finally:
@@ -111,6 +124,22 @@ async def fleet(service: IndexService, make_publisher: MakePub) -> AsyncIterator
         await f.proxy.stop()
         for e in f.engines.values():
             await e.close()
+
+
+@pytest.fixture(params=["grpc", "in_process"])
+async def fleet(
+    service: IndexService, make_publisher: MakePub, request: pytest.FixtureRequest
+) -> AsyncIterator[Fleet]:
+    """Every test on it runs twice: the proxy as its own process would (gRPC to the index), and
+    inside the index (serve --route-port: calls on the servicer)."""
+    async with running_fleet(service, make_publisher, request.param == "in_process") as f:
+        yield f
+
+
+@pytest.fixture
+async def grpc_fleet(service: IndexService, make_publisher: MakePub) -> AsyncIterator[Fleet]:
+    async with running_fleet(service, make_publisher, in_process=False) as f:
+        yield f
 
 
 async def test_non_streaming_routed_by_the_index_bytes_unchanged_and_released(fleet: Fleet) -> None:
@@ -268,7 +297,8 @@ async def test_every_engine_unreachable_is_a_502_and_leaves_no_ledger_entry(flee
     await wait_until(lambda: fleet.ledger() == 0, what="ledger empty")
 
 
-async def test_index_down_the_fallback_serves_consistently_and_is_counted(fleet: Fleet) -> None:
+async def test_index_down_the_fallback_serves_consistently_and_is_counted(grpc_fleet: Fleet) -> None:
+    fleet = grpc_fleet  # in the index's own process the index cannot be down while the proxy serves
     port = fleet.service.grpc.port
     await fleet.service.grpc.stop(grace=0)
     served = []
@@ -439,6 +469,7 @@ async def test_models_health_and_metrics(fleet: Fleet) -> None:
     for name in (
         "kvindex_route_ttft_seconds_bucket",
         "kvindex_route_score_seconds_count",
+        "kvindex_route_stage_seconds_count",
         "kvindex_route_request_seconds_count",
         "kvindex_route_index_streams_opened_total",
     ):
@@ -481,7 +512,8 @@ async def _post_when_up(http: aiohttp.ClientSession, port: int) -> aiohttp.Clien
     raise AssertionError("kvindex route did not start")
 
 
-async def test_cli_serves_and_exits_0_on_sigterm(fleet: Fleet) -> None:
+async def test_cli_serves_and_exits_0_on_sigterm(grpc_fleet: Fleet) -> None:
+    fleet = grpc_fleet
     port = _free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "kvindex.cli", "route", "--index", fleet.service.grpc.address,
@@ -598,3 +630,99 @@ async def test_the_engine_usage_is_reported_with_the_release(fleet: Fleet) -> No
     m = await fleet.metrics()
     assert sample(m, "kvindex_route_reports_total", result="applied") == 3
     assert len(seen) == 3 and fleet.ledger() == 0
+
+
+async def test_serve_route_port_routes_in_the_index_process_and_reports_outcomes(
+    nats_server: EmbeddedNats, make_publisher: MakePub
+) -> None:
+    """``kvindex serve --route-port``: the proxy inside the index process, on a real nats-server
+    with engines announcing themselves in heartbeats; requests are ranked by the index (no gRPC),
+    released, their outcomes compared; SIGTERM stops both listeners with exit 0."""
+    engines = {w: await FakeOpenAIEngine(w, MODEL).start() for w in ("w1", "w2")}
+    for e in engines.values():
+        e.cached_tokens = 6 * BS - 1  # what w1 holds, less the recomputed last token
+    route_port, metrics_port = _free_port(), _free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvindex.cli", "serve", "--nats", nats_server.url, "--grpc-host", "127.0.0.1",
+         "--grpc-port", "0", "--metrics-host", "127.0.0.1", "--metrics-port", str(metrics_port),
+         "--route-host", "127.0.0.1", "--route-port", str(route_port), "--log-format", "json"],
+        cwd=ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1"}, stderr=subprocess.PIPE,
+    )  # fmt: skip
+    try:
+        async with aiohttp.ClientSession() as http:
+
+            async def routed() -> bool:
+                with contextlib.suppress(aiohttp.ClientError):
+                    async with http.get(f"http://127.0.0.1:{route_port}/health") as resp:
+                        return resp.status == 200 and (await resp.json())["instances_known"] == 2
+                return False
+
+            pubs = [
+                await make_publisher(
+                    worker=w, model=MODEL, block_size=BS, capacity={"gpu": 1000}, endpoint=e.endpoint
+                )
+                for w, e in engines.items()
+            ]
+            pubs[0].stored(KEYS[:6])
+            await pubs[0].flush()
+            for _ in range(300):
+                if await routed():
+                    break
+                await asyncio.sleep(0.05)
+            else:
+                raise AssertionError("the in-process proxy never knew both engines")
+            await asyncio.sleep(0.3)  # the stored blocks follow the heartbeat that announced w1
+            body = {"model": MODEL, "prompt": PROMPT, "stream": True}
+            async with http.post(f"http://127.0.0.1:{route_port}/v1/completions", json=body) as resp:
+                assert resp.status == 200
+                assert resp.headers["x-kvindex-decision"] == "index"
+                assert resp.headers["x-kvindex-instance"] == "w1/0"  # the one holding the prefix
+                assert float(resp.headers["x-kvindex-est-ttft-ms"]) > 0
+                streamed = await resp.read()
+            assert streamed == b"".join(sse_chunks("w1", 4))  # the usage chunk asked for, taken out
+            assert json.loads(engines["w1"].bodies[0])["stream_options"] == {"include_usage": True}
+
+            async def exact() -> float:
+                async with http.get(f"http://127.0.0.1:{metrics_port}/metrics") as resp:
+                    text = await resp.text()
+                for family in text_string_to_metric_families(text):
+                    for s in family.samples:
+                        if s.name == "kvindex_prediction_outcomes_total" and s.labels == {"outcome": "exact"}:
+                            return s.value
+                return 0.0
+
+            for _ in range(100):  # the release and its report run after the answer
+                if await exact() == 1:
+                    break
+                await asyncio.sleep(0.05)
+            else:
+                raise AssertionError("the engine's cached tokens never reached the index as exact")
+        proc.send_signal(signal.SIGTERM)
+        assert await asyncio.to_thread(proc.wait, 20) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        assert proc.stderr is not None
+        stderr = proc.stderr.read().decode()
+        for e in engines.values():
+            await e.close()
+    serving = next(json.loads(ln) for ln in stderr.splitlines() if '"kvindex_serving"' in ln)
+    assert serving["route"] == f"127.0.0.1:{route_port}"
+    assert "route_started" in stderr and "route_stopped" in stderr
+
+
+def test_serve_route_port_taken_is_a_clear_error(nats_server: EmbeddedNats) -> None:
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        done = subprocess.run(
+            [sys.executable, "-m", "kvindex.cli", "serve", "--nats", nats_server.url,
+             "--grpc-host", "127.0.0.1", "--grpc-port", "0", "--metrics-port", "-1",
+             "--route-host", "127.0.0.1", "--route-port", str(port), "--log-format", "json"],
+            cwd=ROOT, capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+    assert done.returncode == 2
+    assert f"cannot listen on 127.0.0.1:{port} for route" in done.stderr
+    assert "--route-host/--route-port" in done.stderr

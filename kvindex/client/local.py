@@ -1,0 +1,82 @@
+"""The same client, in the index's own process: calls go straight to the servicer, no gRPC.
+
+``kvindex serve --route-port`` runs the routing proxy inside the index. The proxy then needs what
+``AsyncKvIndexClient`` gives it (Score, Commit, Release, ListInstances, the fallback's instance
+list, the stats) without a channel: each call is the servicer's own method on the same event loop,
+with the same argument checks and the same errors (``BadRequest`` for what gRPC would answer with
+INVALID_ARGUMENT). What the hop cost, measured against fake engines with 1,600-token chat prompts:
+a Score round trip of 5.0 ms of which 2-2.5 ms was the channel (serializing the text twice, two
+process wake-ups), and about 3 ms of CPU per request across the two processes (docs/routing.md).
+
+What it cannot do that the remote client does: survive the index's process (it is that process),
+or be scaled apart from it. A fallback still exists for a Score that outlives its deadline.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, NoReturn
+
+import grpc
+
+from kvindex.api.errors import BadRequest
+from kvindex.client.aio import AsyncKvIndexClient, _reason
+from kvindex.client.errors import IndexUnavailable
+from kvindex.security import ClientTLS
+from kvindex.v1 import kvindex_pb2 as pb
+
+if TYPE_CHECKING:  # the servicer brings the whole index; the client package must not need it
+    from kvindex.api.servicer import KvIndexServicer
+
+
+class _Aborted(Exception):
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(details)
+        self.code, self.details = code, details
+
+
+class _Context:
+    """What the servicer's unary methods use of a ``grpc.aio.ServicerContext``: abort."""
+
+    async def abort(self, code: grpc.StatusCode, details: str = "", *_: Any) -> NoReturn:
+        raise _Aborted(code, details)
+
+
+class LocalKvIndexClient(AsyncKvIndexClient):
+    """An ``AsyncKvIndexClient`` bound to ``servicer`` in this process (``target`` names it in logs)."""
+
+    def __init__(self, servicer: KvIndexServicer, target: str = "in-process", **kwargs: Any) -> None:
+        self.servicer = servicer
+        super().__init__(target, **kwargs)
+
+    def _connect(
+        self,
+        target: str,
+        credentials: grpc.ChannelCredentials | None,
+        options: Any,
+        tls: ClientTLS | None,
+        channel: grpc.aio.Channel | None,
+    ) -> None:
+        self.channel = None
+        self._owns_channel = False
+        self.stub = None
+
+    async def open_stream(self) -> None:
+        self.start()  # no stream to open: Score is a call on the servicer
+
+    async def _score(self, request: pb.ScoreRequest) -> pb.ScoreResponse:
+        # As ScoreStream answers it: a bad request is an answer with ``error``, not an exception.
+        try:
+            return self.servicer.score_request(request)
+        except BadRequest as exc:
+            return pb.ScoreResponse(model=request.model, request_id=request.request_id, error=str(exc))
+
+    async def _unary(self, name: str, request: Any, timeout: float | None) -> Any:
+        self.start()
+        try:
+            return await getattr(self.servicer, name)(request, _Context())
+        except _Aborted as exc:
+            if exc.code == grpc.StatusCode.INVALID_ARGUMENT:
+                raise BadRequest(exc.details) from None
+            reason = _reason(exc.code)
+            self.stats.errors[f"{name}:{reason}"] += 1
+            raise IndexUnavailable(reason, f"{name}: {exc.code.name}: {exc.details}", exc.code) from None
