@@ -11,6 +11,8 @@ prompts, multi-turn sessions, long documents asked about repeatedly — sent wit
   before the measured ones; the calibration persists in the NATS KV bucket of a nats-server kept for
   the whole invocation, as in a deployment);
 - ``kvindex-default``: the same with ``kvindex serve --no-calibration`` (the default prefill model);
+- ``kvindex-process``: the same with ``kvindex route`` as its own process, over gRPC (the placement
+  of the proxy, A/B'd on the same arrivals);
 - ``vllm-router`` 0.1.17 (Rust, PyPI ``vllm-router``, not ours) with ``--policy kv_aware`` (it reads
   the engines' KV events itself), ``cache_aware`` and ``round_robin``.
 
@@ -55,8 +57,8 @@ ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 MODEL = "routing-llama"
 BLOCK = 32  # vLLM's CPU attention backend takes multiples of 32
-ROUTERS = ("kvindex", "kvindex-default", "kv_aware", "cache_aware", "round_robin")
-KVINDEX = ["kvindex", "kvindex-default"]  # (+ the --variant routers)
+ROUTERS = ("kvindex", "kvindex-default", "kvindex-process", "kv_aware", "cache_aware", "round_robin")
+KVINDEX = ["kvindex", "kvindex-default", "kvindex-process"]  # (+ the --variant routers)
 # --variant NAME=OPTION,...: kvindex (calibrated) with `serve --policy-option OPTION` each, as one
 # more router on the same arrivals (a same-invocation A/B of a policy parameter).
 VARIANTS: dict[str, list[str]] = {}
@@ -373,7 +375,8 @@ class Bench:
     def _start_router(self, name: str, procs: list[Proc]) -> tuple[str, list[Proc]]:
         port = free_port()
         if name in KVINDEX:
-            in_process = getattr(self.args, "kvindex_proxy", "in-process") == "in-process"
+            placement = getattr(self.args, "kvindex_proxy", "in-process")
+            in_process = name != "kvindex-process" and placement == "in-process"
             grpc_port, metrics_port = free_port(), free_port()
             nats = self.start_nats()
             serve = Proc(
@@ -710,6 +713,7 @@ def served(base: str) -> int:
 ROUTER_NAMES = {
     "kvindex": "kvindex route (ttft, calibrated)",
     "kvindex-default": "kvindex route (ttft, default model)",
+    "kvindex-process": "kvindex route as its own process (ttft, calibrated)",
 }
 
 _METRIC = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{([^}]*)\})?\s+(\S+)")
@@ -1019,7 +1023,10 @@ def main() -> int:
     p.add_argument("--model-dir", type=Path, default=ROOT / "e2e" / "routing-llama")
     p.add_argument("--out", type=Path, default=ROOT / "e2e" / "out-routing")
     p.add_argument(
-        "--routers", nargs="+", default=list(ROUTERS), help=f"of {', '.join(ROUTERS)} and variants"
+        "--routers",
+        nargs="+",
+        default=[r for r in ROUTERS if r != "kvindex-process"],
+        help=f"of {', '.join(ROUTERS)} and variants",
     )
     p.add_argument(
         "--variant",
