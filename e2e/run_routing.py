@@ -693,7 +693,8 @@ class Bench:
         finally:
             for p in reversed(self.procs):
                 p.stop()
-        table = summary(rows, self.calibration) + paired_summary(rows) + "\n" + predictions(rows, self.warmup)
+        table = summary(rows, self.calibration) + paired_summary(rows) + "\n" + p90_summary(rows)
+        table += "\n" + predictions(rows, self.warmup)
         table += "\n" + goodput_summary(rows)
         (self.out / "table.md").write_text(table)
         print(table)
@@ -820,6 +821,8 @@ def predictions(rows: list[dict[str, Any]], warmup: dict[str, Any]) -> str:
         ratios = client_ratios(rr)
         logs = [abs(math.log(x)) for x in ratios]
         model = "default" if router == "kvindex-default" else "calibrated"
+        if router == "kvindex-process":
+            model += " (the proxy as its own process)"
         if router in VARIANTS:
             model += f" ({', '.join(VARIANTS[router])})"
         if load == "warmup":
@@ -902,7 +905,7 @@ def summary(rows: list[dict[str, Any]], calibration: dict[str, float]) -> str:
         ]
     for load in dict.fromkeys(r["load"] for r in rows):
         sel = [r for r in rows if r["load"] == load]
-        rate = sel[0]["rate"]
+        rate = ", ".join(str(x) for x in dict.fromkeys(r["rate"] for r in sel))
         lines += [
             f"### {load} load ({rate} req/s offered, {len({r['run'] for r in sel})} runs)",
             "",
@@ -989,6 +992,64 @@ def paired_summary(rows: list[dict[str, Any]], ours: str = "kvindex") -> str:
     return "\n".join(lines) + "\n" if found else ""
 
 
+def p90_summary(rows: list[dict[str, Any]], ours: str = "kvindex") -> str:
+    """The pooled p90 of ``ours`` against every other router's on the same arrivals, with a 95 %
+    bootstrap interval: the pairs (one arrival under both routers, every run) are resampled together,
+    and the p90 of each side taken again. At light load a run's p90 is one request, so this is the
+    comparison that can say whether two routers' tails differ at all."""
+    rng = random.Random(0)
+    lines = [
+        f"### {ROUTER_NAMES.get(ours, ours)} against each router: the pooled p90",
+        "",
+        "| load | router | pairs | p90 ours / theirs (s) | difference (ms) [95 % interval] |",
+        "|---|---|---|---|---|",
+    ]
+    found = False
+    for load in dict.fromkeys(r["load"] for r in rows):
+        sel = [r for r in rows if r["load"] == load]
+        mine = {r["run"]: r for r in sel if r["router"] == ours}
+        for router in dict.fromkeys(r["router"] for r in sel):
+            if router == ours:
+                continue
+            pairs = [
+                (a["ttft"], b["ttft"])
+                for r in sel
+                if r["router"] == router and r["run"] in mine
+                for a, b in zip(mine[r["run"]]["results"], r["results"], strict=True)
+                if a["ttft"] is not None and b["ttft"] is not None
+            ]
+            if len(pairs) < 10:
+                continue
+            found = True
+
+            def diff(ps: list[tuple[float, float]]) -> float:
+                return (pct(sorted(a for a, _ in ps), 90) - pct(sorted(b for _, b in ps), 90)) * 1000
+
+            boot = sorted(diff(rng.choices(pairs, k=len(pairs))) for _ in range(1000))
+            ours_p90 = pct(sorted(a for a, _ in pairs), 90)
+            theirs_p90 = pct(sorted(b for _, b in pairs), 90)
+            name = ROUTER_NAMES.get(router, f"vllm-router {router}")
+            lines.append(
+                f"| {load} | {name} | {len(pairs)} | {ours_p90:.3f} / {theirs_p90:.3f} | "
+                f"{diff(pairs):+.1f} [{boot[25]:+.1f}, {boot[974]:+.1f}] |"
+            )
+    return "\n".join(lines) + "\n" if found else ""
+
+
+def pool_results(paths: list[Path]) -> int:
+    """The tables over several invocations' results.json together (their runs renumbered apart)."""
+    rows: list[dict[str, Any]] = []
+    calibration: dict[str, float] = {}
+    for i, path in enumerate(paths):
+        data = json.loads(path.read_text())
+        calibration = calibration or data.get("calibration") or {}
+        for r in data["runs"]:
+            rows.append({**r, "run": r["run"] + 1000 * i})
+    print(f"Pooled: {len(paths)} invocations ({', '.join(str(p) for p in paths)})\n")
+    print(summary(rows, {}) + paired_summary(rows) + "\n" + p90_summary(rows))
+    return 0
+
+
 def goodput_summary(rows: list[dict[str, Any]]) -> str:
     """Per load and router: SLO goodput over all arrivals, mean over runs (min-max), and shed."""
     if not rows:
@@ -1071,7 +1132,16 @@ def main() -> int:
         help="kvindex's OpenAI proxy inside the index (serve --route-port, the default) or as its own "
         "kvindex route process, calling the index over gRPC",
     )
+    p.add_argument(
+        "--pool-results",
+        nargs="+",
+        type=Path,
+        metavar="RESULTS_JSON",
+        help="run nothing: print the tables over these invocations' results.json together",
+    )
     args = p.parse_args()
+    if args.pool_results:
+        return pool_results(args.pool_results)
     for v in args.variant:
         name, eq, opts = v.partition("=")
         if not eq or not name.startswith("kvindex-") or name in ROUTERS or not opts:
