@@ -46,6 +46,7 @@ import shutil
 import statistics
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -939,6 +940,32 @@ def summary(rows: list[dict[str, Any]], calibration: dict[str, float]) -> str:
     return "\n".join(lines)
 
 
+def run_pairs(
+    rows: list[dict[str, Any]], ours: str
+) -> Iterator[tuple[str, str, list[list[tuple[float, float]]]]]:
+    """Per load and router other than ``ours``: for each run both served, the (ours, theirs) TTFT of
+    every arrival both answered (each run sends the same arrivals through every router)."""
+    for load in dict.fromkeys(r["load"] for r in rows):
+        sel = [r for r in rows if r["load"] == load]
+        mine = {r["run"]: r for r in sel if r["router"] == ours}
+        for router in dict.fromkeys(r["router"] for r in sel):
+            if router == ours:
+                continue
+            runs = []
+            for r in sel:
+                m = mine.get(r["run"]) if r["router"] == router else None
+                if m is None:
+                    continue
+                pairs = [
+                    (a["ttft"], b["ttft"])
+                    for a, b in zip(m["results"], r["results"], strict=True)
+                    if a["ttft"] is not None and b["ttft"] is not None
+                ]
+                if pairs:
+                    runs.append(pairs)
+            yield load, router, runs
+
+
 def paired_summary(rows: list[dict[str, Any]], ours: str = "kvindex") -> str:
     """``ours`` against every other router, request by request: each run sends the same arrivals
     through every router, so the TTFT of one request under two routers is a pair. Per load and
@@ -955,40 +982,25 @@ def paired_summary(rows: list[dict[str, Any]], ours: str = "kvindex") -> str:
         "|---|---|---|---|---|---|",
     ]
     found = False
-    for load in dict.fromkeys(r["load"] for r in rows):
-        sel = [r for r in rows if r["load"] == load]
-        mine = {r["run"]: r for r in sel if r["router"] == ours}
-        for router in dict.fromkeys(r["router"] for r in sel):
-            if router == ours:
-                continue
-            diffs: list[float] = []
-            lower = runs = 0
-            for r in sel:
-                m = mine.get(r["run"]) if r["router"] == router else None
-                if m is None:
-                    continue
-                pairs = [
-                    (a["ttft"], b["ttft"])
-                    for a, b in zip(m["results"], r["results"], strict=True)
-                    if a["ttft"] is not None and b["ttft"] is not None
-                ]
-                if not pairs:
-                    continue
-                diffs += [(a - b) * 1000 for a, b in pairs]
-                runs += 1
-                lower += statistics.fmean(a for a, _ in pairs) < statistics.fmean(b for _, b in pairs)
-            if not diffs:
-                continue
-            found = True
-            n = len(diffs)
-            means = sorted(statistics.fmean(rng.choices(diffs, k=n)) for _ in range(1000))
-            name = ROUTER_NAMES.get(router, f"vllm-router {router}")
-            lines.append(
-                f"| {load} | {name} | {n} | {statistics.fmean(diffs):+.1f} "
-                f"[{means[25]:+.1f}, {means[974]:+.1f}] "
-                f"| {sum(d < 0 for d in diffs) / n:.0%} (equal {sum(d == 0 for d in diffs) / n:.0%}) "
-                f"| {lower} of {runs} |"
-            )
+    for load, router, runs_pairs in run_pairs(rows, ours):
+        diffs = [(a - b) * 1000 for pairs in runs_pairs for a, b in pairs]
+        runs = len(runs_pairs)
+        lower = sum(
+            statistics.fmean(a for a, _ in pairs) < statistics.fmean(b for _, b in pairs)
+            for pairs in runs_pairs
+        )
+        if not diffs:
+            continue
+        found = True
+        n = len(diffs)
+        means = sorted(statistics.fmean(rng.choices(diffs, k=n)) for _ in range(1000))
+        name = ROUTER_NAMES.get(router, f"vllm-router {router}")
+        lines.append(
+            f"| {load} | {name} | {n} | {statistics.fmean(diffs):+.1f} "
+            f"[{means[25]:+.1f}, {means[974]:+.1f}] "
+            f"| {sum(d < 0 for d in diffs) / n:.0%} (equal {sum(d == 0 for d in diffs) / n:.0%}) "
+            f"| {lower} of {runs} |"
+        )
     return "\n".join(lines) + "\n" if found else ""
 
 
@@ -1005,34 +1017,23 @@ def p90_summary(rows: list[dict[str, Any]], ours: str = "kvindex") -> str:
         "|---|---|---|---|---|",
     ]
     found = False
-    for load in dict.fromkeys(r["load"] for r in rows):
-        sel = [r for r in rows if r["load"] == load]
-        mine = {r["run"]: r for r in sel if r["router"] == ours}
-        for router in dict.fromkeys(r["router"] for r in sel):
-            if router == ours:
-                continue
-            pairs = [
-                (a["ttft"], b["ttft"])
-                for r in sel
-                if r["router"] == router and r["run"] in mine
-                for a, b in zip(mine[r["run"]]["results"], r["results"], strict=True)
-                if a["ttft"] is not None and b["ttft"] is not None
-            ]
-            if len(pairs) < 10:
-                continue
-            found = True
 
-            def diff(ps: list[tuple[float, float]]) -> float:
-                return (pct(sorted(a for a, _ in ps), 90) - pct(sorted(b for _, b in ps), 90)) * 1000
+    def diff(ps: list[tuple[float, float]]) -> float:
+        return (pct(sorted(a for a, _ in ps), 90) - pct(sorted(b for _, b in ps), 90)) * 1000  # type: ignore[operator]
 
-            boot = sorted(diff(rng.choices(pairs, k=len(pairs))) for _ in range(1000))
-            ours_p90 = pct(sorted(a for a, _ in pairs), 90)
-            theirs_p90 = pct(sorted(b for _, b in pairs), 90)
-            name = ROUTER_NAMES.get(router, f"vllm-router {router}")
-            lines.append(
-                f"| {load} | {name} | {len(pairs)} | {ours_p90:.3f} / {theirs_p90:.3f} | "
-                f"{diff(pairs):+.1f} [{boot[25]:+.1f}, {boot[974]:+.1f}] |"
-            )
+    for load, router, runs_pairs in run_pairs(rows, ours):
+        pairs = [p for ps in runs_pairs for p in ps]
+        if len(pairs) < 10:
+            continue
+        found = True
+        boot = sorted(diff(rng.choices(pairs, k=len(pairs))) for _ in range(1000))
+        ours_p90 = pct(sorted(a for a, _ in pairs), 90)
+        theirs_p90 = pct(sorted(b for _, b in pairs), 90)
+        name = ROUTER_NAMES.get(router, f"vllm-router {router}")
+        lines.append(
+            f"| {load} | {name} | {len(pairs)} | {ours_p90:.3f} / {theirs_p90:.3f} | "
+            f"{diff(pairs):+.1f} [{boot[25]:+.1f}, {boot[974]:+.1f}] |"
+        )
     return "\n".join(lines) + "\n" if found else ""
 
 

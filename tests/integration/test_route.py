@@ -512,6 +512,15 @@ async def _post_when_up(http: aiohttp.ClientSession, port: int) -> aiohttp.Clien
     raise AssertionError("kvindex route did not start")
 
 
+def _reap(proc: subprocess.Popen[bytes]) -> str:
+    """Kill ``proc`` if it still runs (a failed test); what it wrote on stderr."""
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+    assert proc.stderr is not None
+    return proc.stderr.read().decode()
+
+
 async def test_cli_serves_and_exits_0_on_sigterm(grpc_fleet: Fleet) -> None:
     fleet = grpc_fleet
     port = _free_port()
@@ -526,11 +535,7 @@ async def test_cli_serves_and_exits_0_on_sigterm(grpc_fleet: Fleet) -> None:
         proc.send_signal(signal.SIGTERM)
         assert await asyncio.to_thread(proc.wait, 15) == 0
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        assert proc.stderr is not None
-        stderr = proc.stderr.read().decode()
+        stderr = _reap(proc)
     assert "route_started" in stderr and "route_stopped" in stderr
     await wait_until(lambda: fleet.ledger() == 0, what="ledger empty")
 
@@ -700,11 +705,7 @@ async def test_serve_route_port_routes_in_the_index_process_and_reports_outcomes
         proc.send_signal(signal.SIGTERM)
         assert await asyncio.to_thread(proc.wait, 20) == 0
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        assert proc.stderr is not None
-        stderr = proc.stderr.read().decode()
+        stderr = _reap(proc)
         for e in engines.values():
             await e.close()
     serving = next(json.loads(ln) for ln in stderr.splitlines() if '"kvindex_serving"' in ln)
