@@ -63,3 +63,20 @@ def test_policy_options_reach_the_policies_and_typos_are_refused() -> None:
     service = IndexService(ServiceConfig(policy_options=options))
     ttft = service.router.policies["ttft"]
     assert ttft.replica_cost == 0 and ttft.margin == 0.25  # type: ignore[attr-defined]
+
+
+def test_serve_route_flags_make_the_embedded_proxy_config() -> None:
+    from kvindex.cli import _embedded_route, build_parser
+
+    def config(*argv: str) -> object:
+        args = build_parser().parse_args(["serve", *argv])
+        return _embedded_route(args, "ADMISSION", "OBJECTIVES")
+
+    assert config() is None  # off unless a port is given
+    cfg = config(
+        "--route-port", "0", "--route-host", "127.0.0.1", "--route-top-k", "2", "--shutdown-grace", "7"
+    )
+    assert (cfg.host, cfg.port, cfg.top_k, cfg.grace) == ("127.0.0.1", 0, 2, 7.0)  # type: ignore[attr-defined]
+    assert (cfg.admission, cfg.objectives) == ("ADMISSION", "OBJECTIVES")  # type: ignore[attr-defined]
+    with pytest.raises(SystemExit, match="--route-top-k must be at least 1"):
+        config("--route-port", "8080", "--route-top-k", "0")
