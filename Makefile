@@ -95,7 +95,7 @@ $(VLLM_STAMP):
 	$(VLLM_PY) -m pip uninstall --quiet --yes torchvision torchaudio torchcodec
 	touch $(VLLM_STAMP)
 
-$(E2E_MODEL)/kvindex-e2e.json: $(VLLM_STAMP) e2e/make_model.py kvindex/testing/tokenizer_fixtures.py
+$(E2E_MODEL)/kvindex-e2e.json: $(VLLM_STAMP) e2e/make_model.py kvtools/testing/tokenizer_fixtures.py
 	rm -rf $(E2E_MODEL)
 	$(VLLM_PY) e2e/make_model.py --out $(E2E_MODEL)
 
