@@ -15,6 +15,18 @@ import structlog
 
 from kvindex.capture.cli import add_capture, add_replay, add_serve_capture, serve_capture_config
 from kvindex.config import NatsConfigError, NatsConnectError, NatsSettings, add_nats_arguments, parse_layered
+from kvindex.config.args import (
+    LOG_FORMAT_HELP,
+    LOG_LEVEL_HELP,
+    SUBJECT_PREFIX_HELP,
+    PromptFileError,
+    count,
+    parse_ids,
+    port,
+    port_or_off,
+    quiet_broken_pipe,
+    read_prompts,
+)
 from kvindex.observability.logs import configure_logging
 from kvindex.route.cli import add_route
 from kvindex.scoring.admission import add_admission_options, admission_from_args
@@ -39,16 +51,25 @@ def _add_serve(sub: Any) -> None:
         "use); that server has no auth or TLS, so across machines an external nats-server is the "
         "deployable choice (docs/deploy.md)",
     )
-    p.add_argument("--grpc-host", default="0.0.0.0")
-    p.add_argument("--grpc-port", type=int, default=50051)
-    p.add_argument("--subject-prefix", default="kvindex")
-    p.add_argument("--metrics-port", type=int, default=9400, help="Prometheus /metrics port; -1 disables")
-    p.add_argument("--metrics-host", default="0.0.0.0")
-    p.add_argument("--log-format", choices=("auto", "json", "console"), default="auto")
-    p.add_argument("--log-level", default="info")
+    p.add_argument(
+        "--grpc-host",
+        default="0.0.0.0",
+        help="address the gRPC API listens on: 0.0.0.0 (default) every interface, 127.0.0.1 this "
+        "machine only",
+    )
+    p.add_argument("--grpc-port", type=port, default=50051, help="gRPC API port (0: any free port)")
+    p.add_argument("--subject-prefix", default="kvindex", help=SUBJECT_PREFIX_HELP)
+    p.add_argument(
+        "--metrics-port", type=port_or_off, default=9400, help="Prometheus /metrics port; -1 disables"
+    )
+    p.add_argument("--metrics-host", default="0.0.0.0", help="address /metrics listens on")
+    p.add_argument("--log-format", choices=("auto", "json", "console"), default="auto", help=LOG_FORMAT_HELP)
+    p.add_argument("--log-level", default="info", help=LOG_LEVEL_HELP)
     e = p.add_argument_group("Envoy ext_proc endpoint picker (docs/gateway.md)")
-    e.add_argument("--ext-proc-port", type=int, default=-1, help="serve the picker on this port; -1: off")
-    e.add_argument("--ext-proc-host", default="0.0.0.0")
+    e.add_argument(
+        "--ext-proc-port", type=port_or_off, default=-1, help="serve the picker on this port; -1: off"
+    )
+    e.add_argument("--ext-proc-host", default="0.0.0.0", help="address the picker listens on")
     e.add_argument("--ext-proc-policy", default="", help="ranking policy for picks (default: ttft)")
     e.add_argument(
         "--ext-proc-pd",
@@ -77,8 +98,8 @@ def _add_serve(sub: Any) -> None:
         "the OpenAI routing proxy in this process (kvindex route without the gRPC hop; "
         "kvindex/route/README.md). The admission flags above apply to it as well"
     )
-    r.add_argument("--route-port", type=int, default=-1, help="serve the proxy on this port; -1: off")
-    r.add_argument("--route-host", default="0.0.0.0")
+    r.add_argument("--route-port", type=port_or_off, default=-1, help="serve the proxy on this port; -1: off")
+    r.add_argument("--route-host", default="0.0.0.0", help="address the proxy listens on")
     r.add_argument("--route-top-k", type=int, default=3, help="instances ranked: the first, then retries")
     r.add_argument(
         "--route-connect-timeout", type=float, default=2.0, help="per engine connection attempt (s)"
@@ -155,9 +176,18 @@ def _add_serve(sub: Any) -> None:
     r.add_argument(
         "--forget-after", type=float, default=120.0, help="no heartbeat this long: blocks dropped (s)"
     )
-    r.add_argument("--max-concurrent-snapshots", type=int, default=4)
-    r.add_argument("--replay-timeout", type=float, default=2.0)
-    r.add_argument("--snapshot-timeout", type=float, default=5.0)
+    r.add_argument(
+        "--max-concurrent-snapshots", type=int, default=4, help="snapshot requests in flight at once"
+    )
+    r.add_argument(
+        "--replay-timeout", type=float, default=2.0, help="seconds to wait for a worker's replay answer"
+    )
+    r.add_argument(
+        "--snapshot-timeout",
+        type=float,
+        default=5.0,
+        help="seconds to wait for a worker's snapshot (then retried)",
+    )
     rs = p.add_argument_group("replicas (docs/deploy.md#replicas)")
     # Not BooleanOptionalAction: KVINDEX_ROUTING_SYNC / `routing-sync = false` (kvindex/config) must
     # read as a switch, so the option takes an optional on/off value.
@@ -329,32 +359,41 @@ def _limits(args: argparse.Namespace) -> Any:
 def _add_query(sub: Any, name: str, help_text: str, prompt: bool) -> None:
     p = sub.add_parser(name, help=help_text)
     p.add_argument("--server", default="127.0.0.1:50051", help="gRPC address of a running kvindex")
-    p.add_argument("--timeout", type=float, default=5.0)
+    p.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the answer")
     add_client_options(p)
     if prompt:
-        p.add_argument("--model", required=True)
-        p.add_argument("--lora", default="")
-        p.add_argument("--salt", default="")
+        p.add_argument("--model", required=True, help="the served model name the prompt is for")
+        p.add_argument("--lora", default="", help="LoRA adapter name (default: the base model)")
+        p.add_argument("--salt", default="", help="the engine's cache salt of the prompt, if any")
         g = p.add_mutually_exclusive_group(required=True)
-        g.add_argument("--tokens", help="comma-separated token ids, or @FILE with a JSON list")
-        g.add_argument("--keys", help="comma-separated block keys, or @FILE with a JSON list")
+        g.add_argument(
+            "--tokens",
+            help="token ids separated by commas and/or spaces, or @FILE: a JSON list of them or a prompt "
+            'object {"model": ..., "token_ids": [...]} (what replay --query takes)',
+        )
+        g.add_argument(
+            "--keys",
+            help="block keys separated by commas and/or spaces, or @FILE: a JSON list of them or a "
+            'prompt object {"model": ..., "block_keys": [...]}',
+        )
         g.add_argument("--prompt", help="a completions prompt as text, or @FILE (needs serve --tokenizer)")
         g.add_argument(
             "--messages", help="an OpenAI chat messages JSON list, or @FILE (needs serve --tokenizer)"
         )
         p.add_argument("--candidates", default="", help="comma-separated instance ids")
         if name == "score":
-            p.add_argument("--top-k", type=int, default=0)
+            p.add_argument(
+                "--top-k", type=count, default=0, help="return at most this many instances (0: all)"
+            )
     elif name == "instances":
-        p.add_argument("--model", default="")
+        p.add_argument("--model", default="", help="only this model's instances (default: all)")
 
 
 class UsageError(ValueError):
     """A command line value that cannot be sent: reported on one line, exit code 2."""
 
 
-# What the API's fields hold (proto/kvindex/v1/kvindex.proto): token ids are uint32, keys uint64.
-_ID_BITS = {"--tokens": 32, "--keys": 64}
+_ID_FLAGS = {"--tokens": "token_ids", "--keys": "block_keys"}
 
 
 def _read_arg_file(flag: str, spec: str) -> str:
@@ -367,39 +406,42 @@ def _read_arg_file(flag: str, spec: str) -> str:
         raise UsageError(f"{flag} {spec}: cannot read it ({exc})") from None
 
 
-def _int_list(flag: str, spec: str) -> list[int]:
-    """Comma-separated integers or ``@FILE`` with a JSON list, each checked against the field's range
-    (a value protobuf would refuse is reported here, naming the value, instead of a traceback)."""
-    bits = _ID_BITS[flag]
-    what = "token ids" if flag == "--tokens" else "block keys"
-    if spec.startswith("@"):
+def _int_list(flag: str, spec: str, args: argparse.Namespace) -> list[int]:
+    """``--tokens``/``--keys``: ids separated by commas and/or whitespace, or ``@FILE`` holding a
+    prompt (kvindex.config.args.read_prompts: a JSON list of ids, or an object as replay --query
+    takes), each id checked against the field's range (a value protobuf would refuse is reported
+    here, naming the value, instead of a traceback)."""
+    field = _ID_FLAGS[flag]
+    if not spec.startswith("@"):
         try:
-            data = json.loads(_read_arg_file(flag, spec))
-        except json.JSONDecodeError as exc:
-            raise UsageError(f"{flag} {spec}: not JSON ({exc})") from None
-        if not isinstance(data, list):
-            raise UsageError(f"{flag} {spec}: expected a JSON list of integers")
-        items: list[Any] = data
-    else:
-        items = [x for x in spec.replace(" ", "").split(",") if x]
-    out = []
-    for item in items:
-        try:
-            # JSON true/false and 1.5 are not ids; int("1.5") and int(True) would hide that.
-            if isinstance(item, bool) or not isinstance(item, int | str):
-                raise ValueError
-            value = int(item)
-        except ValueError:
-            raise UsageError(f"{flag}: {item!r} is not an integer") from None
-        if not 0 <= value < 1 << bits:
+            return parse_ids(spec, field)
+        except ValueError as exc:
+            raise UsageError(f"{flag}: {exc}") from None
+    try:
+        prompts = read_prompts(spec[1:])
+    except PromptFileError as exc:
+        raise UsageError(f"{flag} @{exc}") from None
+    if len(prompts) != 1:
+        raise UsageError(f"{flag} {spec}: holds {len(prompts)} prompts; {flag} takes one")
+    prompt = prompts[0]
+    if field not in prompt:
+        other = next((f for f, name in _ID_FLAGS.items() if name in prompt and f != flag), None)
+        hint = f" (it has {_ID_FLAGS[other]}: {other} {spec})" if other else ""
+        raise UsageError(f"{flag} {spec}: no {field} in it{hint}")
+    # The model, LoRA and salt decide the block keys: a prompt file made for others is a mistake.
+    for name in ("model", "lora", "salt"):
+        if name in prompt and prompt[name] != getattr(args, name):
             raise UsageError(
-                f"{flag}: {value} is out of range: {what} are unsigned {bits}-bit integers "
-                f"(0 to {(1 << bits) - 1})"
+                f"{flag} {spec} is a prompt for {name} {prompt[name]!r}, not --{name} {getattr(args, name)!r}"
             )
-        out.append(value)
-    if not out:
-        raise UsageError(f"{flag}: no {what} given")
-    return out
+    ignored = sorted(set(prompt) - {field, "model", "lora", "salt"})
+    if ignored:
+        print(
+            f"kvindex {args.command}: note: {flag} {spec}: {', '.join(ignored)} ignored (the flags set "
+            "them here; replay --query reads them)",
+            file=sys.stderr,
+        )
+    return prompt[field]
 
 
 def _text(flag: str, spec: str) -> str:
@@ -409,9 +451,9 @@ def _text(flag: str, spec: str) -> str:
 def _prompt_fields(args: argparse.Namespace) -> dict[str, Any]:
     fields: dict[str, Any] = {"model": args.model, "lora": args.lora, "salt": args.salt}
     if args.tokens is not None:
-        fields["token_ids"] = _int_list("--tokens", args.tokens)
+        fields["token_ids"] = _int_list("--tokens", args.tokens, args)
     elif args.keys is not None:
-        fields["block_keys"] = _int_list("--keys", args.keys)
+        fields["block_keys"] = _int_list("--keys", args.keys, args)
     elif args.prompt is not None:
         fields["prompt"] = _text("--prompt", args.prompt)
     else:
@@ -429,6 +471,30 @@ def _unknown_model(stub: Any, model: str, timeout: float) -> str:
     listed = stub.ListInstances(pb.ListInstancesRequest(), timeout=timeout)
     known = sorted({i.model for i in listed.instances if i.model})
     return f"no instance of model {model!r} is known to the index (it knows: {', '.join(known) or 'none'})"
+
+
+def _unknown_candidates(stub: Any, model: str, candidates: list[str], timeout: float) -> str:
+    """What is wrong with candidates naming no instance of ``model`` ("" when each names one).
+
+    The API restricts a ranking to the candidates it knows and ignores the others (a router's list
+    may lag the index's by a heartbeat); on the command line an unknown one is a typo or a stale
+    id, and an empty ranking would read as "nothing cached there"."""
+    from kvindex.v1 import kvindex_pb2 as pb
+
+    listed = stub.ListInstances(pb.ListInstancesRequest(model=model), timeout=timeout).instances
+    ids = {i.instance_id for i in listed}
+    workers = {i.worker for i in listed}
+    unknown = [c for c in candidates if c not in (ids if "/" in c else workers)]
+    if not unknown:
+        return ""
+    known = sorted(ids)
+    shown = ", ".join(known[:10]) + (f" and {len(known) - 10} more" if len(known) > 10 else "")
+    names = ", ".join(repr(c) for c in unknown)
+    return (
+        f"no instance {names} of model {model!r} is known to the index (it knows: {shown or 'none'})"
+        if len(unknown) == 1
+        else f"no instances {names} of model {model!r} are known to the index (it knows: {shown or 'none'})"
+    )
 
 
 def _query(args: argparse.Namespace) -> int:
@@ -466,6 +532,11 @@ def _query(args: argparse.Namespace) -> int:
                         return 2
                     # A text lookup still answers how the index tokenizes it: shown, with the note.
                     print(f"kvindex lookup: note: {unknown}; nothing can match", file=sys.stderr)
+                elif "candidates" in fields:
+                    unknown = _unknown_candidates(stub, args.model, fields["candidates"], args.timeout)
+                    if unknown:
+                        print(f"kvindex {args.command}: error: --candidates: {unknown}", file=sys.stderr)
+                        return 2
             elif args.command == "stats":
                 reply = stub.Stats(pb.StatsRequest(), timeout=args.timeout)
             else:
@@ -696,7 +767,7 @@ def _glue_negative_lists(argv: list[str]) -> list[str]:
     out: list[str] = []
     i = 0
     while i < len(argv):
-        if argv[i] in _ID_BITS and i + 1 < len(argv) and re.fullmatch(r"-\d[\d, -]*", argv[i + 1]):
+        if argv[i] in _ID_FLAGS and i + 1 < len(argv) and re.fullmatch(r"-\d[\d, -]*", argv[i + 1]):
             out.append(f"{argv[i]}={argv[i + 1]}")
             i += 2
             continue
@@ -705,6 +776,7 @@ def _glue_negative_lists(argv: list[str]) -> list[str]:
     return out
 
 
+@quiet_broken_pipe
 def main(argv: list[str] | None = None) -> int:
     argv = _glue_negative_lists(sys.argv[1:] if argv is None else list(argv))
     args = parse_layered(build_parser(), argv)  # command line, then KVINDEX_* environment, then --config TOML

@@ -43,6 +43,7 @@ from typing import Any
 import grpc
 import structlog
 
+from kvindex.config.args import port, port_or_off
 from kvindex.lifecycle import Stop, die_with_parent, finish
 from kvindex.lifecycle import run as lifecycle_run
 from kvindex.service.natsd import free_port
@@ -529,10 +530,13 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         "--duration", type=float, default=0.0, help="stop after this many wall seconds (0: at Ctrl-C)"
     )
     p.add_argument(
-        "--grpc-port", type=int, default=50051, help="gRPC port of its kvindex serve (0: any free port)"
+        "--grpc-port", type=port, default=50051, help="gRPC port of its kvindex serve (0: any free port)"
     )
     p.add_argument(
-        "--metrics-port", type=int, default=9400, help="its Prometheus /metrics port (0: any free, -1: none)"
+        "--metrics-port",
+        type=port_or_off,
+        default=9400,
+        help="its Prometheus /metrics port (0: any free, -1: none)",
     )
     p.add_argument("--plain", action="store_true", help="no dashboard: a summary line every few seconds")
     p.add_argument(

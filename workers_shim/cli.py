@@ -18,6 +18,7 @@ from collections.abc import Callable
 from typing import Any
 
 from kvindex.config import NatsSettings, add_nats_arguments, parse_layered
+from kvindex.config.args import LOG_FORMAT_HELP, LOG_LEVEL_HELP, SUBJECT_PREFIX_HELP, port, quiet_broken_pipe
 from kvindex.config.nats import DEFAULT_URL
 from kvindex.lifecycle import Stop, run
 from kvindex.observability.logs import configure_logging
@@ -140,7 +141,7 @@ def add_engine_command(sub: Any, engine: str) -> argparse.ArgumentParser:
     p.add_argument("--model", required=True, help="served model name, as routers will ask for it")
     add_role_arguments(p)
     add_nats_arguments(p)
-    p.add_argument("--subject-prefix", default="kvindex")
+    p.add_argument("--subject-prefix", default="kvindex", help=SUBJECT_PREFIX_HELP)
     p.add_argument(
         "--dp-rank",
         type=parse_ranks,
@@ -190,13 +191,16 @@ def add_engine_command(sub: Any, engine: str) -> argparse.ArgumentParser:
         "--scrape-interval", type=_positive(float), default=1.0, help="seconds between /metrics scrapes"
     )
     p.add_argument(
-        "--stats-port", type=int, default=None, help="serve the shim's own counters on /metrics here"
+        "--stats-port",
+        type=port,
+        default=None,
+        help="serve the shim's own counters on /metrics at this port (0: any free port; default: none)",
     )
     p.add_argument(
         "--stats-log-interval", type=float, default=60.0, help="seconds between stats log lines; 0 off"
     )
-    p.add_argument("--log-format", choices=("auto", "json", "console"), default="auto")
-    p.add_argument("--log-level", default="info")
+    p.add_argument("--log-format", choices=("auto", "json", "console"), default="auto", help=LOG_FORMAT_HELP)
+    p.add_argument("--log-level", default="info", help=LOG_LEVEL_HELP)
     p.set_defaults(handler=run_engine, engine=engine)
     return p
 
@@ -304,6 +308,7 @@ def run_engine(args: argparse.Namespace) -> int:
     return run(main, grace=STOP_GRACE, name="kvshim")
 
 
+@quiet_broken_pipe
 def main(argv: list[str] | None = None) -> int:
     parser, _ = build_parser()
     args = parse_layered(parser, argv)  # command line, then KVINDEX_* environment, then --config TOML

@@ -19,6 +19,7 @@ from typing import Any
 
 import structlog
 
+from kvindex.config.args import LOG_FORMAT_HELP, LOG_LEVEL_HELP, SUBJECT_PREFIX_HELP
 from kvindex.lifecycle import Stop, run
 from workers_shim.bridges.engines import ENGINES
 from workers_shim.bridges.load import LoadReader, PrefillSampler, scrape
@@ -45,11 +46,13 @@ def add_heartbeat_command(
     if add_role_arguments is not None:
         add_role_arguments(p)
     p.add_argument("--nats", default="nats://127.0.0.1:4222", help="NATS URL")
-    p.add_argument("--subject-prefix", default="kvindex")
-    p.add_argument("--heartbeat-interval", type=float, default=0.5)
-    p.add_argument("--scrape-interval", type=float, default=1.0)
-    p.add_argument("--log-format", choices=("auto", "json", "console"), default="auto")
-    p.add_argument("--log-level", default="info")
+    p.add_argument("--subject-prefix", default="kvindex", help=SUBJECT_PREFIX_HELP)
+    p.add_argument("--heartbeat-interval", type=float, default=0.5, help="seconds between heartbeats")
+    p.add_argument(
+        "--scrape-interval", type=float, default=1.0, help="seconds between scrapes of --metrics-url"
+    )
+    p.add_argument("--log-format", choices=("auto", "json", "console"), default="auto", help=LOG_FORMAT_HELP)
+    p.add_argument("--log-level", default="info", help=LOG_LEVEL_HELP)
     p.set_defaults(handler=run_heartbeat)
 
 

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from kvindex.capture.format import LogError, zstd_available
+from kvindex.config.args import LOG_FORMAT_HELP, SUBJECT_PREFIX_HELP, PromptFileError, port, read_prompts
 from kvindex.config.nats import NatsConfigError, NatsConnectError, NatsSettings, add_nats_arguments
 from kvindex.lifecycle import Stop, run
 from kvindex.security import add_server_options
@@ -93,12 +94,12 @@ def add_capture(sub: Any) -> None:
         "repairs (holes accepted). Use `kvindex serve --capture` for exact replays.",
     )
     add_nats_arguments(p, default=None, url_help="NATS server URL(s) (required), repeated or comma-separated")
-    p.add_argument("--subject-prefix", default="kvindex")
+    p.add_argument("--subject-prefix", default="kvindex", help=SUBJECT_PREFIX_HELP)
     p.add_argument("--out", required=True, help="log file (segments FILE.1, FILE.2 ... when rotating)")
     p.add_argument("--zstd", action="store_true", help="compress frames with zstd")
     p.add_argument("--max-bytes", type=_size, default=0, help="rotate segments beyond this size (e.g. 100M)")
     p.add_argument("--duration", type=float, default=0.0, help="stop after this many seconds (0: on signal)")
-    p.add_argument("--log-format", choices=("auto", "json", "console"), default="auto")
+    p.add_argument("--log-format", choices=("auto", "json", "console"), default="auto", help=LOG_FORMAT_HELP)
 
 
 def add_serve_capture(p: Any) -> None:
@@ -121,7 +122,12 @@ def add_replay(sub: Any) -> None:
     )
     p.add_argument("--speed", type=float, default=0.0, help="0: as fast as possible; 1: real time; N: N x")
     p.add_argument(
-        "--query", action="append", default=[], metavar="PROMPT.json", help="rank a prompt (repeatable)"
+        "--query",
+        action="append",
+        default=[],
+        metavar="PROMPT.json",
+        help='rank a prompt (repeatable): {"model": ..., "token_ids": [...]} and ScoreRequest fields, a '
+        "list of such objects, or a bare list of token ids (for the log's only model)",
     )
     p.add_argument("--request", default="", metavar="ID", help="stop at a recorded commit; show its ranking")
     p.add_argument(
@@ -129,13 +135,25 @@ def add_replay(sub: Any) -> None:
         action="store_true",
         help="re-rank every recorded Score (with its recorded pick and seed); compare with the live pick",
     )
-    p.add_argument("--timeline", choices=("notable", "all", "none"), default="notable")
+    p.add_argument(
+        "--timeline",
+        choices=("notable", "all", "none"),
+        default="notable",
+        help="moments printed: notable ones without their repeats (default), all, or none",
+    )
     p.add_argument("--report", metavar="FILE.json", help="write summary, timeline and queries as JSON")
-    p.add_argument("--progress", choices=("auto", "on", "off"), default="auto")
+    p.add_argument(
+        "--progress",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="a progress bar on stderr: auto shows it on a terminal",
+    )
     p.add_argument("--plain", action="store_true", help="plain text even on a terminal with rich installed")
     p.add_argument("--serve", action="store_true", help="then serve the gRPC API on the replayed state")
-    p.add_argument("--grpc-host", default="127.0.0.1")
-    p.add_argument("--grpc-port", type=int, default=50051)
+    p.add_argument(
+        "--grpc-host", default="127.0.0.1", help="address --serve listens on (default: this machine only)"
+    )
+    p.add_argument("--grpc-port", type=port, default=50051, help="port --serve listens on (0: any free port)")
     add_server_options(p)  # TLS / mutual TLS / token for --serve, as kvindex serve
 
 
@@ -263,25 +281,44 @@ def _progress(mode: str, total: int, out: Output) -> Any:
 
 
 def _load_queries(paths: list[str]) -> list[tuple[str, dict[str, Any]]]:
+    """The prompts of every ``--query`` file (kvindex.config.args.read_prompts: an object, a list of
+    them, or a bare list of token ids as ``--tokens @FILE`` takes); PromptFileError naming the file."""
     out = []
     for path in paths:
-        try:
-            data = json.loads(Path(path).read_text())
-        except (OSError, ValueError) as exc:
-            raise SystemExit(f"--query {path}: {exc}") from None
-        items = data if isinstance(data, list) else [data]
+        items = read_prompts(path)
         for i, item in enumerate(items):
-            if not isinstance(item, dict):
-                raise SystemExit(f"--query {path}: expected a JSON object (or a list of them)")
             out.append((path if len(items) == 1 else f"{path}[{i}]", item))
     return out
+
+
+def _run_query(r: Any, name: str, spec: dict[str, Any]) -> Any:
+    """A query's ranking; a prompt without a model (a bare token list) is for the log's only model."""
+    from kvindex.capture.replay import QueryResult
+
+    if "model" not in spec:
+        models = sorted({s.model for s in r.registry.all()})
+        if len(models) != 1:
+            known = ", ".join(repr(m) for m in models) or "none"
+            return QueryResult(
+                name,
+                spec,
+                None,
+                f"no model given and the log has {len(models)} (models: {known}); "
+                'write the prompt as {"model": ..., "token_ids": [...]}',
+            )
+        spec = {"model": models[0], **spec}
+    return r.query(spec, name)
 
 
 def run_replay(args: argparse.Namespace) -> int:
     from kvindex.capture.replay import Driver, Moment
 
     out = Output(plain=args.plain)
-    queries = _load_queries(args.query)
+    try:
+        queries = _load_queries(args.query)
+    except PromptFileError as exc:
+        print(f"error: --query {exc}", file=sys.stderr)
+        return 2
     show = args.timeline
 
     def on_moment(m: Moment) -> None:
@@ -483,7 +520,7 @@ def _report(driver: Any, args: argparse.Namespace, out: Output, queries: list) -
     elif args.request:
         out.line(f"error: no recorded commit of request {args.request!r} in the log", "red")
         code = 1
-    results.extend(r.query(spec, name) for name, spec in queries)
+    results.extend(_run_query(r, name, spec) for name, spec in queries)
     for q in results:
         _print_query(out, q, r.wall)
         if q.error:

@@ -6,6 +6,7 @@ import argparse
 import sys
 from typing import Any
 
+from kvindex.config.args import LOG_FORMAT_HELP, LOG_LEVEL_HELP, port
 from kvindex.lifecycle import Stop, run
 from kvindex.observability.logs import configure_logging
 from kvindex.scoring.admission import add_admission_options, admission_from_args
@@ -21,8 +22,12 @@ def add_route(sub: Any) -> None:
         "first (the next on a connection failure), by a consistent hash when the index is down.",
     )
     p.add_argument("--index", default="127.0.0.1:50051", help="gRPC address of kvindex serve")
-    p.add_argument("--host", default="0.0.0.0")
-    p.add_argument("--port", type=int, default=8080)
+    p.add_argument(
+        "--host",
+        default="0.0.0.0",
+        help="address the proxy listens on: 0.0.0.0 (default) every interface, 127.0.0.1 this machine only",
+    )
+    p.add_argument("--port", type=port, default=8080, help="port the proxy listens on (0: any free port)")
     p.add_argument("--top-k", type=int, default=3, help="instances asked for: the first, then retries")
     p.add_argument(
         "--score-timeout", type=float, default=0.05, help="index deadline (s); past it the fallback decides"
@@ -49,8 +54,8 @@ def add_route(sub: Any) -> None:
         "in probability (default: the index's)",
     )
     add_pd_arguments(p)
-    p.add_argument("--log-format", choices=("auto", "json", "console"), default="auto")
-    p.add_argument("--log-level", default="info")
+    p.add_argument("--log-format", choices=("auto", "json", "console"), default="auto", help=LOG_FORMAT_HELP)
+    p.add_argument("--log-level", default="info", help=LOG_LEVEL_HELP)
     add_client_options(p)
     add_admission_options(
         p.add_argument_group("admission: TTFT objectives, priorities, queueing and shedding (429)"),

@@ -127,3 +127,65 @@ def test_unknown_model_is_an_error_naming_the_known_ones(
         assert out.err == (
             f"kvindex {command}: error: no instance of model 'nope' is known to the index (it knows: known)\n"
         )
+
+
+def test_unknown_candidates_are_an_error_and_prompt_files_of_either_shape(
+    served: tuple[subprocess.Popen[str], str, str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--candidates`` naming no instance the index knows is refused (the API ignores such ids: an
+    empty ranking, exit 0, read as "nothing cached there"); ``--tokens @FILE`` takes the prompt object
+    replay --query takes as well as a bare list."""
+    from kvindex.cli import main
+
+    _, nats_url, server = served
+    tokens = list(range(32))
+
+    async def publish() -> None:
+        pub = await Publisher.connect(nats_url, worker="node-c", model="cand", block_size=16)
+        pub.stored(block_keys(tokens, 16, "cand"))
+        await pub.close()
+
+    asyncio.run(publish())
+    query = ["--server", server, "--model", "cand", "--tokens", " ".join(map(str, tokens))]
+    deadline = time.monotonic() + 10
+    while main(["score", *query]) != 0:
+        assert time.monotonic() < deadline, capsys.readouterr().err
+        time.sleep(0.05)
+    assert json.loads(capsys.readouterr().out)["ranked"][0]["matchedBlocks"] == 2  # "0 1 2 ...": 32 tokens
+    for command in ("score", "lookup"):
+        for known in ("node-c", "node-c/0", "node-c/0,node-c"):
+            assert main([command, *query, "--candidates", known]) == 0
+            assert capsys.readouterr().out
+        assert main([command, *query, "--candidates", "nosuch/0"]) == 2
+        out = capsys.readouterr()
+        assert out.out == ""
+        assert out.err == (
+            f"kvindex {command}: error: --candidates: no instance 'nosuch/0' of model 'cand' is known to "
+            "the index (it knows: node-c/0)\n"
+        )
+        assert main([command, *query, "--candidates", "node-c/1,nosuch"]) == 2
+        assert "no instances 'node-c/1', 'nosuch' of model 'cand'" in capsys.readouterr().err
+    prompt = tmp_path / "prompt.json"
+    for content in ({"model": "cand", "token_ids": tokens}, tokens):
+        prompt.write_text(json.dumps(content))
+        assert main(["lookup", "--server", server, "--model", "cand", "--tokens", f"@{prompt}"]) == 0
+        assert json.loads(capsys.readouterr().out)["matches"][0]["matchedBlocks"] == 2
+
+
+def _closed_pipe_run(*argv: str) -> subprocess.CompletedProcess[str]:
+    """Run a command whose stdout is a pipe nobody reads any more (``| head`` after it exited)."""
+    read, write = os.pipe()
+    os.close(read)
+    try:
+        return subprocess.run(argv, stdout=write, stderr=subprocess.PIPE, text=True, timeout=30, check=False)
+    finally:
+        os.close(write)
+
+
+def test_a_closed_stdout_pipe_ends_quietly(served: tuple[subprocess.Popen[str], str, str]) -> None:
+    """``kvindex instances | head``: no BrokenPipeError traceback; status 141 (128 + SIGPIPE), as a
+    shell reports for a Unix tool that met a closed pipe."""
+    _, _, server = served
+    for command in ("instances", "stats"):
+        done = _closed_pipe_run(KVINDEX, command, "--server", server)
+        assert (done.returncode, done.stderr) == (141, ""), (command, done.stderr)

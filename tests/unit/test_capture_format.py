@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 from typing import Any
@@ -178,3 +179,29 @@ def test_a_record_that_raises_is_reported_and_the_replay_goes_on(tmp_path: Path,
     assert main(["replay", str(spliced), "--plain", "--timeline", "none"]) == 1
     out = capsys.readouterr().out
     assert f"1 record(s) raised in the consumer; the first, at 0:{bad_offset}" in out and "TypeError" in out
+
+
+def test_a_query_file_may_be_a_bare_token_list(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The ``--tokens @FILE`` shape: ranked for the log's only model; with several, which one is asked."""
+    path = tmp_path / "a.kvlog"
+    _log(path)
+    bare = tmp_path / "bare.json"
+    bare.write_text(json.dumps(list(range(12))))
+    assert main(["replay", str(path), "--plain", "--timeline", "none", "--query", str(bare)]) == 0
+    assert f"query {bare} as of " in capsys.readouterr().out
+    two = tmp_path / "two.kvlog"
+    meta = log_meta(R.SOURCE_CAPTURE, "kvindex", created_mono=0.0)
+    rec = Recorder(LogWriter(two, meta), clock=lambda: 0.0)
+    for model in ("a", "b"):
+        w = WorkerLog(worker=f"w-{model}", model=model, block_size=4, epoch=1)
+        w.stored([1, 2, 3])
+        for subject, payload in w.heartbeat_messages():
+            rec.message(subject, payload)
+    rec.close()
+    assert main(["replay", str(two), "--plain", "--timeline", "none", "--query", str(bare)]) == 1
+    out = capsys.readouterr().out
+    assert "error: no model given and the log has 2 (models: 'a', 'b')" in out
+    bad = tmp_path / "bad.json"
+    bad.write_text('[{"model": "a", "token_ids": [1, -2]}]')
+    assert main(["replay", str(two), "--query", str(bad)]) == 2
+    assert capsys.readouterr().err.startswith(f"error: --query {bad}: token_ids: -2 is out of range")

@@ -3,9 +3,12 @@ CLI against a running `kvindex serve`: tests/integration/test_cli.py."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.parametrize(
@@ -20,6 +23,17 @@ import pytest
         ("--tokens", "@list.json", "True is not an integer"),
         ("--tokens", "@bad.json", "not JSON"),
         ("--prompt", "@missing.txt", "--prompt @missing.txt: no such file"),
+        # Only commas and whitespace separate ids: anything else is refused, never joined.
+        ("--tokens", "1;2", "--tokens: '1;2' is not an integer"),
+        ("--tokens", "1.5", "'1.5' is not an integer"),
+        ("--tokens", "1_000", "'1_000' is not an integer"),
+        ("--tokens", " , ", "--tokens: no token ids given"),
+        ("--tokens", "@empty.json", "--tokens @empty.json: expected a prompt object"),
+        ("--tokens", "@two.json", "--tokens @two.json: holds 2 prompts; --tokens takes one"),
+        ("--tokens", "@keys.json", "no token_ids in it (it has block_keys: --keys @keys.json)"),
+        ("--tokens", "@other.json", "is a prompt for model 'other', not --model 'm'"),
+        ("--tokens", "@salted.json", "is a prompt for salt 's', not --salt ''"),
+        ("--tokens", "@big.json", "@big.json: token_ids: 4294967296 is out of range"),
     ],
 )
 def test_bad_query_arguments_are_one_line_errors(
@@ -36,6 +50,12 @@ def test_bad_query_arguments_are_one_line_errors(
     monkeypatch.chdir(tmp_path)
     (tmp_path / "list.json").write_text("[1, true]")
     (tmp_path / "bad.json").write_text("[1,")
+    (tmp_path / "empty.json").write_text("[]")
+    (tmp_path / "two.json").write_text('[{"model": "m", "token_ids": [1]}, {"model": "m", "token_ids": [2]}]')
+    (tmp_path / "keys.json").write_text('{"model": "m", "block_keys": [1, 2]}')
+    (tmp_path / "other.json").write_text('{"model": "other", "token_ids": [1, 2]}')
+    (tmp_path / "salted.json").write_text('{"model": "m", "salt": "s", "token_ids": [1, 2]}')
+    (tmp_path / "big.json").write_text('{"model": "m", "token_ids": [1, 4294967296]}')
     assert main(["score", "--server", "127.0.0.1:1", "--model", "m", flag, value]) == 2
     err = capsys.readouterr().err
     assert err.startswith("kvindex score: error: ") and says in err and err.count("\n") == 1, err
@@ -80,3 +100,45 @@ def test_serve_route_flags_make_the_embedded_proxy_config() -> None:
     assert (cfg.admission, cfg.objectives) == ("ADMISSION", "OBJECTIVES")  # type: ignore[attr-defined]
     with pytest.raises(SystemExit, match="--route-top-k must be at least 1"):
         config("--route-port", "8080", "--route-top-k", "0")
+
+
+def _fields(*argv: str) -> dict[str, object]:
+    from kvindex.cli import _prompt_fields, build_parser
+
+    return _prompt_fields(build_parser().parse_args(["score", "--model", "m", *argv]))
+
+
+@pytest.mark.parametrize("text", ["1,2,3", "1 2 3", "1, 2, 3", " 1\t2,,3 ", "1 ,2\n3"])
+def test_token_lists_split_on_commas_and_whitespace(text: str) -> None:
+    # "1 2 3" was read as 123: digits are never joined.
+    assert _fields("--tokens", text)["token_ids"] == [1, 2, 3]
+    assert _fields("--keys", text)["block_keys"] == [1, 2, 3]
+
+
+def test_prompt_files_of_either_shape(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``--tokens @FILE`` reads the object replay --query takes (make sample-log writes one) as well
+    as a bare list: one reader for every prompt file."""
+    sample = json.loads((ROOT / "docs" / "sample-prompt.json").read_text())
+    fields = _fields("--model", sample["model"], "--tokens", f"@{ROOT / 'docs' / 'sample-prompt.json'}")
+    assert fields["token_ids"] == sample["token_ids"] and fields["model"] == sample["model"]
+    bare = tmp_path / "bare.json"
+    bare.write_text("[5, 6, 7]")
+    assert _fields("--tokens", f"@{bare}")["token_ids"] == [5, 6, 7]
+    keyed = tmp_path / "keyed.json"
+    keyed.write_text('[{"model": "m", "block_keys": [18446744073709551615], "top_k": 2}]')
+    assert _fields("--keys", f"@{keyed}")["block_keys"] == [(1 << 64) - 1]
+    # Replay's query options are not flags' business here: named, not silently dropped.
+    assert capsys.readouterr().err == (
+        f"kvindex score: note: --keys @{keyed}: top_k ignored (the flags set them here; replay --query "
+        "reads them)\n"
+    )
+
+
+def test_top_k_is_checked_before_it_reaches_protobuf(capsys: pytest.CaptureFixture[str]) -> None:
+    from kvindex.cli import main
+
+    for value in ("-3", "4294967296", "two"):
+        with pytest.raises(SystemExit) as exc:
+            main(["score", "--server", "127.0.0.1:1", "--model", "m", "--tokens", "1", "--top-k", value])
+        assert exc.value.code == 2
+        assert "kvindex score: error: argument --top-k: " in capsys.readouterr().err

@@ -17,11 +17,13 @@ import argparse
 import asyncio
 import itertools
 import random
+import sys
 import time
 from typing import Any
 
 import structlog
 
+from kvindex.config.args import MAX_PORT, SUBJECT_PREFIX_HELP, port
 from kvindex.config.nats import (
     DEFAULT_URL,
     NatsConfigError,
@@ -49,12 +51,12 @@ class SimSetupError(Exception):
 def add_sim_arguments(parser: argparse.ArgumentParser) -> None:
     add_nats_arguments(parser)
     g = parser.add_argument_group("fleet")
-    g.add_argument("--subject-prefix", default="kvindex")
+    g.add_argument("--subject-prefix", default="kvindex", help=SUBJECT_PREFIX_HELP)
     g.add_argument("--workers", type=int, default=4, help="number of simulated engines")
     g.add_argument("--worker-prefix", default="sim", help="worker ids are PREFIX-0, PREFIX-1, …")
-    g.add_argument("--model", default="sim-model")
+    g.add_argument("--model", default="sim-model", help="the model name the workers serve")
     g.add_argument("--speed", type=float, default=1.0, help="virtual seconds per wall second")
-    g.add_argument("--heartbeat-interval", type=float, default=0.5)
+    g.add_argument("--heartbeat-interval", type=float, default=0.5, help="seconds between heartbeats")
     g.add_argument(
         "--endpoint-base",
         default=None,
@@ -64,7 +66,7 @@ def add_sim_arguments(parser: argparse.ArgumentParser) -> None:
     h = parser.add_argument_group("HTTP (an OpenAI-compatible server per worker; workers_shim/sim/http.py)")
     h.add_argument(
         "--http-port",
-        type=int,
+        type=port,
         default=None,
         help="serve /v1/completions etc.: worker i on PORT+i (0: free ports), announced as its endpoint",
     )
@@ -84,22 +86,39 @@ def add_sim_arguments(parser: argparse.ArgumentParser) -> None:
         "link, as its shared-pool loads)",
     )
     e = parser.add_argument_group("engine")
-    e.add_argument("--profile", choices=sorted(PROFILES), default="llama3-8b-h100")
-    e.add_argument("--block-size", type=int, default=16)
+    e.add_argument(
+        "--profile",
+        choices=sorted(PROFILES),
+        default="llama3-8b-h100",
+        help="model and GPU whose prefill/decode times and KV capacity are simulated",
+    )
+    e.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     e.add_argument("--gpu-blocks", type=int, default=0, help="default: the profile's KV capacity")
-    e.add_argument("--cpu-blocks", type=int, default=0)
-    e.add_argument("--disk-blocks", type=int, default=0)
+    e.add_argument("--cpu-blocks", type=int, default=0, help="CPU offload tier in blocks (0: none)")
+    e.add_argument("--disk-blocks", type=int, default=0, help="disk tier in blocks (0: none)")
     e.add_argument("--pool-blocks", type=int, default=0, help="shared pool capacity (0: no pool)")
-    e.add_argument("--max-batched-tokens", type=int, default=8192)
-    e.add_argument("--max-running", type=int, default=256)
-    e.add_argument("--offload", choices=("evict", "store"), default="evict")
+    e.add_argument(
+        "--max-batched-tokens", type=int, default=8192, help="token budget per step (chunked prefill)"
+    )
+    e.add_argument("--max-running", type=int, default=256, help="requests running at once per engine")
+    e.add_argument(
+        "--offload",
+        choices=("evict", "store"),
+        default="evict",
+        help="what goes to the CPU tier: blocks evicted from the GPU, or every computed block (store)",
+    )
     e.add_argument("--fetch-overlap", action="store_true", help="overlap block loads with compute")
     t = parser.add_argument_group("traffic")
     t.add_argument("--trace", help="Mooncake-format JSONL trace to replay")
-    t.add_argument("--trace-limit", type=int, default=None)
+    t.add_argument("--trace-limit", type=int, default=None, help="replay only the trace's first N requests")
     t.add_argument("--time-scale", type=float, default=1.0, help="arrival times x this (0.5 = 2x load)")
-    t.add_argument("--route", choices=("round_robin", "random", "least_loaded"), default="least_loaded")
-    t.add_argument("--seed", type=int, default=0)
+    t.add_argument(
+        "--route",
+        choices=("round_robin", "random", "least_loaded"),
+        default="least_loaded",
+        help="how --trace requests are spread over the workers (a real router asks kvindex instead)",
+    )
+    t.add_argument("--seed", type=int, default=0, help="seed of --route random")
     t.add_argument("--duration", type=float, default=0.0, help="stop after this many wall seconds (0: never)")
 
 
@@ -132,8 +151,32 @@ def per_worker(text: str, n: int, check: Any, what: str) -> list[str | None]:
     return [check(v) for v in values]
 
 
+def port_room_error(args: argparse.Namespace) -> str:
+    """Worker i takes port PORT+i of ``--http-port`` and ``--endpoint-base``: what is wrong when the
+    last worker's would be beyond 65535 ("" when they fit)."""
+    from kvindex.wire.endpoint import BadEndpoint, parse_endpoint
+
+    last = args.workers - 1
+    if args.http_port and args.http_port + last > MAX_PORT:
+        where = f"worker {last} would listen on {args.http_port + last}, > {MAX_PORT}"
+        return f"--http-port {args.http_port}: {where}"
+    if args.endpoint_base is not None:
+        try:
+            _host, base = parse_endpoint(args.endpoint_base)
+        except BadEndpoint as exc:
+            return f"--endpoint-base: {exc}"
+        if base + last > MAX_PORT:
+            where = f"worker {last} would be on port {base + last}, > {MAX_PORT}"
+            return f"--endpoint-base {args.endpoint_base}: {where}"
+    return ""
+
+
 def main_sim(args: argparse.Namespace) -> int:
     """Run until ``--duration``, SIGTERM/SIGINT/SIGHUP or the parent's exit (kvindex/lifecycle)."""
+    problem = port_room_error(args)
+    if problem:
+        print(f"kvshim sim: error: {problem}", file=sys.stderr)
+        return 2
 
     async def main(stop: Stop) -> int:
         try:
