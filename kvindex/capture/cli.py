@@ -77,6 +77,22 @@ def parse_until(text: str, start_wall: float) -> float:
     return when.timestamp()
 
 
+def until_outside(text: str, until: float, span: tuple[float, float] | None) -> str:
+    """What is wrong with an ``--until`` that matches no record of a log whose records run over
+    ``span`` ("" when it falls within): before the first, nothing would be replayed; after the last
+    (a clock time on a log of another day, most often), the stop it asks for never comes."""
+    if span is None:
+        return f"--until {text}: the log holds no records"
+    first, last = span
+    if first <= until <= last:
+        return ""
+    where = "before the first" if until < first else "after the last"
+    return (
+        f"--until {text} is {fmt_wall(until, date=True)}, {where} record: the log runs from "
+        f"{fmt_wall(first, date=True)} to {fmt_wall(last, date=True)}"
+    )
+
+
 def fmt_wall(wall: float, date: bool = False) -> str:
     dt = datetime.fromtimestamp(wall)
     return dt.strftime("%Y-%m-%d %H:%M:%S.%f")[:-3] if date else dt.strftime("%H:%M:%S.%f")[:-3]
@@ -337,8 +353,16 @@ def run_replay(args: argparse.Namespace) -> int:
     if args.until is not None:
         try:
             driver.until = parse_until(args.until, r.start_wall)
+            span = driver.reader.time_range()
         except argparse.ArgumentTypeError as exc:
             print(f"error: {exc}", file=sys.stderr)
+            return 2
+        except LogError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 1
+        problem = until_outside(args.until, driver.until, span)
+        if problem:
+            print(f"error: {problem}", file=sys.stderr)
             return 2
     stats = driver.reader.stats
     out.line(

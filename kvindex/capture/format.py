@@ -299,6 +299,55 @@ class LogReader:
                 size = os.fstat(f.fileno()).st_size
                 yield from self._frames(path, f, pos, size, zstd, i, last_segment=i == len(self.paths) - 1)
 
+    def time_range(self) -> tuple[float, float] | None:
+        """(first, last) wall time of the log's records; None when it holds none. Read from the first
+        and the last whole frames only, found by their lengths, so a log of many GiB answers at once;
+        a torn or corrupt frame is passed over here (iterating reports it)."""
+        first = last = None
+        for path in self.paths:
+            first = self._edge_wall(path, first=True)
+            if first is not None:
+                break
+        for path in reversed(self.paths):
+            last = self._edge_wall(path, first=False)
+            if last is not None:
+                break
+        return None if first is None or last is None else (first, last)
+
+    def _edge_wall(self, path: Path, *, first: bool) -> float | None:
+        """The wall time of the first (or last) record of the first (or last) readable frame."""
+        with open(path, "rb") as f:
+            _meta, pos, zstd = read_header(path, f)
+            mod = _zstd() if zstd else None
+            if zstd and mod is None:
+                raise LogError(path, 0, ZSTD_HINT)
+            size = os.fstat(f.fileno()).st_size
+            spans = []
+            while pos + _FRAME.size <= size:
+                f.seek(pos)
+                length, crc = _FRAME.unpack(f.read(_FRAME.size))
+                end = pos + _FRAME.size + length
+                if length == 0 or length > MAX_FRAME or end > size:
+                    break
+                spans.append((pos, length, crc))
+                if first:
+                    break  # frames are walked in order: the first whole one is enough
+                pos = end
+            for start, length, crc in spans if first else reversed(spans):
+                f.seek(start + _FRAME.size)
+                body = f.read(length)
+                if zlib.crc32(body) != crc:
+                    continue
+                try:
+                    if mod is not None:
+                        body = mod.ZstdDecompressor().decompress(body, max_output_size=MAX_FRAME)
+                    walls = [float(r[2]) for r in _records(path, start, body) if len(r) > 2]
+                except Exception:  # undecodable: iterating reports it where it is; look further here
+                    continue
+                if walls:
+                    return walls[0] if first else walls[-1]
+        return None
+
     def _frames(
         self, path: Path, f: BinaryIO, pos: int, size: int, zstd: bool, segment: int, last_segment: bool
     ) -> Iterator[tuple[int, int, list[Any]]]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -179,6 +180,79 @@ def test_a_record_that_raises_is_reported_and_the_replay_goes_on(tmp_path: Path,
     assert main(["replay", str(spliced), "--plain", "--timeline", "none"]) == 1
     out = capsys.readouterr().out
     assert f"1 record(s) raised in the consumer; the first, at 0:{bad_offset}" in out and "TypeError" in out
+
+
+def _timed_log(path: Path, first: float, step: float = 0.5, **writer: Any) -> list[list[Any]]:
+    """The records of ``_log``, rewritten with wall times ``first``, ``first + step`` ..."""
+    records = _log(path.with_name("source.kvlog"))
+    meta = {**LogReader(path.with_name("source.kvlog")).meta, "created_wall": first - 0.1}
+    timed = [[r[0], r[1], first + i * step, *r[3:]] for i, r in enumerate(records)]
+    out = LogWriter(path, meta, frame_bytes=writer.pop("frame_bytes", 512), **writer)
+    for record in timed:
+        out.add(record)
+    out.close()
+    return timed
+
+
+def test_time_range_reads_the_first_and_last_frames(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    first = datetime(2025, 11, 30, 4, 47, 0).timestamp()
+    plain = tmp_path / "plain.kvlog"
+    records = _timed_log(plain, first)
+    last = records[-1][2]
+    assert LogReader(plain).time_range() == (first, last)
+    rotated = tmp_path / "rotated.kvlog"
+    _timed_log(rotated, first, max_bytes=3000)
+    assert len(segments(rotated)) >= 3 and LogReader(rotated).time_range() == (first, last)
+    packed = tmp_path / "packed.kvlog"
+    _timed_log(packed, first, zstd=True)
+    assert LogReader(packed).time_range() == (first, last)
+    # A torn last frame is passed over: the range ends where what a replay reads ends.
+    frames = _frames(plain)
+    torn = tmp_path / "torn.kvlog"
+    torn.write_bytes(plain.read_bytes()[: frames[-1] + 20])
+    readable = [rec for _, _, rec in LogReader(torn)]
+    assert LogReader(torn).time_range() == (first, readable[-1][2]) and readable[-1][2] < last
+    empty = tmp_path / "empty.kvlog"
+    LogWriter(empty, LogReader(plain).meta).close()
+    assert list(LogReader(empty)) == [] and LogReader(empty).time_range() is None
+    assert main(["replay", str(empty), "--until", "+1"]) == 2
+    assert capsys.readouterr().err == "error: --until +1: the log holds no records\n"
+
+
+@pytest.mark.parametrize(
+    ("until", "where"),
+    [
+        ("14:02:07", "after the last"),  # the README's form, on a log recorded at 04:47
+        ("04:40", "before the first"),
+        ("+1h", "after the last"),
+        ("+0", "before the first"),  # the log's creation, 0.1 s before its first record
+        ("2025-11-29T04:47:01", "before the first"),  # the right time of day, on the day before
+    ],
+)
+def test_an_until_that_matches_no_record_is_an_error_naming_the_logs_range(
+    until: str, where: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    first = datetime(2025, 11, 30, 4, 47, 0).timestamp()
+    path = tmp_path / "a.kvlog"
+    records = _timed_log(path, first)
+    last = datetime.fromtimestamp(records[-1][2]).strftime("%H:%M:%S.%f")[:-3]
+    capsys.readouterr()
+    assert main(["replay", str(path), "--plain", "--until", until]) == 2
+    out = capsys.readouterr()
+    assert out.out == ""  # refused before anything is replayed
+    assert out.err.startswith(f"error: --until {until} is 2025-11-") and f", {where} record: " in out.err
+    assert out.err.endswith(f"the log runs from 2025-11-30 04:47:00.000 to 2025-11-30 {last}\n")
+
+
+def test_an_until_within_the_log_replays_up_to_it(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    first = datetime(2025, 11, 30, 4, 47, 0).timestamp()
+    path = tmp_path / "a.kvlog"
+    records = _timed_log(path, first)
+    for until, replayed in (("04:47:00", 1), ("+10.1", 21), (str(records[-1][2]), len(records))):
+        assert main(["replay", str(path), "--plain", "--timeline", "none", "--until", until]) == 0
+        assert f"\n{replayed} records replayed" in capsys.readouterr().out
 
 
 def test_a_query_file_may_be_a_bare_token_list(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
