@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import ipaddress
 import socket
+from typing import Any
 
 __all__ = [
+    "ROUTE_FIX",
     "ListenError",
     "address",
     "connect_host",
@@ -14,6 +16,8 @@ __all__ = [
     "is_wildcard",
     "parse_listen",
     "reachable_host",
+    "route_exposure",
+    "warn_unprotected",
 ]
 
 _WILDCARDS = frozenset({"", "0.0.0.0", "::", "[::]"})
@@ -62,6 +66,25 @@ def reachable_host(host: str) -> str:
     """The name other machines use for a listener bound on ``host``: this machine's host name for a
     wildcard (what it resolves to on their side is their DNS's business)."""
     return socket.gethostname() if is_wildcard(host) else host
+
+
+def route_exposure(host: str, port: int) -> str | None:
+    """The routing proxy's entry in the ``serving_without_protection`` warning (None on loopback): it
+    speaks plain HTTP with no authentication, so whoever reaches it sends requests to the engines."""
+    if is_loopback(host):
+        return None
+    return f"route {address(host, port)} (plain HTTP, no authentication: anyone can send requests)"
+
+
+ROUTE_FIX = "the routing proxy: bind 127.0.0.1 for clients on this machine, else keep it behind a gateway"
+
+
+def warn_unprotected(log: Any, listeners: list[str], fix: str) -> None:
+    """The one ``serving_without_protection`` warning (``kvindex serve``, ``kvindex route``), naming
+    every listener other machines can reach without TLS or authentication, and what to do: the start
+    log says where they listen, this says what that means."""
+    if listeners:
+        log.warning("serving_without_protection", listeners=listeners, fix=fix)
 
 
 def parse_listen(text: str) -> tuple[str, int]:

@@ -6,6 +6,8 @@ import argparse
 import sys
 from typing import Any
 
+import structlog
+
 from kvindex.config.args import LOG_FORMAT_HELP, LOG_LEVEL_HELP, port
 from kvindex.lifecycle import Stop, run
 from kvindex.observability.logs import configure_logging
@@ -189,6 +191,12 @@ def run_route(args: argparse.Namespace) -> int:
         objectives=objectives,
         pd=pd_config_from_args(args),
     )
+
+    from kvindex.api.listen import ROUTE_FIX, route_exposure, warn_unprotected
+
+    exposed = route_exposure(args.host, args.port)
+    if exposed is not None:  # as kvindex serve warns about its own listeners (docs/deploy.md)
+        warn_unprotected(structlog.get_logger("kvindex.route"), [exposed], fix=f"{ROUTE_FIX} (--host)")
 
     async def main(stop: Stop) -> int:
         try:

@@ -359,14 +359,16 @@ class IndexService:
         if self.natsd is not None and not listen.is_loopback(self.natsd.host):
             where = listen.address(self.natsd.host, self.natsd.port)
             exposed.append(f"embedded NATS {where} (no TLS, no authentication: anyone can publish events)")
-        if exposed:
-            self.log.warning(
-                "serving_without_protection",
-                listeners=exposed,
-                fix="bind 127.0.0.1 (--grpc-host), or --tls-cert/--tls-key with --auth-token-file or "
-                "--tls-client-ca (docs/deploy.md); for remote workers an external nats-server with "
-                "auth and TLS (--nats)",
-            )
+        route = None if self.route is None else listen.route_exposure(self.config.route.host, self.route.port)
+        if route is not None:
+            exposed.append(route)
+        listen.warn_unprotected(
+            self.log,
+            exposed,
+            fix="bind 127.0.0.1 (--grpc-host), or --tls-cert/--tls-key with --auth-token-file or "
+            "--tls-client-ca (docs/deploy.md); for remote workers an external nats-server with "
+            "auth and TLS (--nats)" + (f"; {listen.ROUTE_FIX} (--route-host)" if route else ""),
+        )
 
     def ready(self) -> tuple[bool, str]:
         source = self.source

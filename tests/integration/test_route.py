@@ -537,7 +537,38 @@ async def test_cli_serves_and_exits_0_on_sigterm(grpc_fleet: Fleet) -> None:
     finally:
         stderr = _reap(proc)
     assert "route_started" in stderr and "route_stopped" in stderr
+    assert "serving_without_protection" not in stderr  # loopback: nobody else can reach it
     await wait_until(lambda: fleet.ledger() == 0, what="ledger empty")
+
+
+def test_cli_warns_when_other_machines_can_reach_it() -> None:
+    """As ``kvindex serve`` does for its listeners (docs/deploy.md): the proxy has no TLS and no
+    authentication, so binding beyond loopback is said, with what to do instead."""
+    port = _free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvindex.cli", "route", "--index", "127.0.0.1:1", "--host", "0.0.0.0",
+         "--port", str(port), "--log-format", "json"],
+        cwd=ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1"}, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert proc.stderr is not None
+        events = []
+        while not events or events[-1]["event"] != "route_started":
+            line = proc.stderr.readline()
+            assert line, f"kvindex route exited ({proc.poll()}) before it started"
+            events.append(json.loads(line))
+        (warning,) = [e for e in events if e["event"] == "serving_without_protection"]
+        assert warning["level"] == "warning"
+        assert warning["listeners"] == [
+            f"route 0.0.0.0:{port} (plain HTTP, no authentication: anyone can send requests)"
+        ]
+        assert "bind 127.0.0.1" in warning["fix"] and "--host" in warning["fix"]
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(15) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
 
 
 async def test_cli_over_mutual_tls_and_a_token(
@@ -711,6 +742,7 @@ async def test_serve_route_port_routes_in_the_index_process_and_reports_outcomes
     serving = next(json.loads(ln) for ln in stderr.splitlines() if '"kvindex_serving"' in ln)
     assert serving["route"] == f"127.0.0.1:{route_port}"
     assert "route_started" in stderr and "route_stopped" in stderr
+    assert "serving_without_protection" not in stderr  # every listener on loopback
 
 
 def test_serve_route_port_taken_is_a_clear_error(nats_server: EmbeddedNats) -> None:

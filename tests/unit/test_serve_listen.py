@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvindex.api.listen import parse_listen
+from kvindex.api.listen import parse_listen, route_exposure
 
 
 def test_parse_listen() -> None:
@@ -14,3 +14,14 @@ def test_parse_listen() -> None:
     for bad in ("4222", ":4222", "host:x", "host:70000"):
         with pytest.raises(ValueError):
             parse_listen(bad)
+
+
+def test_the_routing_proxy_is_exposed_beyond_loopback() -> None:
+    # serve --route-host and kvindex route --host: plain HTTP without authentication.
+    assert route_exposure("0.0.0.0", 8080) == (
+        "route 0.0.0.0:8080 (plain HTTP, no authentication: anyone can send requests)"
+    )
+    assert route_exposure("::", 8080) is not None and route_exposure("10.1.2.3", 1).startswith(
+        "route 10.1.2.3:1"
+    )
+    assert route_exposure("127.0.0.1", 8080) is None and route_exposure("localhost", 8080) is None
