@@ -8,7 +8,7 @@ from typing import Any
 
 import structlog
 
-from kvindex.config.args import LOG_FORMAT_HELP, LOG_LEVEL_HELP, port
+from kvindex.config.args import LOG_FORMAT_HELP, LOG_LEVEL_HELP, port, positive
 from kvindex.lifecycle import Stop, run
 from kvindex.observability.logs import configure_logging
 from kvindex.scoring.admission import add_admission_options, admission_from_args
@@ -30,7 +30,7 @@ def add_route(sub: Any) -> None:
         help="address the proxy listens on: 0.0.0.0 (default) every interface, 127.0.0.1 this machine only",
     )
     p.add_argument("--port", type=port, default=8080, help="port the proxy listens on (0: any free port)")
-    p.add_argument("--top-k", type=int, default=3, help="instances asked for: the first, then retries")
+    p.add_argument("--top-k", type=positive, default=3, help="instances asked for: the first, then retries")
     p.add_argument(
         "--score-timeout", type=float, default=0.05, help="index deadline (s); past it the fallback decides"
     )

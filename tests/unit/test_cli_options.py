@@ -87,6 +87,17 @@ def test_a_port_out_of_range_exits_2_naming_the_flag(
     assert f"error: argument {flag}: " in err and "is not a port number (0-65535" in err, err
 
 
+@pytest.mark.parametrize("value", ["0", "-3", "4294967296"])
+def test_route_top_k_is_at_least_one(value: str, capsys: pytest.CaptureFixture[str]) -> None:
+    # -3 started a proxy whose every Score then failed in protobuf; 0 left the fallback no instance.
+    from kvindex.cli import build_parser
+
+    with pytest.raises(SystemExit) as exc:
+        build_parser().parse_args(["route", "--top-k", value])
+    assert exc.value.code == 2
+    assert "error: argument --top-k: " in capsys.readouterr().err
+
+
 def test_ports_at_the_ends_of_the_range_and_off() -> None:
     from kvindex.cli import build_parser
 
