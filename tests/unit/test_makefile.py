@@ -73,12 +73,16 @@ def _top_level() -> set[str]:
 def documented_targets() -> dict[str, list[str]]:
     """``make X`` in the repository's Markdown, as inline code or a line of a code block:
     target -> where it is named."""
-    top = _top_level()
     found: dict[str, list[str]] = {}
-    for path in sorted(ROOT.rglob("*.md")):
+    # Only under the repository's own entries: the venvs (hidden) hold thousands of other files.
+    entries = sorted(ROOT / name for name in _top_level())
+    pages = [
+        p
+        for e in entries
+        for p in ([e] if e.suffix == ".md" else sorted(e.rglob("*.md")) if e.is_dir() else [])
+    ]
+    for path in pages:
         rel = path.relative_to(ROOT)
-        if rel.parts[0] not in top or rel.parts[0] == "build":
-            continue
         fenced = False
         for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
             if line.lstrip().startswith("```"):
