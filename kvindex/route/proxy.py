@@ -863,8 +863,9 @@ class RouteProxy:
         }
 
     async def handle_health(self, request: web.Request) -> web.Response:
-        """Liveness: 200 while the process serves, draining and the index down included (a restart
-        would bring neither back; a draining proxy must get its grace). The body says the state."""
+        """Liveness: 200 while the process serves, the index down included (a restart would not
+        bring it back, and would forget the fleet the fallback routes over). The body says the
+        state."""
         body = {"status": "draining" if self.draining else "ok", **self._state()}
         return web.json_response(body)
 

@@ -17,6 +17,7 @@ from kvindex.api.server import GrpcServer
 from kvindex.api.servicer import KvIndexServicer
 from kvindex.client import (
     DEADLINE,
+    INDEX_EMPTY,
     UNAVAILABLE,
     AsyncKvIndexClient,
     BadRequest,
@@ -364,7 +365,10 @@ async def test_cold_start_with_the_index_down_routes_by_the_static_list(
     whose message carries no gRPC debug string. Once the index answers, its report wins."""
     port = index.grpc.port
     await index.grpc.stop(grace=0)
-    static = {MODEL: ["w1=10.0.0.1:8000", "w2/0=10.0.0.2:8000", "w3=10.0.0.3:8000"]}
+    static = {
+        MODEL: ["w1=10.0.0.1:8000", "w2/0=10.0.0.2:8000", "w3=10.0.0.3:8000"],
+        "unpublished": ["10.0.0.5:8000"],  # engines that publish nothing the index would know
+    }
     ids = ["w1/0", "w2/0", "w3/0"]  # named as the index names them: a cold pick is a warm one
     address = f"127.0.0.1:{port}"
     async with AsyncKvIndexClient(
@@ -402,6 +406,10 @@ async def test_cold_start_with_the_index_down_routes_by_the_static_list(
                 break
             await asyncio.sleep(0.05)
         assert [k.instance_id for k in client.instances.instances(MODEL)] == ["w9/0"]
+        # A listed model the index does not know: routed by the list, as one it lost would be.
+        unpublished = await client.score("unpublished", token_ids=PROMPT)
+        assert unpublished.source == "fallback" and unpublished.reason == INDEX_EMPTY
+        assert unpublished.endpoint == "10.0.0.5:8000"
 
 
 async def test_index_health_is_tracked_and_each_change_logged_once(index: IndexService) -> None:
