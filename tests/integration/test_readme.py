@@ -27,6 +27,10 @@ async def test_the_readme_route_recipe_answers_a_routed_request(tmp_path: Path) 
     try:
         await run.wait_routable()  # the recipe's `until curl .../v1/models` loop
         first = await run.request()  # its curl
+        assert first.status == 200, first.body
+        # Sent once the index has heard the engine's KV events (as it has by the time a person
+        # types the next curl), the same request goes where its first block is.
+        await run.settled(first.headers["x-kvindex-instance"])
         second = await run.request()
     finally:
         codes = await run.stop()
