@@ -770,6 +770,11 @@ async def test_index_down_from_the_start_is_said_plainly_ready_tells_the_truth_l
                     assert f"no instance of model {MODEL!r} is known" in message
                     for internal in ("AioRpcError", "debug_error_string", "StatusCode", "UNAVAILABLE"):
                         assert internal not in message
+                # A chat request alike: the index being down is the reason given, not a tokenizer.
+                chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
+                async with http.post(url + "/v1/chat/completions", json=chat) as resp:
+                    assert resp.status == 503
+                    assert (await resp.json())["error"]["code"] == "index_unreachable"
                 status, ready = await _get(http, url + "/ready")
                 assert status == 503 and ready["status"] == "unready" and ready["routing"] == "none"
                 assert ready["index_reachable"] is False and ready["index_changed_at"]
