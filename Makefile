@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 BENCH_STAMP := $(VENV)/.installed-bench
 PROTO_SRC := proto/kvindex/v1/kvindex.proto
 
-.PHONY: install install-bench proto run test test-fast bench soak sample-log lint fmt clean fuzz
+.PHONY: install install-bench proto run run-route test test-fast bench soak sample-log lint fmt clean fuzz
 
 # The Cython extensions are built at install: a changed .pyx reinstalls (rebuilds) them.
 $(STAMP): pyproject.toml setup.py $(wildcard kvindex/*.pyx kvindex/*/*.pyx)
@@ -30,6 +30,11 @@ proto: $(STAMP)
 # The whole loop: kvindex serve (embedded NATS) + a simulated fleet + Mooncake traffic via gRPC Score.
 run: $(STAMP)
 	$(PY) -m kvtools.demo $(ARGS)
+
+# One request routed by `kvindex route` to simulated engines over HTTP, no real engine (the README's
+# recipe, kvtools/route_demo.py): kvindex serve + kvshim sim + kvindex route until Ctrl-C.
+run-route: $(STAMP)
+	$(PY) -m kvtools.route_demo $(ARGS)
 
 serve: $(STAMP)
 	$(VENV)/bin/kvindex serve $(ARGS)

@@ -16,11 +16,19 @@ from kvindex.client.aio import (
     AsyncKvIndexClient,
     ClientStats,
     Decision,
+    IndexHealth,
     Target,
 )
 from kvindex.client.channel import call_metadata, create_channel
 from kvindex.client.errors import IndexUnavailable
-from kvindex.client.fallback import Fallback, InstanceCache, KnownInstance, RendezvousFallback, prefix_key
+from kvindex.client.fallback import (
+    Fallback,
+    InstanceCache,
+    KnownInstance,
+    RendezvousFallback,
+    prefix_key,
+    static_instances,
+)
 from kvindex.client.sync import KvIndexClient
 
 __all__ = [
@@ -34,6 +42,7 @@ __all__ = [
     "ClientStats",
     "Decision",
     "Fallback",
+    "IndexHealth",
     "IndexUnavailable",
     "InstanceCache",
     "KnownInstance",
@@ -43,4 +52,5 @@ __all__ = [
     "call_metadata",
     "create_channel",
     "prefix_key",
+    "static_instances",
 ]

@@ -11,7 +11,7 @@ import contextlib
 import json
 import time
 from collections import Counter, deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,7 +21,14 @@ import structlog
 from kvindex.api.errors import BadRequest
 from kvindex.client.channel import call_metadata, create_channel
 from kvindex.client.errors import IndexUnavailable
-from kvindex.client.fallback import Fallback, InstanceCache, KnownInstance, RendezvousFallback, prefix_key
+from kvindex.client.fallback import (
+    Fallback,
+    InstanceCache,
+    KnownInstance,
+    RendezvousFallback,
+    prefix_key,
+    static_instances,
+)
 from kvindex.observability.logs import RateLimitedLog
 from kvindex.security import ClientTLS
 from kvindex.v1 import kvindex_pb2 as pb
@@ -101,6 +108,53 @@ class ClientStats:
     refresh_errors: int = 0
 
 
+def _utc(wall: float) -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(wall))
+
+
+@dataclass
+class IndexHealth:
+    """Whether the index answers, as this client last saw it (``client.health``): for a readiness
+    check, and for errors that can say since when. Times are wall-clock (``time.time()``).
+
+    Any answer makes it reachable (an error answer too: the index is there). It becomes unreachable
+    when a call cannot connect (``UNAVAILABLE``) or when a refresh of the instance list fails for
+    any reason (a ListInstances that cannot be answered within a second is as good as no index); a
+    single Score past its deadline does not (a slow index still answers)."""
+
+    target: str
+    reachable: bool | None = None  # None: no call has finished yet
+    changed_at: float | None = None  # when it last became reachable or unreachable
+    last_answer_at: float | None = None  # the index's last answer of any kind
+    reason: str = ""  # while unreachable: unavailable, deadline, stream_broken or error
+    status: str = ""  # while unreachable: the gRPC status name, when there was one
+    detail: str = ""  # while unreachable: the status and its message (for logs, not for users)
+
+    def describe(self) -> str:
+        """One sentence for a person, with no gRPC internals: where the index is, since when it
+        fails and when it last answered."""
+        if self.reachable is not False:
+            return f"the index at {self.target} answers"
+        since = _utc(self.changed_at) if self.changed_at is not None else "start"
+        last = "no answer since this process started"
+        if self.last_answer_at is not None:
+            last = f"last answer at {_utc(self.last_answer_at)}"
+        what = {
+            DEADLINE: "has not answered in time",
+            ERROR: f"has failed its calls ({self.status or 'error'})",
+        }.get(self.reason, "has been unreachable")
+        return f"the index at {self.target} {what} since {since} ({last})"
+
+    def json(self) -> dict[str, Any]:
+        """For a health endpoint."""
+        return {
+            "index": self.target,
+            "index_reachable": self.reachable,
+            "index_changed_at": _utc(self.changed_at) if self.changed_at is not None else None,
+            "index_last_answer_at": _utc(self.last_answer_at) if self.last_answer_at is not None else None,
+        }
+
+
 class _StreamBroken(Exception):
     def __init__(self, why: str, code: grpc.StatusCode | None = None) -> None:
         super().__init__(why)
@@ -166,8 +220,12 @@ class _ScoreStream:
                 self.fail(_StreamBroken("a write was interrupted"))
                 raise
             except Exception as exc:
-                code = exc.code() if isinstance(exc, grpc.aio.AioRpcError) else None
-                self.fail(_StreamBroken(f"write failed: {exc!r}", code))
+                # An AioRpcError's repr carries gRPC's debug_error_string: keep the status only.
+                if isinstance(exc, grpc.aio.AioRpcError):
+                    code = exc.code()
+                    self.fail(_StreamBroken(f"write failed: {code.name}: {exc.details()}", code))
+                else:
+                    self.fail(_StreamBroken(f"write failed: {exc!r}"))
         return fut
 
     def oldest_wait(self) -> float:
@@ -215,7 +273,11 @@ class AsyncKvIndexClient:
     per-call deadline in seconds; ``fallback`` (None: off) decides when the index cannot;
     ``refresh_interval`` is how often the fallback's instance list is refreshed from ListInstances
     (0: only from Score answers and explicit :meth:`refresh_instances`); a Score stream whose oldest
-    unanswered request is older than ``stall_after`` seconds is replaced.
+    unanswered request is older than ``stall_after`` seconds is replaced. ``fallback_instances``
+    (model -> ``["HOST:PORT" or "ID=HOST:PORT", ...]``, :func:`static_instances`) is the fallback's
+    instance list for a model the index has not reported to this client yet, so that a client that
+    starts while the index is down still routes (ValueError naming a bad entry).
+    ``health`` says whether the index answers, and since when (logged once per change).
     """
 
     def __init__(
@@ -234,14 +296,17 @@ class AsyncKvIndexClient:
         refresh_interval: float = 5.0,
         stall_after: float = 5.0,
         channel: grpc.aio.Channel | None = None,
+        fallback_instances: Mapping[str, Iterable[str]] | None = None,
     ) -> None:
         self.target = target
         self.timeout = timeout
         self.metadata = call_metadata(token, metadata)
+        static = static_instances(fallback_instances) if fallback_instances else None
         self._connect(target, credentials, options, tls, channel)
         self.fallback: Fallback | None = (fallback or RendezvousFallback()) if use_fallback else None
         self.fallback_blocks = fallback_blocks
-        self.instances = InstanceCache()
+        self.instances = InstanceCache(static=static)
+        self.health = IndexHealth(target)
         self.refresh_interval = refresh_interval
         self.stall_after = stall_after
         self.stats = ClientStats()
@@ -346,7 +411,10 @@ class AsyncKvIndexClient:
             reason, why, code = DEADLINE, f"no Score answer within {deadline * 1000:.0f} ms", None
         except _StreamBroken as exc:
             reason, why, code = _reason(exc.code), str(exc), exc.code
+            if reason == UNAVAILABLE:
+                self._unreachable(reason, why, code)
         else:
+            self._answered()
             if response.error:
                 raise BadRequest(response.error)
             if not response.block_size and self.fallback is not None and self.instances.instances(model):
@@ -456,16 +524,22 @@ class AsyncKvIndexClient:
         self.start()
         method = getattr(self.stub, name)
         try:
-            return await method(
+            reply = await method(
                 request, timeout=self.timeout if timeout is None else timeout, metadata=self.metadata
             )
         except grpc.aio.AioRpcError as exc:
             code = exc.code()
             if code == grpc.StatusCode.INVALID_ARGUMENT:
+                self._answered()
                 raise BadRequest(exc.details()) from None
             reason = _reason(code)
             self.stats.errors[f"{name}:{reason}"] += 1
+            if reason == UNAVAILABLE:
+                self._unreachable(reason, f"{code.name}: {exc.details()}", code)
             raise IndexUnavailable(reason, f"{name}: {code.name}: {exc.details()}", code) from None
+        else:
+            self._answered()
+            return reply
 
     async def commit(
         self,
@@ -544,11 +618,46 @@ class AsyncKvIndexClient:
         """Reload every model's instances from ListInstances; False (counted) if the index is down."""
         try:
             await self.list_instances(timeout=timeout)
-        except IndexUnavailable:
+        except IndexUnavailable as exc:
             self.stats.refresh_errors += 1
+            self._unreachable(exc.reason, str(exc), exc.code)
             return False
+        self._answered()
         self.stats.refreshes += 1
         return True
+
+    # -- the index's health, as seen from here ----------------------------------------------------
+
+    def _answered(self) -> None:
+        health = self.health
+        now = time.time()
+        health.last_answer_at = now
+        if health.reachable is not True:
+            was, since = health.reachable, health.changed_at
+            health.reachable, health.changed_at = True, now
+            health.reason = health.status = health.detail = ""
+            if was is False and not self._closed:
+                down = round(now - since, 1) if since is not None else None
+                self.log.info("index_reachable", unreachable_for_s=down)
+
+    def _unreachable(self, reason: str, detail: str, code: grpc.StatusCode | None = None) -> None:
+        """The index cannot be reached: said once, when it changes (every call meanwhile falls back
+        or fails, and is counted, but the log says it once)."""
+        health = self.health
+        if health.reachable is False or self._closed:
+            return
+        health.reachable, health.changed_at = False, time.time()
+        health.reason, health.detail = reason, detail
+        health.status = code.name if code is not None else ""
+        last = health.last_answer_at
+        self.log.warning(
+            "index_unreachable",
+            reason=reason,
+            error=detail,
+            last_answer_at=_utc(last) if last is not None else None,
+            effect="Score falls back to a hash of the prompt over the instances known without it; "
+            "where none is known it raises IndexUnavailable",
+        )
 
     async def _refresh_loop(self) -> None:
         while True:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -19,6 +19,7 @@ import numpy as np
 import xxhash
 
 from kvindex.v1 import kvindex_pb2 as pb
+from kvindex.wire.endpoint import BadEndpoint, check_endpoint
 
 DEFAULT_BLOCK_SIZE = 16  # until the index has told the model's block size
 CHARS_PER_TOKEN = 4  # text prompts: about four characters per token, enough for a prefix
@@ -45,11 +46,20 @@ class InstanceCache:
     heartbeats come in, and that is when the fallback is needed). ``observe`` (from each Score answer)
     adds or refreshes the ranked instances. Nothing expires on its own: when the index is down the
     last known fleet is the best knowledge there is.
+
+    ``static`` (model -> instances, :func:`static_instances`) is what the fallback uses for a model
+    the index has never reported to this client: a cold start while the index is down still routes.
+    Once the index reports the model (even with no routable instance), its report wins.
     """
 
-    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        clock: Callable[[], float] = time.monotonic,
+        static: Mapping[str, Sequence[KnownInstance]] | None = None,
+    ) -> None:
         self.clock = clock
         self._models: dict[str, dict[str, KnownInstance]] = {}
+        self._static = {m: list(v) for m, v in (static or {}).items() if v}
         self._block_size: dict[str, int] = {}
         self.refreshed_at: float | None = None  # last full ListInstances
 
@@ -83,13 +93,53 @@ class InstanceCache:
                 known.endpoint, known.seen_at = r.endpoint, now
 
     def instances(self, model: str) -> list[KnownInstance]:
-        return list(self._models.get(model, {}).values())
+        """The instances last seen for ``model``; the static ones if the index never reported it."""
+        seen = self._models.get(model)
+        if seen is None:
+            return list(self._static.get(model, ()))
+        return list(seen.values())
+
+    def seen(self, model: str) -> bool:
+        """Whether the index has reported ``model`` (else :meth:`instances` is the static list)."""
+        return model in self._models
 
     def block_size(self, model: str) -> int | None:
         return self._block_size.get(model)
 
     def models(self) -> list[str]:
-        return list(self._models)
+        return list(dict.fromkeys([*self._models, *self._static]))
+
+
+def static_instances(spec: Mapping[str, Iterable[str]]) -> dict[str, list[KnownInstance]]:
+    """Per model, the instances of ``fallback_instances=``: each ``HOST:PORT`` (its instance id is
+    the endpoint) or ``ID=HOST:PORT`` with the instance id as the index names it (``node-3/0``; a
+    bare worker id ``node-3`` means its rank 0, as ``kvindex serve --instance`` names it). Naming
+    them as the index does makes a cold fallback pick what a warm one would. ValueError naming a
+    bad entry."""
+    out: dict[str, list[KnownInstance]] = {}
+    if isinstance(spec, str) or not isinstance(spec, Mapping):
+        raise ValueError("fallback_instances: want a mapping model -> ['HOST:PORT' or 'ID=HOST:PORT', ...]")
+    for model, entries in spec.items():
+        if not isinstance(model, str) or not model:
+            raise ValueError(f"fallback_instances: model {model!r} is not a non-empty string")
+        if isinstance(entries, str):
+            raise ValueError(f"fallback_instances[{model!r}]: want a list, not the string {entries!r}")
+        members: dict[str, KnownInstance] = {}
+        for entry in entries:
+            if not isinstance(entry, str):
+                raise ValueError(f"fallback_instances[{model!r}]: entry {entry!r} is not a string")
+            name, sep, endpoint = entry.rpartition("=")
+            try:
+                check_endpoint(endpoint)
+            except BadEndpoint as exc:
+                raise ValueError(f"fallback_instances[{model!r}]: {entry!r}: {exc}") from None
+            if sep and not name:
+                raise ValueError(f"fallback_instances[{model!r}]: {entry!r}: empty instance id before '='")
+            instance_id = (name if "/" in name else f"{name}/0") if sep else endpoint
+            members[instance_id] = KnownInstance(instance_id, endpoint, 0.0)
+        if members:
+            out[model] = list(members.values())
+    return out
 
 
 def prefix_key(

@@ -12,7 +12,7 @@ import threading
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
-from kvindex.client.aio import AsyncKvIndexClient, ClientStats, Decision
+from kvindex.client.aio import AsyncKvIndexClient, ClientStats, Decision, IndexHealth
 from kvindex.client.fallback import InstanceCache
 from kvindex.v1 import kvindex_pb2 as pb
 
@@ -45,6 +45,10 @@ class KvIndexClient:
     @property
     def instances(self) -> InstanceCache:
         return self._client.instances
+
+    @property
+    def health(self) -> IndexHealth:
+        return self._client.health
 
     def score(self, model: str, **kwargs: Any) -> Decision:
         return self._run(self._client.score(model, **kwargs))

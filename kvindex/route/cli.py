@@ -20,8 +20,9 @@ def add_route(sub: Any) -> None:
         "route",
         help="OpenAI-compatible routing proxy: each request to the engine the index chooses",
         description="Serves /v1/completions, /v1/chat/completions (streaming or not), /v1/models, "
-        "/health and /metrics; forwards each request to the endpoint of the instance Score ranks "
-        "first (the next on a connection failure), by a consistent hash when the index is down.",
+        "/health (liveness), /ready (readiness) and /metrics; forwards each request to the endpoint "
+        "of the instance Score ranks first (the next on a connection failure), by a consistent hash "
+        "when the index is down.",
     )
     p.add_argument("--index", default="127.0.0.1:50051", help="gRPC address of kvindex serve")
     p.add_argument(
@@ -40,6 +41,16 @@ def add_route(sub: Any) -> None:
         "--refresh-interval", type=float, default=2.0, help="fallback's instance list refresh period (s)"
     )
     p.add_argument("--fallback-blocks", type=int, default=4, help="prompt blocks the fallback hashes")
+    p.add_argument(
+        "--fallback-instance",
+        action="append",
+        default=[],
+        type=_fallback_instance,
+        metavar="MODEL=[ID=]HOST:PORT",
+        help="an engine serving MODEL, for the fallback to route to while the index is unreachable and "
+        "has not told this proxy the model's instances (a start with the index down); ID as the index "
+        "names it (node-3/0; a worker id means rank 0), else HOST:PORT; repeatable",
+    )
     p.add_argument("--policy", default="", help="ranking policy asked of the index (default: its own)")
     p.add_argument(
         "--pick",
@@ -63,6 +74,19 @@ def add_route(sub: Any) -> None:
         p.add_argument_group("admission: TTFT objectives, priorities, queueing and shedding (429)"),
         named=True,
     )
+
+
+def _fallback_instance(text: str) -> tuple[str, str]:
+    from kvindex.client.fallback import static_instances
+
+    model, sep, entry = text.partition("=")
+    if not sep or not model or not entry:
+        raise argparse.ArgumentTypeError(f"{text!r}: want MODEL=HOST:PORT or MODEL=ID=HOST:PORT")
+    try:
+        static_instances({model: [entry]})
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"{text!r}: {str(exc).partition(': ')[2]}") from None
+    return model, entry
 
 
 def _pair_cost(text: str) -> tuple[tuple[str, str], float]:
@@ -143,6 +167,13 @@ def pd_config_from_args(args: argparse.Namespace) -> Any:
         raise SystemExit(f"kvindex route: error: --pd: {exc}") from None
 
 
+def _by_model(pairs: list[tuple[str, str]]) -> dict[str, list[str]]:
+    out: dict[str, list[str]] = {}
+    for model, entry in pairs:
+        out.setdefault(model, []).append(entry)
+    return out
+
+
 # The route extra (pyproject.toml): aiohttp and what it brings.
 _ROUTE_EXTRA = frozenset({"aiohttp", "multidict", "yarl"})
 
@@ -190,6 +221,7 @@ def run_route(args: argparse.Namespace) -> int:
         admission=admission,
         objectives=objectives,
         pd=pd_config_from_args(args),
+        fallback_instances=_by_model(args.fallback_instance),
     )
 
     from kvindex.api.listen import ROUTE_FIX, route_exposure, warn_unprotected

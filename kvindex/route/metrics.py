@@ -110,4 +110,9 @@ class RouteMetrics:
             ["result"], registry=r,
         )  # fmt: skip
         self.in_flight = Gauge("kvindex_route_in_flight", "requests being proxied", registry=r)
+        self.index_reachable = Gauge(
+            "kvindex_route_index_reachable",
+            "1 while the index answers, 0 while it is unreachable (requests then go by the fallback)",
+            registry=r,
+        )
         r.register(_ClientStatsCollector(client_stats))

@@ -31,6 +31,7 @@ from kvindex.client import (
     DEADLINE,
     ERROR,
     STREAM_BROKEN,
+    UNAVAILABLE,
     AsyncKvIndexClient,
     BadRequest,
     Decision,
@@ -127,6 +128,9 @@ class RouteConfig:
     # Prefill/decode disaggregation (--pd): each request's prefill and decode on two instances
     # (kvindex/route/pd.py); None serves every request whole on one instance.
     pd: PdConfig | None = None
+    # The fallback's instances for a model the index has not reported (--fallback-instance): model ->
+    # ["HOST:PORT" or "ID=HOST:PORT", ...], so that a proxy started while the index is down routes.
+    fallback_instances: dict[str, list[str]] = field(default_factory=dict)
 
 
 def openai_error(
@@ -282,6 +286,7 @@ class RouteProxy:
             self.app.router.add_post(path, self.handle_completion)
         self.app.router.add_get("/v1/models", self.handle_models)
         self.app.router.add_get("/health", self.handle_health)
+        self.app.router.add_get("/ready", self.handle_ready)
         self.app.router.add_get("/metrics", self.handle_metrics)
 
     @property
@@ -306,10 +311,13 @@ class RouteProxy:
                 timeout=cfg.score_timeout,
                 fallback_blocks=cfg.fallback_blocks,
                 refresh_interval=cfg.refresh_interval,
+                fallback_instances=cfg.fallback_instances,
             )
+        client = self._client
+        self.metrics.index_reachable.set_function(lambda: 1.0 if client.health.reachable else 0.0)
         # Learn the fleet before the first request (and connect the channel): a fallback needs it.
-        if not await self.client.refresh_instances(timeout=max(1.0, cfg.score_timeout)):
-            log.warning("index_unreachable_at_start", index=cfg.index)
+        # An index down is logged by the client (index_unreachable), once, and again when it is back.
+        await self.client.refresh_instances(timeout=max(1.0, cfg.score_timeout))
         await self.client.open_stream()
         # auto_decompress off: the engine's bytes reach the client as sent (Content-Encoding kept).
         self._session = aiohttp.ClientSession(
@@ -468,15 +476,20 @@ class RouteProxy:
                 )
         except BadRequest as exc:
             # The body was fine for us, so the engine may well serve it: route without the index.
-            if spec.token_ids is None and _NO_TOKENIZER in str(exc):
+            decision = self._hash_decision(spec, request_id, REJECTED)
+            no_tokenizer = spec.token_ids is None and _NO_TOKENIZER in str(exc)
+            if no_tokenizer and decision is not None:
                 self._text_routing(spec.model, hash_only=True, why=str(exc))
+            elif no_tokenizer:
+                # No instance of the model is known at all: the missing tokenizer is not the
+                # problem to report (nothing would be routed by the hash either).
+                why = f"no instance serves model {spec.model!r}: the index knows none"
             else:
                 self._limited_log.warning(
                     ("rejected", spec.model), "index_rejected_request", model=spec.model, error=str(exc)
                 )
-            decision = self._hash_decision(spec, request_id, REJECTED)
         except IndexUnavailable as exc:
-            decision, why = None, str(exc)
+            decision, why = None, self._index_failed(spec.model, exc)
         finally:
             self.metrics.score_latency.observe(time.monotonic() - started)
         if decision is not None and decision.source == "fallback":
@@ -486,8 +499,29 @@ class RouteProxy:
         elif decision is not None and spec.token_ids is None and spec.model in self._text_hash_only:
             self._text_routing(spec.model, hash_only=False)
         if decision is None and not why:
-            why = "the index could not rank it and no instance of it is known"
+            why = f"no instance serves model {spec.model!r}: the index could not rank it, and none is known"
         return decision, why
+
+    def _index_failed(self, model: str, exc: IndexUnavailable) -> str:
+        """Why a request cannot be routed when the index did not answer and no instance of its
+        model is known: for the client, so plain words (no gRPC status strings)."""
+        client = self.client
+        health = client.health
+        if health.reachable is False:
+            what = health.describe()
+        elif exc.reason == DEADLINE:
+            what = (
+                f"the index at {client.target} did not answer within {self.config.score_timeout * 1000:g} ms"
+            )
+        elif exc.reason == UNAVAILABLE:
+            what = f"the index at {client.target} is unreachable"
+        else:
+            status = exc.code.name if exc.code is not None else exc.reason
+            what = f"the index at {client.target} could not answer ({status})"
+        return (
+            f"{what}, and no instance of model {model!r} is known to route to without it (none seen "
+            "from the index since this proxy started, none given with --fallback-instance)"
+        )
 
     def _text_routing(self, model: str, hash_only: bool, why: str = "") -> None:
         """Log when a model's text/chat requests start being routed by hash only, and when the
@@ -579,9 +613,10 @@ class RouteProxy:
                     raw, strip_usage = asked, True
             if decision is None or not decision.targets:
                 code = "503"
+                down = decision is None and self.client.health.reachable is False
                 return openai_error(
-                    503, f"no instance serves model {spec.model!r}" + (f": {why}" if why else ""),
-                    "service_unavailable", "no_instance",
+                    503, why if decision is None else f"no instance serves model {spec.model!r}",
+                    "service_unavailable", "index_unreachable" if down else "no_instance",
                 )  # fmt: skip
             added: dict[str, str] | None = None
             first_byte: FirstByte | None = None
@@ -813,18 +848,39 @@ class RouteProxy:
         self.metrics.requests.labels(request.path, "200").inc()
         return web.json_response({"object": "list", "data": list(merged.values())})
 
-    async def handle_health(self, request: web.Request) -> web.Response:
-        """200 while serving (the index being down is not the proxy's ill health: the fallback
-        routes); 503 while draining at shutdown, so load balancers stop sending."""
+    def _state(self) -> dict[str, Any]:
+        """What /health and /ready report: the index as last seen, the instances known to route to
+        without it, and how requests are being routed now."""
         client = self.client
-        known = sum(len(client.instances.instances(m)) for m in client.instances.models())
-        body = {
-            "status": "draining" if self.draining else "ok",
-            "index": client.target,
-            "instances_known": known,
+        instances = [k for m in client.instances.models() for k in client.instances.instances(m)]
+        routable = sum(1 for k in instances if k.endpoint)
+        reachable = client.health.reachable is not False
+        return {
+            **client.health.json(),
+            "routing": "index" if reachable else "fallback" if routable else "none",
+            "instances_known": len(instances),
             "fallbacks": sum(client.stats.fallbacks.values()),
         }
-        return web.json_response(body, status=503 if self.draining else 200)
+
+    async def handle_health(self, request: web.Request) -> web.Response:
+        """Liveness: 200 while the process serves, the index down included (a restart would not
+        bring it back, and would forget the fleet the fallback routes over). The body says the
+        state."""
+        body = {"status": "draining" if self.draining else "ok", **self._state()}
+        return web.json_response(body)
+
+    async def handle_ready(self, request: web.Request) -> web.Response:
+        """Readiness (what a load balancer should probe): 200 while this proxy can route a request,
+        by the index or, while the index is unreachable, by the fallback over instances it knows;
+        503 while draining, and while the index is unreachable with no instance known to route to
+        (every request would get 503)."""
+        state = self._state()
+        if self.draining:
+            return web.json_response({"status": "draining", **state}, status=503)
+        if state["routing"] == "none":
+            message = f"{self.client.health.describe()}, and no instance is known to route to without it"
+            return web.json_response({"status": "unready", "message": message, **state}, status=503)
+        return web.json_response({"status": "ready", **state})
 
     async def handle_metrics(self, request: web.Request) -> web.Response:
         return web.Response(

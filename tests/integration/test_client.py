@@ -17,6 +17,7 @@ from kvindex.api.server import GrpcServer
 from kvindex.api.servicer import KvIndexServicer
 from kvindex.client import (
     DEADLINE,
+    INDEX_EMPTY,
     UNAVAILABLE,
     AsyncKvIndexClient,
     BadRequest,
@@ -354,3 +355,93 @@ async def test_mutual_tls_and_token(
             await asyncio.to_thread(blocking.close)
     finally:
         await svc.stop()
+
+
+async def test_cold_start_with_the_index_down_routes_by_the_static_list(
+    index: IndexService, make_publisher: MakePub
+) -> None:
+    """A client that has never reached the index: with ``fallback_instances`` it still decides by
+    the fallback hash over the listed instances (both clients alike); without, IndexUnavailable,
+    whose message carries no gRPC debug string. Once the index answers, its report wins."""
+    port = index.grpc.port
+    await index.grpc.stop(grace=0)
+    static = {
+        MODEL: ["w1=10.0.0.1:8000", "w2/0=10.0.0.2:8000", "w3=10.0.0.3:8000"],
+        "unpublished": ["10.0.0.5:8000"],  # engines that publish nothing the index would know
+    }
+    ids = ["w1/0", "w2/0", "w3/0"]  # named as the index names them: a cold pick is a warm one
+    address = f"127.0.0.1:{port}"
+    async with AsyncKvIndexClient(
+        address, timeout=2, refresh_interval=0, fallback_instances=static
+    ) as client:
+        decision = await client.score(MODEL, token_ids=PROMPT)
+        assert decision.source == "fallback" and decision.reason == UNAVAILABLE
+        assert decision.instance_id == rendezvous(prefix_key(token_ids=PROMPT, block_size=16), ids)
+        assert decision.endpoint == ENDPOINTS[decision.instance_id.split("/")[0]]
+        with pytest.raises(IndexUnavailable, match="no known instance of 'other'") as err:
+            await client.score("other", token_ids=PROMPT)
+        assert "debug_error_string" not in str(err.value) and "AioRpcError" not in str(err.value)
+        assert err.value.reason == UNAVAILABLE
+    blocking = await asyncio.to_thread(
+        KvIndexClient, address, timeout=2, refresh_interval=0, fallback_instances=static
+    )
+    try:
+        same = await asyncio.to_thread(blocking.score, MODEL, token_ids=PROMPT)
+        assert same.source == "fallback" and same.instance_id == decision.instance_id
+        assert blocking.health.reachable is False
+    finally:
+        await asyncio.to_thread(blocking.close)
+    # The index comes back and reports the model: the instances it reports replace the static ones.
+    index.grpc = GrpcServer(index.servicer, "127.0.0.1", port)
+    await index.grpc.start()
+    await make_publisher(
+        worker="w9", model=MODEL, block_size=BS, capacity={"gpu": 100}, endpoint="10.0.0.9:80"
+    )
+    await wait_until(lambda: index.registry.endpoint("w9/0") is not None, what="w9 announced")
+    async with AsyncKvIndexClient(
+        address, timeout=2, refresh_interval=0, fallback_instances=static
+    ) as client:
+        for _ in range(100):  # (gRPC shares the connection's reconnect backoff between channels)
+            if await client.refresh_instances():
+                break
+            await asyncio.sleep(0.05)
+        assert [k.instance_id for k in client.instances.instances(MODEL)] == ["w9/0"]
+        # A listed model the index does not know: routed by the list, as one it lost would be.
+        unpublished = await client.score("unpublished", token_ids=PROMPT)
+        assert unpublished.source == "fallback" and unpublished.reason == INDEX_EMPTY
+        assert unpublished.endpoint == "10.0.0.5:8000"
+
+
+async def test_index_health_is_tracked_and_each_change_logged_once(index: IndexService) -> None:
+    from structlog.testing import capture_logs
+
+    port = index.grpc.port
+    with capture_logs() as logs:
+        async with AsyncKvIndexClient(
+            index.grpc.address, timeout=2, refresh_interval=0, fallback_instances={MODEL: ["10.0.0.1:80"]}
+        ) as client:
+            assert client.health.reachable is None  # nothing asked yet
+            assert await client.refresh_instances()
+            assert client.health.reachable is True and client.health.last_answer_at is not None
+            answered = client.health.last_answer_at
+            await index.grpc.stop(grace=0)
+            for _ in range(3):
+                assert (await client.score(MODEL, token_ids=PROMPT)).source == "fallback"
+                assert not await client.refresh_instances()
+            health = client.health
+            assert health.reachable is False and health.reason == UNAVAILABLE
+            assert health.last_answer_at == answered and health.changed_at is not None
+            said = health.describe()
+            assert said.startswith(f"the index at 127.0.0.1:{port} has been unreachable since 20")
+            assert "last answer at 20" in said and "UNAVAILABLE" not in said
+            index.grpc = GrpcServer(index.servicer, "127.0.0.1", port)
+            await index.grpc.start()
+            for _ in range(100):
+                if await client.refresh_instances():
+                    break
+                await asyncio.sleep(0.05)
+            assert client.health.reachable is True
+    events = [r["event"] for r in logs]
+    assert events.count("index_unreachable") == 1 and events.count("index_reachable") == 1
+    down = next(r for r in logs if r["event"] == "index_unreachable")
+    assert down["reason"] == UNAVAILABLE and down["index"] == f"127.0.0.1:{port}" and down["last_answer_at"]

@@ -26,7 +26,7 @@ from kvindex.client.local import LocalKvIndexClient
 from kvindex.keys import block_keys
 from kvindex.route.proxy import RouteConfig, RouteProxy
 from kvindex.security import ClientTLS
-from kvindex.service.app import IndexService
+from kvindex.service.app import IndexService, ServiceConfig
 from kvindex.service.natsd import EmbeddedNats
 from tests.conftest import ROOT, mtls_token_config, wait_until
 from tests.integration.fake_openai import FakeOpenAIEngine, sse_chunks
@@ -498,12 +498,14 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-async def _post_when_up(http: aiohttp.ClientSession, port: int) -> aiohttp.ClientResponse:
+async def _post_when_up(
+    http: aiohttp.ClientSession, port: int, prompt: list[int] = PROMPT
+) -> aiohttp.ClientResponse:
     """The proxy's answer to a completion, once it listens (read, released)."""
     for _ in range(300):
         try:
             async with http.post(
-                f"http://127.0.0.1:{port}/v1/completions", json={"model": MODEL, "prompt": PROMPT}
+                f"http://127.0.0.1:{port}/v1/completions", json={"model": MODEL, "prompt": prompt}
             ) as resp:
                 await resp.read()
                 return resp
@@ -759,3 +761,158 @@ def test_serve_route_port_taken_is_a_clear_error(nats_server: EmbeddedNats) -> N
     assert done.returncode == 2
     assert f"cannot listen on 127.0.0.1:{port} for route" in done.stderr
     assert "--route-host/--route-port" in done.stderr
+
+
+async def _get(http: aiohttp.ClientSession, url: str) -> tuple[int, dict]:
+    async with http.get(url) as resp:
+        return resp.status, await resp.json()
+
+
+async def test_index_down_from_the_start_is_said_plainly_ready_tells_the_truth_logged_once(
+    nats_server: EmbeddedNats, make_publisher: MakePub
+) -> None:
+    """A proxy started while its index is down: each request is a 503 saying the index is
+    unreachable and since when (no gRPC internals), /ready is 503 and /health 200, and the log says
+    it once. The index comes up: routed by it, ready, said once. It goes down again: the proxy knows
+    the fleet now, so the fallback routes and it stays ready; said once more."""
+    from structlog.testing import capture_logs
+
+    port = _free_port()
+    address = f"127.0.0.1:{port}"
+    engine = await FakeOpenAIEngine("w1", MODEL).start()
+    svc: IndexService | None = None
+    with capture_logs() as logs:
+        proxy = RouteProxy(
+            RouteConfig(index=address, host="127.0.0.1", port=0, score_timeout=2.0, refresh_interval=0.2)
+        )
+        await proxy.start()
+        url = f"http://127.0.0.1:{proxy.port}"
+        try:
+            async with aiohttp.ClientSession() as http:
+                for _ in range(3):
+                    async with http.post(
+                        url + "/v1/completions", json={"model": MODEL, "prompt": PROMPT}
+                    ) as resp:
+                        assert resp.status == 503
+                        err = (await resp.json())["error"]
+                    assert err["code"] == "index_unreachable"
+                    message = err["message"]
+                    assert f"the index at {address} has been unreachable since 20" in message
+                    assert "no answer since this process started" in message
+                    assert f"no instance of model {MODEL!r} is known" in message
+                    for internal in ("AioRpcError", "debug_error_string", "StatusCode", "UNAVAILABLE"):
+                        assert internal not in message
+                # A chat request alike: the index being down is the reason given, not a tokenizer.
+                chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
+                async with http.post(url + "/v1/chat/completions", json=chat) as resp:
+                    assert resp.status == 503
+                    assert (await resp.json())["error"]["code"] == "index_unreachable"
+                status, ready = await _get(http, url + "/ready")
+                assert status == 503 and ready["status"] == "unready" and ready["routing"] == "none"
+                assert ready["index_reachable"] is False and ready["index_changed_at"]
+                assert f"the index at {address} has been unreachable" in ready["message"]
+                status, health = await _get(http, url + "/health")
+                assert status == 200 and health["status"] == "ok" and health["index_reachable"] is False
+                assert sample(await _metrics(http, url), "kvindex_route_index_reachable") == 0
+                assert [r["event"] for r in logs].count("index_unreachable") == 1
+
+                # The index comes up, and an engine announces itself.
+                svc = IndexService(
+                    ServiceConfig(nats_url=nats_server.url, grpc_host="127.0.0.1", grpc_port=port)
+                )
+                await svc.start()
+                await make_publisher(
+                    worker="w1", model=MODEL, block_size=BS, capacity={"gpu": 100}, endpoint=engine.endpoint
+                )
+                for _ in range(200):
+                    status, ready = await _get(http, url + "/ready")
+                    if ready["instances_known"]:
+                        break
+                    await asyncio.sleep(0.05)
+                assert status == 200 and ready["status"] == "ready" and ready["routing"] == "index"
+                async with http.post(
+                    url + "/v1/completions", json={"model": MODEL, "prompt": PROMPT}
+                ) as resp:
+                    assert resp.status == 200 and resp.headers["x-kvindex-decision"] == "index"
+                assert [r["event"] for r in logs].count("index_reachable") == 1
+                assert sample(await _metrics(http, url), "kvindex_route_index_reachable") == 1
+
+                # Down again: the fleet is known now, so requests are routed by the fallback.
+                await svc.grpc.stop(grace=0)
+                for _ in range(3):
+                    async with http.post(
+                        url + "/v1/completions", json={"model": MODEL, "prompt": PROMPT}
+                    ) as resp:
+                        assert resp.status == 200 and resp.headers["x-kvindex-decision"] == "fallback"
+                status, ready = await _get(http, url + "/ready")
+                assert status == 200 and ready["routing"] == "fallback" and ready["index_reachable"] is False
+                assert ready["index_last_answer_at"] is not None
+        finally:
+            await proxy.stop()
+            await engine.close()
+            if svc is not None:
+                await svc.stop()
+    events = [r["event"] for r in logs]
+    assert events.count("index_unreachable") == 2 and events.count("index_reachable") == 1
+    assert "chat_routing_hash_only" not in events
+
+
+async def _metrics(
+    http: aiohttp.ClientSession, url: str
+) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    async with http.get(url + "/metrics") as resp:
+        text = await resp.text()
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+
+async def test_chat_for_a_model_no_instance_serves_is_not_blamed_on_the_tokenizer(fleet: Fleet) -> None:
+    """The index (no --tokenizer) rejects a chat request's text; for a model nobody serves that is
+    beside the point: the 503 says no instance serves it, and chat_routing_hash_only (which claims
+    the model's requests are being routed by hash) is not logged."""
+    from structlog.testing import capture_logs
+
+    body = {"model": "ghost", "messages": [{"role": "user", "content": "hello"}]}
+    with capture_logs() as logs:
+        async with await fleet.post(body, path="/v1/chat/completions") as resp:
+            assert resp.status == 503
+            err = (await resp.json())["error"]
+    assert (
+        err["code"] == "no_instance"
+        and err["message"] == "no instance serves model 'ghost': the index knows none"
+    )
+    assert not [r for r in logs if r["event"] == "chat_routing_hash_only"]
+    assert all(not e.bodies for e in fleet.engines.values())
+
+
+async def test_cli_started_with_the_index_down_routes_by_its_fallback_instances() -> None:
+    """``kvindex route --fallback-instance`` with no index at all: requests go by the fallback hash
+    over the listed engines, and /ready says it can route (by the fallback)."""
+    engines = {w: await FakeOpenAIEngine(w, MODEL).start() for w in ("w1", "w2")}
+    port = _free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvindex.cli", "route", "--index", f"127.0.0.1:{_free_port()}",
+         "--host", "127.0.0.1", "--port", str(port), "--log-format", "json",
+         *[a for w, e in engines.items() for a in ("--fallback-instance", f"{MODEL}={w}={e.endpoint}")]],
+        cwd=ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1"}, stderr=subprocess.PIPE,
+    )  # fmt: skip
+    try:
+        async with aiohttp.ClientSession() as http:
+            served = set()
+            for prompt in (PROMPT, [5] * (8 * BS), PROMPT):
+                resp = await _post_when_up(http, port, prompt)
+                assert resp.status == 200 and resp.headers["x-kvindex-decision"] == "fallback"
+                served.add(resp.headers["x-kvindex-instance"])
+            assert served <= {"w1/0", "w2/0"}
+            status, ready = await _get(http, f"http://127.0.0.1:{port}/ready")
+            assert status == 200 and ready["routing"] == "fallback" and ready["instances_known"] == 2
+        proc.send_signal(signal.SIGTERM)
+        assert await asyncio.to_thread(proc.wait, 15) == 0
+    finally:
+        stderr = _reap(proc)
+        for e in engines.values():
+            await e.close()
+    assert stderr.count('"index_unreachable"') == 1

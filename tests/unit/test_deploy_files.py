@@ -569,6 +569,9 @@ def test_probes_and_ports(run: Run) -> None:
         )
     elif parsed.command == "kvindex route":
         assert run.port(args.port) is not None, f"{run.title}: listens on {args.port}, not a container port"
+        # The proxy's readiness and liveness endpoints (kvindex/route/proxy.py), not the other way round.
+        for kind, path in (("readinessProbe", "/ready"), ("livenessProbe", "/health")):
+            assert run.container[kind]["httpGet"]["path"] == path, f"{run.title}: {kind}"
         assert run.pod.spec.get("terminationGracePeriodSeconds", 30) > args.grace, f"{run.title}: grace"
     elif parsed.command.startswith("kvshim") and args.stats_port is not None:
         assert run.port(args.stats_port) is not None, (
