@@ -15,6 +15,7 @@ import grpc
 import numpy as np
 
 from kvindex.api.errors import BadRequest
+from kvindex.api.handlers import Malformed
 from kvindex.fleet.registry import InstanceState, Registry
 from kvindex.index.base import NO_MATCH, KvBlockIndex
 from kvindex.instance import InstanceKey
@@ -313,6 +314,9 @@ class KvIndexServicer(pb_grpc.KvIndexServicer):
         self, requests: AsyncIterator[pb.ScoreRequest], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.ScoreResponse]:
         async for request in requests:
+            if type(request) is Malformed:  # bytes that are not a ScoreRequest (kvindex/api/handlers.py)
+                yield pb.ScoreResponse(error=request.message)
+                continue
             try:
                 response = self.score_request(request)
             except BadRequest as exc:
