@@ -5,7 +5,6 @@ Runs on the same asyncio loop as ingestion, so every call sees a consistent inde
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import AsyncIterator, Sequence
 from functools import lru_cache
@@ -27,7 +26,8 @@ from kvindex.scoring.outcomes import INVALID, Report
 from kvindex.scoring.pick import PickOptions
 from kvindex.scoring.policies import POLICY_NAMES
 from kvindex.scoring.ranker import Ranker
-from kvindex.tokenize import ChatOptions, TokenizeError, Tokenizers
+from kvindex.tokenize import ChatOptions, TokenizeError, Tokenizers, bounded_json
+from kvindex.tokenize.bounded_json import TooDeep
 from kvindex.v1 import kvindex_pb2 as pb
 from kvindex.v1 import kvindex_pb2_grpc as pb_grpc
 from kvindex.wire.schema import MAX_MODEL_LEN
@@ -66,7 +66,9 @@ def _json_field(options: Any, name: str, kind: type) -> Any:
     if not raw:
         return None
     try:
-        value = json.loads(raw)
+        value = bounded_json.loads(raw, f"prompt_options.{name}")
+    except TooDeep as exc:
+        raise BadRequest(str(exc)) from None
     except ValueError as exc:
         raise BadRequest(f"prompt_options.{name} is not valid JSON: {exc}") from exc
     if not isinstance(value, kind):
@@ -247,7 +249,9 @@ class KvIndexServicer(pb_grpc.KvIndexServicer):
                 ids = self.tokenizers.encode_prompt(request.model, request.prompt, special)
             else:
                 try:
-                    messages = json.loads(request.messages)
+                    messages = bounded_json.loads(request.messages, "messages")
+                except TooDeep as exc:
+                    raise BadRequest(str(exc)) from None
                 except ValueError as exc:
                     raise BadRequest(f"messages is not valid JSON: {exc}") from exc
                 ids = self.tokenizers.encode_chat_options(request.model, messages, chat_options(options))

@@ -10,10 +10,13 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 import grpc
 import pytest
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 
 from kvindex.service.app import IndexService
+from kvindex.tokenize.bounded_json import MAX_JSON_DEPTH
 from kvindex.v1 import kvindex_pb2 as pb
 from kvindex.v1 import kvindex_pb2_grpc as pb_grpc
+from tests.integration.test_ext_proc import FULL_DUPLEX, Envoy, body_chunks, fleet, headers_msg
 from tests.unit.test_hostile_input import BAD_UTF8, UNARY_METHODS
 from workers_shim.publisher import Publisher
 
@@ -83,3 +86,48 @@ async def test_ext_proc_stream_bytes_that_do_not_parse_are_invalid_argument(
             _ = [r async for r in call(iter([b"\xff"]))]
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "not a valid envoy.service.ext_proc.v3.ProcessingRequest message" in (info.value.details() or "")
+
+
+async def test_prompt_fields_nested_beyond_the_limit_are_invalid_argument(
+    stub: pb_grpc.KvIndexStub,
+) -> None:
+    chat = '[{"role": "user", "content": "hi"}]'
+    cases = [
+        ({"messages": "[" * 5000}, "messages"),
+        ({"messages": chat, "prompt_options": pb.PromptOptions(tools="[" * 5000)}, "prompt_options.tools"),
+        (
+            {"messages": chat, "prompt_options": pb.PromptOptions(chat_template_kwargs='{"a":' * 1000)},
+            "prompt_options.chat_template_kwargs",
+        ),
+    ]
+    for fields, name in cases:
+        why = f"{name} is nested deeper than {MAX_JSON_DEPTH} levels"
+        calls = [
+            stub.Score(pb.ScoreRequest(model="m", **fields)),
+            stub.Lookup(pb.LookupRequest(model="m", **fields)),
+            stub.Commit(pb.CommitRequest(model="m", request_id="r", instance_id="w/0", **fields)),
+        ]
+        for call in calls:
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await call
+            assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert why in (info.value.details() or "")
+        streamed = [
+            r async for r in stub.ScoreStream(iter([pb.ScoreRequest(model="m", request_id="s", **fields)]))
+        ]
+        assert [r.request_id for r in streamed] == ["s"] and why in streamed[0].error
+
+
+async def test_ext_proc_body_nested_beyond_the_limit_is_400(
+    make_service: Callable[..., Awaitable[IndexService]], make_publisher: MakePub
+) -> None:
+    svc = await make_service(ext_proc_port=0, ext_proc_host="127.0.0.1")
+    assert svc.ext_proc is not None
+    await fleet(make_publisher, svc, 1)
+    async with grpc.aio.insecure_channel(svc.ext_proc.address) as ch:
+        envoy = Envoy(ep_grpc.ExternalProcessorStub(ch))
+        body = b'{"model": "picker-model", "messages": ' + b"[" * 5000
+        await envoy.send(headers_msg("/v1/chat/completions", False, FULL_DUPLEX), *body_chunks(body))
+        bad = await envoy.recv()
+    assert bad.immediate_response.status.code == 400
+    assert f"the request body is nested deeper than {MAX_JSON_DEPTH} levels" in bad.immediate_response.details
