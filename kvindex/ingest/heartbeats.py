@@ -88,7 +88,7 @@ class Heartbeats:
         if type(payload) is bytes:  # (codec.peek_heartbeat, inline)
             try:
                 peek = _peek(payload)
-            except msgspec.MsgspecError:
+            except (msgspec.MsgspecError, RecursionError):  # (decode_heartbeat below says why)
                 peek = None
         else:
             peek = None
@@ -337,7 +337,7 @@ class _Repeat:
         try:
             probe = peek_decoder.decode(head + struct.pack(">d", ts + 1.0) + _LOAD_KEY + load_raw)
             first = peek_decoder.decode(payload)
-        except msgspec.MsgspecError:
+        except (msgspec.MsgspecError, RecursionError):
             return None
         if probe.ts != ts + 1.0 or msgspec.structs.replace(probe, ts=ts) != first:
             return None

@@ -6,22 +6,28 @@ tests/integration/test_hostile_input.py."""
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import msgpack
 import pytest
+import structlog.testing
 
 from kvindex.api.errors import BadRequest
 from kvindex.api.handlers import Malformed, deserializer
 from kvindex.api.servicer import KvIndexServicer
 from kvindex.fleet.registry import Registry
 from kvindex.index import InvertedIndex
+from kvindex.ingest.consumer import Consumer
 from kvindex.observability.counters import IngestCounters
 from kvindex.route.openai_body import BodyError, parse_body
 from kvindex.tokenize import TokenizeError, Tokenizers, bounded_json
 from kvindex.tokenize.bounded_json import MAX_JSON_DEPTH, TooDeep
 from kvindex.tokenize.chat import conversation
 from kvindex.v1 import kvindex_pb2 as pb
+from kvindex.wire import encode_batch, encode_heartbeat
+from kvindex.wire import errors as E
 from kvtools.testing.tokenizer_fixtures import make_tokenizer_dir
 
 # KvIndex's unary methods (the seventh, ScoreStream, is streamed).
@@ -144,3 +150,81 @@ def test_a_chat_at_the_depth_limit_renders(tmp_path: Path) -> None:
     request.prompt_options.tools = deeper
     with pytest.raises(BadRequest, match=r"prompt_options\.tools is nested deeper"):
         servicer.resolve(request)
+
+
+# -- item 4: msgpack nested beyond what the decoder follows, in batches and heartbeats --------------
+
+
+def nested_msgpack(depth: int) -> bytes:
+    """``depth`` arrays of one element each around a 0: valid msgpack, as deep as asked."""
+    return b"\x91" * depth + b"\x00"
+
+
+def with_field(payload: bytes, name: str, raw: bytes) -> bytes:
+    """A msgpack map (fixmap) with one more field, ``name`` = the already encoded ``raw``."""
+    assert 0x80 <= payload[0] < 0x8F
+    return bytes([payload[0] + 1]) + payload[1:] + msgpack.packb(name) + raw
+
+
+def batch(seq: int, keys: list[int], worker: str = "w1", epoch: int = 1) -> bytes:
+    events = [{"type": "stored", "tier": "gpu", "keys": keys, "parent": None}]
+    return encode_batch(worker=worker, model="m", epoch=epoch, seq=seq, ts=0.0, block_size=4, events=events)
+
+
+def heartbeat(seq: int, worker: str = "w1", epoch: int = 1, ts: float = 0.0) -> bytes:
+    return encode_heartbeat(
+        worker=worker, model="m", epoch=epoch, seq=seq, ts=ts, block_size=4, load={}, capacity={}, digest={}
+    )
+
+
+def view(c: Consumer) -> Any:
+    """What a rejected message must leave unchanged."""
+    ix = c.index
+    return (
+        ix.stats(),
+        {i: (ix.block_counts(i), ix.digest(i, 0)) for i in ix.instances()},
+        {s.key: (s.epoch, s.last_seq, s.batches, s.last_heartbeat_ts) for s in c.registry.all()},
+    )
+
+
+DEEP = {
+    "batch-unknown-field-1000": ("events", lambda: with_field(batch(2, [9]), "x", nested_msgpack(1000))),
+    "batch-unknown-field-5000": ("events", lambda: with_field(batch(2, [9]), "x", nested_msgpack(5000))),
+    "batch-event-field": (
+        "events",
+        lambda: encode_batch(worker="w1", model="m", epoch=1, seq=2, ts=0.0, block_size=4, events=[]).replace(
+            b"\xa6events\x90", b"\xa6events\x91\x81\xa1x" + nested_msgpack(2000)
+        ),
+    ),
+    "heartbeat-unknown-field": ("status", lambda: with_field(heartbeat(1), "x", nested_msgpack(1000))),
+    "heartbeat-endpoint": ("status", lambda: with_field(heartbeat(1), "endpoint", nested_msgpack(5000))),
+    "heartbeat-role": ("status", lambda: with_field(heartbeat(1), "role", nested_msgpack(5000))),
+}
+
+
+@pytest.mark.parametrize(("kind", "make_payload"), DEEP.values(), ids=list(DEEP))
+def test_msgpack_nested_too_deep_is_rejected_counted_and_logged_with_the_worker(
+    kind: str, make_payload: Callable[[], bytes]
+) -> None:
+    with structlog.testing.capture_logs() as logs:
+        c = Consumer(InvertedIndex(), Registry())
+        assert c.on_events("kvindex.events.w1", batch(1, [1, 2]))
+        assert c.on_heartbeat("kvindex.status.w1", heartbeat(1))
+        before = view(c)
+        handle = c.on_events if kind == "events" else c.on_heartbeat
+        assert handle(f"kvindex.{kind}.w1", make_payload()) is False
+    assert view(c) == before
+    assert c.counters.rejects == {E.TOO_DEEP: 1} and c.counters.rejects_by_worker == {"w1": 1}
+    (rejected,) = [e for e in logs if e["event"] == "message_rejected"]
+    assert rejected["worker"] == "w1" and rejected["reason"] == E.TOO_DEEP
+    assert "nested deeper than the decoder follows" in rejected["error"]
+    # Nothing else is hurt: the next batch applies.
+    assert c.on_events("kvindex.events.w1", batch(2, [3]))
+
+
+def test_deep_heartbeat_of_an_unknown_worker_is_rejected_under_its_subject() -> None:
+    c = Consumer(InvertedIndex(), Registry())
+    assert not c.on_heartbeat("kvindex.status.w9", with_field(heartbeat(0, "w9"), "x", nested_msgpack(5000)))
+    assert not c.on_events("kvindex.events.w8", with_field(batch(1, [1], "w8"), "x", nested_msgpack(5000)))
+    assert c.counters.rejects == {E.TOO_DEEP: 2}
+    assert c.counters.rejects_by_worker == {"w9": 1, "w8": 1} and len(c.registry) == 0
