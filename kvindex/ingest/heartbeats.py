@@ -18,7 +18,7 @@ import msgspec
 
 from kvindex.fleet.registry import InstanceState
 from kvindex.repair.machine import REPLAY, SNAPSHOT
-from kvindex.sequencer.cursor import Cursor
+from kvindex.sequencer.cursor import MAX_GAP, Cursor
 from kvindex.wire import errors
 from kvindex.wire.codec import (
     HeartbeatMemory,
@@ -225,6 +225,11 @@ class Heartbeats:
         if report.seq > cursor.applied:
             if not self.in_order and cursor.behind <= cursor.applied:
                 cursor.behind = report.seq  # maybe just overtaken: check again at the next heartbeat
+                return
+            if report.seq - cursor.applied > MAX_GAP:  # no tail that long was lost: a jump
+                cursor.behind = 0
+                if self.consumer.jumped(state, cursor, report.seq, "heartbeat"):
+                    cursor.applied = state.last_seq = report.seq  # no repair: taken as the position
                 return
             # The worker published more than we received: the tail batches were lost.
             cursor.behind = 0

@@ -5,6 +5,7 @@ tests/integration/test_hostile_input.py."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import Callable
 from pathlib import Path
@@ -16,18 +17,21 @@ import structlog.testing
 
 from kvindex.api.errors import BadRequest
 from kvindex.api.handlers import Malformed, deserializer
-from kvindex.api.servicer import KvIndexServicer
+from kvindex.api.servicer import U32_MAX, KvIndexServicer
 from kvindex.fleet.registry import Registry
 from kvindex.index import InvertedIndex
 from kvindex.ingest.consumer import Consumer
+from kvindex.ingest.limits import SEQ_JUMP
 from kvindex.observability.counters import IngestCounters
 from kvindex.route.openai_body import BodyError, parse_body
+from kvindex.sequencer.cursor import MAX_GAP
 from kvindex.tokenize import TokenizeError, Tokenizers, bounded_json
 from kvindex.tokenize.bounded_json import MAX_JSON_DEPTH, TooDeep
 from kvindex.tokenize.chat import conversation
 from kvindex.v1 import kvindex_pb2 as pb
 from kvindex.wire import encode_batch, encode_heartbeat
 from kvindex.wire import errors as E
+from kvindex.wire.reconcile import Snapshot
 from kvtools.testing.tokenizer_fixtures import make_tokenizer_dir
 
 # KvIndex's unary methods (the seventh, ScoreStream, is streamed).
@@ -228,3 +232,113 @@ def test_deep_heartbeat_of_an_unknown_worker_is_rejected_under_its_subject() -> 
     assert not c.on_events("kvindex.events.w8", with_field(batch(1, [1], "w8"), "x", nested_msgpack(5000)))
     assert c.counters.rejects == {E.TOO_DEEP: 2}
     assert c.counters.rejects_by_worker == {"w9": 1, "w8": 1} and len(c.registry) == 0
+
+
+# -- item 1: sequence numbers at the ends of u64 -------------------------------------------------------
+
+U64_MAX = (1 << 64) - 1
+
+
+class Requests:
+    """A repair transport that records what is asked and answers by hand."""
+
+    def __init__(self) -> None:
+        self.asked: list[tuple[Any, str]] = []
+
+    def request_replay(self, instance: Any, epoch: int, first: int, last: int) -> None:
+        self.asked.append((instance, "replay"))
+
+    def request_snapshot(self, instance: Any, cause: str) -> None:
+        self.asked.append((instance, f"snapshot:{cause}"))
+
+
+class Aborted(Exception):
+    pass
+
+
+class Context:
+    async def abort(self, code: Any, message: str) -> None:
+        raise Aborted(code, message)
+
+
+def answer(servicer: KvIndexServicer, method: str, request: Any) -> Any:
+    return asyncio.run(getattr(servicer, method)(request, Context()))
+
+
+def test_seqs_at_the_ends_of_u64_leave_stats_and_list_instances_working() -> None:
+    # The issue's two cases: two instances send seq 1 then 2**64 - 1 (Stats summed their "missing
+    # batches" past u64); one jumps, restarts and jumps to 2**63 (its own sum broke ListInstances).
+    c = Consumer(InvertedIndex(), Registry())  # no repair transport: jumps are taken as positions
+    sent = [(w, 1, 1) for w in "abc"] + [(w, 1, U64_MAX) for w in "abc"] + [("c", 2, 1), ("c", 2, 1 << 63)]
+    for worker, epoch, seq in sent:
+        c.on_events(f"kvindex.events.{worker}", batch(seq, [seq % 1000], worker, epoch))
+    servicer = KvIndexServicer(c.index, c.registry, c.counters)
+    stats = answer(servicer, "Stats", pb.StatsRequest())
+    assert stats.rejects_by_reason == {SEQ_JUMP: 4} and stats.missing_batches == 0 and stats.gaps == 0
+    listed = answer(servicer, "ListInstances", pb.ListInstancesRequest())
+    assert {i.instance_id: (i.epoch, i.last_seq, i.missing_batches) for i in listed.instances} == {
+        "a/0": (1, U64_MAX, 0),
+        "b/0": (1, U64_MAX, 0),
+        "c/0": (2, 1 << 63, 0),
+    }
+    assert c.index.block_counts(("c", 0)) == (2, 0, 0, 0)  # the new epoch's blocks, applied
+
+
+def test_a_jump_is_refused_logged_with_the_worker_and_resynchronised_from_a_snapshot() -> None:
+    requests = Requests()
+    with structlog.testing.capture_logs() as logs:
+        c = Consumer(InvertedIndex(), Registry(), repair=requests)
+        assert c.on_events("kvindex.events.w1", batch(1, [1]))
+        assert not c.on_events("kvindex.events.w1", batch(U64_MAX, [2]))
+        assert not c.on_events("kvindex.events.w1", batch(U64_MAX - 1, [3]))  # while the snapshot runs
+    key = ("w1", 0)
+    assert requests.asked == [(key, "snapshot:jump")]  # one snapshot, no replay of 2**64 batches
+    cursor = c.sequencer.cursor(key)
+    assert cursor is not None and not cursor.buffer and cursor.applied == 1
+    assert c.counters.rejects == {SEQ_JUMP: 2} and c.counters.rejects_by_worker == {"w1": 2}
+    assert c.counters.missing_batches == 0 and c.counters.gaps == 0
+    (logged,) = [e for e in logs if e.get("reason") == SEQ_JUMP]  # once a minute per instance
+    assert logged["worker"] == "w1" and f"batch seq {U64_MAX} is" in logged["error"]
+    # The snapshot says where the worker really is: seq 2 (it lied). Its next batch applies.
+    c.repairs.on_snapshot(key, Snapshot(epoch=1, seq=2, tiers={0: [1, 5]}))
+    assert c.on_events("kvindex.events.w1", batch(3, [6]))
+    assert sorted(c.index.keys_of(key, 0)) == [1, 5, 6] and c.registry.get(key).sync == "synced"  # type: ignore[union-attr]
+
+
+def test_a_heartbeat_jump_asks_a_snapshot_not_a_replay_of_its_tail() -> None:
+    requests = Requests()
+    c = Consumer(InvertedIndex(), Registry(), repair=requests)
+    assert c.on_events("kvindex.events.w1", batch(1, [1]))
+    assert c.on_heartbeat("kvindex.status.w1", heartbeat(U64_MAX))
+    assert requests.asked == [(("w1", 0), "snapshot:jump")]
+    assert c.counters.rejects == {SEQ_JUMP: 1} and c.counters.missing_batches == 0
+    # A tail within the widest hole is still a lost tail: replayed, its batches counted missing.
+    c2 = Consumer(InvertedIndex(), Registry(), repair=requests)
+    assert c2.on_events("kvindex.events.w1", batch(1, [1]))
+    assert c2.on_heartbeat("kvindex.status.w1", heartbeat(1 + MAX_GAP))
+    assert requests.asked[-1] == (("w1", 0), "replay") and c2.counters.missing_batches == MAX_GAP
+
+
+def test_replies_saturate_what_does_not_fit_their_fields() -> None:
+    # Counters are Python ints; the reply's fields are uint64 (uint32 for token counts). A block
+    # size of 2**20 (the wire's largest) times 5,000 block keys is 5.2e9 tokens.
+    c = Consumer(InvertedIndex(), Registry())
+    keys = list(range(1, 5001))
+    big = encode_batch(
+        worker="w1", model="m", epoch=1, seq=1, ts=0.0, block_size=1 << 20,
+        events=[{"type": "stored", "tier": "gpu", "keys": keys, "parent": None}],
+    )  # fmt: skip
+    assert c.on_events("kvindex.events.w1", big)
+    c.counters.missing_batches = c.counters.gaps = 1 << 70
+    c.counters.rejects["x"] = 1 << 65
+    c.registry.get(("w1", 0)).missing_batches = 1 << 66  # type: ignore[union-attr]
+    servicer = KvIndexServicer(c.index, c.registry, c.counters)
+    stats = answer(servicer, "Stats", pb.StatsRequest())
+    assert stats.missing_batches == stats.gaps == stats.rejects_total == U64_MAX
+    assert stats.rejects_by_reason["x"] == U64_MAX
+    listed = answer(servicer, "ListInstances", pb.ListInstancesRequest())
+    assert listed.instances[0].missing_batches == U64_MAX
+    score = answer(servicer, "Score", pb.ScoreRequest(model="m", block_keys=keys))
+    assert score.prompt_tokens == U32_MAX and score.ranked[0].matched_tokens == U32_MAX
+    lookup = answer(servicer, "Lookup", pb.LookupRequest(model="m", block_keys=keys))
+    assert lookup.prompt_tokens == U32_MAX and lookup.matches[0].matched_blocks == 5000
