@@ -389,6 +389,7 @@ class KvIndexServicer(pb_grpc.KvIndexServicer):
         probabilities = drawn.probabilities if drawn is not None and drawn.drawn else None
         now = self.registry.clock()
         explain = request.explain
+        small = prompt <= U32_MAX  # the usual case: no instance's hit (at most the prompt) to saturate
         add = response.ranked.add
         invariant = self._invariant
         if len(invariant) > 4 * len(choices) + 1024:  # instances come and go: forget old entries
@@ -420,7 +421,7 @@ class KvIndexServicer(pb_grpc.KvIndexServicer):
             t = c.match.tiers
             m = r.matched
             m.gpu, m.cpu, m.disk, m.shared = t[0], t[1], t[2], t[3]
-            r.matched_tokens = _u32(c.hit_tokens)
+            r.matched_tokens = c.hit_tokens if small else _u32(c.hit_tokens)
             r.est_ttft_ms = c.est_ttft_ms
             r.wait_ms = c.wait_ms
             r.prefill_ms = c.prefill_ms
