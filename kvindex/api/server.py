@@ -13,11 +13,13 @@ from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
 from kvindex.api import listen
+from kvindex.api.handlers import add_servicer
 from kvindex.api.servicer import KvIndexServicer
 from kvindex.security import ServerSecurity
-from kvindex.v1 import kvindex_pb2, kvindex_pb2_grpc
+from kvindex.v1 import kvindex_pb2
 
-SERVICE_NAME = kvindex_pb2.DESCRIPTOR.services_by_name["KvIndex"].full_name
+SERVICE = kvindex_pb2.DESCRIPTOR.services_by_name["KvIndex"]
+SERVICE_NAME = SERVICE.full_name
 LIVENESS = "liveness"
 READINESS = "readiness"
 _SERVING = health_pb2.HealthCheckResponse.SERVING
@@ -107,7 +109,9 @@ class GrpcServer(GrpcPort):
         self.servicer = servicer
 
     def register(self, server: grpc.aio.Server) -> None:
-        kvindex_pb2_grpc.add_KvIndexServicer_to_server(self.servicer, server)
+        # Not the generated add_KvIndexServicer_to_server: bytes that do not parse as the request are
+        # INVALID_ARGUMENT, not UNKNOWN (kvindex/api/handlers.py).
+        add_servicer(server, SERVICE, self.servicer)
         reflection.enable_server_reflection(
             (
                 SERVICE_NAME,

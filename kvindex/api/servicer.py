@@ -5,9 +5,8 @@ Runs on the same asyncio loop as ingestion, so every call sees a consistent inde
 
 from __future__ import annotations
 
-import json
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from functools import lru_cache
 from typing import Any, NamedTuple, NoReturn
 
@@ -15,6 +14,7 @@ import grpc
 import numpy as np
 
 from kvindex.api.errors import BadRequest
+from kvindex.api.handlers import Malformed
 from kvindex.fleet.registry import InstanceState, Registry
 from kvindex.index.base import NO_MATCH, KvBlockIndex
 from kvindex.instance import InstanceKey
@@ -26,10 +26,11 @@ from kvindex.scoring.outcomes import INVALID, Report
 from kvindex.scoring.pick import PickOptions
 from kvindex.scoring.policies import POLICY_NAMES
 from kvindex.scoring.ranker import Ranker
-from kvindex.tokenize import ChatOptions, TokenizeError, Tokenizers
+from kvindex.tokenize import ChatOptions, TokenizeError, Tokenizers, bounded_json
+from kvindex.tokenize.bounded_json import TooDeep
 from kvindex.v1 import kvindex_pb2 as pb
 from kvindex.v1 import kvindex_pb2_grpc as pb_grpc
-from kvindex.wire.schema import MAX_MODEL_LEN
+from kvindex.wire.schema import MAX_MODEL_LEN, U64_MAX
 from kvindex.wire.subjects import WORKER_ID_RE
 
 MAX_PROMPT_TOKENS = 4_000_000
@@ -37,6 +38,23 @@ MAX_BLOCK_KEYS = 1_000_000
 MAX_CANDIDATES = 100_000
 
 _seed = lru_cache(maxsize=4096)(model_seed)
+
+U32_MAX = (1 << 32) - 1
+
+
+def _u64(n: int) -> int:
+    """A count as a uint64 field takes it: saturated. Counters and sums a worker can drive (its
+    seqs, its block size times a prompt's blocks) must never make a reply fail to build: protobuf
+    raises on a value out of range, and the call would fail for every caller from then on."""
+    return n if n <= U64_MAX else U64_MAX
+
+
+def _u32(n: int) -> int:
+    return n if n <= U32_MAX else U32_MAX
+
+
+def _u64_map(counts: Mapping[str, int]) -> dict[str, int]:
+    return {name: _u64(n) for name, n in counts.items()}
 
 
 class Prompt(NamedTuple):
@@ -65,7 +83,9 @@ def _json_field(options: Any, name: str, kind: type) -> Any:
     if not raw:
         return None
     try:
-        value = json.loads(raw)
+        value = bounded_json.loads(raw, f"prompt_options.{name}")
+    except TooDeep as exc:
+        raise BadRequest(str(exc)) from None
     except ValueError as exc:
         raise BadRequest(f"prompt_options.{name} is not valid JSON: {exc}") from exc
     if not isinstance(value, kind):
@@ -246,7 +266,9 @@ class KvIndexServicer(pb_grpc.KvIndexServicer):
                 ids = self.tokenizers.encode_prompt(request.model, request.prompt, special)
             else:
                 try:
-                    messages = json.loads(request.messages)
+                    messages = bounded_json.loads(request.messages, "messages")
+                except TooDeep as exc:
+                    raise BadRequest(str(exc)) from None
                 except ValueError as exc:
                     raise BadRequest(f"messages is not valid JSON: {exc}") from exc
                 ids = self.tokenizers.encode_chat_options(request.model, messages, chat_options(options))
@@ -313,6 +335,9 @@ class KvIndexServicer(pb_grpc.KvIndexServicer):
         self, requests: AsyncIterator[pb.ScoreRequest], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.ScoreResponse]:
         async for request in requests:
+            if type(request) is Malformed:  # bytes that are not a ScoreRequest (kvindex/api/handlers.py)
+                yield pb.ScoreResponse(error=request.message)
+                continue
             try:
                 response = self.score_request(request)
             except BadRequest as exc:
@@ -339,7 +364,7 @@ class KvIndexServicer(pb_grpc.KvIndexServicer):
             block_size=block_size,
             total_blocks=len(keys),
             request_id=request.request_id,
-            prompt_tokens=prompt,
+            prompt_tokens=_u32(prompt),  # (block keys x a worker's block size may pass 2**32)
         )
         chosen = self.router.policies["decode"] if role == DECODE_ROLE else self.router.policy(policy)
         response.policy = chosen.name
@@ -364,6 +389,7 @@ class KvIndexServicer(pb_grpc.KvIndexServicer):
         probabilities = drawn.probabilities if drawn is not None and drawn.drawn else None
         now = self.registry.clock()
         explain = request.explain
+        small = prompt <= U32_MAX  # the usual case: no instance's hit (at most the prompt) to saturate
         add = response.ranked.add
         invariant = self._invariant
         if len(invariant) > 4 * len(choices) + 1024:  # instances come and go: forget old entries
@@ -395,7 +421,7 @@ class KvIndexServicer(pb_grpc.KvIndexServicer):
             t = c.match.tiers
             m = r.matched
             m.gpu, m.cpu, m.disk, m.shared = t[0], t[1], t[2], t[3]
-            r.matched_tokens = c.hit_tokens
+            r.matched_tokens = c.hit_tokens if small else _u32(c.hit_tokens)
             r.est_ttft_ms = c.est_ttft_ms
             r.wait_ms = c.wait_ms
             r.prefill_ms = c.prefill_ms
@@ -459,7 +485,7 @@ class KvIndexServicer(pb_grpc.KvIndexServicer):
             block_size=block_size,
             total_blocks=len(keys),
             block_keys=keys,
-            prompt_tokens=prompt.tokens,
+            prompt_tokens=_u32(prompt.tokens),
         )
         if prompt.token_ids is not None:
             response.token_ids.extend(prompt.token_ids.tolist())
@@ -498,15 +524,15 @@ class KvIndexServicer(pb_grpc.KvIndexServicer):
                 dp_rank=state.dp_rank,
                 model=state.model,
                 block_size=state.block_size,
-                epoch=state.epoch,
-                last_seq=state.last_seq,
+                epoch=_u64(state.epoch),
+                last_seq=_u64(state.last_seq),
                 load=_load(state, now),
                 blocks=_tier_blocks(self.index.block_counts(state.key)),
                 capacity=_tier_blocks([cap.get(t, 0) for t in range(4)]),
-                batches=state.batches,
-                gaps=state.gaps,
-                missing_batches=state.missing_batches,
-                restarts=state.restarts,
+                batches=_u64(state.batches),
+                gaps=_u64(state.gaps),
+                missing_batches=_u64(state.missing_batches),
+                restarts=_u64(state.restarts),
                 pool=state.is_pool,
                 stale=state.stale,
                 sync=state.sync,
@@ -543,28 +569,28 @@ class KvIndexServicer(pb_grpc.KvIndexServicer):
             instances=s.instances,
             distinct_blocks=_tier_blocks(s.distinct_blocks),
             entries=_tier_blocks(s.entries),
-            batches_received=c.batches_received,
-            batches_applied=c.batches_applied,
-            batches_duplicate=c.duplicates,
-            batches_stale_epoch=c.stale_epochs,
-            gaps=c.gaps,
-            missing_batches=c.missing_batches,
-            restarts=c.restarts,
-            status_received=c.heartbeats_received,
-            events_stored=c.events_applied[0],
-            events_removed=c.events_applied[1],
-            events_cleared=c.events_applied[2],
-            rejects_total=c.rejects_total,
-            rejects_by_reason=dict(c.rejects),
-            replays_requested=c.replays_requested,
-            replays_ok=c.replays_ok,
-            replays_failed=dict(c.replays_failed),
-            snapshots_requested=dict(c.snapshots_requested),
-            snapshots_applied=c.snapshots_applied,
-            reconciled_blocks_added=c.snapshot_blocks_added,
-            reconciled_blocks_removed=c.snapshot_blocks_removed,
-            drift_detected=c.drift_detected,
-            repairs_converged=c.repairs_converged,
+            batches_received=_u64(c.batches_received),
+            batches_applied=_u64(c.batches_applied),
+            batches_duplicate=_u64(c.duplicates),
+            batches_stale_epoch=_u64(c.stale_epochs),
+            gaps=_u64(c.gaps),
+            missing_batches=_u64(c.missing_batches),
+            restarts=_u64(c.restarts),
+            status_received=_u64(c.heartbeats_received),
+            events_stored=_u64(c.events_applied[0]),
+            events_removed=_u64(c.events_applied[1]),
+            events_cleared=_u64(c.events_applied[2]),
+            rejects_total=_u64(c.rejects_total),
+            rejects_by_reason=_u64_map(c.rejects),
+            replays_requested=_u64(c.replays_requested),
+            replays_ok=_u64(c.replays_ok),
+            replays_failed=_u64_map(c.replays_failed),
+            snapshots_requested=_u64_map(c.snapshots_requested),
+            snapshots_applied=_u64(c.snapshots_applied),
+            reconciled_blocks_added=_u64(c.snapshot_blocks_added),
+            reconciled_blocks_removed=_u64(c.snapshot_blocks_removed),
+            drift_detected=_u64(c.drift_detected),
+            repairs_converged=_u64(c.repairs_converged),
             convergence_seconds_max=c.convergence_seconds_max,
             instances_stale=sum(1 for st in self.registry.all() if st.stale),
             index_bytes=s.nbytes,

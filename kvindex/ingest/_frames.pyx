@@ -22,7 +22,7 @@ cdef inline bint _space(char c) noexcept nogil:
 def scan(bytes whole, Py_ssize_t pos, dict direct, object failed):
     """(pos, taken, more): where it stopped, how many messages it handed over, and whether the frame
     at ``pos`` is for nats-py's parser (True) or the buffer holds no complete frame from there
-    (False). ``failed(exc)`` is told of a handler's exception; scanning goes on after it."""
+    (False). ``failed(exc, subject)`` is told of a handler's exception; scanning goes on after it."""
     cdef const char* buf = PyBytes_AS_STRING(whole)
     cdef Py_ssize_t n = PyBytes_GET_SIZE(whole)
     cdef Py_ssize_t taken = 0
@@ -87,5 +87,5 @@ def scan(bytes whole, Py_ssize_t pos, dict direct, object failed):
         try:
             target.handler(subject, payload)
         except Exception as exc:  # never out of nats-py's read loop
-            failed(exc)
+            failed(exc, subject)
     return pos, taken, False

@@ -27,6 +27,7 @@ from kvindex.ingest.limits import (
     DEFAULT_INGEST_LIMITS,
     INSTANCE_LIMIT,
     MODEL_LIMIT,
+    SEQ_JUMP,
     IngestLimits,
     LimitExceeded,
 )
@@ -34,7 +35,7 @@ from kvindex.instance import InstanceKey
 from kvindex.observability.counters import IngestCounters
 from kvindex.observability.logs import RateLimitedLog
 from kvindex.repair.machine import REPLAY, SNAPSHOT, RepairMachine, RepairScheduler
-from kvindex.sequencer.cursor import Sequencer, Verdict, decide
+from kvindex.sequencer.cursor import MAX_GAP, Cursor, Sequencer, Verdict, decide
 from kvindex.wire import errors
 from kvindex.wire.codec import DEFAULT_LIMITS, Limits, decode_batch
 from kvindex.wire.errors import WireError
@@ -124,6 +125,13 @@ class Consumer:
         if verdict is Verdict.STALE_EPOCH:
             c.stale_epochs += 1
             return False
+        if verdict is Verdict.JUMP:
+            assert cursor is not None
+            if not self.jumped(state, cursor, batch.seq, "batch"):
+                return False
+            self.apply(state, batch, len(payload))
+            cursor.applied = batch.seq
+            return True
         # The rest is the repair machine's (kvindex/repair/machine.py).
         repairs = self.repairs
         if verdict is Verdict.BUFFER:
@@ -148,6 +156,29 @@ class Consumer:
         repairs.hold(state, cursor, batch)
         repairs.begin(state, cursor, SNAPSHOT, "start" if verdict is Verdict.FIRST else "epoch")
         return False
+
+    def jumped(self, state: InstanceState, cursor: Cursor, seq: int, what: str) -> bool:
+        """A batch's or heartbeat's ``seq`` more than MAX_GAP past the last one the instance is known
+        to have published (kvindex/sequencer): a restart that kept its epoch, or a lie. Neither a hole
+        to replay nor batches to count missing: refused (``seq_jump``, logged with the worker id) and
+        the instance resynchronised from a snapshot, whose seq says where the worker really is (a
+        batch refused so is in it if the worker really published it).
+
+        True when no snapshot could start (no repair transport, or ``--max-pending-repairs``
+        reached): the caller then takes ``seq`` as the instance's position, as the batches after an
+        unrepaired hole are applied across it."""
+        known = cursor.known()
+        self.refuse(
+            state.key,
+            SEQ_JUMP,
+            f"{what} seq {seq} is {seq - known} past seq {known}, the last known published (a hole may "
+            f"miss at most {MAX_GAP} batches): resynchronised from a snapshot",
+            epoch=cursor.epoch,
+        )
+        if cursor.repairing == SNAPSHOT:
+            return False  # the snapshot being taken answers it
+        self.repairs.begin(state, cursor, SNAPSHOT, "jump")
+        return cursor.repairing is None
 
     def apply(self, state: InstanceState, batch: EventBatch, bound: int = -1) -> None:
         """Apply a batch; ``bound`` is an upper bound of its keys when known (its payload's size:

@@ -15,8 +15,9 @@ How it stays correct:
   way (queued behind a message already queued) keeps every later one on that way until the queue
   is empty: the order a worker published in is the order the consumer sees.
 - An incomplete frame waits in the buffer for the next read, as nats-py's parser does.
-- The handler must not raise (the consumer never does); if it does anyway the error is logged and
-  reading goes on: an exception in nats-py's read loop would stop the connection's reading.
+- The handler must not raise (the consumer never does); if it does anyway the error is logged with
+  the message's subject (it names the worker) and reading goes on: an exception in nats-py's read
+  loop would stop the connection's reading.
 - It relies on three internals of nats-py (the client's ``_ps`` parser, the parser's ``buf`` and
   ``state``, a subscription's ``_pending_queue``). ``install`` checks them and returns None when
   they are not as expected, and the subscription then works the ordinary way (logged once).
@@ -124,10 +125,11 @@ if _np is not None:
                                 break  # the payload is still on its way
                             pos = stop + 2
                             taken += 1
+                            subject = parts[0].decode(errors="replace")
                             try:
-                                target.handler(parts[0].decode(errors="replace"), whole[start:stop])
+                                target.handler(subject, whole[start:stop])
                             except Exception as exc:  # never let it stop nats-py's read loop
-                                self._failed(exc)
+                                self._failed(exc, subject)
                             continue
                     try:
                         end = _frame_end(whole, pos, eol)
@@ -142,9 +144,10 @@ if _np is not None:
                 self.buf = buf
                 del buf[:pos]
 
-        def _failed(self, exc: Exception) -> None:
+        def _failed(self, exc: Exception, subject: str | None = None) -> None:
+            # The subject names the worker (its last token) even when the payload could not be read.
             self.handler_errors += 1
-            self.log.error("direct_dispatch_handler_failed", error=repr(exc))
+            self.log.error("direct_dispatch_handler_failed", subject=subject, error=repr(exc))
 
         async def _library(self, whole: bytes, start: int, end: int) -> None:
             """nats-py's own parsing of whole[start:end] (complete frames), on a buffer of their own."""

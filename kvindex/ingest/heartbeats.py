@@ -18,7 +18,7 @@ import msgspec
 
 from kvindex.fleet.registry import InstanceState
 from kvindex.repair.machine import REPLAY, SNAPSHOT
-from kvindex.sequencer.cursor import Cursor
+from kvindex.sequencer.cursor import MAX_GAP, Cursor
 from kvindex.wire import errors
 from kvindex.wire.codec import (
     HeartbeatMemory,
@@ -88,7 +88,7 @@ class Heartbeats:
         if type(payload) is bytes:  # (codec.peek_heartbeat, inline)
             try:
                 peek = _peek(payload)
-            except msgspec.MsgspecError:
+            except (msgspec.MsgspecError, RecursionError):  # (decode_heartbeat below says why)
                 peek = None
         else:
             peek = None
@@ -226,6 +226,11 @@ class Heartbeats:
             if not self.in_order and cursor.behind <= cursor.applied:
                 cursor.behind = report.seq  # maybe just overtaken: check again at the next heartbeat
                 return
+            if report.seq - cursor.applied > MAX_GAP:  # no tail that long was lost: a jump
+                cursor.behind = 0
+                if self.consumer.jumped(state, cursor, report.seq, "heartbeat"):
+                    cursor.applied = state.last_seq = report.seq  # no repair: taken as the position
+                return
             # The worker published more than we received: the tail batches were lost.
             cursor.behind = 0
             self.repairs.gap(state, (cursor.applied + 1, report.seq), "behind heartbeat")
@@ -337,7 +342,7 @@ class _Repeat:
         try:
             probe = peek_decoder.decode(head + struct.pack(">d", ts + 1.0) + _LOAD_KEY + load_raw)
             first = peek_decoder.decode(payload)
-        except msgspec.MsgspecError:
+        except (msgspec.MsgspecError, RecursionError):
             return None
         if probe.ts != ts + 1.0 or msgspec.structs.replace(probe, ts=ts) != first:
             return None

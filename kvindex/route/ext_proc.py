@@ -50,6 +50,7 @@ from google.protobuf import struct_pb2
 from prometheus_client import Counter
 
 from kvindex.api.errors import BadRequest
+from kvindex.api.handlers import Malformed, add_servicer
 from kvindex.api.server import READINESS, GrpcPort
 from kvindex.api.servicer import KvIndexServicer
 from kvindex.fleet.registry import InstanceState
@@ -81,7 +82,8 @@ from kvindex.scoring.outcomes import Report
 from kvindex.security import ServerSecurity
 from kvindex.v1 import kvindex_pb2 as pb
 
-SERVICE_NAME = ep.DESCRIPTOR.services_by_name["ExternalProcessor"].full_name
+SERVICE = ep.DESCRIPTOR.services_by_name["ExternalProcessor"]
+SERVICE_NAME = SERVICE.full_name
 DESTINATION = "x-gateway-destination-endpoint"
 SERVED = "x-gateway-destination-endpoint-served"
 SUBSET = "x-gateway-destination-endpoint-subset"
@@ -191,6 +193,9 @@ class EndpointPicker(ep_grpc.ExternalProcessorServicer):
         ex = _Exchange()
         try:
             async for msg in request_iterator:
+                if type(msg) is Malformed:  # bytes that are not a ProcessingRequest (handlers.py)
+                    self.metrics.picks.labels("bad_request").inc()
+                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, msg.message)
                 if msg.HasField("protocol_config"):
                     cfg = msg.protocol_config
                     ex.full_duplex = (
@@ -661,4 +666,4 @@ class ExtProcServer(GrpcPort):
         self.picker = picker
 
     def register(self, server: grpc.aio.Server) -> None:
-        ep_grpc.add_ExternalProcessorServicer_to_server(self.picker, server)
+        add_servicer(server, SERVICE, self.picker)  # malformed messages: INVALID_ARGUMENT

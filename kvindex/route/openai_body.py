@@ -17,6 +17,9 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvindex.tokenize import bounded_json
+from kvindex.tokenize.bounded_json import TooDeep
+
 MAX_BODY_BYTES = 64 * 1024 * 1024
 _CHAT_OPTIONS = ("add_generation_prompt", "continue_final_message", "add_special_tokens")
 
@@ -46,7 +49,9 @@ def parse_body(raw: bytes, path: str = "") -> PromptSpec:
     if len(raw) > MAX_BODY_BYTES:
         raise BodyError(f"request body is {len(raw)} bytes; at most {MAX_BODY_BYTES} are read")
     try:
-        body = json.loads(raw)
+        body = bounded_json.loads(raw, "the request body")
+    except TooDeep as exc:
+        raise BodyError(str(exc)) from None
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise BodyError(f"request body is not valid JSON: {exc}") from None
     if not isinstance(body, dict):

@@ -15,7 +15,7 @@ from typing import Annotated, Final, Literal
 import msgspec
 from msgspec import Meta, Struct
 
-from kvindex.wire.codec import decode_error
+from kvindex.wire.codec import decode_error, too_deep
 from kvindex.wire.errors import (
     SUBJECT_MISMATCH,
     UNSUPPORTED_VERSION,
@@ -104,6 +104,8 @@ def header(payload: bytes) -> Header:
         return _header_decoder.decode(payload)
     except msgspec.MsgspecError as exc:
         raise _error(exc, payload) from None
+    except RecursionError:
+        raise too_deep() from None
 
 
 def decode(payload: bytes, subject_replica: str | None = None) -> RoutingMessage:
@@ -112,6 +114,8 @@ def decode(payload: bytes, subject_replica: str | None = None) -> RoutingMessage
         msg = _decoder.decode(payload)
     except msgspec.MsgspecError as exc:
         raise _error(exc, payload) from None
+    except RecursionError:
+        raise too_deep() from None
     if msg.v != SYNC_VERSION:
         raise WireError(UNSUPPORTED_VERSION, f"routing message version {msg.v!r} is not {SYNC_VERSION}")
     if subject_replica is not None and msg.replica != subject_replica:

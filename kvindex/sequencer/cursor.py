@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import Final
 
 from sortedcontainers import SortedDict
 
@@ -18,6 +19,14 @@ from kvindex.instance import InstanceKey
 
 # Epochs a worker has left behind; a late batch from one of them is stale, not a new restart.
 _RETIRED_EPOCHS_KEPT = 8
+
+# The most batches a hole may miss. A seq further ahead than this of what the instance is known to
+# have published is a jump, not a hole: a restart that kept its epoch, or a lie (seq 1, then
+# 2**64 - 1). No replay can fill a hole that wide (a kvshim worker keeps its last 1,024 batches for
+# replays, the index holds at most --max-held-batches, 4,096, while repairing), so the instance is
+# resynchronised from a snapshot instead, and the width is not counted as missing batches (summed
+# over instances it made counters pass u64 and Stats fail).
+MAX_GAP: Final = 1 << 16
 
 
 class Verdict(Enum):
@@ -28,6 +37,7 @@ class Verdict(Enum):
     BUFFER = "buffer"  # a repair is running: hold the batch until it is done
     DUPLICATE = "duplicate"  # already applied (redelivery, replay overlap)
     STALE_EPOCH = "stale_epoch"  # late batch from an epoch the worker already left
+    JUMP = "jump"  # more than MAX_GAP batches ahead of what is known: refuse it, resync by snapshot
 
 
 @dataclass(slots=True)
@@ -46,6 +56,11 @@ class Cursor:
     retired: deque[int] = field(default_factory=lambda: deque(maxlen=_RETIRED_EPOCHS_KEPT))
     closed: bool = False  # replaced by a new cursor or forgotten (whoever kept it can tell)
 
+    def known(self) -> int:
+        """The highest seq the instance is known to have published: applied, held or announced."""
+        held = self.buffer.keys()[-1] if self.buffer else 0
+        return max(self.applied, self.target, held)
+
     def hole(self) -> tuple[int, int] | None:
         """The seqs missing between what is applied and the first buffered batch, if any."""
         if not self.buffer:
@@ -62,6 +77,8 @@ def decide(cursor: Cursor | None, epoch: int, seq: int) -> Verdict:
         return Verdict.STALE_EPOCH if epoch in cursor.retired else Verdict.NEW_EPOCH
     if seq <= cursor.applied or seq in cursor.buffer:
         return Verdict.DUPLICATE
+    if seq - cursor.applied > MAX_GAP + 1 and seq - cursor.known() > MAX_GAP + 1:  # (first test: cheap)
+        return Verdict.JUMP
     if cursor.repairing is not None:
         return Verdict.BUFFER
     return Verdict.APPLY if seq == cursor.applied + 1 else Verdict.GAP

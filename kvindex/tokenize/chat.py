@@ -39,6 +39,8 @@ import jinja2.meta
 import jinja2.nodes
 import jinja2.sandbox
 
+from kvindex.tokenize import bounded_json
+from kvindex.tokenize.bounded_json import TooDeep
 from kvindex.tokenize.errors import TokenizeError
 from kvindex.tokenize.loader import ModelTokenizer
 
@@ -329,7 +331,9 @@ def _tool_arguments(message: dict[str, Any]) -> None:
             parsed = arguments
             if isinstance(arguments, str):
                 try:
-                    parsed = json.loads(arguments)
+                    parsed = bounded_json.loads(arguments, "a tool call's function.arguments")
+                except TooDeep as exc:
+                    raise TokenizeError(str(exc)) from None
                 except ValueError:
                     parsed = None  # vLLM coerces malformed history to {} so the chat can go on
             function["arguments"] = parsed if isinstance(parsed, dict) else {}
@@ -523,7 +527,7 @@ def render_chat(mt: ModelTokenizer, messages: Any, options: ChatOptions) -> str:
         )
     except jinja2.TemplateError as exc:
         raise TokenizeError(f"the chat template rejected the request: {exc}") from exc
-    except (TypeError, ValueError, KeyError, IndexError, AttributeError) as exc:
+    except (TypeError, ValueError, KeyError, IndexError, AttributeError, RecursionError) as exc:
         raise TokenizeError(
             f"the chat template failed on these messages: {type(exc).__name__}: {exc}"
         ) from exc

@@ -26,6 +26,7 @@ from kvindex.wire.errors import (
     NOT_A_MAP,
     OVERSIZE,
     SUBJECT_MISMATCH,
+    TOO_DEEP,
     UNSUPPORTED_VERSION,
     WireError,
 )
@@ -133,6 +134,19 @@ def _unsupported(version: Any) -> WireError:
     return WireError(UNSUPPORTED_VERSION, f"wire version {version!r} is not supported (want {WIRE_VERSION})")
 
 
+def too_deep() -> WireError:
+    """The rejection of a message nested deeper than the decoder follows.
+
+    msgspec's decoders recurse once per container level, unknown fields included (they are skipped
+    by recursion too), and raise RecursionError at Python's recursion limit (1,000, less the stack in
+    use; kvindex never raises it): that is the depth limit of every wire message, whose own
+    structure nests 4 deep. Every decoder of worker bytes turns that RecursionError into this.
+    """
+    return WireError(
+        TOO_DEEP, "containers nested deeper than the decoder follows (about 1,000 levels; a message needs 4)"
+    )
+
+
 def _decode_error(exc: msgspec.MsgspecError, payload: bytes) -> WireError:
     """Map a msgspec error to a rejection reason (keeping msgspec's message, which names the path)."""
     return decode_error(exc, payload, WIRE_VERSION, _unsupported)
@@ -153,6 +167,8 @@ def decode_error(
         generic = msgspec.msgpack.decode(payload)
     except msgspec.DecodeError as inner:
         return WireError(MALFORMED, f"payload is not valid msgpack ({inner})")
+    except RecursionError:  # the typed decoder stopped before the deep part; this one reached it
+        return too_deep()
     version = generic.get("v", version_expected) if isinstance(generic, dict) else version_expected
     if version != version_expected:
         return unsupported(version)
@@ -175,6 +191,8 @@ def decode_batch(
         batch = _batch_decoder.decode(payload)
     except msgspec.MsgspecError as exc:
         raise _decode_error(exc, payload) from None
+    except RecursionError:
+        raise too_deep() from None
     if batch.v != WIRE_VERSION:
         raise _unsupported(batch.v)
     if subject_worker is not None and batch.worker != subject_worker:
@@ -217,6 +235,8 @@ def decode_heartbeat(payload: bytes, subject_worker: str | None = None) -> Heart
         msg = _heartbeat_decoder.decode(payload)
     except msgspec.MsgspecError as exc:
         raise _decode_error(exc, payload) from None
+    except RecursionError:
+        raise too_deep() from None
     if msg.v != WIRE_VERSION:
         raise _unsupported(msg.v)
     if subject_worker is not None and msg.worker != subject_worker:
@@ -247,7 +267,7 @@ def peek_heartbeat(payload: bytes) -> HeartbeatPeek | None:
         return None
     try:
         return peek_decoder.decode(payload)
-    except msgspec.MsgspecError:
+    except (msgspec.MsgspecError, RecursionError):
         return None
 
 
@@ -296,10 +316,10 @@ def load_of(raw: bytes) -> Load | None:
     """The Load of a heartbeat's load map, as decode_heartbeat makes it; None if it rejects it."""
     try:
         k = _known_load_decoder.decode(raw)  # typed in C: a third of _load's cost
-    except msgspec.MsgspecError:
+    except (msgspec.MsgspecError, RecursionError):
         try:
             return _load(_load_decoder.decode(raw))
-        except (msgspec.MsgspecError, WireError):
+        except (msgspec.MsgspecError, WireError, RecursionError):
             return None
     return Load(k.running, k.waiting, k.waiting_prefill_tokens, k.kv_usage)
 

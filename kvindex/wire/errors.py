@@ -13,6 +13,8 @@ UNSUPPORTED_VERSION: Final = "unsupported_version"
 SUBJECT_MISMATCH: Final = "subject_mismatch"
 BAD_SUBJECT: Final = "bad_subject"
 OVERSIZE: Final = "oversize"
+# Containers nested deeper than the decoder follows (msgspec recurses per level, up to Python's limit).
+TOO_DEEP: Final = "too_deep"
 BLOCK_SIZE_MISMATCH: Final = "block_size_mismatch"
 MODEL_MISMATCH: Final = "model_mismatch"
 # Not a rejection of the message: a heartbeat whose ``endpoint`` is malformed is applied without it.
@@ -30,6 +32,7 @@ REASONS: Final = (
     SUBJECT_MISMATCH,
     BAD_SUBJECT,
     OVERSIZE,
+    TOO_DEEP,
     BLOCK_SIZE_MISMATCH,
     MODEL_MISMATCH,
     BAD_ENDPOINT,

@@ -10,6 +10,7 @@ import os
 
 import nats
 import pytest
+import structlog.testing
 
 from kvindex.ingest import direct_dispatch
 from kvindex.ingest.direct_dispatch import DirectParser, install
@@ -152,3 +153,17 @@ async def test_tabs_and_extra_spaces_in_the_control_line() -> None:
     parser, _, got = _recording(_Sub(1))
     await parser.parse(b"MSG  a.1\t1   _INBOX.x\t 3\r\nabc\r\n")
     assert got == [("a.1", b"abc")]
+
+
+async def test_a_failing_handler_is_logged_with_its_subject() -> None:
+    # The subject names the worker, which a payload that could not be read cannot (issue 32).
+    def failing(subject: str, payload: bytes) -> None:
+        raise RuntimeError("handler bug")
+
+    with structlog.testing.capture_logs() as logs:
+        parser = DirectParser(_Client({1: _Sub(1)}))
+        parser.direct[b"1"] = direct_dispatch._Target(_Sub(1), failing)
+        await parser.parse(b"MSG kvindex.events.w7 1 1\r\nx\r\n")
+    (failed,) = [e for e in logs if e["event"] == "direct_dispatch_handler_failed"]
+    assert failed["subject"] == "kvindex.events.w7" and "handler bug" in failed["error"]
+    assert parser.handler_errors == 1

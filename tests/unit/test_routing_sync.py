@@ -30,6 +30,7 @@ from kvindex.wire.errors import (
     MISSING_FIELD,
     NOT_A_MAP,
     SUBJECT_MISMATCH,
+    TOO_DEEP,
     UNSUPPORTED_VERSION,
     WireError,
 )
@@ -259,6 +260,8 @@ def _commit_op(**over: object) -> dict[str, object]:
         (_msg(seq="1"), BAD_TYPE),
         (_msg(seq=0), BAD_VALUE),
         (_msg(v=2), UNSUPPORTED_VERSION),
+        (b"\x91" * 5000 + b"\x00", TOO_DEEP),  # nested beyond what the decoder follows
+        (_msg(x="@").replace(msgpack.packb("@"), b"\x91" * 5000 + b"\x00"), TOO_DEEP),  # unknown field
         (_msg(replica="other"), SUBJECT_MISMATCH),
         (_msg(replica="a.b"), BAD_VALUE),
         (_msg(ops=[{"op": "evict", "id": "r1"}]), BAD_VALUE),

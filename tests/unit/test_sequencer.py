@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from kvindex.sequencer import Cursor, Sequencer, Verdict, decide
+from kvindex.sequencer.cursor import MAX_GAP
 
 W = ("w", 0)
 
@@ -40,3 +41,20 @@ def test_open_retires_the_old_epoch() -> None:
     assert decide(second, 5, 41) is Verdict.STALE_EPOCH
     s.forget(W)
     assert s.cursor(W) is None
+
+
+def test_a_seq_beyond_the_widest_hole_is_a_jump() -> None:
+    cur = Cursor(epoch=1, applied=3)
+    assert decide(cur, 1, 3 + MAX_GAP + 1) is Verdict.GAP  # MAX_GAP batches missing: a hole
+    assert decide(cur, 1, 3 + MAX_GAP + 2) is Verdict.JUMP
+    assert decide(cur, 1, (1 << 64) - 1) is Verdict.JUMP
+    cur.repairing = "snapshot"
+    assert decide(cur, 1, (1 << 64) - 1) is Verdict.JUMP  # never held, even while repairing
+    # What the instance is known to have published counts as much as what is applied: joining a
+    # worker at seq 10**6 (its heartbeat said so, or its first batch is held) holds what follows.
+    cur.target = 10**6
+    assert cur.known() == 10**6 and decide(cur, 1, 10**6 + 1) is Verdict.BUFFER
+    cur.target = 0
+    cur.buffer[10**6] = object()
+    assert decide(cur, 1, 10**6 + 1) is Verdict.BUFFER
+    assert decide(cur, 1, 10**6 + MAX_GAP + 2) is Verdict.JUMP
