@@ -18,6 +18,7 @@ import time
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import nats
 import pytest
@@ -598,3 +599,45 @@ async def test_publisher_close_is_bounded_whatever_nats_does() -> None:
             task = pub.nc._reconnection_task
             ended = pub.nc.is_closed and (task is None or task.done())
             assert ended, f"round {i}: {pub.worker}'s connection still running"
+
+
+def nats_logs(logs: list[dict[str, Any]]) -> list[tuple[str, str]]:
+    return [(r["event"], r["log_level"]) for r in logs if r["event"] in ("nats_disconnected", "nats_error")]
+
+
+async def service_and_publisher_stop(natsd: Any, server_dies: bool) -> list[tuple[str, str]]:
+    """A service and a publisher on ``natsd`` stopped in order (after killing it if
+    ``server_dies``): what they logged of their NATS connection, (event, level)."""
+    from structlog.testing import capture_logs
+
+    from kvindex.service.app import IndexService, ServiceConfig
+    from tests.conftest import wait_until
+    from workers_shim.publisher import Publisher
+
+    with capture_logs() as logs:
+        svc = IndexService(ServiceConfig(nats_url=natsd.url, grpc_host="127.0.0.1", grpc_port=0))
+        await svc.start()
+        pub = await Publisher.connect(natsd.url, worker="w", model="m", block_size=4)
+        await wait_until(lambda: len(svc.registry) == 1, what="the worker known")
+        if server_dies:
+            await natsd.kill()
+            await wait_until(lambda: nats_logs(logs) != [], what="the disconnection logged")
+        await pub.close(timeout=0.5)
+        await svc.stop(grace=0.1)
+    return nats_logs(logs)
+
+
+async def test_nats_disconnect_is_a_warning_only_when_unexpected() -> None:
+    """Issue 31: an orderly stop (the service's, a publisher's) says at info that its NATS connection
+    closed; the server going away underneath them stays a warning."""
+    from kvindex.service.natsd import EmbeddedNats
+
+    natsd = EmbeddedNats()
+    await natsd.start()
+    try:
+        said = await service_and_publisher_stop(natsd, server_dies=False)
+        assert ("nats_disconnected", "info") in said and all(lvl == "info" for _e, lvl in said), said
+        said = await service_and_publisher_stop(natsd, server_dies=True)
+        assert ("nats_disconnected", "warning") in said, said
+    finally:
+        await natsd.stop()
