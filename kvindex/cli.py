@@ -609,21 +609,23 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"kvindex serve: {exc}", file=sys.stderr)
         return 2
 
-    async def main(stop: Stop) -> int:
+    def start_failed(exc: Exception) -> int | None:
+        """A start error the user can fix, logged before the stop's own lines; exit code 2."""
         from kvindex.api.listen import ListenError
 
-        try:
-            await serve_until_stopped(service, stop)
-        except (NatsConfigError, NatsConnectError) as exc:
+        if isinstance(exc, (NatsConfigError, NatsConnectError)):
             structlog.get_logger("kvindex").error("nats_connect_failed", error=str(exc))
             return 2
-        except ListenError as exc:
+        if isinstance(exc, ListenError):
             flag = _LISTEN_FLAGS.get(exc.what, "")
             structlog.get_logger("kvindex").error(
                 "listen_failed", error=f"{exc} (choose another with {flag})"
             )
             return 2
-        return 0
+        return None
+
+    async def main(stop: Stop) -> int:
+        return await serve_until_stopped(service, stop, start_failed)
 
     # SIGTERM/SIGINT/SIGHUP or the parent's exit stop it within the grace (docs/deploy.md).
     return run(main, grace=config.shutdown_grace + CLEANUP_BUDGET, name="kvindex-serve")

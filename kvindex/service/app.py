@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import dataclasses
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -458,10 +459,25 @@ class IndexService:
         await self.stop()
 
 
-async def serve_until_stopped(service: IndexService, stop: Stop) -> None:
-    """Start (a stop request meanwhile cancels the start), serve until asked to stop, stop cleanly."""
+async def serve_until_stopped(
+    service: IndexService,
+    stop: Stop,
+    on_start_failed: Callable[[Exception], int | None] | None = None,
+) -> int:
+    """Start (a stop request meanwhile cancels the start), serve until asked to stop, stop cleanly.
+
+    A start that fails goes to ``on_start_failed`` before anything is stopped, so its error is the
+    first thing said (not after ``kvindex_stopped``); its return value is the exit code (None:
+    re-raise). Returns 0 otherwise."""
     try:
-        await stop.run_or_stop(service.start())
+        try:
+            await stop.run_or_stop(service.start())
+        except Exception as exc:
+            code = on_start_failed(exc) if on_start_failed is not None else None
+            if code is None:
+                raise
+            return code
         await stop.wait()  # at once if the stop came during the start
+        return 0
     finally:
         await service.stop()
