@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import re
 import sys
 from pathlib import Path
@@ -139,6 +140,18 @@ def _add_serve(sub: Any) -> None:
         action="store_false",
         help="rank every instance with the default prefill model: samples are counted, not learned from,"
         " and stored calibrations are neither loaded nor written",
+    )
+    c.add_argument(
+        "--cost",
+        action="append",
+        default=[],
+        type=parse_cost_option,
+        metavar="NAME=VALUE",
+        help="one parameter of the TTFT estimate, for engines unlike the default (a Llama-3-70B class "
+        "model on 8 GPUs): prefill_a_ms, prefill_b_ms_per_token, prefill_c_ms_per_token2 (the prefill "
+        "model before calibration), chunk_tokens, step_ms, decode_ms_per_seq (the engine's steps), "
+        "kv_bytes_per_token, pcie_gbps, disk_gbps, network_gbps (loading KV from slower tiers); "
+        "repeatable (docs/scoring.md)",
     )
     r = p.add_argument_group("self-healing")
     r.add_argument(
@@ -526,7 +539,7 @@ def _serve(args: argparse.Namespace) -> int:
     from kvindex.lifecycle import Stop, run
     from kvindex.repair.nats_repair import RepairConfig
     from kvindex.routing_sync.sync import SyncConfig
-    from kvindex.scoring.costs import CostConfig
+    from kvindex.scoring.costs import cost_config
     from kvindex.scoring.ranker import RankerConfig
     from kvindex.security import ServerSecurity
     from kvindex.service.app import CLEANUP_BUDGET, IndexService, ServiceConfig, serve_until_stopped
@@ -550,6 +563,11 @@ def _serve(args: argparse.Namespace) -> int:
         )
         return 2
     nats_host, nats_port = args.embedded_nats_listen or ("127.0.0.1", 0)
+    try:
+        costs = cost_config(dict(args.cost), calibrate=args.calibration)
+    except ValueError as exc:
+        print(f"kvindex serve: error: argument --cost: {exc}", file=sys.stderr)
+        return 2
     config = ServiceConfig(
         nats_url=nats,
         embedded_nats_host=nats_host,
@@ -587,7 +605,7 @@ def _serve(args: argparse.Namespace) -> int:
         policy_options=check_policy_options(args.policy_option),
         router=RankerConfig(
             predicted_ttl=args.predicted_ttl,
-            costs=CostConfig(calibrate=args.calibration),
+            costs=costs,
             seed=args.seed,
             pick=args.pick,
             temperature=args.temperature if args.pick == "softmax" else 0.0,
@@ -629,6 +647,18 @@ def _serve(args: argparse.Namespace) -> int:
 
     # SIGTERM/SIGINT/SIGHUP or the parent's exit stop it within the grace (docs/deploy.md).
     return run(main, grace=config.shutdown_grace + CLEANUP_BUDGET, name="kvindex-serve")
+
+
+def parse_cost_option(text: str) -> tuple[str, float]:
+    """``NAME=VALUE`` -> (name, value); names and ranges are checked by ``cost_config``."""
+    name, eq, raw = text.partition("=")
+    try:
+        value = float(raw)
+    except ValueError:
+        value = math.nan
+    if not eq or not name.strip() or math.isnan(value):
+        raise argparse.ArgumentTypeError(f"expected NAME=NUMBER (e.g. step_ms=6.1), got {text!r}")
+    return name.strip(), value
 
 
 def parse_policy_option(text: str) -> tuple[str, str, Any]:

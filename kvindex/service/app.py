@@ -40,6 +40,7 @@ from kvindex.routing_sync.metrics import SyncCollector
 from kvindex.routing_sync.nats_link import NatsRoutingLink
 from kvindex.routing_sync.sync import RoutingSync, SyncConfig
 from kvindex.scoring.admission import AdmissionConfig, ObjectiveDefaults
+from kvindex.scoring.costs import cost_parameters
 from kvindex.scoring.ranker import RankerConfig
 from kvindex.security import ServerSecurity
 from kvindex.service.calibration_store import CalibrationStore
@@ -122,6 +123,7 @@ def _capture_meta(config: ServiceConfig) -> dict[str, Any]:
             "pick": config.router.pick,
             "temperature": config.router.temperature,
             "warmup": config.router.warmup,
+            "costs": cost_parameters(config.router.costs),
         },
         limits=dataclasses.asdict(config.limits),
     )
