@@ -106,7 +106,8 @@ def test_cost_options_price_the_estimate_and_bad_ones_exit_2(capsys: pytest.Capt
     costs = cost_config(options, calibrate=False)
     assert (costs.default_prefill.a_ms, costs.default_prefill.b_ms_per_token) == (6.1, 0.03)
     assert costs.default_prefill.c_ms_per_token2 == CostConfig().default_prefill.c_ms_per_token2
-    assert (costs.engine.chunk_tokens, costs.engine.step_ms, costs.engine.decode_ms_per_seq) == (4096, 6.0, 0.6)
+    engine = costs.engine
+    assert (engine.chunk_tokens, engine.step_ms, engine.decode_ms_per_seq) == (4096, 6.0, 0.6)
     assert costs.fetch.per_token_ms[1] == KvProfile(131072, 50.0).ms_per_token(50.0)
     assert costs.fetch.per_token_ms[2] == KvProfile(131072).ms_per_token(KvProfile().disk_gbps)
     assert not costs.calibrate
