@@ -9,9 +9,13 @@ It starts `kvindex serve` (which starts its embedded nats-server), a fleet of si
 engines publishing real KV events and heartbeats through the worker publisher, and a traffic driver
 that replays the Mooncake conversation trace: every request is routed by the real gRPC `Score`
 (policy `ttft`, committed), sent to the simulated instance it chose, and released at first token and
-at the end. The dashboard shows, per instance, what the index knows (blocks per tier, load, seq and
-epoch, repairs) and, overall, the trace's progress, the load and whether the fleet keeps up, hit
-rate, estimated vs simulated TTFT and decisions per second.
+at the end. The dashboard shows, per instance, what the index knows (blocks per tier, load, seq,
+epoch as the publisher's start time, repairs) and, overall, the trace's progress, length and end,
+the offered and served rates as measured next to the trace's average, whether the fleet keeps up,
+hit rate, estimated vs simulated TTFT over the last 30 s and decisions per second, and a legend.
+The index prices the simulated engines' own costs (``index_costs``, ``kvindex serve --cost``):
+with its default, a 70B model on 8 GPUs, the first estimates of these 8B engines were 4x their TTFT
+until calibration replaced it (``--costs default`` shows that).
 
 The default load, the trace at 2.5x its rate, is one the 8 instances serve with TTFT routing (in the
 trace-driven simulation, `benchmarks/routing_sim.py demo`, over the whole trace: TTFT mean 0.63 s,
