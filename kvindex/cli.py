@@ -545,6 +545,11 @@ def _serve(args: argparse.Namespace) -> int:
     from kvindex.service.app import CLEANUP_BUDGET, IndexService, ServiceConfig, serve_until_stopped
     from kvindex.service.readiness import ReadinessConfig
 
+    try:  # checked first: a wrong flag is one line, before logging is set up or anything starts
+        costs = cost_config(dict(args.cost), calibrate=args.calibration)
+    except ValueError as exc:
+        print(f"kvindex serve: error: argument --cost: {exc}", file=sys.stderr)
+        return 2
     configure_logging(args.log_format, args.log_level)
     try:
         nats = NatsSettings.from_args(args)  # None: embedded nats-server
@@ -563,11 +568,6 @@ def _serve(args: argparse.Namespace) -> int:
         )
         return 2
     nats_host, nats_port = args.embedded_nats_listen or ("127.0.0.1", 0)
-    try:
-        costs = cost_config(dict(args.cost), calibrate=args.calibration)
-    except ValueError as exc:
-        print(f"kvindex serve: error: argument --cost: {exc}", file=sys.stderr)
-        return 2
     config = ServiceConfig(
         nats_url=nats,
         embedded_nats_host=nats_host,
