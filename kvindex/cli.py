@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import re
 import sys
 from pathlib import Path
@@ -160,6 +161,18 @@ def _add_serve(sub: Any) -> None:
         action="store_false",
         help="rank every instance with the default prefill model: samples are counted, not learned from,"
         " and stored calibrations are neither loaded nor written",
+    )
+    c.add_argument(
+        "--cost",
+        action="append",
+        default=[],
+        type=parse_cost_option,
+        metavar="NAME=VALUE",
+        help="one parameter of the TTFT estimate, for engines unlike the default (a Llama-3-70B class "
+        "model on 8 GPUs): prefill_a_ms, prefill_b_ms_per_token, prefill_c_ms_per_token2 (the prefill "
+        "model before calibration), chunk_tokens, step_ms, decode_ms_per_seq (the engine's steps), "
+        "kv_bytes_per_token, pcie_gbps, disk_gbps, network_gbps (loading KV from slower tiers); "
+        "repeatable (docs/scoring.md)",
     )
     r = p.add_argument_group("self-healing")
     r.add_argument(
@@ -597,12 +610,17 @@ def _serve(args: argparse.Namespace) -> int:
     from kvindex.lifecycle import Stop, run
     from kvindex.repair.nats_repair import RepairConfig
     from kvindex.routing_sync.sync import SyncConfig
-    from kvindex.scoring.costs import CostConfig
+    from kvindex.scoring.costs import cost_config
     from kvindex.scoring.ranker import RankerConfig
     from kvindex.security import ServerSecurity
     from kvindex.service.app import CLEANUP_BUDGET, IndexService, ServiceConfig, serve_until_stopped
     from kvindex.service.readiness import ReadinessConfig
 
+    try:  # checked first: a wrong flag is one line, before logging is set up or anything starts
+        costs = cost_config(dict(args.cost), calibrate=args.calibration)
+    except ValueError as exc:
+        print(f"kvindex serve: error: argument --cost: {exc}", file=sys.stderr)
+        return 2
     configure_logging(args.log_format, args.log_level)
     try:
         nats = NatsSettings.from_args(args)  # None: embedded nats-server
@@ -658,7 +676,7 @@ def _serve(args: argparse.Namespace) -> int:
         policy_options=check_policy_options(args.policy_option),
         router=RankerConfig(
             predicted_ttl=args.predicted_ttl,
-            costs=CostConfig(calibrate=args.calibration),
+            costs=costs,
             seed=args.seed,
             pick=args.pick,
             temperature=args.temperature if args.pick == "softmax" else 0.0,
@@ -680,24 +698,38 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"kvindex serve: {exc}", file=sys.stderr)
         return 2
 
-    async def main(stop: Stop) -> int:
+    def start_failed(exc: Exception) -> int | None:
+        """A start error the user can fix, logged before the stop's own lines; exit code 2."""
         from kvindex.api.listen import ListenError
 
-        try:
-            await serve_until_stopped(service, stop)
-        except (NatsConfigError, NatsConnectError) as exc:
+        if isinstance(exc, (NatsConfigError, NatsConnectError)):
             structlog.get_logger("kvindex").error("nats_connect_failed", error=str(exc))
             return 2
-        except ListenError as exc:
+        if isinstance(exc, ListenError):
             flag = _LISTEN_FLAGS.get(exc.what, "")
             structlog.get_logger("kvindex").error(
                 "listen_failed", error=f"{exc} (choose another with {flag})"
             )
             return 2
-        return 0
+        return None
+
+    async def main(stop: Stop) -> int:
+        return await serve_until_stopped(service, stop, start_failed)
 
     # SIGTERM/SIGINT/SIGHUP or the parent's exit stop it within the grace (docs/deploy.md).
     return run(main, grace=config.shutdown_grace + CLEANUP_BUDGET, name="kvindex-serve")
+
+
+def parse_cost_option(text: str) -> tuple[str, float]:
+    """``NAME=VALUE`` -> (name, value); names and ranges are checked by ``cost_config``."""
+    name, eq, raw = text.partition("=")
+    try:
+        value = float(raw)
+    except ValueError:
+        value = math.nan
+    if not eq or not name.strip() or math.isnan(value):
+        raise argparse.ArgumentTypeError(f"expected NAME=NUMBER (e.g. step_ms=6.1), got {text!r}")
+    return name.strip(), value
 
 
 def parse_policy_option(text: str) -> tuple[str, str, Any]:

@@ -9,9 +9,13 @@ It starts `kvindex serve` (which starts its embedded nats-server), a fleet of si
 engines publishing real KV events and heartbeats through the worker publisher, and a traffic driver
 that replays the Mooncake conversation trace: every request is routed by the real gRPC `Score`
 (policy `ttft`, committed), sent to the simulated instance it chose, and released at first token and
-at the end. The dashboard shows, per instance, what the index knows (blocks per tier, load, seq and
-epoch, repairs) and, overall, the trace's progress, the load and whether the fleet keeps up, hit
-rate, estimated vs simulated TTFT and decisions per second.
+at the end. The dashboard shows, per instance, what the index knows (blocks per tier, load, seq,
+epoch as the publisher's start time, repairs) and, overall, the trace's progress, length and end,
+the offered and served rates as measured next to the trace's average, whether the fleet keeps up,
+hit rate, estimated vs simulated TTFT over the last 30 s and decisions per second, and a legend.
+The index prices the simulated engines' own costs (``index_costs``, ``kvindex serve --cost``):
+with its default, a 70B model on 8 GPUs, the first estimates of these 8B engines were 4x their TTFT
+until calibration replaced it (``--costs default`` shows that).
 
 The default load, the trace at 2.5x its rate, is one the 8 instances serve with TTFT routing (in the
 trace-driven simulation, `benchmarks/routing_sim.py demo`, over the whole trace: TTFT mean 0.63 s,
@@ -54,6 +58,70 @@ from kvtools.data import mooncake_trace
 MODEL = "demo-model"
 
 
+RECENT_S = 30.0  # wall seconds the measured rates and the TTFT comparison look back
+MIN_RATE_S = 3.0  # ... and at least this long before a rate is said
+
+# On screen under the numbers: what the columns and counters mean.
+LEGEND = (
+    ("epoch", "when the instance's publisher started (its epoch, Unix µs): a restart shows a new time"),
+    (
+        "gaps, replays, snapshots",
+        "gaps: event batches missed (seq jumped); replays: gaps filled from the worker's buffer; "
+        "snapshots: full state re-read, each instance every ~{interval:.0f} s (periodic "
+        "reconciliation, --reconcile-interval), or after a gap no replay could fill",
+    ),
+    (
+        "exact / over / under",
+        "the cached tokens the index predicted at the decision vs what the engine reported: equal, "
+        "more (the index over-promised), fewer",
+    ),
+    (
+        "placement reasons",
+        "home(+N): a cold prompt to its first (N-th next) rendezvous home; cache: an instance holding "
+        "its prefix was fastest; replica: a holder kept though another was faster (hot prefix); "
+        "spill(+N): holders busy, on to the prefix's next home; capped, overflow: replica limit; "
+        "fastest: no prefix (docs/scoring.md)",
+    ),
+    (
+        "TTFT estimated vs simulated",
+        "the index's estimate at the decision against the simulated engine's TTFT, same requests; "
+        "they part when queues build: requests routed later can be batched ahead (docs/scoring.md)",
+    ),
+)
+
+
+def _count_since(times: deque[float], since: float) -> int:
+    n = 0
+    for t in reversed(times):
+        if t <= since:
+            break
+        n += 1
+    return n
+
+
+def _duration(seconds: float) -> str:
+    """``1 h 02 min``, ``23 min 35 s``, ``42 s``."""
+    s = max(0, round(seconds))
+    if s >= 3600:
+        return f"{s // 3600} h {s % 3600 // 60:02d} min"
+    if s >= 60:
+        return f"{s // 60} min {s % 60:02d} s"
+    return f"{s} s"
+
+
+def epoch_label(epoch: int, now: float | None = None) -> str:
+    """An instance's epoch as its publisher's start time (the Python publisher's epoch is Unix µs):
+    ``22:52:25``, with the date when not today; other epochs (any u64 is valid) in hex."""
+    seconds = epoch / 1e6
+    now = time.time() if now is None else now
+    if not 946_684_800 <= seconds <= now + 86_400:  # 2000-01-01 to tomorrow: a Unix time in µs
+        return f"{epoch:#x}"
+    started = time.localtime(seconds)
+    if time.strftime("%Y-%m-%d", started) == time.strftime("%Y-%m-%d", time.localtime(now)):
+        return time.strftime("%H:%M:%S", started)
+    return time.strftime("%m-%d %H:%M:%S", started)
+
+
 @dataclass
 class Tally:
     routed: int = 0
@@ -63,15 +131,18 @@ class Tally:
     hit_tokens: int = 0
     errors: int = 0
     est_ms: dict[str, float] = field(default_factory=dict)
-    pairs: deque[tuple[float, float]] = field(
-        default_factory=lambda: deque(maxlen=2000)
-    )  # (est, simulated) s
+    # (wall time of the first token, estimated s, simulated s)
+    pairs: deque[tuple[float, float, float]] = field(default_factory=lambda: deque(maxlen=5000))
     decisions: deque[float] = field(default_factory=lambda: deque(maxlen=5000))  # decision times
+    sent_at: deque[float] = field(default_factory=lambda: deque(maxlen=20_000))  # every request sent
+    finished_at: deque[float] = field(default_factory=lambda: deque(maxlen=20_000))
     reasons: dict[str, int] = field(default_factory=dict)
     trace_total: int = 0  # requests the driver replays (0: still reading the trace)
     trace_span_s: float = 0.0  # arrival of the last one, simulated seconds
+    started: float = 0.0  # monotonic time of the trace's time 0 (0: not replaying yet)
+    speed: float = 1.0  # simulated seconds per wall second
     all_sent: bool = False
-    load: str = ""  # the offered load, said on screen
+    load: str = ""  # the trace's average load, said on screen
     queued: float = 0.0  # requests waiting for admission over the fleet, averaged over ~20 s
     queued_at: float = 0.0
     # Predicted against actual: the cached tokens the index predicted for each routed request, and
@@ -79,6 +150,14 @@ class Tally:
     predicted: dict[str, int] = field(default_factory=dict)
     cache_errors: deque[int] = field(default_factory=lambda: deque(maxlen=2000))
     block_size: int = 16
+    costs: str = ""  # whose costs the index prices with, said with the TTFT comparison
+    reconcile_interval: float = 60.0
+
+    def start_trace(self, shape: TraceShape, args: argparse.Namespace) -> None:
+        self.trace_total = len(shape.arrivals)
+        self.trace_span_s = shape.span
+        self.speed = args.speed
+        self.load = _offered_load(args, shape)
 
     def outcome_line(self, instances: list[Any]) -> str:
         """The index's verdicts (its outcome counters) and the recent error, for the dashboard."""
@@ -99,8 +178,128 @@ class Tally:
         recent = [t for t in self.decisions if now - t <= 5]
         return len(recent) / 5
 
+    def rates(self, now: float) -> tuple[float, float, float]:
+        """(offered, served, window): requests sent and requests finished per simulated second over
+        the last ``RECENT_S`` wall seconds (or since the replay started), both measured."""
+        if not self.started or now - self.started < MIN_RATE_S:  # a rate needs a few seconds
+            return 0.0, 0.0, 0.0
+        window = min(RECENT_S, now - self.started)
+        since = now - window
+        per = window * self.speed
+        return _count_since(self.sent_at, since) / per, _count_since(self.finished_at, since) / per, window
 
-def _spawn_service(args: argparse.Namespace) -> tuple[subprocess.Popen[str], str]:
+    def load_line(self, now: float) -> str:
+        """Measured offered and served rates, then the trace's own average."""
+        offered, served, window = self.rates(now)
+        unit = "requests/s" if self.speed == 1 else "requests per simulated s"
+        measured = (
+            f"offered {offered:.1f}, served {served:.1f} {unit} (sent and finished, last {window:.0f} s)"
+            if window
+            else "offered and served: measuring"
+        )
+        nominal = f"trace average {self.load}" if self.load else ""
+        return "; ".join(part for part in (measured, nominal) if part)
+
+    def ttft(self, now: float) -> tuple[float, float, int]:
+        """(estimated, simulated, count): mean TTFT of the first tokens of the last ``RECENT_S``."""
+        recent = [(e, s) for t, e, s in self.pairs if now - t <= RECENT_S]
+        if not recent:
+            return 0.0, 0.0, 0
+        return sum(e for e, _ in recent) / len(recent), sum(s for _, s in recent) / len(recent), len(recent)
+
+    def ttft_line(self, now: float, calibration: str = "") -> str:
+        est, sim, n = self.ttft(now)
+        if not n:
+            return "-"
+        ratio = f" (x{est / sim:.2f})" if sim > 0 else ""
+        said = "; ".join(part for part in (self.costs, calibration) if part)
+        return f"{est:.3f} s vs {sim:.3f} s{ratio}, last {RECENT_S:.0f} s, {n:,} requests" + (
+            f"; {said}" if said else ""
+        )
+
+    def progress(self, now: float) -> str:
+        """Requests sent out of the trace's, how long it lasts and when it ends."""
+        if not self.trace_total:
+            return "reading the trace"
+        wall = self.trace_span_s / self.speed
+        lasts = f"the trace lasts {_duration(self.trace_span_s)}"
+        if self.speed != 1:
+            lasts += f" simulated, {_duration(wall)} wall (--speed {self.speed:g})"
+        if not self.started:
+            return f"starting; {lasts}"
+        if not self.all_sent:
+            left = wall - (now - self.started)
+            done = self.routed + self.errors
+            return (
+                f"{done:,} of {self.trace_total:,} requests sent ({done / self.trace_total:.0%}); "
+                f"{lasts}, last request in {_duration(left)}"
+            )
+        if self.finished < self.routed:
+            return f"all {self.trace_total:,} requests sent; {self.routed - self.finished:,} still running"
+        return f"done: all {self.trace_total:,} requests finished (Ctrl-C to quit)"
+
+
+@dataclass(frozen=True)
+class TraceShape:
+    """What the dashboard says of the trace before the driver has read it (keys and all, ~2 s):
+    per request its prompt and output tokens and its arrival, simulated seconds."""
+
+    prompts: list[int]
+    outputs: list[int]
+    arrivals: list[float]
+
+    @classmethod
+    def read(cls, path: str, limit: int | None, time_scale: float) -> TraceShape:
+        from workers_shim.sim.trace import mooncake_rows
+
+        rows = list(mooncake_rows(path, limit))
+        return cls(
+            [int(r["input_length"]) for r in rows],
+            [max(1, int(r["output_length"])) for r in rows],
+            # as workers_shim.sim.trace.mooncake_requests
+            [r["timestamp"] / 1000.0 * time_scale for r in rows],
+        )
+
+    @property
+    def span(self) -> float:
+        """Simulated seconds from the trace's start to its last arrival."""
+        return self.arrivals[-1] if self.arrivals else 0.0
+
+
+def index_costs(profile_name: str, cfg: Any, shape: TraceShape) -> dict[str, float]:
+    """``kvindex serve --cost`` values that describe the simulated engines in the index's terms, so
+    that its TTFT estimate prices what they do (issue 31: with its default, a 70B model on 8 GPUs,
+    the first estimates of these 8B engines were 4x their TTFT until calibration took over).
+
+    The engine prefills ``n`` tokens after ``s`` in one step of ``a + b·n + c·n·(s + (n+1)/2)`` ms
+    (workers_shim/sim/timemodel.py), chunk after chunk; the index's prefill is ``a + b·miss +
+    c·miss·L``. So: ``a`` as is, ``b`` plus the next chunks' ``a`` spread over their tokens, and ``c``
+    halved (exact for a cold prompt; the trace's prompts mostly are: on its prompts, cold, a quarter
+    or half cached, 4 % off on average). A decoding request costs each step ``d + e·`` its context
+    (the trace's mean: its prompt and half its output); fetches cost the profile's KV bytes over its
+    links. Calibration then fits ``a``, ``b``, ``c`` from the engines' samples as in production."""
+    from workers_shim.sim.timemodel import PROFILES
+
+    tm = cfg.time
+    n = max(1, len(shape.prompts))
+    context = (sum(shape.prompts) + sum(shape.outputs) / 2) / n
+    profile = PROFILES[profile_name]
+    links = profile.link_gbps
+    return {
+        "prefill_a_ms": tm.a_ms,
+        "prefill_b_ms_per_token": tm.b_ms_per_token + tm.a_ms / cfg.max_batched_tokens,
+        "prefill_c_ms_per_token2": tm.c_ms_per_token2 / 2,
+        "chunk_tokens": cfg.max_batched_tokens,
+        "step_ms": tm.a_ms,
+        "decode_ms_per_seq": tm.d_ms_per_decode_seq + tm.e_ms_per_decode_ctx * context,
+        "kv_bytes_per_token": profile.kv_bytes_per_token,
+        "pcie_gbps": links["cpu"],
+        "disk_gbps": links["disk"],
+        "network_gbps": links["shared"],
+    }
+
+
+def _spawn_service(args: argparse.Namespace, costs: dict[str, float]) -> tuple[subprocess.Popen[str], str]:
     port = args.grpc_port or free_port()
     exe = str(Path(sys.executable).with_name("kvindex"))
     cmd = [
@@ -119,6 +318,8 @@ def _spawn_service(args: argparse.Namespace) -> tuple[subprocess.Popen[str], str
         "--shutdown-grace",
         "1",  # our own calls are over by the time we stop it
     ]
+    for name, value in costs.items():
+        cmd += ["--cost", f"{name}={value:.6g}"]
     proc = subprocess.Popen(
         cmd,
         stderr=subprocess.PIPE,
@@ -182,11 +383,8 @@ async def _drive(
         time_scale=args.time_scale,
         id_prefix="demo-",
     )
-    tally.trace_total = len(reqs)
-    tally.trace_span_s = reqs[-1].arrival if reqs else 0.0
-    tally.load = _offered_load(args, reqs)
     speed = args.speed
-    start = time.monotonic()
+    start = tally.started = time.monotonic()
     for req in reqs:
         if stop.requested:
             return
@@ -196,6 +394,7 @@ async def _drive(
                 await asyncio.wait_for(stop.wait(), delay)
             if stop.requested:
                 return
+        tally.sent_at.append(time.monotonic())
         try:
             reply = await stub.Score(
                 pb.ScoreRequest(
@@ -227,17 +426,16 @@ async def _drive(
     tally.all_sent = True
 
 
-def _offered_load(args: argparse.Namespace, reqs: list[Any]) -> str:
-    """What the replayed trace offers, per simulated second, over the whole replay."""
-    where = f"trace x{1 / args.time_scale:.1f} (--time-scale {args.time_scale:g})"
-    if len(reqs) < 2 or reqs[-1].arrival <= 0:
+def _offered_load(args: argparse.Namespace, shape: TraceShape) -> str:
+    """What the replayed trace offers, per simulated second, on average over the whole replay."""
+    where = f"x{1 / args.time_scale:.1f} (--time-scale {args.time_scale:g})"
+    span, n = shape.span, len(shape.arrivals)
+    if n < 2 or span <= 0:
         return where
-    span = reqs[-1].arrival
-    tokens = sum(r.prompt_tokens for r in reqs)
-    per_instance = len(reqs) / span / args.instances
+    per_instance = n / span / args.instances
     return (
-        f"{where}: {len(reqs) / span:.1f} requests/s, {tokens / span / 1000:,.0f}k prompt tokens/s "
-        f"({per_instance:.2f} requests/s per instance)"
+        f"{n / span:.1f} requests/s, {sum(shape.prompts) / span / 1000:,.0f}k prompt tokens/s "
+        f"({per_instance:.2f} requests/s per instance) at {where}"
     )
 
 
@@ -264,16 +462,6 @@ def _fleet_state(instances: list[Any], tally: Tally) -> str:
     return f"{state} ({waiting} waiting now, {tally.queued:.0f} on average; mean KV use {kv:.0%})"
 
 
-def _progress(tally: Tally) -> str:
-    if not tally.trace_total:
-        return "reading the trace"
-    if not tally.all_sent:
-        return f"{tally.routed:,} of {tally.trace_total:,} requests sent"
-    if tally.finished < tally.routed:
-        return f"all {tally.trace_total:,} requests sent; {tally.routed - tally.finished:,} still running"
-    return f"done: all {tally.trace_total:,} requests finished (Ctrl-C to quit)"
-
-
 async def _release(stub: pb_grpc.KvIndexStub, request: pb.ReleaseRequest) -> None:
     # A release the service cannot take (it is stopping) loses nothing: its ledger entry expires.
     with contextlib.suppress(grpc.aio.AioRpcError):
@@ -289,7 +477,7 @@ def _on_completion(tally: Tally, stub: pb_grpc.KvIndexStub, pending: set[asyncio
             tally.hit_tokens += c.hit_tokens
             est = tally.est_ms.pop(rid, None)
             if est is not None:
-                tally.pairs.append((est / 1000, c.ttft))
+                tally.pairs.append((time.monotonic(), est / 1000, c.ttft))
             cached = c.reported_cached_tokens  # as vLLM's usage.prompt_tokens_details.cached_tokens
             predicted = tally.predicted.pop(rid, None)
             if predicted is not None:
@@ -304,6 +492,7 @@ def _on_completion(tally: Tally, stub: pb_grpc.KvIndexStub, pending: set[asyncio
             )
         else:
             tally.finished += 1
+            tally.finished_at.append(time.monotonic())
             request = pb.ReleaseRequest(request_id=rid, phase="finished")
         task = asyncio.get_running_loop().create_task(_release(stub, request))
         pending.add(task)
@@ -319,59 +508,94 @@ def _clock(elapsed: float, speed: float) -> str:
     return f"simulated {elapsed * speed:.0f} s (wall {elapsed:.0f} s, --speed {speed:g})"
 
 
+INSTANCE_COLUMNS = (
+    "instance",
+    "gpu\nblocks",
+    "cpu\nblocks",
+    "running/\nwaiting",
+    "kv\nuse",
+    "seq",
+    "epoch\n(started)",
+    "gaps/\nrestarts",
+    "exact/\nover/under",
+    "state",
+)
+
+
+def instance_row(i: Any) -> tuple[str, ...]:
+    """One instance (``InstanceInfo``) under ``INSTANCE_COLUMNS``."""
+    return (
+        i.instance_id,
+        f"{i.blocks.gpu:,}",
+        f"{i.blocks.cpu:,}",
+        f"{i.load.running}/{i.load.waiting}",
+        f"{i.load.kv_usage:.0%}",
+        str(i.last_seq),
+        epoch_label(i.epoch),
+        f"{i.gaps}/{i.restarts}",
+        f"{i.outcomes_exact:,}/{i.outcomes_over:,}/{i.outcomes_under:,}",
+        ("stale " if i.stale else "") + i.state + ("" if i.sync == "synced" else f" ({i.sync})"),
+    )
+
+
+def calibration_state(instances: list[Any]) -> str:
+    """Which prefill model ranks the instances (``InstanceInfo.prefill.source``), in words."""
+    engines = [i for i in instances if not i.pool]
+    if not engines:
+        return ""
+    fitted = sum(1 for i in engines if i.prefill.source not in ("", "default"))
+    if not fitted:
+        return "prefill model: the configured one (no fit from the engines' samples did better yet)"
+    return f"prefill model calibrated from the engines' samples on {fitted} of {len(engines)} instances"
+
+
+def repairs_line(stats: Any, interval: float) -> str:
+    """The repair counters, saying where snapshots without gaps come from."""
+    why = f" (periodic: each instance every ~{interval:.0f} s)" if stats.snapshots_applied else ""
+    return (
+        f"gaps {stats.gaps}, replays {stats.replays_ok}, snapshots {stats.snapshots_applied}{why}, "
+        f"rejects {stats.rejects_total}"
+    )
+
+
+def legend(interval: float) -> list[tuple[str, str]]:
+    return [(name, text.format(interval=interval)) for name, text in LEGEND]
+
+
 def _render(
-    instances: list[Any], stats: Any, tally: Tally, events_per_s: float, elapsed: float, speed: float = 1.0
+    instances: list[Any],
+    stats: Any,
+    tally: Tally,
+    events_per_s: float,
+    elapsed: float,
+    speed: float = 1.0,
+    now: float | None = None,
 ) -> Any:
     from rich.console import Group
     from rich.table import Table
 
+    now = time.monotonic() if now is None else now
     t = Table(title=f"kvindex demo — {_clock(elapsed, speed)}", expand=True)
-    for col in (
-        "instance",
-        "gpu blocks",
-        "cpu blocks",
-        "running",
-        "waiting",
-        "kv use",
-        "seq",
-        "epoch",
-        "gaps",
-        "restarts",
-        "exact/over/under",
-        "state",
-    ):
-        t.add_column(col, justify="right" if col not in ("instance", "state") else "left")
+    # Two-line headers and paired columns keep the table within ~105 columns; no value is ever cut
+    # (an epoch cut to its last digits read as another number).
+    for col in INSTANCE_COLUMNS:
+        left = col in ("instance", "state")
+        t.add_column(col, justify="left" if left else "right", no_wrap=col != "state")
     for i in instances:
-        if i.pool:
-            continue
-        t.add_row(
-            i.instance_id,
-            f"{i.blocks.gpu:,}",
-            f"{i.blocks.cpu:,}",
-            str(i.load.running),
-            str(i.load.waiting),
-            f"{i.load.kv_usage:.0%}",
-            str(i.last_seq),
-            str(i.epoch % 100000),
-            str(i.gaps),
-            str(i.restarts),
-            f"{i.outcomes_exact}/{i.outcomes_over}/{i.outcomes_under}",
-            ("stale " if i.stale else "") + i.state + ("" if i.sync == "synced" else f" ({i.sync})"),
-        )
-    pairs = list(tally.pairs)
-    est = sum(p[0] for p in pairs) / len(pairs) if pairs else 0.0
-    sim = sum(p[1] for p in pairs) / len(pairs) if pairs else 0.0
+        if not i.pool:
+            t.add_row(*instance_row(i))
     hit = tally.hit_tokens / tally.prompt_tokens if tally.prompt_tokens else 0.0
     o = Table(show_header=False, expand=True)
-    o.add_row("trace", _progress(tally))
-    o.add_row("load", "; ".join(s for s in (tally.load, _fleet_state(instances, tally)) if s) or "-")
+    o.add_row("trace", tally.progress(now))
+    o.add_row("load", tally.load_line(now) or "-")
+    o.add_row("fleet", _fleet_state(instances, tally) or "-")
     o.add_row(
         "requests routed / first tokens / finished",
         f"{tally.routed:,} / {tally.first_tokens:,} / {tally.finished:,}",
     )
-    o.add_row("decisions/s", f"{tally.decisions_per_s(time.monotonic()):.1f}")
+    o.add_row("decisions/s", f"{tally.decisions_per_s(now):.1f}")
     o.add_row("prefix hit rate (tokens)", f"{hit:.1%}")
-    o.add_row("TTFT estimated vs simulated (mean, recent)", f"{est:.3f} s vs {sim:.3f} s")
+    o.add_row("TTFT estimated vs simulated (mean)", tally.ttft_line(now, calibration_state(instances)))
     o.add_row("cached tokens predicted vs engine", tally.outcome_line(instances))
     o.add_row(
         "placement reasons",
@@ -382,22 +606,32 @@ def _render(
         f"{stats.distinct_blocks.gpu:,} gpu / {stats.distinct_blocks.cpu:,} cpu blocks, "
         f"{events_per_s:,.0f} events/s applied",
     )
-    o.add_row(
-        "repairs",
-        f"gaps {stats.gaps}, replays {stats.replays_ok}, snapshots {stats.snapshots_applied}, "
-        f"rejects {stats.rejects_total}",
-    )
-    return Group(t, o)
+    o.add_row("repairs", repairs_line(stats, tally.reconcile_interval))
+    keys = Table(show_header=False, expand=True, box=None, title="legend", title_style="dim")
+    for name, text in legend(tally.reconcile_interval):
+        keys.add_row(f"[dim]{name}[/dim]", f"[dim]{text}[/dim]")
+    return Group(t, o, keys)
 
 
 async def run(args: argparse.Namespace, stop: Stop, tally: Tally) -> None:
+    from kvindex.repair.nats_repair import RepairConfig
     from workers_shim.sim import EngineConfig
     from workers_shim.sim.fleet import run_fleet
 
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
     if args.duration:
         asyncio.get_running_loop().call_later(args.duration, stop.request, "duration")
-    proc, address = _spawn_service(args)
+    cfg = EngineConfig.from_profile(args.profile, args.block_size, cpu_blocks=args.cpu_blocks)
+    shape = TraceShape.read(args.trace, args.limit, args.time_scale)
+    tally.start_trace(shape, args)
+    costs = index_costs(args.profile, cfg, shape) if args.costs == "engines" else {}
+    tally.costs = (
+        "the index prices these engines' own costs"
+        if costs
+        else "the index's default costs (a 70B model on 8 GPUs) until calibrated"
+    )
+    tally.reconcile_interval = RepairConfig().reconcile_interval  # what serve runs with here
+    proc, address = _spawn_service(args, costs)
     pending: set[asyncio.Task[Any]] = set()
     fleet = None
     try:
@@ -406,7 +640,6 @@ async def run(args: argparse.Namespace, stop: Stop, tally: Tally) -> None:
             return
         async with grpc.aio.insecure_channel(address) as channel:
             stub = pb_grpc.KvIndexStub(channel)
-            cfg = EngineConfig.from_profile(args.profile, args.block_size, cpu_blocks=args.cpu_blocks)
             fleet = await stop.run_or_stop(
                 run_fleet(
                     nats_url,
@@ -464,19 +697,24 @@ async def _watch(args: argparse.Namespace, stub: pb_grpc.KvIndexStub, tally: Tal
             rate = (events - last_events) / max(now - last_t, 1e-6)
             last_events, last_t = events, now
             if live is not None:
-                live.update(_render(list(listed.instances), stats, tally, rate, now - started, args.speed))
+                live.update(
+                    _render(list(listed.instances), stats, tally, rate, now - started, args.speed, now)
+                )
             else:
                 if tally.load and not load_said:
-                    print(f"load: {tally.load}", flush=True)
+                    print(f"load: trace average {tally.load}; {tally.progress(now)}", flush=True)
                     load_said = True
-                pairs = list(tally.pairs)
-                est = sum(p[0] for p in pairs) / len(pairs) if pairs else 0.0
-                sim = sum(p[1] for p in pairs) / len(pairs) if pairs else 0.0
+                est, sim, _n = tally.ttft(now)
+                offered, served, window = tally.rates(now)
+                rates = "offered -/s served -/s"  # too early to say
+                if window:
+                    rates = f"offered {offered:.1f}/s served {served:.1f}/s"
                 hit = tally.hit_tokens / tally.prompt_tokens if tally.prompt_tokens else 0.0
                 print(
-                    f"[{now - started:5.0f} s wall] {_progress(tally)}: "
+                    f"[{now - started:5.0f} s wall] {tally.progress(now)}: "
                     f"routed {tally.routed} first tokens {tally.first_tokens} "
-                    f"hit {hit:.1%} ttft est {est:.3f}s sim {sim:.3f}s "
+                    f"{rates} "
+                    f"hit {hit:.1%} ttft est {est:.3f}s sim {sim:.3f}s (last {RECENT_S:.0f} s) "
                     f"{tally.decisions_per_s(now):.1f} decisions/s {rate:,.0f} events/s gaps {stats.gaps} "
                     f"predicted vs engine: {tally.outcome_line(list(listed.instances))}; "
                     f"{_fleet_state(list(listed.instances), tally)}",
@@ -505,6 +743,14 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         help="model and hardware each instance simulates (time model and GPU KV capacity)",
     )
     p.add_argument("--block-size", type=int, default=16, help="KV block size in tokens (as vLLM's)")
+    p.add_argument(
+        "--costs",
+        choices=("engines", "default"),
+        default="engines",
+        help="what the index's TTFT estimate prices: the simulated engines' own costs (kvindex serve "
+        "--cost, derived from --profile), or its default, a 70B model on 8 GPUs, until calibration "
+        "takes over (docs/scoring.md)",
+    )
     p.add_argument("--cpu-blocks", type=int, default=50_000, help="CPU offload tier per instance (0: none)")
     p.add_argument(
         "--trace",

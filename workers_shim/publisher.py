@@ -356,9 +356,12 @@ class Publisher(WorkerLog):
         (kvindex/config/nats.py). Raises NatsConnectError when no server accepts the connection.
         """
         log = structlog.get_logger("workers_shim.publisher")
+        pub: Publisher | None = None
 
         async def on_error(exc: Exception) -> None:
-            log.warning("nats_error", error=str(exc), error_type=type(exc).__name__)
+            closing = pub is not None and pub._closed  # our own close: expected, info
+            say = log.info if closing else log.warning
+            say("nats_error", error=str(exc), error_type=type(exc).__name__, closing=closing)
 
         nc = await nats_connect(
             nats_settings,

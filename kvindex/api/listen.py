@@ -11,6 +11,7 @@ __all__ = [
     "ROUTE_FIX",
     "ListenError",
     "address",
+    "bind_error",
     "connect_host",
     "is_loopback",
     "is_wildcard",
@@ -60,6 +61,42 @@ def address(host: str, port: int) -> str:
     """``host:port``, IPv6 hosts bracketed."""
     host = host.strip("[]")
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def bind_error(host: str, port: int) -> str | None:
+    """Why ``host:port`` cannot be bound now, in the OS's words (``Address already in use``), or None.
+
+    Asked before a server whose own failure says less: gRPC only returns "no port" and its C core
+    writes an ``E... add_port.cc`` line of its own to stderr, ahead of our error. Binds like gRPC
+    (SO_REUSEADDR, no SO_REUSEPORT; a wildcard is 0.0.0.0 or dual-stack ``::``; a name is fine when
+    one of its addresses binds). Port 0 always binds. Another program can still take the port
+    between this check and the real bind: the server's own failure then says so, as before.
+    """
+    if port == 0:
+        return None
+    bare = host.strip("[]")
+    candidates: list[tuple[int, tuple[Any, ...]]]
+    if bare == "::":
+        candidates = [(socket.AF_INET6, ("::", port))]
+    elif is_wildcard(host):
+        candidates = [(socket.AF_INET, ("0.0.0.0", port))]
+    else:
+        try:
+            infos = socket.getaddrinfo(bare, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        except (socket.gaierror, UnicodeError) as exc:
+            return f"cannot resolve {bare!r} ({exc})"
+        candidates = [(family, sockaddr[:2]) for family, _type, _proto, _name, sockaddr in infos]
+    reason = None
+    for family, sockaddr in candidates:
+        with socket.socket(family, socket.SOCK_STREAM) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                probe.bind(sockaddr)
+            except OSError as exc:
+                reason = reason or exc.strerror or str(exc)
+                continue
+        return None
+    return reason
 
 
 def reachable_host(host: str) -> str:

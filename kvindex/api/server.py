@@ -60,6 +60,10 @@ class GrpcPort:
         raise NotImplementedError
 
     async def start(self) -> None:
+        # Checked first: gRPC's own failure says only "no port", after a C-core line on stderr.
+        reason = listen.bind_error(self.host, self.requested_port)
+        if reason is not None:
+            raise listen.ListenError(self.what, listen.address(self.host, self.requested_port), reason)
         server = self.security.new_server(options=list(self.options))
         self.register(server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
@@ -68,7 +72,7 @@ class GrpcPort:
         except RuntimeError:  # grpcio >= 1.6x raises where older ones returned 0
             self.port = 0
         if not self.port:
-            # gRPC says only that it failed (its C core logs why): taken port or foreign host.
+            # Taken since the check (gRPC says only that it failed; its C core logs why).
             raise listen.ListenError(
                 self.what,
                 listen.address(self.host, self.requested_port),

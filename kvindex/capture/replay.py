@@ -39,6 +39,7 @@ from kvindex.ingest.limits import limits_from_meta
 from kvindex.instance import InstanceKey
 from kvindex.repair.machine import SNAPSHOT
 from kvindex.scoring.base import DECODE_ROLE, RouteRequest, prompt_length
+from kvindex.scoring.costs import cost_config_of
 from kvindex.scoring.ranker import RankerConfig
 from kvindex.v1 import kvindex_pb2 as pb
 from kvindex.wire.reconcile import Snapshot
@@ -228,6 +229,7 @@ class Replayer:
         config.pick = str(router_meta.get("pick", config.pick))
         config.temperature = float(router_meta.get("temperature", config.temperature))
         config.warmup = float(router_meta.get("warmup", config.warmup))
+        config.costs = cost_config_of(router_meta.get("costs"))  # serve --cost, --no-calibration
         self.core = build_core(
             CoreConfig(
                 clock=self.clock,

@@ -80,6 +80,7 @@ class NatsSource:
         self.tap: Callable[[str, bytes, float], None] | None = None
         # Called when the connection drops or comes back (the service re-evaluates readiness).
         self.on_connection_change: Callable[[], None] | None = None
+        self._closing = False  # stop() began: the disconnection that follows is ours
 
     async def start(self) -> None:
         self.nc = await nats_connect(
@@ -193,10 +194,13 @@ class NatsSource:
         # snapshot/replay requests between other parties are not ours to handle.
 
     async def _on_error(self, exc: Exception) -> None:
-        self.log.warning("nats_error", error=str(exc), error_type=type(exc).__name__)
+        # Our own orderly close (stop) is expected: info. Anything else is worth a warning.
+        say = self.log.info if self._closing else self.log.warning
+        say("nats_error", error=str(exc), error_type=type(exc).__name__, closing=self._closing)
 
     async def _on_disconnected(self) -> None:
-        self.log.warning("nats_disconnected", url=self.url)
+        say = self.log.info if self._closing else self.log.warning
+        say("nats_disconnected", url=self.url, closing=self._closing)
         if self.on_connection_change is not None:
             self.on_connection_change()
 
@@ -212,5 +216,6 @@ class NatsSource:
 
     async def stop(self, timeout: float = 2.0) -> None:
         """Drain and close within ``timeout`` whatever the connection's state (kvindex/lifecycle)."""
+        self._closing = True
         nc, self.nc = self.nc, None
         await close_nats(nc, timeout, log=self.log)

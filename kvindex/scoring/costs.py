@@ -11,7 +11,11 @@ these functions on random inputs; a change here is a change to all of them.
 
 from __future__ import annotations
 
+import dataclasses
+import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass(frozen=True, slots=True)
@@ -166,3 +170,74 @@ def weighted_cost(est_ms: float, prefill_ms: float, fetch_ms: float, k: float) -
     estimate plus ``k`` times the engine work the request adds (its prefill and fetch), which every
     request queued after it waits for; the estimate itself when ``k`` is 0."""
     return est_ms + k * (prefill_ms + fetch_ms) if k else est_ms
+
+
+# ``kvindex serve --cost NAME=VALUE``: the estimate's parameters for the engines an index serves,
+# instead of the defaults above (a Llama-3-70B class model on 8 GPUs). name -> (part, field).
+COST_PARAMETERS: dict[str, tuple[str, str]] = {
+    "prefill_a_ms": ("prefill", "a_ms"),
+    "prefill_b_ms_per_token": ("prefill", "b_ms_per_token"),
+    "prefill_c_ms_per_token2": ("prefill", "c_ms_per_token2"),
+    "chunk_tokens": ("engine", "chunk_tokens"),
+    "step_ms": ("engine", "step_ms"),
+    "decode_ms_per_seq": ("engine", "decode_ms_per_seq"),
+    "kv_bytes_per_token": ("kv", "kv_bytes_per_token"),
+    "pcie_gbps": ("kv", "pcie_gbps"),
+    "disk_gbps": ("kv", "disk_gbps"),
+    "network_gbps": ("kv", "network_gbps"),
+}
+# Divisors and step sizes: 0 would divide by zero or never end.
+_POSITIVE = frozenset({"chunk_tokens", "kv_bytes_per_token", "pcie_gbps", "disk_gbps", "network_gbps"})
+
+
+def cost_config(options: Mapping[str, float], calibrate: bool = True) -> CostConfig:
+    """The defaults with ``options`` (``COST_PARAMETERS`` names -> values) in their place; ValueError
+    names an unknown parameter or a value out of range. ``prefill_*`` is the model every instance is
+    ranked with until calibration replaces it (and the prior calibration starts from)."""
+    parts: dict[str, dict[str, Any]] = {"prefill": {}, "engine": {}, "kv": {}}
+    for name, value in options.items():
+        if name not in COST_PARAMETERS:
+            raise ValueError(f"unknown cost parameter {name!r} (one of {', '.join(COST_PARAMETERS)})")
+        if not math.isfinite(value) or value < 0 or (name in _POSITIVE and value <= 0):
+            bound = "> 0" if name in _POSITIVE else ">= 0"
+            raise ValueError(f"{name} must be a finite number {bound}, got {value:g}")
+        if name == "chunk_tokens":
+            if value != int(value):
+                raise ValueError(f"chunk_tokens must be a whole number of tokens, got {value:g}")
+            value = int(value)
+        part, attr = COST_PARAMETERS[name]
+        parts[part][attr] = value
+    return CostConfig(
+        fetch=FetchCosts.from_profile(KvProfile(**parts["kv"])),
+        engine=EngineShape(**parts["engine"]),
+        default_prefill=dataclasses.replace(DEFAULT_PREFILL, **parts["prefill"]),
+        calibrate=calibrate,
+    )
+
+
+def cost_parameters(config: CostConfig) -> dict[str, Any]:
+    """What a ``CostConfig`` prices with, as plain values (a capture's header, from which a replay
+    rebuilds it with ``cost_config_of``)."""
+    p, e = config.default_prefill, config.engine
+    return {
+        "prefill": [p.a_ms, p.b_ms_per_token, p.c_ms_per_token2],
+        "engine": [e.chunk_tokens, e.step_ms, e.decode_ms_per_seq],
+        "fetch_ms_per_token": list(config.fetch.per_token_ms),
+        "drain_reported_queue": config.drain_reported_queue,
+        "calibrate": config.calibrate,
+    }
+
+
+def cost_config_of(data: Mapping[str, Any] | None) -> CostConfig:
+    """``cost_parameters``' inverse; the defaults for what ``data`` lacks (logs written before)."""
+    d = {**cost_parameters(CostConfig()), **(data or {})}
+    a, b, c = (float(x) for x in d["prefill"])
+    chunk, step, decode = d["engine"]
+    gpu, cpu, disk, pool = (float(x) for x in d["fetch_ms_per_token"])
+    return CostConfig(
+        fetch=FetchCosts((gpu, cpu, disk, pool)),
+        engine=EngineShape(int(chunk), float(step), float(decode)),
+        default_prefill=PrefillModel(a, b, c),
+        drain_reported_queue=bool(d["drain_reported_queue"]),
+        calibrate=bool(d["calibrate"]),
+    )

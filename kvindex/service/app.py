@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import dataclasses
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,6 +40,7 @@ from kvindex.routing_sync.metrics import SyncCollector
 from kvindex.routing_sync.nats_link import NatsRoutingLink
 from kvindex.routing_sync.sync import RoutingSync, SyncConfig
 from kvindex.scoring.admission import AdmissionConfig, ObjectiveDefaults
+from kvindex.scoring.costs import cost_parameters
 from kvindex.scoring.ranker import RankerConfig
 from kvindex.security import ServerSecurity
 from kvindex.service.calibration_store import CalibrationStore
@@ -121,6 +123,7 @@ def _capture_meta(config: ServiceConfig) -> dict[str, Any]:
             "pick": config.router.pick,
             "temperature": config.router.temperature,
             "warmup": config.router.warmup,
+            "costs": cost_parameters(config.router.costs),
         },
         limits=dataclasses.asdict(config.limits),
     )
@@ -460,10 +463,25 @@ class IndexService:
         await self.stop()
 
 
-async def serve_until_stopped(service: IndexService, stop: Stop) -> None:
-    """Start (a stop request meanwhile cancels the start), serve until asked to stop, stop cleanly."""
+async def serve_until_stopped(
+    service: IndexService,
+    stop: Stop,
+    on_start_failed: Callable[[Exception], int | None] | None = None,
+) -> int:
+    """Start (a stop request meanwhile cancels the start), serve until asked to stop, stop cleanly.
+
+    A start that fails goes to ``on_start_failed`` before anything is stopped, so its error is the
+    first thing said (not after ``kvindex_stopped``); its return value is the exit code (None:
+    re-raise). Returns 0 otherwise."""
     try:
-        await stop.run_or_stop(service.start())
+        try:
+            await stop.run_or_stop(service.start())
+        except Exception as exc:
+            code = on_start_failed(exc) if on_start_failed is not None else None
+            if code is None:
+                raise
+            return code
         await stop.wait()  # at once if the stop came during the start
+        return 0
     finally:
         await service.stop()

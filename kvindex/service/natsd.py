@@ -10,7 +10,10 @@ import shutil
 import socket
 import sys
 import tempfile
+import time
 from pathlib import Path
+
+import structlog
 
 from kvindex.api.listen import ListenError, address, connect_host, reachable_host
 from kvindex.lifecycle.children import die_with_parent
@@ -54,7 +57,7 @@ class EmbeddedNats:
         self.config = config
         self.scheme = scheme  # "tls" when the config requires TLS
         self._proc: asyncio.subprocess.Process | None = None
-        self._store: tempfile.TemporaryDirectory[str] | None = None
+        self._store: Path | None = None  # the JetStream store (-sd), made at the first start
 
     @property
     def url(self) -> str:
@@ -68,6 +71,8 @@ class EmbeddedNats:
         return f"{self.scheme}://{address(reachable_host(self.host), self.port)}"
 
     async def start(self, timeout: float = 10.0) -> None:
+        """Start the server; a start that fails or is cancelled leaves what it made (the process,
+        the JetStream store) to ``stop()``, which ends and removes them whatever the moment."""
         last_error = ""
         for _attempt in range(5):  # the free port can be taken between probing and binding
             port = self.port or free_port(self.host)
@@ -76,8 +81,8 @@ class EmbeddedNats:
                 args += ["-c", str(self.config)]
             if self.jetstream:
                 if self._store is None:  # kept across stop/start so a restarted server keeps streams
-                    self._store = tempfile.TemporaryDirectory(prefix="kvindex-js-")
-                args += ["-js", "-sd", self._store.name]
+                    self._store = Path(tempfile.mkdtemp(prefix="kvindex-js-"))
+                args += ["-js", "-sd", str(self._store)]
             proc = await asyncio.create_subprocess_exec(
                 *args,
                 stdout=asyncio.subprocess.DEVNULL,
@@ -85,12 +90,14 @@ class EmbeddedNats:
                 # A SIGKILLed owner leaves no orphan server holding the port (kvindex/lifecycle).
                 preexec_fn=die_with_parent(),
             )
+            # Ours from now on, ready or not: a stop during start-up (SIGTERM while the server
+            # starts) must end it and wait for it before removing the store it writes into.
+            self._proc = proc
             if await self._wait_ready(proc, port, timeout):
-                self._proc, self.port = proc, port
+                self.port = port
                 return
-            with contextlib.suppress(ProcessLookupError):
-                proc.kill()
-            await proc.wait()
+            await self._end(proc, 0.0)
+            self._proc = None
             assert proc.stderr is not None
             last_error = (await proc.stderr.read()).decode(errors="replace").strip()[-500:]
             if self.port:
@@ -144,25 +151,58 @@ class EmbeddedNats:
             proc.kill()
             await proc.wait()
 
-    async def stop(self, cleanup: bool = True, timeout: float = 5.0) -> None:
-        """Stop the server (SIGTERM, SIGKILL after ``timeout``); ``cleanup=False`` keeps the
-        JetStream store for a restart."""
-        proc, self._proc = self._proc, None
-        if proc is not None and proc.returncode is None:
+    @staticmethod
+    async def _end(proc: asyncio.subprocess.Process, timeout: float) -> None:
+        """SIGTERM (SIGKILL when ``timeout`` is 0 or runs out), then wait until it has exited."""
+        if proc.returncode is None:
             with contextlib.suppress(ProcessLookupError):
-                proc.terminate()
+                proc.terminate() if timeout > 0 else proc.kill()
             try:
-                await asyncio.wait_for(proc.wait(), timeout)
+                await asyncio.wait_for(proc.wait(), timeout or None)
             except TimeoutError:
                 with contextlib.suppress(ProcessLookupError):
                     proc.kill()
                 await proc.wait()
-        if cleanup and self._store is not None:
-            self._store.cleanup()
-            self._store = None
+
+    async def stop(self, cleanup: bool = True, timeout: float = 5.0) -> None:
+        """Stop the server (SIGTERM, SIGKILL after ``timeout``) and wait for it, whether it is
+        serving or still starting; ``cleanup=False`` keeps the JetStream store for a restart."""
+        proc, self._proc = self._proc, None
+        try:
+            if proc is not None:
+                await self._end(proc, timeout)
+        finally:
+            if proc is not None and proc.returncode is None:
+                # Cancelled while waiting (the owner's own deadline): it must not outlive us.
+                with contextlib.suppress(ProcessLookupError):
+                    proc.kill()
+            if cleanup:
+                self._remove_store()
+
+    def _remove_store(self) -> None:
+        store, self._store = self._store, None
+        if store is None:
+            return
+        for attempt in range(3):
+            try:
+                shutil.rmtree(store)
+                return
+            except FileNotFoundError:
+                return
+            except OSError as exc:  # a server SIGKILLed a moment ago may still add a file
+                if attempt == 2:
+                    structlog.get_logger("kvindex").warning(
+                        "embedded_nats_store_left", path=str(store), error=str(exc)
+                    )
+                    return
+                time.sleep(0.05)
 
     async def __aenter__(self) -> EmbeddedNats:
-        await self.start()
+        try:
+            await self.start()
+        except BaseException:
+            await self.stop()
+            raise
         return self
 
     async def __aexit__(self, *exc: object) -> None:

@@ -41,8 +41,17 @@ def test_demo_routes_requests_end_to_end() -> None:
     assert final, out.stdout
     routed, first, errors = map(int, final.groups())
     assert routed > 20 and first > 10 and errors == 0
-    # The summary lines report estimated next to simulated TTFT and the index's view.
-    assert re.search(r"ttft est \d+\.\d+s sim \d+\.\d+s", out.stdout)
+    # How long the trace lasts, said at once (issue 31), and the load as measured.
+    assert re.search(r"^load: trace average .*; .*the trace lasts \d+ (min|s)", out.stdout, re.M), out.stdout
+    rates = re.findall(r"offered (\d+\.\d)/s served (\d+\.\d)/s", out.stdout)
+    assert rates and float(rates[-1][0]) > 0 and float(rates[-1][1]) > 0, out.stdout
+    # Estimated next to simulated TTFT, on the same recent requests: they agree, the index pricing
+    # the simulated engines' own costs (with its default, a 70B model, the first estimates of these
+    # 8B engines were ~4x their TTFT, and the mean over this run's 10 s 2-3x).
+    ttft = re.findall(r"ttft est (\d+\.\d+)s sim (\d+\.\d+)s", out.stdout)
+    assert ttft, out.stdout
+    est, sim = map(float, ttft[-1])
+    assert 0.7 < est / sim < 1.4, out.stdout
     # ... and the index's verdicts on its cache predictions, checked against the engines' answers.
     verdicts = re.findall(
         r"predicted vs engine: exact (\d+\.\d)% \(([\d,]+)\), over ([\d,]+), under ([\d,]+)", out.stdout

@@ -119,10 +119,13 @@ def test_loopback_only_says_so_and_warns_about_nothing() -> None:
     [
         (["--metrics-port", "{port}"], "--metrics-host/--metrics-port"),
         (["--grpc-port", "{port}"], "--grpc-host/--grpc-port"),
+        (["--ext-proc-port", "{port}"], "--ext-proc-host/--ext-proc-port"),
         (["--embedded-nats-listen", "0.0.0.0:{port}"], "--embedded-nats-listen"),
     ],
 )
 def test_a_taken_port_is_named_with_its_flag(flags: list[str], flag: str) -> None:
+    """The error names the address, the OS's reason and the flag, and comes first: before the stop's
+    own lines, and with no line of gRPC's C core (``E... add_port.cc:...``) anywhere (issue 31)."""
     with socket.socket() as taken:
         taken.bind(("0.0.0.0", 0))
         taken.listen()
@@ -130,11 +133,18 @@ def test_a_taken_port_is_named_with_its_flag(flags: list[str], flag: str) -> Non
         argv = ["--grpc-port", "0", "--metrics-port", "-1"] + [f.format(port=port) for f in flags]
         proc = _serve(*argv)
         try:
-            failed = read_log_until(proc, "listen_failed", timeout=30)
-            assert proc.wait(15) == 2
+            _out, err = proc.communicate(timeout=30)
         finally:
             _stop(proc)
+    assert proc.returncode == 2, err
+    lines = err.splitlines()
+    assert all(line.startswith("{") for line in lines), err  # ours only: JSON records
+    events = [json.loads(line)["event"] for line in lines]
+    assert "listen_failed" in events, err
+    failed = json.loads(lines[events.index("listen_failed")])
     assert f":{port} " in failed["error"] and flag in failed["error"], failed
+    assert "address already in use" in failed["error"].lower(), failed
+    assert "kvindex_stopped" not in events[: events.index("listen_failed")], events
 
 
 async def test_embedded_nats_port_held_by_another_program() -> None:

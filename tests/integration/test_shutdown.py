@@ -18,6 +18,7 @@ import time
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import nats
 import pytest
@@ -374,6 +375,87 @@ def test_serve_sigkilled_takes_its_nats_server_along() -> None:
             proc.wait()
 
 
+def processes_naming(path: Path) -> list[int]:
+    """Running processes whose command line names ``path`` (the embedded nats-server is started
+    with ``-sd $TMPDIR/kvindex-js-...``: a test-private TMPDIR finds exactly the one a test made)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if str(path).encode() in cmdline and alive(int(entry.name)):
+            found.append(int(entry.name))
+    return found
+
+
+def stop_during_startup(work: Path, moment: str, delay: float, why: str) -> None:
+    """One round: SIGTERM ``kvindex serve`` (embedded nats-server, TMPDIR ``work``) ``delay`` s after
+    ``moment``; it must exit 0 having removed its JetStream store and reaped its nats-server."""
+    work.mkdir()
+    proc = subprocess.Popen(
+        [KVINDEX, "serve", "--grpc-host", "127.0.0.1", "--grpc-port", "0", "--metrics-port", "-1",
+         "--shutdown-grace", "1", "--log-format", "json"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1", "TMPDIR": str(work)},
+    )  # fmt: skip
+    lines = Lines(proc.stderr)
+    try:
+        if moment != "spawned":
+            wait_handlers(proc.pid)
+        if moment == "nats_spawned":  # the embedded nats-server exists: it is starting up now
+            deadline = time.monotonic() + 30
+            while not children(proc.pid) and time.monotonic() < deadline:
+                time.sleep(0.002)
+        time.sleep(delay)
+        proc.send_signal(signal.SIGTERM)
+        try:
+            code = proc.wait(timeout=GRACE + 0.5)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"{why}: still running {GRACE + 0.5}s after the signal") from None
+        # Before its handlers are installed (the first moments: imports) a SIGTERM kills it the
+        # default way; it has created nothing by then.
+        allowed = (0, -signal.SIGTERM) if moment == "spawned" else (0,)
+        assert code in allowed, f"{why}: exit code {code}; output: {lines.tail()}"
+        survivors = processes_naming(work)
+        assert not survivors, f"{why}: pids {survivors} outlived kvindex serve; output: {lines.tail()}"
+        left = sorted(p.name for p in work.iterdir())
+        assert not left, f"{why}: left {left} in its TMPDIR; output: {lines.tail()}"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        for pid in processes_naming(work):
+            os.kill(pid, signal.SIGKILL)
+
+
+def test_sigterm_during_startup_leaves_nothing_behind(tmp_path: Path) -> None:
+    """Issue 31 §3: SIGTERM at random moments of ``kvindex serve``'s start-up (as soon as it runs,
+    while its embedded nats-server starts, while it connects and binds): exit code 0, the
+    ``kvindex-js-*`` store removed and the nats-server gone by the time serve exits, every time."""
+    seed = random.randrange(1 << 30)
+    rng = random.Random(seed)
+    # (moment, delay after it). Measured on an idle machine: the nats-server is spawned ~0.6 s after
+    # serve, greets ~25 ms later, and serve serves ~12 ms after that (connect, calibration bucket,
+    # gRPC bind); five rounds spread over the first 60 ms of the server's life hit every step.
+    rounds = [("spawned", rng.uniform(0.0, 0.3)), ("handlers", rng.uniform(0.0, 0.3))]
+    rounds += [("nats_spawned", rng.uniform(i * 0.012, (i + 1) * 0.012)) for i in range(5)]
+    with ThreadPoolExecutor(len(rounds)) as pool:
+        futures = [
+            pool.submit(
+                stop_during_startup, tmp_path / str(i), moment, delay,
+                f"round {i} seed {seed}: SIGTERM {delay:.3f}s after {moment}",
+            )
+            for i, (moment, delay) in enumerate(rounds)
+        ]  # fmt: skip
+        for done in futures:
+            done.result()  # raises the round's assertion
+
+
 async def close_while_reconnecting(
     close: Callable[[nats.aio.client.Client], Awaitable[object]], rounds: int, clients: int
 ) -> list[str]:
@@ -517,3 +599,45 @@ async def test_publisher_close_is_bounded_whatever_nats_does() -> None:
             task = pub.nc._reconnection_task
             ended = pub.nc.is_closed and (task is None or task.done())
             assert ended, f"round {i}: {pub.worker}'s connection still running"
+
+
+def nats_logs(logs: list[dict[str, Any]]) -> list[tuple[str, str]]:
+    return [(r["event"], r["log_level"]) for r in logs if r["event"] in ("nats_disconnected", "nats_error")]
+
+
+async def service_and_publisher_stop(natsd: Any, server_dies: bool) -> list[tuple[str, str]]:
+    """A service and a publisher on ``natsd`` stopped in order (after killing it if
+    ``server_dies``): what they logged of their NATS connection, (event, level)."""
+    from structlog.testing import capture_logs
+
+    from kvindex.service.app import IndexService, ServiceConfig
+    from tests.conftest import wait_until
+    from workers_shim.publisher import Publisher
+
+    with capture_logs() as logs:
+        svc = IndexService(ServiceConfig(nats_url=natsd.url, grpc_host="127.0.0.1", grpc_port=0))
+        await svc.start()
+        pub = await Publisher.connect(natsd.url, worker="w", model="m", block_size=4)
+        await wait_until(lambda: len(svc.registry) == 1, what="the worker known")
+        if server_dies:
+            await natsd.kill()
+            await wait_until(lambda: nats_logs(logs) != [], what="the disconnection logged")
+        await pub.close(timeout=0.5)
+        await svc.stop(grace=0.1)
+    return nats_logs(logs)
+
+
+async def test_nats_disconnect_is_a_warning_only_when_unexpected() -> None:
+    """Issue 31: an orderly stop (the service's, a publisher's) says at info that its NATS connection
+    closed; the server going away underneath them stays a warning."""
+    from kvindex.service.natsd import EmbeddedNats
+
+    natsd = EmbeddedNats()
+    await natsd.start()
+    try:
+        said = await service_and_publisher_stop(natsd, server_dies=False)
+        assert ("nats_disconnected", "info") in said and all(lvl == "info" for _e, lvl in said), said
+        said = await service_and_publisher_stop(natsd, server_dies=True)
+        assert ("nats_disconnected", "warning") in said, said
+    finally:
+        await natsd.stop()

@@ -142,3 +142,48 @@ def test_top_k_is_checked_before_it_reaches_protobuf(capsys: pytest.CaptureFixtu
             main(["score", "--server", "127.0.0.1:1", "--model", "m", "--tokens", "1", "--top-k", value])
         assert exc.value.code == 2
         assert "kvindex score: error: argument --top-k: " in capsys.readouterr().err
+
+
+def test_cost_options_price_the_estimate_and_bad_ones_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
+    """``serve --cost NAME=VALUE`` (issue 31: the demo's simulated 8B engines were estimated with the
+    default 70B model): each value reaches the part of the estimate it names; the parameters a
+    capture records rebuild the same costs in a replay; a typo or a value out of range exits 2 naming
+    the flag, before anything starts."""
+    import argparse
+
+    from kvindex.cli import main, parse_cost_option
+    from kvindex.scoring.costs import (
+        CostConfig,
+        KvProfile,
+        cost_config,
+        cost_config_of,
+        cost_parameters,
+    )
+
+    options = dict(
+        parse_cost_option(t)
+        for t in ("prefill_a_ms=6.1", "prefill_b_ms_per_token=0.03", "step_ms=6", "chunk_tokens=4096",
+                  "decode_ms_per_seq=0.6", "kv_bytes_per_token=131072", "pcie_gbps=50")
+    )  # fmt: skip
+    costs = cost_config(options, calibrate=False)
+    assert (costs.default_prefill.a_ms, costs.default_prefill.b_ms_per_token) == (6.1, 0.03)
+    assert costs.default_prefill.c_ms_per_token2 == CostConfig().default_prefill.c_ms_per_token2
+    engine = costs.engine
+    assert (engine.chunk_tokens, engine.step_ms, engine.decode_ms_per_seq) == (4096, 6.0, 0.6)
+    assert costs.fetch.per_token_ms[1] == KvProfile(131072, 50.0).ms_per_token(50.0)
+    assert costs.fetch.per_token_ms[2] == KvProfile(131072).ms_per_token(KvProfile().disk_gbps)
+    assert not costs.calibrate
+    assert cost_config({}) == CostConfig()
+    assert cost_config_of(cost_parameters(costs)) == costs
+    assert cost_config_of(None) == CostConfig()  # a log written before costs were recorded
+    with pytest.raises(argparse.ArgumentTypeError, match="NAME=NUMBER"):
+        parse_cost_option("step_ms")
+    for bad, says in [
+        ("stepms=6", "unknown cost parameter 'stepms'"),
+        ("pcie_gbps=0", "pcie_gbps must be a finite number > 0"),
+        ("step_ms=-1", "step_ms must be a finite number >= 0"),
+        ("chunk_tokens=0.5", "chunk_tokens must be a whole number"),
+    ]:
+        assert main(["serve", "--cost", bad]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("kvindex serve: error: argument --cost: ") and says in err, err

@@ -489,6 +489,7 @@ class Bridge:
         self.ready = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
         self._stopped = asyncio.Event()
+        self._closing = False  # stop() is closing our NATS connection: its errors are expected
         # Tokens per block and who said so; None until the engine tells (no --block-size).
         self.block_size: int | None = config.block_size
         self.block_size_source = "--block-size" if config.block_size else ""
@@ -517,7 +518,9 @@ class Bridge:
         if self.nc is None:
 
             async def on_error(exc: Exception) -> None:
-                self.log.warning("nats_error", error=str(exc), error_type=type(exc).__name__)
+                closing = self._closing  # our own stop: expected, info
+                say = self.log.info if closing else self.log.warning
+                say("nats_error", error=str(exc), error_type=type(exc).__name__, closing=closing)
 
             self.nc = await nats_connect(
                 cfg.nats_url,
@@ -633,6 +636,7 @@ class Bridge:
         # many ranks stops as fast as one, whatever state NATS is in.
         await asyncio.gather(*(rank.close() for rank in self.ranks.values()), return_exceptions=True)
         if self._owns_nc:
+            self._closing = True
             await close_nats(self.nc, 2.0, log=self.log)
         self.ctx.destroy(linger=0)
         self.log.info("kvshim_stopped", stats=self.stats.snapshot())
