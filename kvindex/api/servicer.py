@@ -15,6 +15,16 @@ import numpy as np
 
 from kvindex.api.errors import BadRequest
 from kvindex.api.handlers import Malformed
+from kvindex.api.methods import (
+    COMMIT_METHOD,
+    LABELS,
+    LIST_INSTANCES,
+    LOOKUP,
+    RELEASE_METHOD,
+    SCORE,
+    STATS,
+    Method,
+)
 from kvindex.fleet.registry import InstanceState, Registry
 from kvindex.index.base import NO_MATCH, KvBlockIndex
 from kvindex.instance import InstanceKey
@@ -187,10 +197,8 @@ class KvIndexServicer(pb_grpc.KvIndexServicer):
         # instance -> (load it was built from, instance_id, endpoint, RankedInstance with the
         # invariant fields)
         self._invariant: dict[InstanceKey, tuple[object, str, str | None, pb.RankedInstance]] = {}
-        self._latency = {
-            name: metrics.rpc_latency.labels(name) if metrics else None
-            for name in ("Score", "Lookup", "ListInstances", "Stats", "Commit", "Release")
-        }
+        # One histogram child per label of the method table (kvindex/api/methods.py).
+        self._latency = {label: metrics.rpc_latency.labels(label) if metrics else None for label in LABELS}
 
     # -- request decoding ----------------------------------------------------------------------
 
@@ -280,8 +288,11 @@ class KvIndexServicer(pb_grpc.KvIndexServicer):
         await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         raise AssertionError("unreachable")  # context.abort raises
 
-    def _observe(self, method: str, started: float) -> None:
-        hist = self._latency[method]
+    def _done(self, method: Method, request: Any, response: Any, started: float) -> None:
+        """A call answered (``started``: its perf_counter at the start): timed under the method's
+        label. The recording servicer (kvindex/capture/recorder.py) also records the calls that
+        changed routing state here."""
+        hist = self._latency[method.label]
         if hist is not None:
             hist.observe(time.perf_counter() - started)
 
@@ -311,7 +322,7 @@ class KvIndexServicer(pb_grpc.KvIndexServicer):
             prompt_tokens=prompt.tokens,
             pick=pick,
         )
-        self._observe("Score", started)
+        self._done(SCORE, request, response, started)
         return response
 
     def pick_options(self, request: pb.ScoreRequest) -> PickOptions:
@@ -453,8 +464,9 @@ class KvIndexServicer(pb_grpc.KvIndexServicer):
                 request.model, prompt.keys, prompt.tokens, prompt.block_size, request.request_id
             )
             ok = self.router.commit(route, (worker, int(rank)))
-        self._observe("Commit", started)
-        return pb.CommitResponse(committed=ok)
+        response = pb.CommitResponse(committed=ok)
+        self._done(COMMIT_METHOD, request, response, started)
+        return response
 
     async def Release(
         self, request: pb.ReleaseRequest, context: grpc.aio.ServicerContext
@@ -469,8 +481,9 @@ class KvIndexServicer(pb_grpc.KvIndexServicer):
             self.router.outcomes.ignore(INVALID)
             await self._abort(context, BadRequest(why))
         found, status = self.router.release_reported(request.request_id, request.phase, report)
-        self._observe("Release", started)
-        return pb.ReleaseResponse(found=found, report=status)
+        response = pb.ReleaseResponse(found=found, report=status)
+        self._done(RELEASE_METHOD, request, response, started)
+        return response
 
     async def Lookup(self, request: pb.LookupRequest, context: grpc.aio.ServicerContext) -> pb.LookupResponse:
         started = time.perf_counter()
@@ -504,7 +517,7 @@ class KvIndexServicer(pb_grpc.KvIndexServicer):
                 matched_blocks=match.length,
                 matched=_tier_blocks(match.tiers),
             )
-        self._observe("Lookup", started)
+        self._done(LOOKUP, request, response, started)
         return response
 
     async def ListInstances(
@@ -557,7 +570,7 @@ class KvIndexServicer(pb_grpc.KvIndexServicer):
                 by = counts.by_outcome
                 info.outcomes_exact, info.outcomes_over = by["exact"], by["over"]
                 info.outcomes_under = by["under"]
-        self._observe("ListInstances", started)
+        self._done(LIST_INSTANCES, request, response, started)
         return response
 
     async def Stats(self, request: pb.StatsRequest, context: grpc.aio.ServicerContext) -> pb.StatsResponse:
@@ -595,5 +608,5 @@ class KvIndexServicer(pb_grpc.KvIndexServicer):
             instances_stale=sum(1 for st in self.registry.all() if st.stale),
             index_bytes=s.nbytes,
         )
-        self._observe("Stats", started)
+        self._done(STATS, request, response, started)
         return response

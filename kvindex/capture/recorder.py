@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import structlog
 
+from kvindex.api.methods import RELEASE, Method
 from kvindex.api.servicer import KvIndexServicer
 from kvindex.capture import records as R
 from kvindex.capture.digest import state_digest
@@ -32,6 +33,7 @@ from kvindex.instance import InstanceKey
 from kvindex.lifecycle import close_nats
 from kvindex.lifecycle.bounded import finish
 from kvindex.scoring.pick import SOFTMAX
+from kvindex.v1 import kvindex_pb2 as pb
 from kvindex.wire.reconcile import Snapshot
 from kvindex.wire.subjects import EVENTS, HEARTBEAT
 
@@ -291,45 +293,51 @@ class PinnableClock:
 
 
 class RecordingServicer(KvIndexServicer):
-    """The gRPC servicer, plus a ROUTE record for every call that changed routing state (a Score
-    with commit, a Commit, a Release that found its request), written after the call on the same
-    event-loop turn with what it decided. A replay re-applies the decision (not the ranking): the
-    in-flight ledger and speculative keys come out as they were."""
+    """The gRPC servicer, plus a ROUTE record for every call that changed routing state (the methods
+    with ``changes`` in kvindex/api/methods.py: a Score with commit, a Commit, a Release that found
+    its request), written as the call ends, on the same event-loop turn, with what it decided. A
+    replay re-applies the decision (not the ranking): the in-flight ledger and speculative keys come
+    out as they were."""
 
     def __init__(self, recorder: Recorder, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.recorder = recorder
+        self._score_started: float | None = None  # the running Score's start on the recorder's clock
 
     def score_request(self, request: Any) -> Any:  # Score and ScoreStream
         clock = self.recorder.clock
-        started = clock()
+        started = self._score_started = clock()
         pinned = clock if isinstance(clock, PinnableClock) and clock.pinned is None else None
         if pinned is not None:
             pinned.pinned = started
         try:
-            response = super().score_request(request)
+            return super().score_request(request)
         finally:
+            self._score_started = None
             if pinned is not None:
                 pinned.pinned = None
-        if response.committed_instance_id:
-            compact = self._compact(request)
+
+    def _done(self, method: Method, request: Any, response: Any, started: float) -> None:
+        super()._done(method, request, response, started)
+        instance = method.changed(request, response) if method.changed is not None else None
+        if instance is None:
+            return
+        if method.changes == RELEASE:
+            self.recorder.route(method.name, request.SerializeToString())
+            return
+        compact = self._compact(request)
+        mono = None
+        if isinstance(response, pb.ScoreResponse):
             # The pick as applied (the server's defaults filled in, the draw's seed): a replay
-            # re-ranking this request draws the same instance.
+            # re-ranking this request draws the same instance. (A Score's ranking read the clock
+            # at its start.)
             compact.pick = response.pick
             if response.pick == SOFTMAX:
                 compact.temperature = response.temperature
             if response.pick_seed:
                 compact.pick_seed = response.pick_seed
-            self.recorder.route(
-                "Score", compact.SerializeToString(), response.committed_instance_id, mono=started
-            )
-        return response
-
-    async def Commit(self, request: Any, context: Any) -> Any:
-        response = await super().Commit(request, context)
-        if response.committed:
-            self.recorder.route("Commit", self._compact(request).SerializeToString(), request.instance_id)
-        return response
+            mono = self._score_started
+        self.recorder.route(method.name, compact.SerializeToString(), instance, mono=mono)
 
     def _compact(self, request: Any) -> Any:
         """A copy of the request with its prompt as block keys (and the token count) instead of token
@@ -345,12 +353,6 @@ class RecordingServicer(KvIndexServicer):
         compact.block_keys.extend(prompt.keys)
         compact.prompt_tokens = prompt.tokens
         return compact
-
-    async def Release(self, request: Any, context: Any) -> Any:
-        response = await super().Release(request, context)
-        if response.found:
-            self.recorder.route("Release", request.SerializeToString())
-        return response
 
 
 class Capture:

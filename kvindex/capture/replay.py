@@ -28,6 +28,7 @@ from typing import Any
 
 import structlog
 
+from kvindex.api.methods import METHODS, RELEASE
 from kvindex.api.servicer import KvIndexServicer, release_report
 from kvindex.capture import records as R
 from kvindex.capture.digest import state_digest
@@ -420,11 +421,11 @@ class Replayer:
 
     def _route(self, record: list[Any]) -> None:
         method, body, instance = record[3], record[4], record[5] if len(record) > 5 else ""
-        if method == "Release":
-            req = pb.ReleaseRequest.FromString(body)
+        recorded = METHODS[method]  # what the call changed, as kvindex/api/methods.py says
+        req = recorded.request.FromString(body)
+        if recorded.changes == RELEASE:
             self.router.release_reported(req.request_id, req.phase, release_report(req))
             return
-        req = pb.ScoreRequest.FromString(body) if method == "Score" else pb.CommitRequest.FromString(body)
         watched = self.watch_request and req.request_id == self.watch_request and self.watched is None
         if watched or (self.check_picks and method == "Score"):
             try:

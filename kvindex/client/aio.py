@@ -19,6 +19,7 @@ import grpc
 import structlog
 
 from kvindex.api.errors import BadRequest
+from kvindex.api.methods import METHODS, method
 from kvindex.client.channel import call_metadata, create_channel
 from kvindex.client.errors import IndexUnavailable
 from kvindex.client.fallback import (
@@ -520,11 +521,27 @@ class AsyncKvIndexClient:
 
     # -- unary calls -------------------------------------------------------------------------------
 
+    async def call(
+        self, name: str, request: Any = None, *, timeout: float | None = None, **fields: Any
+    ) -> Any:
+        """Any unary method of the service (kvindex/api/methods.py) by its proto name, with
+        ``request`` or a request made of ``fields``; the reply message. The methods below are this
+        with their arguments and replies in Python terms; a method without one is called here.
+        BadRequest when the index rejects the arguments, IndexUnavailable when it does not answer."""
+        entry = method(name)
+        if entry.streaming:
+            raise ValueError(f"{name} is a stream: use score()")
+        if request is None:
+            request = _message(entry.request, fields)
+        elif fields:
+            raise TypeError("pass either a request or its fields")
+        return await self._unary(entry.name, request, timeout)
+
     async def _unary(self, name: str, request: Any, timeout: float | None) -> Any:
         self.start()
-        method = getattr(self.stub, name)
+        rpc = getattr(self.stub, METHODS[name].name)
         try:
-            reply = await method(
+            reply = await rpc(
                 request, timeout=self.timeout if timeout is None else timeout, metadata=self.metadata
             )
         except grpc.aio.AioRpcError as exc:
@@ -554,18 +571,16 @@ class AsyncKvIndexClient:
     ) -> bool:
         """Record that ``request_id`` was sent to ``instance_id`` (after a Score without commit).
         False: the index does not know the instance or model. IndexUnavailable when it is down."""
-        request = _message(
-            pb.CommitRequest,
-            {
-                "request_id": request_id,
-                "instance_id": instance_id,
-                "model": model,
-                "token_ids": token_ids,
-                "block_keys": block_keys,
-                **fields,
-            },
+        reply = await self.call(
+            "Commit",
+            request_id=request_id,
+            instance_id=instance_id,
+            model=model,
+            token_ids=token_ids,
+            block_keys=block_keys,
+            timeout=timeout,
+            **fields,
         )
-        reply = await self._unary("Commit", request, timeout)
         return bool(reply.committed)
 
     async def release(
@@ -573,7 +588,9 @@ class AsyncKvIndexClient:
     ) -> bool:
         """``phase`` "prefill" (first token out) or "finished". False: the index had no such entry
         (never committed, already released, or the index restarted)."""
-        reply = await self._unary("Release", pb.ReleaseRequest(request_id=request_id, phase=phase), timeout)
+        reply = await self.call(
+            "Release", pb.ReleaseRequest(request_id=request_id, phase=phase), timeout=timeout
+        )
         return bool(reply.found)
 
     async def release_reported(
@@ -597,20 +614,20 @@ class AsyncKvIndexClient:
             request.ttft_ms = ttft_ms
         if prompt_tokens is not None:
             request.prompt_tokens = prompt_tokens
-        reply = await self._unary("Release", request, timeout)
+        reply = await self.call("Release", request, timeout=timeout)
         return bool(reply.found), reply.report
 
     async def lookup(self, model: str, *, timeout: float | None = None, **fields: Any) -> pb.LookupResponse:
-        return await self._unary("Lookup", _message(pb.LookupRequest, {"model": model, **fields}), timeout)
+        return await self.call("Lookup", model=model, timeout=timeout, **fields)
 
     async def list_instances(self, model: str = "", *, timeout: float | None = None) -> list[pb.InstanceInfo]:
-        reply = await self._unary("ListInstances", pb.ListInstancesRequest(model=model), timeout)
+        reply = await self.call("ListInstances", model=model, timeout=timeout)
         if not model:
             self.instances.replace(reply.instances)
         return list(reply.instances)
 
     async def stats_rpc(self, *, timeout: float | None = None) -> pb.StatsResponse:
-        return await self._unary("Stats", pb.StatsRequest(), timeout)
+        return await self.call("Stats", timeout=timeout)
 
     # -- the fallback's instance list --------------------------------------------------------------
 

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 import grpc
 
 from kvindex.api.errors import BadRequest
+from kvindex.api.methods import METHODS
 from kvindex.client.aio import AsyncKvIndexClient, _reason
 from kvindex.client.errors import IndexUnavailable
 from kvindex.security import ClientTLS
@@ -73,7 +74,8 @@ class LocalKvIndexClient(AsyncKvIndexClient):
     async def _unary(self, name: str, request: Any, timeout: float | None) -> Any:
         self.start()
         try:
-            return await getattr(self.servicer, name)(request, _Context())
+            # The servicer's handler of the method (kvindex/api/methods.py: same name as the rpc).
+            return await getattr(self.servicer, METHODS[name].name)(request, _Context())
         except _Aborted as exc:
             if exc.code == grpc.StatusCode.INVALID_ARGUMENT:
                 raise BadRequest(exc.details) from None

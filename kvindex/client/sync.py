@@ -50,6 +50,10 @@ class KvIndexClient:
     def health(self) -> IndexHealth:
         return self._client.health
 
+    def call(self, name: str, request: Any = None, *, timeout: float | None = None, **fields: Any) -> Any:
+        """``AsyncKvIndexClient.call``: any unary method by its proto name."""
+        return self._run(self._client.call(name, request, timeout=timeout, **fields))
+
     def score(self, model: str, **kwargs: Any) -> Decision:
         return self._run(self._client.score(model, **kwargs))
 

@@ -286,6 +286,8 @@ async def test_blocking_client(index: IndexService, make_publisher: MakePub) -> 
         assert decision.source == "index" and decision.endpoint == ENDPOINTS["w1"] and decision.committed
         assert await asyncio.to_thread(client.release, "s1")
         assert len(await asyncio.to_thread(client.list_instances)) == 3
+        # Any unary method by its proto name (kvindex/api/methods.py), over gRPC.
+        assert (await asyncio.to_thread(client.call, "Stats")).instances == 3
         # Several threads at once share the stream.
         results = await asyncio.gather(
             *(
