@@ -28,6 +28,7 @@ from typing import Any
 
 import structlog
 
+from kvindex.api.inprocess import Aborted, InProcessContext, run_sync
 from kvindex.api.methods import METHODS, RELEASE
 from kvindex.api.servicer import KvIndexServicer, release_report
 from kvindex.capture import records as R
@@ -525,8 +526,8 @@ class Replayer:
 
         spec = MessageToDict(request, preserving_proto_field_name=True)
         try:
-            response = _run_sync(self.servicer.Score(request, _Context()))
-        except _Aborted as exc:
+            response = run_sync(self.servicer.Score(request, InProcessContext()))
+        except Aborted as exc:
             return QueryResult(name, spec, None, str(exc))
         return QueryResult(name, spec, response)
 
@@ -605,27 +606,6 @@ class Replayer:
             "closed": self.closed,
             "digest": self.digest(),
         }
-
-
-class _Aborted(Exception):
-    pass
-
-
-class _Context:
-    """What the servicer needs of a gRPC context when called in process: abort raises."""
-
-    async def abort(self, code: Any, details: str) -> None:
-        raise _Aborted(f"{code.name}: {details}")
-
-
-def _run_sync(coro: Any) -> Any:
-    """Run a coroutine that never suspends (the servicer's handlers) to its result."""
-    try:
-        coro.send(None)
-    except StopIteration as stop:
-        return stop.value
-    coro.close()
-    raise RuntimeError("servicer call suspended; it cannot run outside an event loop")
 
 
 # -- driving a whole log -------------------------------------------------------------------------

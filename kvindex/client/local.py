@@ -14,11 +14,12 @@ or be scaled apart from it. A fallback still exists for a Score that outlives it
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import TYPE_CHECKING, Any
 
 import grpc
 
 from kvindex.api.errors import BadRequest
+from kvindex.api.inprocess import Aborted, InProcessContext
 from kvindex.api.methods import METHODS
 from kvindex.client.aio import AsyncKvIndexClient, _reason
 from kvindex.client.errors import IndexUnavailable
@@ -27,19 +28,6 @@ from kvindex.v1 import kvindex_pb2 as pb
 
 if TYPE_CHECKING:  # the servicer brings the whole index; the client package must not need it
     from kvindex.api.servicer import KvIndexServicer
-
-
-class _Aborted(Exception):
-    def __init__(self, code: grpc.StatusCode, details: str) -> None:
-        super().__init__(details)
-        self.code, self.details = code, details
-
-
-class _Context:
-    """What the servicer's unary methods use of a ``grpc.aio.ServicerContext``: abort."""
-
-    async def abort(self, code: grpc.StatusCode, details: str = "", *_: Any) -> NoReturn:
-        raise _Aborted(code, details)
 
 
 class LocalKvIndexClient(AsyncKvIndexClient):
@@ -75,8 +63,8 @@ class LocalKvIndexClient(AsyncKvIndexClient):
         self.start()
         try:
             # The servicer's handler of the method (kvindex/api/methods.py: same name as the rpc).
-            return await getattr(self.servicer, METHODS[name].name)(request, _Context())
-        except _Aborted as exc:
+            return await getattr(self.servicer, METHODS[name].name)(request, InProcessContext())
+        except Aborted as exc:
             if exc.code == grpc.StatusCode.INVALID_ARGUMENT:
                 raise BadRequest(exc.details) from None
             reason = _reason(exc.code)
