@@ -60,6 +60,8 @@ from kvindex.fleet.registry import Registry
 from kvindex.index.base import InstanceMatch
 from kvindex.index.inverted import InvertedIndex
 from kvindex.ingest.consumer import Consumer
+from kvindex.observability.counters import IngestCounters
+from kvindex.sequencer.cursor import Sequencer
 
 try:
     from dynamo._core import RadixTree
@@ -168,7 +170,7 @@ def new_index() -> InvertedIndex:
 
 
 def new_consumer() -> Consumer:
-    return Consumer(new_index(), Registry())
+    return Consumer(new_index(), Registry(), sequencer=Sequencer(), counters=IngestCounters())
 
 
 def settle() -> None:

@@ -54,6 +54,7 @@ import structlog
 from kvindex.cli import check_policy_options, parse_policy_option
 from kvindex.core import CoreConfig, build_core
 from kvindex.keys import block_keys
+from kvindex.repair.machine import RepairMachine
 from kvindex.scoring.admission import (
     ADMIT,
     DEADLINE,
@@ -245,8 +246,9 @@ class _SimRepair:
     """Answers the consumer's replay and snapshot requests from the workers' own logs, after a
     round trip, exactly as workers do over NATS."""
 
-    def __init__(self, sim: Simulation) -> None:
+    def __init__(self, sim: Simulation, machine: RepairMachine) -> None:
         self.sim = sim
+        self.machine = machine  # whose requests these are: the answers go back to it
 
     def request_replay(self, instance: tuple[str, int], epoch: int, first: int, last: int) -> None:
         log = self.sim.logs[instance[0]]
@@ -255,9 +257,7 @@ class _SimRepair:
 
         def deliver() -> None:
             payloads = [b for r in replies for b in r.batches]
-            self.sim.consumer.repairs.on_replay(
-                instance, epoch, replies[-1].status if replies else "timeout", payloads
-            )
+            self.machine.on_replay(instance, epoch, replies[-1].status if replies else "timeout", payloads)
 
         self.sim.later(2 * self.sim.cluster.delay_s, deliver)
 
@@ -271,9 +271,7 @@ class _SimRepair:
         for part in decoded:
             for tier, keys in part.tiers.items():
                 snap.tiers.setdefault(TIER_BY_NAME[tier], []).extend(keys)
-        self.sim.later(
-            2 * self.sim.cluster.delay_s, lambda: self.sim.consumer.repairs.on_snapshot(instance, snap)
-        )
+        self.sim.later(2 * self.sim.cluster.delay_s, lambda: self.machine.on_snapshot(instance, snap))
 
 
 class Simulation:
@@ -305,7 +303,7 @@ class Simulation:
         self.core = build_core(
             CoreConfig(
                 clock=self.clock,
-                repair=_SimRepair(self),
+                repair=lambda machine: _SimRepair(self, machine),
                 router=RankerConfig(
                     default_policy=base,
                     seed=seed,

@@ -685,11 +685,11 @@ def _serve(args: argparse.Namespace) -> int:
         tokenizers=_tokenizer_dirs(args.tokenizer),
         tokenize_cache_bytes=int(args.tokenize_cache_mb * (1 << 20)),
         limits=_limits(args),
+        readiness=ReadinessConfig(window=args.ready_window, grace=args.ready_grace),
+        shutdown_grace=args.shutdown_grace,
     )
     if args.instance and not args.instance_model:
         raise SystemExit("kvindex serve: --instance needs --instance-model (the model they serve)")
-    config.readiness = ReadinessConfig(window=args.ready_window, grace=args.ready_grace)
-    config.shutdown_grace = args.shutdown_grace
     from kvindex.tokenize import TokenizeError
 
     try:

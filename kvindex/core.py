@@ -6,7 +6,11 @@ outcomes) are built and connected by ``build_core`` only. The service, the repla
 assembly: what differs between them is data in ``CoreConfig`` (the clock, the index's tables, the
 repair scheduler, the consumer's logger, the router's settings), never the wiring.
 
-Every hook is passed to the constructor of the part that calls it:
+Every hook is passed to the constructor of the part that calls it, and no part builds a dependency
+of its own when none is given (a missing one is an error). Where two parts answer each other (the
+repair machine and the scheduler that runs its requests; a router and the replica sync it tells its
+decisions), the first takes a maker of the second and calls it with itself when it is built: no
+attribute is set from outside after construction.
 
 - the consumer's heartbeat prefill samples go to the calibration (``Calibrator.add``);
 - an instance the consumer forgets is forgotten by every router (speculative keys, predicted cache,
@@ -29,9 +33,9 @@ from kvindex.ingest.consumer import Consumer
 from kvindex.ingest.limits import IngestLimits
 from kvindex.instance import InstanceKey
 from kvindex.observability.counters import IngestCounters
-from kvindex.repair.machine import RepairScheduler
+from kvindex.repair.machine import MakeScheduler, RepairScheduler
 from kvindex.scoring.calibration import Calibrator
-from kvindex.scoring.ranker import Ranker, RankerConfig
+from kvindex.scoring.ranker import Ranker, RankerConfig, RoutingObserver
 from kvindex.sequencer.cursor import Sequencer
 from kvindex.wire.subjects import Subjects
 
@@ -46,9 +50,10 @@ class CoreConfig:
     # pure-Python twin to measure the fallback.
     index_tables: Any = None
     ingest_limits: IngestLimits = field(default_factory=IngestLimits)
-    # Runs the consumer's replays and snapshots. None: holes are counted and accepted (NoRepair);
-    # the service's NatsRepairer takes the consumer and installs itself after the build.
-    repair: RepairScheduler | None = None
+    # Makes the scheduler that runs the consumer's replays and snapshots, for its repair machine
+    # (the service's NatsRepairer, the simulation's, the replay's LoggedRepair). None: holes are
+    # counted and accepted (NoRepair).
+    repair: MakeScheduler | None = None
     consumer_log: Any = None  # the consumer's logger; None: structlog's (replay: its timeline)
     router: RankerConfig = field(default_factory=RankerConfig)
     # Independent routers over the one index (the simulation's unsynchronised routers): router r is
@@ -57,6 +62,9 @@ class CoreConfig:
     policy_options: dict[str, dict[str, Any]] | None = None  # per policy, overrides of its defaults
     # Told when outcomes find an instance degraded (the service schedules a snapshot of it).
     on_degraded: Callable[[InstanceKey], None] | None = None
+    # Makes the router's observer, told every decision (the service's replica sync, which applies
+    # the other replicas' decisions to that router). None: a lone replica. One router only.
+    observer: Callable[[Ranker], RoutingObserver] | None = None
 
 
 @dataclass
@@ -68,6 +76,7 @@ class Core:
     consumer: Consumer
     calibrator: Calibrator
     routers: list[Ranker]
+    repair: RepairScheduler  # the one CoreConfig.repair made (NoRepair without one)
 
     @property
     def router(self) -> Ranker:
@@ -81,8 +90,9 @@ def build_core(config: CoreConfig | None = None) -> Core:
     registry = Registry(config.clock)
     sequencer = Sequencer()
     counters = IngestCounters()
-    costs = config.router.costs
-    calibrator = Calibrator(costs.default_prefill, learn=costs.calibrate)
+    calibrator = Calibrator.of(config.router.costs)
+    if config.observer is not None and config.routers > 1:
+        raise ValueError("an observer (routing sync) is made for one router, not for several")
     routers = [
         Ranker(
             index,
@@ -91,6 +101,7 @@ def build_core(config: CoreConfig | None = None) -> Core:
             config.router if r == 0 else _reseeded(config.router, r),
             policy_options=config.policy_options,
             on_degraded=config.on_degraded,
+            observer=config.observer,
         )
         for r in range(max(1, config.routers))
     ]
@@ -112,7 +123,9 @@ def build_core(config: CoreConfig | None = None) -> Core:
         on_forget=on_forget,
         on_sync_change=on_sync_change,
     )
-    return Core(index, registry, sequencer, counters, consumer, calibrator, routers)
+    return Core(
+        index, registry, sequencer, counters, consumer, calibrator, routers, consumer.repairs.scheduler
+    )
 
 
 def _reseeded(config: RankerConfig, r: int) -> RankerConfig:

@@ -184,16 +184,17 @@ class KvIndexServicer(pb_grpc.KvIndexServicer):
         index: KvBlockIndex,
         registry: Registry,
         counters: IngestCounters,
-        metrics: Metrics | None = None,
-        router: Ranker | None = None,
-        tokenizers: Tokenizers | None = None,
+        metrics: Metrics | None,
+        router: Ranker,
+        tokenizers: Tokenizers,
     ) -> None:
+        """``metrics`` None: calls are not timed (a replay, tests)."""
         self.index = index
         self.registry = registry
         self.counters = counters
         self.metrics = metrics
-        self.router = router or Ranker(index, registry)
-        self.tokenizers = tokenizers if tokenizers is not None else Tokenizers()
+        self.router = router
+        self.tokenizers = tokenizers
         # instance -> (load it was built from, instance_id, endpoint, RankedInstance with the
         # invariant fields)
         self._invariant: dict[InstanceKey, tuple[object, str, str | None, pb.RankedInstance]] = {}

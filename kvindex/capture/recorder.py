@@ -98,14 +98,16 @@ class Recorder:
         self,
         writer: LogWriter,
         clock: Callable[[], float],
-        consumer: Consumer | None = None,
         log: Any = None,
         config: CaptureConfig | None = None,
     ) -> None:
         self.writer = writer
         self.config = config or CaptureConfig(str(writer.path))
         self.clock = clock
-        self.consumer = consumer
+        # The consumer whose input is recorded, from ``start`` on (None: a capture without one).
+        # Not a constructor argument: the repairer the consumer is built with records through this
+        # recorder, so the recorder exists first.
+        self.consumer: Consumer | None = None
         self.log = log or structlog.get_logger("kvindex.capture")
         self.failed = False
         self.messages = 0
@@ -119,7 +121,6 @@ class Recorder:
         config: CaptureConfig,
         meta: dict[str, Any],
         clock: Callable[[], float],
-        consumer: Consumer | None = None,
     ) -> Recorder:
         writer = LogWriter(
             config.path,
@@ -127,7 +128,7 @@ class Recorder:
             zstd=config.zstd,
             max_bytes=config.max_bytes,
         )
-        return cls(writer, clock, consumer, config=config)
+        return cls(writer, clock, config=config)
 
     # -- writing --------------------------------------------------------------------------------
 
@@ -138,7 +139,7 @@ class Recorder:
         if consumer is not None and record[0] != R.FLAGS:
             # How the source lets heartbeats drive repairs (JetStream catch-up) changes between
             # records: log the change before the record it first applies to.
-            flags = (consumer.heartbeats.drive_repairs, consumer.heartbeats.in_order)
+            flags = consumer.heartbeat_order()
             if flags != self._flags:
                 self._flags = flags
                 self._add(
@@ -221,7 +222,10 @@ class Recorder:
 
     # -- lifecycle ------------------------------------------------------------------------------
 
-    def start(self) -> None:
+    def start(self, consumer: Consumer | None = None) -> None:
+        """Flush periodically; with ``consumer``, record its heartbeat flags before every record
+        they apply to and check its state every ``check_interval`` (and at the close)."""
+        self.consumer = consumer
         self._task = asyncio.create_task(self._run(), name="kvindex-capture")
 
     async def _run(self) -> None:

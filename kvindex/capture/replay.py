@@ -43,6 +43,7 @@ from kvindex.repair.machine import SNAPSHOT
 from kvindex.scoring.base import DECODE_ROLE, RouteRequest, prompt_length
 from kvindex.scoring.costs import cost_config_of
 from kvindex.scoring.ranker import RankerConfig
+from kvindex.tokenize import Tokenizers
 from kvindex.v1 import kvindex_pb2 as pb
 from kvindex.wire.reconcile import Snapshot
 from kvindex.wire.schema import TIER_NAMES
@@ -223,7 +224,7 @@ class Replayer:
         self.start_wall = float(meta.get("created_wall", 0.0))
         self.clock = VirtualClock(self.start_mono)
         self.wall = self.start_wall
-        self.repair = LoggedRepair() if self.exact else None
+        self.repair = logged = LoggedRepair() if self.exact else None
         router_meta = meta.get("router") or {}
         config = RankerConfig()
         config.default_policy = router_meta.get("default_policy", config.default_policy)
@@ -237,7 +238,8 @@ class Replayer:
                 clock=self.clock,
                 subjects=Subjects(self.prefix),
                 ingest_limits=limits_from_meta(meta.get("limits")),
-                repair=self.repair,
+                # The answers come from the log (applied to the consumer's machine), not from it.
+                repair=None if logged is None else lambda _machine: logged,
                 consumer_log=TimelineLog(self),
                 router=config,
                 # None: the reconciliations degraded instances asked for live are replayed from
@@ -248,7 +250,10 @@ class Replayer:
         core = self.core
         self.index, self.registry, self.counters = core.index, core.registry, core.counters
         self.consumer, self.calibrator, self.router = core.consumer, core.calibrator, core.router
-        self.servicer = KvIndexServicer(self.index, self.registry, self.counters, None, self.router)
+        # No tokenizer: recorded prompts are block keys.
+        self.servicer = KvIndexServicer(
+            self.index, self.registry, self.counters, None, self.router, Tokenizers()
+        )
         repair = meta.get("repair") or {}
         defaults = LivenessConfig()  # what the service used unless the log says otherwise
         self.stale_after = float(repair.get("stale_after", defaults.stale_after))
@@ -404,8 +409,10 @@ class Replayer:
 
     def _flags(self, record: list[Any]) -> None:
         flags = record[3]
-        self.consumer.heartbeats.drive_repairs = bool(flags.get("heartbeat_repairs", True))
-        self.consumer.heartbeats.in_order = bool(flags.get("status_in_order", True))
+        self.consumer.set_heartbeat_order(
+            drive_repairs=bool(flags.get("heartbeat_repairs", True)),
+            in_order=bool(flags.get("status_in_order", True)),
+        )
 
     def _check(self, record: list[Any]) -> None:
         live = record[3]

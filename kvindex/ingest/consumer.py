@@ -34,7 +34,7 @@ from kvindex.ingest.limits import (
 from kvindex.instance import InstanceKey
 from kvindex.observability.counters import IngestCounters
 from kvindex.observability.logs import RateLimitedLog
-from kvindex.repair.machine import REPLAY, SNAPSHOT, RepairMachine, RepairScheduler
+from kvindex.repair.machine import REPLAY, SNAPSHOT, MakeScheduler, RepairMachine
 from kvindex.sequencer.cursor import MAX_GAP, Cursor, Sequencer, Verdict, decide
 from kvindex.wire import errors
 from kvindex.wire.codec import DEFAULT_LIMITS, Limits, decode_batch
@@ -54,11 +54,11 @@ class Consumer:
         index: KvBlockIndex,
         registry: Registry,
         *,
+        sequencer: Sequencer,
+        counters: IngestCounters,
         subjects: Subjects | None = None,
-        sequencer: Sequencer | None = None,
-        counters: IngestCounters | None = None,
         limits: Limits = DEFAULT_LIMITS,
-        repair: RepairScheduler | None = None,
+        repair: MakeScheduler | None = None,
         ingest_limits: IngestLimits = DEFAULT_INGEST_LIMITS,
         log: Any = None,
         prefill_samples: Callable[[str, list[tuple[int, int, float]], str], Any] | None = None,
@@ -68,8 +68,8 @@ class Consumer:
         self.index = index
         self.registry = registry
         self.subjects = subjects or Subjects()
-        self.sequencer = sequencer or Sequencer()
-        self.counters = counters or IngestCounters()
+        self.sequencer = sequencer
+        self.counters = counters
         self.limits = limits
         self.ingest_limits = ingest_limits
         self.log = log or structlog.get_logger("kvindex.ingest")
@@ -85,7 +85,8 @@ class Consumer:
         # Told when an instance's repair state changes (sync, sync_cause, repair_failed) and when a
         # snapshot reconciled it: the router keeps its degraded instances (kvindex/scoring/outcomes.py).
         self.on_sync_change = on_sync_change
-        # Holes, restarts and drift: decided there, repaired by ``repair`` (NoRepair when None).
+        # Holes, restarts and drift: decided there, repaired by the scheduler ``repair`` makes for
+        # it (NoRepair when None).
         self.repairs = RepairMachine(self, repair)
         self.heartbeats = Heartbeats(self)
         self.on_heartbeat = self.heartbeats.on_heartbeat
@@ -261,11 +262,23 @@ class Consumer:
             room -= n
         return added, max(0, len(keys) - done)
 
+    def heartbeat_order(self) -> tuple[bool, bool]:
+        """(heartbeats drive repairs, heartbeats arrive in order with the batches): see
+        ``set_heartbeat_order``."""
+        return self.heartbeats.drive_repairs, self.heartbeats.in_order
+
+    def set_heartbeat_order(self, *, drive_repairs: bool, in_order: bool) -> None:
+        """What the event source says about heartbeats: whether they may drive repairs (not while
+        it replays history, JetStream's catch-up) and whether they share one ordered subscription
+        with the batches (else a heartbeat ahead of the batches counts as a lost tail only when
+        seen twice). The source's and a replay's to say (kvindex/ingest/nats_source.py,
+        kvindex/capture/replay.py)."""
+        self.heartbeats.drive_repairs = drive_repairs
+        self.heartbeats.in_order = in_order
+
     def limits_of(self, state: InstanceState) -> tuple[int, int, int, int]:
         """The instance's block limit per tier, from the capacity it announced last."""
-        if state.block_limits is None:
-            state.block_limits = self.ingest_limits.block_limits(state.capacity)
-        return state.block_limits
+        return self.ingest_limits.limits_of(state)
 
     def _refused_blocks(self, state: InstanceState, refused: dict[int, int], what: str) -> None:
         for tier, n in refused.items():

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any, Final
 
+from kvindex.fleet.registry import InstanceState
 from kvindex.repair.machine import HELD_LIMIT, REPAIR_LIMIT
 from kvindex.wire.errors import WireError
 
@@ -59,6 +60,13 @@ class IngestLimits:
         may hold in the index."""
         gpu, cpu, disk, shared = (self.tier_limit(capacity.get(t)) for t in range(4))
         return (gpu, cpu, disk, shared)
+
+    def limits_of(self, state: InstanceState) -> tuple[int, int, int, int]:
+        """The instance's block limit per tier, from the capacity it announced last (kept on the
+        state until a heartbeat changes the capacity)."""
+        if state.block_limits is None:
+            state.block_limits = self.block_limits(state.capacity)
+        return state.block_limits
 
 
 DEFAULT_INGEST_LIMITS: Final = IngestLimits()

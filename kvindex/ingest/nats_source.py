@@ -60,6 +60,8 @@ class NatsSource:
         log: Any = None,
         on_reconnect: Callable[[], None] | None = None,
         jetstream: JetStreamConfig | None = None,
+        tap: Callable[[str, bytes, float], None] | None = None,
+        on_connection_change: Callable[[], None] | None = None,
     ) -> None:
         self.consumer = consumer
         self.settings = NatsSettings.coerce(url)
@@ -77,9 +79,9 @@ class NatsSource:
         self.caught_up = jetstream is None
         # Called with (subject, payload, receive wall time) for every events/heartbeat message, just
         # before the consumer gets it: event-log capture (kvindex/capture) records here.
-        self.tap: Callable[[str, bytes, float], None] | None = None
+        self.tap = tap
         # Called when the connection drops or comes back (the service re-evaluates readiness).
-        self.on_connection_change: Callable[[], None] | None = None
+        self.on_connection_change = on_connection_change
         self._closing = False  # stop() began: the disconnection that follows is ours
 
     async def start(self) -> None:
@@ -144,8 +146,7 @@ class NatsSource:
         info = await self._ensure_stream(js, config)
         # Until the stream is read to its end, heartbeats are ahead of the batches being replayed.
         self.caught_up = info.state.messages == 0
-        self.consumer.heartbeats.drive_repairs = self.caught_up
-        self.consumer.heartbeats.in_order = False
+        self.consumer.set_heartbeat_order(drive_repairs=self.caught_up, in_order=False)
         sub = await self.nc.subscribe(
             self._head + HEARTBEAT + ".*",
             cb=self._on_msg,
@@ -175,7 +176,7 @@ class NatsSource:
         self.consumer.on_events(msg.subject, msg.data)
         if not self.caught_up and msg.metadata.num_pending == 0:
             self.caught_up = True
-            self.consumer.heartbeats.drive_repairs = True
+            self.consumer.set_heartbeat_order(drive_repairs=True, in_order=False)
             self.log.info("jetstream_caught_up", stream=self.stream, stream_seq=msg.metadata.sequence.stream)
 
     async def _on_msg(self, msg: Msg) -> None:

@@ -87,26 +87,29 @@ class RepairHost(Protocol):
     def reject(self, worker: str | None, subject: str, exc: WireError) -> None: ...
 
 
+# Makes the scheduler of a repair machine, which hands its answers back to that machine: the
+# machine calls it once, when it is built (kvindex/core.py's CoreConfig.repair).
+MakeScheduler = Callable[["RepairMachine"], RepairScheduler]
+
+
 class NoRepair:
     """For consumers with no transport to repair over (offline tools, benchmarks): a hole is counted
     and logged, and the batches after it are applied in order as if it had not been there."""
 
-    def __init__(self) -> None:
-        self.machine: RepairMachine | None = None
+    def __init__(self, machine: RepairMachine) -> None:
+        self.machine = machine
 
     def request_replay(self, instance: InstanceKey, epoch: int, first: int, last: int) -> None:
-        assert self.machine is not None
         self.machine.give_up(instance)
 
     def request_snapshot(self, instance: InstanceKey, cause: str) -> None:
-        assert self.machine is not None
         self.machine.give_up(instance)
 
 
 class RepairMachine:
     """Per instance: synced -> replay / snapshot -> synced (kvindex/repair/README.md)."""
 
-    def __init__(self, host: RepairHost, scheduler: RepairScheduler | None = None) -> None:
+    def __init__(self, host: RepairHost, scheduler: MakeScheduler | None = None) -> None:
         self.host = host
         # Fixed for the consumer's life: read once, not through the host at every call.
         self.index = host.index
@@ -114,9 +117,8 @@ class RepairMachine:
         self.sequencer = host.sequencer
         self.counters = host.counters
         self.log = host.log
-        self.scheduler: RepairScheduler = scheduler or NoRepair()
-        if isinstance(self.scheduler, NoRepair):
-            self.scheduler.machine = self
+        # Made for this machine, here: NoRepair without a transport.
+        self.scheduler: RepairScheduler = (scheduler or NoRepair)(self)
 
     # -- what the consumer and the heartbeats hand over ------------------------------------------
 

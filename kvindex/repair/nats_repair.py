@@ -15,7 +15,7 @@ import heapq
 import random
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import structlog
 from nats.aio.client import Client
@@ -47,15 +47,6 @@ class RepairConfig:
     diff_step: int = 16384  # snapshot keys compared per event-loop turn (~1-2 ms each)
 
 
-class RepairedConsumer(Protocol):
-    """The consumer as the repairer uses it (kvindex/ingest/consumer.py)."""
-
-    subjects: Subjects
-    repairs: RepairMachine
-
-    def limits_of(self, state: InstanceState) -> tuple[int, int, int, int]: ...
-
-
 class RequestFailed(Exception):
     """No usable answer: timeout, no responders, or a malformed answer."""
 
@@ -63,14 +54,22 @@ class RequestFailed(Exception):
 class NatsRepairer:
     def __init__(
         self,
-        consumer: RepairedConsumer,
-        config: RepairConfig | None = None,
+        machine: RepairMachine,
+        subjects: Subjects,
+        limits_of: Callable[[InstanceState], tuple[int, int, int, int]],
+        config: RepairConfig,
+        *,
         log: Any = None,
         rng: random.Random | None = None,
+        recorder: Any = None,
     ) -> None:
-        self.consumer = consumer
-        self.machine = machine = consumer.repairs
-        self.config = config or RepairConfig()
+        """The scheduler of ``machine`` (made by its ``MakeScheduler``: answers go back to it);
+        ``subjects`` say where workers answer, ``limits_of`` an instance's block limits per tier
+        (a snapshot is trimmed to them, as the consumer would apply it)."""
+        self.machine = machine
+        self.subjects = subjects
+        self.limits_of = limits_of
+        self.config = config
         self.log = log or structlog.get_logger("kvindex.repair")
         self.rng = rng or random.Random()
         self.nc: Client | None = None
@@ -89,9 +88,8 @@ class NatsRepairer:
         self._waiting: dict[str, Callable[[Any], None]] = {}
         self._request_no = 0
         # Told every answer, failure and timer decision just before the consumer is (kvindex/capture:
-        # a replay of the log then repairs exactly as this process did).
-        self.recorder: Any = None
-        machine.scheduler = self
+        # a replay of the log then repairs exactly as this process did); None: not recording.
+        self.recorder = recorder
 
     # -- lifecycle ------------------------------------------------------------------------------
 
@@ -142,7 +140,7 @@ class NatsRepairer:
 
     async def _replay(self, instance: InstanceKey, epoch: int, first: int, last: int) -> None:
         worker, rank = instance
-        subject = self.consumer.subjects.replay(worker)
+        subject = self.subjects.replay(worker)
         request = reconcile.replay_request(rank, epoch, first, last)
         try:
             replies = await self._request(
@@ -163,11 +161,11 @@ class NatsRepairer:
 
     async def _snapshot(self, instance: InstanceKey) -> None:
         worker, rank = instance
-        subject = self.consumer.subjects.snapshot(worker)
+        subject = self.subjects.snapshot(worker)
         backoff = 0.25
         while self._wants_snapshot(instance):
             state = self.machine.registry.get(instance)
-            trim = _Trim(None if state is None else self.consumer.limits_of(state))
+            trim = _Trim(None if state is None else self.limits_of(state))
             try:
                 async with self._snapshots:
                     parts = await self._request(

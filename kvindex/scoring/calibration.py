@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from kvindex.scoring.costs import DEFAULT_PREFILL, PrefillModel
+from kvindex.scoring.costs import DEFAULT_PREFILL, CostConfig, PrefillModel
 
 # Feature scales so that the normal equations are well conditioned: miss in thousands of tokens,
 # miss*L in tens of millions.
@@ -273,6 +273,12 @@ class Calibrator:
         self.rejected = 0  # samples not usable (counted, ignored)
         self.ignored = 0  # samples not learned from: calibration off
         self.queued = 0  # routers' reports not learned from: the index predicted a wait (add_reported)
+
+    @classmethod
+    def of(cls, costs: CostConfig) -> Calibrator:
+        """The calibration ``costs`` price with: its default prefill model as the prior, learning
+        unless calibration is off."""
+        return cls(costs.default_prefill, learn=costs.calibrate)
 
     def _get(self, model: str) -> ModelCalibration:
         cal = self.models.get(model)

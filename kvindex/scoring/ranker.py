@@ -101,18 +101,20 @@ class Ranker:
         self,
         index: KvBlockIndex,
         registry: Registry,
-        calibrator: Calibrator | None = None,
+        calibrator: Calibrator,
         config: RankerConfig | None = None,
         clock: Callable[[], float] | None = None,
         policy_options: dict[str, dict] | None = None,
         on_degraded: Callable[[InstanceKey], None] | None = None,
+        observer: Callable[[Ranker], RoutingObserver] | None = None,
     ) -> None:
+        """``observer`` makes the router's observer (told every decision committed and released
+        here), called with this router once it is built; None: a lone replica."""
         self.index = index
         self.registry = registry
         self.config = config or RankerConfig()
         self.clock = clock or registry.clock
-        costs = self.config.costs
-        self.calibrator = calibrator or Calibrator(costs.default_prefill, learn=costs.calibrate)
+        self.calibrator = calibrator
         self.ledger = Ledger(
             self.clock, ttl=self.config.ledger_ttl, released_memory=self.config.outcomes.released_memory
         )
@@ -142,6 +144,8 @@ class Ranker:
         self._slot_rows: dict[str, tuple[int, ModelTable, int, np.ndarray]] = {}
         if self.config.default_policy not in self.policies:
             raise ValueError(f"unknown default policy {self.config.default_policy!r}")
+        if observer is not None:
+            self.observer = observer(self)
 
     def _calibrate(self, outcome: Outcome) -> None:
         p, r = outcome.prediction, outcome.report

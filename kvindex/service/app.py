@@ -33,6 +33,7 @@ from kvindex.lifecycle import Stop, bounded
 from kvindex.observability.counters import Metrics
 from kvindex.observability.outcomes import OutcomeCollector
 from kvindex.observability.tokenize import TokenizeCollector
+from kvindex.repair.machine import RepairMachine
 from kvindex.repair.nats_repair import NatsRepairer, RepairConfig
 from kvindex.route.ext_proc import EndpointPicker, ExtProcServer
 from kvindex.route.pd import PdConfig
@@ -134,43 +135,47 @@ class IndexService:
         self.config = config
         self.log = log or structlog.get_logger("kvindex")
         self.subjects = Subjects(config.subject_prefix)
+        # Capturing: routing calls run with the clock pinned at their start, as their records say.
+        clock = PinnableClock() if config.capture is not None else time.monotonic
+        # The recorder first: the repairer the core is built with records through it.
+        self.recorder: Recorder | None = None
+        if config.capture is not None:
+            self.recorder = Recorder.open(config.capture, _capture_meta(config), clock)
+        # Replicas share their routing decisions (docs/deploy.md#replicas); by default only with an
+        # external NATS: nothing else can reach an embedded server's replica.
+        sync = config.routing_sync
+        shared = bool(sync.enabled or (sync.enabled is None and config.nats_url))
         self.core = build_core(
             CoreConfig(
-                # Capturing: routing calls run with the clock pinned at their start, as their
-                # records say.
-                clock=PinnableClock() if config.capture is not None else time.monotonic,
+                clock=clock,
                 subjects=self.subjects,
                 ingest_limits=config.limits,
+                repair=self._make_repairer,
                 router=config.router,
                 policy_options=config.policy_options,
                 # Predicted against actual (docs/feedback.md): a degradation asks for a snapshot at
                 # once (rate-limited in the router; scheduled, never run inside the consumer's own
                 # call that changed the state).
                 on_degraded=self._reconcile_degraded,
+                observer=(lambda router: RoutingSync(router, sync)) if shared else None,
             )
         )
         core = self.core
         self.index, self.registry, self.counters = core.index, core.registry, core.counters
         self.consumer, self.calibrator, self.router = core.consumer, core.calibrator, core.router
+        assert isinstance(core.repair, NatsRepairer)
+        self.repairer: NatsRepairer = core.repair
         self.metrics = Metrics(self.counters, self._gauges)
         # Loaded before anything starts: a bad tokenizer directory fails `serve` at once, clearly.
         self.tokenizers = Tokenizers.from_dirs(config.tokenizers, config.tokenize_cache_bytes)
         self.metrics.registry.register(TokenizeCollector(self.tokenizers))
-        self.repairer = NatsRepairer(self.consumer, config.repair)
         self.calibration = CalibrationStore(
             self.calibrator, replicas=config.jetstream.replicas if config.jetstream else 1
         )
         self.metrics.registry.register(OutcomeCollector(self.router.outcomes, self._instance_states))
-        self.recorder: Recorder | None = None
-        if config.capture is not None:
-            meta = _capture_meta(config)
-            self.recorder = Recorder.open(config.capture, meta, self.registry.clock, self.consumer)
-            self.repairer.recorder = self.recorder
-        args = (self.index, self.registry, self.counters, self.metrics, self.router)
+        args = (self.index, self.registry, self.counters, self.metrics, self.router, self.tokenizers)
         self.servicer = (
-            KvIndexServicer(*args, tokenizers=self.tokenizers)
-            if self.recorder is None
-            else RecordingServicer(self.recorder, *args, tokenizers=self.tokenizers)
+            KvIndexServicer(*args) if self.recorder is None else RecordingServicer(self.recorder, *args)
         )
         self.grpc = GrpcServer(
             self.servicer, config.grpc_host, config.grpc_port, config.grpc_security, ready=False
@@ -193,15 +198,12 @@ class IndexService:
         self._readiness_task: asyncio.Task[None] | None = None
         self._readiness_changed = asyncio.Event()  # the NATS connection dropped or came back
         self._liveness_task: asyncio.Task[None] | None = None
-        # Replicas share their routing decisions (docs/deploy.md#replicas); by default only with an
-        # external NATS: nothing else can reach an embedded server's replica.
-        sync = config.routing_sync
         self.routing_sync: RoutingSync | None = None
         self.routing_link: NatsRoutingLink | None = None
-        if sync.enabled or (sync.enabled is None and config.nats_url):
-            self.routing_sync = RoutingSync(self.router, sync)
+        if shared:
+            assert isinstance(self.router.observer, RoutingSync)
+            self.routing_sync = self.router.observer
             self.routing_link = NatsRoutingLink(self.routing_sync, self.subjects)
-            self.router.observer = self.routing_sync
             self.metrics.registry.register(SyncCollector(self.routing_sync))
         self.natsd: EmbeddedNats | None = None
         self.source: NatsSource | None = None
@@ -209,6 +211,13 @@ class IndexService:
         self.nats_url = NatsSettings.coerce(config.nats_url).redacted_servers() if config.nats_url else ""
         self.metrics_port: int | None = None
         self._metrics_server: Any = None
+
+    def _make_repairer(self, machine: RepairMachine) -> NatsRepairer:
+        """The consumer's repair scheduler (CoreConfig.repair): replays and snapshots over NATS."""
+        limits = self.config.limits
+        return NatsRepairer(
+            machine, self.subjects, limits.limits_of, self.config.repair, recorder=self.recorder
+        )
 
     def _reconcile_degraded(self, instance: InstanceKey) -> None:
         try:
@@ -281,12 +290,12 @@ class IndexService:
             nats_settings,
             on_reconnect=self.repairer.on_reconnect,
             jetstream=self.config.jetstream,
+            tap=self.recorder.message if self.recorder is not None else None,
+            on_connection_change=self._readiness_changed.set,
         )
         self._register_static()
-        self.source.on_connection_change = self._readiness_changed.set
         if self.recorder is not None:
-            self.source.tap = self.recorder.message
-            self.recorder.start()
+            self.recorder.start(self.consumer)
         await self.source.start()
         assert self.source.nc is not None
         self.repairer.start(self.source.nc)

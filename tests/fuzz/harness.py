@@ -47,9 +47,12 @@ from kvindex.index import InvertedIndex
 from kvindex.ingest.consumer import Consumer
 from kvindex.ingest.limits import INSTANCE_LIMIT, LIMIT_REASONS, MODEL_LIMIT, IngestLimits
 from kvindex.keys import block_keys
+from kvindex.observability.counters import IngestCounters
 from kvindex.repair.nats_repair import _assemble, _Parts, _Trim
+from kvindex.scoring.calibration import Calibrator
+from kvindex.scoring.costs import CostConfig
 from kvindex.scoring.ranker import Ranker
-from kvindex.sequencer.cursor import MAX_GAP
+from kvindex.sequencer.cursor import MAX_GAP, Sequencer
 from kvindex.tokenize import Tokenizers
 from kvindex.v1 import kvindex_pb2 as pb
 from kvindex.wire import encode_batch, encode_heartbeat
@@ -145,7 +148,13 @@ def world() -> Consumer:
     """w1 in sync near its limit (capacity 32 -> 40 blocks), w2 repairing by replay (seq 2 lost,
     3 held), w3 discovered mid-stream and waiting for a snapshot of seq 5."""
     c = Consumer(
-        InvertedIndex(), Registry(clock=_Clock()), repair=_Pending(), ingest_limits=LIMITS, log=_Quiet()
+        InvertedIndex(),
+        Registry(clock=_Clock()),
+        sequencer=Sequencer(),
+        counters=IngestCounters(),
+        repair=lambda _machine: _Pending(),
+        ingest_limits=LIMITS,
+        log=_Quiet(),
     )
     c.on_heartbeat("kvindex.status.w1", _heartbeat("w1", 0, {"gpu": 32}))
     c.on_events(
@@ -305,7 +314,7 @@ def _fuzz_tokenizers() -> Tokenizers:
 
 
 def _servicer(c: Consumer) -> KvIndexServicer:
-    router = Ranker(c.index, c.registry)
+    router = Ranker(c.index, c.registry, Calibrator.of(CostConfig()))
     return KvIndexServicer(c.index, c.registry, c.counters, None, router, _fuzz_tokenizers())
 
 

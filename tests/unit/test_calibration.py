@@ -15,7 +15,7 @@ from kvindex.fleet.registry import Registry
 from kvindex.index.inverted import InvertedIndex
 from kvindex.scoring.base import RouteRequest
 from kvindex.scoring.calibration import DEFAULT, OWN, SHARED, Calibrator, ModelCalibration
-from kvindex.scoring.costs import DEFAULT_PREFILL, PrefillModel
+from kvindex.scoring.costs import DEFAULT_PREFILL, CostConfig, PrefillModel
 from kvindex.scoring.outcomes import Report
 from kvindex.scoring.ranker import Ranker, RankerConfig
 from kvtools import data
@@ -173,7 +173,12 @@ def fleet_router(workers: tuple[str, ...], prune_min_instances: int = 128) -> Ra
         state.last_heartbeat_at = registry.clock()
         state.capacity = {0: 10_000}
         state.local_blocks_seen = True
-    return Ranker(index, registry, config=RankerConfig(prune_min_instances=prune_min_instances))
+    return Ranker(
+        index,
+        registry,
+        Calibrator.of(CostConfig()),
+        config=RankerConfig(prune_min_instances=prune_min_instances),
+    )
 
 
 def test_the_ranking_prices_an_instance_with_its_own_model() -> None:

@@ -10,13 +10,21 @@ import pytest
 from kvindex.fleet.registry import Registry
 from kvindex.index import InvertedIndex
 from kvindex.ingest.consumer import Consumer
+from kvindex.observability.counters import IngestCounters
+from kvindex.sequencer.cursor import Sequencer
 from kvindex.wire import encode_batch, encode_heartbeat
 from kvindex.wire import errors as E
 from kvindex.wire.codec import Limits
 
 
 def make() -> Consumer:
-    return Consumer(InvertedIndex(), Registry(), limits=Limits(max_events=100, max_keys=1000))
+    return Consumer(
+        InvertedIndex(),
+        Registry(),
+        sequencer=Sequencer(),
+        counters=IngestCounters(),
+        limits=Limits(max_events=100, max_keys=1000),
+    )
 
 
 def ev_batch(seq: int, events: list[dict], worker: str = "w1", epoch: int = 1, **kw: Any) -> bytes:
@@ -81,7 +89,13 @@ def test_restart_during_a_repair_reports_the_new_history_as_synced() -> None:
             self.asked.append("snapshot")
 
     pending = Pending()
-    c = Consumer(InvertedIndex(), Registry(), repair=pending)
+    c = Consumer(
+        InvertedIndex(),
+        Registry(),
+        sequencer=Sequencer(),
+        counters=IngestCounters(),
+        repair=lambda _machine: pending,
+    )
     c.on_events("kvindex.events.w1", ev_batch(1, [stored(1)], epoch=1))
     c.on_events("kvindex.events.w1", ev_batch(3, [stored(2)], epoch=1))  # gap: a repair starts
     assert pending.asked == ["replay"]

@@ -14,6 +14,8 @@ import pytest
 from kvindex.fleet.registry import Registry
 from kvindex.index import InvertedIndex
 from kvindex.ingest.consumer import Consumer
+from kvindex.observability.counters import IngestCounters
+from kvindex.sequencer.cursor import Sequencer
 from kvindex.wire import encode_batch, encode_heartbeat
 from kvindex.wire import errors as E
 
@@ -43,7 +45,13 @@ class Recorder:
 
 
 def make(repair: Any = None) -> Consumer:
-    return Consumer(InvertedIndex(), Registry(clock=Clock()), repair=repair)
+    return Consumer(
+        InvertedIndex(),
+        Registry(clock=Clock()),
+        sequencer=Sequencer(),
+        counters=IngestCounters(),
+        repair=None if repair is None else lambda _machine: repair,
+    )
 
 
 def heartbeat(worker: str = "w1", **kw: Any) -> bytes:
@@ -463,7 +471,7 @@ def test_fleet_tables_rows_equal_row_values_through_heartbeats(seed: int) -> Non
 
     rng = random.Random(seed)
     clock = Clock()
-    c = Consumer(InvertedIndex(), Registry(clock=clock))
+    c = Consumer(InvertedIndex(), Registry(clock=clock), sequencer=Sequencer(), counters=IngestCounters())
     ledger = Ledger(clock)
     tables = FleetTables(c.registry, ledger)
     workers = [f"w{i}" for i in range(40)]
@@ -511,7 +519,7 @@ def test_fleet_tables_follow_an_instance_forgotten_and_back_between_refreshes() 
     from kvindex.scoring.ledger import Ledger
 
     clock = Clock()
-    c = Consumer(InvertedIndex(), Registry(clock=clock))
+    c = Consumer(InvertedIndex(), Registry(clock=clock), sequencer=Sequencer(), counters=IngestCounters())
     tables = FleetTables(c.registry, Ledger(clock))
     assert c.on_heartbeat(SUBJECT, heartbeat(load={"running": 1}))
     old = c.registry.get(("w1", 0))
@@ -537,7 +545,7 @@ def _repeat_setup():
     from kvindex.ingest.consumer import Consumer
     from kvindex.wire.codec import encode_batch, encode_heartbeat
 
-    c = Consumer(InvertedIndex(), Registry())
+    c = Consumer(InvertedIndex(), Registry(), sequencer=Sequencer(), counters=IngestCounters())
 
     def hb(ts: float, seq: int = 0, running: int = 1, digest=(0, 0)) -> bytes:
         return encode_heartbeat(

@@ -16,6 +16,7 @@ from kvindex.fleet.registry import InstanceState, Registry
 from kvindex.index import InvertedIndex
 from kvindex.scoring import _kernels
 from kvindex.scoring.base import RouteRequest
+from kvindex.scoring.calibration import Calibrator
 from kvindex.scoring.costs import (
     CostConfig,
     EngineShape,
@@ -90,7 +91,7 @@ def _build(rng: random.Random) -> tuple[Ranker, RouteRequest, Clock]:
     config = RankerConfig(costs=costs, prune_min_instances=0, group_min_instances=rng.choice([0, 2, 1000]))
     index = InvertedIndex()
     registry = Registry(clock=clock)
-    router = Ranker(index, registry, config=config, clock=clock)
+    router = Ranker(index, registry, Calibrator.of(config.costs), config=config, clock=clock)
     router.tables  # noqa: B018 - watching before the fleet is built, as a server does
     system = [rng.getrandbits(64) for _ in range(rng.randint(0, 12))]
     tail = [rng.getrandbits(64) for _ in range(rng.randint(0, 12))]

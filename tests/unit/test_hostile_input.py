@@ -24,7 +24,10 @@ from kvindex.ingest.consumer import Consumer
 from kvindex.ingest.limits import SEQ_JUMP
 from kvindex.observability.counters import IngestCounters
 from kvindex.route.openai_body import BodyError, parse_body
-from kvindex.sequencer.cursor import MAX_GAP
+from kvindex.scoring.calibration import Calibrator
+from kvindex.scoring.costs import CostConfig
+from kvindex.scoring.ranker import Ranker
+from kvindex.sequencer.cursor import MAX_GAP, Sequencer
 from kvindex.tokenize import TokenizeError, Tokenizers, bounded_json
 from kvindex.tokenize.bounded_json import MAX_JSON_DEPTH, TooDeep
 from kvindex.tokenize.chat import conversation
@@ -110,10 +113,17 @@ DEEP_PROMPTS = {
 def test_prompt_fields_nested_beyond_the_limit_are_bad_requests(
     request_: pb.ScoreRequest, field: str
 ) -> None:
-    servicer = KvIndexServicer(InvertedIndex(), Registry(), IngestCounters())
+    servicer = servicer_of(InvertedIndex(), Registry(), IngestCounters())
     for request in (request_, copy_as(request_, pb.LookupRequest), copy_as(request_, pb.CommitRequest)):
         with pytest.raises(BadRequest, match=f"^{field} is nested deeper than {MAX_JSON_DEPTH} levels"):
             servicer.resolve(request)
+
+
+def servicer_of(
+    index: InvertedIndex, registry: Registry, counters: IngestCounters, tokenizers: Tokenizers | None = None
+) -> KvIndexServicer:
+    router = Ranker(index, registry, Calibrator.of(CostConfig()))
+    return KvIndexServicer(index, registry, counters, None, router, tokenizers or Tokenizers())
 
 
 def copy_as(request: pb.ScoreRequest, cls: type) -> Any:
@@ -143,7 +153,7 @@ def test_a_chat_at_the_depth_limit_renders(tmp_path: Path) -> None:
     # Nesting the limit lets through must not fail later, in the template (tojson recursing): a tool
     # whose parameters take the whole depth, rendered with the Llama 3 template's tojson(indent=4).
     tokenizers = Tokenizers.from_dirs({"m": str(make_tokenizer_dir(tmp_path / "llama3", "llama3"))})
-    servicer = KvIndexServicer(InvertedIndex(), Registry(), IngestCounters(), tokenizers=tokenizers)
+    servicer = servicer_of(InvertedIndex(), Registry(), IngestCounters(), tokenizers)
     params: Any = {}  # one level, and three around it: [ {function: {parameters: ...}} ]
     for _ in range(MAX_JSON_DEPTH - 4):
         params = {"a": params}
@@ -211,7 +221,7 @@ def test_msgpack_nested_too_deep_is_rejected_counted_and_logged_with_the_worker(
     kind: str, make_payload: Callable[[], bytes]
 ) -> None:
     with structlog.testing.capture_logs() as logs:
-        c = Consumer(InvertedIndex(), Registry())
+        c = Consumer(InvertedIndex(), Registry(), sequencer=Sequencer(), counters=IngestCounters())
         assert c.on_events("kvindex.events.w1", batch(1, [1, 2]))
         assert c.on_heartbeat("kvindex.status.w1", heartbeat(1))
         before = view(c)
@@ -227,7 +237,7 @@ def test_msgpack_nested_too_deep_is_rejected_counted_and_logged_with_the_worker(
 
 
 def test_deep_heartbeat_of_an_unknown_worker_is_rejected_under_its_subject() -> None:
-    c = Consumer(InvertedIndex(), Registry())
+    c = Consumer(InvertedIndex(), Registry(), sequencer=Sequencer(), counters=IngestCounters())
     assert not c.on_heartbeat("kvindex.status.w9", with_field(heartbeat(0, "w9"), "x", nested_msgpack(5000)))
     assert not c.on_events("kvindex.events.w8", with_field(batch(1, [1], "w8"), "x", nested_msgpack(5000)))
     assert c.counters.rejects == {E.TOO_DEEP: 2}
@@ -268,11 +278,13 @@ def answer(servicer: KvIndexServicer, method: str, request: Any) -> Any:
 def test_seqs_at_the_ends_of_u64_leave_stats_and_list_instances_working() -> None:
     # The issue's two cases: two instances send seq 1 then 2**64 - 1 (Stats summed their "missing
     # batches" past u64); one jumps, restarts and jumps to 2**63 (its own sum broke ListInstances).
-    c = Consumer(InvertedIndex(), Registry())  # no repair transport: jumps are taken as positions
+    c = Consumer(
+        InvertedIndex(), Registry(), sequencer=Sequencer(), counters=IngestCounters()
+    )  # no repair transport: jumps are taken as positions
     sent = [(w, 1, 1) for w in "abc"] + [(w, 1, U64_MAX) for w in "abc"] + [("c", 2, 1), ("c", 2, 1 << 63)]
     for worker, epoch, seq in sent:
         c.on_events(f"kvindex.events.{worker}", batch(seq, [seq % 1000], worker, epoch))
-    servicer = KvIndexServicer(c.index, c.registry, c.counters)
+    servicer = servicer_of(c.index, c.registry, c.counters)
     stats = answer(servicer, "Stats", pb.StatsRequest())
     assert stats.rejects_by_reason == {SEQ_JUMP: 4} and stats.missing_batches == 0 and stats.gaps == 0
     listed = answer(servicer, "ListInstances", pb.ListInstancesRequest())
@@ -287,7 +299,13 @@ def test_seqs_at_the_ends_of_u64_leave_stats_and_list_instances_working() -> Non
 def test_a_jump_is_refused_logged_with_the_worker_and_resynchronised_from_a_snapshot() -> None:
     requests = Requests()
     with structlog.testing.capture_logs() as logs:
-        c = Consumer(InvertedIndex(), Registry(), repair=requests)
+        c = Consumer(
+            InvertedIndex(),
+            Registry(),
+            sequencer=Sequencer(),
+            counters=IngestCounters(),
+            repair=lambda _machine: requests,
+        )
         assert c.on_events("kvindex.events.w1", batch(1, [1]))
         assert not c.on_events("kvindex.events.w1", batch(U64_MAX, [2]))
         assert not c.on_events("kvindex.events.w1", batch(U64_MAX - 1, [3]))  # while the snapshot runs
@@ -307,13 +325,25 @@ def test_a_jump_is_refused_logged_with_the_worker_and_resynchronised_from_a_snap
 
 def test_a_heartbeat_jump_asks_a_snapshot_not_a_replay_of_its_tail() -> None:
     requests = Requests()
-    c = Consumer(InvertedIndex(), Registry(), repair=requests)
+    c = Consumer(
+        InvertedIndex(),
+        Registry(),
+        sequencer=Sequencer(),
+        counters=IngestCounters(),
+        repair=lambda _machine: requests,
+    )
     assert c.on_events("kvindex.events.w1", batch(1, [1]))
     assert c.on_heartbeat("kvindex.status.w1", heartbeat(U64_MAX))
     assert requests.asked == [(("w1", 0), "snapshot:jump")]
     assert c.counters.rejects == {SEQ_JUMP: 1} and c.counters.missing_batches == 0
     # A tail within the widest hole is still a lost tail: replayed, its batches counted missing.
-    c2 = Consumer(InvertedIndex(), Registry(), repair=requests)
+    c2 = Consumer(
+        InvertedIndex(),
+        Registry(),
+        sequencer=Sequencer(),
+        counters=IngestCounters(),
+        repair=lambda _machine: requests,
+    )
     assert c2.on_events("kvindex.events.w1", batch(1, [1]))
     assert c2.on_heartbeat("kvindex.status.w1", heartbeat(1 + MAX_GAP))
     assert requests.asked[-1] == (("w1", 0), "replay") and c2.counters.missing_batches == MAX_GAP
@@ -322,7 +352,7 @@ def test_a_heartbeat_jump_asks_a_snapshot_not_a_replay_of_its_tail() -> None:
 def test_replies_saturate_what_does_not_fit_their_fields() -> None:
     # Counters are Python ints; the reply's fields are uint64 (uint32 for token counts). A block
     # size of 2**20 (the wire's largest) times 5,000 block keys is 5.2e9 tokens.
-    c = Consumer(InvertedIndex(), Registry())
+    c = Consumer(InvertedIndex(), Registry(), sequencer=Sequencer(), counters=IngestCounters())
     keys = list(range(1, 5001))
     big = encode_batch(
         worker="w1", model="m", epoch=1, seq=1, ts=0.0, block_size=1 << 20,
@@ -332,7 +362,7 @@ def test_replies_saturate_what_does_not_fit_their_fields() -> None:
     c.counters.missing_batches = c.counters.gaps = 1 << 70
     c.counters.rejects["x"] = 1 << 65
     c.registry.get(("w1", 0)).missing_batches = 1 << 66  # type: ignore[union-attr]
-    servicer = KvIndexServicer(c.index, c.registry, c.counters)
+    servicer = servicer_of(c.index, c.registry, c.counters)
     stats = answer(servicer, "Stats", pb.StatsRequest())
     assert stats.missing_batches == stats.gaps == stats.rejects_total == U64_MAX
     assert stats.rejects_by_reason["x"] == U64_MAX

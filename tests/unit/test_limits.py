@@ -9,7 +9,9 @@ from kvindex.fleet.registry import Registry
 from kvindex.index import InvertedIndex
 from kvindex.ingest.consumer import Consumer
 from kvindex.ingest.limits import BLOCK_LIMIT, INSTANCE_LIMIT, MODEL_LIMIT, IngestLimits
+from kvindex.observability.counters import IngestCounters
 from kvindex.repair.machine import HELD_LIMIT, REPAIR_LIMIT
+from kvindex.sequencer.cursor import Sequencer
 from kvindex.wire import encode_batch, encode_heartbeat
 from kvindex.wire.reconcile import Snapshot
 from tests.unit.test_consumer import snapshot as index_state
@@ -41,7 +43,15 @@ class Log:
 
 def make(repair: Any = None, **limits: Any) -> tuple[Consumer, Log]:
     log = Log()
-    c = Consumer(InvertedIndex(), Registry(), repair=repair, ingest_limits=IngestLimits(**limits), log=log)
+    c = Consumer(
+        InvertedIndex(),
+        Registry(),
+        sequencer=Sequencer(),
+        counters=IngestCounters(),
+        repair=None if repair is None else lambda _machine: repair,
+        ingest_limits=IngestLimits(**limits),
+        log=log,
+    )
     return c, log
 
 

@@ -17,6 +17,7 @@ from kvindex.capture.recorder import RecordingServicer
 from kvindex.client.local import LocalKvIndexClient
 from kvindex.core import build_core
 from kvindex.observability.counters import Metrics
+from kvindex.tokenize import Tokenizers
 from kvindex.v1 import kvindex_pb2 as pb
 
 SERVICE = pb.DESCRIPTOR.services_by_name["KvIndex"]
@@ -47,7 +48,7 @@ def test_latency_labels_are_the_unary_calls() -> None:
     assert LABELS == ("Score", "Lookup", "ListInstances", "Stats", "Commit", "Release")
     core = build_core()
     metrics = Metrics(core.counters, dict)
-    servicer = KvIndexServicer(core.index, core.registry, core.counters, metrics, core.router)
+    servicer = KvIndexServicer(core.index, core.registry, core.counters, metrics, core.router, Tokenizers())
     asyncio.run(servicer.Stats(pb.StatsRequest(), None))  # type: ignore[arg-type]
     counts = {
         s.labels["method"]: s.value
@@ -66,7 +67,7 @@ def test_unknown_method_is_named() -> None:
 
 def _servicer() -> KvIndexServicer:
     core = build_core()
-    return KvIndexServicer(core.index, core.registry, core.counters, None, core.router)
+    return KvIndexServicer(core.index, core.registry, core.counters, None, core.router, Tokenizers())
 
 
 def test_call_reaches_any_unary_method_in_process() -> None:
@@ -100,7 +101,9 @@ def test_recording_servicer_records_what_changed_routing_state() -> None:
     core.index.add_instance(("w", 0), "m")
     core.registry.add(("w", 0), "m", 16)
     recorder = Recorded()
-    servicer = RecordingServicer(recorder, core.index, core.registry, core.counters, None, core.router)  # type: ignore[arg-type]
+    servicer = RecordingServicer(
+        recorder, core.index, core.registry, core.counters, None, core.router, Tokenizers()
+    )  # type: ignore[arg-type]
 
     def run(coro):  # type: ignore[no-untyped-def]
         return asyncio.run(coro)

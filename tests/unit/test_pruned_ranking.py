@@ -17,6 +17,8 @@ from kvindex.index import InvertedIndex, _pytable
 from kvindex.scoring import fleet_table
 from kvindex.scoring import ranker as router_module
 from kvindex.scoring.base import Choice, RouteRequest
+from kvindex.scoring.calibration import Calibrator
+from kvindex.scoring.costs import CostConfig
 from kvindex.scoring.fleet_table import median_of, rendezvous_weights, smallest
 from kvindex.scoring.policies import POLICY_CLASSES, POLICY_NAMES
 from kvindex.scoring.ranker import Ranker, RankerConfig
@@ -78,7 +80,7 @@ def build_fleet(
     index = InvertedIndex(_pytable if backend == "python" else None)
     registry = Registry(clock=clock)
     config = RankerConfig(prune_min_instances=0, group_min_instances=rng.choice([0, 1, 3, 16]))
-    router = Ranker(index, registry, config=config, clock=clock)
+    router = Ranker(index, registry, Calibrator.of(config.costs), config=config, clock=clock)
     router.tables  # noqa: B018 - start watching before the fleet is built, as a server would
     system = [rng.getrandbits(64) for _ in range(rng.randint(1, 24))] if shared else []
     prompts = [
@@ -332,7 +334,13 @@ def test_a_heartbeat_that_moves_only_its_time_refreshes_a_draining_wait(backend:
         clock = Clock()
         index = InvertedIndex(_pytable if backend == "python" else None)
         registry = Registry(clock=clock)
-        router = Ranker(index, registry, config=RankerConfig(prune_min_instances=0), clock=clock)
+        router = Ranker(
+            index,
+            registry,
+            Calibrator.of(CostConfig()),
+            config=RankerConfig(prune_min_instances=0),
+            clock=clock,
+        )
         router.tables  # noqa: B018 - watching before the fleet is built
         states = []
         for i in range(200):

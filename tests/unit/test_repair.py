@@ -6,7 +6,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from kvindex.observability.counters import IngestCounters
 from kvindex.repair.nats_repair import RepairConfig
+from kvindex.sequencer.cursor import Sequencer
 
 
 def _scheduled_fleet(n: int, cfg: RepairConfig, seed: int) -> tuple[Any, Any, list[tuple[str, int]]]:
@@ -17,10 +19,19 @@ def _scheduled_fleet(n: int, cfg: RepairConfig, seed: int) -> tuple[Any, Any, li
     from kvindex.fleet.registry import Registry
     from kvindex.index.inverted import InvertedIndex
     from kvindex.ingest.consumer import Consumer
+    from kvindex.ingest.limits import DEFAULT_INGEST_LIMITS
     from kvindex.repair.nats_repair import NatsRepairer
+    from kvindex.wire.subjects import Subjects
 
-    consumer = Consumer(InvertedIndex(), Registry())
-    repairer = NatsRepairer(consumer, cfg, rng=random.Random(seed))
+    def make_repairer(machine: Any) -> NatsRepairer:
+        return NatsRepairer(
+            machine, Subjects(), DEFAULT_INGEST_LIMITS.limits_of, cfg, rng=random.Random(seed)
+        )
+
+    consumer = Consumer(
+        InvertedIndex(), Registry(), sequencer=Sequencer(), counters=IngestCounters(), repair=make_repairer
+    )
+    repairer = consumer.repairs.scheduler
     checked: list[tuple[str, int]] = []
     consumer.repairs.reconcile = lambda key, cause: checked.append(key)  # type: ignore[method-assign]
     for i in range(n):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import msgpack
 import pytest
@@ -21,6 +22,8 @@ from kvindex.routing_sync.messages import (
 )
 from kvindex.routing_sync.sync import RoutingSync, SyncConfig, check_replica_id, default_replica_id
 from kvindex.scoring.base import RouteRequest
+from kvindex.scoring.calibration import Calibrator
+from kvindex.scoring.costs import CostConfig
 from kvindex.scoring.home import home_block
 from kvindex.scoring.ranker import Ranker
 from kvindex.wire.errors import (
@@ -43,15 +46,22 @@ class Pair:
     index processes fed by the same NATS subjects are."""
 
     def __init__(self, n: int = 8, sync: bool = True) -> None:
-        self.a, self.index, self.registry, self.clock = fleet(n)
-        self.b = Ranker(self.index, self.registry, clock=self.clock)
         self.sync = sync
         self.wall = Clock()
-        self.sa = RoutingSync(self.a, SyncConfig(replica_id="a"), wall=self.wall)
-        self.sb = RoutingSync(self.b, SyncConfig(replica_id="b"), wall=self.wall)
-        if sync:
-            self.a.observer = self.sa
-            self.b.observer = self.sb
+
+        def syncing(replica: str) -> Any:  # the routers' observers (not attached without sync)
+            return lambda router: RoutingSync(router, SyncConfig(replica_id=replica), wall=self.wall)
+
+        self.a, self.index, self.registry, self.clock = fleet(n, observer=syncing("a") if sync else None)
+        self.b = Ranker(
+            self.index,
+            self.registry,
+            Calibrator.of(CostConfig()),
+            clock=self.clock,
+            observer=syncing("b") if sync else None,
+        )
+        self.sa = self.a.observer if sync else syncing("a")(self.a)
+        self.sb = self.b.observer if sync else syncing("b")(self.b)
 
     def deliver(self) -> int:
         """Hand every queued message to the other replica (and back to its sender, as NATS echoes)."""
@@ -150,12 +160,11 @@ def test_an_entry_moved_by_its_replica_moves_on_the_others() -> None:
 def test_predicted_caches_of_engines_without_events_follow_the_other_replicas_decisions() -> None:
     """Approximate mode: an instance publishing no KV events has its cache predicted from routing
     decisions, so every replica must predict from every replica's decisions."""
-    a, index_a, registry_a, clock = fleet(4)
+    a, index_a, registry_a, clock = fleet(4, observer=lambda r: RoutingSync(r, SyncConfig(replica_id="a")))
     b, index_b, registry_b, _ = fleet(4, clock)  # separate indexes, as in two processes
     for registry in (registry_a, registry_b):
         registry.get(("w2", 0)).approximate = True
-    sa, sb = RoutingSync(a, SyncConfig(replica_id="a")), RoutingSync(b, SyncConfig(replica_id="b"))
-    a.observer = sa
+    sa, sb = a.observer, RoutingSync(b, SyncConfig(replica_id="b"))
     keys = prompt(30, seed=14)
     assert a.commit(request(keys, rid="p1"), ("w2", 0))
     assert set(index_a.keys_of(("w2", 0), GPU)) == set(keys)
@@ -318,11 +327,10 @@ def test_replica_ids_follow_the_subject_rule() -> None:
 
 def test_a_replica_given_anothers_id_is_still_applied() -> None:
     """Two processes given the same --replica-id: told apart by their epochs (and logged)."""
-    a, index, registry, clock = fleet(2)
-    b = Ranker(index, registry, clock=clock)
-    sa, sb = RoutingSync(a, SyncConfig(replica_id="same")), RoutingSync(b, SyncConfig(replica_id="same"))
+    a, index, registry, clock = fleet(2, observer=lambda r: RoutingSync(r, SyncConfig(replica_id="same")))
+    b = Ranker(index, registry, Calibrator.of(CostConfig()), clock=clock)
+    sa, sb = a.observer, RoutingSync(b, SyncConfig(replica_id="same"))
     sb.epoch = sa.epoch + 1
-    a.observer = sa
     a.score(request(prompt(20, seed=9), rid="r1"), commit=True)
     payload, _ = sa.take()
     assert not sa.receive("same", payload)  # its own echo

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from typing import Any
 
 import pytest
 from hypothesis import given, settings
@@ -12,7 +13,7 @@ from kvindex.fleet.registry import Registry
 from kvindex.index import InvertedIndex
 from kvindex.scoring.base import RouteRequest
 from kvindex.scoring.calibration import Calibrator, ModelCalibration
-from kvindex.scoring.costs import EngineShape, FetchCosts, KvProfile, PrefillModel, queue_ms
+from kvindex.scoring.costs import CostConfig, EngineShape, FetchCosts, KvProfile, PrefillModel, queue_ms
 from kvindex.scoring.home import home_block, rendezvous_order
 from kvindex.scoring.ledger import Ledger, SpeculativeKeys
 from kvindex.scoring.policies import POLICY_NAMES
@@ -31,7 +32,9 @@ class Clock:
         return self.t
 
 
-def fleet(n: int, clock: Clock | None = None) -> tuple[Ranker, InvertedIndex, Registry, Clock]:
+def fleet(
+    n: int, clock: Clock | None = None, observer: Any = None
+) -> tuple[Ranker, InvertedIndex, Registry, Clock]:
     clock = clock or Clock()
     index = InvertedIndex()
     registry = Registry(clock=clock)
@@ -42,7 +45,8 @@ def fleet(n: int, clock: Clock | None = None) -> tuple[Ranker, InvertedIndex, Re
         state.last_heartbeat_at = clock.t
         state.capacity = {GPU: 10_000}
         state.local_blocks_seen = True
-    return Ranker(index, registry, clock=clock), index, registry, clock
+    router = Ranker(index, registry, Calibrator.of(CostConfig()), clock=clock, observer=observer)
+    return router, index, registry, clock
 
 
 def prompt(n_blocks: int, seed: int = 0) -> list[int]:
@@ -342,7 +346,12 @@ def test_loadaware_formula() -> None:
 
 def test_unknown_default_policy_is_refused() -> None:
     with pytest.raises(ValueError):
-        Ranker(InvertedIndex(), Registry(), config=RankerConfig(default_policy="nope"))
+        Ranker(
+            InvertedIndex(),
+            Registry(),
+            Calibrator.of(CostConfig()),
+            config=RankerConfig(default_policy="nope"),
+        )
 
 
 # -- properties ------------------------------------------------------------------------------------
