@@ -51,9 +51,12 @@ from prometheus_client import Counter
 
 from kvindex.api.errors import BadRequest
 from kvindex.api.handlers import Malformed, add_servicer
+from kvindex.api.inprocess import run_sync
 from kvindex.api.server import READINESS, GrpcPort
 from kvindex.api.servicer import KvIndexServicer
+from kvindex.client.local import LocalKvIndexClient
 from kvindex.fleet.registry import InstanceState
+from kvindex.route.lifecycle import RequestLedger, report_of, run_now
 from kvindex.route.openai_body import BodyError, PromptSpec, parse_body
 from kvindex.route.pd import (
     REMOTE,
@@ -111,9 +114,11 @@ class _Exchange:
     subset: list[str] | None = None
     request: pb.ScoreRequest | None = None
     request_id: str = ""
-    committed: str = ""  # instance id holding the ledger entry
+    # The request's ledger entry (kvindex/route/lifecycle.py; ``committed``: the instance holding
+    # it), made with the request id; PD: the prefill step's, <request_id>:prefill.
+    ledger: RequestLedger | None = None
+    prefill: RequestLedger | None = None
     prefiller: str = ""  # PD: the prefill endpoint named in x-prefiller-host-port
-    prefill_committed: bool = False  # PD: <request_id>:prefill is in the ledger
     released_prefill: bool = False
     finished: bool = False
     arrived: float = field(default_factory=time.monotonic)  # the request headers: TTFT starts here
@@ -125,7 +130,11 @@ class _Exchange:
     picked_at: float = 0.0  # monotonic time of the pick (the TTFT the picker sees starts here)
     first_byte_at: float = 0.0
     reader: UsageReader | None = None  # the response's usage, when the gateway sends the body
-    report: Report | None = None  # sent with the final release
+
+    @property
+    def committed(self) -> str:
+        """The instance holding the request's ledger entry ("" for none)."""
+        return self.ledger.committed if self.ledger is not None else ""
 
 
 class PickerMetrics:
@@ -144,8 +153,20 @@ class PickerMetrics:
         )
 
 
+class _Quiet:
+    """LedgerEvents of the PD prefill entry: its release is neither counted nor a wake-up."""
+
+    def released(self, phase: str, found: bool | None, reported: bool, status: str, wake: bool) -> None:
+        pass
+
+    def moved(self, committed: bool) -> None:
+        pass
+
+
 class EndpointPicker(ep_grpc.ExternalProcessorServicer):
-    """``ExternalProcessor`` over the index's own scoring (same process, same event loop)."""
+    """``ExternalProcessor`` over the index's own scoring (same process, same event loop): Score and
+    the ledger's releases go through the in-process client (``LocalKvIndexClient``), each over
+    before the picker answers Envoy (``run_now``)."""
 
     def __init__(
         self,
@@ -160,6 +181,7 @@ class EndpointPicker(ep_grpc.ExternalProcessorServicer):
         objectives: ObjectiveDefaults | None = None,
     ) -> None:
         self.servicer = servicer
+        self.client = LocalKvIndexClient(servicer, refresh_interval=0)
         self.registry = servicer.registry
         self.fallbacks = fallbacks
         self.policy = policy
@@ -220,6 +242,7 @@ class EndpointPicker(ep_grpc.ExternalProcessorServicer):
             ex.headers = _headers(msg.request_headers.headers)
             ex.subset = _subset(msg.metadata_context)
             ex.request_id = ex.headers.get(REQUEST_ID_HEADER) or uuid.uuid4().hex
+            ex.ledger = self._ledger(ex.request_id)
             if msg.request_headers.end_of_stream:  # no body (GET /v1/models, ...): pick by load
                 return [await self._pick(ex, phase="request_headers")]
             if not ex.full_duplex:  # Envoy waits for this answer before it sends the body
@@ -263,8 +286,8 @@ class EndpointPicker(ep_grpc.ExternalProcessorServicer):
                 self._release(ex, PREFILL)
             if ex.reader is not None:
                 ex.reader.feed(body.body)
-                if body.end_of_stream:
-                    ex.report = self._report(ex, ex.reader)
+                if body.end_of_stream and ex.ledger is not None:
+                    ex.ledger.report = self._report(ex, ex.reader)
             if body.end_of_stream:
                 self._finish(ex)
             if ex.full_duplex:
@@ -341,11 +364,11 @@ class EndpointPicker(ep_grpc.ExternalProcessorServicer):
 
         async def attempt(commit: bool) -> pb.ScoreResponse:
             request = self._score_request(spec, ex, candidates, commit, role)
-            response = self.servicer.score_request(request)
+            response = self._score(request)
             scored.append(request)
             if response.committed_instance_id:
                 ex.request = request
-                ex.committed = response.committed_instance_id
+                self._committed(ex, response.committed_instance_id)
             return response
 
         admitted = await self.gate.admit(
@@ -413,8 +436,9 @@ class EndpointPicker(ep_grpc.ExternalProcessorServicer):
                 request.candidates.extend(candidates)
                 request.top_k = self.pd.prefill_top_k
                 request.request_id = ex.request_id + PREFILL_SUFFIX
-                ranked = self.servicer.score_request(request)
-                ex.prefill_committed = bool(ranked.committed_instance_id)
+                ranked = self._score(request)
+                ex.prefill = prefill = RequestLedger(self.client, request.request_id, run_now, _Quiet())
+                prefill.committed_on(ranked.committed_instance_id)
                 groups = {s.instance_id: s.pd_group or "" for s in eligible}
                 options = [
                     PrefillOption(r.instance_id, r.endpoint, r.est_ttft_ms, groups.get(r.instance_id, ""))
@@ -427,12 +451,11 @@ class EndpointPicker(ep_grpc.ExternalProcessorServicer):
                         # The transfer made another instance cheaper: commit it there instead.
                         del request.candidates[:]
                         request.candidates.append(pick.option.instance_id)
-                        self.servicer.score_request(request)
+                        self._score(request)
                     ex.prefiller = pick.option.endpoint
                     why = REMOTE
-                elif ex.prefill_committed:
-                    self.servicer.router.release(request.request_id, FINISHED)
-                    ex.prefill_committed = False
+                else:
+                    prefill.release(FINISHED)
         self.pd_metrics.served(why)
         if why == REMOTE:
             return decoded
@@ -440,7 +463,7 @@ class EndpointPicker(ep_grpc.ExternalProcessorServicer):
         whole.CopyFrom(decode_request)
         whole.role = ""  # ranked and committed as a whole request, among the decode instances
         try:
-            ranked = self.servicer.score_request(whole)
+            ranked = self._score(whole)
         except BadRequest:
             ranked = None
         if ranked is None or not ranked.ranked:
@@ -448,7 +471,7 @@ class EndpointPicker(ep_grpc.ExternalProcessorServicer):
                 self._recommit(ex, ex.committed, decode_request)
             return decoded
         ex.request = whole
-        ex.committed = ranked.committed_instance_id
+        self._committed(ex, ranked.committed_instance_id)
         return ranked
 
     def _score_request(
@@ -470,23 +493,21 @@ class EndpointPicker(ep_grpc.ExternalProcessorServicer):
         """Commit the request on ``instance`` (a Score with commit restricted to it replaces any
         entry the request had)."""
         if ex.committed and ex.committed != instance:
-            self.servicer.router.release(ex.request_id, FINISHED)
-            ex.committed = ""
+            self._drop(ex)
         if ex.committed == instance:
             return
         request = self._score_request(spec, ex, [instance], role=role)
-        response = self.servicer.score_request(request)
+        response = self._score(request)
         if response.committed_instance_id:
             ex.request = request
-            ex.committed = response.committed_instance_id
+            self._committed(ex, response.committed_instance_id)
 
     def _undo(self, ex: _Exchange) -> Any:
         """A pick not acted on (held or shed): its commit must not count against the instance."""
 
         async def undo(_response: pb.ScoreResponse) -> None:
-            if ex.committed:
-                self.servicer.router.release(ex.request_id, FINISHED)  # no wake: it goes back to the queue
-                ex.committed = ""
+            if ex.committed and ex.ledger is not None:
+                await ex.ledger.undo()  # no wake: it goes back to the queue
 
         return undo
 
@@ -514,7 +535,7 @@ class EndpointPicker(ep_grpc.ExternalProcessorServicer):
             return
         instance = at[0].instance_id
         self.metrics.served_elsewhere.inc()
-        self.servicer.router.release(ex.request_id, FINISHED)
+        self._drop(ex)  # then committed again where it is served (a unified entry)
         self._recommit(ex, instance, ex.request)
 
     def _recommit(self, ex: _Exchange, instance: str, like: pb.ScoreRequest) -> None:
@@ -525,37 +546,56 @@ class EndpointPicker(ep_grpc.ExternalProcessorServicer):
         del request.candidates[:]
         request.candidates.append(instance)
         try:
-            response = self.servicer.score_request(request)
+            response = self._score(request)
         except BadRequest:
-            ex.committed = ""
+            self._committed(ex, "")
             return
-        ex.committed = response.committed_instance_id
+        self._committed(ex, response.committed_instance_id)
 
     def _report(self, ex: _Exchange, reader: UsageReader) -> Report | None:
         reader.finish()
-        usage = reader.usage
-        report = Report()
-        if usage is not None:
-            report.cached_tokens, report.prompt_tokens = usage.cached_tokens, usage.prompt_tokens
-        if ex.picked_at and (reader.stream or (usage is not None and usage.completion_tokens == 1)):
-            report.ttft_ms = max(0.0, (ex.first_byte_at - ex.picked_at) * 1000)
-        if report.empty():
-            return None
-        return report
+        ttft_ms = max(0.0, (ex.first_byte_at - ex.picked_at) * 1000) if ex.picked_at else None
+        return report_of(reader.usage, reader.stream, ttft_ms)
+
+    # -- the ledger (kvindex/route/lifecycle.py) ------------------------------------------------
+
+    def _ledger(self, request_id: str) -> RequestLedger:
+        return RequestLedger(self.client, request_id, run_now, self)
+
+    def _score(self, request: pb.ScoreRequest) -> pb.ScoreResponse:
+        """A Score through the in-process client, over before this returns (BadRequest as the
+        servicer raises it)."""
+        response: pb.ScoreResponse = run_sync(self.client.call("Score", request))
+        return response
+
+    def _committed(self, ex: _Exchange, instance_id: str) -> None:
+        if ex.ledger is not None:
+            ex.ledger.committed_on(instance_id)
+
+    def _drop(self, ex: _Exchange) -> None:
+        """The request's entry goes (it is committed elsewhere next): not its end, no wake-up."""
+        if ex.ledger is not None:
+            run_sync(ex.ledger.undo())
+
+    def released(self, phase: str, found: bool | None, reported: bool, status: str, wake: bool) -> None:
+        """LedgerEvents: what became of a report is counted; an instance has room, so held requests
+        may fit now (unless the release undid a decision)."""
+        if status:
+            self.metrics.reports.labels(status).inc()
+        if wake:
+            self.gate.wake()
+
+    def moved(self, committed: bool) -> None:
+        pass  # Envoy's fallbacks are committed again by a Score (_served), not moved
 
     def _release(self, ex: _Exchange, phase: str) -> None:
-        if ex.prefill_committed:
+        if ex.prefill is not None:
             # The decode side answers once the prefill step is over: the prefill entry goes first.
-            ex.prefill_committed = False
-            self.servicer.router.release(ex.request_id + PREFILL_SUFFIX, FINISHED)
+            ex.prefill.release(FINISHED)
         if phase == PREFILL:
             ex.released_prefill = True
-        if ex.committed:
-            report = ex.report if phase == FINISHED else None
-            status = self.servicer.router.release_reported(ex.request_id, phase, report)[1]
-            if status:
-                self.metrics.reports.labels(status).inc()
-            self.gate.wake()  # an instance has room: held requests may fit now
+        if ex.ledger is not None:
+            ex.ledger.release(phase)
 
     def _finish(self, ex: _Exchange) -> None:
         if not ex.finished:

@@ -21,6 +21,7 @@ import structlog
 from aiohttp import web
 
 from kvindex.client import BadRequest, Decision, IndexUnavailable, Target
+from kvindex.route.lifecycle import RequestLedger
 from kvindex.route.openai_body import PromptSpec
 from kvindex.route.pd import (
     CACHED_ON_DECODE,
@@ -47,7 +48,7 @@ from kvindex.scoring.ledger import FINISHED
 from kvindex.v1 import kvindex_pb2 as pb
 
 if TYPE_CHECKING:
-    from kvindex.route.proxy import RouteProxy, _LedgerOps
+    from kvindex.route.proxy import RouteProxy
 
 log = structlog.get_logger("kvindex.route.pd")
 
@@ -89,17 +90,19 @@ class PdRoute:
         raw: bytes,
         spec: PromptSpec,
         decision: Decision,
-        ledger: _LedgerOps,
+        ledger: RequestLedger,
         headers: Any,
     ) -> tuple[bytes, dict[str, str], FirstByte | None, Decision]:
         """(the body to send, response headers to add, first-byte callback, the decision whose
         targets to send it to: the decode pick's, or, when a decode instance prefills the request
-        itself, the TTFT ranking of the decode instances)."""
-        plan = await self.plan(spec, decision, ledger.request_id)
+        itself, the TTFT ranking of the decode instances). ``ledger``: the request's entry (on the
+        decode instance); the prefill step's is ``<id>:prefill``."""
+        prefill = self.proxy.ledger(ledger.request_id + PREFILL_SUFFIX, spec)
+        plan = await self.plan(spec, decision, prefill)
         if plan.remote:
             assert plan.prefill is not None
             body = json.loads(raw)  # parse_body accepted it: a JSON object
-            params, why = await self._prefill(request, body, plan, ledger.request_id, headers)
+            params, why = await self._prefill(request, body, plan, prefill, headers)
             if params is not None:
                 self.metrics.served(REMOTE)
                 return (*self._remote(body, params, plan), decision)
@@ -111,7 +114,7 @@ class PdRoute:
                 return raw, {PD_HEADER: plan.header()}, None, whole
         if decision.committed and decision.targets:
             # The decode instance prefills too: its ledger entry becomes a whole request's.
-            ledger.move(decision.targets[0], spec)
+            ledger.move(decision.targets[0].instance_id)
         return raw, {PD_HEADER: plan.header()}, None, decision
 
     async def _whole(self, spec: PromptSpec, decision: Decision, request_id: str) -> Decision | None:
@@ -156,8 +159,9 @@ class PdRoute:
         added = {PD_HEADER: plan.header(), PREFILL_INSTANCE_HEADER: prefill_id}
         return decode_body(body, params), added, first_byte
 
-    async def plan(self, spec: PromptSpec, decision: Decision, request_id: str) -> PdPlan:
-        """Local or two steps, and with which prefill instance (committed under ``<id>:prefill``)."""
+    async def plan(self, spec: PromptSpec, decision: Decision, prefill: RequestLedger) -> PdPlan:
+        """Local or two steps, and with which prefill instance (committed as ``prefill``, the
+        request's ``<id>:prefill`` entry)."""
         response = decision.response
         if decision.source != "index" or response is None or not response.ranked or not decision.targets:
             return PdPlan(NO_ESTIMATE)
@@ -182,7 +186,8 @@ class PdRoute:
             return PdPlan(NO_ESTIMATE, prompt_tokens=prompt_tokens)
         if self.proxy.config.policy:
             fields["policy"] = self.proxy.config.policy
-        prefill_id = request_id + PREFILL_SUFFIX
+        prefill_id = prefill.request_id
+        request_id = prefill_id.removesuffix(PREFILL_SUFFIX)
         try:
             ranked = await client.score(
                 spec.model,
@@ -204,13 +209,16 @@ class PdRoute:
             for r in ranked.response.ranked
         ]
         pick = choose_prefill(options, decode.instance_id, transfer, self.costs)
+        prefill.active = ranked.committed
         if pick is None:
-            if ranked.committed:
-                self.proxy.spawn(self.proxy.release(prefill_id, FINISHED))
+            prefill.release(FINISHED)
             return PdPlan(NO_PREFILL_INSTANCE, prompt_tokens=prompt_tokens)
+        prefill.active = True  # released when the prefill step ends, however it ends
         if pick.option.instance_id != ranked.committed_instance_id:
-            # The transfer made another instance cheaper than the index's first: the entry moves.
-            self.proxy.spawn(self._recommit(prefill_id, pick.option.instance_id, spec))
+            # The transfer made another instance cheaper than the index's first: the entry moves
+            # there (kept where it is if the index does not take it; released at the step's end).
+            instance_id = pick.option.instance_id
+            prefill.run(lambda: self._recommit(prefill_id, instance_id, spec))
         return PdPlan(REMOTE, pick, transfer, prompt_tokens)
 
     async def _recommit(self, prefill_id: str, instance_id: str, spec: PromptSpec) -> None:
@@ -227,11 +235,13 @@ class PdRoute:
         request: web.Request,
         body: dict[str, Any],
         plan: PdPlan,
-        request_id: str,
+        entry: RequestLedger,
         headers: Any,
     ) -> tuple[dict[str, Any] | None, str]:
-        """The prefill step: its answer's ``kv_transfer_params``, or None and why there are none."""
-        assert plan.prefill is not None and self.proxy._session is not None
+        """The prefill step: its answer's ``kv_transfer_params``, or None and why there are none
+        (``entry``: the step's ``<id>:prefill`` ledger entry, released when it ends)."""
+        assert plan.prefill is not None
+        request_id = entry.request_id.removesuffix(PREFILL_SUFFIX)
         option = plan.prefill.option
         sent = headers.copy()
         sent.popall("accept-encoding", None)  # the answer is read here, not relayed
@@ -241,7 +251,7 @@ class PdRoute:
         started = time.monotonic()
         status, answer = 0, b""
         try:
-            async with self.proxy._session.post(
+            async with self.proxy.session.post(
                 url,
                 data=prefill_body(body),
                 headers=sent,
@@ -250,17 +260,17 @@ class PdRoute:
                 status = resp.status
                 answer = await resp.read()
         except (aiohttp.ClientError, TimeoutError) as exc:
-            self.proxy._limited_log.warning(
+            self.proxy.limited_log.warning(
                 ("pd_prefill_failed", option.endpoint), "pd_prefill_failed",
                 instance=option.instance_id, endpoint=option.endpoint, error=repr(exc), request_id=request_id,
             )  # fmt: skip
             return None, PREFILL_FAILED
         finally:
             # However the step ended (answered, failed, the client gone): the prefill is over.
-            self.proxy.spawn(self.proxy.release(request_id + PREFILL_SUFFIX, FINISHED))
+            entry.release(FINISHED)
         self.metrics.prefill_seconds.observe(time.monotonic() - started)
         if status != 200:
-            self.proxy._limited_log.warning(
+            self.proxy.limited_log.warning(
                 ("pd_prefill_status", option.endpoint), "pd_prefill_failed",
                 instance=option.instance_id, endpoint=option.endpoint, status=status, request_id=request_id,
                 answer=answer[:200].decode("utf-8", "replace"),
@@ -268,7 +278,7 @@ class PdRoute:
             return None, PREFILL_FAILED
         params = kv_params_of(answer)
         if params is None:
-            self.proxy._limited_log.warning(
+            self.proxy.limited_log.warning(
                 ("pd_no_kv_params", option.endpoint), "pd_no_kv_transfer_params",
                 instance=option.instance_id, endpoint=option.endpoint, request_id=request_id,
             )  # fmt: skip

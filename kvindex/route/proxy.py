@@ -16,7 +16,7 @@ import asyncio
 import json
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -41,6 +41,7 @@ from kvindex.client import (
 )
 from kvindex.lifecycle import Stop
 from kvindex.observability.logs import RateLimitedLog
+from kvindex.route.lifecycle import RequestLedger, ordered, report_of
 from kvindex.route.metrics import RouteMetrics
 from kvindex.route.openai_body import MAX_BODY_BYTES, BodyError, PromptSpec, parse_body
 from kvindex.route.pd import PdConfig
@@ -207,54 +208,17 @@ def _fields_taken(message: Any, spec: PromptSpec) -> dict[str, Any] | None:
     return out
 
 
-class _LedgerOps:
-    """One request's ledger calls (re-commit, releases), run in order in the background: the
-    response never waits for them, and a release cannot overtake the commit it releases."""
+@dataclass(eq=False)
+class _Request:
+    """One request in the proxy: its ledger entry (kvindex/route/lifecycle.py) and what admission
+    and the stage timings follow (the object is admission's key for the request)."""
 
-    def __init__(
-        self, proxy: RouteProxy, request_id: str, model: str = "", objective: Objective | None = None
-    ) -> None:
-        self.proxy = proxy
-        self.request_id = request_id
-        self.model = model
-        self.objective = objective or Objective()  # its TTFT is judged against it at the first byte
-        self.est_ms = 0.0  # the index's TTFT estimate for the instance chosen, and when it was chosen
-        self.decided_at = 0.0
-        self.sent_at = 0.0  # the last attempt's send to an engine (the proxy's stage timings)
-        self._tail: asyncio.Task[None] | None = None
-        # The index may hold an entry for the request (Score committed it, or may have): only then
-        # are releases sent (a fallback decision while the index is down has nothing to release).
-        self.active = False
-        self.prefill_released = False
-        self.finished = False
-        # The outcome report sent with the final release (cached_tokens, ttft_ms, prompt_tokens);
-        # only for a request the index decided and committed (after a deadline, a late commit may
-        # name another instance than the one the fallback chose: nothing to compare).
-        self.reportable = False
-        self.report: dict[str, Any] | None = None
-
-    def then(self, op: Callable[[], Awaitable[None]]) -> None:
-        prev = self._tail
-
-        async def run() -> None:
-            if prev is not None:
-                await asyncio.wait([prev])  # never raises; a failed op does not stop the next
-            await op()
-
-        self._tail = self.proxy.spawn(run())
-
-    def release(self, phase: str) -> None:
-        if not self.active or self.finished or (phase == PREFILL and self.prefill_released):
-            return
-        self.prefill_released = True
-        self.finished = phase == FINISHED
-        report = self.report if phase == FINISHED else None
-        self.then(lambda: self.proxy.release(self.request_id, phase, report))
-
-    def move(self, target: Target, spec: PromptSpec) -> None:
-        """The request went to ``target``, not where Score committed it: commit it there (a Commit
-        under the same request_id replaces the entry), or drop the entry if that is impossible."""
-        self.then(lambda: self.proxy.recommit(self.request_id, target, spec))
+    ledger: RequestLedger
+    model: str = ""
+    objective: Objective = field(default_factory=Objective)  # its TTFT is judged against it at the first byte
+    est_ms: float = 0.0  # the index's TTFT estimate for the instance chosen, and when it was chosen
+    decided_at: float = 0.0
+    sent_at: float = 0.0  # the last attempt's send to an engine (the proxy's stage timings)
 
 
 class RouteProxy:
@@ -276,7 +240,7 @@ class RouteProxy:
         self._site: web.TCPSite | None = None
         # An engine down or an index rejecting a model fails every request alike: log once per key
         # and interval (with a count of the rest); the metrics count every one.
-        self._limited_log = RateLimitedLog(log)
+        self.limited_log = RateLimitedLog(log)
         self.pd = PdRoute(self, config.pd, _fields_taken) if config.pd is not None else None
         # Models whose text/chat requests the index cannot tokenize: said once per model (a fallback
         # counter alone leaves a whole model routed blind without anyone noticing).
@@ -293,6 +257,12 @@ class RouteProxy:
     def client(self) -> AsyncKvIndexClient:
         assert self._client is not None, "RouteProxy.start() first"
         return self._client
+
+    @property
+    def session(self) -> aiohttp.ClientSession:
+        """The engines' HTTP session (the proxy's and its disaggregated path's requests)."""
+        assert self._session is not None, "RouteProxy.start() first"
+        return self._session
 
     @property
     def port(self) -> int:
@@ -362,70 +332,57 @@ class RouteProxy:
         task.add_done_callback(self._tasks.discard)
         return task
 
-    # -- ledger ------------------------------------------------------------------------------------
+    # -- ledger (kvindex/route/lifecycle.py) ------------------------------------------------------
 
-    async def release(
-        self, request_id: str, phase: str, report: dict[str, Any] | None = None, wake: bool = True
-    ) -> None:
-        timeout = self.config.release_timeout
-        try:
-            if report:
-                found, status = await self.client.release_reported(
-                    request_id, phase, timeout=timeout, **report
-                )
-                self.metrics.reports.labels(status or "none").inc()
-            else:
-                found = await self.client.release(request_id, phase, timeout=timeout)
-        except (IndexUnavailable, BadRequest) as exc:
+    def ledger(self, request_id: str, spec: PromptSpec) -> RequestLedger:
+        """``request_id``'s entry in the index's ledger, its calls in the background in order
+        (moved with a Commit of ``spec``'s prompt)."""
+        return RequestLedger(
+            self.client,
+            request_id,
+            ordered(self.spawn),
+            self,
+            timeout=self.config.release_timeout,
+            commit=lambda instance_id: self._commit(request_id, instance_id, spec),
+        )
+
+    async def _commit(self, request_id: str, instance_id: str, spec: PromptSpec) -> bool:
+        fields = _fields_taken(pb.CommitRequest, spec)
+        if fields is None:
+            return False
+        return await self.client.commit(
+            request_id, instance_id, spec.model, timeout=self.config.release_timeout, **fields
+        )
+
+    def released(self, phase: str, found: bool | None, reported: bool, status: str, wake: bool) -> None:
+        """LedgerEvents: a release answered (counted), and, unless it undid a decision, queued
+        requests may fit now. (Told after the index has the release, so their new Score sees it.)"""
+        if wake:
+            self.gate.wake()
+        if found is None:
             self.metrics.releases.labels(phase, "error").inc()
-            if report:
+            if reported:
                 self.metrics.reports.labels("error").inc()
-            log.debug("release_failed", request_id=request_id, phase=phase, error=str(exc))
             return
-        finally:
-            # An engine has room (its prefill is done, or the request left): queued requests may
-            # fit now. Only after the index has the release, so their new Score sees it. Not for
-            # the release of a request going back to the queue (that would spin).
-            if wake:
-                self.gate.wake()
+        if reported:
+            self.metrics.reports.labels(status or "none").inc()
         self.metrics.releases.labels(phase, "found" if found else "not_found").inc()
 
-    async def recommit(self, request_id: str, target: Target, spec: PromptSpec) -> None:
-        fields = _fields_taken(pb.CommitRequest, spec)
-        ok = False
-        if fields is not None:
-            try:
-                ok = await self.client.commit(
-                    request_id, target.instance_id, spec.model, timeout=self.config.release_timeout, **fields
-                )
-            except (IndexUnavailable, BadRequest, TypeError) as exc:
-                log.debug("recommit_failed", request_id=request_id, error=str(exc))
-        self.metrics.recommits.labels("committed" if ok else "failed").inc()
-        if not ok:  # the entry would count against an instance that is not serving the request
-            await self.release(request_id, FINISHED)
+    def moved(self, committed: bool) -> None:
+        self.metrics.recommits.labels("committed" if committed else "failed").inc()
 
-    async def _commit_first(self, decision: Decision, spec: PromptSpec, request_id: str) -> None:
+    async def _commit_first(self, decision: Decision, ledger: RequestLedger) -> None:
         """A request admitted from the queue was re-scored without commit: commit it where it goes
         before it is sent (an instance that refuses the connection then moves it, as always)."""
         target = next((t for t in decision.targets if t.endpoint), None)
-        fields = _fields_taken(pb.CommitRequest, spec)
-        if target is None or fields is None:
-            return
-        try:
-            ok = await self.client.commit(
-                request_id, target.instance_id, spec.model, timeout=self.config.release_timeout, **fields
-            )
-        except (IndexUnavailable, BadRequest, TypeError) as exc:
-            log.debug("commit_failed", request_id=request_id, error=str(exc))
-            return
-        if ok:
+        if target is not None and await ledger.commit(target.instance_id):
             decision.committed_instance_id = target.instance_id
 
-    async def _undo(self, trial: tuple[Decision | None, str], request_id: str) -> None:
+    async def _undo(self, trial: tuple[Decision | None, str], ledger: RequestLedger) -> None:
         """A decision not acted on (the request is queued or shed): its commit must not count."""
         decision = trial[0]
         if decision is not None and (decision.committed or decision.reason in _MAYBE_COMMITTED):
-            await self.release(request_id, FINISHED, wake=False)
+            await ledger.undo()
 
     # -- deciding ----------------------------------------------------------------------------------
 
@@ -485,7 +442,7 @@ class RouteProxy:
                 # problem to report (nothing would be routed by the hash either).
                 why = f"no instance serves model {spec.model!r}: the index knows none"
             else:
-                self._limited_log.warning(
+                self.limited_log.warning(
                     ("rejected", spec.model), "index_rejected_request", model=spec.model, error=str(exc)
                 )
         except IndexUnavailable as exc:
@@ -547,7 +504,7 @@ class RouteProxy:
         path = request.path
         code = "500"
         self.metrics.in_flight.inc()
-        ledger: _LedgerOps | None = None
+        req: _Request | None = None
         decision: Decision | None = None
         try:
             try:
@@ -565,10 +522,11 @@ class RouteProxy:
                 objective = self.config.objectives.of(spec.model, _lower(request.headers))
             except ObjectiveError as exc:
                 code = "400"
-                self._limited_log.warning(("bad_objective", exc.header), "bad_objective", error=str(exc))
+                self.limited_log.warning(("bad_objective", exc.header), "bad_objective", error=str(exc))
                 return openai_error(400, str(exc), "invalid_request_error", param=exc.header)
             request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
-            ledger = _LedgerOps(self, request_id, spec.model, objective)
+            req = _Request(self.ledger(request_id, spec), spec.model, objective)
+            ledger = req.ledger
             pd = self.pd
             extra = pd.decode_fields(spec.model) if pd is not None else {}
             admitted = await self.gate.admit(
@@ -577,7 +535,7 @@ class RouteProxy:
                 received,
                 lambda commit: self.decide(spec, request_id, commit, **extra),
                 _estimates,
-                lambda trial: self._undo(trial, request_id),
+                lambda trial: self._undo(trial, ledger),
             )
             if isinstance(admitted, Shed):
                 code = "429"
@@ -585,22 +543,17 @@ class RouteProxy:
                 response.headers["Retry-After"] = str(admitted.retry_after_s)
                 return response
             decision, why = admitted.trial
-            ledger.est_ms, ledger.decided_at = admitted.est_ms, time.monotonic()
-            if (
-                spec.stream
-                and ledger.est_ms
-                and decision is not None
-                and admitted.pick < len(decision.targets)
-            ):
+            req.est_ms, req.decided_at = admitted.est_ms, time.monotonic()
+            if spec.stream and req.est_ms and decision is not None and admitted.pick < len(decision.targets):
                 first = decision.targets[admitted.pick].instance_id
-                self.gate.awaiting(spec.model, ledger, ledger.est_ms, ledger.decided_at, first)
+                self.gate.awaiting(spec.model, req, req.est_ms, req.decided_at, first)
             if decision is not None and admitted.pick:
                 # Admission chose a later-ranked instance (the first within the objective): it goes
                 # first, and the ledger entry follows it there (_forward's re-commit).
                 t = decision.targets
                 decision.targets = [t[admitted.pick], *t[: admitted.pick], *t[admitted.pick + 1 :]]
             if decision is not None and not admitted.committed and decision.source == "index":
-                await self._commit_first(decision, spec, request_id)
+                await self._commit_first(decision, ledger)
             ledger.active = decision is not None and (
                 decision.committed or decision.reason in _MAYBE_COMMITTED
             )
@@ -630,18 +583,18 @@ class RouteProxy:
                     # which its own prediction never promised; comparing them would only mislead.
                     ledger.reportable = False
             response, code = await self._forward(
-                request, raw, spec, decision, ledger, received, strip_usage, added, first_byte
+                request, raw, spec, decision, req, received, strip_usage, added, first_byte
             )
             return response
         except asyncio.CancelledError:
             code = "499"  # the client went away (or shutdown's grace ran out)
-            if ledger is not None and decision is None:
-                ledger.active = True  # cancelled while scoring: the commit may have been made
+            if req is not None and decision is None:
+                req.ledger.active = True  # cancelled while scoring: the commit may have been made
             raise
         finally:
-            if ledger is not None:
-                ledger.release(FINISHED)  # however the request ended: the ledger must not leak
-                self.gate.correction.finish(ledger.model, ledger)  # no first token awaited any more
+            if req is not None:
+                req.ledger.release(FINISHED)  # however the request ended: the ledger must not leak
+                self.gate.correction.finish(req.model, req)  # no first token awaited any more
             self.metrics.in_flight.dec()
             self.metrics.requests.labels(path, code).inc()
 
@@ -651,7 +604,7 @@ class RouteProxy:
         raw: bytes,
         spec: PromptSpec,
         decision: Decision,
-        ledger: _LedgerOps,
+        req: _Request,
         received: float,
         strip_usage: bool = False,
         added: dict[str, str] | None = None,
@@ -671,19 +624,19 @@ class RouteProxy:
             if attempt:
                 self.metrics.retries.inc()
             url = f"http://{target.endpoint}{request.path_qs}"
-            ledger.sent_at = time.monotonic()
+            req.sent_at = time.monotonic()
             if not attempt:
-                self.metrics.stages.labels("before_forward").observe(ledger.sent_at - received)
+                self.metrics.stages.labels("before_forward").observe(req.sent_at - received)
             try:
                 upstream = await self._session.request(request.method, url, data=raw, headers=headers)
             except (aiohttp.ClientError, TimeoutError) as exc:
                 kind = _error_kind(exc)
                 self.metrics.upstream_errors.labels(kind).inc()
                 errors.append(f"{target.instance_id} at {target.endpoint}: {kind} ({exc!r})")
-                self._limited_log.warning(
+                self.limited_log.warning(
                     ("upstream_failed", target.endpoint, kind), "upstream_failed",
                     instance=target.instance_id, endpoint=target.endpoint, kind=kind, error=repr(exc),
-                    request_id=ledger.request_id,
+                    request_id=req.ledger.request_id,
                 )  # fmt: skip
                 continue
             break
@@ -693,11 +646,11 @@ class RouteProxy:
         reason = "retry" if attempt else decision.source
         self.metrics.decisions.labels(reason).inc()
         if decision.committed and target.instance_id != decision.committed_instance_id:
-            ledger.move(target, spec)
+            req.ledger.move(target.instance_id)
         est = _estimate(decision, target.instance_id)
         try:
             return await self._relay(
-                request, upstream, target, reason, ledger, received, strip_usage, added, first_byte, est
+                request, upstream, target, reason, req, received, strip_usage, added, first_byte, est
             )
         finally:
             upstream.close()  # a no-op after a full read (the connection went back to the pool)
@@ -708,7 +661,7 @@ class RouteProxy:
         upstream: aiohttp.ClientResponse,
         target: Target,
         reason: str,
-        ledger: _LedgerOps,
+        req: _Request,
         received: float,
         strip_usage: bool = False,
         added: dict[str, str] | None = None,
@@ -725,13 +678,13 @@ class RouteProxy:
         # The engine's usage is read from answers the index can learn from (a committed, successful,
         # uncompressed one); what is stripped changes the length, so the body is then chunked.
         reader: UsageReader | None = None
-        if ledger.reportable and upstream.status == 200 and "Content-Encoding" not in upstream.headers:
+        if req.ledger.reportable and upstream.status == 200 and "Content-Encoding" not in upstream.headers:
             reader = UsageReader(stream == "true", strip=strip_usage)
         if upstream.content_length is not None and not (reader is not None and reader.strip):
             response.content_length = upstream.content_length
         response.headers["x-kvindex-instance"] = target.instance_id
         response.headers["x-kvindex-decision"] = reason
-        response.headers["x-kvindex-request-id"] = ledger.request_id
+        response.headers["x-kvindex-request-id"] = req.ledger.request_id
         if added:
             response.headers.update(added)
         if est_ttft_ms is not None:  # what the index predicted, for a client to compare with
@@ -750,9 +703,9 @@ class RouteProxy:
                 # The engine failed mid-body: the status is sent, so the client can only be shown
                 # the connection cut (never a body that looks complete).
                 self.metrics.upstream_errors.labels("stream").inc()
-                self._limited_log.warning(
+                self.limited_log.warning(
                     ("upstream_broke_mid_body", target.endpoint), "upstream_broke_mid_body",
-                    instance=target.instance_id, error=repr(exc), request_id=ledger.request_id,
+                    instance=target.instance_id, error=repr(exc), request_id=req.ledger.request_id,
                 )  # fmt: skip
                 if request.transport is not None:
                     request.transport.close()
@@ -760,18 +713,18 @@ class RouteProxy:
             if first:
                 first = False
                 first_at = time.monotonic()
-                self.metrics.stages.labels("upstream_first_byte").observe(first_at - ledger.sent_at)
+                self.metrics.stages.labels("upstream_first_byte").observe(first_at - req.sent_at)
                 ttft = first_at - received  # queue time included
                 self.metrics.ttft.labels(stream).observe(ttft)
-                self.admission_metrics.observe_ttft(ledger.model, ledger.objective, ttft)
-                if ledger.est_ms:
+                self.admission_metrics.observe_ttft(req.model, req.objective, ttft)
+                if req.est_ms:
                     # The first chunk of a stream is the first token: how good was the estimate?
                     counts = stream == "true" and reason != "retry" and first_byte is None
-                    measured = first_at - ledger.decided_at if counts else None
-                    self.gate.observe(ledger.model, ledger, ledger.est_ms, measured)
+                    measured = first_at - req.decided_at if counts else None
+                    self.gate.observe(req.model, req, req.est_ms, measured)
                 if first_byte is not None:
                     first_byte(target)
-                ledger.release(PREFILL)  # the first token (stream) or the whole answer is out
+                req.ledger.release(PREFILL)  # the first token (stream) or the whole answer is out
             if reader is not None:
                 chunk = reader.feed(chunk)
                 if not chunk:
@@ -786,10 +739,10 @@ class RouteProxy:
         if first:
             first_at = time.monotonic()
             self.metrics.ttft.labels(stream).observe(first_at - received)
-            self.admission_metrics.observe_ttft(ledger.model, ledger.objective, first_at - received)
+            self.admission_metrics.observe_ttft(req.model, req.objective, first_at - received)
         if reader is not None:
             tail = reader.finish()
-            ledger.report = _report(reader, stream == "true", (first_at - received) * 1000)
+            req.ledger.report = report_of(reader.usage, stream == "true", (first_at - received) * 1000)
             if tail:
                 try:
                     await response.write(tail)
@@ -886,22 +839,6 @@ class RouteProxy:
         return web.Response(
             body=generate_latest(self.metrics.registry), headers={"Content-Type": CONTENT_TYPE_LATEST}
         )
-
-
-def _report(reader: UsageReader, stream: bool, ttft_ms: float) -> dict[str, Any] | None:
-    """What the final release tells the index: the engine's cached tokens and prompt length, and
-    the TTFT measured here when the first token was seen on its own (a stream, or a one-token
-    answer)."""
-    usage = reader.usage
-    report: dict[str, Any] = {}
-    if usage is not None:
-        if usage.cached_tokens is not None:
-            report["cached_tokens"] = usage.cached_tokens
-        if usage.prompt_tokens is not None:
-            report["prompt_tokens"] = usage.prompt_tokens
-    if stream or (usage is not None and usage.completion_tokens == 1):
-        report["ttft_ms"] = ttft_ms
-    return report or None
 
 
 def _error_kind(exc: BaseException) -> str:
