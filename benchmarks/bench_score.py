@@ -686,7 +686,7 @@ def breakdown(fleet: Fleet, seed: int, n: int, top_k: int) -> list[tuple[str, fl
     routable = _time_us(lambda: registry.routable(MODEL, None), n)
     match = _time_us(lambda: index.match(MODEL, keys, inst), n)
     candidates = _time_us(lambda: router.candidates(route, states, policy.speculative_ttl), n)
-    rank = _time_us(lambda: policy.rank(route, cands, router), n)
+    rank = _time_us(lambda: policy.rank(route, cands, router.context), n)
     routed = _time_us(lambda: router.score(route), n)
     total = _time_us(lambda: score(request), n)
     serialize = _time_us(response.SerializeToString, n)

@@ -35,7 +35,7 @@ from kvindex.instance import InstanceKey
 from kvindex.observability.counters import IngestCounters
 from kvindex.repair.machine import MakeScheduler, RepairScheduler
 from kvindex.scoring.calibration import Calibrator
-from kvindex.scoring.ranker import Ranker, RankerConfig, RoutingObserver
+from kvindex.scoring.ranker import Ranker, RankerConfig, RoutingObserver, build_ranker
 from kvindex.sequencer.cursor import Sequencer
 from kvindex.wire.subjects import Subjects
 
@@ -94,7 +94,7 @@ def build_core(config: CoreConfig | None = None) -> Core:
     if config.observer is not None and config.routers > 1:
         raise ValueError("an observer (routing sync) is made for one router, not for several")
     routers = [
-        Ranker(
+        build_ranker(
             index,
             registry,
             calibrator,

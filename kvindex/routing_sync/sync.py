@@ -304,7 +304,7 @@ class RoutingSync:
             if gone[0] == FINISHED:
                 router.speculative.settle(instance, op.keys, router.clock() + router.config.speculative_grace)
             else:
-                router.released(op.id, PREFILL)
+                router.decisions.end(op.id, PREFILL)
         state = router.registry.get(instance)
         if state is not None and state.model == op.model:  # else only the ledger and keys above
             if state.approximate and op.keys:  # an engine without KV events: its cache is predicted
@@ -312,12 +312,12 @@ class RoutingSync:
             policy = router.policies.get(op.policy)
             if policy is not None:
                 (cand,) = router.candidates(request, [state], 0.0)
-                policy.on_commit(request, cand, router)
+                policy.on_commit(request, cand, router.context)
         self.applied["commit"] += 1
 
     def _apply_release(self, op: ReleaseOp, sender: tuple[str, int]) -> None:
         self._remember_release(op.id, op.phase, sender)
-        self.router.released(op.id, op.phase)
+        self.router.decisions.end(op.id, op.phase)
         self.applied["release"] += 1
 
     def _remember_release(self, request_id: str, phase: str, by: tuple[str, int] | None) -> None:

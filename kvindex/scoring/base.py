@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Sized
+import random
+from collections.abc import Callable, Iterable, Sized
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
@@ -10,9 +11,12 @@ from msgspec import Struct
 
 from kvindex.fleet.registry import InstanceState
 from kvindex.index.base import InstanceMatch
+from kvindex.instance import InstanceKey
+from kvindex.scoring.costs import CostModel
+from kvindex.scoring.ledger import LedgerEntry
 
 if TYPE_CHECKING:
-    from kvindex.scoring.ranker import CandidatePool, Ranker
+    from kvindex.scoring.pool import CandidatePool
 
 PREFILL_ROLE = "prefill"  # also the default for unified (non-disaggregated) serving
 DECODE_ROLE = "decode"
@@ -83,6 +87,30 @@ class Choice(Struct, gc=False):
     reason: str = ""
 
 
+class IndexView(Protocol):
+    """What a policy may read of the index: how many blocks an instance holds per tier."""
+
+    def block_counts(self, instance: InstanceKey) -> tuple[int, int, int, int]: ...
+
+
+class LedgerView(Protocol):
+    """What a policy may read of the in-flight ledger: the requests routed to an instance."""
+
+    def of(self, instance: InstanceKey) -> Iterable[LedgerEntry]: ...
+
+
+@dataclass(frozen=True, slots=True)
+class PolicyContext:
+    """All a policy sees besides its request and candidates (one per router): the router's clock,
+    its seeded generator, read views of the index and the in-flight ledger, and the cost model."""
+
+    clock: Callable[[], float]
+    rng: random.Random
+    index: IndexView
+    ledger: LedgerView
+    costs: CostModel
+
+
 class Policy(Protocol):
     name: str
     cost_unit: str  # what Choice.cost means ("ms", "-score", ...); lower is always better
@@ -90,11 +118,11 @@ class Policy(Protocol):
     # stored events arrive (seconds); 0 for policies that do not use the index.
     speculative_ttl: float
 
-    def rank(self, request: RouteRequest, candidates: list[Candidate], router: Ranker) -> list[Choice]:
+    def rank(self, request: RouteRequest, candidates: list[Candidate], ctx: PolicyContext) -> list[Choice]:
         """All candidates, best first."""
         ...
 
-    def on_commit(self, request: RouteRequest, instance: Candidate, router: Ranker) -> None:
+    def on_commit(self, request: RouteRequest, instance: Candidate, ctx: PolicyContext) -> None:
         """Called when a routing decision is committed (policies with memory update it here)."""
         ...
 
@@ -107,7 +135,7 @@ class PrunedPolicy(Policy, Protocol):
     policy, when it is built (kvindex/scoring/ranker.py)."""
 
     def rank_top(
-        self, request: RouteRequest, pool: CandidatePool, router: Ranker, top_k: int
+        self, request: RouteRequest, pool: CandidatePool, ctx: PolicyContext, top_k: int
     ) -> list[Choice]:
         """The first ``top_k`` of ``rank`` over every candidate of ``pool``, the same choices."""
         ...

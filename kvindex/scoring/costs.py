@@ -15,7 +15,7 @@ import dataclasses
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,6 +96,55 @@ class CostConfig:
     # Learn the prefill model from measured prefills (kvindex/scoring/calibration.py); False: the
     # default ranks every instance.
     calibrate: bool = True
+
+
+class PrefillModels(Protocol):
+    """Which prefill model ranks an instance: the calibration's (kvindex/scoring/calibration.py)."""
+
+    def prefill(self, model: str) -> PrefillModel:
+        """The model's shared prefill model in use."""
+        ...
+
+    def own_models(self, model: str) -> Mapping[str, PrefillModel]:
+        """The instances of ``model`` ranked with their own fit: instance id -> fit."""
+        ...
+
+    def prefill_of(self, model: str, instance: str) -> PrefillModel:
+        """The prefill model ranking one instance (its own fit, else the shared one)."""
+        ...
+
+
+class CostModel:
+    """The estimate as it prices now: the cost parameters (``config``) and the prefill models the
+    calibration ranks with (``models``). What rankings, the candidate pool and policies price with
+    (a policy sees it as ``PolicyContext.costs``); the arithmetic is this module's functions."""
+
+    __slots__ = ("config", "engine", "fetch", "models")
+
+    def __init__(self, config: CostConfig, models: PrefillModels) -> None:
+        self.config = config
+        self.engine = config.engine
+        self.fetch = config.fetch
+        self.models = models
+
+    def prefill(self, model: str) -> PrefillModel:
+        return self.models.prefill(model)
+
+    def own_models(self, model: str) -> Mapping[str, PrefillModel]:
+        return self.models.own_models(model)
+
+    def drain_rate(self, model: PrefillModel) -> float:
+        """``drain_rate`` with this configuration's ``drain_reported_queue``."""
+        return drain_rate(model, self.config.drain_reported_queue)
+
+    def prefill_terms(self, model: str, miss: int, context: int) -> tuple[float, float]:
+        """``prefill_terms`` with the model's shared prefill model and this engine."""
+        return prefill_terms(self.models.prefill(model), self.engine, miss, context)
+
+    def work_ms(self, model: str, instance: str, miss: int, prompt: int) -> float:
+        """The engine time a prefill of ``miss`` of ``prompt`` tokens takes on ``instance``, by the
+        prefill model that ranks it."""
+        return self.models.prefill_of(model, instance).ms(miss, prompt)
 
 
 def drain_rate(model: PrefillModel, drain: bool) -> float:

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from kvindex.fleet.registry import InstanceState
@@ -200,13 +200,15 @@ class OutcomeTracker:
         clock: Callable[[], float],
         config: OutcomeConfig | None = None,
         on_degraded: Callable[[InstanceKey], None] | None = None,
+        subscribers: Sequence[Callable[[Outcome], None]] = (),
     ) -> None:
+        """``subscribers`` are told every compared report (``subscribe`` adds more)."""
         self.clock = clock
         self.config = config or OutcomeConfig()
         self.instances: dict[InstanceKey, InstanceOutcomes] = {}
         self.outcomes: dict[str, int] = dict.fromkeys(OUTCOMES, 0)
         self.ignored: dict[str, int] = {}  # reports not compared, by reason
-        self._subscribers: tuple[Callable[[Outcome], None], ...] = ()
+        self._subscribers: tuple[Callable[[Outcome], None], ...] = tuple(subscribers)
         # Told when an instance's evidence turns it degraded (the service asks for a snapshot).
         self.on_degraded = on_degraded
         self.reconciles = 0  # snapshots asked for degraded instances

@@ -51,7 +51,7 @@ from kvindex.observability.counters import IngestCounters
 from kvindex.repair.nats_repair import _assemble, _Parts, _Trim
 from kvindex.scoring.calibration import Calibrator
 from kvindex.scoring.costs import CostConfig
-from kvindex.scoring.ranker import Ranker
+from kvindex.scoring.ranker import build_ranker
 from kvindex.sequencer.cursor import MAX_GAP, Sequencer
 from kvindex.tokenize import Tokenizers
 from kvindex.v1 import kvindex_pb2 as pb
@@ -314,7 +314,7 @@ def _fuzz_tokenizers() -> Tokenizers:
 
 
 def _servicer(c: Consumer) -> KvIndexServicer:
-    router = Ranker(c.index, c.registry, Calibrator.of(CostConfig()))
+    router = build_ranker(c.index, c.registry, Calibrator.of(CostConfig()))
     return KvIndexServicer(c.index, c.registry, c.counters, None, router, _fuzz_tokenizers())
 
 

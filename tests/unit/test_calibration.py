@@ -17,7 +17,7 @@ from kvindex.scoring.base import RouteRequest
 from kvindex.scoring.calibration import DEFAULT, OWN, SHARED, Calibrator, ModelCalibration
 from kvindex.scoring.costs import DEFAULT_PREFILL, CostConfig, PrefillModel
 from kvindex.scoring.outcomes import Report
-from kvindex.scoring.ranker import Ranker, RankerConfig
+from kvindex.scoring.ranker import Ranker, RankerConfig, build_ranker
 from kvtools import data
 from workers_shim.bridges.engines import SGLANG, VLLM
 from workers_shim.bridges.load import LoadReader, PrefillSampler, parse_samples
@@ -173,7 +173,7 @@ def fleet_router(workers: tuple[str, ...], prune_min_instances: int = 128) -> Ra
         state.last_heartbeat_at = registry.clock()
         state.capacity = {0: 10_000}
         state.local_blocks_seen = True
-    return Ranker(
+    return build_ranker(
         index,
         registry,
         Calibrator.of(CostConfig()),

@@ -32,7 +32,8 @@ from kvindex.scoring.costs import (
     weighted_cost,
 )
 from kvindex.scoring.fleet_table import wait_columns
-from kvindex.scoring.ranker import CandidatePool, Ranker, RankerConfig
+from kvindex.scoring.pool import CandidatePool
+from kvindex.scoring.ranker import Ranker, RankerConfig, build_ranker
 from kvindex.wire.schema import CPU, DISK, GPU, SHARED, Load
 
 MODEL = "m"
@@ -42,7 +43,7 @@ BS = 16
 def test_the_rankings_use_the_native_kernels() -> None:
     """Built (the import above) and picked up by the modules that rank with them."""
     from kvindex.scoring import fleet_table
-    from kvindex.scoring import ranker as router_module
+    from kvindex.scoring import pool as router_module
 
     assert fleet_table._native_waits is _kernels.wait_rows
     assert fleet_table._native_weights is _kernels.rendezvous_weights
@@ -91,7 +92,7 @@ def _build(rng: random.Random) -> tuple[Ranker, RouteRequest, Clock]:
     config = RankerConfig(costs=costs, prune_min_instances=0, group_min_instances=rng.choice([0, 2, 1000]))
     index = InvertedIndex()
     registry = Registry(clock=clock)
-    router = Ranker(index, registry, Calibrator.of(config.costs), config=config, clock=clock)
+    router = build_ranker(index, registry, Calibrator.of(config.costs), config=config, clock=clock)
     router.tables  # noqa: B018 - watching before the fleet is built, as a server does
     system = [rng.getrandbits(64) for _ in range(rng.randint(0, 12))]
     tail = [rng.getrandbits(64) for _ in range(rng.randint(0, 12))]

@@ -26,7 +26,7 @@ from kvindex.observability.counters import IngestCounters
 from kvindex.route.openai_body import BodyError, parse_body
 from kvindex.scoring.calibration import Calibrator
 from kvindex.scoring.costs import CostConfig
-from kvindex.scoring.ranker import Ranker
+from kvindex.scoring.ranker import build_ranker
 from kvindex.sequencer.cursor import MAX_GAP, Sequencer
 from kvindex.tokenize import TokenizeError, Tokenizers, bounded_json
 from kvindex.tokenize.bounded_json import MAX_JSON_DEPTH, TooDeep
@@ -122,7 +122,7 @@ def test_prompt_fields_nested_beyond_the_limit_are_bad_requests(
 def servicer_of(
     index: InvertedIndex, registry: Registry, counters: IngestCounters, tokenizers: Tokenizers | None = None
 ) -> KvIndexServicer:
-    router = Ranker(index, registry, Calibrator.of(CostConfig()))
+    router = build_ranker(index, registry, Calibrator.of(CostConfig()))
     return KvIndexServicer(index, registry, counters, None, router, tokenizers or Tokenizers())
 
 

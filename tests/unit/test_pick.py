@@ -11,7 +11,7 @@ import pytest
 from kvindex.scoring import pick as P
 from kvindex.scoring.calibration import Calibrator
 from kvindex.scoring.costs import CostConfig
-from kvindex.scoring.ranker import Ranker, RankerConfig
+from kvindex.scoring.ranker import Ranker, RankerConfig, build_ranker
 from kvindex.wire.schema import Load
 from tests.unit.test_scoring import MODEL, Clock, fleet, prompt, request
 
@@ -127,7 +127,7 @@ def test_new_instance_share_over_time_through_the_router() -> None:
     age, ~ age / warmup, then is its full share."""
     clock = Clock()
     router, index, registry, _ = fleet(4, clock)
-    router = Ranker(
+    router = build_ranker(
         index, registry, Calibrator.of(CostConfig()), config=RankerConfig(warmup=60.0), clock=clock
     )
     clock.t += 3600.0  # the fleet is an hour old
@@ -163,7 +163,9 @@ def test_new_instance_share_over_time_through_the_router() -> None:
 def _busy_fleet(n: int, **config: object) -> tuple[Ranker, Clock]:
     clock = Clock()
     _router, index, registry, _ = fleet(n, clock)
-    router = Ranker(index, registry, Calibrator.of(CostConfig()), config=RankerConfig(**config), clock=clock)  # type: ignore[arg-type]
+    router = build_ranker(
+        index, registry, Calibrator.of(CostConfig()), config=RankerConfig(**config), clock=clock
+    )  # type: ignore[arg-type]
     for i, state in enumerate(registry.all()):
         # Different queues: estimates 10-40 % apart.
         state.load = Load(running=2, waiting=1, waiting_prefill_tokens=400 * (i + 1))
@@ -209,7 +211,7 @@ def test_ramp_holds_when_the_top_k_are_all_new_instances() -> None:
     warming instance, so the share they give up still reaches a warm one."""
     clock = Clock()
     router, index, registry, _ = fleet(4, clock)
-    router = Ranker(
+    router = build_ranker(
         index, registry, Calibrator.of(CostConfig()), config=RankerConfig(warmup=60.0), clock=clock
     )
     clock.t += 3600.0

@@ -15,13 +15,13 @@ from hypothesis import strategies as st
 from kvindex.fleet.registry import Registry
 from kvindex.index import InvertedIndex, _pytable
 from kvindex.scoring import fleet_table
-from kvindex.scoring import ranker as router_module
+from kvindex.scoring import pool as router_module
 from kvindex.scoring.base import Choice, RouteRequest
 from kvindex.scoring.calibration import Calibrator
 from kvindex.scoring.costs import CostConfig
 from kvindex.scoring.fleet_table import median_of, rendezvous_weights, smallest
 from kvindex.scoring.policies import POLICY_CLASSES, POLICY_NAMES
-from kvindex.scoring.ranker import Ranker, RankerConfig
+from kvindex.scoring.ranker import Ranker, RankerConfig, build_ranker
 from kvindex.wire.schema import CPU, DISK, GPU, SHARED, Load
 
 MODEL = "m"
@@ -80,7 +80,7 @@ def build_fleet(
     index = InvertedIndex(_pytable if backend == "python" else None)
     registry = Registry(clock=clock)
     config = RankerConfig(prune_min_instances=0, group_min_instances=rng.choice([0, 1, 3, 16]))
-    router = Ranker(index, registry, Calibrator.of(config.costs), config=config, clock=clock)
+    router = build_ranker(index, registry, Calibrator.of(config.costs), config=config, clock=clock)
     router.tables  # noqa: B018 - start watching before the fleet is built, as a server would
     system = [rng.getrandbits(64) for _ in range(rng.randint(1, 24))] if shared else []
     prompts = [
@@ -334,7 +334,7 @@ def test_a_heartbeat_that_moves_only_its_time_refreshes_a_draining_wait(backend:
         clock = Clock()
         index = InvertedIndex(_pytable if backend == "python" else None)
         registry = Registry(clock=clock)
-        router = Ranker(
+        router = build_ranker(
             index,
             registry,
             Calibrator.of(CostConfig()),

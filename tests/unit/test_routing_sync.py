@@ -25,7 +25,7 @@ from kvindex.scoring.base import RouteRequest
 from kvindex.scoring.calibration import Calibrator
 from kvindex.scoring.costs import CostConfig
 from kvindex.scoring.home import home_block
-from kvindex.scoring.ranker import Ranker
+from kvindex.scoring.ranker import Ranker, build_ranker
 from kvindex.wire.errors import (
     BAD_TYPE,
     BAD_VALUE,
@@ -53,7 +53,7 @@ class Pair:
             return lambda router: RoutingSync(router, SyncConfig(replica_id=replica), wall=self.wall)
 
         self.a, self.index, self.registry, self.clock = fleet(n, observer=syncing("a") if sync else None)
-        self.b = Ranker(
+        self.b = build_ranker(
             self.index,
             self.registry,
             Calibrator.of(CostConfig()),
@@ -328,7 +328,7 @@ def test_replica_ids_follow_the_subject_rule() -> None:
 def test_a_replica_given_anothers_id_is_still_applied() -> None:
     """Two processes given the same --replica-id: told apart by their epochs (and logged)."""
     a, index, registry, clock = fleet(2, observer=lambda r: RoutingSync(r, SyncConfig(replica_id="same")))
-    b = Ranker(index, registry, Calibrator.of(CostConfig()), clock=clock)
+    b = build_ranker(index, registry, Calibrator.of(CostConfig()), clock=clock)
     sa, sb = a.observer, RoutingSync(b, SyncConfig(replica_id="same"))
     sb.epoch = sa.epoch + 1
     a.score(request(prompt(20, seed=9), rid="r1"), commit=True)

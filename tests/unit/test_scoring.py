@@ -17,7 +17,7 @@ from kvindex.scoring.costs import CostConfig, EngineShape, FetchCosts, KvProfile
 from kvindex.scoring.home import home_block, rendezvous_order
 from kvindex.scoring.ledger import Ledger, SpeculativeKeys
 from kvindex.scoring.policies import POLICY_NAMES
-from kvindex.scoring.ranker import Ranker, RankerConfig
+from kvindex.scoring.ranker import Ranker, RankerConfig, build_ranker
 from kvindex.wire.schema import GPU, Load
 
 MODEL = "m"
@@ -45,7 +45,7 @@ def fleet(
         state.last_heartbeat_at = clock.t
         state.capacity = {GPU: 10_000}
         state.local_blocks_seen = True
-    router = Ranker(index, registry, Calibrator.of(CostConfig()), clock=clock, observer=observer)
+    router = build_ranker(index, registry, Calibrator.of(CostConfig()), clock=clock, observer=observer)
     return router, index, registry, clock
 
 
@@ -346,7 +346,7 @@ def test_loadaware_formula() -> None:
 
 def test_unknown_default_policy_is_refused() -> None:
     with pytest.raises(ValueError):
-        Ranker(
+        build_ranker(
             InvertedIndex(),
             Registry(),
             Calibrator.of(CostConfig()),

@@ -15,12 +15,8 @@ prompts committed to it (chained keys make a set of them equivalent to a radix t
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import TYPE_CHECKING
 
-from kvindex.scoring.base import Candidate, Choice, RouteRequest
-
-if TYPE_CHECKING:
-    from kvindex.scoring.ranker import Ranker
+from kvindex.scoring.base import Candidate, Choice, PolicyContext, RouteRequest
 
 
 class CacheAware:
@@ -52,7 +48,7 @@ class CacheAware:
             n += 1
         return n
 
-    def rank(self, request: RouteRequest, candidates: list[Candidate], router: Ranker) -> list[Choice]:
+    def rank(self, request: RouteRequest, candidates: list[Candidate], ctx: PolicyContext) -> list[Choice]:
         least = sorted(candidates, key=lambda c: (c.inflight, c.state.key))
         loads = [c.inflight for c in candidates]
         hi, lo = max(loads), min(loads)
@@ -71,7 +67,7 @@ class CacheAware:
                 ]
         return [Choice(c, float(i), "least_loaded" if i == 0 else "") for i, c in enumerate(least)]
 
-    def on_commit(self, request: RouteRequest, instance: Candidate, router: Ranker) -> None:
+    def on_commit(self, request: RouteRequest, instance: Candidate, ctx: PolicyContext) -> None:
         tree = self._trees.setdefault(instance.state.key, OrderedDict())
         for key in request.keys:
             tree[key] = None

@@ -11,10 +11,10 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from kvindex.scoring.base import Candidate, Choice, RouteRequest
+from kvindex.scoring.base import Candidate, Choice, PolicyContext, RouteRequest
 
 if TYPE_CHECKING:
-    from kvindex.scoring.ranker import CandidatePool, Ranker
+    from kvindex.scoring.pool import CandidatePool
 
 
 class DecodeHeadroom:
@@ -25,7 +25,7 @@ class DecodeHeadroom:
     def __init__(self, full: float = 0.95) -> None:
         self.full = full
 
-    def rank(self, request: RouteRequest, candidates: list[Candidate], router: Ranker) -> list[Choice]:
+    def rank(self, request: RouteRequest, candidates: list[Candidate], ctx: PolicyContext) -> list[Choice]:
         def cost(c: Candidate) -> float:
             usage = c.state.load.kv_usage
             return (1.0 if usage >= self.full else 0.0) + usage + 0.001 * c.load
@@ -36,7 +36,7 @@ class DecodeHeadroom:
         )
 
     def rank_top(
-        self, request: RouteRequest, pool: CandidatePool, router: Ranker, top_k: int
+        self, request: RouteRequest, pool: CandidatePool, ctx: PolicyContext, top_k: int
     ) -> list[Choice]:
         """``rank``'s first ``top_k``: headroom is the instance's own state."""
         kv = pool.kv
@@ -48,5 +48,5 @@ class DecodeHeadroom:
         usage = c.state.load.kv_usage
         return (1.0 if usage >= self.full else 0.0) + usage + 0.001 * c.load
 
-    def on_commit(self, request: RouteRequest, instance: Candidate, router: Ranker) -> None:
+    def on_commit(self, request: RouteRequest, instance: Candidate, ctx: PolicyContext) -> None:
         return None

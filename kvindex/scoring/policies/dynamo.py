@@ -12,13 +12,8 @@ KV usage x GPU capacity in blocks (blocks held by running requests).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-from kvindex.scoring.base import Candidate, Choice, RouteRequest
+from kvindex.scoring.base import Candidate, Choice, PolicyContext, RouteRequest
 from kvindex.wire.schema import GPU
-
-if TYPE_CHECKING:
-    from kvindex.scoring.ranker import Ranker
 
 TIER_CREDIT = (1.0, 0.75, 0.25, 0.25)
 
@@ -31,7 +26,7 @@ class Dynamo:
     def __init__(self, prefill_weight: float = 1.0) -> None:
         self.w = prefill_weight
 
-    def rank(self, request: RouteRequest, candidates: list[Candidate], router: Ranker) -> list[Choice]:
+    def rank(self, request: RouteRequest, candidates: list[Candidate], ctx: PolicyContext) -> list[Choice]:
         b = request.block_size
         out = []
         for c in candidates:
@@ -41,10 +36,10 @@ class Dynamo:
             prefill = active / b + (request.prompt_tokens - overlap * b) / b
             state = c.state
             decode = state.load.kv_usage * state.capacity.get(GPU, 0)
-            tree = sum(router.index.block_counts(state.key))
+            tree = sum(ctx.index.block_counts(state.key))
             out.append((self.w * prefill + decode, tree, state.key, c))
         out.sort(key=lambda x: (x[0], x[1], x[2]))
         return [Choice(c, cost) for cost, _tree, _key, c in out]
 
-    def on_commit(self, request: RouteRequest, instance: Candidate, router: Ranker) -> None:
+    def on_commit(self, request: RouteRequest, instance: Candidate, ctx: PolicyContext) -> None:
         return None

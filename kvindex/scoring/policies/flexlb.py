@@ -12,12 +12,7 @@ T_batcher = 0.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-from kvindex.scoring.base import Candidate, Choice, RouteRequest
-
-if TYPE_CHECKING:
-    from kvindex.scoring.ranker import Ranker
+from kvindex.scoring.base import Candidate, Choice, PolicyContext, RouteRequest
 
 
 def _predict(miss: float, hit: float) -> float:
@@ -29,11 +24,11 @@ class FlexLB:
     cost_unit = "ms"
     speculative_ttl = 0.0
 
-    def rank(self, request: RouteRequest, candidates: list[Candidate], router: Ranker) -> list[Choice]:
-        now = router.clock()
+    def rank(self, request: RouteRequest, candidates: list[Candidate], ctx: PolicyContext) -> list[Choice]:
+        now = ctx.clock()
         rows = []
         for c in candidates:
-            pending = [e for e in router.ledger.of(c.state.key) if not e.prefill_done]
+            pending = [e for e in ctx.ledger.of(c.state.key) if not e.prefill_done]
             inflight = 0.0
             if pending:
                 predicted = sum(_predict(e.miss_tokens, e.prompt_tokens - e.miss_tokens) for e in pending)
@@ -51,9 +46,9 @@ class FlexLB:
         kept = kept or rows
         smin = min(r[1] for r in kept)
         near = sorted((r for r in kept if r[1] <= smin + max(0.1 * smin, 20.0)), key=lambda r: r[0].state.key)
-        pick = router.rng.choice(near)
+        pick = ctx.rng.choice(near)
         rest = sorted((r for r in rows if r is not pick), key=lambda r: (r[1], r[0].state.key))
         return [Choice(pick[0], pick[1], "near_min")] + [Choice(r[0], r[1]) for r in rest]
 
-    def on_commit(self, request: RouteRequest, instance: Candidate, router: Ranker) -> None:
+    def on_commit(self, request: RouteRequest, instance: Candidate, ctx: PolicyContext) -> None:
         return None

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from kvindex.scoring.base import Candidate, Choice, RouteRequest
+from kvindex.scoring.base import Candidate, Choice, PolicyContext, RouteRequest
 
 if TYPE_CHECKING:
-    from kvindex.scoring.ranker import CandidatePool, Ranker
+    from kvindex.scoring.pool import CandidatePool
 
 
 class KvAware:
@@ -19,16 +19,16 @@ class KvAware:
     cost_unit = "-matched_tokens"
     speculative_ttl = 0.0
 
-    def rank(self, request: RouteRequest, candidates: list[Candidate], router: Ranker) -> list[Choice]:
+    def rank(self, request: RouteRequest, candidates: list[Candidate], ctx: PolicyContext) -> list[Choice]:
         ordered = sorted(candidates, key=lambda c: (-c.hit_tokens, c.load, c.state.key))
         return [Choice(c, -c.hit_tokens) for c in ordered]
 
     def rank_top(
-        self, request: RouteRequest, pool: CandidatePool, router: Ranker, top_k: int
+        self, request: RouteRequest, pool: CandidatePool, ctx: PolicyContext, top_k: int
     ) -> list[Choice]:
         """``rank``'s first ``top_k``: the others match nothing, so they follow by load."""
         top = pool.top([pool.load], lambda c: (-c.hit_tokens, c.load, c.state.key), top_k)
         return [Choice(c, -c.hit_tokens) for c in top]
 
-    def on_commit(self, request: RouteRequest, instance: Candidate, router: Ranker) -> None:
+    def on_commit(self, request: RouteRequest, instance: Candidate, ctx: PolicyContext) -> None:
         return None

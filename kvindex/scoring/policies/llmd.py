@@ -13,10 +13,10 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from kvindex.scoring.base import Candidate, Choice, RouteRequest
+from kvindex.scoring.base import Candidate, Choice, PolicyContext, RouteRequest
 
 if TYPE_CHECKING:
-    from kvindex.scoring.ranker import CandidatePool, Ranker
+    from kvindex.scoring.pool import CandidatePool
 
 TIER_WEIGHT = (1.0, 0.8, 0.8, 0.8)
 
@@ -37,7 +37,7 @@ class LlmdPrecise:
         self.queue_weight = queue_weight
         self.speculative_ttl = speculative_ttl
 
-    def rank(self, request: RouteRequest, candidates: list[Candidate], router: Ranker) -> list[Choice]:
+    def rank(self, request: RouteRequest, candidates: list[Candidate], ctx: PolicyContext) -> list[Choice]:
         b = request.block_size
         total = max(1, len(request.keys))
         queues = [c.state.load.waiting + c.inflight for c in candidates]
@@ -55,7 +55,7 @@ class LlmdPrecise:
         return sorted(out, key=lambda ch: (ch.cost, ch.candidate.state.key))
 
     def rank_top(
-        self, request: RouteRequest, pool: CandidatePool, router: Ranker, top_k: int
+        self, request: RouteRequest, pool: CandidatePool, ctx: PolicyContext, top_k: int
     ) -> list[Choice]:
         """``rank``'s first ``top_k``; the queue range is taken over the columns."""
         b = request.block_size
@@ -88,5 +88,5 @@ class LlmdPrecise:
         top = pool.top(columns, lambda c: (cost(c), c.state.key), top_k)
         return [Choice(c, cost(c)) for c in top]
 
-    def on_commit(self, request: RouteRequest, instance: Candidate, router: Ranker) -> None:
+    def on_commit(self, request: RouteRequest, instance: Candidate, ctx: PolicyContext) -> None:
         return None

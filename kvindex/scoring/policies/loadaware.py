@@ -12,10 +12,10 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from kvindex.scoring.base import Candidate, Choice, RouteRequest
+from kvindex.scoring.base import Candidate, Choice, PolicyContext, RouteRequest
 
 if TYPE_CHECKING:
-    from kvindex.scoring.ranker import CandidatePool, Ranker
+    from kvindex.scoring.pool import CandidatePool
 
 
 class LoadAware:
@@ -26,7 +26,7 @@ class LoadAware:
     def __init__(self, beta: float = 1.0) -> None:
         self.beta = beta
 
-    def rank(self, request: RouteRequest, candidates: list[Candidate], router: Ranker) -> list[Choice]:
+    def rank(self, request: RouteRequest, candidates: list[Candidate], ctx: PolicyContext) -> list[Choice]:
         p = request.prompt_tokens
         mean = sum(c.load for c in candidates) / len(candidates)
         scored = []
@@ -36,7 +36,7 @@ class LoadAware:
         return sorted(scored, key=lambda ch: (ch.cost, ch.candidate.state.key))
 
     def rank_top(
-        self, request: RouteRequest, pool: CandidatePool, router: Ranker, top_k: int
+        self, request: RouteRequest, pool: CandidatePool, ctx: PolicyContext, top_k: int
     ) -> list[Choice]:
         """``rank``'s first ``top_k``; the fleet's mean load is a sum over the columns."""
         p = request.prompt_tokens
@@ -52,5 +52,5 @@ class LoadAware:
         top = pool.top(columns, lambda c: (cost(c), c.state.key), top_k)
         return [Choice(c, cost(c)) for c in top]
 
-    def on_commit(self, request: RouteRequest, instance: Candidate, router: Ranker) -> None:
+    def on_commit(self, request: RouteRequest, instance: Candidate, ctx: PolicyContext) -> None:
         return None

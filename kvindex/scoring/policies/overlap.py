@@ -13,10 +13,10 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from kvindex.scoring.base import Candidate, Choice, RouteRequest
+from kvindex.scoring.base import Candidate, Choice, PolicyContext, RouteRequest
 
 if TYPE_CHECKING:
-    from kvindex.scoring.ranker import CandidatePool, Ranker
+    from kvindex.scoring.pool import CandidatePool
 
 TIER_WEIGHTS = (0.0, 0.1, 0.4, 0.3)
 
@@ -26,7 +26,7 @@ class Overlap:
     cost_unit = "prefill_blocks"
     speculative_ttl = 0.0
 
-    def rank(self, request: RouteRequest, candidates: list[Candidate], router: Ranker) -> list[Choice]:
+    def rank(self, request: RouteRequest, candidates: list[Candidate], ctx: PolicyContext) -> list[Choice]:
         b = request.block_size
         w = TIER_WEIGHTS
         out = []
@@ -38,7 +38,7 @@ class Overlap:
         return sorted(out, key=lambda ch: (ch.cost, ch.candidate.state.load.kv_usage, ch.candidate.state.key))
 
     def rank_top(
-        self, request: RouteRequest, pool: CandidatePool, router: Ranker, top_k: int
+        self, request: RouteRequest, pool: CandidatePool, ctx: PolicyContext, top_k: int
     ) -> list[Choice]:
         """``rank``'s first ``top_k``: the others' cost is their queue plus their group's miss and
         fetch (the whole prompt and none when they hold nothing)."""
@@ -63,5 +63,5 @@ class Overlap:
         queued = c.state.load.waiting_prefill_tokens + c.routed_tokens
         return queued / b + c.miss_tokens / b + fetch
 
-    def on_commit(self, request: RouteRequest, instance: Candidate, router: Ranker) -> None:
+    def on_commit(self, request: RouteRequest, instance: Candidate, ctx: PolicyContext) -> None:
         return None

@@ -3,12 +3,7 @@ requests as reported, plus those routed since). Cache-blind."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-from kvindex.scoring.base import Candidate, Choice, RouteRequest
-
-if TYPE_CHECKING:
-    from kvindex.scoring.ranker import Ranker
+from kvindex.scoring.base import Candidate, Choice, PolicyContext, RouteRequest
 
 
 class PowerOfTwo:
@@ -16,12 +11,12 @@ class PowerOfTwo:
     cost_unit = "requests"
     speculative_ttl = 0.0
 
-    def rank(self, request: RouteRequest, candidates: list[Candidate], router: Ranker) -> list[Choice]:
+    def rank(self, request: RouteRequest, candidates: list[Candidate], ctx: PolicyContext) -> list[Choice]:
         ordered = sorted(candidates, key=lambda c: c.state.key)
-        pair = router.rng.sample(ordered, min(2, len(ordered)))
+        pair = ctx.rng.sample(ordered, min(2, len(ordered)))
         pair.sort(key=lambda c: (c.load, c.state.key))
         rest = sorted((c for c in ordered if c not in pair), key=lambda c: (c.load, c.state.key))
         return [Choice(c, float(c.load)) for c in pair + rest]
 
-    def on_commit(self, request: RouteRequest, instance: Candidate, router: Ranker) -> None:
+    def on_commit(self, request: RouteRequest, instance: Candidate, ctx: PolicyContext) -> None:
         return None

@@ -14,13 +14,9 @@ blocks this request would push out of a full GPU cache (missed blocks beyond the
 from __future__ import annotations
 
 from collections import deque
-from typing import TYPE_CHECKING
 
-from kvindex.scoring.base import Candidate, Choice, RouteRequest
+from kvindex.scoring.base import Candidate, Choice, PolicyContext, RouteRequest
 from kvindex.wire.schema import GPU
-
-if TYPE_CHECKING:
-    from kvindex.scoring.ranker import Ranker
 
 
 class Preble:
@@ -42,8 +38,8 @@ class Preble:
             recent.popleft()
         return sum(cost for _t, cost in recent)
 
-    def rank(self, request: RouteRequest, candidates: list[Candidate], router: Ranker) -> list[Choice]:
-        now = router.clock()
+    def rank(self, request: RouteRequest, candidates: list[Candidate], ctx: PolicyContext) -> list[Choice]:
+        now = ctx.clock()
         longest = max(c.hit_tokens for c in candidates)
         if request.prompt_tokens and longest / request.prompt_tokens > self.threshold:
             holders = sorted(
@@ -54,7 +50,7 @@ class Preble:
                 (c for c in candidates if c is not top), key=lambda c: (-c.hit_tokens, c.load, c.state.key)
             )
             return [Choice(top, float(top.load), "longest_match")] + [Choice(c, float(c.load)) for c in rest]
-        model = router.calibrator.prefill(request.model)
+        model = ctx.costs.prefill(request.model)
         b = request.block_size
         out = []
         for c in candidates:
@@ -66,7 +62,7 @@ class Preble:
             out.append(Choice(c, self._window_cost(state.key, now) + c.prefill_ms + eviction))
         return sorted(out, key=lambda ch: (ch.cost, ch.candidate.state.key))
 
-    def on_commit(self, request: RouteRequest, instance: Candidate, router: Ranker) -> None:
+    def on_commit(self, request: RouteRequest, instance: Candidate, ctx: PolicyContext) -> None:
         self._recent.setdefault(instance.state.key, deque()).append(
-            (router.clock(), instance.prefill_ms + self.decode_ms)
+            (ctx.clock(), instance.prefill_ms + self.decode_ms)
         )

@@ -13,14 +13,10 @@ block: documented deviation).
 from __future__ import annotations
 
 from bisect import bisect_left
-from typing import TYPE_CHECKING
 
 import xxhash
 
-from kvindex.scoring.base import Candidate, Choice, RouteRequest
-
-if TYPE_CHECKING:
-    from kvindex.scoring.ranker import Ranker
+from kvindex.scoring.base import Candidate, Choice, PolicyContext, RouteRequest
 
 _xxh3 = xxhash.xxh3_64_intdigest
 
@@ -45,7 +41,7 @@ class PrefixHash:
                 self._rings.pop(next(iter(self._rings)))
         return ring
 
-    def rank(self, request: RouteRequest, candidates: list[Candidate], router: Ranker) -> list[Choice]:
+    def rank(self, request: RouteRequest, candidates: list[Candidate], ctx: PolicyContext) -> list[Choice]:
         by_id = {c.state.instance_id: c for c in candidates}
         ids = tuple(sorted(by_id))
         least = sorted(candidates, key=lambda c: (c.inflight, c.state.key))
@@ -61,5 +57,5 @@ class PrefixHash:
                 ]
         return [Choice(c, float(i), "least_loaded" if i == 0 else "") for i, c in enumerate(least)]
 
-    def on_commit(self, request: RouteRequest, instance: Candidate, router: Ranker) -> None:
+    def on_commit(self, request: RouteRequest, instance: Candidate, ctx: PolicyContext) -> None:
         return None

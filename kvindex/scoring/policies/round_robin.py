@@ -2,12 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-from kvindex.scoring.base import Candidate, Choice, RouteRequest
-
-if TYPE_CHECKING:
-    from kvindex.scoring.ranker import Ranker
+from kvindex.scoring.base import Candidate, Choice, PolicyContext, RouteRequest
 
 
 class RoundRobin:
@@ -18,11 +13,11 @@ class RoundRobin:
     def __init__(self) -> None:
         self._next: dict[str, int] = {}
 
-    def rank(self, request: RouteRequest, candidates: list[Candidate], router: Ranker) -> list[Choice]:
+    def rank(self, request: RouteRequest, candidates: list[Candidate], ctx: PolicyContext) -> list[Choice]:
         ordered = sorted(candidates, key=lambda c: c.state.key)
         start = self._next.get(request.model, 0) % len(ordered)
         rotated = ordered[start:] + ordered[:start]
         return [Choice(c, float(i)) for i, c in enumerate(rotated)]
 
-    def on_commit(self, request: RouteRequest, instance: Candidate, router: Ranker) -> None:
+    def on_commit(self, request: RouteRequest, instance: Candidate, ctx: PolicyContext) -> None:
         self._next[request.model] = self._next.get(request.model, 0) + 1

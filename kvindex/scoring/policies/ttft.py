@@ -27,12 +27,12 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from kvindex.scoring.base import Candidate, Choice, RouteRequest
+from kvindex.scoring.base import Candidate, Choice, PolicyContext, RouteRequest
 from kvindex.scoring.fleet_table import median_of
 from kvindex.scoring.home import home_block, rendezvous_order
 
 if TYPE_CHECKING:
-    from kvindex.scoring.ranker import CandidatePool, Ranker
+    from kvindex.scoring.pool import CandidatePool
 
 
 class Ttft:
@@ -77,7 +77,7 @@ class Ttft:
         # Recent requests per home prefix (exponentially decayed): how hot a prefix is.
         self._hot: OrderedDict[int, tuple[float, float]] = OrderedDict()
 
-    def rank(self, request: RouteRequest, candidates: list[Candidate], router: Ranker) -> list[Choice]:
+    def rank(self, request: RouteRequest, candidates: list[Candidate], ctx: PolicyContext) -> list[Choice]:
         est = [c.wait_ms + c.prefill_ms + c.fetch_ms for c in candidates]  # Candidate.est_ttft_ms
         costs = est
         if self.congestion:
@@ -88,7 +88,7 @@ class Ttft:
             # alike (a hit in the pool is not free for the instance that has to fetch it). The weight is
             # a fleet regime tracked over time (medians, smoothed over ``congestion_tau`` s), never
             # the current candidates' own loads: one instance's load must not reorder the others.
-            k = self._congestion_weight(candidates, router.clock())
+            k = self._congestion_weight(candidates, ctx.clock())
             if k:
                 costs = [e + k * (c.prefill_ms + c.fetch_ms) for e, c in zip(est, candidates, strict=True)]
         cost = {id(c): x for c, x in zip(candidates, costs, strict=True)}
@@ -127,7 +127,7 @@ class Ttft:
                 # work every later copy-holder does again. Holders win unless they are worse than
                 # the best by more than ``replica_cost`` x the duplicated prefill.
                 dup = max(0.0, best.prefill_ms - holders[0].prefill_ms)
-                hot = min(1.0, self._heat(keys[heat_block(held, h)], router.clock()) / self.hot_requests)
+                hot = min(1.0, self._heat(keys[heat_block(held, h)], ctx.clock()) / self.hot_requests)
                 dup *= self._replica_weight(best)
                 slack = cost[id(best)] * (1 + self.margin) + self.margin_ms + self.replica_cost * hot * dup
                 within = [c for c in holders if cost[id(c)] <= slack]
@@ -163,7 +163,7 @@ class Ttft:
         return k
 
     def rank_top(
-        self, request: RouteRequest, pool: CandidatePool, router: Ranker, top_k: int
+        self, request: RouteRequest, pool: CandidatePool, ctx: PolicyContext, top_k: int
     ) -> list[Choice]:
         """The first ``top_k`` of ``rank`` without a candidate per instance (Ranker.score).
 
@@ -179,11 +179,11 @@ class Ttft:
         native = pool.rank_others(k, top_k)
         if self.congestion:
             if _uncongested(pool, None if native is None else native[1:]):
-                self._fold_target(0.0, router.clock())
+                self._fold_target(0.0, ctx.clock())
             else:
                 wait = median_of(pool.of_everyone(pool.wait, [c.wait_ms for c in explicit]))
                 work = median_of(pool.of_everyone(pool.prefill, [c.prefill_ms for c in explicit])) or 1.0
-                self._fold_congestion(wait, work, router.clock())
+                self._fold_congestion(wait, work, ctx.clock())
         est_e = [c.wait_ms + c.prefill_ms + c.fetch_ms for c in explicit]
         if k:
             cost_e = [e + k * (c.prefill_ms + c.fetch_ms) for e, c in zip(est_e, explicit, strict=True)]
@@ -232,7 +232,7 @@ class Ttft:
                         n for n, t in zip(counts, pool.templates, strict=True) if t.blocks >= held
                     )
                 dup = max(0.0, best.prefill_ms - holders[0].prefill_ms)
-                hot = min(1.0, self._heat(keys[heat_block(held, h)], router.clock()) / self.hot_requests)
+                hot = min(1.0, self._heat(keys[heat_block(held, h)], ctx.clock()) / self.hot_requests)
                 dup *= self._replica_weight(best)
                 slack = best_cost * (1 + self.margin) + self.margin_ms + self.replica_cost * hot * dup
                 within = [c for c in holders if cost[c.state.key] <= slack]
@@ -315,12 +315,12 @@ class Ttft:
         count, at = entry
         return count * 0.5 ** ((now - at) / self.hot_half_life)
 
-    def on_commit(self, request: RouteRequest, instance: Candidate, router: Ranker) -> None:
+    def on_commit(self, request: RouteRequest, instance: Candidate, ctx: PolicyContext) -> None:
         keys = request.keys
         if not keys:
             return
         h = home_block(len(keys), request.block_size, self.home_tokens)
-        now = router.clock()
+        now = ctx.clock()
         hot = self._hot
         for i in heat_blocks(len(keys), h):
             key = keys[i]

@@ -1,0 +1,175 @@
+"""Candidates for one request: each routable instance as the router sees it, with the TTFT
+estimate's parts (kvindex/scoring/base.py ``Candidate``).
+
+The index's match (and the speculative keys that extend it), the last heartbeat's load and what the
+ledger routed since are priced by the cost model (kvindex/scoring/costs.py) into a wait, a prefill
+and a fetch per instance. The rankings of every fleet size build their candidates here: the full
+ranking for every routable instance, a pruned one (kvindex/scoring/pool.py) for the holders and the
+few best others.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Container
+
+from kvindex.fleet.registry import InstanceState
+from kvindex.index.base import NO_MATCH, InstanceMatch, KvBlockIndex
+from kvindex.instance import InstanceKey
+from kvindex.scoring.base import Candidate, RouteRequest
+from kvindex.scoring.costs import CostModel, drain_rate, queue_ms
+from kvindex.scoring.ledger import Ledger, SpeculativeKeys
+
+
+class CandidateBuilder:
+    """Builds ``Candidate``s (one router's: its ledger, speculative keys and degraded instances)."""
+
+    def __init__(
+        self,
+        index: KvBlockIndex,
+        ledger: Ledger,
+        speculative: SpeculativeKeys,
+        costs: CostModel,
+        clock: Callable[[], float],
+        degraded: Container[InstanceKey],
+        degraded_credit: float,
+    ) -> None:
+        """``degraded``: the instances whose match the index is known to get wrong (the router's
+        outcomes keep the set); their match is credited ``degraded_credit`` of its tokens."""
+        self.index = index
+        self.ledger = ledger
+        self.speculative = speculative
+        self.costs = costs
+        self.clock = clock
+        self.degraded = degraded
+        self.degraded_credit = degraded_credit
+
+    def candidates(
+        self,
+        request: RouteRequest,
+        states: list[InstanceState],
+        spec_ttl: float,
+        every: bool = False,
+        matches: dict[InstanceKey, InstanceMatch] | None = None,
+    ) -> list[Candidate]:
+        """``every``: ``states`` are all the model's routable instances, so the index may match all
+        of its instances (the extra ones, stale or pools, are not looked at) instead of building a
+        mask from the list. ``matches``: the index's answer, when the caller already has it.
+
+        The estimate's terms are kvindex/scoring/costs.py's (``queued_now``, ``queue_ms``,
+        ``prefill_ms``, ``FetchCosts.ms``), inlined where a call per instance would cost: the same
+        operations in the same order (tests/unit/test_cost_forms.py holds them equal)."""
+        keys = request.keys
+        if matches is not None:
+            pass
+        elif keys:
+            matches = self.index.match(request.model, keys, None if every else [s.key for s in states])
+        else:
+            matches = {}
+        shared = self.costs.prefill(request.model)
+        # Instances ranked with their own calibrated model (usually none; kvindex/scoring/calibration.py).
+        own = self.costs.own_models(request.model)
+        costs = self.costs
+        shape = costs.engine
+        drains = costs.config.drain_reported_queue
+        # Hoisted: this loop runs once per instance on every Score.
+        model = shared
+        chunk, dps = shape.chunk_tokens, shape.decode_ms_per_seq
+        f_cpu, f_disk, f_pool = costs.fetch.per_token_ms[1:]
+        rate = shared_rate = drain_rate(model, drains)
+        b = request.block_size
+        prompt = request.prompt_tokens
+        cap = max(prompt - 1, 0)  # vLLM always recomputes at least the prompt's last token
+        now = self.clock()
+        spec = self.speculative.instances() if spec_ttl > 0 and keys else ()
+        pending = self.ledger.pending
+        busy_until = self.ledger.busy_until
+        busy = self.ledger.busy
+        get_match = matches.get
+        degraded = self.degraded
+        credit = self.degraded_credit
+        prefill_of: dict[int, float] = {}  # many instances share a miss size
+        shared_prefill_of = prefill_of
+        out = []
+        append = out.append
+        for state in states:
+            key = state.key
+            if own:
+                fit = own.get(state.instance_id)
+                if fit is not None:
+                    model, prefill_of = fit, {}
+                    rate = drain_rate(fit, drains)
+                elif model is not shared:
+                    model, prefill_of, rate = shared, shared_prefill_of, shared_rate
+            match = get_match(key, NO_MATCH)
+            blocks, t = match
+            gpu = t[0]
+            if spec and key in spec:
+                extended = self.speculative.extend(key, keys, blocks)
+                gpu += extended - blocks
+                blocks = extended
+            hit = blocks * b
+            by_tier = (gpu * b, t[1] * b, t[2] * b, t[3] * b)
+            if hit > cap:  # the capped tokens come off the last (slowest) tier that has any
+                by_tier = _trim(by_tier, hit - cap)
+                hit = cap
+            if degraded and key in degraded and hit:
+                # The index is known to be wrong about it: credit only part of the match.
+                cut = hit - int(hit * credit)
+                if cut:
+                    by_tier = _trim(by_tier, cut)
+                    hit -= cut
+            miss = prompt - hit
+            load = state.load
+            if key in busy:
+                n_new, tokens_new, inflight = pending(key, state.last_heartbeat_at)
+                left = (busy_until(key) - now) * 1000.0  # costs.ledger_ms, compared below
+            else:  # nothing routed there in flight (the common case: skip the ledger walk)
+                n_new = tokens_new = inflight = 0
+                left = 0.0
+            # costs.queued_now, inline: the reported queue has been draining since the heartbeat,
+            # at the engine's rate.
+            queued = load.waiting_prefill_tokens
+            if queued and rate and state.last_heartbeat_at is not None:
+                queued = max(0.0, queued - (now - state.last_heartbeat_at) * rate)
+            queued += tokens_new
+            running = load.running + n_new
+            wait = queue_ms(model, shape, queued, running) if queued > 0 else 0.0
+            if left > wait:  # costs.wait_ms: the longer of the reported queue and the ledger's work
+                wait = left
+            if miss > 0:  # costs.prefill_ms, inline, with the model's term cached per miss size
+                base = prefill_of.get(miss)
+                if base is None:
+                    base = prefill_of[miss] = model.ms(miss, prompt)
+                prefill = base + -(-miss // chunk) * dps * running
+            else:
+                prefill = 0.0
+            # costs.FetchCosts.ms, inline (0 when every matched block is on the GPU)
+            fetch = f_cpu * by_tier[1] + f_disk * by_tier[2] + f_pool * by_tier[3] if blocks > gpu else 0.0
+            append(
+                Candidate(
+                    state,
+                    match,
+                    blocks,
+                    by_tier,
+                    hit,
+                    miss,
+                    wait,
+                    prefill,
+                    fetch,
+                    inflight,
+                    queued,
+                    tokens_new,
+                )
+            )
+        return out
+
+
+def _trim(by_tier: tuple[int, int, int, int], over: int) -> tuple[int, int, int, int]:
+    t = list(by_tier)
+    for i in (3, 2, 1, 0):
+        take = min(t[i], over)
+        t[i] -= take
+        over -= take
+        if not over:
+            break
+    return (t[0], t[1], t[2], t[3])
