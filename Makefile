@@ -8,8 +8,9 @@ PROTO_SRC := proto/kvindex/v1/kvindex.proto
 
 .PHONY: install install-bench proto run run-route test test-fast bench soak sample-log lint fmt clean fuzz
 
-# The Cython extensions are built at install: a changed .pyx reinstalls (rebuilds) them.
-$(STAMP): pyproject.toml setup.py $(wildcard kvindex/*.pyx kvindex/*/*.pyx)
+# The Cython extensions are built at install: a changed .pyx or .pxd, or the compiled cost model
+# (kvindex/scoring/costs.py), reinstalls (rebuilds) them.
+$(STAMP): pyproject.toml setup.py $(wildcard kvindex/*.pyx kvindex/*/*.pyx kvindex/*/*.pxd) kvindex/scoring/costs.py
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -e '.[dev]'

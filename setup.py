@@ -2,8 +2,8 @@
 
 The extensions are optional: without a C compiler the install still succeeds and kvindex uses the
 pure-Python twins (kvindex/index/_pytable.py, the loop in kvindex/keys.py, the frame loop in
-kvindex/ingest/direct_dispatch.py, the rankings' numpy columns in kvindex/scoring/), several times
-slower.
+kvindex/ingest/direct_dispatch.py, the cost model's row loops run as Python in kvindex/scoring/), several
+times slower.
 """
 
 from Cython.Build import cythonize
@@ -14,6 +14,16 @@ extensions = [
         "kvindex.index._native",
         ["kvindex/index/_native.pyx"],
         extra_compile_args=["-O3"],
+        optional=True,
+    ),
+    # The cost model (kvindex/scoring/costs.py, typed by costs.pxd): its Python source compiled, so
+    # that the rankings' row loops run natively and every operation rounds as in Python (no fused
+    # multiply-add). Without a compiler the same module runs as Python.
+    Extension(
+        "kvindex.scoring.costs",
+        ["kvindex/scoring/costs.py"],
+        depends=["kvindex/scoring/costs.pxd"],
+        extra_compile_args=["-O3", "-ffp-contract=off"],
         optional=True,
     ),
     Extension(

@@ -16,7 +16,17 @@ from kvindex.fleet.registry import InstanceState
 from kvindex.index.base import NO_MATCH, InstanceMatch, KvBlockIndex
 from kvindex.instance import InstanceKey
 from kvindex.scoring.base import Candidate, RouteRequest
-from kvindex.scoring.costs import CostModel, drain_rate, queue_ms
+from kvindex.scoring.costs import (
+    CostModel,
+    drain_rate,
+    fetch_ms,
+    ledger_ms,
+    prefill_at,
+    prefill_terms,
+    queue_wait,
+    queued_now,
+    wait_ms,
+)
 from kvindex.scoring.ledger import Ledger, SpeculativeKeys
 
 
@@ -55,9 +65,9 @@ class CandidateBuilder:
         of its instances (the extra ones, stale or pools, are not looked at) instead of building a
         mask from the list. ``matches``: the index's answer, when the caller already has it.
 
-        The estimate's terms are kvindex/scoring/costs.py's (``queued_now``, ``queue_ms``,
-        ``prefill_ms``, ``FetchCosts.ms``), inlined where a call per instance would cost: the same
-        operations in the same order (tests/unit/test_cost_forms.py holds them equal)."""
+        The estimate's terms are the cost model's (kvindex/scoring/costs.py: ``queued_now``,
+        ``queue_wait``, ``ledger_ms``, ``wait_ms``, ``prefill_terms`` and ``prefill_at``,
+        ``fetch_ms``), called per instance, compiled where the extension is built."""
         keys = request.keys
         if matches is not None:
             pass
@@ -73,7 +83,12 @@ class CandidateBuilder:
         drains = costs.config.drain_reported_queue
         # Hoisted: this loop runs once per instance on every Score.
         model = shared
-        chunk, dps = shape.chunk_tokens, shape.decode_ms_per_seq
+        b_ms, step_ms, chunk, dps = (
+            model.b_ms_per_token,
+            shape.step_ms,
+            shape.chunk_tokens,
+            shape.decode_ms_per_seq,
+        )
         f_cpu, f_disk, f_pool = costs.fetch.per_token_ms[1:]
         rate = shared_rate = drain_rate(model, drains)
         b = request.block_size
@@ -87,8 +102,8 @@ class CandidateBuilder:
         get_match = matches.get
         degraded = self.degraded
         credit = self.degraded_credit
-        prefill_of: dict[int, float] = {}  # many instances share a miss size
-        shared_prefill_of = prefill_of
+        terms_of: dict[int, tuple[float, float]] = {}  # prefill_terms per miss size (shared by many)
+        shared_terms_of = terms_of
         out = []
         append = out.append
         for state in states:
@@ -96,10 +111,11 @@ class CandidateBuilder:
             if own:
                 fit = own.get(state.instance_id)
                 if fit is not None:
-                    model, prefill_of = fit, {}
+                    model, terms_of = fit, {}
                     rate = drain_rate(fit, drains)
                 elif model is not shared:
-                    model, prefill_of, rate = shared, shared_prefill_of, shared_rate
+                    model, terms_of, rate = shared, shared_terms_of, shared_rate
+                b_ms = model.b_ms_per_token
             match = get_match(key, NO_MATCH)
             blocks, t = match
             gpu = t[0]
@@ -122,29 +138,25 @@ class CandidateBuilder:
             load = state.load
             if key in busy:
                 n_new, tokens_new, inflight = pending(key, state.last_heartbeat_at)
-                left = (busy_until(key) - now) * 1000.0  # costs.ledger_ms, compared below
+                ledger = ledger_ms(busy_until(key), now)
             else:  # nothing routed there in flight (the common case: skip the ledger walk)
                 n_new = tokens_new = inflight = 0
-                left = 0.0
-            # costs.queued_now, inline: the reported queue has been draining since the heartbeat,
-            # at the engine's rate.
-            queued = load.waiting_prefill_tokens
-            if queued and rate and state.last_heartbeat_at is not None:
-                queued = max(0.0, queued - (now - state.last_heartbeat_at) * rate)
-            queued += tokens_new
+                ledger = 0.0
+            # The reported queue has been draining since the heartbeat, at the engine's rate.
+            queued = queued_now(load.waiting_prefill_tokens, state.last_heartbeat_at, now, rate, tokens_new)
             running = load.running + n_new
-            wait = queue_ms(model, shape, queued, running) if queued > 0 else 0.0
-            if left > wait:  # costs.wait_ms: the longer of the reported queue and the ledger's work
-                wait = left
-            if miss > 0:  # costs.prefill_ms, inline, with the model's term cached per miss size
-                base = prefill_of.get(miss)
-                if base is None:
-                    base = prefill_of[miss] = model.ms(miss, prompt)
-                prefill = base + -(-miss // chunk) * dps * running
+            wait = wait_ms(queue_wait(b_ms, step_ms, chunk, dps, queued, running), ledger)
+            if miss > 0:
+                terms = terms_of.get(miss)
+                if terms is None:
+                    terms = terms_of[miss] = prefill_terms(model, shape, miss, prompt)
+                prefill = prefill_at(terms[0], terms[1], running)
             else:
                 prefill = 0.0
-            # costs.FetchCosts.ms, inline (0 when every matched block is on the GPU)
-            fetch = f_cpu * by_tier[1] + f_disk * by_tier[2] + f_pool * by_tier[3] if blocks > gpu else 0.0
+            # (0 when every matched block is on the GPU)
+            fetch = (
+                fetch_ms(f_cpu, f_disk, f_pool, by_tier[1], by_tier[2], by_tier[3]) if blocks > gpu else 0.0
+            )
             append(
                 Candidate(
                     state,

@@ -1,12 +1,16 @@
-"""The time model behind est_ttft: prefill time of the missed tokens, cost of loading matched
-blocks from slower tiers, and the queue ahead of a request (docs/scoring.md has the reasoning).
+# cython: annotation_typing=False, boundscheck=False, wraparound=False, initializedcheck=False
+"""The cost model: the time model behind est_ttft (prefill time of the missed tokens, cost of
+loading matched blocks from slower tiers, the queue ahead of a request; docs/scoring.md has the
+reasoning), its parameters, and the one definition of the estimate's arithmetic.
 
-This module is the definition. The rankings compute the same terms in three more forms, each
-repeating these float64 operations in the same order so that every form gives bit-identical values:
-inline in ``Ranker.candidates``' per-instance loop (kvindex/scoring/ranker.py), as numpy columns over
-a fleet's rows (``fleet_table.wait_columns``, ``CandidatePool``'s columns) and as native loops over
-those columns (kvindex/scoring/_kernels.pyx). tests/unit/test_cost_forms.py compares every form with
-these functions on random inputs; a change here is a change to all of them.
+Every ranking prices with these functions and nothing else: the candidates of every fleet size one
+instance at a time (kvindex/scoring/candidates.py), and the pruned rankings' columns over a fleet's
+rows through the row loops at the end of this module (``wait_rows``, ``cost_rows``,
+``rank_others``, ``rank_grouped``: kvindex/scoring/fleet_table.py, pool.py). With a C compiler at
+install time this very source is compiled by Cython (costs.pxd gives its C types; setup.py builds it
+without FMA contraction), so every operation rounds as it does in Python; without one it runs as
+Python, slower, to the same values. tests/unit/test_cost_forms.py holds the two builds, and the
+candidates against the columns, bit-identical on random inputs.
 """
 
 from __future__ import annotations
@@ -16,6 +20,8 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
+
+import numpy as np
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,8 +70,8 @@ class FetchCosts:
         )
 
     def ms(self, tokens_by_tier: tuple[int, int, int, int]) -> float:
-        c = self.per_token_ms
-        return c[1] * tokens_by_tier[1] + c[2] * tokens_by_tier[2] + c[3] * tokens_by_tier[3]
+        c, t = self.per_token_ms, tokens_by_tier
+        return fetch_ms(c[1], c[2], c[3], t[1], t[2], t[3])
 
 
 DEFAULT_FETCH = FetchCosts.from_profile(KvProfile())
@@ -147,6 +153,9 @@ class CostModel:
         return self.models.prefill_of(model, instance).ms(miss, prompt)
 
 
+# -- the definition ---------------------------------------------------------------------------------
+
+
 def drain_rate(model: PrefillModel, drain: bool) -> float:
     """Tokens per second at which a reported queue is assumed to drain since its heartbeat: the
     prefill rate, 1000 / b; 0 for none (``CostConfig.drain_reported_queue`` off, or b <= 0)."""
@@ -154,24 +163,60 @@ def drain_rate(model: PrefillModel, drain: bool) -> float:
     return 1000 / b_ms if drain and b_ms > 0 else 0.0
 
 
+def drained_queue(reported: float, reported_at: float, now: float, rate: float) -> float:
+    """A heartbeat's ``reported`` queue at ``reported_at``, drained until ``now`` at ``rate``
+    tokens/s, never below 0."""
+    left = reported - (now - reported_at) * rate
+    return left if left > 0 else 0.0
+
+
 def queued_now(reported: float, reported_at: float | None, now: float, rate: float, routed: float) -> float:
     """Prefill tokens queued at an instance at ``now``: the ``reported`` queue of its heartbeat at
     ``reported_at``, drained since at ``rate`` tokens/s (``drain_rate``) but never below 0, plus the
     ``routed`` tokens sent there since (the ledger)."""
     if reported and rate and reported_at is not None:
-        reported = max(0.0, reported - (now - reported_at) * rate)
+        reported = drained_queue(reported, reported_at, now, rate)
     return reported + routed
 
 
-def queue_ms(model: PrefillModel, shape: EngineShape, queued_tokens: float, running: int) -> float:
-    """Time to drain ``queued_tokens`` of prefill on an engine with ``running`` decoding requests:
-    the request's wait."""
-    if queued_tokens <= 0:
+def chunks(tokens: float, chunk: float) -> float:
+    """Engine steps to get through ``tokens`` (> 0), ``chunk`` per step: ``-(-tokens // chunk)``.
+    Python's float floor division written out operation by operation (CPython's float_floor_div),
+    so that the compiled build, where ``//`` would be C's ``floor(a / b)``, rounds alike; ``x // 1.0``
+    is floor(x) exactly in both."""
+    if tokens <= chunk:
+        return 1.0
+    r = tokens % chunk  # fmod(tokens, chunk): the remainder of -tokens, negated
+    div = -((tokens - r) / chunk)
+    if r:
+        div -= 1.0
+    steps = div // 1.0
+    if div - steps > 0.5:
+        steps += 1.0
+    return -steps
+
+
+def queue_wait(b_ms: float, step_ms: float, chunk: float, dps: float, queued: float, running: float) -> float:
+    """Time to drain ``queued`` tokens of prefill on an engine with ``running`` decoding requests
+    (prefill b ms per token; steps of ``chunk`` tokens, each ``step_ms`` plus ``dps`` per running
+    request): the request's wait."""
+    if queued <= 0:
         return 0.0
     # The calibrated per-prefill constant (a) is not paid per step: a step costs the engine's own
     # fixed overhead plus one decode token per running request.
-    steps = -(-queued_tokens // shape.chunk_tokens)
-    return model.b_ms_per_token * queued_tokens + steps * (shape.step_ms + shape.decode_ms_per_seq * running)
+    return b_ms * queued + chunks(queued, chunk) * (step_ms + dps * running)
+
+
+def queue_ms(model: PrefillModel, shape: EngineShape, queued_tokens: float, running: int) -> float:
+    """``queue_wait`` with ``model``'s prefill rate on ``shape``'s engine."""
+    return queue_wait(
+        model.b_ms_per_token,
+        shape.step_ms,
+        shape.chunk_tokens,
+        shape.decode_ms_per_seq,
+        queued_tokens,
+        running,
+    )
 
 
 def ledger_ms(busy_until: float, now: float) -> float:
@@ -193,11 +238,16 @@ def wait_ms(queue: float, ledger: float) -> float:
 
 
 def prefill_terms(model: PrefillModel, shape: EngineShape, miss: int, context: int) -> tuple[float, float]:
-    """(per_running, alone): ``prefill_ms`` is ``alone + per_running * running``. The columns compute
-    these once per request (or match group) and the running count per row."""
+    """(per_running, alone): ``prefill_ms`` is ``prefill_at(per_running, alone, running)``, computed
+    once per request (or match group, or miss size) and the running count per instance."""
     if miss <= 0:
         return 0.0, 0.0
-    return -(-miss // shape.chunk_tokens) * shape.decode_ms_per_seq, model.ms(miss, context)
+    return chunks(miss, shape.chunk_tokens) * shape.decode_ms_per_seq, model.ms(miss, context)
+
+
+def prefill_at(per_running: float, alone: float, running: float) -> float:
+    """The prefill beside ``running`` decoding requests, from ``prefill_terms``."""
+    return alone + per_running * running
 
 
 def prefill_ms(model: PrefillModel, shape: EngineShape, miss: int, context: int, running: float) -> float:
@@ -205,7 +255,13 @@ def prefill_ms(model: PrefillModel, shape: EngineShape, miss: int, context: int,
     decoding requests: the model's time, plus one decode token of every running request per chunk
     of the prefill (chunked prefill shares each step with the decodes)."""
     per_running, alone = prefill_terms(model, shape, miss, context)
-    return alone + per_running * running if miss > 0 else 0.0
+    return prefill_at(per_running, alone, running) if miss > 0 else 0.0
+
+
+def fetch_ms(f_cpu: float, f_disk: float, f_pool: float, cpu: float, disk: float, pool: float) -> float:
+    """Time to bring matched tokens to the GPU from the CPU, the disk and the shared pool, at
+    ``f_*`` ms per token (``FetchCosts``)."""
+    return f_cpu * cpu + f_disk * disk + f_pool * pool
 
 
 def est_ttft_ms(wait_ms: float, prefill_ms: float, fetch_ms: float) -> float:
@@ -290,3 +346,250 @@ def cost_config_of(data: Mapping[str, Any] | None) -> CostConfig:
         drain_reported_queue=bool(d["drain_reported_queue"]),
         calibrate=bool(d["calibrate"]),
     )
+
+
+# -- the row loops: a fleet's columns (kvindex/scoring/fleet_table.py, pool.py) ---------------------
+# Arrays are numpy's (float64 columns; uint8 flags; int64 rows); compiled, they are typed memoryviews
+# (costs.pxd) and each loop runs in C.
+
+
+def wait_rows(
+    queued: Any,
+    status_at: Any,
+    tokens_new: Any,
+    queued_routed: Any,
+    running_now: Any,
+    busy_until: Any,
+    drains: Any,
+    rows: Any,
+    count: int,
+    now: float,
+    b_ms: float,
+    step_ms: float,
+    chunk: float,
+    dps: float,
+    rate: float,
+    wait: Any,
+    draining: Any,
+    seen: Any,
+) -> int:
+    """The wait (``wait_ms(queue_wait(queued_now(...)), ledger_ms(...))``) of ``count`` rows
+    (``rows[:count]``, or rows 0..count-1 when ``rows`` is empty; a row listed twice is computed
+    twice, to the same value), written to ``wait[row]``. The columns are a fleet table's: reported
+    queue, heartbeat time, tokens routed since, their sum, running requests (+ routed since), the
+    ledger's end of work, whether the reported queue drains. The rows whose reported queue is still
+    draining or whose ledger work is not over go to ``draining`` once each (``seen``: a zeroed flag
+    per row, zeroed again on return); returns their number."""
+    out = 0
+    listed = rows.shape[0] > 0
+    if chunk == 0:
+        raise ZeroDivisionError("chunk_tokens is 0")
+    for j in range(count):
+        i = rows[j] if listed else j
+        if rate != 0 and drains[i]:
+            q = drained_queue(queued[i], status_at[i], now, rate)
+            if q > 0 and not seen[i]:
+                seen[i] = 1
+                draining[out] = i
+                out += 1
+            q = q + tokens_new[i]
+        else:
+            q = queued_routed[i]
+        ledger = ledger_ms(busy_until[i], now)
+        if ledger > 0 and not seen[i]:
+            seen[i] = 1
+            draining[out] = i
+            out += 1
+        wait[i] = wait_ms(queue_wait(b_ms, step_ms, chunk, dps, q, running_now[i]), ledger)
+    for j in range(out):
+        seen[draining[j]] = 0
+    return out
+
+
+def cost_rows(
+    wait: Any,
+    running: Any,
+    group: Any,
+    ga: Any,
+    gb: Any,
+    gf: Any,
+    k: float,
+    prefill: Any,
+    est: Any,
+    cost: Any,
+) -> None:
+    """Per row, the prefill (``prefill_at`` with its group's ``prefill_terms`` ga[g], gb[g]), the
+    estimate (with its group's fetch gf[g]) and the ttft policy's cost at congestion weight ``k``;
+    ``group`` empty: every row in group 0."""
+    grouped = group.shape[0] > 0
+    for i in range(wait.shape[0]):
+        g = group[i] if grouped else 0
+        p = prefill_at(ga[g], gb[g], running[i])
+        e = est_ttft_ms(wait[i], p, gf[g])
+        prefill[i] = p
+        est[i] = e
+        cost[i] = weighted_cost(e, p, gf[g], k)
+
+
+def _before(c1: float, kv1: float, ld1: float, r1: int, c2: float, kv2: float, ld2: float, r2: int) -> bool:
+    """(cost, kv, load, key rank) order."""
+    if c1 != c2:
+        return c1 < c2
+    if kv1 != kv2:
+        return kv1 < kv2
+    if ld1 != ld2:
+        return ld1 < ld2
+    return r1 < r2
+
+
+def _insert(bc: Any, br: Any, base: int, j: int, c: float, kv: float, ld: float, rank: int, row: int) -> None:
+    """Put (c, kv, ld, rank, row) into the sorted top-k buffer that starts at ``base``, at ``j`` (its
+    first free place, or its last one when full) or before: the entries it ranks before move down
+    one place (bc holds cost, kv, load per entry; br key rank, row)."""
+    while j > base and _before(
+        c, kv, ld, rank, bc[3 * (j - 1)], bc[3 * (j - 1) + 1], bc[3 * (j - 1) + 2], br[2 * (j - 1)]
+    ):
+        bc[3 * j] = bc[3 * (j - 1)]
+        bc[3 * j + 1] = bc[3 * (j - 1) + 1]
+        bc[3 * j + 2] = bc[3 * (j - 1) + 2]
+        br[2 * j] = br[2 * (j - 1)]
+        br[2 * j + 1] = br[2 * (j - 1) + 1]
+        j -= 1
+    bc[3 * j] = c
+    bc[3 * j + 1] = kv
+    bc[3 * j + 2] = ld
+    br[2 * j] = rank
+    br[2 * j + 1] = row
+
+
+def _listed(rows: Any, n: int, row: int) -> bool:
+    """Whether ``row`` is in the ascending ``rows[:n]`` (binary search)."""
+    lo = 0
+    hi = n
+    while lo < hi:
+        mid = (lo + hi) >> 1
+        if rows[mid] < row:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo < n and rows[lo] == row
+
+
+def rank_others(
+    wait: Any,
+    running: Any,
+    mask: Any,
+    explicit_rows: Any,
+    has_prompt: bool,
+    a: float,
+    b: float,
+    k: float,
+    kv: Any,
+    load: Any,
+    key_rank: Any,
+    out: Any,
+) -> tuple[int, float, int]:
+    """The ttft policy's pruned ranking over the rows that hold nothing of the prompt (the request's
+    candidates in ``mask`` that are not in ``explicit_rows``, sorted), in one loop (and a count).
+
+    Per row: prefill = ``prefill_at(a, b, running)`` (0 without a prompt), est = ``est_ttft_ms(wait,
+    prefill, 0)``, cost = ``weighted_cost(est, prefill, 0, k)``. Puts the first ``len(out)`` rows in
+    (cost, kv, load, key rank) order into ``out`` (unordered) and returns (how many, the lowest
+    prefill of every row, how many rows wait at most that long): the last two are what the
+    congestion bound (kvindex/scoring/policies/ttft.py ``_uncongested``) counts."""
+    n = wait.shape[0]
+    top_k = out.shape[0]
+    filled = 0
+    n_explicit = explicit_rows.shape[0]
+    waiting = 0
+    low = 0.0
+    bc = np.empty((top_k + 1) * 3)
+    br = np.empty((top_k + 1) * 2, dtype=np.int64)
+    if not has_prompt:  # every prefill is 0.0, as 0.0 * running + 0.0 is
+        a = b = 0.0
+    for i in range(n):
+        p = prefill_at(a, b, running[i])
+        if i == 0 or p < low:  # the lowest prefill of every row
+            low = p
+        c = weighted_cost(est_ttft_ms(wait[i], p, 0.0), p, 0.0, k)
+        last = filled - 1
+        if filled == top_k and c > bc[3 * last]:
+            continue  # after every buffered row whatever the tie-breaks (the common case)
+        if not mask[i] or _listed(explicit_rows, n_explicit, i):
+            continue
+        if filled == top_k and not _before(
+            c, kv[i], load[i], key_rank[i], bc[3 * last], bc[3 * last + 1], bc[3 * last + 2], br[2 * last]
+        ):
+            continue
+        _insert(bc, br, 0, filled if filled < top_k else top_k - 1, c, kv[i], load[i], key_rank[i], i)
+        if filled < top_k:
+            filled += 1
+    for i in range(n):
+        if wait[i] <= low:
+            waiting += 1
+    for j in range(filled):
+        out[j] = br[2 * j + 1]
+    return filled, low, waiting
+
+
+def rank_grouped(
+    wait: Any,
+    running: Any,
+    mask: Any,
+    explicit_rows: Any,
+    group: Any,
+    ga: Any,
+    gb: Any,
+    gf: Any,
+    k: float,
+    kv: Any,
+    load: Any,
+    key_rank: Any,
+    out: Any,
+    filled: Any,
+) -> tuple[float, int]:
+    """``rank_others`` with the rows split into groups by match (``group[row]``; 0: the rows that
+    hold nothing of the prompt, g > 0: the instances sharing one answer of the index): per row of
+    group g, prefill = ``prefill_at(ga[g], gb[g], running)``, est with the fetch gf[g], cost at
+    ``k``. Puts the first ``top_k = len(out) // len(ga)`` rows of each group in (cost, kv, load, key
+    rank) order into ``out[g * top_k:]`` (unordered; ``filled[g]`` of them) and returns (the lowest
+    prefill of every row, how many rows wait at most that long), as ``rank_others`` does."""
+    n = wait.shape[0]
+    n_groups = ga.shape[0]
+    top_k = out.shape[0] // n_groups if n_groups else 0
+    n_explicit = explicit_rows.shape[0]
+    waiting = 0
+    low = 0.0
+    if top_k <= 0:
+        raise ValueError("out must hold top_k rows per group")
+    bc = np.empty(n_groups * (top_k + 1) * 3)
+    br = np.empty(n_groups * (top_k + 1) * 2, dtype=np.int64)
+    for g in range(n_groups):
+        filled[g] = 0
+    for i in range(n):
+        g = group[i]
+        p = prefill_at(ga[g], gb[g], running[i])
+        if i == 0 or p < low:
+            low = p
+        c = weighted_cost(est_ttft_ms(wait[i], p, gf[g]), p, gf[g], k)
+        f = filled[g]
+        base = g * (top_k + 1)
+        last = base + f - 1
+        if f == top_k and c > bc[3 * last]:
+            continue
+        if not mask[i] or _listed(explicit_rows, n_explicit, i):
+            continue
+        if f == top_k and not _before(
+            c, kv[i], load[i], key_rank[i], bc[3 * last], bc[3 * last + 1], bc[3 * last + 2], br[2 * last]
+        ):
+            continue
+        _insert(bc, br, base, base + (f if f < top_k else top_k - 1), c, kv[i], load[i], key_rank[i], i)
+        if f < top_k:
+            filled[g] = f + 1
+    for i in range(n):
+        if wait[i] <= low:
+            waiting += 1
+    for g in range(n_groups):
+        for j in range(filled[g]):
+            out[g * top_k + j] = br[2 * (g * (top_k + 1) + j) + 1]
+    return low, waiting

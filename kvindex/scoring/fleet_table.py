@@ -9,10 +9,10 @@ builds full ``Candidate`` objects only for the instances that hold some of the p
 few best others, and selects those others with a handful of vector operations instead of a Python
 object per instance (ranker.py, ``Ranker.score`` with ``top_k``).
 
-The vector formulas repeat kvindex/scoring/costs.py (as ``Ranker.candidates`` inlines it) operation
-for operation in float64, so a value computed here is bit-identical to the scalar one
-(tests/unit/test_cost_forms.py compares the forms on random inputs,
-tests/unit/test_pruned_ranking.py the rankings against the exhaustive path over random fleets).
+The rows are priced by the cost model's row loops (kvindex/scoring/costs.py ``wait_rows``: the
+definition itself, compiled), so a value computed here is the candidates' (tests/unit/test_cost_forms.py
+compares them on random inputs, tests/unit/test_pruned_ranking.py the rankings against the exhaustive
+path over random fleets).
 """
 
 from __future__ import annotations
@@ -24,15 +24,14 @@ import xxhash
 
 from kvindex.fleet.registry import InstanceState, Registry
 from kvindex.instance import InstanceKey
+from kvindex.scoring.costs import wait_rows
 from kvindex.scoring.ledger import Ledger
 from kvindex.wire.schema import Load
 
 try:
     from kvindex.scoring._kernels import rendezvous_weights as _native_weights
-    from kvindex.scoring._kernels import wait_rows as _native_waits
 except ImportError:  # no compiler at install time
     _native_weights = None
-    _native_waits = None
 
 _xxh3 = xxhash.xxh3_64_intdigest
 # Per row, what the rankings read (sums are kept here: a sum per row at a heartbeat is cheaper than a
@@ -252,9 +251,8 @@ class ModelTable:
     def waits(
         self, now: float, b_ms: float, step_ms: float, chunk: int, dps: float, drain_rate: float
     ) -> np.ndarray:
-        """Per row, ``Ranker.candidates``' wait (queue_ms of the reported queue drained until ``now``,
-        plus what was routed since, or the ledger's work left if longer), with the same float64
-        operations, hence bit-identical.
+        """Per row, the candidates' wait (costs.wait_rows: ``queue_wait`` of the reported queue
+        drained until ``now`` plus what was routed since, or the ledger's work left if longer).
 
         Kept across calls: a row's value changes only when the row is written or while its
         reported queue is still draining or the ledger's work on it not yet over. The drained queue
@@ -275,9 +273,8 @@ class ModelTable:
         ):
             rows = None
         elif self._written:
+            # (a row listed twice is computed twice, to the same value, and listed draining once)
             rows = np.concatenate((cache.active, np.array(self._written, dtype=np.int64)))
-            if _native_waits is None:  # (the native loop lists each draining row once itself)
-                rows = np.unique(rows)
         elif len(cache.active):
             rows = cache.active
         else:
@@ -289,52 +286,29 @@ class ModelTable:
                 params, self.version, now, np.empty(n), _NO_ROWS, np.zeros(n, np.uint8)
             )
         cache.now = now
-        if _native_waits is not None:
-            draining = np.empty(n if rows is None else len(rows), dtype=np.int64)
-            found = _native_waits(
-                self.queued,
-                self.status_at,
-                self.tokens_new,
-                self.queued_now,
-                self.running_now,
-                self.busy_until,
-                self.drains.view(np.uint8),
-                _NO_ROWS if rows is None else rows,
-                n if rows is None else len(rows),
-                now,
-                b_ms,
-                step_ms,
-                float(chunk),
-                dps,
-                drain_rate,
-                cache.wait,
-                draining,
-                cache.seen,
-            )
-            cache.active = draining[:found]
-        elif rows is None:
-            cache.wait[:], still = self._wait_columns(slice(0, n), now, params)
-            cache.active = np.flatnonzero(still) if still is not None else _NO_ROWS
-        else:
-            cache.wait[rows], still = self._wait_columns(rows, now, params)
-            cache.active = rows[still] if still is not None else _NO_ROWS
-        return cache.wait
-
-    def _wait_columns(
-        self, rows: slice | np.ndarray, now: float, params: tuple
-    ) -> tuple[np.ndarray, np.ndarray | None]:
-        return wait_columns(
+        draining = np.empty(n if rows is None else len(rows), dtype=np.int64)
+        found = wait_rows(
             self.queued,
             self.status_at,
             self.tokens_new,
             self.queued_now,
             self.running_now,
             self.busy_until,
-            self.drains,
-            rows,
+            self.drains.view(np.uint8),
+            _NO_ROWS if rows is None else rows,
+            n if rows is None else len(rows),
             now,
-            *params,
+            b_ms,
+            step_ms,
+            float(chunk),
+            dps,
+            drain_rate,
+            cache.wait,
+            draining,
+            cache.seen,
         )
+        cache.active = draining[:found]
+        return cache.wait
 
     def tie_order(self) -> np.ndarray | None:
         """Each row's position in (kv, load, instance key) order, the rankings' tie-breaks after the
@@ -374,63 +348,6 @@ class _Waits:
         self.wait = wait
         self.active = active
         self.seen = seen
-
-
-def wait_columns(
-    queued: np.ndarray,
-    status_at: np.ndarray,
-    tokens_new: np.ndarray,
-    queued_now: np.ndarray,
-    running_now: np.ndarray,
-    busy_until: np.ndarray,
-    drains: np.ndarray,
-    rows: slice | np.ndarray,
-    now: float,
-    b_ms: float,
-    step_ms: float,
-    chunk: float,
-    dps: float,
-    drain_rate: float,
-) -> tuple[np.ndarray, np.ndarray | None]:
-    """The queue wait of ``rows`` of the columns (the table's: reported queue, heartbeat time, tokens
-    routed since, their sum, running requests, the ledger's end of work, whether the reported queue
-    drains), and which of them are still changing with time: a reported queue still draining or
-    ledger work not over (None: none). The numpy form of costs'
-    ``wait_ms(queue_ms(queued_now(...)), ledger_ms(...))`` and of the native ``_kernels.wait_rows``:
-    the same float64 operations in the same order."""
-    drains = drains[rows]
-    draining = None
-    if drain_rate and drains.any():
-        # costs.queued_now: max(0, reported - (now - heartbeat) * rate) + routed since, where the
-        # queue drains.
-        drained = now - status_at[rows]
-        drained *= drain_rate
-        np.subtract(queued[rows], drained, out=drained)
-        np.maximum(drained, 0.0, out=drained)
-        draining = drains & (drained > 0)
-        drained += tokens_new[rows]
-        q = np.where(drains, drained, queued_now[rows])
-    else:
-        q = queued_now[rows]
-    running = running_now[rows]
-    steps = np.negative(q)
-    np.floor_divide(steps, chunk, out=steps)
-    np.negative(steps, out=steps)
-    # costs.queue_ms: b * queued + steps * (step_ms + dps * running).
-    wait = dps * running
-    wait += step_ms
-    wait *= steps
-    wait += b_ms * q
-    wait[q <= 0] = 0.0
-    # costs.wait_ms(queue, costs.ledger_ms(busy_until, now)): the wait is >= 0, so a negative
-    # ``left`` (no work, or over) leaves it.
-    left = busy_until[rows] - now
-    left *= 1000.0
-    working = left > 0
-    if working.any():
-        np.maximum(wait, left, out=wait)
-        draining = working if draining is None else draining | working
-    return wait, draining
 
 
 def row_values(state: InstanceState, ledger: Ledger) -> tuple:
@@ -631,4 +548,4 @@ def median_of(values: np.ndarray) -> float:
     return (float(part[i - 1]) + float(part[i])) / 2
 
 
-__all__ = ["FleetTables", "ModelTable", "median_of", "rendezvous_weights", "smallest", "wait_columns"]
+__all__ = ["FleetTables", "ModelTable", "median_of", "rendezvous_weights", "smallest"]

@@ -21,16 +21,13 @@ from kvindex.index.base import NO_MATCH, GroupedIndex, InstanceMatch, KvBlockInd
 from kvindex.instance import InstanceKey
 from kvindex.scoring.base import Candidate, RouteRequest
 from kvindex.scoring.candidates import CandidateBuilder
+from kvindex.scoring.costs import cost_rows, rank_grouped, rank_others
 from kvindex.scoring.fleet_table import FleetTables, ModelTable, smallest
 from kvindex.scoring.ledger import Ledger, SpeculativeKeys
 
 try:
     from kvindex.scoring._kernels import mark_group_rows as _native_mark_group_rows
-    from kvindex.scoring._kernels import rank_grouped as _native_rank_grouped
-    from kvindex.scoring._kernels import rank_others as _native_rank_others
-except ImportError:  # no compiler at install time: numpy columns (CandidatePool.smallest)
-    _native_rank_others = None
-    _native_rank_grouped = None
+except ImportError:  # no compiler at install time: numpy
     _native_mark_group_rows = None
 
 
@@ -297,107 +294,82 @@ class CandidatePool:
         )[: self.table.n]
 
     def _prefill_terms(self, miss: int) -> tuple[float, float]:
-        """(a, b) with CandidateBuilder.candidates' prefill = a * running + b for a miss of ``miss`` tokens
-        (costs.prefill_terms)."""
+        """(per_running, alone) of a miss of ``miss`` tokens (costs.prefill_terms)."""
         return self.builder.costs.prefill_terms(self.request.model, miss, self.request.prompt_tokens)
 
     @cached_property
-    def prefill(self) -> np.ndarray:
-        """CandidateBuilder.candidates' prefill per row: of the whole prompt, or of its group's miss."""
-        table = self.table
-        n = table.n
+    def _terms(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """Per group (0: no match), its prefill terms and fetch (costs.cost_rows' ga, gb, gf), and
+        the rows' groups (empty: no groups, every row in group 0)."""
         prompt = self.request.prompt_tokens
-        if prompt <= 0:
-            return np.zeros(n)
-        a, b = self._prefill_terms(prompt)
-        prefill = a * table.running_now[:n]
-        prefill += b
-        if self.group_of is not None:
-            running = table.running_now[:n]
-            for g, t in enumerate(self.templates[1:], 1):
-                rows = self.group_of == g
-                a, b = self._prefill_terms(t.miss_tokens)
-                part = a * running[rows]
-                part += b
-                prefill[rows] = part
-        return prefill
-
-    @cached_property
-    def fetch(self) -> np.ndarray | None:
-        """CandidateBuilder.candidates' fetch per row (its group's); None: 0 everywhere (no groups)."""
         if self.group_of is None:
-            return None
-        per_group = np.array([t.fetch_ms for t in self.templates])
-        return per_group[self.group_of]
+            a, b = self._prefill_terms(prompt)
+            return np.array([a]), np.array([b]), np.zeros(1), _NO_GROUPS
+        terms = [self._prefill_terms(prompt)] + [
+            self._prefill_terms(t.miss_tokens) for t in self.templates[1:]
+        ]
+        return (
+            np.array([a for a, _ in terms]),
+            np.array([b for _, b in terms]),
+            np.array([t.fetch_ms for t in self.templates]),
+            self.group_of,
+        )
+
+    def _columns(self, k: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Per row: the candidates' prefill, estimate and the ttft policy's cost at ``k``
+        (costs.cost_rows: the definition over the rows)."""
+        n = self.table.n
+        ga, gb, gf, group = self._terms
+        prefill, est, cost = np.empty(n), np.empty(n), np.empty(n)
+        cost_rows(self.wait, self.table.running_now[:n], group, ga, gb, gf, k, prefill, est, cost)
+        return prefill, est, cost
 
     @cached_property
+    def _unweighted(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        return self._columns(0.0)
+
+    @property
+    def prefill(self) -> np.ndarray:
+        """The candidates' prefill per row: of the whole prompt, or of its group's miss."""
+        return self._unweighted[0]
+
+    @property
     def est(self) -> np.ndarray:
         """Candidate.est_ttft_ms per row (costs.est_ttft_ms: wait + prefill + fetch)."""
-        est = self.wait + self.prefill
-        if self.fetch is not None:
-            est += self.fetch
-        return est
+        return self._unweighted[1]
 
     def cost(self, k: float) -> np.ndarray:
         """The ttft policy's cost per row with congestion weight ``k`` (costs.weighted_cost)."""
-        if not k:
-            return self.est
-        return self.est + k * (self.prefill + (0.0 if self.fetch is None else self.fetch))
+        return self._unweighted[2] if not k else self._columns(k)[2]
 
     def rank_others(self, k: float, top_k: int) -> tuple[np.ndarray, float, int] | None:
-        """The ttft policy's selection of the others in one native pass (``_kernels.rank_others``):
+        """The ttft policy's selection of the others in one pass (costs.rank_others, rank_grouped):
         the ``top_k`` rows first in (``cost(k)``, kv, load, key) order, of each group when there are
         match groups, the lowest prefill of any row and how many rows wait at most that long; None
-        without the extension (or for a large ``top_k``, where its insertion into a sorted buffer
-        would not pay): then the columns."""
-        if _native_rank_others is None or not 0 < top_k <= 64:
+        for a large ``top_k``, where an insertion into a sorted buffer would not pay: then the
+        columns (``smallest``)."""
+        if not 0 < top_k <= 64:
             return None
         table = self.table
-        prompt = self.request.prompt_tokens
         n = table.n
+        explicit = np.sort(self.explicit_rows)
+        ga, gb, gf, group = self._terms
         if self.group_of is not None:
-            if _native_rank_grouped is None:
-                return None
-            terms = [self._prefill_terms(prompt)] + [
-                self._prefill_terms(t.miss_tokens) for t in self.templates[1:]
-            ]
-            n_groups = len(terms)
+            n_groups = len(ga)
             out = np.empty(top_k * n_groups, dtype=np.int64)
             filled = np.empty(n_groups, dtype=np.int64)
-            low, waiting = _native_rank_grouped(
-                self.wait,
-                table.running_now[:n],
-                self.mask.view(np.uint8),
-                np.sort(self.explicit_rows),
-                self.group_of,
-                np.array([a for a, _ in terms]),
-                np.array([b for _, b in terms]),
-                np.array([t.fetch_ms for t in self.templates]),
-                k,
-                self.kv,
-                self.load,
-                self.key_rank,
-                out,
-                filled,
-            )
+            low, waiting = rank_grouped(
+                self.wait, table.running_now[:n], self.mask.view(np.uint8), explicit, group, ga, gb, gf,
+                k, self.kv, self.load, self.key_rank, out, filled,
+            )  # fmt: skip
             chosen = np.concatenate([out[g * top_k : g * top_k + filled[g]] for g in range(n_groups)])
             return chosen, low, waiting
         out = np.empty(top_k, dtype=np.int64)
-        a, b = self._prefill_terms(prompt)
-        found, low, waiting = _native_rank_others(
-            self.wait,
-            table.running_now[:n],
-            self.mask.view(np.uint8),
-            np.sort(self.explicit_rows),
-            prompt > 0,
-            a,
-            b,
-            k,
-            self.kv,
-            self.load,
-            self.key_rank,
-            out,
-        )
+        found, low, waiting = rank_others(
+            self.wait, table.running_now[:n], self.mask.view(np.uint8), explicit,
+            self.request.prompt_tokens > 0, float(ga[0]), float(gb[0]), k, self.kv, self.load,
+            self.key_rank, out,
+        )  # fmt: skip
         return out[:found], low, waiting
 
     def materialize(self, rows: list[int] | np.ndarray) -> list[Candidate]:
@@ -504,3 +476,4 @@ class CandidatePool:
 
 
 _NO_ROWS = np.zeros(0, dtype=np.int64)
+_NO_GROUPS = np.zeros(0, dtype=np.int32)

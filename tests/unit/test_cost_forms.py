@@ -1,11 +1,14 @@
-"""One cost model, four forms, bit-identical: the scalar definition (kvindex/scoring/costs.py), its
-inline form in ``Ranker.candidates``, the numpy columns (``fleet_table.wait_columns``,
-``CandidatePool``'s wait / prefill / est / cost and its selection) and the native kernels
-(kvindex/scoring/_kernels.pyx), compared on random fleets, engine shapes and prefill models."""
+"""One cost model, one definition (kvindex/scoring/costs.py), bit-identical wherever it prices: its
+compiled build against its Python source (interpreted, as an install without a C compiler runs it),
+the candidates (``CandidateBuilder.candidates``, one instance at a time) against the definition, and
+the pruned rankings' columns and selection (``CandidatePool``: the row loops ``wait_rows``,
+``cost_rows``, ``rank_others``, ``rank_grouped``) against both, on random fleets, engine shapes and
+prefill models."""
 
 from __future__ import annotations
 
 import random
+from types import ModuleType
 
 import numpy as np
 import pytest
@@ -14,7 +17,7 @@ from hypothesis import strategies as st
 
 from kvindex.fleet.registry import InstanceState, Registry
 from kvindex.index import InvertedIndex
-from kvindex.scoring import _kernels
+from kvindex.scoring import _kernels, costs
 from kvindex.scoring.base import RouteRequest
 from kvindex.scoring.calibration import Calibrator
 from kvindex.scoring.costs import (
@@ -31,25 +34,25 @@ from kvindex.scoring.costs import (
     wait_ms,
     weighted_cost,
 )
-from kvindex.scoring.fleet_table import wait_columns
 from kvindex.scoring.pool import CandidatePool
 from kvindex.scoring.ranker import Ranker, RankerConfig, build_ranker
 from kvindex.wire.schema import CPU, DISK, GPU, SHARED, Load
+from tests.unit.interpreted_costs import compiled, interpreted, interpreted_cost_model
 
 MODEL = "m"
 BS = 16
 
 
-def test_the_rankings_use_the_native_kernels() -> None:
-    """Built (the import above) and picked up by the modules that rank with them."""
-    from kvindex.scoring import fleet_table
-    from kvindex.scoring import pool as router_module
+def test_the_rankings_use_the_compiled_cost_model() -> None:
+    """Built (the cost model compiled from its source, the kernels imported above) and picked up by
+    the modules that rank with them."""
+    from kvindex.scoring import candidates, fleet_table, pool
 
-    assert fleet_table._native_waits is _kernels.wait_rows
+    assert compiled(), costs.__file__
+    assert fleet_table.wait_rows is costs.wait_rows and candidates.queue_wait is costs.queue_wait
+    assert pool.rank_others is costs.rank_others and pool.cost_rows is costs.cost_rows
     assert fleet_table._native_weights is _kernels.rendezvous_weights
-    assert router_module._native_rank_others is _kernels.rank_others
-    assert router_module._native_rank_grouped is _kernels.rank_grouped
-    assert router_module._native_mark_group_rows is _kernels.mark_group_rows
+    assert pool._native_mark_group_rows is _kernels.mark_group_rows
 
 
 class Clock:
@@ -135,21 +138,28 @@ def _build(rng: random.Random) -> tuple[Ranker, RouteRequest, Clock]:
 
 
 def _scalar(
-    router: Ranker, state: InstanceState, prompt: int, miss: int, by_tier: tuple[int, int, int, int]
+    router: Ranker,
+    state: InstanceState,
+    prompt: int,
+    miss: int,
+    by_tier: tuple[int, int, int, int],
+    c: ModuleType = costs,
 ) -> tuple[float, float, float]:
-    """(wait, prefill, fetch) of the instance by the definitions in costs.py."""
-    costs = router.config.costs
+    """(wait, prefill, fetch) of the instance by the definitions in costs.py (``c``: compiled, or
+    its source interpreted)."""
+    config = router.config.costs
     model = router.calibrator.prefill(MODEL)
     at = state.last_heartbeat_at
     n_new, routed, _ = router.ledger.pending(state.key, at)
-    rate = drain_rate(model, costs.drain_reported_queue)
-    queued = queued_now(state.load.waiting_prefill_tokens, at, router.clock(), rate, routed)
+    rate = c.drain_rate(model, config.drain_reported_queue)
+    queued = c.queued_now(state.load.waiting_prefill_tokens, at, router.clock(), rate, routed)
     running = state.load.running + n_new
-    ledger = ledger_ms(router.ledger.busy_until(state.key), router.clock())
+    ledger = c.ledger_ms(router.ledger.busy_until(state.key), router.clock())
+    f = config.fetch.per_token_ms
     return (
-        wait_ms(queue_ms(model, costs.engine, queued, running), ledger),
-        prefill_ms(model, costs.engine, miss, prompt, running),
-        costs.fetch.ms(by_tier),
+        c.wait_ms(c.queue_ms(model, config.engine, queued, running), ledger),
+        c.prefill_ms(model, config.engine, miss, prompt, running),
+        c.fetch_ms(f[1], f[2], f[3], by_tier[1], by_tier[2], by_tier[3]),
     )
 
 
@@ -176,9 +186,12 @@ def test_every_form_of_the_cost_model_agrees_bit_for_bit(seed: int, k: float) ->
     prompt = request.prompt_tokens
     states = router.registry.routable(MODEL, None)
 
-    # The inline form (Ranker.candidates) against the definition, instance by instance.
+    # The candidates against the definition, compiled and interpreted, instance by instance.
+    python = interpreted()
     for cand in router.candidates(request, states, 0.0):
         wait, prefill, fetch = _scalar(router, cand.state, prompt, cand.miss_tokens, cand.tokens_by_tier)
+        again = _scalar(router, cand.state, prompt, cand.miss_tokens, cand.tokens_by_tier, python)
+        assert [_bits(x) for x in again] == [_bits(x) for x in (wait, prefill, fetch)], cand.state.key
         assert _same(cand.wait_ms, wait), (cand.state.key, cand.wait_ms, wait)
         assert _same(cand.prefill_ms, prefill), (cand.state.key, cand.prefill_ms, prefill)
         assert _same(cand.fetch_ms, fetch), (cand.state.key, cand.fetch_ms, fetch)
@@ -190,9 +203,9 @@ def test_every_form_of_the_cost_model_agrees_bit_for_bit(seed: int, k: float) ->
     table = pool.table
     n = table.n
     model = router.calibrator.prefill(MODEL)
-    costs = router.config.costs
-    shape = costs.engine
-    rate = drain_rate(model, costs.drain_reported_queue)
+    config = router.config.costs
+    shape = config.engine
+    rate = drain_rate(model, config.drain_reported_queue)
 
     # The columns: every row's wait, prefill, est and cost against the definition, with its group's
     # answer (the template's miss and tokens by tier).
@@ -212,39 +225,45 @@ def test_every_form_of_the_cost_model_agrees_bit_for_bit(seed: int, k: float) ->
         assert _same(cost_col[i], cost[i]), (i, cost_col[i], cost[i])
         low = prefill if low is None or prefill < low else low
 
-    # The native and numpy waits of any rows (listed twice, or all of them) against the columns.
+    # The waits of any rows (listed twice, or all of them), compiled and interpreted, against the
+    # columns.
     rows = np.array(sorted(rng.choices(range(n), k=rng.randint(1, 2 * n))), dtype=np.int64)
     for listed in (rows, None):
-        want, _ = wait_columns(
-            table.queued, table.status_at, table.tokens_new, table.queued_now, table.running_now,
-            table.busy_until, table.drains, slice(0, n) if listed is None else listed, clock.t,
-            model.b_ms_per_token, shape.step_ms, shape.chunk_tokens, shape.decode_ms_per_seq, rate,
-        )  # fmt: skip
-        got = np.full(n, np.nan)
-        _kernels.wait_rows(
-            table.queued, table.status_at, table.tokens_new, table.queued_now, table.running_now,
-            table.busy_until, table.drains.view(np.uint8),
-            np.zeros(0, np.int64) if listed is None else listed,
-            n if listed is None else len(listed), clock.t, model.b_ms_per_token, shape.step_ms,
-            float(shape.chunk_tokens), shape.decode_ms_per_seq, rate, got, np.empty(2 * n + 1, np.int64),
-            np.zeros(n, np.uint8),
-        )  # fmt: skip
         at = np.arange(n) if listed is None else listed
-        assert np.array_equal((got[at] + 0.0).view(np.uint64), (want + 0.0).view(np.uint64))
-        assert np.array_equal(got[at], pool.wait[at])
+        got = []
+        for form in (costs, python):
+            wait = np.full(n, np.nan)
+            form.wait_rows(
+                table.queued, table.status_at, table.tokens_new, table.queued_now, table.running_now,
+                table.busy_until, table.drains.view(np.uint8),
+                np.zeros(0, np.int64) if listed is None else listed,
+                n if listed is None else len(listed), clock.t, model.b_ms_per_token, shape.step_ms,
+                float(shape.chunk_tokens), shape.decode_ms_per_seq, rate, wait, np.empty(2 * n + 1, np.int64),
+                np.zeros(n, np.uint8),
+            )  # fmt: skip
+            got.append((wait[at] + 0.0).view(np.uint64))
+        assert np.array_equal(got[0], got[1])
+        assert np.array_equal(got[0], (pool.wait[at] + 0.0).view(np.uint64))
 
-    # The selection of the best others: native (rank_others / rank_grouped) and numpy (the columns'
-    # partition) against the scalar order.
+    # The selection of the best others: compiled and interpreted (rank_others / rank_grouped), and
+    # the columns' partition, against the scalar order.
     for top_k in (1, 3, 8):
         want_rows = _expected_selection(pool, cost, top_k)
         numpy_rows = set(pool.smallest(pool.cost(k), top_k).tolist())
         assert numpy_rows == want_rows
         native = pool.rank_others(k, top_k)
+        with interpreted_cost_model():
+            assert _picked(pool.rank_others(k, top_k)) == _picked(native)
         assert native is not None
         chosen, native_low, waiting = native
         assert set(chosen.tolist()) == want_rows
         assert _same(native_low, low)
         assert waiting == sum(1 for i in range(n) if pool.wait[i] <= low)
+
+
+def _picked(ranked: tuple[np.ndarray, float, int] | None) -> tuple[list[int], int, int]:
+    assert ranked is not None
+    return sorted(ranked[0].tolist()), _bits(ranked[1]), ranked[2]
 
 
 @settings(max_examples=200, deadline=None)
@@ -273,7 +292,7 @@ def test_the_wait_kernels_equal_the_definition_on_any_input(
     busy: float,
 ) -> None:
     """One row at the edges (huge queues, chunk 1, no drain, no heartbeat, ledger work over or
-    not), native and numpy."""
+    not), compiled and interpreted."""
     now = 1e6
     model = PrefillModel(1.0, b, 1e-6)
     shape = EngineShape(chunk_tokens=chunk, step_ms=step, decode_ms_per_seq=dps)
@@ -288,14 +307,32 @@ def test_the_wait_kernels_equal_the_definition_on_any_input(
         col(reported), col(0.0 if at is None else at), col(routed), col(reported + routed), col(running),
         col(busy),
     )  # fmt: skip
-    numpy_wait, _ = wait_columns(*args, drains, slice(0, 1), now, b, step, chunk, dps, rate)
-    native_wait = np.full(1, np.nan)
-    _kernels.wait_rows(
-        *args, drains.view(np.uint8), np.zeros(0, np.int64), 1, now, b, step, float(chunk), dps, rate,
-        native_wait, np.empty(1, np.int64), np.zeros(1, np.uint8),
-    )  # fmt: skip
-    assert _same(numpy_wait[0], want), (numpy_wait[0], want)
-    assert _same(native_wait[0], want), (native_wait[0], want)
+    python = interpreted()
+    for form in (costs, python):
+        got = np.full(1, np.nan)
+        form.wait_rows(
+            *args, drains.view(np.uint8), np.zeros(0, np.int64), 1, now, b, step, float(chunk), dps, rate,
+            got, np.empty(1, np.int64), np.zeros(1, np.uint8),
+        )  # fmt: skip
+        assert _same(got[0], want), (form.__name__, got[0], want)
+    defined = python.wait_ms(
+        python.queue_ms(model, shape, python.queued_now(reported, at, now, rate, routed), running),
+        python.ledger_ms(busy, now),
+    )
+    assert _same(defined, want)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    tokens=st.one_of(st.integers(1, 2**50), st.floats(1e-9, 2**50)),
+    chunk=st.one_of(st.integers(1, 1 << 20), st.sampled_from([1, 7, 512, 8192])),
+)
+def test_engine_steps_are_pythons_floor_division(tokens: float, chunk: int) -> None:
+    """``chunks``, compiled and interpreted, is ``-(-tokens // chunk)``: Python's float floor
+    division, which the compiled build (C's floor(a / b) for ``//``) would not give at the edges."""
+    want = float(-(-tokens // chunk))
+    assert _same(costs.chunks(tokens, chunk), want)
+    assert _same(interpreted().chunks(tokens, chunk), want)
 
 
 @pytest.mark.parametrize("miss", [0, 1, 7, 8192, 8193, 100_000])

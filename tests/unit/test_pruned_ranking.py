@@ -6,7 +6,6 @@ from __future__ import annotations
 import contextlib
 import random
 from collections.abc import Iterator
-from unittest import mock
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -15,7 +14,6 @@ from hypothesis import strategies as st
 from kvindex.fleet.registry import Registry
 from kvindex.index import InvertedIndex, _pytable
 from kvindex.scoring import fleet_table
-from kvindex.scoring import pool as router_module
 from kvindex.scoring.base import Choice, RouteRequest
 from kvindex.scoring.calibration import Calibrator
 from kvindex.scoring.costs import CostConfig
@@ -23,6 +21,7 @@ from kvindex.scoring.fleet_table import median_of, rendezvous_weights, smallest
 from kvindex.scoring.policies import POLICY_CLASSES, POLICY_NAMES
 from kvindex.scoring.ranker import Ranker, RankerConfig, build_ranker
 from kvindex.wire.schema import CPU, DISK, GPU, SHARED, Load
+from tests.unit.interpreted_costs import interpreted_cost_model
 
 MODEL = "m"
 BS = 16
@@ -156,15 +155,11 @@ def _check(router: Ranker, name: str, req: RouteRequest, candidates: list[str] |
 
 @contextlib.contextmanager
 def _natives(backend: str) -> Iterator[None]:
-    """ "python": no native code at all, as without a compiler (the rankings' numpy twins run)."""
+    """ "python": no native code at all, as without a compiler (the cost model runs as Python)."""
     if backend == "native":
         yield
         return
-    with (
-        mock.patch.object(fleet_table, "_native_waits", None),
-        mock.patch.object(router_module, "_native_rank_others", None),
-        mock.patch.object(router_module, "_native_rank_grouped", None),
-    ):
+    with interpreted_cost_model():
         yield
 
 
@@ -311,8 +306,6 @@ def test_median_and_weights_match_the_reference(native: bool, monkeypatch: pytes
 
     import numpy as np
     import xxhash
-
-    from kvindex.scoring import fleet_table
 
     if not native:  # the fallback without the extension: one Python call per id
         monkeypatch.setattr(fleet_table, "_native_weights", None)
