@@ -65,13 +65,13 @@ from kvindex.scoring.admission import (
     AdmissionQueue,
     Correction,
     Estimate,
-    Objective,
     QueueEntry,
     deadline_of,
     judge,
 )
 from kvindex.scoring.base import RouteRequest
 from kvindex.scoring.home import home_block
+from kvindex.scoring.objectives import Objective
 from kvindex.scoring.policies import POLICY_NAMES
 from kvindex.scoring.ranker import Ranker, RankerConfig
 from kvindex.wire import reconcile

@@ -29,8 +29,8 @@ from kvindex.config.args import (
     read_prompts,
 )
 from kvindex.observability.logs import configure_logging
+from kvindex.route.admission_args import add_admission_options, admission_from_args
 from kvindex.route.cli import add_route
-from kvindex.scoring.admission import add_admission_options, admission_from_args
 from kvindex.security import add_client_options, add_server_options
 
 

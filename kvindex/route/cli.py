@@ -11,7 +11,7 @@ import structlog
 from kvindex.config.args import LOG_FORMAT_HELP, LOG_LEVEL_HELP, port, positive
 from kvindex.lifecycle import Stop, run
 from kvindex.observability.logs import configure_logging
-from kvindex.scoring.admission import add_admission_options, admission_from_args
+from kvindex.route.admission_args import add_admission_options, admission_from_args
 from kvindex.security import ClientTLS, SecurityConfigError, add_client_options, token_from_args
 
 

@@ -56,6 +56,7 @@ from kvindex.api.server import READINESS, GrpcPort
 from kvindex.api.servicer import KvIndexServicer
 from kvindex.client.local import LocalKvIndexClient
 from kvindex.fleet.registry import InstanceState
+from kvindex.route.gate import AdmissionGate, AdmissionMetrics, Shed
 from kvindex.route.lifecycle import RequestLedger, report_of, run_now
 from kvindex.route.openai_body import BodyError, PromptSpec, parse_body
 from kvindex.route.pd import (
@@ -70,17 +71,9 @@ from kvindex.route.pd import (
     prefill_candidates,
 )
 from kvindex.route.usage import UsageReader
-from kvindex.scoring.admission import (
-    AdmissionConfig,
-    AdmissionGate,
-    AdmissionMetrics,
-    Estimate,
-    Objective,
-    ObjectiveDefaults,
-    ObjectiveError,
-    Shed,
-)
+from kvindex.scoring.admission import AdmissionConfig, Estimate
 from kvindex.scoring.ledger import FINISHED, PREFILL
+from kvindex.scoring.objectives import Objective, ObjectiveDefaults, ObjectiveError
 from kvindex.scoring.outcomes import Report
 from kvindex.security import ServerSecurity
 from kvindex.v1 import kvindex_pb2 as pb

@@ -41,23 +41,16 @@ from kvindex.client import (
 )
 from kvindex.lifecycle import Stop
 from kvindex.observability.logs import RateLimitedLog
+from kvindex.route.gate import AdmissionGate, AdmissionMetrics, Shed
 from kvindex.route.lifecycle import RequestLedger, ordered, report_of
 from kvindex.route.metrics import RouteMetrics
 from kvindex.route.openai_body import MAX_BODY_BYTES, BodyError, PromptSpec, parse_body
 from kvindex.route.pd import PdConfig
 from kvindex.route.pd_proxy import FirstByte, PdRoute
 from kvindex.route.usage import UsageReader, add_include_usage
-from kvindex.scoring.admission import (
-    AdmissionConfig,
-    AdmissionGate,
-    AdmissionMetrics,
-    Estimate,
-    Objective,
-    ObjectiveDefaults,
-    ObjectiveError,
-    Shed,
-)
+from kvindex.scoring.admission import AdmissionConfig, Estimate
 from kvindex.scoring.ledger import FINISHED, PREFILL
+from kvindex.scoring.objectives import Objective, ObjectiveDefaults, ObjectiveError
 from kvindex.security import ClientTLS
 from kvindex.v1 import kvindex_pb2 as pb
 

@@ -40,8 +40,9 @@ from kvindex.route.pd import PdConfig
 from kvindex.routing_sync.metrics import SyncCollector
 from kvindex.routing_sync.nats_link import NatsRoutingLink
 from kvindex.routing_sync.sync import RoutingSync, SyncConfig
-from kvindex.scoring.admission import AdmissionConfig, ObjectiveDefaults
+from kvindex.scoring.admission import AdmissionConfig
 from kvindex.scoring.costs import cost_parameters
+from kvindex.scoring.objectives import ObjectiveDefaults
 from kvindex.scoring.ranker import RankerConfig
 from kvindex.security import ServerSecurity
 from kvindex.service.calibration_store import CalibrationStore

@@ -25,9 +25,8 @@ from kvindex.scoring.admission import (
     TIMEOUT,
     UNATTAINABLE,
     AdmissionConfig,
-    Objective,
-    ObjectiveDefaults,
 )
+from kvindex.scoring.objectives import Objective, ObjectiveDefaults
 from kvindex.service.app import IndexService
 from tests.conftest import wait_until
 from tests.integration.test_ext_proc import MODEL as PICKER_MODEL

@@ -21,13 +21,11 @@ from kvindex.scoring.admission import (
     AdmissionQueue,
     Correction,
     Estimate,
-    Objective,
-    ObjectiveDefaults,
-    ObjectiveError,
     QueueEntry,
     deadline_of,
     judge,
 )
+from kvindex.scoring.objectives import Objective, ObjectiveDefaults, ObjectiveError
 
 MODEL = "route-model"
 
@@ -187,7 +185,7 @@ def test_a_request_displaced_while_it_undoes_its_trial_is_not_forgotten() -> Non
     admitted), never left waiting out of the queue with its client connection open."""
     import asyncio
 
-    from kvindex.scoring.admission import AdmissionGate, Admitted
+    from kvindex.route.gate import AdmissionGate, Admitted
 
     async def scenario() -> tuple[object, object]:
         gate: AdmissionGate[str] = AdmissionGate(AdmissionConfig(max_queue=1, tick_s=0.01), clock=lambda: 0.0)
