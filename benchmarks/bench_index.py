@@ -802,7 +802,7 @@ def sweep_child(instances: int, blocks: int, seed: int, calls: int) -> dict[str,
     # The heartbeat path: every worker's heartbeat through the consumer (steady state: the
     # instances are known), then the router's per-model columns catching up with them.
     core = build_core(CoreConfig(index_tables=TABLES))
-    consumer, router = core.consumer, core.router
+    consumer, router = core.consumer, core.ranker
     router.tables  # noqa: B018 - watching, as in a server that ranks with top_k
     logs = [WorkerLog(worker=n[0], model="m", block_size=16, capacity={"gpu": 100_000}) for n in names]
     for i, log in enumerate(logs):

@@ -650,7 +650,7 @@ def build_local(fleet: Fleet, seed: int) -> KvIndexServicer:
 def breakdown(fleet: Fleet, seed: int, n: int, top_k: int) -> list[tuple[str, float]]:
     """Per-stage server-side cost of one Score call (token_ids path, default policy), in microseconds."""
     servicer = build_local(fleet, seed)
-    registry, index, router = servicer.registry, servicer.index, servicer.router
+    registry, index, router = servicer.registry, servicer.index, servicer.ranker
     request = pb.ScoreRequest(model=MODEL, token_ids=fleet.tokens, top_k=top_k)
     wire = request.SerializeToString()
     req_keys = pb.ScoreRequest(model=MODEL, block_keys=fleet.keys, top_k=top_k)
@@ -962,7 +962,7 @@ def main() -> int:
 def _in_process(fleet: Fleet, seed: int, top_k: int, n: int) -> dict[str, float]:
     """Server-side stages for this fleet, in process (no gRPC): match, ranking, the whole Score."""
     servicer = build_local(fleet, seed)
-    router, index = servicer.router, servicer.index
+    router, index = servicer.ranker, servicer.index
     route = RouteRequest(MODEL, fleet.keys, len(fleet.tokens), BLOCK_SIZE)
     request = pb.ScoreRequest(model=MODEL, token_ids=fleet.tokens, top_k=top_k)
     wire = request.SerializeToString()

@@ -304,7 +304,7 @@ class Simulation:
             CoreConfig(
                 clock=self.clock,
                 repair=lambda machine: _SimRepair(self, machine),
-                router=RankerConfig(
+                ranker=RankerConfig(
                     default_policy=base,
                     seed=seed,
                     prune_min_instances=0,
@@ -312,14 +312,14 @@ class Simulation:
                     temperature=cluster.temperature,
                     warmup=cluster.warmup,
                 ),
-                routers=cluster.routers,
+                rankers=cluster.routers,
                 policy_options=policy_options,
             )
         )
         core = self.core
         self.index, self.registry, self.consumer = core.index, core.registry, core.consumer
-        self.calibrator, self.routers, self.router = core.calibrator, core.routers, core.router
-        self.router_of: dict[str, Ranker] = {}
+        self.calibrator, self.rankers, self.ranker = core.calibrator, core.rankers, core.ranker
+        self.ranker_of: dict[str, Ranker] = {}
         cfg = EngineConfig.from_profile(**cluster.engine)
         self.block_size = cfg.block_size
         self.logs: dict[str, WorkerLog] = {}
@@ -432,9 +432,9 @@ class Simulation:
             return
         # top_k as a router asks: policies that can rank only the holders and the best few others
         # (ttft) do, and must place exactly as their full ranking would (tables byte-identical).
-        router = self.routers[len(self.router_of) % len(self.routers)]
-        self.router_of[req.id] = router
-        result = router.score(route, commit=True, top_k=self.cluster.top_k)
+        ranker = self.rankers[len(self.ranker_of) % len(self.rankers)]
+        self.ranker_of[req.id] = ranker
+        result = ranker.score(route, commit=True, top_k=self.cluster.top_k)
         assert result.committed is not None, "no routable instance"
         self.routed[req.id] = (req.arrival, result.committed.worker)
         self.engines[result.committed.worker].submit(req, self.now)
@@ -447,7 +447,7 @@ class Simulation:
     def _look(self, req: SimRequest, route: RouteRequest, elapsed_s: float) -> tuple[Any, Any]:
         """Score without commit, and admission's verdict on it."""
         assert self.admission is not None
-        result = self.router.score(route, top_k=self.cluster.top_k)
+        result = self.ranker.score(route, top_k=self.cluster.top_k)
         estimates = self.correction.apply(MODEL, [Estimate.of(c.candidate) for c in result.choices], self.now)
         return result, judge(self.objective(req), elapsed_s * 1000.0, estimates, self.admission)
 
@@ -458,7 +458,7 @@ class Simulation:
             MODEL, req.id, est_ms, self.now, result.choices[pick].candidate.state.instance_id
         )
         state = result.choices[pick].candidate.state
-        assert self.router.commit(route, state.key), "no routable instance"
+        assert self.ranker.commit(route, state.key), "no routable instance"
         self.routed[req.id] = (req.arrival, state.worker)
         self.engines[state.worker].submit(req, self.now)
 
@@ -598,14 +598,14 @@ class Simulation:
         rid = done.request.id
         if done.kind == "first_token":
             self.completions[rid] = done
-            self.router_of.get(rid, self.router).release(rid, "prefill")
+            self.ranker_of.get(rid, self.ranker).release(rid, "prefill")
             estimated = self._estimated.pop(rid, None)
             if estimated is not None:
                 self.correction.finish(MODEL, rid)
                 self.correction.observe(MODEL, estimated[0], (done.first_token_at - estimated[1]) * 1000.0)
         else:
             self.completions[rid + "#end"] = done
-            self.router_of.get(rid, self.router).release(rid, "finished")
+            self.ranker_of.get(rid, self.ranker).release(rid, "finished")
 
     # -- results ------------------------------------------------------------------------------------
 
@@ -743,14 +743,14 @@ class PdSimulation(Simulation):
             self._rr += 1
             state = self.registry.get((decode_id.partition("/")[0], 0))
             assert state is not None
-            cand = self.router.candidates(route, [state], 0.0)[0]
+            cand = self.ranker.candidates(route, [state], 0.0)[0]
             matched = cand.blocks * self.block_size
-            self.router.commit(
+            self.ranker.commit(
                 RouteRequest(MODEL, req.keys, req.prompt_tokens, self.block_size, req.id), state.key
             )
             local = "uncached<=256" if req.prompt_tokens - matched <= 256 else None
         else:
-            result = self.router.score(route, decodes, commit=True, top_k=self.cluster.top_k)
+            result = self.ranker.score(route, decodes, commit=True, top_k=self.cluster.top_k)
             assert result.committed is not None and result.choices
             state = result.committed
             matched = result.choices[0].candidate.blocks * self.block_size
@@ -762,7 +762,7 @@ class PdSimulation(Simulation):
                 # A whole request now: the decode instance to serve it by the TTFT ranking (as
                 # kvindex route --pd does; it may hold the prompt's prefix), committed whole.
                 whole = RouteRequest(MODEL, req.keys, req.prompt_tokens, self.block_size, req.id)
-                res = self.router.score(whole, decodes, commit=True, top_k=self.cluster.top_k)
+                res = self.ranker.score(whole, decodes, commit=True, top_k=self.cluster.top_k)
                 assert res.committed is not None
                 decode = res.committed.worker
             self.engines[decode].submit(req, self.now)
@@ -772,10 +772,10 @@ class PdSimulation(Simulation):
         proute = RouteRequest(MODEL, req.keys, req.prompt_tokens, self.block_size, pid)
         if self.mode == "pd-rr":
             pstate = prefills[self._rr % len(prefills)]
-            self.router.commit(proute, pstate.key)
+            self.ranker.commit(proute, pstate.key)
         else:
             ids = sorted(m.instance_id for m in prefills)
-            ranked = self.router.score(proute, ids, commit=True, top_k=self.pd_config.prefill_top_k)
+            ranked = self.ranker.score(proute, ids, commit=True, top_k=self.pd_config.prefill_top_k)
             options = [
                 PrefillOption(c.candidate.state.instance_id, "x", c.candidate.est_ttft_ms)
                 for c in ranked.choices
@@ -785,7 +785,7 @@ class PdSimulation(Simulation):
             pstate = self.registry.get((pick.option.instance_id.partition("/")[0], 0))
             assert pstate is not None
             if ranked.committed is None or ranked.committed.key != pstate.key:
-                self.router.commit(proute, pstate.key)
+                self.ranker.commit(proute, pstate.key)
         self._pending_decode[pid] = (req, decode, len(req.keys))
         self.engines[pstate.worker].submit(
             SimRequest(pid, req.keys, req.prompt_tokens, 1, self.now), self.now
@@ -798,7 +798,7 @@ class PdSimulation(Simulation):
             super()._complete(done)
             return
         if done.kind == "first_token":
-            self.router.release(rid, "finished")  # the prefill step is over: its KV is handed over
+            self.ranker.release(rid, "finished")  # the prefill step is over: its KV is handed over
             req, decode, blocks = self._pending_decode.pop(rid)
             self._prefill_steps[req.id] = done
             # The decode step: same arrival (TTFT counts from the client's request), blocks received.

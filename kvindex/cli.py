@@ -674,7 +674,7 @@ def _serve(args: argparse.Namespace) -> int:
         static_block_size=args.instance_block_size,
         static_capacity=args.instance_capacity,
         policy_options=check_policy_options(args.policy_option),
-        router=RankerConfig(
+        ranker=RankerConfig(
             predicted_ttl=args.predicted_ttl,
             costs=costs,
             seed=args.seed,

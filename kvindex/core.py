@@ -1,21 +1,21 @@
 """The core: the parts that turn worker events into rankings, assembled in one place.
 
-Registry, index, sequencer, consumer, calibration and router (with its ledger, speculative keys and
+Registry, index, sequencer, consumer, calibration and ranker (with its ledger, speculative keys and
 outcomes) are built and connected by ``build_core`` only. The service, the replay of an event log
 (kvindex/capture/replay.py), the routing simulation and the benchmarks all call it, so they run one
 assembly: what differs between them is data in ``CoreConfig`` (the clock, the index's tables, the
-repair scheduler, the consumer's logger, the router's settings), never the wiring.
+repair scheduler, the consumer's logger, the ranker's settings), never the wiring.
 
 Every hook is passed to the constructor of the part that calls it, and no part builds a dependency
 of its own when none is given (a missing one is an error). Where two parts answer each other (the
-repair machine and the scheduler that runs its requests; a router and the replica sync it tells its
+repair machine and the scheduler that runs its requests; a ranker and the replica sync it tells its
 decisions), the first takes a maker of the second and calls it with itself when it is built: no
 attribute is set from outside after construction.
 
 - the consumer's heartbeat prefill samples go to the calibration (``Calibrator.add``);
-- an instance the consumer forgets is forgotten by every router (speculative keys, predicted cache,
+- an instance the consumer forgets is forgotten by every ranker (speculative keys, predicted cache,
   outcome evidence, degraded set);
-- a change of an instance's repair state is told to every router (its degraded instances follow);
+- a change of an instance's repair state is told to every ranker (its degraded instances follow);
 - an instance the outcomes find degraded goes to ``CoreConfig.on_degraded`` (the service asks for a
   snapshot; the replay and the simulation pass none).
 """
@@ -42,7 +42,7 @@ from kvindex.wire.subjects import Subjects
 
 @dataclass
 class CoreConfig:
-    # The registry's and the routers' clock: monotonic seconds live, a pinnable one when capturing,
+    # The registry's and the rankers' clock: monotonic seconds live, a pinnable one when capturing,
     # the record's time in a replay, virtual time in the simulation.
     clock: Callable[[], float] = time.monotonic
     subjects: Subjects = field(default_factory=Subjects)
@@ -55,15 +55,15 @@ class CoreConfig:
     # counted and accepted (NoRepair).
     repair: MakeScheduler | None = None
     consumer_log: Any = None  # the consumer's logger; None: structlog's (replay: its timeline)
-    router: RankerConfig = field(default_factory=RankerConfig)
-    # Independent routers over the one index (the simulation's unsynchronised routers): router r is
-    # seeded ``router.seed + r``; each has its own ledger, speculative keys and policy memory.
-    routers: int = 1
+    ranker: RankerConfig = field(default_factory=RankerConfig)
+    # Independent rankers over the one index (the simulation's unsynchronised routers): ranker r is
+    # seeded ``ranker.seed + r``; each has its own ledger, speculative keys and policy memory.
+    rankers: int = 1
     policy_options: dict[str, dict[str, Any]] | None = None  # per policy, overrides of its defaults
     # Told when outcomes find an instance degraded (the service schedules a snapshot of it).
     on_degraded: Callable[[InstanceKey], None] | None = None
-    # Makes the router's observer, told every decision (the service's replica sync, which applies
-    # the other replicas' decisions to that router). None: a lone replica. One router only.
+    # Makes the ranker's observer, told every decision (the service's replica sync, which applies
+    # the other replicas' decisions to that ranker). None: a lone replica. One ranker only.
     observer: Callable[[Ranker], RoutingObserver] | None = None
 
 
@@ -75,13 +75,13 @@ class Core:
     counters: IngestCounters
     consumer: Consumer
     calibrator: Calibrator
-    routers: list[Ranker]
+    rankers: list[Ranker]
     repair: RepairScheduler  # the one CoreConfig.repair made (NoRepair without one)
 
     @property
-    def router(self) -> Ranker:
-        """The first (usually the only) router."""
-        return self.routers[0]
+    def ranker(self) -> Ranker:
+        """The first (usually the only) ranker."""
+        return self.rankers[0]
 
 
 def build_core(config: CoreConfig | None = None) -> Core:
@@ -90,26 +90,26 @@ def build_core(config: CoreConfig | None = None) -> Core:
     registry = Registry(config.clock)
     sequencer = Sequencer()
     counters = IngestCounters()
-    calibrator = Calibrator.of(config.router.costs)
-    if config.observer is not None and config.routers > 1:
-        raise ValueError("an observer (routing sync) is made for one router, not for several")
-    routers = [
+    calibrator = Calibrator.of(config.ranker.costs)
+    if config.observer is not None and config.rankers > 1:
+        raise ValueError("an observer (routing sync) is made for one ranker, not for several")
+    rankers = [
         build_ranker(
             index,
             registry,
             calibrator,
-            config.router if r == 0 else _reseeded(config.router, r),
+            config.ranker if r == 0 else _reseeded(config.ranker, r),
             policy_options=config.policy_options,
             on_degraded=config.on_degraded,
             observer=config.observer,
         )
-        for r in range(max(1, config.routers))
+        for r in range(max(1, config.rankers))
     ]
-    if len(routers) == 1:
-        on_forget: Callable[[InstanceKey], Any] = routers[0].forget
-        on_sync_change: Callable[[InstanceState, bool], Any] = routers[0].sync_changed
+    if len(rankers) == 1:
+        on_forget: Callable[[InstanceKey], Any] = rankers[0].forget
+        on_sync_change: Callable[[InstanceState, bool], Any] = rankers[0].sync_changed
     else:
-        on_forget, on_sync_change = _each_forget(routers), _each_sync_changed(routers)
+        on_forget, on_sync_change = _each_forget(rankers), _each_sync_changed(rankers)
     consumer = Consumer(
         index,
         registry,
@@ -124,7 +124,7 @@ def build_core(config: CoreConfig | None = None) -> Core:
         on_sync_change=on_sync_change,
     )
     return Core(
-        index, registry, sequencer, counters, consumer, calibrator, routers, consumer.repairs.scheduler
+        index, registry, sequencer, counters, consumer, calibrator, rankers, consumer.repairs.scheduler
     )
 
 
@@ -132,17 +132,17 @@ def _reseeded(config: RankerConfig, r: int) -> RankerConfig:
     return replace(config, seed=config.seed + r)
 
 
-def _each_forget(routers: list[Ranker]) -> Callable[[InstanceKey], None]:
+def _each_forget(rankers: list[Ranker]) -> Callable[[InstanceKey], None]:
     def forget(instance: InstanceKey) -> None:
-        for router in routers:
-            router.forget(instance)
+        for ranker in rankers:
+            ranker.forget(instance)
 
     return forget
 
 
-def _each_sync_changed(routers: list[Ranker]) -> Callable[[InstanceState, bool], None]:
+def _each_sync_changed(rankers: list[Ranker]) -> Callable[[InstanceState, bool], None]:
     def sync_changed(state: InstanceState, reconciled: bool = False) -> None:
-        for router in routers:
-            router.sync_changed(state, reconciled)
+        for ranker in rankers:
+            ranker.sync_changed(state, reconciled)
 
     return sync_changed

@@ -185,7 +185,7 @@ class KvIndexServicer(pb_grpc.KvIndexServicer):
         registry: Registry,
         counters: IngestCounters,
         metrics: Metrics | None,
-        router: Ranker,
+        ranker: Ranker,
         tokenizers: Tokenizers,
     ) -> None:
         """``metrics`` None: calls are not timed (a replay, tests)."""
@@ -193,7 +193,7 @@ class KvIndexServicer(pb_grpc.KvIndexServicer):
         self.registry = registry
         self.counters = counters
         self.metrics = metrics
-        self.router = router
+        self.ranker = ranker
         self.tokenizers = tokenizers
         # instance -> (load it was built from, instance_id, endpoint, RankedInstance with the
         # invariant fields)
@@ -329,7 +329,7 @@ class KvIndexServicer(pb_grpc.KvIndexServicer):
     def pick_options(self, request: pb.ScoreRequest) -> PickOptions:
         """The request's pick over the router's defaults (BadRequest when they make no sense)."""
         try:
-            return self.router.picker.options(
+            return self.ranker.picker.options(
                 request.pick or None,
                 request.temperature if request.HasField("temperature") else None,
                 request.pick_seed if request.HasField("pick_seed") else None,
@@ -378,16 +378,16 @@ class KvIndexServicer(pb_grpc.KvIndexServicer):
             request_id=request.request_id,
             prompt_tokens=_u32(prompt),  # (block keys x a worker's block size may pass 2**32)
         )
-        chosen = self.router.policies["decode"] if role == DECODE_ROLE else self.router.policy(policy)
+        chosen = self.ranker.policies["decode"] if role == DECODE_ROLE else self.ranker.policy(policy)
         response.policy = chosen.name
         response.cost_unit = chosen.cost_unit
-        options = pick or self.router.picker.default
+        options = pick or self.ranker.picker.default
         response.pick = options.mode
         response.temperature = options.temperature
         if not block_size:
             return response  # unknown model: empty ranking, not an error
         route = RouteRequest(model, keys, prompt, block_size, request.request_id, role)
-        result = self.router.score(
+        result = self.ranker.score(
             route, candidates, policy, commit=request.commit, top_k=request.top_k, pick=pick
         )
         if result.committed is not None:
@@ -464,7 +464,7 @@ class KvIndexServicer(pb_grpc.KvIndexServicer):
             route = RouteRequest(
                 request.model, prompt.keys, prompt.tokens, prompt.block_size, request.request_id
             )
-            ok = self.router.commit(route, (worker, int(rank)))
+            ok = self.ranker.commit(route, (worker, int(rank)))
         response = pb.CommitResponse(committed=ok)
         self._done(COMMIT_METHOD, request, response, started)
         return response
@@ -479,9 +479,9 @@ class KvIndexServicer(pb_grpc.KvIndexServicer):
             )
         report = release_report(request)
         if report is not None and (why := report.malformed()) is not None:
-            self.router.outcomes.ignore(INVALID)
+            self.ranker.outcomes.ignore(INVALID)
             await self._abort(context, BadRequest(why))
-        found, status = self.router.release_reported(request.request_id, request.phase, report)
+        found, status = self.ranker.release_reported(request.request_id, request.phase, report)
         response = pb.ReleaseResponse(found=found, report=status)
         self._done(RELEASE_METHOD, request, response, started)
         return response
@@ -528,7 +528,7 @@ class KvIndexServicer(pb_grpc.KvIndexServicer):
         states = self.registry.of_model(request.model) if request.model else self.registry.all()
         now = self.registry.clock()
         response = pb.ListInstancesResponse()
-        calibrator = self.router.calibrator
+        calibrator = self.ranker.calibrator
         for state in sorted(states, key=lambda s: (s.model, s.key)):
             cap = state.capacity
             fit = calibrator.status(state.model, state.instance_id)
@@ -565,8 +565,8 @@ class KvIndexServicer(pb_grpc.KvIndexServicer):
                 ),
             )
             info = response.instances[-1]
-            info.state, info.state_reason = self.router.state_of(state)
-            counts = self.router.outcomes.instances.get(state.key)
+            info.state, info.state_reason = self.ranker.state_of(state)
+            counts = self.ranker.outcomes.instances.get(state.key)
             if counts is not None:
                 by = counts.by_outcome
                 info.outcomes_exact, info.outcomes_over = by["exact"], by["over"]

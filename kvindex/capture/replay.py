@@ -241,7 +241,7 @@ class Replayer:
                 # The answers come from the log (applied to the consumer's machine), not from it.
                 repair=None if logged is None else lambda _machine: logged,
                 consumer_log=TimelineLog(self),
-                router=config,
+                ranker=config,
                 # None: the reconciliations degraded instances asked for live are replayed from
                 # their timer records.
                 on_degraded=None,
@@ -249,10 +249,10 @@ class Replayer:
         )
         core = self.core
         self.index, self.registry, self.counters = core.index, core.registry, core.counters
-        self.consumer, self.calibrator, self.router = core.consumer, core.calibrator, core.router
+        self.consumer, self.calibrator, self.ranker = core.consumer, core.calibrator, core.ranker
         # No tokenizer: recorded prompts are block keys.
         self.servicer = KvIndexServicer(
-            self.index, self.registry, self.counters, None, self.router, Tokenizers()
+            self.index, self.registry, self.counters, None, self.ranker, Tokenizers()
         )
         repair = meta.get("repair") or {}
         defaults = LivenessConfig()  # what the service used unless the log says otherwise
@@ -432,7 +432,7 @@ class Replayer:
         recorded = METHODS[method]  # what the call changed, as kvindex/api/methods.py says
         req = recorded.request.FromString(body)
         if recorded.changes == RELEASE:
-            self.router.release_reported(req.request_id, req.phase, release_report(req))
+            self.ranker.release_reported(req.request_id, req.phase, release_report(req))
             return
         watched = self.watch_request and req.request_id == self.watch_request and self.watched is None
         if watched or (self.check_picks and method == "Score"):
@@ -456,7 +456,7 @@ class Replayer:
             req.model, keys, prompt_length(req, block_size, keys), block_size, req.request_id, role
         )
         policy = "decode" if role == DECODE_ROLE else (getattr(req, "policy", "") or None)
-        self.router.commit(route, (worker, int(rank)), policy)
+        self.ranker.commit(route, (worker, int(rank)), policy)
 
     def _check_pick(self, request_id: str, instance: str, explained: QueryResult) -> None:
         """Whether the re-ranking, with the recorded pick and seed, picked the recorded instance."""
@@ -602,7 +602,7 @@ class Replayer:
                 "stale_marked": c.stale_marked,
                 "instances_forgotten": c.instances_forgotten,
             },
-            "ledger": len(self.router.ledger),
+            "ledger": len(self.ranker.ledger),
             "checks": {"matched": self.checks_ok, "diverged": len(self.divergences)},
             "picks": {
                 "checked": self.picks_checked,

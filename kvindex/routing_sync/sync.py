@@ -143,12 +143,12 @@ class _Peer:
 class RoutingSync:
     def __init__(
         self,
-        router: Ranker,
+        ranker: Ranker,
         config: SyncConfig | None = None,
         wall: Callable[[], float] = time.time,
         log: Any = None,
     ) -> None:
-        self.router = router
+        self.ranker = ranker
         self.config = config or SyncConfig()
         self.replica_id = check_replica_id(self.config.replica_id or default_replica_id())
         self.epoch = _new_epoch()
@@ -278,7 +278,7 @@ class RoutingSync:
         return True
 
     def _apply_commit(self, op: CommitOp, sender: tuple[str, int]) -> None:
-        router = self.router
+        ranker = self.ranker
         instance = (op.worker, op.dp_rank)
         request = RouteRequest(op.model, op.keys, op.prompt_tokens, op.block_size, op.id, op.role)
         gone = None
@@ -292,32 +292,32 @@ class RoutingSync:
             if gone is not None and gone[0] == FINISHED:
                 self.dropped["finished_before_commit"] += 1  # its heat and keys still count
             else:
-                work = router.prefill_work_ms(op.model, instance, op.miss_tokens, op.prompt_tokens)
-                entry = router.ledger.commit(
+                work = ranker.prefill_work_ms(op.model, instance, op.miss_tokens, op.prompt_tokens)
+                entry = ranker.ledger.commit(
                     op.id, instance, op.model, op.prompt_tokens, op.miss_tokens, work
                 )
                 if op.spec_ttl > 0 and op.keys:
                     entry.keys = op.keys
         if op.spec_ttl > 0 and op.keys:
-            router.speculative.add(instance, op.keys, op.spec_ttl)
+            ranker.speculative.add(instance, op.keys, op.spec_ttl)
         if gone is not None:  # released here before the commit came: its keys are settled already
             if gone[0] == FINISHED:
-                router.speculative.settle(instance, op.keys, router.clock() + router.config.speculative_grace)
+                ranker.speculative.settle(instance, op.keys, ranker.clock() + ranker.config.speculative_grace)
             else:
-                router.decisions.end(op.id, PREFILL)
-        state = router.registry.get(instance)
+                ranker.decisions.end(op.id, PREFILL)
+        state = ranker.registry.get(instance)
         if state is not None and state.model == op.model:  # else only the ledger and keys above
             if state.approximate and op.keys:  # an engine without KV events: its cache is predicted
-                router.predicted.on_commit(state, op.keys)
-            policy = router.policies.get(op.policy)
+                ranker.predicted.on_commit(state, op.keys)
+            policy = ranker.policies.get(op.policy)
             if policy is not None:
-                (cand,) = router.candidates(request, [state], 0.0)
-                policy.on_commit(request, cand, router.context)
+                (cand,) = ranker.candidates(request, [state], 0.0)
+                policy.on_commit(request, cand, ranker.context)
         self.applied["commit"] += 1
 
     def _apply_release(self, op: ReleaseOp, sender: tuple[str, int]) -> None:
         self._remember_release(op.id, op.phase, sender)
-        self.router.decisions.end(op.id, op.phase)
+        self.ranker.decisions.end(op.id, op.phase)
         self.applied["release"] += 1
 
     def _remember_release(self, request_id: str, phase: str, by: tuple[str, int] | None) -> None:

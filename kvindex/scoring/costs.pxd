@@ -22,7 +22,7 @@ cpdef double weighted_cost(double est_ms, double prefill_ms, double fetch_ms, do
 
 @cython.locals(out=Py_ssize_t, listed=bint, j=Py_ssize_t, i=Py_ssize_t, q=double, ledger=double)
 cpdef Py_ssize_t wait_rows(
-    const double[::1] queued, const double[::1] status_at, const double[::1] tokens_new,
+    const double[::1] queued, const double[::1] heartbeat_at, const double[::1] tokens_new,
     const double[::1] queued_routed, const double[::1] running_now, const double[::1] busy_until,
     const unsigned char[::1] drains, const long long[::1] rows, Py_ssize_t count, double now,
     double b_ms, double step_ms, double chunk, double dps, double rate, double[::1] wait,

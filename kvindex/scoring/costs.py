@@ -355,7 +355,7 @@ def cost_config_of(data: Mapping[str, Any] | None) -> CostConfig:
 
 def wait_rows(
     queued: Any,
-    status_at: Any,
+    heartbeat_at: Any,
     tokens_new: Any,
     queued_routed: Any,
     running_now: Any,
@@ -387,7 +387,7 @@ def wait_rows(
     for j in range(count):
         i = rows[j] if listed else j
         if rate != 0 and drains[i]:
-            q = drained_queue(queued[i], status_at[i], now, rate)
+            q = drained_queue(queued[i], heartbeat_at[i], now, rate)
             if q > 0 and not seen[i]:
                 seen[i] = 1
                 draining[out] = i

@@ -38,7 +38,7 @@ _xxh3 = xxhash.xxh3_64_intdigest
 # vector sum per request). Written by ``ModelTable.write``, in this order.
 _FLOAT_COLS = (
     "queued",  # waiting_prefill_tokens of the last heartbeat
-    "status_at",  # its local time (0 when none)
+    "heartbeat_at",  # its local time (0 when none)
     "tokens_new",  # ledger: prefill tokens routed since that heartbeat
     "queued_now",  # queued + tokens_new (the wait's input where the queue does not drain)
     "running_now",  # running + requests routed since
@@ -216,7 +216,7 @@ class ModelTable:
     def write_times(self, rows: list[int], times: list[float]) -> None:
         """Rows whose heartbeat time alone moved (their other values are what they were). Only a
         row whose reported queue drains reads the time (its wait), so only those are recomputed."""
-        self.status_at[rows] = times
+        self.heartbeat_at[rows] = times
         if len(self._written) <= self.n:
             index = np.array(rows, dtype=np.int64)
             self._written += index[self.drains[index]].tolist()
@@ -289,7 +289,7 @@ class ModelTable:
         draining = np.empty(n if rows is None else len(rows), dtype=np.int64)
         found = wait_rows(
             self.queued,
-            self.status_at,
+            self.heartbeat_at,
             self.tokens_new,
             self.queued_now,
             self.running_now,

@@ -70,7 +70,7 @@ class ServiceConfig:
     repair: RepairConfig = field(default_factory=RepairConfig)
     liveness: LivenessConfig = field(default_factory=LivenessConfig)  # stale / forgotten instances
     jetstream: JetStreamConfig | None = None  # None: core NATS (default)
-    router: RankerConfig = field(default_factory=RankerConfig)
+    ranker: RankerConfig = field(default_factory=RankerConfig)
     # Per ranking policy, overrides of its published defaults (``serve --policy-option``).
     policy_options: dict[str, dict[str, Any]] | None = None
     capture: CaptureConfig | None = None  # tee what the consumer sees into an event log
@@ -119,13 +119,13 @@ def _capture_meta(config: ServiceConfig) -> dict[str, Any]:
             "replay_timeout": r.replay_timeout,
             "snapshot_timeout": r.snapshot_timeout,
         },
-        router={
-            "default_policy": config.router.default_policy,
-            "seed": config.router.seed,
-            "pick": config.router.pick,
-            "temperature": config.router.temperature,
-            "warmup": config.router.warmup,
-            "costs": cost_parameters(config.router.costs),
+        router={  # (the capture header keeps its key: logs written before)
+            "default_policy": config.ranker.default_policy,
+            "seed": config.ranker.seed,
+            "pick": config.ranker.pick,
+            "temperature": config.ranker.temperature,
+            "warmup": config.ranker.warmup,
+            "costs": cost_parameters(config.ranker.costs),
         },
         limits=dataclasses.asdict(config.limits),
     )
@@ -152,18 +152,18 @@ class IndexService:
                 subjects=self.subjects,
                 ingest_limits=config.limits,
                 repair=self._make_repairer,
-                router=config.router,
+                ranker=config.ranker,
                 policy_options=config.policy_options,
                 # Predicted against actual (docs/feedback.md): a degradation asks for a snapshot at
                 # once (rate-limited in the router; scheduled, never run inside the consumer's own
                 # call that changed the state).
                 on_degraded=self._reconcile_degraded,
-                observer=(lambda router: RoutingSync(router, sync)) if shared else None,
+                observer=(lambda ranker: RoutingSync(ranker, sync)) if shared else None,
             )
         )
         core = self.core
         self.index, self.registry, self.counters = core.index, core.registry, core.counters
-        self.consumer, self.calibrator, self.router = core.consumer, core.calibrator, core.router
+        self.consumer, self.calibrator, self.ranker = core.consumer, core.calibrator, core.ranker
         assert isinstance(core.repair, NatsRepairer)
         self.repairer: NatsRepairer = core.repair
         self.metrics = Metrics(self.counters, self._gauges)
@@ -173,8 +173,8 @@ class IndexService:
         self.calibration = CalibrationStore(
             self.calibrator, replicas=config.jetstream.replicas if config.jetstream else 1
         )
-        self.metrics.registry.register(OutcomeCollector(self.router.outcomes, self._instance_states))
-        args = (self.index, self.registry, self.counters, self.metrics, self.router, self.tokenizers)
+        self.metrics.registry.register(OutcomeCollector(self.ranker.outcomes, self._instance_states))
+        args = (self.index, self.registry, self.counters, self.metrics, self.ranker, self.tokenizers)
         self.servicer = (
             KvIndexServicer(*args) if self.recorder is None else RecordingServicer(self.recorder, *args)
         )
@@ -202,8 +202,8 @@ class IndexService:
         self.routing_sync: RoutingSync | None = None
         self.routing_link: NatsRoutingLink | None = None
         if shared:
-            assert isinstance(self.router.observer, RoutingSync)
-            self.routing_sync = self.router.observer
+            assert isinstance(self.ranker.observer, RoutingSync)
+            self.routing_sync = self.ranker.observer
             self.routing_link = NatsRoutingLink(self.routing_sync, self.subjects)
             self.metrics.registry.register(SyncCollector(self.routing_sync))
         self.natsd: EmbeddedNats | None = None
@@ -232,7 +232,7 @@ class IndexService:
         out: dict[str, list[str]] = {}
         for state in self.registry.all():
             if not state.is_pool:
-                out.setdefault(self.router.state_of(state)[0], []).append(state.instance_id)
+                out.setdefault(self.ranker.state_of(state)[0], []).append(state.instance_id)
         return out
 
     def _register_static(self) -> None:

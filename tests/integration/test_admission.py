@@ -263,7 +263,7 @@ async def test_picker_sheds_with_an_immediate_429_and_retry_after(
     assert immediate.status.code == 429 and UNATTAINABLE in immediate.details
     got = {h.header.key: h.header.raw_value.decode() for h in immediate.headers.set_headers}
     assert int(got["retry-after"]) >= 3
-    assert len(svc.router.ledger) == 0
+    assert len(svc.ranker.ledger) == 0
     # A named objective whose priority is negative (GIE: sheddable) is shed rather than held.
     envoy = Envoy(stub)
     with_headers(envoy, {"x-gateway-inference-objective": "batch", "x-kvindex-ttft-slo-ms": "1000"})
@@ -295,14 +295,14 @@ async def test_picker_holds_the_request_until_an_instance_can_meet_its_objective
     (held,) = list(picker.gate.queue)
     assert held.objective == Objective(3000, 5)
     await asyncio.sleep(0.2)
-    assert not request.done() and len(svc.router.ledger) == 0  # unanswered, counted nowhere
+    assert not request.done() and len(svc.ranker.ledger) == 0  # unanswered, counted nowhere
     await picker_overload(pubs, svc, 0)
     pick, echoed = await asyncio.wait_for(request, 5)
     header, meta = destination(pick, "request_headers")
     assert header == meta and echoed == json.dumps(body).encode()
-    assert len(svc.router.ledger) == 1  # committed where it goes
+    assert len(svc.ranker.ledger) == 1  # committed where it goes
     await envoy.response(header.split(",")[0], [b"data: x\n\n", b"data: [DONE]\n\n"])
-    assert len(svc.router.ledger) == 0
+    assert len(svc.ranker.ledger) == 0
     labels = {"model": PICKER_MODEL, "priority": "5"}
     assert picker_sample(svc, "kvindex_ext_proc_slo_requests_total", **labels, result="met") == 1
     assert picker_sample(svc, "kvindex_ext_proc_admission_queued_total", **labels, reason=OVER_OBJECTIVE) == 1

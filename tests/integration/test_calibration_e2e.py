@@ -145,7 +145,7 @@ async def test_calibration_off_keeps_the_default_model(engine: FakeEngine) -> No
         nats_url=natsd.url,
         grpc_host="127.0.0.1",
         grpc_port=0,
-        router=RankerConfig(costs=CostConfig(calibrate=False)),
+        ranker=RankerConfig(costs=CostConfig(calibrate=False)),
     )
     service = IndexService(cfg)
     await service.start()

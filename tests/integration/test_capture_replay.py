@@ -139,10 +139,10 @@ async def test_replay_reproduces_the_live_service_exactly(captured: tuple[Path, 
     assert r.counters.snapshots_requested == live.counters.snapshots_requested
     # Routing state: two requests still in flight, on the instances the live service chose.
     for key in (("w1", 0), ("w2", 1)):
-        assert {e.request_id for e in r.router.ledger.of(key)} == {
-            e.request_id for e in live.router.ledger.of(key)
+        assert {e.request_id for e in r.ranker.ledger.of(key)} == {
+            e.request_id for e in live.ranker.ledger.of(key)
         }
-    assert len(r.router.ledger) == len(live.router.ledger) == 2
+    assert len(r.ranker.ledger) == len(live.ranker.ledger) == 2
     # Deterministic: a second replay gives the same digest.
     assert replay(str(path)).replayer.digest() == r.digest()
 
@@ -155,7 +155,7 @@ async def test_until_request_query_and_serve(
     first_route = next(rec for rec in records if rec[0] == R.ROUTE)
     # As of just before the first commit: no request in flight yet, w2 still fresh.
     res = Driver(str(path), until=first_route[2] - 1e-6).run()
-    assert res.stopped_at_until and len(res.replayer.router.ledger) == 0
+    assert res.stopped_at_until and len(res.replayer.ranker.ledger) == 0
     assert not res.replayer.registry.get(("w2", 1)).stale  # type: ignore[union-attr]
     assert res.replayer.clock() == pytest.approx(first_route[1], abs=1e-3)
     # "Why did r1 go where it went": its ranking recomputed at the moment it was committed.
@@ -167,7 +167,7 @@ async def test_until_request_query_and_serve(
     # On w1: 12 blocks in the index, 4 more expected from r0's commit (speculative keys, replayed too).
     (w1,) = [x for x in ranked if x.instance_id == "w1/0"]
     assert w1.matched.gpu == 12 and w1.matched_blocks == 16
-    assert len(res.replayer.router.ledger) == 2  # r0 committed, r1 applied after its ranking
+    assert len(res.replayer.ranker.ledger) == 2  # r0 committed, r1 applied after its ranking
 
     # The command: timeline, summary, digest, and a query as of a moment when w2 was stale.
     stale_at = next(m.wall for m in replay(str(path)).replayer.moments if m.what == "stale")
@@ -186,7 +186,7 @@ async def test_until_request_query_and_serve(
     assert query["response"]["ranked"][0]["explain"]
     assert main([*argv, "--request", "r2"]) == 0
     where = next(
-        k for k in (("w1", 0), ("w2", 1)) if any(e.request_id == "r2" for e in live.router.ledger.of(k))
+        k for k in (("w1", 0), ("w2", 1)) if any(e.request_id == "r2" for e in live.ranker.ledger.of(k))
     )
     assert f"the live service committed it to {where[0]}/{where[1]}" in capsys.readouterr().out
     assert main(argv) == 0

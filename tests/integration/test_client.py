@@ -70,7 +70,7 @@ class SlowServicer(KvIndexServicer):
 async def index(nats_server: EmbeddedNats) -> AsyncIterator[IndexService]:
     svc = IndexService(ServiceConfig(nats_url=nats_server.url, grpc_host="127.0.0.1", grpc_port=0))
     svc.servicer = svc.grpc.servicer = SlowServicer(
-        svc.index, svc.registry, svc.counters, svc.metrics, svc.router
+        svc.index, svc.registry, svc.counters, svc.metrics, svc.ranker, svc.tokenizers
     )
     await svc.start()
     try:
@@ -126,7 +126,7 @@ async def test_score_commit_release_over_the_stream(index: IndexService, make_pu
         }
         assert decision.response is not None and decision.response.ranked[0].matched_blocks == 6
         assert ("authorization", "Bearer s3cret") in index.servicer.metadata  # type: ignore[attr-defined]
-        assert len(index.router.ledger) == 1  # r1 is in flight on w1
+        assert len(index.ranker.ledger) == 1  # r1 is in flight on w1
         assert await client.release("r1", "prefill") and await client.release("r1", "finished")
         assert not await client.release("r1", "finished")  # already gone
         # Concurrent Score calls share the one stream, each gets its own answer.

@@ -293,7 +293,7 @@ async def test_score_stream_answers_in_order_and_survives_bad_requests(
     assert [r.instance_id for r in replies[3].ranked] == ["b/0"] and not replies[3].error
     assert replies[4].block_size == 0 and not replies[4].ranked and not replies[4].error
     assert replies[5].committed_instance_id == "a/0"
-    assert service.router.ledger.busy.keys() == {("a", 0)}
+    assert service.ranker.ledger.busy.keys() == {("a", 0)}
 
 
 async def test_list_instances_health_reflection_and_metrics(

@@ -206,7 +206,7 @@ async def test_picks_the_holder_with_fallbacks_and_releases_at_the_response(
         "10.0.0.3:8000",
     ]
     assert echoed == json.dumps(body).encode()  # the body goes upstream unchanged
-    ledger = svc.router.ledger
+    ledger = svc.ranker.ledger
     (entry,) = list(ledger.of(("w1", 0)))
     assert not entry.prefill_done
 
@@ -242,9 +242,9 @@ async def test_buffered_mode_sets_the_destination_in_the_body_answer(
     pick, _ = await envoy.request({"model": MODEL, "prompt": tokens(4 * BS, 3)}, mode=BUFFERED)
     header, meta = destination(pick, "request_body")
     assert header == meta and len(header.split(",")) == 3
-    assert len(picker_service.router.ledger) == 1
+    assert len(picker_service.ranker.ledger) == 1
     await envoy.call.done_writing()
-    await wait_until(lambda: len(picker_service.router.ledger) == 0, what="release at stream end")
+    await wait_until(lambda: len(picker_service.ranker.ledger) == 0, what="release at stream end")
 
 
 async def test_subset_hint_restricts_the_pick_and_503_when_nothing_in_it_is_eligible(
@@ -287,7 +287,7 @@ async def test_no_ready_instance_is_503_and_bad_body_is_400(
     envoy = Envoy(picker)
     pick, _ = await envoy.request({"prompt": [1, 2]})
     assert pick.immediate_response.status.code == 400 and "'model'" in pick.immediate_response.details
-    assert len(picker_service.router.ledger) == 0
+    assert len(picker_service.ranker.ledger) == 0
 
 
 async def test_client_gone_mid_response_releases_the_ledger(
@@ -298,9 +298,9 @@ async def test_client_gone_mid_response_releases_the_ledger(
     pick, _ = await envoy.request({"model": MODEL, "prompt": tokens(6 * BS, 5), "stream": True})
     assert pick.HasField("request_headers")
     await envoy.response("10.0.0.1:8000", [b"data: x\n\n"], end=False)  # not the end of the response
-    assert len(picker_service.router.ledger) == 1
+    assert len(picker_service.ranker.ledger) == 1
     envoy.call.cancel()  # the downstream client disconnected: Envoy resets the stream
-    await wait_until(lambda: len(picker_service.router.ledger) == 0, what="release on reset")
+    await wait_until(lambda: len(picker_service.ranker.ledger) == 0, what="release on reset")
 
 
 async def test_served_on_a_fallback_moves_the_ledger_entry(
@@ -310,7 +310,7 @@ async def test_served_on_a_fallback_moves_the_ledger_entry(
     envoy = Envoy(picker)
     pick, _ = await envoy.request({"model": MODEL, "prompt": tokens(6 * BS, 6), "stream": True})
     first, *rest = destination(pick, "request_headers")[0].split(",")
-    ledger = picker_service.router.ledger
+    ledger = picker_service.ranker.ledger
     primary = picker_service.registry.at_endpoint(first)[0].key
     fallback = picker_service.registry.at_endpoint(rest[0])[0].key
     assert len(list(ledger.of(primary))) == 1
@@ -347,7 +347,7 @@ async def test_the_engine_usage_in_the_response_is_reported(
     await pubs[2].flush()
     await wait_until(lambda: svc.index.block_counts(("w2", 0))[0] == 20, what="blocks indexed")
     seen: list[Any] = []
-    svc.router.outcomes.subscribe(seen.append)
+    svc.ranker.outcomes.subscribe(seen.append)
     full = prompt + tokens(3 * BS, seed=6)
     usage = {
         "prompt_tokens": len(full),
@@ -427,7 +427,7 @@ async def test_pd_mode_returns_the_decode_pick_and_the_prefiller_in_a_header(
             if h.header.key == PREFILLER
         ]
         assert prefiller == ["10.0.1.2:8000"]
-        ledger = svc.router.ledger
+        ledger = svc.ranker.ledger
         assert len(ledger) == 2  # the decode entry and <id>:prefill on p1
         assert len(list(ledger.of(("p1", 0)))) == 1
         await envoy.response(header.split(",")[0], [b'{"choices":[]}'])
@@ -443,6 +443,6 @@ async def test_pd_mode_returns_the_decode_pick_and_the_prefiller_in_a_header(
         common = pick.request_headers.response
         assert PREFILLER not in [h.header.key for h in common.header_mutation.set_headers]
         assert PREFILLER in list(common.header_mutation.remove_headers)
-        assert len(svc.router.ledger) == 1
+        assert len(svc.ranker.ledger) == 1
         await envoy.call.done_writing()
-        await wait_until(lambda: len(svc.router.ledger) == 0, what="release at stream end")
+        await wait_until(lambda: len(svc.ranker.ledger) == 0, what="release at stream end")

@@ -68,7 +68,7 @@ async def test_reports_over_grpc(
     svc = await make_service(RepairConfig(reconcile_interval=0))
     await _fleet(svc, make_publisher)
     seen: list[Outcome] = []
-    svc.router.outcomes.subscribe(seen.append)
+    svc.ranker.outcomes.subscribe(seen.append)
     async with AsyncKvIndexClient(svc.grpc.address, timeout=5, refresh_interval=0) as client:
         d = await client.score(MODEL, token_ids=PROMPT, commit=True, request_id="r1")
         assert d.committed_instance_id == "w1/0" and d.response is not None
@@ -107,13 +107,13 @@ async def test_reports_over_grpc(
         for bad in (-1.0, math.nan, math.inf):
             with pytest.raises(BadRequest, match="ttft_ms"):
                 await client.release_reported("r3", "finished", ttft_ms=bad)
-        ignored = svc.router.outcomes.ignored
+        ignored = svc.ranker.outcomes.ignored
         assert ignored == {
             "already_released": 1, "unknown_request": 1, "absurd": 1, "prompt_mismatch": 1, "duplicate": 1,
             "invalid": 3,
         }  # fmt: skip
         assert _sample(svc, "kvindex_prediction_reports_ignored_total", reason="invalid") == 3
-        assert svc.router.outcomes.outcomes == {
+        assert svc.ranker.outcomes.outcomes == {
             "exact": 1,
             "over": 0,
             "under": 0,
@@ -124,19 +124,19 @@ async def test_reports_over_grpc(
             d = await client.score(MODEL, token_ids=PROMPT, commit=True, request_id=rid)
             assert d.committed_instance_id == "w1/0"
             assert (await client.release_reported(rid, "finished", cached_tokens=0))[1] == "applied"
-        assert svc.router.outcomes.outcomes["over"] == 2
+        assert svc.ranker.outcomes.outcomes["over"] == 2
         # The degradation asked for a snapshot at once; the worker's snapshot reconciles the index
         # (here it agrees: the worker's publisher still holds the blocks) and voids the evidence.
         await wait_until(lambda: svc.counters.snapshots_requested["degraded"] == 1, what="snapshot asked")
         await wait_until(
-            lambda: svc.router.state_of(svc.registry.get(("w1", 0)))[0] == EXACT, what="exact again"
+            lambda: svc.ranker.state_of(svc.registry.get(("w1", 0)))[0] == EXACT, what="exact again"
         )
         assert _sample(svc, "kvindex_prediction_reconciles_total") == 1
         # An under: w2 holds 2 blocks, the engine says 6.
         d = await client.score(MODEL, token_ids=PROMPT, commit=True, request_id="r6", candidates=["w2/0"])
         assert d.committed_instance_id == "w2/0"
         assert (await client.release_reported("r6", "finished", cached_tokens=24))[1] == "applied"
-        assert svc.router.outcomes.outcomes["under"] == 1
+        assert svc.ranker.outcomes.outcomes["under"] == 1
 
     async with grpc.aio.insecure_channel(svc.grpc.address) as channel:
         listed = await pb_grpc.KvIndexStub(channel).ListInstances(pb.ListInstancesRequest(model=MODEL))
@@ -160,11 +160,11 @@ async def test_degraded_state_shows_and_discounts_the_cache(
     async with AsyncKvIndexClient(svc.grpc.address, timeout=5, refresh_interval=0) as client:
         before = (await client.score(MODEL, token_ids=PROMPT, candidates=["w1/0"])).response
         state = svc.registry.get(("w1", 0))
-        ask = svc.router.outcomes.on_degraded
-        svc.router.outcomes.on_degraded = None  # held back for a moment: it would repair at once
+        ask = svc.ranker.outcomes.on_degraded
+        svc.ranker.outcomes.on_degraded = None  # held back for a moment: it would repair at once
         state.repair_failed = True  # as after a snapshot request that timed out
-        svc.router.sync_changed(state)
-        assert svc.router.degraded == {("w1", 0)}
+        svc.ranker.sync_changed(state)
+        assert svc.ranker.degraded == {("w1", 0)}
         after = (await client.score(MODEL, token_ids=PROMPT, candidates=["w1/0"])).response
         listed = await client.list_instances(MODEL)
         # `kvindex instances` shows it too.
@@ -183,7 +183,7 @@ async def test_degraded_state_shows_and_discounts_the_cache(
     w1 = next(i for i in listed if i.instance_id == "w1/0")
     assert (w1.state, w1.state_reason) == (DEGRADED, "repair failed")
     # A degraded instance asks for a snapshot, whose success makes it exact again.
-    svc.router.outcomes.on_degraded = ask
-    assert svc.router.outcomes.request_reconcile(("w1", 0))
+    svc.ranker.outcomes.on_degraded = ask
+    assert svc.ranker.outcomes.request_reconcile(("w1", 0))
     await wait_until(lambda: svc.counters.snapshots_requested["degraded"] == 1, what="snapshot asked")
-    await wait_until(lambda: not svc.router.degraded, what="exact again")
+    await wait_until(lambda: not svc.ranker.degraded, what="exact again")

@@ -35,7 +35,7 @@ async def test_lost_events_degrade_then_a_snapshot_repairs(
     svc = await make_service(RepairConfig(reconcile_interval=0))
     # Speculative keys stand in for a committed prompt's blocks until its events arrive: they would
     # hide the loss for their TTL (10 s by default), so they last 0.2 s here.
-    svc.router.policies["ttft"].speculative_ttl = 0.2
+    svc.ranker.policies["ttft"].speculative_ttl = 0.2
     cfg = EngineConfig(gpu_blocks=200, time=TM, block_size=BS, max_batched_tokens=512, max_running=8)
     loop = asyncio.get_running_loop()
     finished: dict[str, asyncio.Future[Completion]] = {}
@@ -49,18 +49,18 @@ async def test_lost_events_degrade_then_a_snapshot_repairs(
         nats_server.url, 2, cfg, model=MODEL, heartbeat_interval=0.1, on_completion=on_completion
     )
     outcomes: list[Outcome] = []
-    svc.router.outcomes.subscribe(outcomes.append)
+    svc.ranker.outcomes.subscribe(outcomes.append)
     states_when_asked: list[tuple[str, str]] = []
-    ask = svc.router.outcomes.on_degraded
+    ask = svc.ranker.outcomes.on_degraded
     assert ask is not None
 
     def asked(instance: tuple[str, int]) -> None:
         state = svc.registry.get(instance)
         assert state is not None
-        states_when_asked.append(svc.router.state_of(state))
+        states_when_asked.append(svc.ranker.state_of(state))
         ask(instance)
 
-    svc.router.outcomes.on_degraded = asked
+    svc.ranker.outcomes.on_degraded = asked
     async with fleet, AsyncKvIndexClient(svc.grpc.address, timeout=5, refresh_interval=0) as client:
         await wait_until(lambda: len(svc.registry.all()) == 2, what="both workers known")
 
@@ -107,7 +107,7 @@ async def test_lost_events_degrade_then_a_snapshot_repairs(
         await wait_until(lambda: svc.counters.snapshots_requested["degraded"] >= 1, what="snapshot asked")
         state = svc.registry.get(home)
         assert state is not None
-        await wait_until(lambda: svc.router.state_of(state)[0] == EXACT, what="exact again")
+        await wait_until(lambda: svc.ranker.state_of(state)[0] == EXACT, what="exact again")
         assert svc.counters.snapshot_blocks_added >= 12  # prompts 2 and 3, 6 blocks each
         await asyncio.sleep(1.0)  # (the drop window is over too)
         d2 = await request("d2", prompt(2), only=where)

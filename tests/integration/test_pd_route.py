@@ -153,7 +153,7 @@ async def test_long_prompts_take_two_steps_and_short_ones_one(pd: PdFleet) -> No
     assert ROLES[local] == "decode" and (await pd.stats(local))["requests"].get("whole") == 1
 
     # Every ledger entry (decode ones under the request id, prefill ones under <id>:prefill) is gone.
-    await wait_until(lambda: len(pd.service.router.ledger) == 0, what="ledger empty")
+    await wait_until(lambda: len(pd.service.ranker.ledger) == 0, what="ledger empty")
     async with pd.http.get(f"http://127.0.0.1:{pd.port}/metrics") as resp:
         metrics = await resp.text()
     assert 'kvindex_route_pd_requests_total{path="remote",reason="remote"} 2.0' in metrics
@@ -174,7 +174,7 @@ async def test_concurrent_requests_all_pair_within_their_group(pd: PdFleet) -> N
     pulls = sum([(await pd.stats(w))["kv_pulls_served"] for w in ("sim-0", "sim-1")])
     failed = sum([(await pd.stats(w))["kv_pulls_failed"] for w in ("sim-2", "sim-3")])
     assert pulls == len(prompts) and failed == 0
-    await wait_until(lambda: len(pd.service.router.ledger) == 0, what="ledger empty")
+    await wait_until(lambda: len(pd.service.ranker.ledger) == 0, what="ledger empty")
 
 
 async def test_a_failed_prefill_step_never_fails_the_request(
@@ -224,7 +224,7 @@ async def test_a_failed_prefill_step_never_fails_the_request(
             resp = await post()
             assert resp.status == 200 and resp.headers["x-kvindex-pd"] == "local;reason=prefill_failed"
             assert len(engines["d1"].bodies) == 3
-            await wait_until(lambda: len(service.router.ledger) == 0, what="ledger empty")
+            await wait_until(lambda: len(service.ranker.ledger) == 0, what="ledger empty")
             async with http.get(f"http://127.0.0.1:{proxy.port}/metrics") as m:
                 text = await m.text()
             assert 'kvindex_route_pd_requests_total{path="local",reason="prefill_failed"} 2.0' in text

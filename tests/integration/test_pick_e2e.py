@@ -128,7 +128,7 @@ async def test_capture_then_replay_rederives_every_pick(
     path = tmp_path / "picks.kvlog"
     svc = await make_service(
         capture=CaptureConfig(str(path), check_interval=0.3),
-        router=RankerConfig(pick="softmax", temperature=0.5, warmup=30.0),
+        ranker=RankerConfig(pick="softmax", temperature=0.5, warmup=30.0),
     )
     pubs = await _busy_fleet(make_publisher, 3)
     await wait_until(lambda: len(svc.registry) == 3)
@@ -238,7 +238,7 @@ async def test_ext_proc_picker_uses_the_servers_softmax(make_service, make_publi
     """``kvindex serve --pick softmax --ext-proc-port``: the Envoy picker's destination is the
     softmax draw (seeded by the x-request-id header), the ranked fallbacks after it."""
     svc = await make_service(
-        ext_proc_port=0, ext_proc_host="127.0.0.1", router=RankerConfig(pick="softmax", temperature=0.5)
+        ext_proc_port=0, ext_proc_host="127.0.0.1", ranker=RankerConfig(pick="softmax", temperature=0.5)
     )
     await ext_fleet(make_publisher, svc)
     answers: list[pb.ScoreResponse] = []
@@ -265,4 +265,4 @@ async def test_ext_proc_picker_uses_the_servers_softmax(make_service, make_publi
             first[header.split(",")[0]] += 1
             await envoy.response(header.split(",")[0], [b"x"])
             await envoy.close()
-    assert len(first) >= 2 and len(svc.router.ledger) == 0
+    assert len(first) >= 2 and len(svc.ranker.ledger) == 0

@@ -54,7 +54,7 @@ class Fleet:
         return f"http://127.0.0.1:{self.proxy.port}"
 
     def ledger(self) -> int:
-        return len(self.service.router.ledger)
+        return len(self.service.ranker.ledger)
 
     async def post(self, body: object, path: str = "/v1/completions", **kw: object) -> aiohttp.ClientResponse:
         data = body if isinstance(body, bytes) else json.dumps(body).encode()
@@ -175,7 +175,7 @@ async def test_streaming_bytes_unchanged_prefill_released_at_first_chunk(fleet: 
     assert first == sse_chunks("w1", w1.tokens)[0]
     # Held after the first token: the request is in the ledger, its prefill released.
     await wait_until(
-        lambda: [e.prefill_done for e in fleet.service.router.ledger._entries.values()] == [True],
+        lambda: [e.prefill_done for e in fleet.service.ranker.ledger._entries.values()] == [True],
         what="prefill released while the stream is open",
     )
     w1.gate.set()
@@ -256,7 +256,7 @@ async def test_unreachable_engine_retries_the_next_and_moves_the_ledger(fleet: F
     await asyncio.wait_for(w2.holding.wait(), 5)
     # While it runs, the ledger entry counts against w2, which serves it, not w1.
     await wait_until(
-        lambda: [e.instance for e in fleet.service.router.ledger._entries.values()] == [("w2", 0)],
+        lambda: [e.instance for e in fleet.service.ranker.ledger._entries.values()] == [("w2", 0)],
         what="ledger entry moved to w2",
     )
     w2.gate.set()
@@ -332,7 +332,7 @@ async def test_slow_index_past_the_deadline_falls_back(
 ) -> None:
     f = await start_fleet(service, make_publisher, score_timeout=0.05)
     try:
-        original = service.router.score
+        original = service.ranker.score
 
         def slow(*args: object, **kwargs: object) -> object:
             import time
@@ -340,17 +340,17 @@ async def test_slow_index_past_the_deadline_falls_back(
             time.sleep(0.2)  # the index's event loop stalls past the proxy's deadline
             return original(*args, **kwargs)
 
-        service.router.score = slow  # type: ignore[method-assign]
+        service.ranker.score = slow  # type: ignore[method-assign]
         async with await f.post({"model": MODEL, "prompt": PROMPT}) as resp:
             assert resp.status == 200 and resp.headers["x-kvindex-decision"] == "fallback"
-        service.router.score = original  # type: ignore[method-assign]
+        service.ranker.score = original  # type: ignore[method-assign]
         m = await f.metrics()
         assert sample(m, "kvindex_route_fallbacks_total", reason="deadline") == 1
         # The late Score committed anyway: the proxy released it, without the engine's usage (the
         # fallback's instance need not be the one the index committed it to).
-        await wait_until(lambda: len(service.router.ledger) == 0, what="late commit released")
-        assert service.router.outcomes.outcomes == {"exact": 0, "over": 0, "under": 0}
-        assert not service.router.outcomes.ignored
+        await wait_until(lambda: len(service.ranker.ledger) == 0, what="late commit released")
+        assert service.ranker.outcomes.outcomes == {"exact": 0, "over": 0, "under": 0}
+        assert not service.ranker.outcomes.ignored
     finally:
         await f.http.close()
         await f.proxy.stop()
@@ -393,7 +393,7 @@ async def test_instances_without_endpoints_are_a_503(service: IndexService, make
         ):
             assert resp.status == 503
             assert "announces an endpoint" in (await resp.json())["error"]["message"]
-        await wait_until(lambda: len(service.router.ledger) == 0, what="ledger empty")
+        await wait_until(lambda: len(service.ranker.ledger) == 0, what="ledger empty")
     finally:
         await proxy.stop()
 
@@ -435,7 +435,7 @@ async def test_static_instances_without_events_are_routed_by_predicted_caches(
             await first.read()
             engines[busy].gate.set()  # type: ignore[union-attr]
             await held.read()
-            await wait_until(lambda: len(svc.router.ledger) == 0, what="both idle again")
+            await wait_until(lambda: len(svc.ranker.ledger) == 0, what="both idle again")
             engines[busy].gate = None
             # The sibling is held in its prefill, so the unrelated request cannot go where it went
             # merely because that instance is idle again (a race with the sibling's release).
@@ -448,7 +448,7 @@ async def test_static_instances_without_events_are_routed_by_predicted_caches(
             for resp in (sibling, unrelated):
                 await resp.read()
                 resp.release()
-        await wait_until(lambda: len(svc.router.ledger) == 0, what="ledger empty")
+        await wait_until(lambda: len(svc.ranker.ledger) == 0, what="ledger empty")
     finally:
         await proxy.stop()
         for e in engines.values():
@@ -602,7 +602,7 @@ async def test_cli_over_mutual_tls_and_a_token(
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
-        await wait_until(lambda: len(svc.router.ledger) == 0, what="released over TLS")
+        await wait_until(lambda: len(svc.ranker.ledger) == 0, what="released over TLS")
         bad = subprocess.run(
             [sys.executable, "-m", "kvindex.cli", "route", "--tls-ca", "missing.pem"],
             cwd=tmp_path, capture_output=True, text=True, timeout=30,
@@ -639,7 +639,7 @@ async def test_the_engine_usage_is_reported_with_the_release(fleet: Fleet) -> No
     index with the final release, and are compared with what it predicted (docs/feedback.md)."""
     w1 = fleet.engines["w1"]
     w1.cached_tokens = 24  # the 6 blocks the index says w1 holds (32-token prompt, last block recomputed)
-    outcomes = fleet.service.router.outcomes
+    outcomes = fleet.service.ranker.outcomes
     seen: list[object] = []
     outcomes.subscribe(seen.append)
     # A stream whose client did not ask for usage: asked for it, read, taken out again.

@@ -80,7 +80,7 @@ async def place(
             placed.setdefault(p, set()).add(reply.committed_instance_id)
             others = [r for j, r in enumerate(replicas) if j != replica and r.routing_sync is not None]
             if others:
-                while not all(len(r.router.ledger) == i + 1 for r in others):
+                while not all(len(r.ranker.ledger) == i + 1 for r in others):
                     assert loop.time() - start < 5.0, f"request {i} not applied by the other replica in 5 s"
                     await asyncio.sleep(0.0002)
                 seen.append(loop.time() - start)
@@ -171,7 +171,7 @@ async def test_two_replicas_place_a_burst_like_one_replica(
         assert sync is not None and sync.peers() == 1 and not sync.rejects and not sync.dropped
         assert sync.published["commit"] == len(requests) // 2 == sync.applied["commit"]
     assert a.routing_sync.delay.count == b.routing_sync.messages_applied > 0  # type: ignore[union-attr]
-    assert sorted(a.router.ledger._entries) == sorted(b.router.ledger._entries)
+    assert sorted(a.ranker.ledger._entries) == sorted(b.ranker.ledger._entries)
 
 
 async def test_commit_and_release_through_different_replicas(
@@ -186,8 +186,8 @@ async def test_commit_and_release_through_different_replicas(
         sa, sb = pb_grpc.KvIndexStub(ca), pb_grpc.KvIndexStub(cb)
         scored = await sa.Score(pb.ScoreRequest(model=MODEL, block_keys=keys, commit=True, request_id="s1"))
         await sb.Commit(pb.CommitRequest(model=MODEL, block_keys=keys, instance_id="w3/0", request_id="c1"))
-        await wait_until(lambda: len(a.router.ledger) == len(b.router.ledger) == 2)
-        assert {e.request_id: e.instance for e in b.router.ledger.of(("w3", 0))} == {"c1": ("w3", 0)}
+        await wait_until(lambda: len(a.ranker.ledger) == len(b.ranker.ledger) == 2)
+        assert {e.request_id: e.instance for e in b.ranker.ledger.of(("w3", 0))} == {"c1": ("w3", 0)}
         # A sibling asked of b sees a's decision as held blocks (speculative keys), b's own instance
         # choice aside.
         sibling = await sb.Score(pb.ScoreRequest(model=MODEL, block_keys=[*keys, 1, 2, 3]))
@@ -197,8 +197,8 @@ async def test_commit_and_release_through_different_replicas(
         # Released through the replica that did not decide it.
         assert (await sb.Release(pb.ReleaseRequest(request_id="s1", phase="finished"))).found
         assert (await sa.Release(pb.ReleaseRequest(request_id="c1", phase="prefill"))).found
-        await wait_until(lambda: len(a.router.ledger) == 1 and b.router.ledger._entries["c1"].prefill_done)
-        assert set(b.router.ledger._entries) == {"c1"}
+        await wait_until(lambda: len(a.ranker.ledger) == 1 and b.ranker.ledger._entries["c1"].prefill_done)
+        assert set(b.ranker.ledger._entries) == {"c1"}
     text = generate_latest(a.metrics.registry).decode()
     assert 'kvindex_routing_sync_published_total{op="commit"} 1.0' in text
     assert 'kvindex_routing_sync_applied_total{op="commit"} 1.0' in text
@@ -247,7 +247,7 @@ async def test_bad_routing_messages_are_rejected_counted_and_harmless(
     assert sync is not None
     await wait_until(lambda: sync.messages_applied == 1 and sum(sync.rejects.values()) == 3)
     assert sync.rejects == {"malformed_msgpack": 1, "missing_field": 1, "bad_value": 1}
-    assert [e.request_id for e in svc.router.ledger.of(("w5", 0))] == ["peer-1"]
+    assert [e.request_id for e in svc.ranker.ledger.of(("w5", 0))] == ["peer-1"]
     async with grpc.aio.insecure_channel(svc.grpc.address) as channel:
         reply = await pb_grpc.KvIndexStub(channel).Score(
             pb.ScoreRequest(model=MODEL, block_keys=commit["keys"])  # type: ignore[arg-type]
@@ -345,8 +345,8 @@ async def test_replicas_share_under_the_shipped_nats_permissions(secured: Embedd
         )
         await wait_until(lambda: all(len(s.registry.routable(MODEL, None)) == 1 for s in made))
         keys = burst(1, 1, 32, 0)[0][1]
-        a.router.score(RouteRequest(MODEL, keys, len(keys) * BS, BS, "auth-1"), commit=True)
-        await wait_until(lambda: [e.request_id for e in b.router.ledger.of(("node-1", 0))] == ["auth-1"])
+        a.ranker.score(RouteRequest(MODEL, keys, len(keys) * BS, BS, "auth-1"), commit=True)
+        await wait_until(lambda: [e.request_id for e in b.ranker.ledger.of(("node-1", 0))] == ["auth-1"])
         violations: list[str] = []
 
         async def on_error(exc: Exception) -> None:

@@ -81,7 +81,7 @@ def test_policy_options_reach_the_policies_and_typos_are_refused() -> None:
     options = check_policy_options(parsed[:2])
     assert options == {"ttft": {"replica_cost": 0, "margin": 0.25}}
     service = IndexService(ServiceConfig(policy_options=options))
-    ttft = service.router.policies["ttft"]
+    ttft = service.ranker.policies["ttft"]
     assert ttft.replica_cost == 0 and ttft.margin == 0.25  # type: ignore[attr-defined]
 
 

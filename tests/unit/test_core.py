@@ -16,21 +16,21 @@ KEY = ("w0", 0)
 
 def assert_assembled(core: Core) -> None:
     """The parts share one index, registry, clock and calibration, and every hook is connected."""
-    consumer, router = core.consumer, core.router
+    consumer, router = core.consumer, core.ranker
     assert consumer.index is core.index and consumer.registry is core.registry
     assert consumer.sequencer is core.sequencer and consumer.counters is core.counters
     assert consumer.prefill_samples == core.calibrator.add
-    for r in core.routers:
+    for r in core.rankers:
         assert r.index is core.index and r.registry is core.registry
         assert r.calibrator is core.calibrator and r.clock is core.registry.clock
-    if len(core.routers) == 1:
+    if len(core.rankers) == 1:
         assert consumer.on_forget == router.forget
         assert consumer.on_sync_change == router.sync_changed
     # Functionally too: an instance the consumer forgets is forgotten by every router.
-    for r in core.routers:
+    for r in core.rankers:
         r.speculative.add(KEY, [1, 2, 3])
     consumer.forget(KEY)
-    assert all(KEY not in r.speculative.instances() for r in core.routers)
+    assert all(KEY not in r.speculative.instances() for r in core.rankers)
 
 
 def test_service_replay_and_simulation_build_the_same_core() -> None:
@@ -41,30 +41,30 @@ def test_service_replay_and_simulation_build_the_same_core() -> None:
     for core in (service.core, replayer.core, sim.core):
         assert_assembled(core)
     # The parts each user reads are the core's.
-    assert (service.consumer, service.router, service.index) == (
+    assert (service.consumer, service.ranker, service.index) == (
         service.core.consumer,
-        service.core.router,
+        service.core.ranker,
         service.core.index,
     )
-    assert (replayer.consumer, replayer.router) == (replayer.core.consumer, replayer.core.router)
-    assert (sim.consumer, sim.routers) == (sim.core.consumer, sim.core.routers)
+    assert (replayer.consumer, replayer.ranker) == (replayer.core.consumer, replayer.core.ranker)
+    assert (sim.consumer, sim.rankers) == (sim.core.consumer, sim.core.rankers)
     # What CoreConfig varies: who is told of degradations (the service schedules a snapshot; the
     # replay replays the live reconciliations from their records), the clock, the repair scheduler.
-    assert service.router.outcomes.on_degraded == service._reconcile_degraded
-    assert replayer.router.outcomes.on_degraded is None
-    assert sim.router.outcomes.on_degraded is None
+    assert service.ranker.outcomes.on_degraded == service._reconcile_degraded
+    assert replayer.ranker.outcomes.on_degraded is None
+    assert sim.ranker.outcomes.on_degraded is None
     assert replayer.registry.clock is replayer.clock and sim.registry.clock == sim.clock
     assert isinstance(replayer.consumer.repairs.scheduler, LoggedRepair)
     assert service.consumer.repairs.scheduler is service.repairer
     # The simulation's independent routers: seeded one apart, each its own routing state.
-    assert [r.config.seed for r in sim.routers] == [7, 8, 9]
-    assert len({id(r.ledger) for r in sim.routers}) == 3
+    assert [r.config.seed for r in sim.rankers] == [7, 8, 9]
+    assert len({id(r.ledger) for r in sim.rankers}) == 3
 
 
 def test_several_routers_are_each_told_of_repair_changes() -> None:
-    core = build_core(CoreConfig(router=RankerConfig(seed=3), routers=2))
+    core = build_core(CoreConfig(ranker=RankerConfig(seed=3), rankers=2))
     assert_assembled(core)
     state = core.registry.add(KEY, "m", 16)
     state.repair_failed = True  # a repair gave up: the instance is degraded everywhere
     core.consumer.on_sync_change(state, False)
-    assert all(KEY in r.degraded for r in core.routers)
+    assert all(KEY in r.degraded for r in core.rankers)

@@ -234,7 +234,7 @@ def test_every_form_of_the_cost_model_agrees_bit_for_bit(seed: int, k: float) ->
         for form in (costs, python):
             wait = np.full(n, np.nan)
             form.wait_rows(
-                table.queued, table.status_at, table.tokens_new, table.queued_now, table.running_now,
+                table.queued, table.heartbeat_at, table.tokens_new, table.queued_now, table.running_now,
                 table.busy_until, table.drains.view(np.uint8),
                 np.zeros(0, np.int64) if listed is None else listed,
                 n if listed is None else len(listed), clock.t, model.b_ms_per_token, shape.step_ms,

@@ -48,7 +48,7 @@ def test_latency_labels_are_the_unary_calls() -> None:
     assert LABELS == ("Score", "Lookup", "ListInstances", "Stats", "Commit", "Release")
     core = build_core()
     metrics = Metrics(core.counters, dict)
-    servicer = KvIndexServicer(core.index, core.registry, core.counters, metrics, core.router, Tokenizers())
+    servicer = KvIndexServicer(core.index, core.registry, core.counters, metrics, core.ranker, Tokenizers())
     asyncio.run(servicer.Stats(pb.StatsRequest(), None))  # type: ignore[arg-type]
     counts = {
         s.labels["method"]: s.value
@@ -67,7 +67,7 @@ def test_unknown_method_is_named() -> None:
 
 def _servicer() -> KvIndexServicer:
     core = build_core()
-    return KvIndexServicer(core.index, core.registry, core.counters, None, core.router, Tokenizers())
+    return KvIndexServicer(core.index, core.registry, core.counters, None, core.ranker, Tokenizers())
 
 
 def test_call_reaches_any_unary_method_in_process() -> None:
@@ -102,7 +102,7 @@ def test_recording_servicer_records_what_changed_routing_state() -> None:
     core.registry.add(("w", 0), "m", 16)
     recorder = Recorded()
     servicer = RecordingServicer(
-        recorder, core.index, core.registry, core.counters, None, core.router, Tokenizers()
+        recorder, core.index, core.registry, core.counters, None, core.ranker, Tokenizers()
     )  # type: ignore[arg-type]
 
     def run(coro):  # type: ignore[no-untyped-def]

@@ -21,7 +21,7 @@ def test_routing_sync_is_on_with_an_external_nats_unless_switched_off() -> None:
 
     assert service().routing_sync is None  # embedded nats-server: no other replica can reach it
     on = service(nats_url="nats://127.0.0.1:1")
-    assert on.routing_sync is not None and on.router.observer is on.routing_sync
+    assert on.routing_sync is not None and on.ranker.observer is on.routing_sync
     assert service(nats_url="nats://127.0.0.1:1", routing_sync=SyncConfig(enabled=False)).routing_sync is None
     named = service(routing_sync=SyncConfig(enabled=True, replica_id="index-a"))
     assert named.routing_sync is not None and named.routing_sync.replica_id == "index-a"
