@@ -32,7 +32,6 @@ message); without it, full duplex is assumed, as the Inference Extension's own p
 
 from __future__ import annotations
 
-import json
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -42,23 +41,35 @@ from typing import Any
 import grpc
 import structlog
 from envoy.config.core.v3 import base_pb2 as core_pb2
-from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2 as mode_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
-from envoy.type.v3 import http_status_pb2
 from google.protobuf import struct_pb2
 from prometheus_client import Counter
 
 from kvindex.api.errors import BadRequest
-from kvindex.api.handlers import Malformed, add_servicer
+from kvindex.api.handlers import Malformed
 from kvindex.api.inprocess import run_sync
-from kvindex.api.server import READINESS, GrpcPort
 from kvindex.api.servicer import KvIndexServicer
 from kvindex.client.local import LocalKvIndexClient
 from kvindex.fleet.registry import InstanceState
+from kvindex.route.envoy import (
+    DESTINATION,
+    FULL_DUPLEX,
+    LB_NAMESPACE,
+    NO_BODY,
+    PREFILL_SUFFIX,
+    PREFILLER,
+    REQUEST_ID_HEADER,
+    SERVED,
+    headers_of,
+    immediate,
+    metadata_string,
+    streamed_body,
+    subset_hint,
+)
 from kvindex.route.gate import AdmissionGate, AdmissionMetrics, Shed
 from kvindex.route.lifecycle import RequestLedger, report_of, run_now
-from kvindex.route.openai_body import BodyError, PromptSpec, parse_body
+from kvindex.route.openai_body import BodyError, PromptSpec, apply_prompt, parse_body
 from kvindex.route.pd import (
     REMOTE,
     PairCosts,
@@ -75,26 +86,7 @@ from kvindex.scoring.admission import AdmissionConfig, Estimate
 from kvindex.scoring.ledger import FINISHED, PREFILL
 from kvindex.scoring.objectives import Objective, ObjectiveDefaults, ObjectiveError
 from kvindex.scoring.outcomes import Report
-from kvindex.security import ServerSecurity
 from kvindex.v1 import kvindex_pb2 as pb
-
-SERVICE = ep.DESCRIPTOR.services_by_name["ExternalProcessor"]
-SERVICE_NAME = SERVICE.full_name
-DESTINATION = "x-gateway-destination-endpoint"
-SERVED = "x-gateway-destination-endpoint-served"
-SUBSET = "x-gateway-destination-endpoint-subset"
-LB_NAMESPACE = "envoy.lb"
-SUBSET_NAMESPACE = "envoy.lb.subset_hint"
-REQUEST_ID_HEADER = "x-request-id"
-# Disaggregated prefill/decode (llm-d's disaggregation profile): the destination is the decode
-# endpoint; this header names the prefill endpoint ("host:port") for the decode side's sidecar, which
-# runs the prefill step there first. Absent: the decode instance prefills itself.
-PREFILLER = "x-prefiller-host-port"
-PREFILL_SUFFIX = ":prefill"  # the prefill's ledger id: the request's id + this
-STREAMED_CHUNK = 62 * 1024  # body pieces sent back in full-duplex mode stay under Envoy's 64 KiB frames
-
-_FULL_DUPLEX = mode_pb2.ProcessingMode.FULL_DUPLEX_STREAMED
-_NONE = mode_pb2.ProcessingMode.NONE
 
 
 @dataclass
@@ -214,9 +206,9 @@ class EndpointPicker(ep_grpc.ExternalProcessorServicer):
                 if msg.HasField("protocol_config"):
                     cfg = msg.protocol_config
                     ex.full_duplex = (
-                        cfg.request_body_mode == _FULL_DUPLEX
+                        cfg.request_body_mode == FULL_DUPLEX
                         or cfg.send_body_without_waiting_for_header_response
-                        or cfg.request_body_mode == _NONE
+                        or cfg.request_body_mode == NO_BODY
                     )
                 kind = msg.WhichOneof("request")
                 for response in await self._handle(ex, kind, msg):
@@ -232,8 +224,8 @@ class EndpointPicker(ep_grpc.ExternalProcessorServicer):
         self, ex: _Exchange, kind: str | None, msg: ep.ProcessingRequest
     ) -> list[ep.ProcessingResponse]:
         if kind == "request_headers":
-            ex.headers = _headers(msg.request_headers.headers)
-            ex.subset = _subset(msg.metadata_context)
+            ex.headers = headers_of(msg.request_headers.headers)
+            ex.subset = subset_hint(msg.metadata_context)
             ex.request_id = ex.headers.get(REQUEST_ID_HEADER) or uuid.uuid4().hex
             ex.ledger = self._ledger(ex.request_id)
             if msg.request_headers.end_of_stream:  # no body (GET /v1/models, ...): pick by load
@@ -246,7 +238,7 @@ class EndpointPicker(ep_grpc.ExternalProcessorServicer):
             ex.body += body.body
             if len(ex.body) > self.max_body_bytes:
                 self.metrics.picks.labels("too_large").inc()
-                return [_immediate(413, f"request body over {self.max_body_bytes} bytes")]
+                return [immediate(413, f"request body over {self.max_body_bytes} bytes")]
             if not body.end_of_stream:
                 return []
             if not ex.full_duplex:
@@ -254,12 +246,12 @@ class EndpointPicker(ep_grpc.ExternalProcessorServicer):
             picked = await self._pick(ex, phase="request_headers")
             if picked.HasField("immediate_response"):
                 return [picked]
-            return [picked, *_streamed_body(bytes(ex.body), "request_body")]
+            return [picked, *streamed_body(bytes(ex.body), "request_body")]
         if kind == "request_trailers":
             return [ep.ProcessingResponse(request_trailers=ep.TrailersResponse())]
         if kind == "response_headers":
             self._served(ex, msg.metadata_context)
-            headers = _headers(msg.response_headers.headers)
+            headers = headers_of(msg.response_headers.headers)
             ex.streaming = headers.get("content-type", "").startswith("text/event-stream")
             if ex.committed and headers.get(":status", "200") == "200" and "content-encoding" not in headers:
                 stream = headers.get("content-type", "").startswith("text/event-stream")
@@ -284,7 +276,7 @@ class EndpointPicker(ep_grpc.ExternalProcessorServicer):
             if body.end_of_stream:
                 self._finish(ex)
             if ex.full_duplex:
-                return _streamed_body(body.body, "response_body", end=body.end_of_stream)
+                return streamed_body(body.body, "response_body", end=body.end_of_stream)
             return [ep.ProcessingResponse(response_body=ep.BodyResponse())]
         if kind == "response_trailers":
             self._finish(ex)
@@ -299,14 +291,14 @@ class EndpointPicker(ep_grpc.ExternalProcessorServicer):
             endpoints = await self._rank(ex)
         except (BodyError, BadRequest, ObjectiveError) as exc:
             self.metrics.picks.labels("bad_request").inc()
-            return _immediate(400, str(exc))
+            return immediate(400, str(exc))
         if isinstance(endpoints, Shed):
             self.metrics.picks.labels("shed").inc()
-            return _immediate(429, endpoints.message, {"retry-after": str(endpoints.retry_after_s)})
+            return immediate(429, endpoints.message, {"retry-after": str(endpoints.retry_after_s)})
         if not endpoints:
             self.metrics.picks.labels("no_endpoint").inc()
             reason = "no ready endpoint in the subset hint" if ex.subset is not None else "no ready endpoint"
-            return _immediate(503, reason)
+            return immediate(503, reason)
         value = ",".join(endpoints)
         self.metrics.picks.labels("picked").inc()
         mutation = ep.HeaderMutation(
@@ -520,7 +512,7 @@ class EndpointPicker(ep_grpc.ExternalProcessorServicer):
 
     def _served(self, ex: _Exchange, metadata: core_pb2.Metadata) -> None:
         """Envoy says which endpoint served: move the ledger entry if it was a fallback."""
-        served = _metadata_string(metadata, LB_NAMESPACE, SERVED)
+        served = metadata_string(metadata, LB_NAMESPACE, SERVED)
         if not served or ex.request is None or ex.finished:
             return
         at = self.registry.at_endpoint(served)
@@ -595,108 +587,3 @@ class EndpointPicker(ep_grpc.ExternalProcessorServicer):
             ex.finished = True
             self._release(ex, FINISHED)
             self.gate.correction.finish(ex.model, id(ex))  # no first token awaited any more
-
-
-def apply_prompt(request: Any, spec: PromptSpec) -> None:
-    """Set the prompt fields of a Score/Lookup/Commit request from a parsed body."""
-    if spec.token_ids is not None:
-        request.token_ids.extend(spec.token_ids)
-        return
-    fields = request.DESCRIPTOR.fields_by_name
-    if "prompt" not in fields:
-        raise BadRequest(f"no tokenizer for model {spec.model!r} in this index: send token ids")
-    if spec.prompt is not None:
-        request.prompt = spec.prompt
-    else:
-        request.messages = json.dumps(spec.messages)
-
-
-def _headers(header_map: core_pb2.HeaderMap) -> dict[str, str]:
-    out = {}
-    for h in header_map.headers:
-        out[h.key.lower()] = h.raw_value.decode("utf-8", "replace") if h.raw_value else h.value
-    return out
-
-
-def _metadata_value(metadata: core_pb2.Metadata, namespace: str, key: str) -> struct_pb2.Value | None:
-    if namespace not in metadata.filter_metadata:
-        return None
-    fields = metadata.filter_metadata[namespace].fields
-    return fields.get(key)  # a protobuf map: .get does not insert
-
-
-def _metadata_string(metadata: core_pb2.Metadata, namespace: str, key: str) -> str:
-    value = _metadata_value(metadata, namespace, key)
-    if value is None:
-        return ""
-    if value.HasField("string_value"):
-        return value.string_value
-    if value.HasField("list_value") and value.list_value.values:
-        return value.list_value.values[0].string_value
-    return ""
-
-
-def _subset(metadata: core_pb2.Metadata) -> list[str] | None:
-    """The subset hint: None when absent (every endpoint eligible), else the listed ``ip:port``s."""
-    value = _metadata_value(metadata, SUBSET_NAMESPACE, SUBSET)
-    if value is None:
-        return None
-    if value.HasField("list_value"):
-        return [v.string_value for v in value.list_value.values if v.string_value]
-    if value.HasField("string_value"):
-        return [s.strip() for s in value.string_value.split(",") if s.strip()]
-    return []
-
-
-def _immediate(status: int, details: str, headers: dict[str, str] | None = None) -> ep.ProcessingResponse:
-    body = json.dumps({"error": {"message": details, "type": "kvindex_endpoint_picker", "code": status}})
-    values = {"content-type": "application/json", **(headers or {})}
-    return ep.ProcessingResponse(
-        immediate_response=ep.ImmediateResponse(
-            status=http_status_pb2.HttpStatus(code=status),
-            body=body.encode(),
-            details=details,
-            headers=ep.HeaderMutation(
-                set_headers=[
-                    core_pb2.HeaderValueOption(header=core_pb2.HeaderValue(key=k, raw_value=v.encode()))
-                    for k, v in values.items()
-                ]
-            ),
-        )
-    )
-
-
-def _streamed_body(data: bytes, phase: str, end: bool = True) -> list[ep.ProcessingResponse]:
-    """A body handed back unchanged in full-duplex mode, in pieces Envoy accepts."""
-    pieces = [data[i : i + STREAMED_CHUNK] for i in range(0, len(data), STREAMED_CHUNK)] or [b""]
-    out = []
-    for i, piece in enumerate(pieces):
-        mutation = ep.BodyMutation(
-            streamed_response=ep.StreamedBodyResponse(body=piece, end_of_stream=end and i == len(pieces) - 1)
-        )
-        body = ep.BodyResponse(response=ep.CommonResponse(body_mutation=mutation))
-        out.append(ep.ProcessingResponse(**{phase: body}))
-    return out
-
-
-class ExtProcServer(GrpcPort):
-    """The picker on its own port (``kvindex serve --ext-proc-port``), with the health services the
-    Inference Extension probes: ``liveness``, ``readiness`` and the ExternalProcessor service. The
-    service's TLS / mutual TLS / token settings apply to this port too (docs/deploy.md)."""
-
-    ready_names = (READINESS, "", SERVICE_NAME)
-    what = "ext_proc"
-
-    def __init__(
-        self,
-        picker: EndpointPicker,
-        host: str = "0.0.0.0",
-        port: int = 9002,
-        security: ServerSecurity | None = None,
-        ready: bool = True,
-    ) -> None:
-        super().__init__(host, port, security, ready)
-        self.picker = picker
-
-    def register(self, server: grpc.aio.Server) -> None:
-        add_servicer(server, SERVICE, self.picker)  # malformed messages: INVALID_ARGUMENT

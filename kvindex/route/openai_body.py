@@ -17,6 +17,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvindex.api.errors import BadRequest
 from kvindex.tokenize import bounded_json
 from kvindex.tokenize.bounded_json import TooDeep
 
@@ -119,3 +120,17 @@ def parse_request(body: dict[str, Any], path: str = "") -> PromptSpec:
             raise BodyError("'add_special_tokens' must be true or false")
         spec.options["add_special_tokens"] = body["add_special_tokens"]
     return spec
+
+
+def apply_prompt(request: Any, spec: PromptSpec) -> None:
+    """Set the prompt fields of a Score/Lookup/Commit request from a parsed body."""
+    if spec.token_ids is not None:
+        request.token_ids.extend(spec.token_ids)
+        return
+    fields = request.DESCRIPTOR.fields_by_name
+    if "prompt" not in fields:
+        raise BadRequest(f"no tokenizer for model {spec.model!r} in this index: send token ids")
+    if spec.prompt is not None:
+        request.prompt = spec.prompt
+    else:
+        request.messages = json.dumps(spec.messages)

@@ -21,6 +21,7 @@ import structlog
 from aiohttp import web
 
 from kvindex.client import BadRequest, Decision, IndexUnavailable, Target
+from kvindex.route.http import fields_taken
 from kvindex.route.lifecycle import RequestLedger
 from kvindex.route.openai_body import PromptSpec
 from kvindex.route.pd import (
@@ -66,17 +67,11 @@ FirstByte = Callable[[Target], None]
 class PdRoute:
     """Disaggregated serving for one :class:`RouteProxy` (its client, engine session, ledger)."""
 
-    def __init__(
-        self,
-        proxy: RouteProxy,
-        config: PdConfig,
-        fields_of: Callable[[Any, PromptSpec], dict[str, Any] | None],
-    ) -> None:
+    def __init__(self, proxy: RouteProxy, config: PdConfig) -> None:
         self.proxy = proxy
         self.config = config
         self.costs = PairCosts(config)
         self.metrics = PdMetrics(proxy.metrics.registry, "kvindex_route")
-        self._fields_of = fields_of
 
     def decode_fields(self, model: str) -> dict[str, Any]:
         """Extra Score fields for the decode pick: the decode ranking, among decode instances (all
@@ -121,7 +116,7 @@ class PdRoute:
         """The request served whole by a decode instance: the one the TTFT ranking (prefix held,
         queue) puts first among them, committed as a whole request under the request's id (the
         decode pick's entry is replaced). None when the index cannot rank it now."""
-        fields = self._fields_of(pb.ScoreRequest, spec)
+        fields = fields_taken(pb.ScoreRequest, spec)
         if fields is None or decision.response is None:
             return None
         if self.proxy.config.policy:
@@ -181,7 +176,7 @@ class PdRoute:
         )
         if not candidates:
             return PdPlan(NO_PREFILL_INSTANCE, prompt_tokens=prompt_tokens)
-        fields = self._fields_of(pb.ScoreRequest, spec)
+        fields = fields_taken(pb.ScoreRequest, spec)
         if fields is None:
             return PdPlan(NO_ESTIMATE, prompt_tokens=prompt_tokens)
         if self.proxy.config.policy:
@@ -222,7 +217,7 @@ class PdRoute:
         return PdPlan(REMOTE, pick, transfer, prompt_tokens)
 
     async def _recommit(self, prefill_id: str, instance_id: str, spec: PromptSpec) -> None:
-        fields = self._fields_of(pb.CommitRequest, spec) or {}
+        fields = fields_taken(pb.CommitRequest, spec) or {}
         try:
             await self.proxy.client.commit(
                 prefill_id, instance_id, spec.model, timeout=self.proxy.config.release_timeout, **fields

@@ -13,7 +13,6 @@ out of the stream again. Design and failure modes: README.md in this folder.
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 import uuid
 from collections.abc import Awaitable
@@ -23,182 +22,40 @@ from typing import Any
 import aiohttp
 import structlog
 from aiohttp import web
-from google.protobuf.message_factory import GetMessageClass
-from multidict import CIMultiDict, CIMultiDictProxy
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from kvindex.client import (
-    DEADLINE,
-    ERROR,
-    STREAM_BROKEN,
-    UNAVAILABLE,
     AsyncKvIndexClient,
-    BadRequest,
     Decision,
-    IndexUnavailable,
     Target,
-    prefix_key,
 )
 from kvindex.lifecycle import Stop
 from kvindex.observability.logs import RateLimitedLog
-from kvindex.route.gate import AdmissionGate, AdmissionMetrics, Shed
+from kvindex.route.config import RouteConfig
+from kvindex.route.decide import MAYBE_COMMITTED, Decider, estimate_of, estimates
+from kvindex.route.gate import AdmissionGate, AdmissionMetrics, Admitted, Shed
+from kvindex.route.http import (
+    engine_models,
+    error_kind,
+    fields_taken,
+    forward_headers,
+    lower_headers,
+    openai_error,
+    relayed_response,
+)
 from kvindex.route.lifecycle import RequestLedger, ordered, report_of
 from kvindex.route.metrics import RouteMetrics
 from kvindex.route.openai_body import MAX_BODY_BYTES, BodyError, PromptSpec, parse_body
-from kvindex.route.pd import PdConfig
 from kvindex.route.pd_proxy import FirstByte, PdRoute
 from kvindex.route.usage import UsageReader, add_include_usage
-from kvindex.scoring.admission import AdmissionConfig, Estimate
 from kvindex.scoring.ledger import FINISHED, PREFILL
-from kvindex.scoring.objectives import Objective, ObjectiveDefaults, ObjectiveError
-from kvindex.security import ClientTLS
+from kvindex.scoring.objectives import Objective, ObjectiveError
 from kvindex.v1 import kvindex_pb2 as pb
 
 log = structlog.get_logger("kvindex.route")
 
 COMPLETION_PATHS = ("/v1/completions", "/v1/chat/completions")
 ENGINE_KEEPALIVE = 4.0  # seconds an idle engine connection is kept (uvicorn closes them at 5)
-
-# Fallback reasons the proxy adds to the client's (unavailable, deadline, stream_broken, error).
-REJECTED = "rejected"  # the index refused the request (e.g. no tokenizer for the model)
-TEXT_UNSUPPORTED = "text_unsupported"  # a text prompt, and this index API takes only token ids
-
-# How the index says it cannot tokenize a model's text (kvindex/tokenize/registry.py);
-# tests/integration/test_route.py checks the proxy recognises it from a real index.
-_NO_TOKENIZER = "has no tokenizer configured"
-
-# A Score that may have reached the index and committed although no answer came back: release it.
-_MAYBE_COMMITTED = frozenset({DEADLINE, STREAM_BROKEN, ERROR})
-
-# Headers that describe one connection, not the message (RFC 9110 7.6.1), plus what aiohttp sets.
-_HOP_BY_HOP = frozenset(
-    {
-        "connection",
-        "keep-alive",
-        "proxy-authenticate",
-        "proxy-authorization",
-        "proxy-connection",
-        "te",
-        "trailer",
-        "trailers",
-        "transfer-encoding",
-        "upgrade",
-        "host",
-        "content-length",
-    }
-)
-
-
-@dataclass
-class RouteConfig:
-    """Settings of one proxy. ``score_timeout``: the index's deadline per request, after which the
-    fallback decides; ``connect_timeout``: per engine connection attempt, after which the next
-    instance is tried; ``grace``: how long in-flight requests may finish at shutdown."""
-
-    index: str
-    host: str = "0.0.0.0"
-    port: int = 8080
-    top_k: int = 3
-    score_timeout: float = 0.05
-    connect_timeout: float = 2.0
-    release_timeout: float = 1.0
-    models_timeout: float = 5.0
-    refresh_interval: float = 2.0
-    fallback_blocks: int = 4
-    grace: float = 30.0
-    policy: str = ""  # "" = the index's default (ttft)
-    # The pick from the ranking (docs/scoring.md#picking): "" = the index's default (serve --pick);
-    # "best" or "softmax" at ``temperature`` (None: the index's default temperature).
-    pick: str = ""
-    temperature: float | None = None
-    # Secured gRPC to the index: TLS / mutual TLS (ClientTLS.from_args of the --tls* flags) and a
-    # bearer token (--auth-token-file), as every kvindex client takes them.
-    tls: ClientTLS | None = None
-    token: str | None = None
-    # Admission (kvindex/scoring/admission.py): TTFT objectives and priorities per model (a
-    # request's headers override them), the margin, queue threshold and queue bounds.
-    admission: AdmissionConfig = field(default_factory=AdmissionConfig)
-    objectives: ObjectiveDefaults = field(default_factory=ObjectiveDefaults)
-    # Prefill/decode disaggregation (--pd): each request's prefill and decode on two instances
-    # (kvindex/route/pd.py); None serves every request whole on one instance.
-    pd: PdConfig | None = None
-    # The fallback's instances for a model the index has not reported (--fallback-instance): model ->
-    # ["HOST:PORT" or "ID=HOST:PORT", ...], so that a proxy started while the index is down routes.
-    fallback_instances: dict[str, list[str]] = field(default_factory=dict)
-
-
-def openai_error(
-    status: int, message: str, kind: str, code: str | None = None, param: str | None = None
-) -> web.Response:
-    """An error in OpenAI's shape (what the official clients parse and show)."""
-    body = {"error": {"message": message, "type": kind, "param": param, "code": code or str(status)}}
-    return web.json_response(body, status=status)
-
-
-def _lower(headers: CIMultiDictProxy[str]) -> dict[str, str]:
-    return {k.lower(): v for k, v in headers.items()}
-
-
-def _estimates(trial: tuple[Decision | None, str]) -> list[Estimate]:
-    """Admission's view of a decision: the index's estimates, or none (a fallback cannot judge)."""
-    decision = trial[0]
-    if decision is None or decision.source != "index" or decision.response is None:
-        return []
-    by_id = {r.instance_id: r for r in decision.response.ranked}
-    return [Estimate.of(by_id[t.instance_id]) for t in decision.targets if t.instance_id in by_id]
-
-
-def _estimate(decision: Decision, instance_id: str) -> float | None:
-    """The index's TTFT estimate (ms) for the instance the request went to, if it ranked it."""
-    if decision.response is None:
-        return None
-    for ranked in decision.response.ranked:
-        if ranked.instance_id == instance_id:
-            return ranked.est_ttft_ms
-    return None
-
-
-def forward_headers(headers: CIMultiDictProxy[str]) -> CIMultiDict[str]:
-    """The client's headers minus the per-connection ones (aiohttp sets Host and Content-Length)."""
-    hop = _HOP_BY_HOP | {h.strip().lower() for h in headers.get("connection", "").split(",")}
-    return CIMultiDict((k, v) for k, v in headers.items() if k.lower() not in hop)
-
-
-def _fields_taken(message: Any, spec: PromptSpec) -> dict[str, Any] | None:
-    """The prompt of ``spec`` as fields of ``message`` (ScoreRequest / CommitRequest); None when the
-    prompt is text and this kvindex API has no text field (before text tokenization existed)."""
-    fields = message.DESCRIPTOR.fields_by_name
-    out: dict[str, Any] = {}
-    if spec.lora and "lora" in fields:
-        out["lora"] = spec.lora
-    if spec.salt and "salt" in fields:
-        out["salt"] = spec.salt
-    if spec.token_ids is not None:
-        out["token_ids"] = spec.token_ids
-        return out
-    form = "prompt" if spec.prompt is not None else "messages"
-    if form not in fields:
-        return None
-    value: Any = spec.prompt if form == "prompt" else spec.messages
-    if form == "messages" and not isinstance(value, str):
-        value = json.dumps(value, separators=(",", ":"), ensure_ascii=False)
-    out[form] = value
-    # The chat options: a nested PromptOptions message where the API has one, else flat fields.
-    nested = fields.get("prompt_options")
-    option_fields = nested.message_type.fields_by_name if nested is not None else fields
-    options: dict[str, Any] = {}
-    for name, option in spec.options.items():
-        fd = option_fields.get(name)
-        if fd is None or fd.is_repeated:
-            continue  # an option this API does not take: the index applies vLLM's default
-        if fd.type == fd.TYPE_STRING and not isinstance(option, str):
-            option = json.dumps(option, separators=(",", ":"), ensure_ascii=False)
-        options[name] = option
-    if nested is not None and options:
-        out["prompt_options"] = GetMessageClass(nested.message_type)(**options)
-    else:
-        out.update(options)
-    return out
 
 
 @dataclass(eq=False)
@@ -234,10 +91,8 @@ class RouteProxy:
         # An engine down or an index rejecting a model fails every request alike: log once per key
         # and interval (with a count of the rest); the metrics count every one.
         self.limited_log = RateLimitedLog(log)
-        self.pd = PdRoute(self, config.pd, _fields_taken) if config.pd is not None else None
-        # Models whose text/chat requests the index cannot tokenize: said once per model (a fallback
-        # counter alone leaves a whole model routed blind without anyone noticing).
-        self._text_hash_only: set[str] = set()
+        self.pd = PdRoute(self, config.pd) if config.pd is not None else None
+        self._decider: Decider | None = None  # made in start(), with the client
         self.app = web.Application(client_max_size=MAX_BODY_BYTES)
         for path in COMPLETION_PATHS:
             self.app.router.add_post(path, self.handle_completion)
@@ -250,6 +105,11 @@ class RouteProxy:
     def client(self) -> AsyncKvIndexClient:
         assert self._client is not None, "RouteProxy.start() first"
         return self._client
+
+    @property
+    def decider(self) -> Decider:
+        assert self._decider is not None, "RouteProxy.start() first"
+        return self._decider
 
     @property
     def session(self) -> aiohttp.ClientSession:
@@ -277,6 +137,7 @@ class RouteProxy:
                 fallback_instances=cfg.fallback_instances,
             )
         client = self._client
+        self._decider = Decider(client, cfg, self.metrics, self.limited_log)
         self.metrics.index_reachable.set_function(lambda: 1.0 if client.health.reachable else 0.0)
         # Learn the fleet before the first request (and connect the channel): a fallback needs it.
         # An index down is logged by the client (index_unreachable), once, and again when it is back.
@@ -340,7 +201,7 @@ class RouteProxy:
         )
 
     async def _commit(self, request_id: str, instance_id: str, spec: PromptSpec) -> bool:
-        fields = _fields_taken(pb.CommitRequest, spec)
+        fields = fields_taken(pb.CommitRequest, spec)
         if fields is None:
             return False
         return await self.client.commit(
@@ -374,121 +235,10 @@ class RouteProxy:
     async def _undo(self, trial: tuple[Decision | None, str], ledger: RequestLedger) -> None:
         """A decision not acted on (the request is queued or shed): its commit must not count."""
         decision = trial[0]
-        if decision is not None and (decision.committed or decision.reason in _MAYBE_COMMITTED):
+        if decision is not None and (decision.committed or decision.reason in MAYBE_COMMITTED):
             await ledger.undo()
 
     # -- deciding ----------------------------------------------------------------------------------
-
-    def _hash_decision(self, spec: PromptSpec, request_id: str, reason: str) -> Decision | None:
-        """The client's fallback, asked directly: when the index answered but cannot decide."""
-        client = self.client
-        known = client.instances.instances(spec.model)
-        if client.fallback is None or not known:
-            return None
-        key = prefix_key(
-            token_ids=spec.token_ids,
-            prompt=spec.prompt,
-            messages=spec.messages,
-            block_size=client.instances.block_size(spec.model),
-            blocks=client.fallback_blocks,
-        )
-        chosen = client.fallback.choose(key, known)[: self.config.top_k]
-        targets = [Target(k.instance_id, k.endpoint) for k in chosen]
-        return Decision(spec.model, targets, source="fallback", reason=reason, request_id=request_id)
-
-    async def decide(
-        self, spec: PromptSpec, request_id: str, commit: bool = True, **extra: Any
-    ) -> tuple[Decision | None, str]:
-        """The decision, or None and why there is none (no instance of the model is known).
-        ``commit``: commit the first choice (not for a held request's look); ``extra``: more
-        ScoreRequest fields (the decode pick's role and candidates)."""
-        started = time.monotonic()
-        why = ""
-        try:
-            fields = _fields_taken(pb.ScoreRequest, spec)
-            if fields is None:
-                decision = self._hash_decision(spec, request_id, TEXT_UNSUPPORTED)
-            else:
-                if self.config.policy:
-                    fields["policy"] = self.config.policy
-                if self.config.pick:
-                    fields["pick"] = self.config.pick
-                if self.config.temperature is not None:
-                    fields["temperature"] = self.config.temperature
-                fields.update(extra)
-                decision = await self.client.score(
-                    spec.model,
-                    top_k=self.config.top_k,
-                    commit=commit,
-                    request_id=request_id,
-                    timeout=self.config.score_timeout,
-                    **fields,
-                )
-        except BadRequest as exc:
-            # The body was fine for us, so the engine may well serve it: route without the index.
-            decision = self._hash_decision(spec, request_id, REJECTED)
-            no_tokenizer = spec.token_ids is None and _NO_TOKENIZER in str(exc)
-            if no_tokenizer and decision is not None:
-                self._text_routing(spec.model, hash_only=True, why=str(exc))
-            elif no_tokenizer:
-                # No instance of the model is known at all: the missing tokenizer is not the
-                # problem to report (nothing would be routed by the hash either).
-                why = f"no instance serves model {spec.model!r}: the index knows none"
-            else:
-                self.limited_log.warning(
-                    ("rejected", spec.model), "index_rejected_request", model=spec.model, error=str(exc)
-                )
-        except IndexUnavailable as exc:
-            decision, why = None, self._index_failed(spec.model, exc)
-        finally:
-            self.metrics.score_latency.observe(time.monotonic() - started)
-        if decision is not None and decision.source == "fallback":
-            self.metrics.fallbacks.labels(decision.reason).inc()
-            if decision.reason == TEXT_UNSUPPORTED:
-                self._text_routing(spec.model, hash_only=True, why="this index's API takes token ids only")
-        elif decision is not None and spec.token_ids is None and spec.model in self._text_hash_only:
-            self._text_routing(spec.model, hash_only=False)
-        if decision is None and not why:
-            why = f"no instance serves model {spec.model!r}: the index could not rank it, and none is known"
-        return decision, why
-
-    def _index_failed(self, model: str, exc: IndexUnavailable) -> str:
-        """Why a request cannot be routed when the index did not answer and no instance of its
-        model is known: for the client, so plain words (no gRPC status strings)."""
-        client = self.client
-        health = client.health
-        if health.reachable is False:
-            what = health.describe()
-        elif exc.reason == DEADLINE:
-            what = (
-                f"the index at {client.target} did not answer within {self.config.score_timeout * 1000:g} ms"
-            )
-        elif exc.reason == UNAVAILABLE:
-            what = f"the index at {client.target} is unreachable"
-        else:
-            status = exc.code.name if exc.code is not None else exc.reason
-            what = f"the index at {client.target} could not answer ({status})"
-        return (
-            f"{what}, and no instance of model {model!r} is known to route to without it (none seen "
-            "from the index since this proxy started, none given with --fallback-instance)"
-        )
-
-    def _text_routing(self, model: str, hash_only: bool, why: str = "") -> None:
-        """Log when a model's text/chat requests start being routed by hash only, and when the
-        index routes them again (it was restarted with a tokenizer for the model)."""
-        if hash_only and model not in self._text_hash_only:
-            self._text_hash_only.add(model)
-            log.warning(
-                "chat_routing_hash_only",
-                model=model,
-                why=why,
-                effect="text and chat requests for this model are routed by a hash of the prompt, not "
-                "by cache and load, until the index can tokenize them",
-                fix=f"start kvindex serve with --tokenizer {model}=DIR (docs/tokenize.md), or send token ids",
-            )
-        elif not hash_only and model in self._text_hash_only:
-            self._text_hash_only.discard(model)
-            log.info("chat_routing_by_index", model=model)
 
     # -- handlers ----------------------------------------------------------------------------------
 
@@ -512,7 +262,7 @@ class RouteProxy:
                 code = "400"
                 return openai_error(400, str(exc), "invalid_request_error")
             try:
-                objective = self.config.objectives.of(spec.model, _lower(request.headers))
+                objective = self.config.objectives.of(spec.model, lower_headers(request.headers))
             except ObjectiveError as exc:
                 code = "400"
                 self.limited_log.warning(("bad_objective", exc.header), "bad_objective", error=str(exc))
@@ -526,8 +276,8 @@ class RouteProxy:
                 spec.model,
                 objective,
                 received,
-                lambda commit: self.decide(spec, request_id, commit, **extra),
-                _estimates,
+                lambda commit: self.decider.decide(spec, request_id, commit, **extra),
+                estimates,
                 lambda trial: self._undo(trial, ledger),
             )
             if isinstance(admitted, Shed):
@@ -536,27 +286,7 @@ class RouteProxy:
                 response.headers["Retry-After"] = str(admitted.retry_after_s)
                 return response
             decision, why = admitted.trial
-            req.est_ms, req.decided_at = admitted.est_ms, time.monotonic()
-            if spec.stream and req.est_ms and decision is not None and admitted.pick < len(decision.targets):
-                first = decision.targets[admitted.pick].instance_id
-                self.gate.awaiting(spec.model, req, req.est_ms, req.decided_at, first)
-            if decision is not None and admitted.pick:
-                # Admission chose a later-ranked instance (the first within the objective): it goes
-                # first, and the ledger entry follows it there (_forward's re-commit).
-                t = decision.targets
-                decision.targets = [t[admitted.pick], *t[: admitted.pick], *t[admitted.pick + 1 :]]
-            if decision is not None and not admitted.committed and decision.source == "index":
-                await self._commit_first(decision, ledger)
-            ledger.active = decision is not None and (
-                decision.committed or decision.reason in _MAYBE_COMMITTED
-            )
-            # The engine's usage ends a stream only when asked for: ask, and strip it again below.
-            strip_usage = False
-            ledger.reportable = decision is not None and decision.committed
-            if spec.stream and ledger.reportable:
-                asked = add_include_usage(raw)
-                if asked is not None:
-                    raw, strip_usage = asked, True
+            raw, strip_usage = await self._admitted(raw, spec, req, admitted)
             if decision is None or not decision.targets:
                 code = "503"
                 down = decision is None and self.client.health.reachable is False
@@ -591,6 +321,35 @@ class RouteProxy:
             self.metrics.in_flight.dec()
             self.metrics.requests.labels(path, code).inc()
 
+    async def _admitted(
+        self, raw: bytes, spec: PromptSpec, req: _Request, admitted: Admitted[tuple[Decision | None, str]]
+    ) -> tuple[bytes, bool]:
+        """The admitted decision takes effect: its instance first (admission may pick a later-ranked
+        one), committed there if it was looked at without commit, the ledger told what the index may
+        hold; a stream the index can learn from asks for the engine's usage (stripped again on the
+        way back: the second value). Returns the body to send."""
+        decision = admitted.trial[0]
+        ledger = req.ledger
+        req.est_ms, req.decided_at = admitted.est_ms, time.monotonic()
+        if spec.stream and req.est_ms and decision is not None and admitted.pick < len(decision.targets):
+            first = decision.targets[admitted.pick].instance_id
+            self.gate.awaiting(spec.model, req, req.est_ms, req.decided_at, first)
+        if decision is not None and admitted.pick:
+            # Admission chose a later-ranked instance (the first within the objective): it goes
+            # first, and the ledger entry follows it there (_forward's re-commit).
+            t = decision.targets
+            decision.targets = [t[admitted.pick], *t[: admitted.pick], *t[admitted.pick + 1 :]]
+        if decision is not None and not admitted.committed and decision.source == "index":
+            await self._commit_first(decision, ledger)
+        ledger.active = decision is not None and (decision.committed or decision.reason in MAYBE_COMMITTED)
+        # The engine's usage ends a stream only when asked for: ask, and strip it again below.
+        ledger.reportable = decision is not None and decision.committed
+        if spec.stream and ledger.reportable:
+            asked = add_include_usage(raw)
+            if asked is not None:
+                return asked, True
+        return raw, False
+
     async def _forward(
         self,
         request: web.Request,
@@ -623,7 +382,7 @@ class RouteProxy:
             try:
                 upstream = await self._session.request(request.method, url, data=raw, headers=headers)
             except (aiohttp.ClientError, TimeoutError) as exc:
-                kind = _error_kind(exc)
+                kind = error_kind(exc)
                 self.metrics.upstream_errors.labels(kind).inc()
                 errors.append(f"{target.instance_id} at {target.endpoint}: {kind} ({exc!r})")
                 self.limited_log.warning(
@@ -640,7 +399,7 @@ class RouteProxy:
         self.metrics.decisions.labels(reason).inc()
         if decision.committed and target.instance_id != decision.committed_instance_id:
             req.ledger.move(target.instance_id)
-        est = _estimate(decision, target.instance_id)
+        est = estimate_of(decision, target.instance_id)
         try:
             return await self._relay(
                 request, upstream, target, reason, req, received, strip_usage, added, first_byte, est
@@ -664,24 +423,20 @@ class RouteProxy:
         if upstream.status >= 500:
             self.metrics.upstream_errors.labels("http_5xx").inc()
         stream = "true" if upstream.content_type == "text/event-stream" else "false"
-        response = web.StreamResponse(status=upstream.status, reason=upstream.reason)
-        for name, value in upstream.headers.items():
-            if name.lower() not in _HOP_BY_HOP:
-                response.headers.add(name, value)
         # The engine's usage is read from answers the index can learn from (a committed, successful,
         # uncompressed one); what is stripped changes the length, so the body is then chunked.
         reader: UsageReader | None = None
         if req.ledger.reportable and upstream.status == 200 and "Content-Encoding" not in upstream.headers:
             reader = UsageReader(stream == "true", strip=strip_usage)
-        if upstream.content_length is not None and not (reader is not None and reader.strip):
-            response.content_length = upstream.content_length
-        response.headers["x-kvindex-instance"] = target.instance_id
-        response.headers["x-kvindex-decision"] = reason
-        response.headers["x-kvindex-request-id"] = req.ledger.request_id
-        if added:
-            response.headers.update(added)
+        ours = {
+            "x-kvindex-instance": target.instance_id,
+            "x-kvindex-decision": reason,
+            "x-kvindex-request-id": req.ledger.request_id,
+            **(added or {}),
+        }
         if est_ttft_ms is not None:  # what the index predicted, for a client to compare with
-            response.headers["x-kvindex-est-ttft-ms"] = f"{est_ttft_ms:.1f}"
+            ours["x-kvindex-est-ttft-ms"] = f"{est_ttft_ms:.1f}"
+        response = relayed_response(upstream, reader is not None and reader.strip, ours)
         await response.prepare(request)
         first = True
         written = False
@@ -705,19 +460,7 @@ class RouteProxy:
                 return response, "502"
             if first:
                 first = False
-                first_at = time.monotonic()
-                self.metrics.stages.labels("upstream_first_byte").observe(first_at - req.sent_at)
-                ttft = first_at - received  # queue time included
-                self.metrics.ttft.labels(stream).observe(ttft)
-                self.admission_metrics.observe_ttft(req.model, req.objective, ttft)
-                if req.est_ms:
-                    # The first chunk of a stream is the first token: how good was the estimate?
-                    counts = stream == "true" and reason != "retry" and first_byte is None
-                    measured = first_at - req.decided_at if counts else None
-                    self.gate.observe(req.model, req, req.est_ms, measured)
-                if first_byte is not None:
-                    first_byte(target)
-                req.ledger.release(PREFILL)  # the first token (stream) or the whole answer is out
+                first_at = self._first_byte(req, target, stream, reason, received, first_byte)
             if reader is not None:
                 chunk = reader.feed(chunk)
                 if not chunk:
@@ -748,6 +491,32 @@ class RouteProxy:
         self.metrics.duration.labels(stream).observe(time.monotonic() - received)
         return response, str(upstream.status)
 
+    def _first_byte(
+        self,
+        req: _Request,
+        target: Target,
+        stream: str,
+        reason: str,
+        received: float,
+        first_byte: FirstByte | None,
+    ) -> float:
+        """The engine's first bytes are out (a stream's first token, or the whole answer): the
+        stage timings, TTFT against the objective and the estimate, the prefill released; when."""
+        first_at = time.monotonic()
+        self.metrics.stages.labels("upstream_first_byte").observe(first_at - req.sent_at)
+        ttft = first_at - received  # queue time included
+        self.metrics.ttft.labels(stream).observe(ttft)
+        self.admission_metrics.observe_ttft(req.model, req.objective, ttft)
+        if req.est_ms:
+            # The first chunk of a stream is the first token: how good was the estimate?
+            counts = stream == "true" and reason != "retry" and first_byte is None
+            measured = first_at - req.decided_at if counts else None
+            self.gate.observe(req.model, req, req.est_ms, measured)
+        if first_byte is not None:
+            first_byte(target)
+        req.ledger.release(PREFILL)  # the first token (stream) or the whole answer is out
+        return first_at
+
     async def handle_models(self, request: web.Request) -> web.Response:
         """The models of every known instance, merged by id (each engine lists what it serves)."""
         assert self._session is not None
@@ -768,26 +537,11 @@ class RouteProxy:
                 503, "no instance with an endpoint is known", "service_unavailable", "no_instance"
             )
         headers = forward_headers(request.headers)
-
-        async def one(endpoint: str) -> list[Any]:
-            timeout = aiohttp.ClientTimeout(total=self.config.models_timeout)
-            async with self._session.get(  # type: ignore[union-attr]
-                f"http://{endpoint}/v1/models", headers=headers, timeout=timeout
-            ) as resp:
-                if resp.status != 200:
-                    return []
-                data = json.loads(await resp.read())
-                return list(data.get("data", [])) if isinstance(data, dict) else []
-
-        merged: dict[str, Any] = {}
-        results = await asyncio.gather(*(one(e) for e in endpoints), return_exceptions=True)
+        timeout = aiohttp.ClientTimeout(total=self.config.models_timeout)
+        merged, results = await engine_models(self.session, endpoints, headers, timeout)
         for result in results:
             if isinstance(result, BaseException):
-                self.metrics.upstream_errors.labels(_error_kind(result)).inc()
-                continue
-            for model in result:
-                if isinstance(model, dict) and isinstance(model.get("id"), str):
-                    merged.setdefault(model["id"], model)
+                self.metrics.upstream_errors.labels(error_kind(result)).inc()
         if not merged and all(isinstance(r, BaseException) for r in results):
             self.metrics.requests.labels(request.path, "502").inc()
             return openai_error(502, "no instance answered /v1/models", "bad_gateway", "upstream_unreachable")
@@ -832,16 +586,6 @@ class RouteProxy:
         return web.Response(
             body=generate_latest(self.metrics.registry), headers={"Content-Type": CONTENT_TYPE_LATEST}
         )
-
-
-def _error_kind(exc: BaseException) -> str:
-    if isinstance(exc, TimeoutError | aiohttp.ServerTimeoutError):
-        return "timeout"
-    if isinstance(exc, aiohttp.ClientConnectorError):
-        return "connect"
-    if isinstance(exc, aiohttp.ServerDisconnectedError | aiohttp.ClientOSError | aiohttp.ClientPayloadError):
-        return "disconnected"
-    return "other"
 
 
 async def serve_until_stopped(proxy: RouteProxy, stop: Stop) -> None:

@@ -35,7 +35,8 @@ from kvindex.observability.outcomes import OutcomeCollector
 from kvindex.observability.tokenize import TokenizeCollector
 from kvindex.repair.machine import RepairMachine
 from kvindex.repair.nats_repair import NatsRepairer, RepairConfig
-from kvindex.route.ext_proc import EndpointPicker, ExtProcServer
+from kvindex.route.envoy import ExtProcServer
+from kvindex.route.ext_proc import EndpointPicker
 from kvindex.route.pd import PdConfig
 from kvindex.routing_sync.metrics import SyncCollector
 from kvindex.routing_sync.nats_link import NatsRoutingLink

@@ -21,7 +21,7 @@ from google.protobuf import struct_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvindex.keys import block_keys
-from kvindex.route.ext_proc import DESTINATION, LB_NAMESPACE, SERVED, SERVICE_NAME, SUBSET, SUBSET_NAMESPACE
+from kvindex.route.envoy import DESTINATION, LB_NAMESPACE, SERVED, SERVICE_NAME, SUBSET, SUBSET_NAMESPACE
 from kvindex.service.app import IndexService
 from tests.conftest import wait_until
 from workers_shim.publisher import Publisher
@@ -383,7 +383,7 @@ async def test_pd_mode_returns_the_decode_pick_and_the_prefiller_in_a_header(
 ) -> None:
     """llm-d's disaggregation profile: the destination is the decode instance, the prefill instance
     goes in x-prefiller-host-port (a client's own value is removed); a short prompt gets no prefiller."""
-    from kvindex.route.ext_proc import PREFILLER
+    from kvindex.route.envoy import PREFILLER
     from kvindex.route.pd import PdConfig
 
     svc = await make_service(

@@ -11,8 +11,8 @@ import pytest
 from google.protobuf import descriptor_pb2, descriptor_pool
 from google.protobuf.message_factory import GetMessageClass
 
+from kvindex.route.http import fields_taken as _fields_taken
 from kvindex.route.openai_body import parse_body
-from kvindex.route.proxy import _fields_taken
 from kvindex.v1 import kvindex_pb2 as pb
 
 
