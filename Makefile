@@ -71,6 +71,7 @@ sample-log: $(STAMP)
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy
 
 fmt: $(STAMP)
 	$(VENV)/bin/ruff check --fix .

@@ -238,8 +238,8 @@ class KvIndexServicer(pb_grpc.KvIndexServicer):
                 raise BadRequest("prompt_options apply to prompt or messages only")
             keys = list(request.block_keys)
             # LookupRequest has no prompt_tokens: whole blocks then.
-            given = getattr(request, "prompt_tokens", 0)
-            return Prompt(block_size, keys, given or len(keys) * block_size)
+            stated: int = request.prompt_tokens if hasattr(request, "prompt_tokens") else 0
+            return Prompt(block_size, keys, stated or len(keys) * block_size)
         if n_tokens:
             if n_tokens > MAX_PROMPT_TOKENS:
                 raise BadRequest(f"at most {MAX_PROMPT_TOKENS} token_ids are allowed, got {n_tokens}")

@@ -44,7 +44,7 @@ def create_channel(
             raise ValueError("give tls or credentials, not both")
         credentials = tls.credentials()
         options = [*tls.options(), *options]
-    merged = dict(DEFAULT_OPTIONS)
+    merged: dict[str, object] = dict(DEFAULT_OPTIONS)
     merged.update(dict(options))
     opts = list(merged.items())
     if credentials is None:

@@ -47,7 +47,7 @@ class LocalKvIndexClient(AsyncKvIndexClient):
     ) -> None:
         self.channel = None
         self._owns_channel = False
-        self.stub = None
+        self.stub = None  # type: ignore[assignment]  # (its calls are the servicer's, below)
 
     async def open_stream(self) -> None:
         self.start()  # no stream to open: Score is a call on the servicer

@@ -90,11 +90,24 @@ class InstanceState:
     # No longer the registry's entry for its key (removed, or replaced by a new one): whoever kept
     # it (the consumer's repeated-heartbeat path) learns so without a lookup.
     removed: bool = False
-    if TYPE_CHECKING:  # properties installed below the class (watched fields)
-        load: Load
-        last_heartbeat_at: float | None
-        capacity: dict[int, int]
-        stale: bool
+    if TYPE_CHECKING:  # properties installed below the class (watched fields), as typed
+
+        @property
+        def load(self) -> Load: ...
+        @load.setter
+        def load(self, value: Load) -> None: ...
+        @property
+        def last_heartbeat_at(self) -> float | None: ...
+        @last_heartbeat_at.setter
+        def last_heartbeat_at(self, value: float | None) -> None: ...
+        @property
+        def capacity(self) -> dict[int, int]: ...
+        @capacity.setter
+        def capacity(self, value: dict[int, int]) -> None: ...
+        @property
+        def stale(self) -> bool: ...
+        @stale.setter
+        def stale(self, value: bool) -> None: ...
 
     @property
     def instance_id(self) -> str:

@@ -287,7 +287,7 @@ def match_tiered(
             break
     for slot in _bits(alive):
         lengths[slot] = n
-    return [(slot, m, *counts[slot]) for slot, m in sorted(lengths.items()) if m]
+    return [(slot, m, *counts[slot]) for slot, m in sorted(lengths.items()) if m]  # type: ignore[misc]
 
 
 def match_banks_into(

@@ -26,13 +26,22 @@ class InstanceMatch(NamedTuple):
 NO_MATCH = InstanceMatch(0, (0, 0, 0, 0))
 
 
+class Differ(Protocol):
+    """A resumable diff: ``step(budget)`` until it says it is done, then ``missing`` / ``extra``."""
+
+    missing: list[int]
+    extra: list[int]
+
+    def step(self, budget: int = ...) -> bool: ...
+
+
 class MatchGroup(NamedTuple):
     """Many instances with one answer (InvertedIndex.match_groups): ``count`` instances, named by
     ``masks``, one little-endian u64 per 64-slot bank (bit s of bank b: slot b * 64 + s; owners
     from ``slot_layout``)."""
 
     match: InstanceMatch
-    count: int
+    count: int  # type: ignore[assignment]  # (shadows tuple.count: a field by that name reads best)
     masks: bytes
 
 
@@ -108,6 +117,9 @@ class KvBlockIndex(Protocol):
 
     def diff(self, instance: InstanceKey, tier: int, keys: list[int]) -> tuple[list[int], list[int]]:
         """(keys missing from the instance's tier, keys it holds there that are not in ``keys``)."""
+
+    def differ(self, instance: InstanceKey, tier: int, keys: list[int]) -> Differ:
+        """``diff`` a step at a time (the repairer compares a snapshot over several loop turns)."""
 
     def keys_of(self, instance: InstanceKey, tier: int) -> Iterator[int]:
         """The keys the instance holds on ``tier``, each once."""

@@ -20,7 +20,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 from kvindex.index import _pytable
-from kvindex.index.base import Applied, IndexStats, InstanceMatch, MatchGroup
+from kvindex.index.base import Applied, Differ, IndexStats, InstanceMatch, MatchGroup
 from kvindex.instance import InstanceKey
 from kvindex.wire.schema import TIER_BY_NAME
 
@@ -209,6 +209,7 @@ class InvertedIndex:
 
     def store(self, instance: InstanceKey, tier: int, keys: Iterable[int]) -> int:
         holder = self._holders[instance]
+        added: int
         added, x = holder.bank.tiers[tier].add_bit(keys, holder.bit, holder.logs[tier])
         if added:
             holder.counts[tier] += added
@@ -220,6 +221,7 @@ class InvertedIndex:
     def remove(self, instance: InstanceKey, tier: int, keys: Iterable[int]) -> int:
         holder = self._holders[instance]
         table = holder.bank.tiers[tier]
+        removed: int
         removed, x = table.remove_bit(keys, holder.bit)
         if removed:
             holder.counts[tier] -= removed
@@ -381,12 +383,15 @@ class InvertedIndex:
         d.step(-1)
         return d.missing, d.extra
 
-    def differ(self, instance: InstanceKey, tier: int, keys: list[int]) -> Any:
+    def differ(self, instance: InstanceKey, tier: int, keys: list[int]) -> Differ:
         """A resumable diff (``step(budget) -> done``, then ``missing`` / ``extra``); ``keys`` must
         be distinct and the instance's own blocks must not change until it is done. No shortcut
         through the digest: the periodic check exists to catch what digests cannot."""
         holder = self._holders[instance]
-        return holder.bank.tiers[tier].differ(holder.logs[tier], holder.bit, keys, holder.counts[tier])
+        differ: Differ = holder.bank.tiers[tier].differ(
+            holder.logs[tier], holder.bit, keys, holder.counts[tier]
+        )
+        return differ
 
     def keys_of(self, instance: InstanceKey, tier: int) -> Iterator[int]:
         holder = self._holders.get(instance)

@@ -195,14 +195,14 @@ class Consumer:
         applied = self.index.apply(state.key, events) if bound <= room else self._apply_capped(state, batch)
         stored, removed, cleared, n_stored, n_removed, n_cleared, local = applied
         c.blocks_stored += stored
-        applied = c.events_applied
-        applied[STORED] += n_stored
+        tally = c.events_applied
+        tally[STORED] += n_stored
         if n_removed or n_cleared:  # most batches only store
             c.blocks_removed += removed
             c.blocks_cleared += cleared
             state.removals += removed + cleared
-            applied[REMOVED] += n_removed
-            applied[CLEARED] += n_cleared
+            tally[REMOVED] += n_removed
+            tally[CLEARED] += n_cleared
         if local:
             state.local_blocks_seen = True
         state.epoch = batch.epoch

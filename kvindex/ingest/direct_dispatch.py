@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import collections
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import structlog
 
@@ -84,6 +84,13 @@ if _np is not None:
 
     class DirectParser(_np.Parser):
         """nats-py's parser with a short path for the registered subscriptions' ``MSG`` frames."""
+
+        # Set by _init_direct (also on a parser whose class is switched to this one, in install).
+        direct: dict[bytes, _Target]
+        log: Any
+        direct_msgs: int
+        library_frames: int
+        handler_errors: int
 
         def __init__(self, nc: Any = None) -> None:
             super().__init__(nc)
@@ -158,7 +165,7 @@ if _np is not None:
                 raise _np.ProtocolError("nats: a frame did not end where its control line said")
 
 else:  # pragma: no cover
-    DirectParser = None  # type: ignore[assignment,misc]
+    DirectParser = None  # type: ignore[misc]
 
 
 def _init_direct(ps: Any, log: Any) -> None:
@@ -189,5 +196,6 @@ def install(nc: Any, sub: Any, handler: Handler, log: Any = None) -> DirectParse
         # Same object, new behaviour: a parse in progress keeps its buffer and state.
         ps.__class__ = DirectParser
         _init_direct(ps, log)
-    ps.direct[str(sub._id).encode()] = _Target(sub, handler)
-    return ps
+    parser = cast("DirectParser", ps)  # (one already, or its class switched just above)
+    parser.direct[str(sub._id).encode()] = _Target(sub, handler)
+    return parser

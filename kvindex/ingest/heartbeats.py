@@ -65,6 +65,7 @@ class Heartbeats:
 
     def on_heartbeat(self, subject: str, payload: bytes) -> bool:
         """Handle one heartbeat; True when accepted."""
+        state: InstanceState | None
         self.counters.heartbeats_received += 1
         repeat = self._repeats.get(subject)
         if repeat is not None:
@@ -155,7 +156,7 @@ class Heartbeats:
         # A heartbeat whose capacity and digest repeat the previous one's: if it also changes
         # nothing below, the next one equal to it but for its ts and load takes the short path.
         unchanged = payload is not None and report.capacity is state.capacity
-        self._pending_repeat = (payload, report.worker) if unchanged else None
+        self._pending_repeat = (payload, report.worker) if unchanged and payload is not None else None
         # The same objects as the previous report's when unchanged (codec.decode_heartbeat_into):
         # assigning them again would only notify the watchers a second time.
         if report.load is not state.load:

@@ -11,6 +11,7 @@ see workers_shim/publisher.py).
 from __future__ import annotations
 
 import asyncio
+import functools
 import heapq
 import random
 from collections.abc import Callable
@@ -132,9 +133,11 @@ class NatsRepairer:
             old.cancel()
         task = asyncio.get_running_loop().create_task(work, name=f"kvindex-repair-{instance[0]}")
         self._tasks[instance] = task
-        task.add_done_callback(
-            lambda t, k=instance: self._tasks.pop(k, None) if self._tasks.get(k) is t else None
-        )
+        task.add_done_callback(functools.partial(self._done, instance))
+
+    def _done(self, instance: InstanceKey, task: asyncio.Task[None]) -> None:
+        if self._tasks.get(instance) is task:  # (not a newer one that replaced it)
+            del self._tasks[instance]
 
     # -- replay ---------------------------------------------------------------------------------
 

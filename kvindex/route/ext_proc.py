@@ -448,16 +448,16 @@ class EndpointPicker(ep_grpc.ExternalProcessorServicer):
         whole.CopyFrom(decode_request)
         whole.role = ""  # ranked and committed as a whole request, among the decode instances
         try:
-            ranked = self._score(whole)
+            whole_ranked: pb.ScoreResponse | None = self._score(whole)
         except BadRequest:
-            ranked = None
-        if ranked is None or not ranked.ranked:
+            whole_ranked = None
+        if whole_ranked is None or not whole_ranked.ranked:
             if ex.committed:
                 self._recommit(ex, ex.committed, decode_request)
             return decoded
         ex.request = whole
-        self._committed(ex, ranked.committed_instance_id)
-        return ranked
+        self._committed(ex, whole_ranked.committed_instance_id)
+        return whole_ranked
 
     def _score_request(
         self, spec: PromptSpec, ex: _Exchange, candidates: list[str], commit: bool = True, role: str = ""

@@ -282,9 +282,9 @@ class RouteProxy:
             )
             if isinstance(admitted, Shed):
                 code = "429"
-                response = openai_error(429, admitted.message, "rate_limit_error", admitted.reason)
-                response.headers["Retry-After"] = str(admitted.retry_after_s)
-                return response
+                shed = openai_error(429, admitted.message, "rate_limit_error", admitted.reason)
+                shed.headers["Retry-After"] = str(admitted.retry_after_s)
+                return shed
             decision, why = admitted.trial
             raw, strip_usage = await self._admitted(raw, spec, req, admitted)
             if decision is None or not decision.targets:

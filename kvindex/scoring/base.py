@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 from collections.abc import Callable, Iterable, Sized
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Final, Protocol, runtime_checkable
 
 from msgspec import Struct
 
@@ -18,8 +18,8 @@ from kvindex.scoring.ledger import LedgerEntry
 if TYPE_CHECKING:
     from kvindex.scoring.pool import CandidatePool
 
-PREFILL_ROLE = "prefill"  # also the default for unified (non-disaggregated) serving
-DECODE_ROLE = "decode"
+PREFILL_ROLE: Final = "prefill"  # also the default for unified (non-disaggregated) serving
+DECODE_ROLE: Final = "decode"
 
 
 @dataclass(slots=True)

@@ -34,6 +34,7 @@ import math
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -209,7 +210,7 @@ class ModelCalibration:
         a_ms, b, c = (theta * _SCALE).tolist()
         return PrefillModel(max(a_ms, 0.0), max(b, 0.0), max(c, 0.0))
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
         return {
             "ata": self.ata.tolist(),
             "atb": self.atb.tolist(),
@@ -227,7 +228,7 @@ class ModelCalibration:
             "in_use": self.in_use,
         }
 
-    def load(self, data: dict) -> None:
+    def load(self, data: dict[str, Any]) -> None:
         self.ata = np.array(data["ata"], dtype=float).reshape(3, 3)
         self.atb = np.array(data["atb"], dtype=float).reshape(3)
         self.samples = int(data["samples"])
@@ -397,10 +398,10 @@ class Calibrator:
 
     # -- persistence ----------------------------------------------------------------------------
 
-    def export(self, model: str, instance: str = "") -> dict:
+    def export(self, model: str, instance: str = "") -> dict[str, Any]:
         return (self._instance(model, instance) if instance else self._get(model)).to_dict()
 
-    def restore(self, model: str, data: dict, instance: str = "") -> None:
+    def restore(self, model: str, data: dict[str, Any], instance: str = "") -> None:
         """Adopt a persisted calibration unless this process already has more samples."""
         cal = self._instance(model, instance) if instance else self._get(model)
         if int(data.get("samples", 0)) > cal.samples:
@@ -408,14 +409,14 @@ class Calibrator:
             if instance:
                 self._judge(model, instance, cal)
 
-    def snapshot(self) -> dict:
+    def snapshot(self) -> dict[str, Any]:
         """Everything, for a capture: {"models": {model: state}, "instances": {model: {id: state}}}."""
         return {
             "models": {m: c.to_dict() for m, c in self.models.items()},
             "instances": {m: {i: c.to_dict() for i, c in per.items()} for m, per in self.instances.items()},
         }
 
-    def load_snapshot(self, data: dict) -> None:
+    def load_snapshot(self, data: dict[str, Any]) -> None:
         """``snapshot``'s state, replacing this one's (a capture's replay)."""
         for model, state in data.get("models", {}).items():
             cal = self.models[model] = ModelCalibration(prior=self.prior)

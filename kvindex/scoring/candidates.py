@@ -104,7 +104,7 @@ class CandidateBuilder:
         credit = self.degraded_credit
         terms_of: dict[int, tuple[float, float]] = {}  # prefill_terms per miss size (shared by many)
         shared_terms_of = terms_of
-        out = []
+        out: list[Candidate] = []
         append = out.append
         for state in states:
             key = state.key

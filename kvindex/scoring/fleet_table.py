@@ -48,6 +48,8 @@ _FLOAT_COLS = (
     "busy_until",  # ledger: when the prefill work routed there ends (0 when none; costs.ledger_ms)
 )
 _BOOL_COLS = ("drains", "routable")  # a reported queue and a heartbeat time; not a pool, not stale
+# A row's values, in that order (float64 holds the ints and bools exactly).
+Row = tuple[float, ...]
 
 
 def rendezvous_weights(ids: list[bytes], seed: int) -> np.ndarray:
@@ -102,18 +104,24 @@ class ModelTable:
     # -- membership --------------------------------------------------------------------------
 
     def _views(self) -> None:
-        for i, name in enumerate(_FLOAT_COLS):
-            setattr(self, name, self._floats[i])
-        for i, name in enumerate(_BOOL_COLS):
-            setattr(self, name, self._bools[i])
+        """The columns, as views of the blocks' rows (in _FLOAT_COLS and _BOOL_COLS order)."""
+        (
+            self.queued,
+            self.heartbeat_at,
+            self.tokens_new,
+            self.queued_now,
+            self.running_now,
+            self.kv,
+            self.load,
+            self.queue,
+            self.busy_until,
+        ) = self._floats
+        self.drains, self.routable = self._bools
 
     def _grow(self) -> None:
         cap = 2 * len(self.routable)
-        for name in ("_floats", "_bools"):
-            old = getattr(self, name)
-            new = np.zeros((len(old), cap), dtype=old.dtype)
-            new[:, : self.n] = old[:, : self.n]
-            setattr(self, name, new)
+        self._floats = _grown(self._floats, self.n, cap)
+        self._bools = _grown(self._bools, self.n, cap)
         self._views()
         key_rank = np.zeros(cap, dtype=np.int64)
         key_rank[: self.n] = self.key_rank[: self.n]
@@ -198,7 +206,7 @@ class ModelTable:
 
     # -- state -------------------------------------------------------------------------------
 
-    def write(self, rows: list[int], values: list[tuple]) -> None:
+    def write(self, rows: list[int], values: list[Row]) -> None:
         """Rows' new values (``row_values``): one conversion, one assignment per block."""
         # float64 holds every value exactly as the column assignments did (ints below 2**53, bools
         # as 0.0 / 1.0, which convert back to the same bools).
@@ -285,6 +293,7 @@ class ModelTable:
             cache = self._waits = _Waits(
                 params, self.version, now, np.empty(n), _NO_ROWS, np.zeros(n, np.uint8)
             )
+        assert cache is not None
         cache.now = now
         draining = np.empty(n if rows is None else len(rows), dtype=np.int64)
         found = wait_rows(
@@ -333,6 +342,13 @@ class ModelTable:
 _NO_ROWS = np.zeros(0, dtype=np.int64)
 
 
+def _grown(block: np.ndarray, n: int, cap: int) -> np.ndarray:
+    """A block of columns with room for ``cap`` rows, its first ``n`` copied."""
+    new = np.zeros((len(block), cap), dtype=block.dtype)
+    new[:, :n] = block[:, :n]
+    return new
+
+
 class _Waits:
     """ModelTable.waits' cache: the wait column at ``now`` and the rows still draining (``seen``:
     the native loop's scratch flags, one per row)."""
@@ -340,7 +356,13 @@ class _Waits:
     __slots__ = ("active", "now", "params", "seen", "version", "wait")
 
     def __init__(
-        self, params: tuple, version: int, now: float, wait: np.ndarray, active: np.ndarray, seen: np.ndarray
+        self,
+        params: tuple[float, ...],
+        version: int,
+        now: float,
+        wait: np.ndarray,
+        active: np.ndarray,
+        seen: np.ndarray,
     ) -> None:
         self.params = params
         self.version = version
@@ -350,7 +372,7 @@ class _Waits:
         self.seen = seen
 
 
-def row_values(state: InstanceState, ledger: Ledger) -> tuple:
+def row_values(state: InstanceState, ledger: Ledger) -> Row:
     """An instance's row, in column order (_FLOAT_COLS, then _BOOL_COLS). (FleetTables.refresh
     builds its rows with the same _row; tests/unit/test_consumer_status.py checks the tables against this.)"""
     load = state.load
@@ -366,7 +388,7 @@ def row_values(state: InstanceState, ledger: Ledger) -> tuple:
 
 def _row(
     load: Load, at: float | None, n_new: int, tokens_new: int, inflight: int, busy: float, routable: bool
-) -> tuple:
+) -> Row:
     q = load.waiting_prefill_tokens
     running, waiting = load.running, load.waiting
     return (
@@ -468,7 +490,7 @@ class FleetTables:
         ledger = self.ledger
         busy = ledger.busy
         # Per model: rows rewritten whole and their values; rows whose heartbeat time alone moved.
-        pending: dict[str, tuple[ModelTable, list[int], list[tuple], list[int], list[float]]] = {}
+        pending: dict[str, tuple[ModelTable, list[int], list[Row], list[int], list[float]]] = {}
         for state, i in zip(live, rows, strict=True):
             entry = pending.get(state.model)
             if entry is None:

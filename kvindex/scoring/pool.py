@@ -10,7 +10,8 @@ columns (kvindex/scoring/fleet_table.py); the pool prices those rows with the co
 
 from __future__ import annotations
 
-from collections.abc import Callable, Container
+from collections.abc import Callable
+from collections.abc import Set as AbstractSet
 from functools import cached_property
 from typing import Any
 
@@ -43,7 +44,7 @@ class PoolBuilder:
         ledger: Ledger,
         speculative: SpeculativeKeys,
         candidates: CandidateBuilder,
-        degraded: Container[InstanceKey],
+        degraded: AbstractSet[InstanceKey],
         group_min_instances: int,
         clock: Callable[[], float],
     ) -> None:
@@ -259,14 +260,18 @@ class CandidatePool:
         PoolBuilder.pool sets it from the rows it marked)."""
         if self.group_of is None:
             return [self.count - len(self.explicit)]
-        return np.bincount(self.group_of[self.rest_rows], minlength=len(self.groups) + 1).tolist()
+        counts: list[int] = np.bincount(
+            self.group_of[self.rest_rows], minlength=len(self.groups) + 1
+        ).tolist()
+        return counts
 
     def group_rows(self, g: int) -> np.ndarray:
         """The rows of group g among the request's candidates that are not explicit, ascending."""
         rows = self.rest_rows
         if self.group_of is None:
             return rows if g == 0 else rows[:0]
-        return rows[self.group_of[rows] == g]
+        mine: np.ndarray = rows[self.group_of[rows] == g]
+        return mine
 
     @cached_property
     def blocks(self) -> np.ndarray:
@@ -274,7 +279,8 @@ class CandidatePool:
         if self.group_of is None:
             return np.zeros(self.table.n, dtype=np.int64)
         depth = np.array([t.blocks for t in self.templates], dtype=np.int64)
-        return depth[self.group_of]
+        blocks: np.ndarray = depth[self.group_of]
+        return blocks
 
     # The cost terms of the others, per row (only the ttft policy reads them: made on first use).
 
@@ -470,8 +476,8 @@ class CandidatePool:
             rows = self.table.routable_rows()
             if not len(self.explicit_rows):
                 return rows
-            keep = self.rest[rows]
-            return rows[keep]
+            kept: np.ndarray = rows[self.rest[rows]]
+            return kept
         return np.flatnonzero(self.rest)
 
 

@@ -40,7 +40,7 @@ class ServerTLS:
         their session."""
         initial = self._config()  # unreadable files fail here, at start
         sig = file_signature([self.cert, self.key, self.client_ca])
-        state = {"sig": sig, "next": time.monotonic() + reload_interval}
+        state: dict[str, Any] = {"sig": sig, "next": time.monotonic() + reload_interval}
         lock = threading.Lock()
 
         def fetch() -> Any:

@@ -130,7 +130,7 @@ class TokenAuthInterceptor(grpc.aio.ServerInterceptor):
     ) -> grpc.RpcMethodHandler:
         method = handler_call_details.method or ""
         service = method[1:].split("/", 1)[0]
-        if service in self.exempt or self.authorized(handler_call_details.invocation_metadata):  # type: ignore[attr-defined]
+        if service in self.exempt or self.authorized(handler_call_details.invocation_metadata):
             return await continuation(handler_call_details)
         self.rejected += 1
         now = time.monotonic()

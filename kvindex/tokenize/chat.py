@@ -194,8 +194,9 @@ def _aliases(root: jinja2.nodes.Template, name: str) -> list[str]:
         current = queue.pop(0)
         for assign in root.find_all(jinja2.nodes.Assign):
             target = assign.target
-            ok = isinstance(target, jinja2.nodes.Name) and _refers(assign.node, current)
-            if ok and target.name not in found:
+            if not isinstance(target, jinja2.nodes.Name):
+                continue
+            if _refers(assign.node, current) and target.name not in found:
                 found.append(target.name)
                 queue.append(target.name)
     return found
@@ -403,7 +404,7 @@ def _developer_as_system(conv: list[dict[str, Any]]) -> list[dict[str, Any]]:
         content = msg.get("content", "")
         if isinstance(content, list):
             content = "\n".join(
-                p["text"] if isinstance(p, dict) and "text" in p else p
+                p["text"] if isinstance(p, dict) and "text" in p else p  # type: ignore[misc]  # (as vLLM joins them)
                 for p in content
                 if isinstance(p, dict | str)
             )

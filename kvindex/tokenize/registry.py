@@ -44,7 +44,7 @@ class _Model:
 class TokenizeStats:
     requests: Counter[str] = field(default_factory=Counter)  # "prompt", "chat"
     errors: Counter[str] = field(default_factory=Counter)  # same keys
-    seconds: Counter[str] = field(default_factory=Counter)  # time spent, same keys
+    seconds: Counter[str] = field(default_factory=Counter)  # time spent, same keys (float values)
     direct_encodes: int = 0  # texts encoded whole because the post-processor is not a fixed wrap
 
 
@@ -251,6 +251,6 @@ class Tokenizers:
     def _count(self, form: str, started: float, error: bool = False) -> None:
         with self._stats_lock:
             self.stats.requests[form] += 1
-            self.stats.seconds[form] += time.perf_counter() - started
+            self.stats.seconds[form] += time.perf_counter() - started  # type: ignore[assignment]
             if error:
                 self.stats.errors[form] += 1

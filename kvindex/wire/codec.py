@@ -255,7 +255,7 @@ def decode_heartbeat(payload: bytes, subject_worker: str | None = None) -> Heart
         msg.prefill,
         *_endpoint(msg.endpoint),
         msg.events,
-        *_role(msg.role, msg.pd_group),
+        *_role(msg.role, msg.pd_group),  # type: ignore[arg-type]  # (mypy does not align star args)
     )
 
 
@@ -342,9 +342,10 @@ def decode_heartbeat_into(peek: HeartbeatPeek, memory: HeartbeatMemory) -> bool:
         split = len(peek.load) or 1
         if maps[split:] != memory.maps[memory.split :]:
             return False  # capacity or digest
-        load = load_of(maps[:split]) if peek.load else Load()  # (not sent: the defaults)
-        if load is None:
+        fresh = load_of(maps[:split]) if peek.load else Load()  # (not sent: the defaults)
+        if fresh is None:
             return False
+        load = fresh
         memory.maps, memory.split = maps, split
     endpoint = peek.endpoint
     # parse_endpoint depends on the string alone: the same string needs no second look.
@@ -389,10 +390,13 @@ def _role(role: Any, group: Any) -> tuple[str, str | None, str | None]:
 
 
 def _packb(obj: Any) -> bytes:
-    return msgpack.packb(obj, use_bin_type=True)
+    packed: bytes = msgpack.packb(obj, use_bin_type=True)
+    return packed
 
 
-def event_to_wire(op: int, tier: int | None, keys: Iterable[int] = (), parent: int | None = None) -> dict:
+def event_to_wire(
+    op: int, tier: int | None, keys: Iterable[int] = (), parent: int | None = None
+) -> dict[str, Any]:
     if op == CLEARED:
         return {"type": "cleared", "tier": None if tier is None else TIER_NAMES[tier]}
     out: dict[str, Any] = {"type": OP_NAMES[op], "tier": TIER_NAMES[tier], "keys": list(keys)}  # type: ignore[index]
@@ -409,7 +413,7 @@ def encode_batch(
     seq: int,
     ts: float,
     block_size: int,
-    events: list[dict],
+    events: list[dict[str, Any]],
     dp_rank: int = 0,
 ) -> bytes:
     """Encode a batch whose events are already in wire form (see event_to_wire)."""

@@ -160,4 +160,6 @@ def snapshot_parts(
             room -= len(take)
             start += len(take)
     for i, chunk in enumerate(parts):
-        yield encode(SnapshotPart(WIRE_VERSION, worker, dp_rank, epoch, seq, i, i == len(parts) - 1, chunk))
+        last = i == len(parts) - 1
+        # (tier names as given: the snapshot's reader checks them)
+        yield encode(SnapshotPart(WIRE_VERSION, worker, dp_rank, epoch, seq, i, last, chunk))  # type: ignore[arg-type]

@@ -313,7 +313,8 @@ class Ttft:
         if entry is None:
             return 0.0
         count, at = entry
-        return count * 0.5 ** ((now - at) / self.hot_half_life)
+        decay: float = 0.5 ** ((now - at) / self.hot_half_life)
+        return count * decay
 
     def on_commit(self, request: RouteRequest, instance: Candidate, ctx: PolicyContext) -> None:
         keys = request.keys
