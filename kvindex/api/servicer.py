@@ -549,7 +549,7 @@ class KvIndexServicer(pb_grpc.KvIndexServicer):
                 restarts=_u64(state.restarts),
                 pool=state.is_pool,
                 stale=state.stale,
-                sync=state.sync,
+                sync=state.repair.sync,
                 endpoint=state.endpoint or "",
                 approximate=state.approximate,
                 role=state.role,

@@ -39,7 +39,7 @@ def state_rows(consumer: Consumer) -> list[list[Any]]:
                 state.epoch,
                 state.last_seq,
                 state.stale,
-                state.sync,
+                state.repair.sync,
                 cur,
                 [list(index.digest(key, t)) for t in range(4)],
             ]

@@ -560,7 +560,7 @@ class Replayer:
                     "epoch": state.epoch,
                     "seq": cursor.applied if cursor is not None else state.last_seq,
                     "blocks": dict(zip(TIER_NAMES, blocks, strict=True)),
-                    "sync": state.sync,
+                    "sync": state.repair.sync,
                     "stale": state.stale,
                     "pool": state.is_pool,
                     "status_age_s": None if age is None else round(age, 3),

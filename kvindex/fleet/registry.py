@@ -20,50 +20,71 @@ def instance_id(instance: InstanceKey) -> str:
 # The fields a ranking depends on (load, heartbeat time, health, capacity). Setting one tells the
 # registry's watchers which instance changed, so that rankers can keep per-instance state up to date
 # at heartbeats instead of re-reading every instance on every request (kvindex/scoring/fleet_table.py).
-# (local_blocks_seen is not watched: the consumer sets it on every batch with local blocks, and it
-# only matters while no capacity is reported; rankers re-read it for those few instances.)
-_WATCHED = ("load", "last_heartbeat_at", "stale", "capacity")
+# Assigning a new Load (as heartbeats do) is seen; mutating one in place is not. (local_blocks_seen
+# is not watched: the consumer sets it on every batch with local blocks, and it only matters while no
+# capacity is reported; rankers re-read it for those few instances.)
 
 
-def _watched(name: str) -> property:
-    slot = "_" + name
-    store = getattr(InstanceState, slot).__set__  # the slot's own descriptor
+def _watching(slot: str) -> property:
+    """The property of a watched field kept in ``slot``: reads stay in C (attrgetter: candidates read
+    load and last_heartbeat_at of every instance), a write tells the registry's watchers."""
 
     def set_(self: InstanceState, value: object) -> None:
-        store(self, value)
+        object.__setattr__(self, slot, value)
         for changed in self._watchers:
             changed.add(self.key)
 
-    # Reads stay in C (attrgetter): candidates read load and last_heartbeat_at of every instance.
     return property(attrgetter(slot), set_)
 
 
 @dataclass(slots=True)
+class RepairStatus:
+    """The repair machine's account of an instance (kvindex/repair/machine.py writes it)."""
+
+    sync: str = "synced"  # synced | replay | snapshot: what the index is doing to stay exact
+    cause: str = ""  # why that repair began (gap, drift, start, periodic, degraded, ...)
+    # A repair failed (a replay or snapshot that timed out, holes accepted): the index may miss
+    # blocks until a snapshot succeeds (kvindex/scoring/outcomes.py: the instance is degraded).
+    failed: bool = False
+
+
+@dataclass(slots=True)
+class HeartbeatStatus:
+    """What the instance's heartbeats said besides its load (kvindex/ingest/heartbeats.py writes it)."""
+
+    ts: float = 0.0  # the worker's own timestamp in the last heartbeat
+    digest: dict[int, tuple[int, int]] = field(default_factory=dict)  # (count, xor) per tier
+    seq: int = 0  # the last batch it published, as of that heartbeat
+    # The memory of the last accepted heartbeat (kvindex.ingest.heartbeats._HeartbeatMemo): the next
+    # one reuses its decoded maps when their bytes are the same.
+    memo: Any = None
+
+
+@dataclass(slots=True)
 class InstanceState:
+    """One instance as the index knows it. The registry's fields (identity, announcement, the watched
+    ranking view); the batch path's (the consumer's sequence position and counts, kvindex/ingest);
+    and a record per other writer: ``repair`` (the repair machine's), ``heartbeat`` (the heartbeats')."""
+
     key: InstanceKey
     model: str
     block_size: int
+    # The batch path (the consumer, and its repair machine on a restart or a repair's end).
     epoch: int = 0
     last_seq: int = 0
     last_event_ts: float = 0.0
     first_seen: float = 0.0
     _last_heartbeat_at: float | None = None  # local monotonic time of the last heartbeat
-    last_heartbeat_ts: float = 0.0  # worker's own timestamp in that heartbeat
     _load: Load = field(default_factory=Load)
     _capacity: dict[int, int] = field(default_factory=dict)
-    reported_digest: dict[int, tuple[int, int]] = field(default_factory=dict)
-    reported_seq: int = 0
     batches: int = 0
     gaps: int = 0
     missing_batches: int = 0
     restarts: int = 0
     local_blocks_seen: bool = False
-    sync: str = "synced"  # synced | replay | snapshot: what the index is doing to stay exact
-    sync_cause: str = ""  # why that repair began (gap, drift, start, periodic, degraded, ...)
-    # A repair failed (a replay or snapshot that timed out, holes accepted): the index may miss
-    # blocks until a snapshot succeeds (kvindex/scoring/outcomes.py: the instance is degraded).
-    repair_failed: bool = False
     removals: int = 0  # blocks removed or cleared by its events (outcomes: an eviction since a decision)
+    repair: RepairStatus = field(default_factory=RepairStatus)
+    heartbeat: HeartbeatStatus = field(default_factory=HeartbeatStatus)
     # Where routers send this instance's requests ("host:port", from its heartbeats); None: unknown.
     endpoint: str | None = None
     # No KV events from this instance (heartbeat-only worker, or a static --instance): its blocks in
@@ -84,13 +105,12 @@ class InstanceState:
     # None until the consumer first needs it (instances registered elsewhere, e.g. static ones).
     block_limits: tuple[int, int, int, int] | None = None
     capped: int = 0
-    # The memory of the last accepted heartbeat (kvindex.ingest.heartbeats._HeartbeatMemo): the next
-    # one reuses its decoded maps when their bytes are the same. Goes with the state.
-    heartbeat_memo: Any = None
     # No longer the registry's entry for its key (removed, or replaced by a new one): whoever kept
     # it (the consumer's repeated-heartbeat path) learns so without a lookup.
     removed: bool = False
-    if TYPE_CHECKING:  # properties installed below the class (watched fields), as typed
+
+    # The watched fields (above): written by the heartbeats and the liveness sweep, read by rankings.
+    if TYPE_CHECKING:  # (as typed)
 
         @property
         def load(self) -> Load: ...
@@ -108,6 +128,11 @@ class InstanceState:
         def stale(self) -> bool: ...
         @stale.setter
         def stale(self, value: bool) -> None: ...
+    else:
+        load = _watching("_load")
+        last_heartbeat_at = _watching("_last_heartbeat_at")
+        capacity = _watching("_capacity")
+        stale = _watching("_stale")
 
     @property
     def instance_id(self) -> str:
@@ -132,11 +157,6 @@ class InstanceState:
 
     def heartbeat_age(self, now: float) -> float | None:
         return None if self.last_heartbeat_at is None else max(0.0, now - self.last_heartbeat_at)
-
-
-# Assigning a new Load (as heartbeats do) is seen; mutating one in place is not.
-for _name in _WATCHED:
-    setattr(InstanceState, _name, _watched(_name))
 
 
 class Registry:

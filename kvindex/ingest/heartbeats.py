@@ -80,7 +80,7 @@ class Heartbeats:
                         state.load = load
                         repeat.load_raw = load_raw
                     state.last_heartbeat_at = self.registry.clock()
-                    state.last_heartbeat_ts = ts
+                    state.heartbeat.ts = ts
                     return True
             del self._repeats[subject]
         # Steady state: a known instance whose heartbeat repeats the previous one's maps (all but
@@ -105,11 +105,11 @@ class Heartbeats:
             # model and block size the peek leaves unchecked are valid when they equal its own.
             if (
                 state is not None
-                and state.heartbeat_memo is not None
+                and state.heartbeat.memo is not None
                 and state.model == peek.model
                 and state.block_size == peek.block_size
             ):
-                memo: _HeartbeatMemo = state.heartbeat_memo
+                memo: _HeartbeatMemo = state.heartbeat.memo
                 if decode_heartbeat_into(peek, memo):
                     report = memo.report
                     if report.endpoint_error is None and report.role_error is None:  # (else counted)
@@ -126,11 +126,11 @@ class Heartbeats:
         except WireError as exc:
             self.consumer.reject(worker, subject, exc)
             return False
-        memo = state.heartbeat_memo
+        memo = state.heartbeat.memo
         if peek is None:
-            state.heartbeat_memo = None  # (a payload that is not bytes: nothing to compare the next with)
+            state.heartbeat.memo = None  # (a payload that is not bytes: nothing to compare the next with)
         elif memo is None:
-            state.heartbeat_memo = _HeartbeatMemo(peek, report)
+            state.heartbeat.memo = _HeartbeatMemo(peek, report)
         else:
             memo.renew(peek, report)
         return self._accept_heartbeat(subject, state, report)
@@ -152,7 +152,7 @@ class Heartbeats:
         key = state.key
         cursor = self.sequencer.cursor(key)
         state.last_heartbeat_at = self.registry.clock()
-        state.last_heartbeat_ts = report.ts
+        state.heartbeat.ts = report.ts
         # A heartbeat whose capacity and digest repeat the previous one's: if it also changes
         # nothing below, the next one equal to it but for its ts and load takes the short path.
         unchanged = payload is not None and report.capacity is state.capacity
@@ -172,8 +172,8 @@ class Heartbeats:
                 held = report.digest.get(tier, (0, 0))[0]
                 if state.capped & (1 << tier) and held <= self.consumer.limits_of(state)[tier]:
                     state.capped &= ~(1 << tier)
-        state.reported_digest = report.digest
-        state.reported_seq = report.seq
+        state.heartbeat.digest = report.digest
+        state.heartbeat.seq = report.seq
         if report.endpoint != state.endpoint:  # rare: announced, moved, or withdrawn
             self.log.info(
                 "instance_endpoint", worker=state.worker, dp_rank=state.dp_rank, endpoint=report.endpoint
@@ -239,7 +239,7 @@ class Heartbeats:
             return
         if report.seq != cursor.applied:
             return
-        memo = state.heartbeat_memo
+        memo = state.heartbeat.memo
         if memo is not None and memo.report is report and not state.capped:
             # Steady state: a digest found equal stays so until either side changes (the report's
             # digest is replaced by an unequal one, or the index's version moves).

@@ -159,8 +159,8 @@ class RepairMachine:
         self.sequencer.set_repairing(state.key, cursor, how)
         cursor.rounds += 1
         cursor.target = max(cursor.target, upto)
-        state.sync = how
-        state.sync_cause = cursor.cause
+        state.repair.sync = how
+        state.repair.cause = cursor.cause
         self._sync_changed(state)
         c = self.counters
         if how == REPLAY:
@@ -214,8 +214,8 @@ class RepairMachine:
         state.capped = 0
         old, state.epoch, state.last_seq = state.epoch, epoch, 0
         # A repair of the old history ends with it; the new one starts in sync unless it begins its own.
-        state.sync = "synced"
-        state.repair_failed = False
+        state.repair.sync = "synced"
+        state.repair.failed = False
         self._sync_changed(state, reconciled=True)
         self.log.info(
             "worker_restarted",
@@ -253,7 +253,7 @@ class RepairMachine:
                 applied=cursor.applied,
             )
             self.sequencer.set_repairing(state.key, cursor, None)
-            state.sync = "synced"
+            state.repair.sync = "synced"
             self._sync_changed(state)
             return
         if buffer:
@@ -314,7 +314,7 @@ class RepairMachine:
         if state is None or cursor is None or cursor.epoch != epoch or cursor.repairing != REPLAY:
             return
         self.counters.replays_failed[why] += 1
-        state.repair_failed = True
+        state.repair.failed = True
         self.begin(state, cursor, SNAPSHOT, "gap")
 
     def on_snapshot(
@@ -345,7 +345,7 @@ class RepairMachine:
         self.host.apply_snapshot(state, snapshot, diffs)
         cursor.applied = max(cursor.applied, snapshot.seq)
         state.epoch, state.last_seq = cursor.epoch, cursor.applied
-        state.repair_failed = False  # whatever was lost before is reconciled now
+        state.repair.failed = False  # whatever was lost before is reconciled now
         self._sync_changed(state, reconciled=True)
         if cursor.repairing is None:  # a periodic check: nothing was waiting on it
             return True
@@ -356,8 +356,8 @@ class RepairMachine:
         """A snapshot request got no usable answer (the repairer retries with back-off)."""
         self.counters.snapshots_failed += 1
         state = self.registry.get(instance)
-        if state is not None and not state.repair_failed:
-            state.repair_failed = True
+        if state is not None and not state.repair.failed:
+            state.repair.failed = True
             self._sync_changed(state)
 
     # -- decisions from timers ----------------------------------------------------------------------
@@ -387,8 +387,8 @@ class RepairMachine:
         cursor.applied = max(cursor.applied, cursor.target)
         state.last_seq = cursor.applied
         self.sequencer.set_repairing(state.key, cursor, None)
-        state.sync = "synced"
-        state.repair_failed = True  # holes accepted: blocks may be missing until a snapshot
+        state.repair.sync = "synced"
+        state.repair.failed = True  # holes accepted: blocks may be missing until a snapshot
         self._sync_changed(state)
 
 

@@ -186,7 +186,7 @@ class Decisions:
             self.outcomes.repaired(state.key)
         was = state.key in self.degraded
         self.refresh_state(state.key)
-        if not was and state.key in self.degraded and state.repair_failed:
+        if not was and state.key in self.degraded and state.repair.failed:
             # Holes accepted or a repair timed out: ask for a snapshot (rate-limited).
             self.outcomes.request_reconcile(state.key)
 

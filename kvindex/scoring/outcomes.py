@@ -302,10 +302,10 @@ class OutcomeTracker:
         outcomes, a repair under way for anything but a routine check, or a repair that failed."""
         if state.approximate:
             return APPROXIMATE, ""
-        if state.repair_failed:
+        if state.repair.failed:
             return DEGRADED, "repair failed"
-        if state.sync != "synced" and state.sync_cause not in ROUTINE_CHECKS:
-            return DEGRADED, f"{state.sync} ({state.sync_cause})"
+        if state.repair.sync != "synced" and state.repair.cause not in ROUTINE_CHECKS:
+            return DEGRADED, f"{state.repair.sync} ({state.repair.cause})"
         inst = self.instances.get(state.key)
         if inst is not None and inst.disagreeing >= self.config.threshold:
             return DEGRADED, f"outcomes {inst.disagreeing}/{len(inst.recent)}"

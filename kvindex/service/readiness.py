@@ -74,8 +74,8 @@ class Readiness:
             if (
                 cursor is None
                 or cursor.repairing is not None
-                or state.sync != "synced"
-                or cursor.applied < state.reported_seq
+                or state.repair.sync != "synced"
+                or cursor.applied < state.heartbeat.seq
             ):
                 out.append(key)
         return sorted(out)

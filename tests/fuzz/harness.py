@@ -173,7 +173,9 @@ def fingerprint(c: Consumer) -> Any:
     for key in sorted(ix.instances()):  # type: ignore[attr-defined]
         out.append((key, ix.block_counts(key), [ix.digest(key, t) for t in range(4)]))
     for s in sorted(c.registry.all(), key=lambda s: s.key):
-        out.append((s.key, s.model, s.block_size, s.epoch, s.last_seq, s.sync, dict(s.capacity), s.capped))
+        out.append(
+            (s.key, s.model, s.block_size, s.epoch, s.last_seq, s.repair.sync, dict(s.capacity), s.capped)
+        )
     for key, cur in sorted(c.sequencer.cursors().items()):
         out.append((key, cur.epoch, cur.applied, cur.repairing, tuple(cur.buffer.keys()), cur.held_keys))
     return out

@@ -98,7 +98,7 @@ async def test_mixed_fleet_routes_siblings_to_the_instance_that_served_their_pre
         assert svc.index.block_counts(("static-0", 0))[0] == 64
     # Heartbeat-only and static instances never get repair traffic (nothing to replay or compare).
     await asyncio.sleep(0.5)  # a few more heartbeats
-    assert svc.registry.get(("hb-0", 0)).sync == "synced"
+    assert svc.registry.get(("hb-0", 0)).repair.sync == "synced"
     assert svc.consumer.sequencer.cursor(("hb-0", 0)) is None
     assert svc.counters.snapshots_requested.get("drift", 0) == 0
 

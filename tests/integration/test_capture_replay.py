@@ -123,11 +123,11 @@ async def test_replay_reproduces_the_live_service_exactly(captured: tuple[Path, 
         mine = r.registry.get(state.key)
         assert mine is not None
         assert index_view(r.index, state.key) == index_view(live.index, state.key)
-        assert (mine.epoch, mine.last_seq, mine.stale, mine.sync) == (
+        assert (mine.epoch, mine.last_seq, mine.stale, mine.repair.sync) == (
             state.epoch,
             state.last_seq,
             state.stale,
-            state.sync,
+            state.repair.sync,
         )
         assert mine.last_heartbeat_at == pytest.approx(state.last_heartbeat_at, abs=0.05)  # type: ignore[arg-type]
     # Every live-state checkpoint along the way matched too.

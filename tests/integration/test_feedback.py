@@ -53,7 +53,9 @@ async def _fleet(svc: IndexService, make_publisher: MakePub) -> dict[str, Publis
         lambda: svc.index.block_counts(("w1", 0))[0] == 6 and svc.index.block_counts(("w2", 0))[0] == 2,
         what="fleet indexed",
     )
-    await wait_until(lambda: all(s.sync == "synced" for s in svc.registry.all()), what="start snapshots done")
+    await wait_until(
+        lambda: all(s.repair.sync == "synced" for s in svc.registry.all()), what="start snapshots done"
+    )
     return pubs
 
 
@@ -162,7 +164,7 @@ async def test_degraded_state_shows_and_discounts_the_cache(
         state = svc.registry.get(("w1", 0))
         ask = svc.ranker.outcomes.on_degraded
         svc.ranker.outcomes.on_degraded = None  # held back for a moment: it would repair at once
-        state.repair_failed = True  # as after a snapshot request that timed out
+        state.repair.failed = True  # as after a snapshot request that timed out
         svc.ranker.sync_changed(state)
         assert svc.ranker.degraded == {("w1", 0)}
         after = (await client.score(MODEL, token_ids=PROMPT, candidates=["w1/0"])).response

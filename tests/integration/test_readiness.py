@@ -149,7 +149,7 @@ async def test_ready_after_the_grace_even_if_a_worker_never_syncs(
     await asyncio.sleep(0.8)
     assert svc.ready() == (False, "initial_sync")
     await wait_until(lambda: svc.grpc.ready, 3.0, "ready after the grace")
-    assert svc.registry.get(("mute", 0)).sync == "snapshot"  # type: ignore[union-attr]
+    assert svc.registry.get(("mute", 0)).repair.sync == "snapshot"  # type: ignore[union-attr]
 
 
 async def test_stop_goes_not_ready_first_and_lets_in_flight_rpcs_finish(

@@ -100,9 +100,9 @@ def test_restart_during_a_repair_reports_the_new_history_as_synced() -> None:
     c.on_events("kvindex.events.w1", ev_batch(3, [stored(2)], epoch=1))  # gap: a repair starts
     assert pending.asked == ["replay"]
     state = c.registry.get(("w1", 0))
-    assert state is not None and state.sync == "replay"
+    assert state is not None and state.repair.sync == "replay"
     assert c.on_events("kvindex.events.w1", ev_batch(1, [stored(7)], epoch=2))
-    assert state.sync == "synced"
+    assert state.repair.sync == "synced"
     assert c.sequencer.cursor(("w1", 0)).repairing is None  # type: ignore[union-attr]
     assert sorted(c.index.keys_of(("w1", 0), 0)) == [7]
 

@@ -91,7 +91,7 @@ def test_equal_heartbeat_refreshes_liveness_and_reuses_the_decoded_maps() -> Non
     changed.clear()
     assert c.on_heartbeat(SUBJECT, heartbeat(ts=2.0))
     assert state.last_heartbeat_at is not None and at is not None and state.last_heartbeat_at > at
-    assert state.last_heartbeat_ts == 2.0
+    assert state.heartbeat.ts == 2.0
     # Nothing new was built for what did not change, and the row is still marked changed.
     assert state.load is load and state.capacity is capacity
     assert changed == {("w1", 0)}
@@ -134,13 +134,13 @@ def test_malformed_load_after_steady_heartbeats_is_rejected_with_the_worker(
     assert c.on_heartbeat(SUBJECT, heartbeat(ts=2.0))
     state = c.registry.get(("w1", 0))
     assert state is not None
-    before = (state.load, state.last_heartbeat_at, state.last_heartbeat_ts)
+    before = (state.load, state.last_heartbeat_at, state.heartbeat.ts)
     assert not c.on_heartbeat(SUBJECT, heartbeat(ts=3.0, load=load))
     assert c.counters.rejects == {reason: 1} and c.counters.rejects_by_worker == {"w1": 1}
-    assert (state.load, state.last_heartbeat_at, state.last_heartbeat_ts) == before
+    assert (state.load, state.last_heartbeat_at, state.heartbeat.ts) == before
     # The next good heartbeat is taken again.
     assert c.on_heartbeat(SUBJECT, heartbeat(ts=4.0))
-    assert state.last_heartbeat_ts == 4.0
+    assert state.heartbeat.ts == 4.0
 
 
 @pytest.mark.parametrize(
@@ -243,11 +243,11 @@ def test_payloads_that_are_not_bytes_take_the_full_decoder() -> None:
     assert c.on_heartbeat(SUBJECT, heartbeat())
     assert c.on_heartbeat(SUBJECT, bytearray(heartbeat(load={"running": 4})))
     state = c.registry.get(("w1", 0))
-    assert state is not None and state.load.running == 4 and state.heartbeat_memo is None
+    assert state is not None and state.load.running == 4 and state.heartbeat.memo is None
     assert c.on_heartbeat(SUBJECT, memoryview(heartbeat(load={"running": 5})))
     assert state.load.running == 5
     assert c.on_heartbeat(SUBJECT, heartbeat(load={"running": 6}))
-    assert state.load.running == 6 and state.heartbeat_memo is not None
+    assert state.load.running == 6 and state.heartbeat.memo is not None
 
 
 def test_digest_version_moves_with_every_change_and_never_repeats() -> None:
@@ -375,8 +375,9 @@ def _view(c: Consumer, samples: list[Any]) -> Any:
     states = {}
     for s in c.registry.all():
         states[s.key] = {
-            f.name: getattr(s, f.name) for f in fields(s) if f.name not in ("heartbeat_memo", "_watchers")
+            f.name: getattr(s, f.name) for f in fields(s) if f.name not in ("heartbeat", "_watchers")
         }
+        states[s.key]["heartbeat"] = (s.heartbeat.ts, s.heartbeat.digest, s.heartbeat.seq)  # (not its memo)
     cursors = {
         k: (cur.epoch, cur.applied, cur.repairing, cur.target, cur.behind, cur.rounds, cur.cause)
         for k, cur in c.sequencer.cursors().items()
@@ -416,7 +417,7 @@ def test_steady_path_matches_the_full_decoder(seed: int) -> None:
         assert _view(fast, fast_samples) == _view(full, full_samples)
         assert fast.repairs.scheduler.asked == full.repairs.scheduler.asked  # type: ignore[attr-defined]
     # The sequences exercised both paths.
-    assert any(s.heartbeat_memo is not None for s in fast.registry.all())
+    assert any(s.heartbeat.memo is not None for s in fast.registry.all())
 
 
 def test_load_decoding_matches_decode_heartbeat() -> None:
@@ -578,7 +579,7 @@ def test_a_repeated_heartbeat_only_refreshes_liveness() -> None:
     assert state is not None
     before = state.last_heartbeat_at
     assert c.on_heartbeat(subject, hb(4.5))
-    assert state.last_heartbeat_ts == 4.5 and state.last_heartbeat_at >= before
+    assert state.heartbeat.ts == 4.5 and state.last_heartbeat_at >= before
     assert c.counters.heartbeats_received == 4
 
 
@@ -674,7 +675,7 @@ def test_a_busy_worker_s_loads_are_applied_and_a_bad_one_rejected() -> None:
     state = c.registry.get(("w1", 0))
     for i, running in enumerate([7, 9, 9, 0, 31]):
         assert c.on_heartbeat(subject, hb(4.0 + i, running=running))
-        assert state.load.running == running and state.last_heartbeat_ts == 4.0 + i
+        assert state.load.running == running and state.heartbeat.ts == 4.0 + i
     assert subject in c.heartbeats._repeats
     # A load decode_heartbeat refuses: the full path says so (counted, with the worker id), nothing
     # is applied, and the short path is gone.

@@ -65,6 +65,6 @@ def test_several_routers_are_each_told_of_repair_changes() -> None:
     core = build_core(CoreConfig(ranker=RankerConfig(seed=3), rankers=2))
     assert_assembled(core)
     state = core.registry.add(KEY, "m", 16)
-    state.repair_failed = True  # a repair gave up: the instance is degraded everywhere
+    state.repair.failed = True  # a repair gave up: the instance is degraded everywhere
     core.consumer.on_sync_change(state, False)
     assert all(KEY in r.degraded for r in core.rankers)

@@ -106,11 +106,11 @@ def test_state_follows_repairs_and_events() -> None:
     tracker = OutcomeTracker(lambda: 0.0)
     state = InstanceState(("w", 0), MODEL, BS)
     assert tracker.state(state) == (EXACT, "")
-    state.sync, state.sync_cause = "snapshot", "periodic"  # a routine check
+    state.repair.sync, state.repair.cause = "snapshot", "periodic"  # a routine check
     assert tracker.state(state)[0] == EXACT
-    state.sync, state.sync_cause = "replay", "gap"
+    state.repair.sync, state.repair.cause = "replay", "gap"
     assert tracker.state(state) == (DEGRADED, "replay (gap)")
-    state.sync, state.repair_failed = "synced", True
+    state.repair.sync, state.repair.failed = "synced", True
     assert tracker.state(state) == (DEGRADED, "repair failed")
     state.approximate = True
     assert tracker.state(state)[0] == "approximate"

@@ -197,7 +197,7 @@ def view(c: Consumer) -> Any:
     return (
         ix.stats(),
         {i: (ix.block_counts(i), ix.digest(i, 0)) for i in ix.instances()},
-        {s.key: (s.epoch, s.last_seq, s.batches, s.last_heartbeat_ts) for s in c.registry.all()},
+        {s.key: (s.epoch, s.last_seq, s.batches, s.heartbeat.ts) for s in c.registry.all()},
     )
 
 
@@ -320,7 +320,7 @@ def test_a_jump_is_refused_logged_with_the_worker_and_resynchronised_from_a_snap
     # The snapshot says where the worker really is: seq 2 (it lied). Its next batch applies.
     c.repairs.on_snapshot(key, Snapshot(epoch=1, seq=2, tiers={0: [1, 5]}))
     assert c.on_events("kvindex.events.w1", batch(3, [6]))
-    assert sorted(c.index.keys_of(key, 0)) == [1, 5, 6] and c.registry.get(key).sync == "synced"  # type: ignore[union-attr]
+    assert sorted(c.index.keys_of(key, 0)) == [1, 5, 6] and c.registry.get(key).repair.sync == "synced"  # type: ignore[union-attr]
 
 
 def test_a_heartbeat_jump_asks_a_snapshot_not_a_replay_of_its_tail() -> None:

@@ -52,8 +52,8 @@ def test_readiness_waits_for_the_first_window_then_the_initial_sync() -> None:
     b = registry.add(("b", 0), "m", 4)
     sequencer.open(a.key, 1, applied=5)
     cursor_b = sequencer.open(b.key, 1)
-    a.reported_seq = 5
-    b.sync, cursor_b.repairing = "snapshot", "snapshot"
+    a.heartbeat.seq = 5
+    b.repair.sync, cursor_b.repairing = "snapshot", "snapshot"
     assert r.evaluate(100.5, connected=True) == (False, "first_heartbeat_window")
     assert r.evaluate(101.5, connected=True) == (False, "initial_sync")
     assert r.pending() == [("b", 0)]
@@ -74,9 +74,9 @@ def test_readiness_needs_every_announced_batch_and_a_read_stream() -> None:
     r.start(0.0)
     a = registry.add(("a", 0), "m", 4)
     sequencer.open(a.key, 1, applied=3)
-    a.reported_seq = 7  # its heartbeat announced batches not applied yet
+    a.heartbeat.seq = 7  # its heartbeat announced batches not applied yet
     assert r.evaluate(1.0, connected=True) == (False, "initial_sync")
-    a.reported_seq = 3
+    a.heartbeat.seq = 3
     assert r.evaluate(1.1, connected=True, caught_up=False) == (False, "initial_sync")
     assert r.evaluate(1.2, connected=True, caught_up=True) == (True, "ready")
 
@@ -87,6 +87,6 @@ def test_readiness_after_the_grace_whatever_is_pending() -> None:
     r.start(0.0)
     a = registry.add(("a", 0), "m", 4)
     cursor = sequencer.open(a.key, 1)
-    a.sync, cursor.repairing = "snapshot", "snapshot"
+    a.repair.sync, cursor.repairing = "snapshot", "snapshot"
     assert r.evaluate(2.9, connected=True) == (False, "initial_sync")
     assert r.evaluate(3.0, connected=True) == (True, "ready")

@@ -142,7 +142,7 @@ def test_capped_tier_skips_the_digest_until_the_worker_fits_then_a_snapshot_make
     c.repairs.on_snapshot(w1, Snapshot(1, 2, {0: list(range(7, 11))}))
     assert sorted(c.index.keys_of(w1, 0)) == [7, 8, 9, 10]
     state = c.registry.get(w1)
-    assert state is not None and state.capped == 0 and state.sync == "synced"
+    assert state is not None and state.capped == 0 and state.repair.sync == "synced"
 
 
 def test_snapshot_beyond_the_limit_is_applied_up_to_it() -> None:
@@ -155,7 +155,7 @@ def test_snapshot_beyond_the_limit_is_applied_up_to_it() -> None:
     assert c.index.block_counts(w1) == (10, 0, 0, 0)
     assert c.counters.rejects[BLOCK_LIMIT] == 1 and c.counters.blocks_refused == 90
     state = c.registry.get(w1)
-    assert state is not None and state.capped == 1 and state.sync == "synced"
+    assert state is not None and state.capped == 1 and state.repair.sync == "synced"
 
 
 def test_new_instances_and_models_beyond_the_limits_are_refused_whole() -> None:

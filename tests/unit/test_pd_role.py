@@ -60,7 +60,7 @@ def test_malformed_role_is_dropped_counted_and_logged_heartbeat_kept(bad: dict[s
     with structlog.testing.capture_logs() as logs:
         assert consumer.on_heartbeat(SUBJECT, heartbeat(ts=2.0, **{"role": "decode", **bad}))  # applied
     # Neither half of the role is trusted: the instance serves whole requests, as one that says nothing.
-    assert (state.role, state.pd_group) == ("both", None) and state.last_heartbeat_ts == 2.0
+    assert (state.role, state.pd_group) == ("both", None) and state.heartbeat.ts == 2.0
     assert consumer.counters.rejects == {E.BAD_ROLE: 1}
     (rejected,) = [e for e in logs if e["event"] == "message_rejected"]
     assert rejected["worker"] == "w1" and rejected["reason"] == E.BAD_ROLE and "must" in rejected["error"]
@@ -76,12 +76,12 @@ def test_role_changes_take_every_decode_path() -> None:
     assert state is not None and state.role == "prefill"
     for ts in (2.0, 3.0, 4.0):  # peek path, then the repeated-bytes path
         assert consumer.on_heartbeat(SUBJECT, heartbeat(ts=ts, role="prefill"))
-        assert state.role == "prefill" and state.last_heartbeat_ts == ts
+        assert state.role == "prefill" and state.heartbeat.ts == ts
     assert consumer.heartbeats._repeats, "a steady heartbeat takes the repeated-bytes path"
     assert consumer.on_heartbeat(SUBJECT, heartbeat(ts=5.0, role="decode", pd_group="g2"))
     assert (state.role, state.pd_group) == ("decode", "g2")
     assert consumer.on_heartbeat(SUBJECT, heartbeat(ts=6.0))  # the field withdrawn: back to both
-    assert (state.role, state.pd_group, state.last_heartbeat_ts) == ("both", None, 6.0)
+    assert (state.role, state.pd_group, state.heartbeat.ts) == ("both", None, 6.0)
     assert not consumer.counters.rejects
 
 
