@@ -95,6 +95,27 @@ def _add_serve(sub: Any) -> None:
         "--ext-proc-pd-same-group", action="store_true", help="prefiller within the decode pick's --pd-group"
     )
     add_admission_options(e, named=True)
+    _add_serve_routing(p)
+    _add_serve_state(p)
+    t = p.add_argument_group("text prompts (docs/tokenize.md)")
+    t.add_argument(
+        "--tokenizer",
+        action="append",
+        default=[],
+        metavar="MODEL=DIR",
+        help="tokenize prompt/messages requests for MODEL with DIR's tokenizer.json, tokenizer_config.json "
+        "and chat template (repeatable)",
+    )
+    t.add_argument(
+        "--tokenize-cache-mb", type=float, default=128.0, metavar="MIB", help="tokenization cache size"
+    )
+
+    add_server_options(p)
+    _add_readiness_shutdown(p)
+
+
+def _add_serve_routing(p: Any) -> None:
+    """``kvindex serve``: the in-process routing proxy, the pick, engines without KV events."""
     r = p.add_argument_group(
         "the OpenAI routing proxy in this process (kvindex route without the gRPC hop; "
         "kvindex/route/README.md). The admission flags above apply to it as well"
@@ -154,6 +175,10 @@ def _add_serve(sub: Any) -> None:
     a.add_argument(
         "--predicted-ttl", type=float, default=120.0, help="seconds a routed prompt is assumed cached there"
     )
+
+
+def _add_serve_state(p: Any) -> None:
+    """``kvindex serve``: the prefill time model, self-healing, replicas, JetStream, limits."""
     c = p.add_argument_group("prefill time model (docs/scoring.md, Calibration)")
     c.add_argument(
         "--no-calibration",
@@ -229,21 +254,6 @@ def _add_serve(sub: Any) -> None:
     j.add_argument("--stream-replicas", type=int, default=1, help="stream replicas in a NATS cluster (1-5)")
     _add_limits(p)
     add_serve_capture(p)
-    t = p.add_argument_group("text prompts (docs/tokenize.md)")
-    t.add_argument(
-        "--tokenizer",
-        action="append",
-        default=[],
-        metavar="MODEL=DIR",
-        help="tokenize prompt/messages requests for MODEL with DIR's tokenizer.json, tokenizer_config.json "
-        "and chat template (repeatable)",
-    )
-    t.add_argument(
-        "--tokenize-cache-mb", type=float, default=128.0, metavar="MIB", help="tokenization cache size"
-    )
-
-    add_server_options(p)
-    _add_readiness_shutdown(p)
 
 
 def _non_negative(text: str) -> float:
@@ -605,16 +615,9 @@ def _embedded_route(args: argparse.Namespace, admission: Any, objectives: Any) -
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from kvindex.fleet.liveness import LivenessConfig
-    from kvindex.ingest.nats_source import JetStreamConfig
     from kvindex.lifecycle import Stop, run
-    from kvindex.repair.nats_repair import RepairConfig
-    from kvindex.routing_sync.sync import SyncConfig
     from kvindex.scoring.costs import cost_config
-    from kvindex.scoring.ranker import RankerConfig
-    from kvindex.security import ServerSecurity
-    from kvindex.service.app import CLEANUP_BUDGET, IndexService, ServiceConfig, serve_until_stopped
-    from kvindex.service.readiness import ReadinessConfig
+    from kvindex.service.app import CLEANUP_BUDGET, IndexService, serve_until_stopped
 
     try:  # checked first: a wrong flag is one line, before logging is set up or anything starts
         costs = cost_config(dict(args.cost), calibrate=args.calibration)
@@ -638,8 +641,53 @@ def _serve(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
+    config = _service_config(args, nats, costs, admission, objectives)
+    if args.instance and not args.instance_model:
+        raise SystemExit("kvindex serve: --instance needs --instance-model (the model they serve)")
+    from kvindex.tokenize import TokenizeError
+
+    try:
+        service = IndexService(config)
+    except TokenizeError as exc:
+        print(f"kvindex serve: {exc}", file=sys.stderr)
+        return 2
+
+    def start_failed(exc: Exception) -> int | None:
+        """A start error the user can fix, logged before the stop's own lines; exit code 2."""
+        from kvindex.api.listen import ListenError
+
+        if isinstance(exc, (NatsConfigError, NatsConnectError)):
+            structlog.get_logger("kvindex").error("nats_connect_failed", error=str(exc))
+            return 2
+        if isinstance(exc, ListenError):
+            flag = _LISTEN_FLAGS.get(exc.what, "")
+            structlog.get_logger("kvindex").error(
+                "listen_failed", error=f"{exc} (choose another with {flag})"
+            )
+            return 2
+        return None
+
+    async def main(stop: Stop) -> int:
+        return await serve_until_stopped(service, stop, start_failed)
+
+    # SIGTERM/SIGINT/SIGHUP or the parent's exit stop it within the grace (docs/deploy.md).
+    return run(main, grace=config.shutdown_grace + CLEANUP_BUDGET, name="kvindex-serve")
+
+
+def _service_config(args: argparse.Namespace, nats: Any, costs: Any, admission: Any, objectives: Any) -> Any:
+    """``kvindex serve``'s ServiceConfig from its flags (``nats``: the NatsSettings, None for the
+    embedded server; ``costs``, ``admission``, ``objectives``: the flags already checked)."""
+    from kvindex.fleet.liveness import LivenessConfig
+    from kvindex.ingest.nats_source import JetStreamConfig
+    from kvindex.repair.nats_repair import RepairConfig
+    from kvindex.routing_sync.sync import SyncConfig
+    from kvindex.scoring.ranker import RankerConfig
+    from kvindex.security import ServerSecurity
+    from kvindex.service.app import ServiceConfig
+    from kvindex.service.readiness import ReadinessConfig
+
     nats_host, nats_port = args.embedded_nats_listen or ("127.0.0.1", 0)
-    config = ServiceConfig(
+    return ServiceConfig(
         nats_url=nats,
         embedded_nats_host=nats_host,
         embedded_nats_port=nats_port,
@@ -688,36 +736,6 @@ def _serve(args: argparse.Namespace) -> int:
         readiness=ReadinessConfig(window=args.ready_window, grace=args.ready_grace),
         shutdown_grace=args.shutdown_grace,
     )
-    if args.instance and not args.instance_model:
-        raise SystemExit("kvindex serve: --instance needs --instance-model (the model they serve)")
-    from kvindex.tokenize import TokenizeError
-
-    try:
-        service = IndexService(config)
-    except TokenizeError as exc:
-        print(f"kvindex serve: {exc}", file=sys.stderr)
-        return 2
-
-    def start_failed(exc: Exception) -> int | None:
-        """A start error the user can fix, logged before the stop's own lines; exit code 2."""
-        from kvindex.api.listen import ListenError
-
-        if isinstance(exc, (NatsConfigError, NatsConnectError)):
-            structlog.get_logger("kvindex").error("nats_connect_failed", error=str(exc))
-            return 2
-        if isinstance(exc, ListenError):
-            flag = _LISTEN_FLAGS.get(exc.what, "")
-            structlog.get_logger("kvindex").error(
-                "listen_failed", error=f"{exc} (choose another with {flag})"
-            )
-            return 2
-        return None
-
-    async def main(stop: Stop) -> int:
-        return await serve_until_stopped(service, stop, start_failed)
-
-    # SIGTERM/SIGINT/SIGHUP or the parent's exit stop it within the grace (docs/deploy.md).
-    return run(main, grace=config.shutdown_grace + CLEANUP_BUDGET, name="kvindex-serve")
 
 
 def parse_cost_option(text: str) -> tuple[str, float]:

@@ -369,6 +369,8 @@ class KvIndexServicer(pb_grpc.KvIndexServicer):
         prompt_tokens: int | None = None,
         pick: PickOptions | None = None,
     ) -> pb.ScoreResponse:
+        """Rank and build the response. A hot loop (every Score, a message per ranked instance):
+        kept in one function, cached parts copied rather than rebuilt."""
         model = request.model
         prompt = prompt_length(request, block_size, keys) if prompt_tokens is None else prompt_tokens
         response = pb.ScoreResponse(

@@ -445,6 +445,54 @@ def _report(driver: Any, args: argparse.Namespace, out: Output, queries: list) -
         out.line(f"({r.repeats} repeats of the moments above not shown; --timeline all shows them)")
     if result.stopped_at_until:
         out.line(f"stopped at {fmt_wall(r.wall, date=True)} (--until / --request)", "bold")
+    _print_state(out, r, summary)
+    out.line(f"state digest: {summary['digest']}", "bold")
+    code = 0
+    if stats.truncated_tail:
+        out.line(f"warning: truncated tail: {stats.truncated_tail}", "yellow")
+    if not summary["closed"] and not result.error and not result.stopped_at_until:
+        out.line("note: the log has no close record (the writer was killed or is still running)", "yellow")
+    if r.divergences:
+        first = r.divergences[0]
+        out.line(f"error: the replay diverged from the live service at record {first.offset}", "red")
+        code = 1
+    if r.pick_differences:
+        first_pick = r.pick_differences[0]
+        out.line(
+            f"error: request {first_pick.request_id} (record {first_pick.offset}) re-ranked to "
+            f"{first_pick.replayed or '?'}, live it went to {first_pick.live}",
+            "red",
+        )
+        code = 1
+    if r.exceptions:
+        offset, _error, trace = r.exceptions[0]
+        out.line(
+            f"error: {len(r.exceptions)} record(s) raised in the consumer; the first, at {offset}:", "red"
+        )
+        out.line(trace.rstrip())
+        code = 1
+    if result.error is not None:
+        out.line(f"error: {result.error} (everything before it was replayed)", "red")
+        code = 1
+    results = []
+    if result.replayer.watched is not None:
+        results.append(result.replayer.watched)
+    elif args.request:
+        out.line(f"error: no recorded commit of request {args.request!r} in the log", "red")
+        code = 1
+    results.extend(_run_query(r, name, spec) for name, spec in queries)
+    for q in results:
+        _print_query(out, q, r.wall)
+        if q.error:
+            code = 1
+    if args.report:
+        _write_report(args, driver, summary, results)
+    return code
+
+
+def _print_state(out: Output, r: Any, summary: dict[str, Any]) -> None:
+    """The replayed state: the instances, blocks per tier, the counters, the checks of the live state
+    and of the picks."""
     out.table(
         f"state at {fmt_wall(r.wall, date=True)}: {len(summary['instances'])} instance(s)",
         [
@@ -510,70 +558,34 @@ def _report(driver: Any, args: argparse.Namespace, out: Output, queries: list) -
             f"picks re-derived: {picks['checked']}, same as live {picks['same']}, differ {picks['differ']}",
             "green" if not picks["differ"] else "red",
         )
-    out.line(f"state digest: {summary['digest']}", "bold")
-    code = 0
-    if stats.truncated_tail:
-        out.line(f"warning: truncated tail: {stats.truncated_tail}", "yellow")
-    if not summary["closed"] and not result.error and not result.stopped_at_until:
-        out.line("note: the log has no close record (the writer was killed or is still running)", "yellow")
-    if r.divergences:
-        first = r.divergences[0]
-        out.line(f"error: the replay diverged from the live service at record {first.offset}", "red")
-        code = 1
-    if r.pick_differences:
-        first_pick = r.pick_differences[0]
-        out.line(
-            f"error: request {first_pick.request_id} (record {first_pick.offset}) re-ranked to "
-            f"{first_pick.replayed or '?'}, live it went to {first_pick.live}",
-            "red",
-        )
-        code = 1
-    if r.exceptions:
-        offset, _error, trace = r.exceptions[0]
-        out.line(
-            f"error: {len(r.exceptions)} record(s) raised in the consumer; the first, at {offset}:", "red"
-        )
-        out.line(trace.rstrip())
-        code = 1
-    if result.error is not None:
-        out.line(f"error: {result.error} (everything before it was replayed)", "red")
-        code = 1
-    results = []
-    if result.replayer.watched is not None:
-        results.append(result.replayer.watched)
-    elif args.request:
-        out.line(f"error: no recorded commit of request {args.request!r} in the log", "red")
-        code = 1
-    results.extend(_run_query(r, name, spec) for name, spec in queries)
-    for q in results:
-        _print_query(out, q, r.wall)
-        if q.error:
-            code = 1
-    if args.report:
-        report = {
-            "log": args.log,
-            "meta": {
-                k: v for k, v in driver.reader.meta.items() if isinstance(v, (str, int, float, bool, dict))
+
+
+def _write_report(args: argparse.Namespace, driver: Any, summary: dict[str, Any], results: list[Any]) -> None:
+    """``--report``: the replay's summary, what was read, the timeline and the queries, as JSON."""
+    result = driver.result
+    r = result.replayer
+    stats = driver.reader.stats
+    report = {
+        "log": args.log,
+        "meta": {k: v for k, v in driver.reader.meta.items() if isinstance(v, (str, int, float, bool, dict))},
+        "summary": summary,
+        "read": {
+            "segments": stats.segments,
+            "bytes": stats.bytes_total,
+            "frames": stats.frames,
+            "truncated_tail": stats.truncated_tail,
+            "error": None
+            if result.error is None
+            else {
+                "offset": result.error.offset,
+                "path": result.error.path,
+                "message": result.error.message,
             },
-            "summary": summary,
-            "read": {
-                "segments": stats.segments,
-                "bytes": stats.bytes_total,
-                "frames": stats.frames,
-                "truncated_tail": stats.truncated_tail,
-                "error": None
-                if result.error is None
-                else {
-                    "offset": result.error.offset,
-                    "path": result.error.path,
-                    "message": result.error.message,
-                },
-            },
-            "timeline": [m.as_dict() for m in r.moments],
-            "queries": [_query_dict(q) for q in results],
-        }
-        Path(args.report).write_text(json.dumps(report, indent=2, default=str))
-    return code
+        },
+        "timeline": [m.as_dict() for m in r.moments],
+        "queries": [_query_dict(q) for q in results],
+    }
+    Path(args.report).write_text(json.dumps(report, indent=2, default=str))
 
 
 def _pairs(counts: dict[str, int]) -> str:

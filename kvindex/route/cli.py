@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import structlog
 
@@ -13,6 +13,9 @@ from kvindex.lifecycle import Stop, run
 from kvindex.observability.logs import configure_logging
 from kvindex.route.admission_args import add_admission_options, admission_from_args
 from kvindex.security import ClientTLS, SecurityConfigError, add_client_options, token_from_args
+
+if TYPE_CHECKING:  # (the proxy needs the route extra: imported when it runs)
+    from kvindex.route.proxy import RouteProxy
 
 
 def add_route(sub: Any) -> None:
@@ -180,7 +183,7 @@ _ROUTE_EXTRA = frozenset({"aiohttp", "multidict", "yarl"})
 
 def run_route(args: argparse.Namespace) -> int:
     try:
-        from kvindex.route.proxy import RouteConfig, RouteProxy, serve_until_stopped
+        from kvindex.route.proxy import RouteConfig, RouteProxy
     except ImportError as exc:
         if (exc.name or "").split(".")[0] not in _ROUTE_EXTRA:
             raise
@@ -242,3 +245,15 @@ def run_route(args: argparse.Namespace) -> int:
     # SIGTERM/SIGINT/SIGHUP or the parent's exit: in-flight requests get --grace, then releases are
     # sent and connections closed (bounded); forced out 3 s after that (kvindex/lifecycle).
     return run(main, grace=args.grace + 5.0, name="kvindex-route")
+
+
+async def serve_until_stopped(proxy: RouteProxy, stop: Stop) -> None:
+    """Serve until ``stop`` is requested (SIGTERM, SIGINT, SIGHUP or the parent's exit, under
+    :func:`kvindex.lifecycle.run`), then finish in-flight requests within the grace and return."""
+    try:
+        await stop.run_or_stop(proxy.start())
+        if not stop.requested:
+            await stop.wait()
+            structlog.get_logger("kvindex.route").info("route_draining", grace=proxy.config.grace)
+    finally:
+        await proxy.stop()  # what did start (index channel, engine session) is closed

@@ -29,7 +29,6 @@ from kvindex.client import (
     Decision,
     Target,
 )
-from kvindex.lifecycle import Stop
 from kvindex.observability.logs import RateLimitedLog
 from kvindex.route.config import RouteConfig
 from kvindex.route.decide import MAYBE_COMMITTED, Decider, estimate_of, estimates
@@ -476,20 +475,31 @@ class RouteProxy:
             first_at = time.monotonic()
             self.metrics.ttft.labels(stream).observe(first_at - received)
             self.admission_metrics.observe_ttft(req.model, req.objective, first_at - received)
-        if reader is not None:
-            tail = reader.finish()
-            req.ledger.report = report_of(reader.usage, stream == "true", (first_at - received) * 1000)
-            if tail:
-                try:
-                    await response.write(tail)
-                except ConnectionResetError:
-                    return response, "499"
-        try:
-            await response.write_eof()
-        except ConnectionResetError:
-            return response, "499"
+        if not await self._end_body(response, reader, req, stream == "true", (first_at - received) * 1000):
+            return response, "499"  # the client went away while we wrote
         self.metrics.duration.labels(stream).observe(time.monotonic() - received)
         return response, str(upstream.status)
+
+    async def _end_body(
+        self,
+        response: web.StreamResponse,
+        reader: UsageReader | None,
+        req: _Request,
+        stream: bool,
+        ttft_ms: float,
+    ) -> bool:
+        """The answer is over: the engine's report for the final release (``reader``: it was read),
+        the usage chunk held back if it was not the client's, the end; False if the client went."""
+        try:
+            if reader is not None:
+                tail = reader.finish()
+                req.ledger.report = report_of(reader.usage, stream, ttft_ms)
+                if tail:
+                    await response.write(tail)
+            await response.write_eof()
+        except ConnectionResetError:
+            return False
+        return True
 
     def _first_byte(
         self,
@@ -586,15 +596,3 @@ class RouteProxy:
         return web.Response(
             body=generate_latest(self.metrics.registry), headers={"Content-Type": CONTENT_TYPE_LATEST}
         )
-
-
-async def serve_until_stopped(proxy: RouteProxy, stop: Stop) -> None:
-    """Serve until ``stop`` is requested (SIGTERM, SIGINT, SIGHUP or the parent's exit, under
-    :func:`kvindex.lifecycle.run`), then finish in-flight requests within the grace and return."""
-    try:
-        await stop.run_or_stop(proxy.start())
-        if not stop.requested:
-            await stop.wait()
-            log.info("route_draining", grace=proxy.config.grace)
-    finally:
-        await proxy.stop()  # what did start (index channel, engine session) is closed

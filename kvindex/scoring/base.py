@@ -12,7 +12,7 @@ from msgspec import Struct
 from kvindex.fleet.registry import InstanceState
 from kvindex.index.base import InstanceMatch
 from kvindex.instance import InstanceKey
-from kvindex.scoring.costs import CostModel
+from kvindex.scoring.costs import CostModel, est_ttft_ms
 from kvindex.scoring.ledger import LedgerEntry
 
 if TYPE_CHECKING:
@@ -72,7 +72,7 @@ class Candidate(Struct, gc=False):
 
     @property
     def est_ttft_ms(self) -> float:
-        return self.wait_ms + self.prefill_ms + self.fetch_ms
+        return est_ttft_ms(self.wait_ms, self.prefill_ms, self.fetch_ms)
 
     @property
     def load(self) -> int:

@@ -61,7 +61,10 @@ class CandidateBuilder:
         every: bool = False,
         matches: dict[InstanceKey, InstanceMatch] | None = None,
     ) -> list[Candidate]:
-        """``every``: ``states`` are all the model's routable instances, so the index may match all
+        """The request's candidates among ``states``. A hot loop (every Score, once per instance):
+        kept in one function, its reads hoisted.
+
+        ``every``: ``states`` are all the model's routable instances, so the index may match all
         of its instances (the extra ones, stale or pools, are not looked at) instead of building a
         mask from the list. ``matches``: the index's answer, when the caller already has it.
 

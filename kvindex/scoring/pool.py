@@ -120,33 +120,9 @@ class PoolBuilder:
         else:
             group_of, marked = None, []
         if spec_ttl > 0 and keys:
-            # An instance whose speculative keys continue its match extends it: a full candidate
-            # (past 0 blocks for a non-holder, past its group's answer for a group's member).
-            now = self.clock()
-            n_keys = len(keys)
-            for inst, held in self.speculative.by_instance():
-                if inst in matches:
-                    continue
-                i = row.get(inst)
-                if i is None or not mask[i]:
-                    continue
-                g = int(group_of[i]) if group_of is not None else 0
-                depth = groups[g - 1].match.length if g else 0
-                expiry = held.get(keys[depth]) if depth < n_keys else None
-                if expiry is not None and expiry > now:
-                    rows.append(i)
-                    if g:
-                        matches[inst] = groups[g - 1].match
+            rows += self._speculative_rows(keys, table, mask, matches, groups, group_of)
         if group_of is not None and self.degraded:
-            # A degraded instance is credited only part of its match: not its group's terms.
-            for inst in self.degraded:
-                i = row.get(inst)
-                if i is None or not mask[i] or inst in matches:
-                    continue
-                g = int(group_of[i])
-                if g:
-                    rows.append(i)
-                    matches[inst] = groups[g - 1].match
+            rows += self._degraded_rows(table, mask, matches, groups, group_of)
         explicit = self.builder.candidates(request, [states[i] for i in rows], spec_ttl, matches=matches)
         pool = CandidatePool(
             self.builder, request, table, mask, count, everyone, explicit, rows, spec_ttl, groups, group_of
@@ -161,6 +137,58 @@ class PoolBuilder:
             counts[0] = count - len(rows) - sum(counts)
             pool.group_counts = counts
         return pool
+
+    def _speculative_rows(
+        self,
+        keys: list[int],
+        table: ModelTable,
+        mask: np.ndarray,
+        matches: dict[InstanceKey, InstanceMatch],
+        groups: list[MatchGroup],
+        group_of: np.ndarray | None,
+    ) -> list[int]:
+        """The rows of the instances whose speculative keys continue their match: full candidates
+        (past 0 blocks for a non-holder, past its group's answer for a group's member, whose answer
+        goes into ``matches``)."""
+        now = self.clock()
+        n_keys = len(keys)
+        row = table.row
+        rows = []
+        for inst, held in self.speculative.by_instance():
+            if inst in matches:
+                continue
+            i = row.get(inst)
+            if i is None or not mask[i]:
+                continue
+            g = int(group_of[i]) if group_of is not None else 0
+            depth = groups[g - 1].match.length if g else 0
+            expiry = held.get(keys[depth]) if depth < n_keys else None
+            if expiry is not None and expiry > now:
+                rows.append(i)
+                if g:
+                    matches[inst] = groups[g - 1].match
+        return rows
+
+    def _degraded_rows(
+        self,
+        table: ModelTable,
+        mask: np.ndarray,
+        matches: dict[InstanceKey, InstanceMatch],
+        groups: list[MatchGroup],
+        group_of: np.ndarray,
+    ) -> list[int]:
+        """The rows of the degraded members of match groups: full candidates (a degraded instance
+        is credited only part of its match, not its group's terms; its answer goes into ``matches``)."""
+        rows = []
+        for inst in self.degraded:
+            i = table.row.get(inst)
+            if i is None or not mask[i] or inst in matches:
+                continue
+            g = int(group_of[i])
+            if g:
+                rows.append(i)
+                matches[inst] = groups[g - 1].match
+        return rows
 
     def _group_rows(
         self, model: str, table: ModelTable, groups: list[MatchGroup], mask: np.ndarray

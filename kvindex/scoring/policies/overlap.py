@@ -9,7 +9,7 @@ Absolute work rather than ratios, but blocks instead of milliseconds and no mode
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -28,13 +28,9 @@ class Overlap:
 
     def rank(self, request: RouteRequest, candidates: list[Candidate], ctx: PolicyContext) -> list[Choice]:
         b = request.block_size
-        w = TIER_WEIGHTS
-        out = []
-        for c in candidates:
-            t = c.tokens_by_tier
-            fetch = (w[1] * t[1] + w[2] * t[2] + w[3] * t[3]) / b
-            queued = c.state.load.waiting_prefill_tokens + c.routed_tokens
-            out.append(Choice(c, queued / b + c.miss_tokens / b + fetch))
+        out = [
+            Choice(c, _cost(c.state.load.waiting_prefill_tokens + c.routed_tokens, c, b)) for c in candidates
+        ]
         return sorted(out, key=lambda ch: (ch.cost, ch.candidate.state.load.kv_usage, ch.candidate.state.key))
 
     def rank_top(
@@ -44,24 +40,27 @@ class Overlap:
         fetch (the whole prompt and none when they hold nothing)."""
         b = request.block_size
         table = pool.table
-        queued = table.queued_now[: table.n]
-        w = TIER_WEIGHTS
+        queued = table.queued_now[: table.n]  # (reported + routed since, per row)
 
         def columns(t: Candidate) -> list[np.ndarray]:
-            tiers = t.tokens_by_tier
-            fetch = (w[1] * tiers[1] + w[2] * tiers[2] + w[3] * tiers[3]) / b
-            return [queued / b + t.miss_tokens / b + fetch, pool.kv]
+            return [_cost(queued, t, b), pool.kv]
 
         top = pool.top(columns, lambda c: (self._cost(c, b), c.state.load.kv_usage, c.state.key), top_k)
         return [Choice(c, self._cost(c, b)) for c in top]
 
     @staticmethod
     def _cost(c: Candidate, b: int) -> float:
-        w = TIER_WEIGHTS
-        t = c.tokens_by_tier
-        fetch = (w[1] * t[1] + w[2] * t[2] + w[3] * t[3]) / b
-        queued = c.state.load.waiting_prefill_tokens + c.routed_tokens
-        return queued / b + c.miss_tokens / b + fetch
+        cost: float = _cost(c.state.load.waiting_prefill_tokens + c.routed_tokens, c, b)
+        return cost
 
     def on_commit(self, request: RouteRequest, instance: Candidate, ctx: PolicyContext) -> None:
         return None
+
+
+def _cost(queued: Any, c: Candidate, b: int) -> Any:
+    """The cost in blocks: ``queued`` tokens (one instance's, or a column of them), then ``c``'s
+    miss and the weighted tokens it fetches from slower tiers."""
+    w = TIER_WEIGHTS
+    t = c.tokens_by_tier
+    fetch = (w[1] * t[1] + w[2] * t[2] + w[3] * t[3]) / b
+    return queued / b + c.miss_tokens / b + fetch

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from kvindex.scoring.base import Candidate, Choice, PolicyContext, RouteRequest
+from kvindex.scoring.costs import weighted_cost
 from kvindex.scoring.fleet_table import median_of
 from kvindex.scoring.home import home_block, rendezvous_order
 
@@ -78,19 +79,15 @@ class Ttft:
         self._hot: OrderedDict[int, tuple[float, float]] = OrderedDict()
 
     def rank(self, request: RouteRequest, candidates: list[Candidate], ctx: PolicyContext) -> list[Choice]:
-        est = [c.wait_ms + c.prefill_ms + c.fetch_ms for c in candidates]  # Candidate.est_ttft_ms
-        costs = est
-        if self.congestion:
-            # An overloaded fleet (queues longer than the work itself) is limited by throughput:
-            # every token computed delays everyone queued after it, so prefill work is weighed by
-            # how far waits exceed it; hits then win over small differences in wait. Loading matched
-            # blocks from a slower tier or the shared pool occupies the engine too, so it is weighed
-            # alike (a hit in the pool is not free for the instance that has to fetch it). The weight is
-            # a fleet regime tracked over time (medians, smoothed over ``congestion_tau`` s), never
-            # the current candidates' own loads: one instance's load must not reorder the others.
-            k = self._congestion_weight(candidates, ctx.clock())
-            if k:
-                costs = [e + k * (c.prefill_ms + c.fetch_ms) for e, c in zip(est, candidates, strict=True)]
+        # An overloaded fleet (queues longer than the work itself) is limited by throughput: every
+        # token computed delays everyone queued after it, so prefill work is weighed by how far
+        # waits exceed it (costs.weighted_cost); hits then win over small differences in wait.
+        # Loading matched blocks from a slower tier or the shared pool occupies the engine too, so
+        # it is weighed alike (a hit in the pool is not free for the instance that has to fetch it).
+        # The weight is a fleet regime tracked over time (medians, smoothed over ``congestion_tau``
+        # s), never the current candidates' own loads: one instance's load must not reorder the others.
+        k = self._congestion_weight(candidates, ctx.clock()) if self.congestion else 0.0
+        est, costs = _costs(candidates, k)
         cost = {id(c): x for c, x in zip(candidates, costs, strict=True)}
         # Ties (an idle fleet, equal hits) go to the emptier cache, then the less busy instance
         # (Candidate.load); instance keys are unique, so the position is never compared.
@@ -178,24 +175,12 @@ class Ttft:
         k = self._k if self.congestion else 0.0
         native = pool.rank_others(k, top_k)
         if self.congestion:
-            if _uncongested(pool, None if native is None else native[1:]):
-                self._fold_target(0.0, ctx.clock())
-            else:
-                wait = median_of(pool.of_everyone(pool.wait, [c.wait_ms for c in explicit]))
-                work = median_of(pool.of_everyone(pool.prefill, [c.prefill_ms for c in explicit])) or 1.0
-                self._fold_congestion(wait, work, ctx.clock())
-        est_e = [c.wait_ms + c.prefill_ms + c.fetch_ms for c in explicit]
-        if k:
-            cost_e = [e + k * (c.prefill_ms + c.fetch_ms) for e, c in zip(est_e, explicit, strict=True)]
-        else:
-            cost_e = est_e
+            self._fold_pool(pool, None if native is None else native[1:], ctx.clock())
+        cost_e = _costs(explicit, k)[1]
         chosen_rows = native[0] if native is not None else pool.smallest(pool.cost(k), top_k)
         others = pool.materialize(chosen_rows)
-        est_o = [c.wait_ms + c.prefill_ms + c.fetch_ms for c in others]
-        if k:
-            est_o = [e + k * (c.prefill_ms + c.fetch_ms) for e, c in zip(est_o, others, strict=True)]
         candidates = explicit + others
-        costs = cost_e + est_o
+        costs = cost_e + _costs(others, k)[1]
         # Only the first top_k are reported (after the pick): unless the holders' own order is
         # needed (a new replica), only the candidates costing at most the (top_k + 1)-th lowest
         # cost can be among them, and only those are ordered.
@@ -254,8 +239,19 @@ class Ttft:
             if len(out) >= top_k:
                 break
             if c.state.key != picked:
-                out.append(Choice(c, c.wait_ms + c.prefill_ms + c.fetch_ms, ""))
+                out.append(Choice(c, c.est_ttft_ms, ""))
         return out
+
+    def _fold_pool(self, pool: CandidatePool, counted: tuple[float, int] | None, now: float) -> None:
+        """Fold in what the pool's candidates show (``_fold_congestion``): the target is 0 when counts
+        show it (``_uncongested``), else from the medians taken over the columns."""
+        if _uncongested(pool, counted):
+            self._fold_target(0.0, now)
+            return
+        explicit = pool.explicit
+        wait = median_of(pool.of_everyone(pool.wait, [c.wait_ms for c in explicit]))
+        work = median_of(pool.of_everyone(pool.prefill, [c.prefill_ms for c in explicit])) or 1.0
+        self._fold_congestion(wait, work, now)
 
     def _first_home(
         self,
@@ -357,6 +353,15 @@ def heat_block(held: int, home: int) -> int:
     while 2 * i - 1 <= held - 1:
         i *= 2
     return i - 1
+
+
+def _costs(candidates: list[Candidate], k: float) -> tuple[list[float], list[float]]:
+    """Per candidate, its estimate (``Candidate.est_ttft_ms``) and the policy's cost at congestion
+    weight ``k`` (costs.weighted_cost: the estimate itself when ``k`` is 0)."""
+    est = [c.est_ttft_ms for c in candidates]
+    if not k:
+        return est, est
+    return est, [weighted_cost(e, c.prefill_ms, c.fetch_ms, k) for e, c in zip(est, candidates, strict=True)]
 
 
 def _order(candidates: list[Candidate], costs: list[float], bound: float) -> list[int]:
