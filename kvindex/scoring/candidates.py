@@ -10,7 +10,8 @@ few best others.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Container
+from collections.abc import Callable
+from collections.abc import Set as AbstractSet
 
 from kvindex.fleet.registry import InstanceState
 from kvindex.index.base import NO_MATCH, InstanceMatch, KvBlockIndex
@@ -40,7 +41,7 @@ class CandidateBuilder:
         speculative: SpeculativeKeys,
         costs: CostModel,
         clock: Callable[[], float],
-        degraded: Container[InstanceKey],
+        degraded: AbstractSet[InstanceKey],
         degraded_credit: float,
     ) -> None:
         """``degraded``: the instances whose match the index is known to get wrong (the router's

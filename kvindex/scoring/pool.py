@@ -11,20 +11,18 @@ columns (kvindex/scoring/fleet_table.py); the pool prices those rows with the co
 from __future__ import annotations
 
 from collections.abc import Callable
-from collections.abc import Set as AbstractSet
 from functools import cached_property
 from typing import Any
 
 import numpy as np
 
 from kvindex.fleet.registry import Registry
-from kvindex.index.base import NO_MATCH, GroupedIndex, InstanceMatch, KvBlockIndex, MatchGroup
+from kvindex.index.base import NO_MATCH, GroupedIndex, InstanceMatch, MatchGroup
 from kvindex.instance import InstanceKey
 from kvindex.scoring.base import Candidate, RouteRequest
 from kvindex.scoring.candidates import CandidateBuilder
 from kvindex.scoring.costs import cost_rows, rank_grouped, rank_others
 from kvindex.scoring.fleet_table import FleetTables, ModelTable, smallest
-from kvindex.scoring.ledger import Ledger, SpeculativeKeys
 
 try:
     from kvindex.scoring._kernels import mark_group_rows as _native_mark_group_rows
@@ -33,30 +31,27 @@ except ImportError:  # no compiler at install time: numpy
 
 
 class PoolBuilder:
-    """Builds one router's ``CandidatePool``s (its candidates, speculative keys, degraded instances)
-    over the fleet's columns, which it keeps (``tables``: made on first use, they watch the registry
-    and the ledger)."""
+    """Builds one router's ``CandidatePool``s over the fleet's columns, which it keeps (``tables``:
+    made on first use, they watch the registry and the ledger). It reads what its candidates are
+    built from (``candidates``: the index, the ledger, the speculative keys, the degraded instances)."""
 
     def __init__(
         self,
-        index: KvBlockIndex,
         registry: Registry,
-        ledger: Ledger,
-        speculative: SpeculativeKeys,
         candidates: CandidateBuilder,
-        degraded: AbstractSet[InstanceKey],
         group_min_instances: int,
         clock: Callable[[], float],
     ) -> None:
-        self.index = index
         self.registry = registry
-        self.ledger = ledger
-        self.speculative = speculative
         self.builder = candidates
-        self.degraded = degraded
+        self.index = candidates.index
+        self.ledger = candidates.ledger
+        self.speculative = candidates.speculative
+        self.degraded = candidates.degraded
         self.group_min_instances = group_min_instances
         self.clock = clock
         # Decided once here (an isinstance with a protocol would cost microseconds per Score).
+        index = self.index
         self.grouped_index: GroupedIndex | None = index if isinstance(index, GroupedIndex) else None
         self._tables: FleetTables | None = None
         # model -> (slot layout, table, table version, row of each index slot), for match groups

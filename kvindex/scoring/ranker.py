@@ -281,16 +281,7 @@ def build_ranker(
     candidates = CandidateBuilder(
         index, ledger, speculative, costs, clock, decisions.degraded, config.outcomes.degraded_credit
     )
-    pools = PoolBuilder(
-        index,
-        registry,
-        ledger,
-        speculative,
-        candidates,
-        decisions.degraded,
-        config.group_min_instances,
-        clock,
-    )
+    pools = PoolBuilder(registry, candidates, config.group_min_instances, clock)
     # Randomised policies (power_of_two, flexlb) draw from the router's seeded generator.
     context = PolicyContext(clock, random.Random(config.seed), index, ledger, costs)
     picker = Picker(registry, config.seed, config.pick, config.temperature, config.warmup)
