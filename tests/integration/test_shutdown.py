@@ -113,7 +113,10 @@ def wait_gone(pid: int, timeout: float) -> float:
 def children(pid: int) -> list[int]:
     out: list[int] = []
     for task in Path(f"/proc/{pid}/task").iterdir():
-        out += [int(c) for c in (task / "children").read_text().split()]
+        try:
+            out += [int(c) for c in (task / "children").read_text().split()]
+        except FileNotFoundError:  # the thread exited between the listing and the read
+            continue
     return out
 
 
