@@ -123,10 +123,7 @@ class Ttft:
                 # A new copy of the prefix costs more than its own recompute: cache space, and the
                 # work every later copy-holder does again. Holders win unless they are worse than
                 # the best by more than ``replica_cost`` x the duplicated prefill.
-                dup = max(0.0, best.prefill_ms - holders[0].prefill_ms)
-                hot = min(1.0, self._heat(keys[heat_block(held, h)], ctx.clock()) / self.hot_requests)
-                dup *= self._replica_weight(best)
-                slack = cost[id(best)] * (1 + self.margin) + self.margin_ms + self.replica_cost * hot * dup
+                slack = self._replica_slack(best, cost[id(best)], holders[0], keys[heat_block(held, h)], ctx)
                 within = [c for c in holders if cost[id(c)] <= slack]
                 if within:
                     pick, reason = within[0], "replica"
@@ -216,10 +213,7 @@ class Ttft:
                     n_holders += sum(
                         n for n, t in zip(counts, pool.templates, strict=True) if t.blocks >= held
                     )
-                dup = max(0.0, best.prefill_ms - holders[0].prefill_ms)
-                hot = min(1.0, self._heat(keys[heat_block(held, h)], ctx.clock()) / self.hot_requests)
-                dup *= self._replica_weight(best)
-                slack = best_cost * (1 + self.margin) + self.margin_ms + self.replica_cost * hot * dup
+                slack = self._replica_slack(best, best_cost, holders[0], keys[heat_block(held, h)], ctx)
                 within = [c for c in holders if cost[c.state.key] <= slack]
                 if within:
                     pick, reason = within[0], "replica"
@@ -292,6 +286,17 @@ class Ttft:
         at = np.flatnonzero(pool.explicit_rows == row)
         pick = explicit[int(at[0])] if len(at) else pool.materialize([row])[0]
         return pick, what if rank == 0 else f"{what}+{rank}"
+
+    def _replica_slack(
+        self, best: Candidate, best_cost: float, holder: Candidate, heat_key: int, ctx: PolicyContext
+    ) -> float:
+        """How far above the best cost a holder may be and still win over a new replica on ``best``:
+        the margins plus ``replica_cost`` x the duplicated prefill, weighed by how hot the prefix is
+        and by ``_replica_weight``."""
+        dup = max(0.0, best.prefill_ms - holder.prefill_ms)
+        hot = min(1.0, self._heat(heat_key, ctx.clock()) / self.hot_requests)
+        dup *= self._replica_weight(best)
+        return best_cost * (1 + self.margin) + self.margin_ms + self.replica_cost * hot * dup
 
     def _replica_weight(self, best: Candidate) -> float:
         """How much of a new replica's duplicated prefill counts against it: the best instance's own
