@@ -7,12 +7,13 @@ process one honest "control" worker (the real publisher) storing and evicting a 
 ``--interval`` and flushing at once. After ``--warm`` s, ``--hostile`` hostile workers
 (kvtools/testing/hostile.py: each loses one batch in five, so the index always has a hole to repair,
 and answers replays and snapshots with silence, garbage, or a first part never followed by the last)
-join for ``--seconds``, then disconnect.
+join for ``--seconds``, then stop publishing (batches and heartbeats) but stay connected, their
+responders still answering badly, as a misbehaving worker that hangs would.
 
 Measured every 100 ms over gRPC (``ListInstances`` of the control's model): how far the index's view
 of the control is behind what it had published, in batches (published seq - the index's last_seq) and
 in seconds (now - when the first batch the index lacks was published; 0 when none is missing), during
-the hostile phase; and after the hostile workers disconnect, how long until the control is ``synced``
+the hostile phase; and after the hostile workers fall silent, how long until the control is ``synced``
 with everything published before the disconnect applied.
 
 Run: ``.venv/bin/python benchmarks/bench_repair_fairness.py`` (~2 min with the defaults).
@@ -138,9 +139,7 @@ async def run(args: argparse.Namespace) -> None:
         stop.set()
         await noise
         for pub in hostile:
-            await pub.close()
-        requests = sum(p.requests for p in hostile)
-        hostile.clear()
+            await pub.go_quiet()  # still connected: requests to them still go unanswered
         phase = "after"
         stopped_at = time.monotonic()
         control.note()
@@ -149,6 +148,7 @@ async def run(args: argparse.Namespace) -> None:
         while resync is None and time.monotonic() < deadline:
             await asyncio.sleep(0.1)
         await asyncio.sleep(1.0)
+        requests = sum(p.requests for p in hostile)
         for t in tasks:
             t.cancel()
         await control.pub.close()
@@ -180,7 +180,7 @@ async def run(args: argparse.Namespace) -> None:
             f"| {max(batches, default=0):.0f} / {max(secs, default=0):.2f} s |"
         )
     print(
-        "resync after the hostile workers left: "
+        "resync after the hostile workers fell silent: "
         + (f"{resync:.2f} s" if resync is not None else f"not within {args.after:.0f} s")
     )
 

@@ -36,6 +36,14 @@ class HostilePublisher(Publisher):
         self.requests = 0  # replay and snapshot requests received
         self.dropped = 0
 
+    async def go_quiet(self) -> None:
+        """Stop publishing (batches and heartbeats) but stay connected, still answering requests
+        badly: the index goes on asking until it forgets the worker."""
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._tasks = []
+
     async def _publish(self, messages: list[tuple[str, bytes]]) -> None:
         for subject, data in messages:
             # Heartbeats always go out: they keep the worker alive, and show the index the hole.
