@@ -10,6 +10,10 @@ and answers replays and snapshots with silence, garbage, or a first part never f
 join for ``--seconds``, then stop publishing (batches and heartbeats) but stay connected, their
 responders still answering badly, as a misbehaving worker that hangs would.
 
+With ``--lose-every N`` the control also loses one batch in N on the way and keeps only its last
+batch for replays, so that each loss is repaired by a snapshot (the replay answers ``too_old``): its
+own repairs then compete with the hostile workers' for the snapshot turns.
+
 Measured every 100 ms over gRPC (``ListInstances`` of the control's model): how far the index's view
 of the control is behind what it had published, in batches (published seq - the index's last_seq) and
 in seconds (now - when the first batch the index lacks was published; 0 when none is missing), during
@@ -36,8 +40,8 @@ from bench_score import NatsProcess, code_version, stop_process
 from kvindex.service.natsd import free_port
 from kvindex.v1 import kvindex_pb2 as pb
 from kvindex.v1 import kvindex_pb2_grpc as pb_grpc
+from kvtools.testing.faults import FaultyPublisher
 from kvtools.testing.hostile import ANSWERS, HostilePublisher, run_hostile
-from workers_shim.publisher import Publisher
 
 MODEL = "control-model"
 
@@ -50,10 +54,13 @@ def pct(values: list[float], q: float) -> float:
 
 
 class Control:
-    """The honest worker and when each of its batches was published (monotonic seconds)."""
+    """The honest worker and when each of its batches was published (monotonic seconds); every
+    ``lose_every`` batches (0: never) one is lost on the way, and the worker keeps only its last batch
+    for replays, so the index must repair it with a snapshot."""
 
-    def __init__(self, pub: Publisher) -> None:
+    def __init__(self, pub: FaultyPublisher, lose_every: int) -> None:
         self.pub = pub
+        self.lose_every = lose_every
         self.published_at: dict[int, float] = {}
         self.n = 0
 
@@ -67,7 +74,10 @@ class Control:
         self.pub.stored([self.n])
         if self.n > 256:
             self.pub.removed([self.n - 256])
+        if self.lose_every and self.n % self.lose_every == 0:
+            self.pub.faults.only_seqs = {self.pub.seq + 1}
         await self.pub.flush()
+        self.pub.faults.only_seqs.clear()
         self.note()
 
     def lag(self, last_seq: int, now: float) -> tuple[int, float]:
@@ -91,7 +101,11 @@ async def run(args: argparse.Namespace) -> None:
         channel = grpc.aio.insecure_channel(f"127.0.0.1:{grpc_port}")
         stub = pb_grpc.KvIndexStub(channel)
         await asyncio.wait_for(channel.channel_ready(), 30)
-        control = Control(await Publisher.connect(natsd.url, worker="control", model=MODEL, block_size=16))
+        pub = await FaultyPublisher.connect(
+            natsd.url, worker="control", model=MODEL, block_size=16, history=1
+        )
+        assert isinstance(pub, FaultyPublisher)
+        control = Control(pub, args.lose_every)
         phase = "warm"
         samples: dict[str, list[tuple[int, float]]] = {"warm": [], "hostile": [], "after": []}
         stopped_at: float | None = None
@@ -179,6 +193,8 @@ async def run(args: argparse.Namespace) -> None:
             f"| {pct(batches, 0.99):.0f} / {pct(secs, 0.99):.2f} s "
             f"| {max(batches, default=0):.0f} / {max(secs, default=0):.2f} s |"
         )
+    if args.lose_every:
+        print(f"control loses one batch in {args.lose_every} (each repaired by a snapshot)")
     print(
         "resync after the hostile workers fell silent: "
         + (f"{resync:.2f} s" if resync is not None else f"not within {args.after:.0f} s")
@@ -193,6 +209,9 @@ def main() -> None:
     parser.add_argument("--after", type=float, default=90.0, help="most to wait for the resync (s)")
     parser.add_argument("--interval", type=float, default=0.05, help="control batch every (s)")
     parser.add_argument("--reconcile-interval", type=float, default=5.0)
+    parser.add_argument(
+        "--lose-every", type=int, default=0, help="the control loses one batch in this many (0: none)"
+    )
     args = parser.parse_args()
     asyncio.run(run(args))
 
