@@ -33,7 +33,7 @@ MAX_REPAIR_ROUNDS: Final = 4
 # At the repair limit, a repair of an instance whose snapshot requests have been answered takes the
 # place of the pending repair whose worker failed the most of them in a row, if at least this many:
 # a fleet of workers that never answer must not keep every other instance's repair from starting.
-EVICT_STRIKES: Final = 2
+EVICT_STRIKES: Final = 1
 
 # The machine's refusals (metric labels, with the other limits in kvindex/ingest/limits.py).
 HELD_LIMIT: Final = "held_limit"  # batches held during a repair overflowed: dropped, snapshot instead
