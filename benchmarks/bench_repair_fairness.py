@@ -91,10 +91,14 @@ class Control:
 async def run(args: argparse.Namespace) -> None:
     natsd = NatsProcess()
     grpc_port = free_port()
-    log = tempfile.NamedTemporaryFile(prefix="kvindex-fairness-", suffix=".log", delete=False)  # noqa: SIM115
+    if args.server_log:
+        log = open(args.server_log, "w")  # noqa: SIM115
+    else:
+        log = tempfile.NamedTemporaryFile(prefix="kvindex-fairness-", suffix=".log", delete=False)  # noqa: SIM115
     argv = [sys.executable, "-m", "kvindex.cli", "serve", "--nats", natsd.url, "--grpc-host", "127.0.0.1"]
     argv += ["--grpc-port", str(grpc_port), "--metrics-port", "-1", "--log-format", "json"]
-    argv += ["--log-level", "warning", "--reconcile-interval", str(args.reconcile_interval)]
+    argv += ["--log-level", "info" if args.server_log else "warning"]
+    argv += ["--reconcile-interval", str(args.reconcile_interval)]
     server = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
     hostile: list[HostilePublisher] = []
     try:
@@ -173,8 +177,9 @@ async def run(args: argparse.Namespace) -> None:
         stop_process(server, 10)
         natsd.stop()
         log.close()
-        with contextlib.suppress(OSError):
-            os.unlink(log.name)
+        if not args.server_log:
+            with contextlib.suppress(OSError):
+                os.unlink(log.name)
 
     print(f"code: {code_version()}")
     print(
@@ -209,6 +214,7 @@ def main() -> None:
     parser.add_argument("--after", type=float, default=90.0, help="most to wait for the resync (s)")
     parser.add_argument("--interval", type=float, default=0.05, help="control batch every (s)")
     parser.add_argument("--reconcile-interval", type=float, default=5.0)
+    parser.add_argument("--server-log", help="keep the service's log (info level) in this file")
     parser.add_argument(
         "--lose-every", type=int, default=0, help="the control loses one batch in this many (0: none)"
     )

@@ -8,12 +8,13 @@ the index nothing while it is silent, so it must not keep the slot (and every ot
 repair) for its whole timeout. It goes on waiting for its answer outside the slots.
 
 Waiting requests are served by standing, not arrival: fewest strikes first (snapshot requests of the
-instance that failed in a row, kept by the repair machine), then the instance served longest ago,
-then arrival; and instances with strikes hold at most ``slots - 1`` turns together, so that one is
-free, or frees within ``hold``, for an instance in good standing. A failed request is retried no
-sooner than an exponential, jittered, capped backoff of its instance's strikes, and that holds for
-the instance's next repair too: a worker that keeps failing waits longer and longer, and behind
-every worker that answers.
+instance that failed in a row, kept by the repair machine), then instances that have answered before
+instances never answered yet (a worker that opens new instances cannot put them before the fleet),
+then the instance served longest ago, then arrival; and instances with strikes hold at most
+``slots - 1`` turns together, so that one is free, or frees within ``hold``, for an instance in good
+standing. A failed request is retried no sooner than an exponential, jittered, capped backoff of its
+instance's strikes, and that holds for the instance's next repair too: a worker that keeps failing
+waits longer and longer, and behind every worker that answers.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from kvindex.instance import InstanceKey
 
 @dataclass(slots=True)
 class _Standing:
+    answered: bool = False  # a request of the instance has had a usable answer
     last_served: float = -math.inf
     retry_at: float = 0.0
 
@@ -85,8 +87,8 @@ class FairGate:
         # Turns held by instances with strikes: at most slots - 1, so that one is always free soon
         # for an instance in good standing.
         self._struck_in_use = 0
-        # (strikes, last served, arrival, instance, future): the first is served next.
-        self._heap: list[tuple[int, float, int, InstanceKey, asyncio.Future[Slot]]] = []
+        # (strikes, never answered, last served, arrival, instance, future): the first is served next.
+        self._heap: list[tuple[int, bool, float, int, InstanceKey, asyncio.Future[Slot]]] = []
         self._arrivals = 0
         self._standing: dict[InstanceKey, _Standing] = {}
         self.expired = 0  # slots given back because their request outlasted ``hold``
@@ -127,6 +129,13 @@ class FairGate:
         standing.retry_at = asyncio.get_running_loop().time() + delay
         return delay
 
+    def answered(self, instance: InstanceKey) -> None:
+        """A request of the instance had a usable answer: it goes before instances never answered."""
+        standing = self._standing.get(instance)
+        if standing is None:
+            standing = self._standing[instance] = _Standing()
+        standing.answered = True
+
     def forget(self, instance: InstanceKey) -> None:
         self._standing.pop(instance, None)
 
@@ -138,7 +147,7 @@ class FairGate:
 
     @property
     def waiting(self) -> int:
-        return sum(1 for entry in self._heap if not entry[4].done())
+        return sum(1 for entry in self._heap if not entry[-1].done())
 
     def stats(self) -> dict[str, Any]:
         return {"in_use": self.in_use, "waiting": self.waiting, "expired": self.expired}
@@ -149,15 +158,17 @@ class FairGate:
         if future.done():
             return  # cancelled while it sat out its backoff
         standing = self._standing.get(instance)
-        last = standing.last_served if standing is not None else -math.inf
+        if standing is None:
+            standing = self._standing[instance] = _Standing()
         self._arrivals += 1
-        heapq.heappush(self._heap, (strikes, last, self._arrivals, instance, future))
+        entry = (strikes, not standing.answered, standing.last_served, self._arrivals, instance, future)
+        heapq.heappush(self._heap, entry)
         self._grant()
 
     def _grant(self) -> None:
         heap = self._heap
         while self._free > 0 and heap:
-            strikes, _, _, instance, future = heap[0]
+            strikes, _, _, _, instance, future = heap[0]
             if future.done():
                 heapq.heappop(heap)
                 continue  # cancelled while waiting

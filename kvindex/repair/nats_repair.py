@@ -243,6 +243,7 @@ class NatsRepairer:
                 if self.recorder is not None:
                     self.recorder.snapshot(instance, snapshot)
                 if machine.on_snapshot(instance, snapshot, diffs):
+                    gate.answered(instance)
                     return
                 # A snapshot of an epoch the worker already left: no better than no answer.
                 self._snapshot_failed(instance, "stale epoch")

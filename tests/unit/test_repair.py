@@ -91,30 +91,32 @@ def test_periodic_checks_of_a_large_fleet_keep_to_the_rate() -> None:
 # -- the fair gate (kvindex/repair/fair.py): whose snapshot request goes next ----------------------
 
 
-async def test_the_gate_serves_fewest_strikes_first_then_the_longest_unserved() -> None:
+async def test_the_gate_serves_by_strikes_then_answered_then_the_longest_unserved() -> None:
     import asyncio
 
     from kvindex.repair.fair import FairGate
 
     gate = FairGate(slots=1, hold=60.0)
-    served = await gate.acquire(("served-before", 0), 0)
-    served.release()
+    for name in ("old", "recent"):  # served (and answered) in this order
+        (await gate.acquire((name, 0), 0)).release()
+        gate.answered((name, 0))
     first = await gate.acquire(("first", 0), 0)  # holds the only slot meanwhile
     order: list[str] = []
     waiting = {
         name: gate.wait((name, 0), strikes)
-        for name, strikes in [("failing", 3), ("served-before", 0), ("new", 0), ("failed-once", 1)]
+        for name, strikes in [("failing", 3), ("recent", 0), ("new", 0), ("old", 0), ("failed-once", 1)]
     }
     for name, future in waiting.items():
         future.add_done_callback(lambda f, n=name: order.append(n))
-    assert gate.waiting == 4 and gate.in_use == 1
+    assert gate.waiting == 5 and gate.in_use == 1
     slot = first
-    for _ in range(4):
+    for _ in range(5):
         slot.release()
         await asyncio.sleep(0)
-        slot = next(f.result() for n, f in waiting.items() if n == order[-1])
+        slot = waiting[order[-1]].result()
     slot.release()
-    assert order == ["new", "served-before", "failed-once", "failing"]
+    # A new instance (a worker opening instances) goes after those known to answer.
+    assert order == ["old", "recent", "new", "failed-once", "failing"]
     assert gate.in_use == 0 and gate.expired == 0
 
 
