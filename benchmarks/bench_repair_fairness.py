@@ -20,7 +20,7 @@ in seconds (now - when the first batch the index lacks was published; 0 when non
 the hostile phase; and after the hostile workers fall silent, how long until the control is ``synced``
 with everything published before the disconnect applied.
 
-Run: ``.venv/bin/python benchmarks/bench_repair_fairness.py`` (~2 min with the defaults).
+Run: ``.venv/bin/python benchmarks/bench_repair_fairness.py`` (~2.5 min with the defaults).
 """
 
 from __future__ import annotations
