@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 import grpc
 
@@ -16,6 +17,7 @@ from kvindex.repair.nats_repair import RepairConfig
 from kvindex.service.app import IndexService
 from kvindex.v1 import kvindex_pb2 as pb
 from kvindex.v1 import kvindex_pb2_grpc as pb_grpc
+from kvindex.wire import reconcile
 from kvtools.testing.faults import FaultyPublisher
 from kvtools.testing.hostile import ANSWERS, HostilePublisher, run_hostile
 from tests.conftest import converged, wait_until
@@ -83,3 +85,45 @@ async def test_an_honest_worker_stays_in_sync_beside_hostile_ones(
     finally:
         stop.set()
         await noise
+
+
+class StaleSnapshots(FaultyPublisher):
+    """Answers snapshot requests with a snapshot of an epoch it has left (``stale_epoch``)."""
+
+    stale_epoch: int | None = None
+
+    async def _on_snapshot(self, msg: Any) -> None:
+        if self.stale_epoch is None:
+            await super()._on_snapshot(msg)
+            return
+        tiers = {t: list(keys) for t, keys in self.blocks.items() if keys}
+        epoch, seq, size = self.stale_epoch, self.seq, self.nc.max_payload
+        for part in reconcile.snapshot_parts(self.worker, self.dp_rank, epoch, seq, tiers, size):
+            await self.nc.publish(msg.reply, part)
+
+
+async def test_a_snapshot_of_an_epoch_left_behind_is_a_failed_request(
+    make_service: Callable[..., Awaitable[IndexService]],
+    make_publisher: Callable[..., Awaitable[Publisher]],
+) -> None:
+    """It used to be asked again at once, forever: a worker answering so kept a request loop busy
+    (and, with fair turns, would keep its standing). Now it is a strike, and backed off."""
+    svc = await make_service(RepairConfig(reconcile_interval=0, tick=0.05))
+    key = ("w", 0)
+    old = await make_publisher(worker="w", model="m", block_size=4, epoch=1)
+    old.stored([1])
+    await old.flush()
+    await wait_until(lambda: svc.registry.get(key) is not None and svc.registry.get(key).last_seq == 1)  # type: ignore[union-attr]
+    await old.close()
+    new = await make_publisher(cls=StaleSnapshots, worker="w", model="m", block_size=4, epoch=2)
+    assert isinstance(new, StaleSnapshots)
+    new.stale_epoch = 1
+    new.stored([2])
+    await new.flush()
+    await wait_until(lambda: svc.registry.get(key).epoch == 2, 5, "the restart seen")  # type: ignore[union-attr]
+    svc.repairer.reconcile_now(key, "degraded")
+    await wait_until(lambda: svc.counters.snapshots_failed >= 1, 5, "the stale answer counted as failed")
+    assert svc.consumer.repairs.strikes.get(key, 0) >= 1
+    new.stale_epoch = None  # it answers properly again: the strike is cleared
+    await converged(svc, new)
+    assert key not in svc.consumer.repairs.strikes
