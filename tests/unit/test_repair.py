@@ -1,6 +1,7 @@
 """The periodic reconciliation's schedule as pure logic: each instance checked once per interval, only
-what is due, and a large fleet kept to the rate. Repairs over a real nats-server:
-tests/integration/test_repair.py."""
+what is due, and a large fleet kept to the rate; and the fair gate's turns (kvindex/repair/fair.py):
+who goes next, a turn that is not answered given back, back-off. Repairs over a real nats-server:
+tests/integration/test_repair.py and test_repair_fairness.py."""
 
 from __future__ import annotations
 
