@@ -352,6 +352,7 @@ class Consumer:
         dropped = self.index.drop_instance(instance)
         self.registry.remove(instance)
         self.sequencer.forget(instance)
+        self.repairs.forget(instance)
         self.counters.instances_forgotten += 1
         if self.on_forget is not None:
             self.on_forget(instance)
