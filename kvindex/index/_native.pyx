@@ -1003,12 +1003,13 @@ cdef _Scratch _scratch = _Scratch()
 
 
 def apply_events(list events, dict tier_numbers, list tables, list logs, uint64_t bit,
-                 list counts, list xors, object result_type):
+                 list counts, list xors, object result_type, tuple group_masks=(0,)):
     """Apply a batch's events (objects with ``op``, ``tier`` name and ``keys``) in order for the
     instance with ``bit``: ``tables`` are its bank's tables and ``logs`` its key logs, per tier;
     ``counts`` and ``xors`` are its per-tier digests, updated in place. Returns
     ``result_type(stored, removed, cleared, stored events, removed events, cleared events,
-    stored on a local tier)`` (base.Applied).
+    stored on a local tier)`` (base.Applied). A stored or removed event's keys are taken as group
+    keys: XORed with ``group_masks[event.group]`` (hybrid.py; 0 for group 0).
 
     One call per batch instead of one per event: small events (an engine step stores a few blocks)
     were dominated by the Python calls around each store. Two passes: every event is read and every
@@ -1018,7 +1019,7 @@ def apply_events(list events, dict tier_numbers, list tables, list logs, uint64_
     cdef Py_ssize_t i, n = len(events), k, nk, total_keys = 0, end
     cdef Py_ssize_t n_ev[3]
     cdef int op, t, t0, t1, touched_removed = 0, local = 0
-    cdef uint64_t key, cleared = 0, total_added = 0, total_removed = 0
+    cdef uint64_t key, gmask, cleared = 0, total_added = 0, total_removed = 0
     cdef uint64_t added[N_TIERS]
     cdef uint64_t removed[N_TIERS]
     cdef uint64_t xor[N_TIERS]
@@ -1054,8 +1055,9 @@ def apply_events(list events, dict tier_numbers, list tables, list logs, uint64_
             raise ValueError("a stored or removed event needs a tier")
         keys = ev.keys
         nk = len(keys)
+        gmask = group_masks[ev.group]
         for k in range(nk):
-            buf[total_keys + k] = PyLong_AsUnsignedLongLong(keys[k])
+            buf[total_keys + k] = PyLong_AsUnsignedLongLong(keys[k]) ^ gmask
         total_keys += nk
         ref.end = total_keys
     # Pass 2: apply them in order.
@@ -1125,3 +1127,156 @@ def apply_events(list events, dict tier_numbers, list tables, list logs, uint64_
         n_ev[2],
         local == 1,
     ))
+
+
+# -- hybrid-attention groups (kvindex/index/hybrid.py; the pure-Python twin is _pytable.hybrid_hits) --
+
+DEF R_FULL = 0
+DEF R_SLIDING = 1
+DEF R_CHUNKED = 2
+DEF R_MAMBA = 3
+DEF MAX_RULES = 64
+DEF MAX_MEMBERS = 1024
+
+
+cdef class _HeldCache:
+    """Per rule group and block, the bank's slots holding the block in every member group (on some
+    tier, or anywhere when the shared pool has it), probed on first use: a slot's scan reads only
+    the blocks it reaches, and the slots of a bank share the probes."""
+
+    cdef uint64_t* masks  # rules x n
+    cdef unsigned char* known
+    cdef Py_ssize_t n
+
+    def __cinit__(self, Py_ssize_t n_rules, Py_ssize_t n):
+        self.n = n
+        self.masks = <uint64_t*>malloc((n_rules * n if n_rules * n else 1) * sizeof(uint64_t))
+        self.known = <unsigned char*>calloc(n_rules * n if n_rules * n else 1, 1)
+        if self.masks == NULL or self.known == NULL:
+            raise MemoryError()
+
+    def __dealloc__(self):
+        free(self.masks)
+        free(self.known)
+
+
+cdef inline uint64_t _held(_HeldCache cache, int r, Py_ssize_t j, uint64_t* members, int n_members,
+                           BlockTable gpu, BlockTable cpu, BlockTable disk, list pools,
+                           uint64_t* karr):
+    cdef Py_ssize_t at = r * cache.n + j
+    cdef uint64_t m, key
+    cdef int i
+    if cache.known[at]:
+        return cache.masks[at]
+    m = <uint64_t>-1
+    for i in range(n_members):
+        key = karr[j] ^ members[i]
+        if pools and _in_pool(pools, key, _mix(key)):
+            continue
+        m &= gpu.get(key) | (cpu.get(key) if cpu.count else 0) | (disk.get(key) if disk.count else 0)
+        if not m:
+            break
+    cache.masks[at] = m
+    cache.known[at] = 1
+    return m
+
+
+def hybrid_hits(list tiers, list pools, KeyArray keys, list rules, list slots, list bounds,
+                Py_ssize_t block_size):
+    """Per slot of one bank, the tokens it can reuse under every rule group of a hybrid model,
+    lowered from its bound (tokens) to the rules' common fixed point (hybrid.hit_tokens):
+    ``rules`` are (rule, param, member group masks), a block counts for a rule group where every
+    member holds its group key (key ^ mask) on some tier of the bank, or in the shared pool."""
+    cdef BlockTable gpu = tiers[0], cpu = tiers[1], disk = tiers[2]
+    cdef Py_ssize_t n_rules = len(rules), r, i, j, blocks, run, hit, n = keys.n
+    cdef long long length, before, bound
+    cdef int rule_kind[MAX_RULES]
+    cdef long long params[MAX_RULES]
+    cdef int member_start[MAX_RULES + 1]
+    cdef uint64_t members[MAX_MEMBERS]
+    cdef int m_count = 0, slot
+    cdef uint64_t bit
+    cdef _HeldCache cache
+    cdef uint64_t* karr = keys.data
+    if n_rules > MAX_RULES:
+        raise ValueError(f"{n_rules} rule groups; at most {MAX_RULES}")
+    for r in range(n_rules):
+        kind, param, masks = rules[r]
+        rule_kind[r] = kind
+        params[r] = param
+        member_start[r] = m_count
+        for mask in masks:
+            if m_count >= MAX_MEMBERS:
+                raise ValueError(f"more than {MAX_MEMBERS} member groups")
+            members[m_count] = mask
+            m_count += 1
+    member_start[n_rules] = m_count
+    cache = _HeldCache(n_rules, n)
+    out = []
+    for i in range(len(slots)):
+        slot = slots[i]
+        bit = (<uint64_t>1) << slot
+        length = bounds[i]
+        if length > n * block_size:
+            length = n * block_size
+        while True:
+            before = length
+            for r in range(n_rules):
+                blocks = length // block_size
+                if rule_kind[r] == R_FULL or rule_kind[r] == R_CHUNKED:
+                    j = 0
+                    if rule_kind[r] == R_CHUNKED and length > 0:
+                        j = (length // params[r] * params[r]) // block_size
+                    while j < blocks and _held(cache, r, j, &members[member_start[r]],
+                                               member_start[r + 1] - member_start[r],
+                                               gpu, cpu, disk, pools, karr) & bit:
+                        j += 1
+                    length = j * block_size
+                elif rule_kind[r] == R_SLIDING:
+                    run = 0
+                    hit = -1
+                    j = blocks - 1
+                    while j >= 0:
+                        if _held(cache, r, j, &members[member_start[r]],
+                                 member_start[r + 1] - member_start[r],
+                                 gpu, cpu, disk, pools, karr) & bit:
+                            run += 1
+                            if run >= params[r]:
+                                hit = j + run
+                                break
+                        else:
+                            run = 0
+                        j -= 1
+                    length = (run if hit < 0 else hit) * block_size
+                else:
+                    j = blocks - 1
+                    while j >= 0 and not (_held(cache, r, j, &members[member_start[r]],
+                                                member_start[r + 1] - member_start[r],
+                                                gpu, cpu, disk, pools, karr) & bit):
+                        j -= 1
+                    length = (j + 1) * block_size
+            if length >= before:
+                break
+        out.append(length)
+    return out
+
+
+def tier_split(list tiers, list pools, KeyArray keys, uint64_t bit, Py_ssize_t n):
+    """Blocks per fastest tier among the first ``n`` keys for the slot of ``bit`` (the pool: 3)."""
+    cdef BlockTable gpu = tiers[0], cpu = tiers[1], disk = tiers[2]
+    cdef long long c0 = 0, c1 = 0, c2 = 0, c3 = 0
+    cdef Py_ssize_t j
+    cdef uint64_t key
+    if n > keys.n:
+        n = keys.n
+    for j in range(n):
+        key = keys.data[j]
+        if gpu.get(key) & bit:
+            c0 += 1
+        elif cpu.count and cpu.get(key) & bit:
+            c1 += 1
+        elif disk.count and disk.get(key) & bit:
+            c2 += 1
+        else:
+            c3 += 1
+    return (c0, c1, c2, c3)

@@ -21,7 +21,9 @@ from typing import Any
 
 from kvindex.index import _pytable
 from kvindex.index.base import Applied, IndexStats, InstanceMatch, MatchGroup
+from kvindex.index.hybrid import GroupLayout
 from kvindex.instance import InstanceKey
+from kvindex.keys import GROUP_MASKS
 from kvindex.wire.schema import TIER_BY_NAME
 
 try:
@@ -159,6 +161,9 @@ class InvertedIndex:
         self.native = self.impl is not _pytable
         self._shards: dict[str, _Shard] = {}
         self._holders: dict[InstanceKey, _Holder] = {}
+        # Per model, its KV-cache groups (hybrid.py); a model without one is answered as one
+        # full-attention group (every match before hybrid models).
+        self._layouts: dict[str, GroupLayout] = {}
         # Stamped on a holder at each change of its blocks; one sequence for all, so that a version
         # is never seen twice, even across a drop and re-add (see digest_version).
         self._version = 0
@@ -187,6 +192,7 @@ class InvertedIndex:
         del self._holders[instance]
         if not holder.shard.slot_owner:
             del self._shards[holder.model]
+            self._layouts.pop(holder.model, None)
         return dropped
 
     def has_instance(self, instance: InstanceKey) -> bool:
@@ -204,6 +210,14 @@ class InvertedIndex:
 
     def models(self) -> list[str]:
         return list(self._shards)
+
+    def set_layout(self, model: str, layout: GroupLayout) -> None:
+        """How ``model``'s KV-cache groups are matched (hybrid.py); kept while it has instances."""
+        if model in self._shards:
+            self._layouts[model] = layout
+
+    def layout_of(self, model: str) -> GroupLayout | None:
+        return self._layouts.get(model)
 
     # -- mutations (the ingest hot path) --------------------------------------------------------
 
@@ -243,6 +257,7 @@ class InvertedIndex:
             holder.counts,
             holder.xors,
             Applied,
+            GROUP_MASKS,
         )
 
     def _maybe_compact(self, holder: _Holder, tier: int) -> None:
@@ -288,11 +303,23 @@ class InvertedIndex:
         return [bank.tiers[_SHARED] for bank in shard.banks if len(bank.tiers[_SHARED])]
 
     def match(
-        self, model: str, keys: list[int], instances: Iterable[InstanceKey] | None = None
+        self,
+        model: str,
+        keys: list[int],
+        instances: Iterable[InstanceKey] | None = None,
+        limit: int | None = None,
     ) -> dict[InstanceKey, InstanceMatch]:
         shard = self._shards.get(model)
         if shard is None or not keys:
             return {}
+        layout = self._layouts.get(model)
+        if layout is not None:
+            if limit is not None and limit < len(keys) * layout.block_size:
+                keys = keys[: max(limit, 0) // layout.block_size]
+                if not keys:
+                    return {}
+            if layout.hybrid:
+                return self._match_hybrid(shard, layout, keys, instances, limit)
         alive = self._alive(shard, instances)
         pools = self._pools(shard)
         out: dict[InstanceKey, InstanceMatch] = {}
@@ -313,12 +340,94 @@ class InvertedIndex:
         )
         return out
 
+    def _match_hybrid(
+        self,
+        shard: _Shard,
+        layout: GroupLayout,
+        keys: list[int],
+        instances: Iterable[InstanceKey] | None,
+        limit: int | None,
+    ) -> dict[InstanceKey, InstanceMatch]:
+        """``match`` by vLLM's hybrid rule (hybrid.py): the full-attention group's prefix walk bounds
+        each instance, then every other group lowers it (native, per bank), in the primary group's
+        tier split. ``keys`` are already cut to ``limit``."""
+        bs = layout.block_size
+        top = len(keys) * bs if limit is None else min(limit, len(keys) * bs)
+        if layout.primary is not None:
+            walked = keys if not layout.primary_mask else [k ^ layout.primary_mask for k in keys]
+            base = self._walk(shard, walked, instances)
+            if not layout.rules:
+                return base
+            bounds = {inst: min(m.length * bs, top) for inst, m in base.items()}
+        else:
+            walked = keys
+            base = {}
+            alive = self._alive(shard, instances)
+            bounds = {
+                owner: top
+                for b, owners in enumerate(shard.bank_owners)
+                for s, owner in enumerate(owners)
+                if owner is not None and alive[b] >> s & 1
+            }
+        per_bank: dict[int, tuple[list[int], list[int], list[InstanceKey]]] = {}
+        holders = self._holders
+        for inst, bound in bounds.items():
+            slot = holders[inst].slot
+            entry = per_bank.setdefault(slot // BANK_SLOTS, ([], [], []))
+            entry[0].append(slot % BANK_SLOTS)
+            entry[1].append(bound)
+            entry[2].append(inst)
+        rules = [(r.rule, r.param, r.masks) for r in layout.rules]
+        pools = self._pools(shard)
+        karr = self.impl.KeyArray(keys)
+        warr = None  # the walked keys as a KeyArray, made when a tier split needs them
+        out: dict[InstanceKey, InstanceMatch] = {}
+        for b, (slots, bank_bounds, insts) in per_bank.items():
+            tiers = shard.bank_tiers[b]
+            hits = self.impl.hybrid_hits(tiers, pools, karr, rules, slots, bank_bounds, bs)
+            for slot, hit, inst in zip(slots, hits, insts):
+                n = hit // bs
+                if not n:
+                    continue
+                m = base.get(inst)
+                if m is not None and m.length == n:
+                    out[inst] = m
+                elif m is not None and m.tiers[0] == m.length:
+                    out[inst] = InstanceMatch(n, (n, 0, 0, 0))
+                else:
+                    # Sliding-window and Mamba groups load only their last blocks; without a
+                    # full-attention group the hit is counted on the tiers of the walked keys.
+                    if warr is None:
+                        warr = karr if walked is keys else self.impl.KeyArray(walked)
+                    split = self.impl.tier_split(tiers, pools, warr, 1 << slot, n)
+                    out[inst] = InstanceMatch(n, split)
+        return out
+
+    def _walk(
+        self, shard: _Shard, keys: list[int], instances: Iterable[InstanceKey] | None
+    ) -> dict[InstanceKey, InstanceMatch]:
+        out: dict[InstanceKey, InstanceMatch] = {}
+        self.impl.match_banks_into(
+            shard.bank_tiers,
+            self._alive(shard, instances),
+            shard.bank_owners,
+            shard.summaries,
+            self._pools(shard),
+            self.impl.KeyArray(keys),
+            out,
+            {},
+            InstanceMatch,
+            len(shard.slot_owner),
+        )
+        return out
+
     def match_groups(
         self,
         model: str,
         keys: list[int],
         instances: Iterable[InstanceKey] | None = None,
         listed: int = 16,
+        limit: int | None = None,
     ) -> tuple[dict[InstanceKey, InstanceMatch], list[MatchGroup]]:
         """``match`` grouped by answer, for rankings that treat many equal matches alike: the
         instances of answers that at most ``listed`` instances share, as ``match`` gives them, and
@@ -327,6 +436,15 @@ class InvertedIndex:
         shard = self._shards.get(model)
         if shard is None or not keys:
             return {}, []
+        layout = self._layouts.get(model)
+        if layout is not None and (layout.hybrid or limit is not None):
+            # A hybrid model's answers depend on each instance's other groups: listed one by one.
+            if layout.hybrid:
+                return self.match(model, keys, instances, limit), []
+            if limit < len(keys) * layout.block_size:
+                keys = keys[: max(limit, 0) // layout.block_size]
+                if not keys:
+                    return {}, []
         out: dict[InstanceKey, InstanceMatch] = {}
         large = self.impl.match_banks_grouped(
             shard.bank_tiers,

@@ -36,29 +36,37 @@ TierName = Literal["gpu", "cpu", "disk", "shared"]
 U64 = Annotated[int, Meta(ge=0)]
 
 
+# A KV-cache group of a hybrid-attention model (docs/wire.md §8); 0 for models with one cache.
+Group = Annotated[int, Meta(ge=0, le=1023)]
+
+
 class Stored(Struct, tag_field="type", tag="stored", gc=False):
-    """The worker now holds ``keys`` (a chain, in order) on ``tier``; ``parent`` precedes keys[0]."""
+    """The worker now holds ``keys`` (a chain, in order) on ``tier`` in KV-cache ``group``;
+    ``parent`` precedes keys[0]."""
 
     tier: TierName
     keys: list[U64]
     parent: U64 | None = None
+    group: Group = 0
     op: ClassVar[int] = STORED
 
 
 class Removed(Struct, tag_field="type", tag="removed", gc=False):
     tier: TierName
     keys: list[U64]
+    group: Group = 0
     op: ClassVar[int] = REMOVED
     parent: ClassVar[None] = None
 
 
 class Cleared(Struct, tag_field="type", tag="cleared", gc=False):
-    """Every block on ``tier`` is gone (every tier when None)."""
+    """Every block on ``tier`` is gone (every tier when None), in every KV-cache group."""
 
     tier: TierName | None = None
     op: ClassVar[int] = CLEARED
     keys: ClassVar[tuple[int, ...]] = ()
     parent: ClassVar[None] = None
+    group: ClassVar[int] = 0
 
 
 Event = Stored | Removed | Cleared

@@ -1,0 +1,282 @@
+"""KV-cache groups of hybrid-attention models, and vLLM's rule for the prefix they can reuse.
+
+A hybrid model (Gemma 3, gpt-oss, Llama 4, Qwen3-Next, Nemotron-H, Jamba, ...) keeps one KV cache per
+attention type: a *group*. vLLM reuses a prefix only where every group can serve it
+(``vllm/v1/core/kv_cache_coordinator.py``, ``HybridKVCacheCoordinator.find_longest_cache_hit``): the
+candidate length starts at the prompt's last token and each group lowers it to what it can serve,
+until none does. What a group can serve depends on its kind
+(``vllm/v1/core/single_type_kv_cache_manager.py``, each manager's ``find_longest_cache_hit``):
+
+- full attention needs every block from the start;
+- sliding window needs the blocks of the window before the next token, ``ceil((window - 1) / B)``
+  consecutive blocks ending at the candidate length (or the blocks from the start, if fewer);
+- chunked local attention needs the blocks from the start of the chunk holding the candidate length;
+- Mamba / linear attention needs the state block at the candidate length.
+
+This module holds the layout (``GroupLayout``: which group follows which rule, and how the index
+walks them) and the rule itself written plainly over a ``held(group, block)`` predicate
+(``hit_tokens``): the reference the index's native kernels are tested against, and what the
+simulated engines use. Groups of one kind and parameters are looked up together, as vLLM's
+``SpecGroup`` does: a block counts for them only if every one of them holds it.
+
+The index stores a block of group ``g`` under its *group key* (``kvindex.keys.group_key``), so the
+groups live in the same tables as before and digests and snapshots need no new shape
+(docs/wire.md §8).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Final
+
+from kvindex.keys import MAX_GROUPS, group_mask
+
+# Rules, by what a group needs to serve a prefix.
+FULL: Final = 0
+SLIDING: Final = 1
+CHUNKED: Final = 2
+MAMBA: Final = 3
+UNKNOWN: Final = 4
+RULE_NAMES: Final = ("full", "sliding_window", "chunked_local", "mamba", "unknown")
+
+# vLLM 0.32's ``KVCacheSpecKind`` values (vllm/v1/kv_cache_interface.py) by the manager that looks
+# them up: MLA and attention-sink groups use FullAttentionManager's rule, sliding-window MLA the
+# sliding window's.
+KIND_RULES: Final[Mapping[str, int]] = {
+    "full_attention": FULL,
+    "mla_attention": FULL,
+    "sink_full_attention": FULL,
+    "sliding_window": SLIDING,
+    "sliding_window_mla": SLIDING,
+    "chunked_local_attention": CHUNKED,
+    "mamba": MAMBA,
+}
+FULL_ATTENTION: Final = "full_attention"
+
+
+class LayoutError(ValueError):
+    """A group layout that cannot be right (the message says which group and why)."""
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@dataclass(frozen=True, slots=True)
+class GroupSpec:
+    """One KV-cache group as a worker announces it (docs/wire.md §8 ``groups``)."""
+
+    kind: str
+    block_size: int
+    window: int = 0  # sliding-window kinds: tokens
+    chunk: int = 0  # chunked local attention: tokens
+
+    @property
+    def rule(self) -> int:
+        return KIND_RULES.get(self.kind, UNKNOWN)
+
+    def to_wire(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"kind": self.kind, "block_size": self.block_size}
+        if self.window:
+            out["window"] = self.window
+        if self.chunk:
+            out["chunk"] = self.chunk
+        return out
+
+
+@dataclass(frozen=True, slots=True)
+class RuleGroup:
+    """Groups looked up together (one kind and parameters): ``param`` is the consecutive blocks a
+    sliding window needs, or a chunk's tokens; ``masks`` the members' ``G(g)`` (their group keys are
+    ``key ^ mask``)."""
+
+    rule: int
+    param: int
+    members: tuple[int, ...]
+    masks: tuple[int, ...]
+
+
+class GroupLayout:
+    """A model's KV-cache groups and how the index answers a prefix query over them.
+
+    ``primary`` is the full-attention group whose keys the index walks from the start, as for any
+    model (its answer bounds every other group's); None when the model has no full attention, and
+    then the walk starts from the whole prompt. ``rules`` are the other lookups, each lowering the
+    candidate length (the primary group's fellow members first: they are full attention too).
+    ``understood`` is False when a kind is unknown or the groups' block sizes differ: the answer then
+    uses the groups it understands, and the instances say they are approximate.
+    """
+
+    __slots__ = ("block_size", "groups", "hybrid", "primary", "primary_mask", "rules", "understood", "why")
+
+    def __init__(self, groups: Sequence[GroupSpec], block_size: int) -> None:
+        if not groups:
+            raise LayoutError("a layout needs at least one group")
+        if len(groups) > MAX_GROUPS:
+            raise LayoutError(f"{len(groups)} groups; at most {MAX_GROUPS}")
+        self.groups = tuple(groups)
+        self.block_size = block_size
+        why: list[str] = []
+        for g, spec in enumerate(self.groups):
+            if spec.block_size < 1:
+                raise LayoutError(f"group {g}: block_size {spec.block_size} is not positive")
+            if spec.rule == SLIDING and spec.window < 1:
+                raise LayoutError(f"group {g} ({spec.kind}) has no window")
+            if spec.rule == CHUNKED and spec.chunk < 1:
+                raise LayoutError(f"group {g} ({spec.kind}) has no chunk size")
+            if spec.rule == UNKNOWN:
+                why.append(f"group {g}: kind {spec.kind!r} not understood")
+            elif spec.block_size != block_size:
+                why.append(f"group {g}: block size {spec.block_size}, the model's is {block_size}")
+        self.understood = not why
+        self.why = "; ".join(why)
+        # Only groups of the model's block size and a known kind take part: the rest is what makes
+        # the answer approximate.
+        usable = [g for g, s in enumerate(self.groups) if s.rule != UNKNOWN and s.block_size == block_size]
+        full = [g for g in usable if self.groups[g].rule == FULL]
+        self.primary: int | None = full[0] if full else None
+        self.primary_mask = group_mask(self.primary) if self.primary is not None else 0
+        # One lookup per distinct spec (vLLM's SpecGroup), full attention first.
+        by_spec: dict[GroupSpec, list[int]] = {}
+        for g in usable:
+            if g != self.primary:
+                by_spec.setdefault(self.groups[g], []).append(g)
+        rules: list[RuleGroup] = []
+        for spec, members in sorted(by_spec.items(), key=lambda item: item[0].rule != FULL):
+            if spec.rule == SLIDING:
+                param = _cdiv(spec.window - 1, spec.block_size)
+            elif spec.rule == CHUNKED:
+                param = spec.chunk
+            else:
+                param = 0
+            rules.append(RuleGroup(spec.rule, param, tuple(members), tuple(group_mask(g) for g in members)))
+        self.rules = tuple(rules)
+        # Not hybrid: one full-attention group 0, answered by the plain prefix walk as always.
+        self.hybrid = not (len(self.groups) == 1 and self.primary == 0)
+
+    @classmethod
+    def single(cls, block_size: int) -> GroupLayout:
+        """What a worker without groups has: one full-attention group."""
+        return cls((GroupSpec(FULL_ATTENTION, block_size),), block_size)
+
+    @classmethod
+    def from_wire(cls, raw: Any, block_size: int) -> GroupLayout:
+        """A heartbeat's ``groups`` (a list of maps); LayoutError says what is wrong."""
+        if not isinstance(raw, list) or not raw:
+            raise LayoutError("groups must be a non-empty list of maps")
+        if len(raw) > MAX_GROUPS:
+            raise LayoutError(f"{len(raw)} groups; at most {MAX_GROUPS}")
+        specs = []
+        for g, entry in enumerate(raw):
+            if not isinstance(entry, dict):
+                raise LayoutError(f"group {g} is not a map")
+            kind = entry.get("kind")
+            if not isinstance(kind, str) or not 1 <= len(kind) <= 64:
+                raise LayoutError(f"group {g} has no kind")
+            fields = {}
+            for name in ("block_size", "window", "chunk"):
+                value = entry.get(name)
+                if value is None:
+                    continue
+                if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= 1 << 30:
+                    raise LayoutError(f"group {g}: {name} {value!r} is not an integer in 0..2^30")
+                fields[name] = value
+            specs.append(
+                GroupSpec(
+                    kind,
+                    fields.get("block_size") or block_size,
+                    fields.get("window", 0),
+                    fields.get("chunk", 0),
+                )
+            )
+        return cls(specs, block_size)
+
+    def to_wire(self) -> list[dict[str, Any]]:
+        return [spec.to_wire() for spec in self.groups]
+
+    def __eq__(self, other: object) -> bool:
+        return (
+            isinstance(other, GroupLayout)
+            and self.groups == other.groups
+            and self.block_size == other.block_size
+        )
+
+    def __hash__(self) -> int:
+        return hash((self.groups, self.block_size))
+
+    def __repr__(self) -> str:
+        kinds = ", ".join(
+            f"{s.kind}" + (f"/{s.window}" if s.window else "") + (f"/{s.chunk}" if s.chunk else "")
+            for s in self.groups
+        )
+        return f"GroupLayout([{kinds}], block_size={self.block_size})"
+
+    def describe(self) -> str:
+        """One line for logs and ListInstances: kinds with their group counts."""
+        counts: dict[str, int] = {}
+        for s in self.groups:
+            name = s.kind + (f"({s.window})" if s.window else "") + (f"({s.chunk})" if s.chunk else "")
+            counts[name] = counts.get(name, 0) + 1
+        return " + ".join(f"{n}x {k}" if n > 1 else k for k, n in counts.items())
+
+
+# -- the rule, written plainly ------------------------------------------------------------------
+
+
+def rule_hit(rule: RuleGroup, held: Callable[[int], bool], limit: int, block_size: int) -> int:
+    """Tokens ``rule``'s groups can serve of a candidate of ``limit`` tokens; ``held(j)``: whether
+    every member holds block j. As vLLM's managers compute it (non-EAGLE, block-aligned hits)."""
+    blocks = limit // block_size
+    if rule.rule == FULL:
+        j = 0
+        while j < blocks and held(j):
+            j += 1
+        return j * block_size
+    if rule.rule == SLIDING:
+        # Right to left, stopping at the first run of ``param`` held blocks; none: the run from 0.
+        run = 0
+        for j in range(blocks - 1, -1, -1):
+            if held(j):
+                run += 1
+                if run >= rule.param:
+                    return (j + run) * block_size
+            else:
+                run = 0
+        return run * block_size
+    if rule.rule == CHUNKED:
+        start = limit // rule.param * rule.param if limit > 0 else 0
+        j = start // block_size
+        while j < blocks and held(j):
+            j += 1
+        return j * block_size
+    if rule.rule == MAMBA:
+        for j in range(blocks - 1, -1, -1):
+            if held(j):
+                return (j + 1) * block_size
+        return 0
+    raise ValueError(f"no rule for {RULE_NAMES[rule.rule]}")
+
+
+def hit_tokens(layout: GroupLayout, held: Callable[[int, int], bool], limit: int) -> int:
+    """The prefix (tokens) the engine would reuse: ``held(group, block)`` says what each group holds,
+    ``limit`` is the longest hit allowed (a prompt's length less one: the last token is always
+    computed). The fixed point of HybridKVCacheCoordinator.find_longest_cache_hit."""
+    bs = layout.block_size
+    length = limit
+    if layout.primary is not None:
+        primary = RuleGroup(FULL, 0, (layout.primary,), (layout.primary_mask,))
+        length = rule_hit(primary, lambda j: held(layout.primary, j), length, bs)  # type: ignore[arg-type]
+    while True:
+        before = length
+        for rule in layout.rules:
+            length = rule_hit(rule, lambda j, r=rule: all(held(g, j) for g in r.members), length, bs)
+        if length >= before:
+            return length
+
+
+def held_from_sets(sets: Mapping[int, Iterable[int]], keys: Sequence[int]) -> Callable[[int, int], bool]:
+    """A ``held(group, block)`` over per-group sets of plain block keys (tests, simulators)."""
+    frozen = {g: set(s) for g, s in sets.items()}
+    empty: set[int] = set()
+    return lambda g, j: keys[j] in frozen.get(g, empty)
