@@ -424,14 +424,14 @@ def hybrid_hits(
         return m
 
     out = []
-    for slot, bound in zip(slots, bounds):
+    for slot, bound in zip(slots, bounds, strict=True):
         bit = 1 << slot
         length = bound
         while True:
             before = length
             for r, (rule, param, _masks) in enumerate(rules):
                 blocks = length // block_size
-                if rule == _FULL or rule == _CHUNKED:
+                if rule in (_FULL, _CHUNKED):
                     j = 0
                     if rule == _CHUNKED:
                         j = (length // param * param if length > 0 else 0) // block_size

@@ -385,7 +385,7 @@ class InvertedIndex:
         for b, (slots, bank_bounds, insts) in per_bank.items():
             tiers = shard.bank_tiers[b]
             hits = self.impl.hybrid_hits(tiers, pools, karr, rules, slots, bank_bounds, bs)
-            for slot, hit, inst in zip(slots, hits, insts):
+            for slot, hit, inst in zip(slots, hits, insts, strict=True):
                 n = hit // bs
                 if not n:
                     continue
