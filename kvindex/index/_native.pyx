@@ -1008,7 +1008,7 @@ def apply_events(list events, dict tier_numbers, list tables, list logs, uint64_
     instance with ``bit``: ``tables`` are its bank's tables and ``logs`` its key logs, per tier;
     ``counts`` and ``xors`` are its per-tier digests, updated in place. Returns
     ``result_type(stored, removed, cleared, stored events, removed events, cleared events,
-    stored on a local tier)`` (base.Applied). A stored or removed event's keys are taken as group
+    stored on a local tier, highest group named)`` (base.Applied). A stored or removed event's keys are taken as group
     keys: XORed with ``group_masks[event.group]`` (hybrid.py; 0 for group 0).
 
     One call per batch instead of one per event: small events (an engine step stores a few blocks)
@@ -1018,7 +1018,7 @@ def apply_events(list events, dict tier_numbers, list tables, list logs, uint64_
     events."""
     cdef Py_ssize_t i, n = len(events), k, nk, total_keys = 0, end
     cdef Py_ssize_t n_ev[3]
-    cdef int op, t, t0, t1, touched_removed = 0, local = 0
+    cdef int op, t, t0, t1, touched_removed = 0, local = 0, group, top_group = 0
     cdef uint64_t key, gmask, cleared = 0, total_added = 0, total_removed = 0
     cdef uint64_t added[N_TIERS]
     cdef uint64_t removed[N_TIERS]
@@ -1055,7 +1055,10 @@ def apply_events(list events, dict tier_numbers, list tables, list logs, uint64_
             raise ValueError("a stored or removed event needs a tier")
         keys = ev.keys
         nk = len(keys)
-        gmask = group_masks[ev.group]
+        group = ev.group
+        if group > top_group:
+            top_group = group
+        gmask = group_masks[group]
         for k in range(nk):
             buf[total_keys + k] = PyLong_AsUnsignedLongLong(keys[k]) ^ gmask
         total_keys += nk
@@ -1126,6 +1129,7 @@ def apply_events(list events, dict tier_numbers, list tables, list logs, uint64_
         n_ev[1],
         n_ev[2],
         local == 1,
+        top_group,
     ))
 
 

@@ -196,7 +196,7 @@ def apply_events(
     group_masks: tuple[int, ...] = (0,),
 ) -> Any:
     """See _native.apply_events: a batch's events in order, one call."""
-    added = removed = cleared = local = 0
+    added = removed = cleared = local = top_group = 0
     n_ev = [0, 0, 0]
     for ev in events:
         n_ev[ev.op] += 1
@@ -209,6 +209,7 @@ def apply_events(
                 logs[t].reset()
             continue
         t = tier_numbers[ev.tier]
+        top_group = max(top_group, ev.group)
         mask = group_masks[ev.group]
         keys = [k ^ mask for k in ev.keys] if mask else ev.keys
         if ev.op == _STORED:
@@ -223,7 +224,7 @@ def apply_events(
             if len(logs[t]) > 2 * counts[t] + _COMPACT_SLACK:
                 tables[t].compact_log(logs[t], bit)
         xors[t] ^= x
-    return result_type(added, removed, cleared, *n_ev, bool(local))
+    return result_type(added, removed, cleared, *n_ev, bool(local), top_group)
 
 
 def match_gpu(gpu: BlockTable, keys: list[int], alive: int, start: int = 0) -> list[tuple[int, int]]:

@@ -46,6 +46,7 @@ class Applied(NamedTuple):
     removed_events: int
     cleared_events: int
     local_stored: bool  # some stored event was on a local tier (gpu, cpu, disk), not the shared pool
+    top_group: int = 0  # the highest KV-cache group an event named (docs/wire.md §8)
 
 
 @dataclass(frozen=True, slots=True)

@@ -28,61 +28,42 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Final
+from typing import Any
 
 from kvindex.keys import MAX_GROUPS, group_mask
+from kvindex.wire.groups import (
+    CHUNKED,
+    FULL,
+    FULL_ATTENTION,
+    KIND_RULES,
+    MAMBA,
+    RULE_NAMES,
+    SLIDING,
+    UNKNOWN,
+    GroupSpec,
+    LayoutError,
+    parse_groups,
+)
 
-# Rules, by what a group needs to serve a prefix.
-FULL: Final = 0
-SLIDING: Final = 1
-CHUNKED: Final = 2
-MAMBA: Final = 3
-UNKNOWN: Final = 4
-RULE_NAMES: Final = ("full", "sliding_window", "chunked_local", "mamba", "unknown")
-
-# vLLM 0.32's ``KVCacheSpecKind`` values (vllm/v1/kv_cache_interface.py) by the manager that looks
-# them up: MLA and attention-sink groups use FullAttentionManager's rule, sliding-window MLA the
-# sliding window's.
-KIND_RULES: Final[Mapping[str, int]] = {
-    "full_attention": FULL,
-    "mla_attention": FULL,
-    "sink_full_attention": FULL,
-    "sliding_window": SLIDING,
-    "sliding_window_mla": SLIDING,
-    "chunked_local_attention": CHUNKED,
-    "mamba": MAMBA,
-}
-FULL_ATTENTION: Final = "full_attention"
-
-
-class LayoutError(ValueError):
-    """A group layout that cannot be right (the message says which group and why)."""
+__all__ = [
+    "CHUNKED",
+    "FULL",
+    "KIND_RULES",
+    "MAMBA",
+    "SLIDING",
+    "UNKNOWN",
+    "GroupLayout",
+    "GroupSpec",
+    "LayoutError",
+    "RuleGroup",
+    "held_from_sets",
+    "hit_tokens",
+    "rule_hit",
+]
 
 
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
-
-
-@dataclass(frozen=True, slots=True)
-class GroupSpec:
-    """One KV-cache group as a worker announces it (docs/wire.md §8 ``groups``)."""
-
-    kind: str
-    block_size: int
-    window: int = 0  # sliding-window kinds: tokens
-    chunk: int = 0  # chunked local attention: tokens
-
-    @property
-    def rule(self) -> int:
-        return KIND_RULES.get(self.kind, UNKNOWN)
-
-    def to_wire(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"kind": self.kind, "block_size": self.block_size}
-        if self.window:
-            out["window"] = self.window
-        if self.chunk:
-            out["chunk"] = self.chunk
-        return out
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,12 +100,7 @@ class GroupLayout:
         self.block_size = block_size
         why: list[str] = []
         for g, spec in enumerate(self.groups):
-            if spec.block_size < 1:
-                raise LayoutError(f"group {g}: block_size {spec.block_size} is not positive")
-            if spec.rule == SLIDING and spec.window < 1:
-                raise LayoutError(f"group {g} ({spec.kind}) has no window")
-            if spec.rule == CHUNKED and spec.chunk < 1:
-                raise LayoutError(f"group {g} ({spec.kind}) has no chunk size")
+            spec.check(g)
             if spec.rule == UNKNOWN:
                 why.append(f"group {g}: kind {spec.kind!r} not understood")
             elif spec.block_size != block_size:
@@ -163,34 +139,7 @@ class GroupLayout:
     @classmethod
     def from_wire(cls, raw: Any, block_size: int) -> GroupLayout:
         """A heartbeat's ``groups`` (a list of maps); LayoutError says what is wrong."""
-        if not isinstance(raw, list) or not raw:
-            raise LayoutError("groups must be a non-empty list of maps")
-        if len(raw) > MAX_GROUPS:
-            raise LayoutError(f"{len(raw)} groups; at most {MAX_GROUPS}")
-        specs = []
-        for g, entry in enumerate(raw):
-            if not isinstance(entry, dict):
-                raise LayoutError(f"group {g} is not a map")
-            kind = entry.get("kind")
-            if not isinstance(kind, str) or not 1 <= len(kind) <= 64:
-                raise LayoutError(f"group {g} has no kind")
-            fields = {}
-            for name in ("block_size", "window", "chunk"):
-                value = entry.get(name)
-                if value is None:
-                    continue
-                if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= 1 << 30:
-                    raise LayoutError(f"group {g}: {name} {value!r} is not an integer in 0..2^30")
-                fields[name] = value
-            specs.append(
-                GroupSpec(
-                    kind,
-                    fields.get("block_size") or block_size,
-                    fields.get("window", 0),
-                    fields.get("chunk", 0),
-                )
-            )
-        return cls(specs, block_size)
+        return cls(parse_groups(raw, block_size), block_size)
 
     def to_wire(self) -> list[dict[str, Any]]:
         return [spec.to_wire() for spec in self.groups]

@@ -22,6 +22,7 @@ import structlog
 from kvindex.fleet.registry import InstanceState, Registry, instance_id
 from kvindex.index.base import Applied, KvBlockIndex
 from kvindex.ingest.heartbeats import Heartbeats
+from kvindex.ingest.layouts import Layouts
 from kvindex.ingest.limits import (
     BLOCK_LIMIT,
     DEFAULT_INGEST_LIMITS,
@@ -32,6 +33,7 @@ from kvindex.ingest.limits import (
     LimitExceeded,
 )
 from kvindex.instance import InstanceKey
+from kvindex.keys import GROUP_MASKS
 from kvindex.observability.counters import IngestCounters
 from kvindex.observability.logs import RateLimitedLog
 from kvindex.repair.machine import REPLAY, SNAPSHOT, RepairMachine, RepairScheduler
@@ -87,6 +89,10 @@ class Consumer:
         self.on_sync_change = on_sync_change
         # Holes, restarts and drift: decided there, repaired by ``repair`` (NoRepair when None).
         self.repairs = RepairMachine(self, repair)
+        # Each model's KV-cache groups (hybrid attention), from its workers' heartbeats.
+        self.layouts = Layouts(
+            index, registry, self.log, lambda state, exc: self.refuse(state.key, exc.reason, exc.message)
+        )
         self.heartbeats = Heartbeats(self)
         self.on_heartbeat = self.heartbeats.on_heartbeat
 
@@ -115,6 +121,15 @@ class Consumer:
         key = state.key
         cursor = self.sequencer.cursor(key)
         verdict = decide(cursor, batch.epoch, batch.seq)
+        if state.layout_conflict and verdict is Verdict.APPLY:
+            # Its blocks would be read by another layout's rule (kvindex/ingest/layouts.py): refused,
+            # but its seq is consumed, so that no repair brings them back.
+            self.refuse(
+                key, errors.GROUP_LAYOUT_MISMATCH, "batch of an instance whose KV-cache groups differ"
+            )
+            cursor.applied = batch.seq  # type: ignore[union-attr]
+            state.last_seq = batch.seq
+            return False
         if verdict is Verdict.APPLY:
             self.apply(state, batch, len(payload))
             cursor.applied = batch.seq  # type: ignore[union-attr]
@@ -192,7 +207,9 @@ class Consumer:
         if bound > room or bound < 0:
             bound = sum([len(ev.keys) for ev in events])
         applied = self.index.apply(state.key, events) if bound <= room else self._apply_capped(state, batch)
-        stored, removed, cleared, n_stored, n_removed, n_cleared, local = applied
+        stored, removed, cleared, n_stored, n_removed, n_cleared, local, top_group = applied
+        if top_group > state.top_group:
+            self.layouts.events_named(state, top_group)
         c.blocks_stored += stored
         applied = c.events_applied
         applied[STORED] += n_stored
@@ -231,7 +248,12 @@ class Consumer:
             if excess <= 0:
                 continue
             name = TIER_NAMES[tier]
-            new = [k for ev in batch.events if ev.op == STORED and ev.tier == name for k in ev.keys]
+            new = [
+                k ^ GROUP_MASKS[ev.group]  # the index holds group keys (docs/wire.md §8)
+                for ev in batch.events
+                if ev.op == STORED and ev.tier == name
+                for k in ev.keys
+            ]
             dropped, end = 0, len(new)
             while excess > 0 and end > 0:  # keys stored and removed within the batch remove nothing
                 chunk = new[max(0, end - excess) : end]

@@ -7,6 +7,8 @@ from typing import Annotated, ClassVar, Final, Literal
 
 from msgspec import Meta, Struct
 
+from kvindex.wire.groups import GroupSpec
+
 WIRE_VERSION: Final = 1
 
 # Tier order is also preference order: a block present on several tiers of one instance is loaded
@@ -130,6 +132,10 @@ class HeartbeatReport:
     role: str = "both"
     pd_group: str | None = None
     role_error: str | None = None
+    # KV-cache groups (docs/wire.md §8): None when not announced (one full-attention group) or
+    # malformed, and then ``groups_error`` says what was wrong with them.
+    groups: tuple[GroupSpec, ...] | None = None
+    groups_error: str | None = None
 
     @property
     def instance(self) -> tuple[str, int]:
