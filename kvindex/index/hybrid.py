@@ -103,13 +103,21 @@ class GroupLayout:
             spec.check(g)
             if spec.rule == UNKNOWN:
                 why.append(f"group {g}: kind {spec.kind!r} not understood")
+            elif spec.rule == CHUNKED and spec.chunk < 1:
+                # vLLM publishes no chunk size (it is in the model's config.json): kvshim
+                # --attention-chunk tells it.
+                why.append(f"group {g}: chunked local attention of unknown chunk size")
             elif spec.block_size != block_size:
                 why.append(f"group {g}: block size {spec.block_size}, the model's is {block_size}")
         self.understood = not why
         self.why = "; ".join(why)
         # Only groups of the model's block size and a known kind take part: the rest is what makes
         # the answer approximate.
-        usable = [g for g, s in enumerate(self.groups) if s.rule != UNKNOWN and s.block_size == block_size]
+        usable = [
+            g
+            for g, s in enumerate(self.groups)
+            if s.rule != UNKNOWN and s.block_size == block_size and (s.rule != CHUNKED or s.chunk > 0)
+        ]
         full = [g for g in usable if self.groups[g].rule == FULL]
         self.primary: int | None = full[0] if full else None
         self.primary_mask = group_mask(self.primary) if self.primary is not None else 0

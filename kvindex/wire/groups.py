@@ -55,8 +55,6 @@ class GroupSpec:
             raise LayoutError(f"group {group}: block_size {self.block_size} is not positive")
         if self.rule == SLIDING and self.window < 1:
             raise LayoutError(f"group {group} ({self.kind}) has no window")
-        if self.rule == CHUNKED and self.chunk < 1:
-            raise LayoutError(f"group {group} ({self.kind}) has no chunk size")
 
     def to_wire(self) -> dict[str, Any]:
         out: dict[str, Any] = {"kind": self.kind, "block_size": self.block_size}

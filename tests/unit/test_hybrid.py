@@ -64,6 +64,8 @@ def test_layout_not_understood_says_why() -> None:
     assert not sizes.understood and "block size 64" in sizes.why
     # What is understood still answers: the full-attention group alone here.
     assert sizes.primary == 0 and sizes.rules == ()
+    chunked = GroupLayout([GroupSpec("chunked_local_attention", 16), GroupSpec("full_attention", 16)], 16)
+    assert not chunked.understood and "unknown chunk size" in chunked.why and chunked.rules == ()
 
 
 @pytest.mark.parametrize(
@@ -72,7 +74,6 @@ def test_layout_not_understood_says_why() -> None:
         ([], "non-empty list"),
         ([{"block_size": 16}], "group 0 has no kind"),
         ([{"kind": "sliding_window"}], "group 0 (sliding_window) has no window"),
-        ([{"kind": "chunked_local_attention", "window": 4}], "has no chunk size"),
         ([{"kind": "full_attention", "block_size": -1}], "block_size -1"),
         ([{"kind": "full_attention"}, 7], "group 1 is not a map"),
         ([{"kind": "full_attention"}] * 1025, "at most 1024"),
