@@ -17,6 +17,7 @@ from kvindex.api.errors import BadRequest
 from kvindex.api.handlers import Malformed
 from kvindex.fleet.registry import InstanceState, Registry
 from kvindex.index.base import NO_MATCH, KvBlockIndex
+from kvindex.index.hybrid import hit_limit
 from kvindex.instance import InstanceKey
 from kvindex.keys import keys_from_le_bytes, model_seed
 from kvindex.observability.counters import IngestCounters, Metrics
@@ -493,7 +494,10 @@ class KvIndexServicer(pb_grpc.KvIndexServicer):
         if candidates is not None:
             wanted = set(candidates)
             states = [s for s in states if s.worker in wanted or s.instance_id in wanted]
-        matches = self.index.match(request.model, keys, [s.key for s in states]) if keys else {}
+        # Token ids known: the engine's last-token rule applies (a hybrid model's windows end there);
+        # block keys alone: what the instances hold of them.
+        limit = hit_limit(prompt.tokens) if prompt.token_ids is not None else None
+        matches = self.index.match(request.model, keys, [s.key for s in states], limit) if keys else {}
         ordered = sorted(states, key=lambda s: (-matches.get(s.key, NO_MATCH).length, s.key))
         for state in ordered:
             match = matches.get(state.key, NO_MATCH)

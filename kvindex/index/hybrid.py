@@ -57,6 +57,7 @@ __all__ = [
     "LayoutError",
     "RuleGroup",
     "held_from_sets",
+    "hit_limit",
     "hit_tokens",
     "rule_hit",
 ]
@@ -179,6 +180,12 @@ class GroupLayout:
 
 
 # -- the rule, written plainly ------------------------------------------------------------------
+
+
+def hit_limit(prompt_tokens: int) -> int:
+    """The longest prefix (tokens) vLLM reuses of a prompt: it always computes the last token, whose
+    logits give the first output token (``kv_cache_manager.get_computed_blocks``)."""
+    return max(prompt_tokens - 1, 0)
 
 
 def rule_hit(rule: RuleGroup, held: Callable[[int], bool], limit: int, block_size: int) -> int:

@@ -17,6 +17,7 @@ import numpy as np
 
 from kvindex.fleet.registry import InstanceState, Registry, instance_id
 from kvindex.index.base import NO_MATCH, GroupedIndex, InstanceMatch, KvBlockIndex, MatchGroup
+from kvindex.index.hybrid import hit_limit
 from kvindex.instance import InstanceKey
 from kvindex.scoring.approximate import PredictedCache
 from kvindex.scoring.base import DECODE_ROLE, Candidate, Choice, Policy, PrunedPolicy, RouteRequest
@@ -153,6 +154,15 @@ class Ranker:
                 p.model, instance_id(p.instance), p.prompt_tokens, r.cached_tokens, r.ttft_ms, p.wait_ms
             )
 
+    def spec_boundary(self, model: str, prompt_tokens: int, block_size: int) -> int | None:
+        """For SpeculativeKeys.add: a hybrid-attention model's committed prompt will serve later
+        prompts up to the block before its last token only (its sliding-window and Mamba groups keep
+        state there, kvindex/index/hybrid.py); None for other models (every block)."""
+        layout = self.index.layout_of(model)
+        if layout is None or not layout.hybrid:
+            return None
+        return hit_limit(prompt_tokens) // block_size
+
     # -- candidates -----------------------------------------------------------------------------
 
     def candidates(
@@ -174,7 +184,12 @@ class Ranker:
         if matches is not None:
             pass
         elif keys:
-            matches = self.index.match(request.model, keys, None if every else [s.key for s in states])
+            matches = self.index.match(
+                request.model,
+                keys,
+                None if every else [s.key for s in states],
+                hit_limit(request.prompt_tokens),
+            )
         else:
             matches = {}
         shared = self.calibrator.prefill(request.model)
@@ -382,10 +397,14 @@ class Ranker:
             grouped = self.grouped_index
             if grouped is not None:
                 matches, groups = grouped.match_groups(
-                    request.model, keys, restrict, self.config.group_min_instances
+                    request.model,
+                    keys,
+                    restrict,
+                    self.config.group_min_instances,
+                    hit_limit(request.prompt_tokens),
                 )
             else:
-                matches = self.index.match(request.model, keys, restrict)
+                matches = self.index.match(request.model, keys, restrict, hit_limit(request.prompt_tokens))
         else:
             matches = {}
         if everyone:  # a set lookup per holder rather than a numpy scalar read
@@ -415,6 +434,11 @@ class Ranker:
                     rows.append(i)
                     if g:
                         matches[inst] = groups[g - 1].match
+            for inst in self.speculative.marked():  # hybrid models' committed prompts (answers all listed)
+                if inst in matches or (i := row.get(inst)) is None or not mask[i] or i in rows:
+                    continue
+                if self.speculative.extend(inst, keys, 0):
+                    rows.append(i)
         if group_of is not None and self.degraded:
             # A degraded instance is credited only part of its match: not its group's terms.
             for inst in self.degraded:
@@ -514,7 +538,12 @@ class Ranker:
                 ahead,
             )
         if policy.speculative_ttl > 0 and request.keys:
-            self.speculative.add(key, request.keys, policy.speculative_ttl)
+            self.speculative.add(
+                key,
+                request.keys,
+                policy.speculative_ttl,
+                self.spec_boundary(request.model, request.prompt_tokens, request.block_size),
+            )
             if request.request_id:
                 entry.keys = request.keys
         if cand.state.approximate and request.keys:
@@ -564,7 +593,8 @@ class Ranker:
         def held_now() -> int:
             if state is None or not p.keys:
                 return 0
-            return self.index.match(p.model, p.keys, [p.instance]).get(p.instance, NO_MATCH)[0]
+            held = self.index.match(p.model, p.keys, [p.instance], hit_limit(p.prompt_tokens))
+            return held.get(p.instance, NO_MATCH)[0]
 
         removals = None if state is None else state.removals
         status, outcome = outcomes.compare(p, report, removals, held_now)
