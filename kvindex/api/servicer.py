@@ -31,6 +31,7 @@ from kvindex.tokenize import ChatOptions, TokenizeError, Tokenizers, bounded_jso
 from kvindex.tokenize.bounded_json import TooDeep
 from kvindex.v1 import kvindex_pb2 as pb
 from kvindex.v1 import kvindex_pb2_grpc as pb_grpc
+from kvindex.wire.groups import describe as describe_groups
 from kvindex.wire.schema import MAX_MODEL_LEN, U64_MAX
 from kvindex.wire.subjects import WORKER_ID_RE
 
@@ -544,6 +545,7 @@ class KvIndexServicer(pb_grpc.KvIndexServicer):
                 approximate=state.approximate,
                 role=state.role,
                 pd_group=state.pd_group or "",
+                kv_groups=describe_groups(state.groups_announced) if state.groups_announced else "",
                 prefill=pb.PrefillFit(
                     source=fit.source,
                     a_ms=fit.model.a_ms,

@@ -42,6 +42,7 @@ from kvindex.wire.groups import (
     UNKNOWN,
     GroupSpec,
     LayoutError,
+    describe,
     parse_groups,
 )
 
@@ -171,12 +172,8 @@ class GroupLayout:
         return f"GroupLayout([{kinds}], block_size={self.block_size})"
 
     def describe(self) -> str:
-        """One line for logs and ListInstances: kinds with their group counts."""
-        counts: dict[str, int] = {}
-        for s in self.groups:
-            name = s.kind + (f"({s.window})" if s.window else "") + (f"({s.chunk})" if s.chunk else "")
-            counts[name] = counts.get(name, 0) + 1
-        return " + ".join(f"{n}x {k}" if n > 1 else k for k, n in counts.items())
+        """One line for logs and ListInstances (wire.groups.describe)."""
+        return describe(self.groups)
 
 
 # -- the rule, written plainly ------------------------------------------------------------------

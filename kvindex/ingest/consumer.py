@@ -91,7 +91,11 @@ class Consumer:
         self.repairs = RepairMachine(self, repair)
         # Each model's KV-cache groups (hybrid attention), from its workers' heartbeats.
         self.layouts = Layouts(
-            index, registry, self.log, lambda state, exc: self.refuse(state.key, exc.reason, exc.message)
+            index,
+            registry,
+            self.log,
+            lambda state, exc: self.refuse(state.key, exc.reason, exc.message),
+            self._resync,
         )
         self.heartbeats = Heartbeats(self)
         self.on_heartbeat = self.heartbeats.on_heartbeat
@@ -121,14 +125,16 @@ class Consumer:
         key = state.key
         cursor = self.sequencer.cursor(key)
         verdict = decide(cursor, batch.epoch, batch.seq)
-        if state.layout_conflict and verdict is Verdict.APPLY:
+        if state.layout_conflict:
             # Its blocks would be read by another layout's rule (kvindex/ingest/layouts.py): refused,
             # but its seq is consumed, so that no repair brings them back.
             self.refuse(
                 key, errors.GROUP_LAYOUT_MISMATCH, "batch of an instance whose KV-cache groups differ"
             )
-            cursor.applied = batch.seq  # type: ignore[union-attr]
-            state.last_seq = batch.seq
+            if cursor is None or cursor.epoch != batch.epoch:
+                cursor = self.sequencer.open(key, batch.epoch)
+            cursor.applied = max(cursor.applied, batch.seq)
+            state.epoch, state.last_seq = batch.epoch, cursor.applied
             return False
         if verdict is Verdict.APPLY:
             self.apply(state, batch, len(payload))
@@ -171,6 +177,12 @@ class Consumer:
         repairs.hold(state, cursor, batch)
         repairs.begin(state, cursor, SNAPSHOT, "start" if verdict is Verdict.FIRST else "epoch")
         return False
+
+    def _resync(self, state: InstanceState) -> None:
+        """A snapshot of the instance (its blocks were dropped while its layout was in conflict)."""
+        cursor = self.sequencer.cursor(state.key)
+        if cursor is not None and cursor.repairing is None:
+            self.repairs.begin(state, cursor, SNAPSHOT, "layout")
 
     def jumped(self, state: InstanceState, cursor: Cursor, seq: int, what: str) -> bool:
         """A batch's or heartbeat's ``seq`` more than MAX_GAP past the last one the instance is known

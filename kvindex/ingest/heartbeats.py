@@ -192,10 +192,12 @@ class Heartbeats:
             )
             self.registry.set_role(state, report.role, report.pd_group)
         groups = report.groups
-        if groups is not state.groups_announced and (
-            report.groups_error is not None or groups != state.groups_announced
+        if report.groups_error is not None or (
+            groups is not state.groups_announced and groups != state.groups_announced
         ):
             self.consumer.layouts.announced(state, groups, report.groups_error)
+        elif groups is None and state.top_group:
+            self.consumer.layouts.judge(state)  # events of groups, and still no layout (rare)
         if report.prefill and self.consumer.prefill_samples is not None:
             self.consumer.prefill_samples(state.model, report.prefill, state.instance_id)
         if state.stale:

@@ -39,11 +39,15 @@ class Layouts:
         registry: Registry,
         log: Any,
         refuse: Callable[[InstanceState, WireError], None],
+        resync: Callable[[InstanceState], None],
     ) -> None:
         self.index = index
         self.registry = registry
         self.log = log
         self.refuse = refuse
+        # An instance out of conflict: its blocks were dropped and its batches refused, so a snapshot
+        # brings it back.
+        self.resync = resync
         # GroupLayout per announced (groups, block size): built once, shared by a model's instances.
         self._built: dict[tuple[tuple[GroupSpec, ...], int], GroupLayout] = {}
 
@@ -68,16 +72,14 @@ class Layouts:
         layout = None if specs is None else self.layout(specs, state.block_size)
         alone = self.registry.count(state.model) <= 1
         if layout is None:
-            if model_layout is not None and model_layout.hybrid and not alone:
-                self._conflict(
-                    state, f"announces no KV-cache groups; the model has {model_layout.describe()}"
-                )
-                return
+            # Not (yet) announced: a bridge learns an engine's groups from its first stores, and an
+            # older one never announces them. Its group-0 events are read by the model's rule (a
+            # safe under-estimate: group 0 alone serves no hit of a hybrid model), and it says so.
             if alone and model_layout is not None:
                 self.index.set_layout(state.model, GroupLayout.single(state.block_size))
         elif model_layout is None or alone:
             self.index.set_layout(state.model, layout)
-            if model_layout is not None and model_layout != layout:
+            if model_layout != layout and (model_layout is not None or layout.hybrid):
                 self.log.info(
                     "model_kv_groups",
                     model=state.model,
@@ -85,29 +87,43 @@ class Layouts:
                     dp_rank=state.dp_rank,
                     groups=layout.describe(),
                 )
-            elif model_layout is None and layout.hybrid:
-                self.log.info(
-                    "model_kv_groups", model=state.model, worker=state.worker, groups=layout.describe()
-                )
         elif model_layout != layout:
             self._conflict(state, f"announces {layout.describe()}; the model has {model_layout.describe()}")
             return
-        state.layout_conflict = False
-        current = self.index.layout_of(state.model)
-        if current is not None and not current.understood:
-            self._inexact(state, current.why)
-        elif state.top_group >= (len(current.groups) if current is not None else 1):
-            self._inexact(state, _unlisted(state.top_group))
-        else:
-            self._inexact(state, "")
+        self._settled(state)
+        self.judge(state)
 
     def events_named(self, state: InstanceState, top_group: int) -> None:
         """A batch of ``state`` named KV-cache groups up to ``top_group`` (> the last highest seen)."""
         state.top_group = top_group
-        layout = self.index.layout_of(state.model)
-        listed = len(layout.groups) if layout is not None else 1
-        if top_group >= listed and not state.groups_inexact:
-            self._inexact(state, _unlisted(top_group))
+        # Until a layout is announced, the next heartbeat judges: a bridge's first stores come
+        # before the heartbeat that announces what it learned from them.
+        if isinstance(state.groups_announced, tuple) and state.groups_announced and not state.layout_conflict:
+            self.judge(state)
+
+    def judge(self, state: InstanceState) -> None:
+        """Whether the instance's answers are the engine's rule (``groups_inexact``)."""
+        specs = state.groups_announced
+        current = self.index.layout_of(state.model)
+        if specs is None:
+            if state.top_group > 0:
+                why = f"events of KV-cache group {state.top_group}, and no layout announced"
+            elif current is not None and current.hybrid:
+                why = f"announces no KV-cache groups; the model has {current.describe()}"
+            else:
+                why = ""
+        elif current is not None and not current.understood:
+            why = current.why
+        elif state.top_group >= len(specs):
+            why = f"events of KV-cache group {state.top_group}, which its layout does not list"
+        else:
+            why = ""
+        self._inexact(state, why)
+
+    def _settled(self, state: InstanceState) -> None:
+        if state.layout_conflict:
+            state.layout_conflict = False
+            self.resync(state)
 
     def _conflict(self, state: InstanceState, why: str) -> None:
         self.refuse(state, WireError(errors.GROUP_LAYOUT_MISMATCH, why))
@@ -126,7 +142,3 @@ class Layouts:
             )
         else:
             self.log.info("instance_kv_groups_exact", worker=state.worker, dp_rank=state.dp_rank)
-
-
-def _unlisted(group: int) -> str:
-    return f"events of KV-cache group {group}, which its layout does not list"

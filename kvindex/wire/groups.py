@@ -65,6 +65,16 @@ class GroupSpec:
         return out
 
 
+def describe(specs: tuple[GroupSpec, ...]) -> str:
+    """One line for logs and ListInstances: kinds (window or chunk) with their group counts, in order
+    of first appearance, e.g. "3x sliding_window(64) + full_attention"."""
+    counts: dict[str, int] = {}
+    for s in specs:
+        name = s.kind + (f"({s.window})" if s.window else "") + (f"({s.chunk})" if s.chunk else "")
+        counts[name] = counts.get(name, 0) + 1
+    return " + ".join(f"{n}x {k}" if n > 1 else k for k, n in counts.items())
+
+
 def parse_groups(raw: Any, block_size: int) -> tuple[GroupSpec, ...]:
     """A heartbeat's ``groups`` (a list of maps, one per group); LayoutError says what is wrong."""
     if not isinstance(raw, list) or not raw:
