@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Histogram
+from prometheus_client import CollectorRegistry, Histogram, ProcessCollector
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
@@ -214,6 +214,7 @@ class Metrics:
         self.registry = CollectorRegistry()
         self.counters = counters
         self.registry.register(_Collector(counters, gauges))
+        ProcessCollector(registry=self.registry)  # process_cpu_seconds_total, process_resident_memory_bytes
         self.rpc_latency = Histogram(
             "kvindex_rpc_latency_seconds",
             "Server-side latency of API calls",
