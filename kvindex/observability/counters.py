@@ -222,3 +222,21 @@ class Metrics:
             buckets=(0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5),
             registry=self.registry,
         )
+        # Requests committed to an instance by Score, by ranking policy (the servicer counts; plain
+        # ints, read at scrape time like the ingest counters).
+        self.decisions: Counter[str] = Counter()
+        self.registry.register(_DecisionsCollector(self.decisions))
+
+
+class _DecisionsCollector(Collector):
+    def __init__(self, decisions: Counter[str]) -> None:
+        self._decisions = decisions
+
+    def collect(self) -> Iterator[Any]:
+        _counter, labeled = counter_makers("kvindex_")
+        yield labeled(
+            "decisions",
+            "Requests committed to an instance by Score, by ranking policy",
+            "policy",
+            dict(self._decisions),
+        )
