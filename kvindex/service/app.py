@@ -31,6 +31,7 @@ from kvindex.instance import InstanceKey
 from kvindex.lifecycle import Stop, bounded
 from kvindex.observability.counters import Metrics
 from kvindex.observability.fleet import FleetCollector
+from kvindex.observability.hits import HitCollector
 from kvindex.observability.outcomes import OutcomeCollector
 from kvindex.observability.tokenize import TokenizeCollector
 from kvindex.repair.nats_repair import NatsRepairer, RepairConfig
@@ -159,6 +160,7 @@ class IndexService:
             self.calibrator, replicas=config.jetstream.replicas if config.jetstream else 1
         )
         self.metrics.registry.register(OutcomeCollector(self.router.outcomes, self._instance_states))
+        self.metrics.registry.register(HitCollector(self.router.outcomes))
         self.metrics.registry.register(
             FleetCollector(
                 self.registry, self.index, self.calibrator, lambda: self.grpc.ready, self._nats_connected

@@ -165,6 +165,7 @@ LAYERS: list[tuple[str, ...]] = [
         "kvindex.routing_sync",
         "kvindex.observability.outcomes",
         "kvindex.observability.fleet",
+        "kvindex.observability.hits",
         "kvindex.observability.tokenize",
     ),
     ("kvindex.core",),  # the one assembly of registry, index, sequencer, consumer, ledger and router

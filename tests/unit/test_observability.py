@@ -1,7 +1,7 @@
-"""The fleet collector (kvindex/observability/fleet.py): readiness, NATS, per-instance heartbeat age,
-load and blocks per tier, and calibration per model, read from a real registry, index and calibrator
-at collection time. (Its families on a running service's /metrics:
-tests/integration/test_observability.py.)"""
+"""What an operator sees, the pure half (the other: tests/integration/test_observability.py, metrics of
+running processes). The fleet collector (kvindex/observability/fleet.py): readiness, NATS,
+per-instance heartbeat age, load and blocks per tier, and calibration per model, read from a real
+registry, index and calibrator at collection time; the hit collector (hits.py) from outcome reports."""
 
 from __future__ import annotations
 
@@ -11,7 +11,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from kvindex.fleet.registry import Registry
 from kvindex.index.inverted import InvertedIndex
 from kvindex.observability.fleet import FleetCollector
+from kvindex.observability.hits import HitCollector
 from kvindex.scoring.calibration import Calibrator
+from kvindex.scoring.outcomes import OutcomeTracker, Prediction, Report
 from kvindex.wire.schema import CPU, GPU, Load
 
 
@@ -79,3 +81,39 @@ def test_fleet_collector_reads_the_registry_index_and_calibrator() -> None:
     got = samples(prom)
     assert got[("kvindex_ready", ())] == 1 and got[("kvindex_instances_stale", ())] == 0
     assert not any(dict(k[1]).get("instance") == "b/0" for k in got)
+
+
+def test_hit_collector_counts_the_tokens_of_compared_reports() -> None:
+    tracker = OutcomeTracker(Clock())
+    prom = CollectorRegistry()
+    prom.register(HitCollector(tracker))
+
+    def prediction(model: str, blocks: int, prompt: int) -> Prediction:
+        return Prediction(
+            ("w", 0),
+            model,
+            "ttft",
+            16,
+            prompt,
+            blocks,
+            blocks,
+            (blocks * 16, 0, 0, 0),
+            1.0,
+            2.0,
+            0.0,
+            3.0,
+            0.0,
+        )
+
+    tracker.compare(prediction("m", 4, 100), Report(cached_tokens=64, ttft_ms=5.0))  # predicted 64
+    tracker.compare(prediction("m", 2, 33), Report(cached_tokens=0, ttft_ms=5.0))  # predicted 32
+    tracker.compare(prediction("m", 2, 40), Report(ttft_ms=5.0))  # no engine figure: not counted
+    tracker.compare(prediction("n", 1, 17), Report(cached_tokens=16))
+    got = {k: v for k, v in samples(prom).items() if k[0] == "kvindex_prediction_tokens_total"}
+    assert got == {
+        ("kvindex_prediction_tokens_total", (("kind", kind), ("model", model))): n
+        for model, kind, n in [
+            ("m", "prompt", 133), ("m", "predicted_cached", 96), ("m", "reported_cached", 64),
+            ("n", "prompt", 17), ("n", "predicted_cached", 16), ("n", "reported_cached", 16),
+        ]
+    }  # fmt: skip
