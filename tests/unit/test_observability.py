@@ -5,6 +5,13 @@ registry, index and calibrator at collection time; the hit collector (hits.py) f
 
 from __future__ import annotations
 
+import dataclasses
+import json
+import re
+from pathlib import Path
+
+import pytest
+import yaml
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -15,6 +22,12 @@ from kvindex.observability.hits import HitCollector
 from kvindex.scoring.calibration import Calibrator
 from kvindex.scoring.outcomes import OutcomeTracker, Prediction, Report
 from kvindex.wire.schema import CPU, GPU, Load
+from kvtools.observability import alerts, generate, grafana
+from kvtools.observability.alerts import ALERTS
+from kvtools.observability.dashboards import DASHBOARDS
+from kvtools.observability.promql import metric_names
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 class Clock:
@@ -117,3 +130,103 @@ def test_hit_collector_counts_the_tokens_of_compared_reports() -> None:
             ("n", "prompt", 17), ("n", "predicted_cached", 16), ("n", "reported_cached", 16),
         ]
     }  # fmt: skip
+
+
+# -- dashboards and alerting rules as code (kvtools/observability) ----------------------------------
+
+
+def test_committed_dashboards_and_rules_are_what_the_generator_writes() -> None:
+    files = generate.outputs()
+    assert len(files) == len(DASHBOARDS) + 2  # every board, the rules file and the PrometheusRule
+    assert not generate.stale(files), (
+        "deploy/observability differs from kvtools/observability: "
+        "run python -m kvtools.observability.generate"
+    )
+    # The check itself sees a difference: a board changed by one panel title.
+    board = DASHBOARDS[0]
+    changed = dataclasses.replace(
+        board, rows=(dataclasses.replace(board.rows[0], title=board.rows[0].title + "!"), *board.rows[1:])
+    )
+    path = generate.OUT / "dashboards" / f"{board.uid}.json"
+    assert generate.stale({path: grafana.render(changed)}) == [path]
+
+
+def test_generated_dashboards_are_grafana_json_with_every_panel_and_query() -> None:
+    for board in DASHBOARDS:
+        data = json.loads((generate.OUT / "dashboards" / f"{board.uid}.json").read_text())
+        assert data["uid"] == board.uid and data["title"] == board.title
+        panels = [p for p in data["panels"] if p["type"] != "row"]
+        rows = [p["title"] for p in data["panels"] if p["type"] == "row"]
+        assert rows == [r.title for r in board.rows]
+        assert [p["title"] for p in panels] == [p.title for r in board.rows for p in r.panels]
+        exprs = [(t["refId"], t["expr"]) for p in panels for t in p["targets"]]
+        assert [e for _, e in exprs] == [q.expr for _, q in board.queries()]
+        assert all(p["datasource"] == {"type": "prometheus", "uid": "${datasource}"} for p in panels)
+        ids = [p["id"] for p in data["panels"]]
+        assert len(set(ids)) == len(ids)  # Grafana keys panels by id
+
+
+def test_rules_file_and_prometheus_rule_hold_the_same_groups() -> None:
+    rules = yaml.safe_load(generate.RULES.read_text())
+    crd = yaml.safe_load(generate.PROMETHEUS_RULE.read_text())
+    assert crd["apiVersion"] == "monitoring.coreos.com/v1" and crd["kind"] == "PrometheusRule"
+    assert crd["spec"]["groups"] == rules["groups"]
+    names = [r["alert"] for g in rules["groups"] for r in g["rules"]]
+    assert names == [a.name for a in ALERTS] and len(set(names)) == len(names)
+
+
+def test_every_alert_has_a_promtool_test_and_a_runbook_section() -> None:
+    tests = yaml.safe_load((generate.RULES.parent / "kvindex-rules.test.yaml").read_text())
+    assert tests["rule_files"] == [generate.RULES.name]
+    fired = {
+        case["alertname"]
+        for test in tests["tests"]
+        for case in test["alert_rule_test"]
+        if case.get("exp_alerts")
+    }
+    missing = [a.name for a in ALERTS if a.name not in fired]
+    assert not missing, f"no promtool test makes these fire: {missing}"
+    runbook = (ROOT / "docs" / "runbook.md").read_text()
+    headings = {line.lstrip("#").strip() for line in runbook.splitlines() if line.startswith("## ")}
+    for a in ALERTS:
+        assert a.name in headings, f"docs/runbook.md has no '## {a.name}' section"
+        section = runbook.split(f"## {a.name}\n", 1)[1].split("\n## ", 1)[0]
+        for part in ("What it means", "What to check", "What to do"):
+            assert part in section, f"docs/runbook.md, {a.name}: no '{part}'"
+    rules = yaml.safe_load(generate.RULES.read_text())["groups"][0]["rules"]
+    assert {r["annotations"]["runbook_url"] for r in rules} == {
+        f"docs/runbook.md#{a.name.lower()}" for a in ALERTS
+    }
+
+
+def test_live_rules_change_only_windows_and_holds() -> None:
+    prod = yaml.safe_load(alerts.render_rules())["groups"][0]["rules"]
+    live = yaml.safe_load(alerts.render_rules(window="30s", hold="5s"))["groups"][0]["rules"]
+    for a, b in zip(prod, live, strict=True):
+        assert b["for"] == "5s"
+        assert b["expr"] == re.sub(r"\[\d+m\]", "[30s]", a["expr"])
+        assert metric_names(a["expr"]) == metric_names(b["expr"])
+        assert a["annotations"] == b["annotations"] and a["labels"] == b["labels"]
+
+
+@pytest.mark.parametrize(
+    ("expr", "names"),
+    [
+        ("kvindex_ready == 0", {"kvindex_ready"}),
+        (
+            'sum by (reason) (rate(kvindex_rejects_total{reason!="x", a=~"b|c"}[$__rate_interval]))',
+            {"kvindex_rejects_total"},
+        ),
+        (
+            "histogram_quantile(0.99, sum by (job, le) (rate(kvindex_event_lag_seconds_bucket[5m]))) > 1",
+            {"kvindex_event_lag_seconds_bucket"},
+        ),
+        ("rate(process_cpu_seconds_total[1m]) and on (job, instance) (kvindex_ready or up)", None),
+        ("sum(a) / ignoring (x) group_left (y) sum(b offset 5m) unless bool c", {"a", "b", "c"}),
+        ('label_replace(m, "dst", "$1", "src", "(.*)") * 1e3 + 0x1f', {"m"}),
+        ("sum without (instance) (max_over_time(g[10m:1m])) > -Inf", {"g"}),
+    ],
+)
+def test_metric_names_of_promql(expr: str, names: set[str] | None) -> None:
+    want = names if names is not None else {"process_cpu_seconds_total", "kvindex_ready", "up"}
+    assert metric_names(expr) == want
