@@ -66,6 +66,7 @@ LIVE_WINDOW, LIVE_HOLD = "20s", "5s"  # the live rules' range windows and holds
 # Overload prompts: about 1.8 s of prefill on the simulated 70B engines, over the 1.5 s objective even
 # on an idle engine (admission then serves some best-effort on idle ones and sheds the rest).
 LONG_PROMPT = 12_000
+MEDIUM_PROMPT = 3_000  # about 0.4 s of prefill
 
 
 # -- the parts ---------------------------------------------------------------------------------------
@@ -157,6 +158,7 @@ class Run:
         self.notes: list[str] = []
         self.started = time.time()
         self.tasks: list[asyncio.Task[None]] = []
+        self.timeline: list[tuple[str, float]] = []  # (what, seconds from the start)
 
     def log(self, msg: str) -> None:
         print(f"[{time.time() - self.started:6.1f}s] {msg}", flush=True)
@@ -255,8 +257,11 @@ class Run:
 
         while True:
             await asyncio.sleep(self.rng.expovariate(self.load_rate))
-            if self.long_prompts:  # far over the fleet's capacity, each longer to prefill than its objective
-                tokens = prompt(self.rng, 1000 + self.rng.randrange(10**6), LONG_PROMPT, 16)
+            if self.long_prompts:  # far over the fleet's capacity
+                # Half longer to prefill than their objective even on an idle engine (served best effort
+                # or shed), half that an engine could serve in time once free (held, then served or shed).
+                length = LONG_PROMPT if self.rng.random() < 0.5 else MEDIUM_PROMPT
+                tokens = prompt(self.rng, 1000 + self.rng.randrange(10**6), length, 16)
             else:
                 tokens = prompt(self.rng, self.rng.randrange(8), 16 * BLOCK, self.rng.randrange(16, 160))
             task = asyncio.create_task(one(tokens))
@@ -306,10 +311,17 @@ class Run:
             if pick.HasField("immediate_response"):
                 return int(pick.immediate_response.status.code)
             mutation = pick.request_body.response.header_mutation.set_headers
-            endpoint = next(h.header.raw_value.decode() for h in mutation if h.header.key == DESTINATION)
-            endpoint = endpoint.split(",")[0]
-            async with http.post(f"http://{endpoint}/v1/completions", data=body) as r:
-                answer, status = await r.read(), r.status
+            picked = next(h.header.raw_value.decode() for h in mutation if h.header.key == DESTINATION)
+            # As Envoy does: the first endpoint, the next ones on a connection failure.
+            for endpoint in picked.split(","):
+                try:
+                    async with http.post(f"http://{endpoint}/v1/completions", data=body) as r:
+                        answer, status = await r.read(), r.status
+                    break
+                except aiohttp.ClientConnectionError:
+                    self.notes.append("picker: an endpoint refused the connection, the next one served")
+            else:
+                return 0
             meta = core_pb2.Metadata()
             meta.filter_metadata[LB_NAMESPACE].update({SERVED: endpoint})
             response_headers = core_pb2.HeaderMap(
@@ -358,6 +370,7 @@ class Run:
         self.events += events
         self.phase = fault
         self.log(f"{fault}: made")
+        self.timeline.append((f"{fault} made", round(time.time() - self.started, 1)))
         await make()
         made = time.monotonic()
         for e in events:
@@ -369,6 +382,7 @@ class Run:
             )
         await fix()
         fixed = time.monotonic()
+        self.timeline.append((f"fixed {fixed - made:.0f} s later", round(time.time() - self.started, 1)))
         self.log(f"{fault}: fixed")
         for e in events:
             seconds = await self.until(
@@ -462,6 +476,7 @@ class Run:
         retries show on the SLO dashboard)."""
         self.phase = "an engine down, its sidecar still heartbeating"
         self.log(f"{self.phase}: 15 s")
+        self.timeline.append((f"{self.phase} (15 s)", round(time.time() - self.started, 1)))
         pub = await FaultyPublisher.connect(
             f"nats://127.0.0.1:{self.ports.nats}",
             worker="dead-0",
@@ -499,8 +514,8 @@ class Run:
             self.load_rate = normal
 
         await self.fire_and_clear(
-            f"{LONG_PROMPT:,}-token prompts at {self.args.overload_rate:g}/s (the fleet prefills about two "
-            "a second)",
+            f"{MEDIUM_PROMPT:,}- and {LONG_PROMPT:,}-token prompts at {self.args.overload_rate:g}/s (several "
+            "times the fleet's prefill capacity)",
             ["KvIndexShedding", "KvIndexGoodputLow"],
             make,
             fix,
@@ -553,7 +568,25 @@ class Run:
                 t.cancel()
             await asyncio.gather(*self.tasks, return_exceptions=True)
         await asyncio.sleep(3)  # the last scrapes
-        return {"queries": self.queries(self.started, time.time())}
+        end = time.time()
+        return {"queries": self.queries(self.started, end), "fired": self.fired(self.started, end)}
+
+    def fired(self, start: float, end: float) -> list[dict[str, Any]]:
+        """Every alert that fired during the run (the ALERTS series), made for or not, and when."""
+        expr = 'max by (alertname, exported_instance, reason, model) (ALERTS{alertstate="firing"})'
+        result = self.prom.get(
+            "/api/v1/query_range", query=expr, start=f"{start:.3f}", end=f"{end:.3f}", step="1s"
+        )
+        out = []
+        for series in result["result"]:
+            times = [float(t) for t, _ in series["values"]]
+            labels = {k: v for k, v in series["metric"].items() if k != "alertname"}
+            out.append(
+                {"alert": series["metric"]["alertname"], "labels": labels,
+                 "from_s": round(min(times) - start, 1), "to_s": round(max(times) - start, 1),
+                 "seconds": len(times)}
+            )  # fmt: skip
+        return sorted(out, key=lambda a: a["from_s"])
 
     async def wait_routable(self, http: aiohttp.ClientSession) -> None:
         url = f"http://127.0.0.1:{self.ports.route}/v1/models"
@@ -586,6 +619,7 @@ class Run:
         finally:
             self.stop()
             results["events"] = [asdict(e) for e in self.events]
+            results["timeline"] = self.timeline
             results["statuses"] = self.statuses
             results["notes"] = sorted(set(self.notes))[:20]
             results["wall_s"] = round(time.time() - self.started, 1)
@@ -611,6 +645,12 @@ class Run:
             fired = f"{e.fired_s:.1f}" if e.fired_s is not None else "no"
             cleared = f"{e.cleared_s:.1f}" if e.cleared_s is not None else "no"
             print(f"| {e.alert} | {e.fault} | {fired} | {cleared} |")
+        print("\nEvery alert that fired (ALERTS), seconds from the start of the run:")
+        print("\n| alert | labels | from (s) | to (s) | firing (s) |\n|---|---|---|---|---|")
+        for a in results["fired"]:
+            labels = ", ".join(f"{k}={v}" for k, v in sorted(a["labels"].items()))
+            print(f"| {a['alert']} | {labels} | {a['from_s']} | {a['to_s']} | {a['seconds']} |")
+        print("\nFaults, seconds from the start of the run:", ", ".join(f"{k} {v}" for k, v in self.timeline))
         print("\n| phase | proxy: HTTP status (requests) | picker |\n|---|---|---|")
         for phase, fronts in self.statuses.items():
             cells = [

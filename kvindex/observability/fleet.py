@@ -52,6 +52,11 @@ class FleetCollector(Collector):
         now = self._registry.clock()
         states = sorted(self._registry.all(), key=lambda s: s.key)  # a copy: the loop may change it
         stale = GaugeMetricFamily("kvindex_instances_stale", "Instances excluded for missing heartbeats")
+        each_stale = GaugeMetricFamily(
+            "kvindex_instance_stale",
+            "1 for each instance excluded for missing heartbeats",
+            labels=["instance"],
+        )
         age = GaugeMetricFamily(
             "kvindex_instance_heartbeat_age_seconds", "Seconds since the last heartbeat", labels=["instance"]
         )
@@ -78,7 +83,9 @@ class FleetCollector(Collector):
         n_stale = 0
         for state in states:
             name = state.instance_id
-            n_stale += state.stale
+            if state.stale:
+                n_stale += 1
+                each_stale.add_metric([name], 1)
             seconds = state.heartbeat_age(now)
             if seconds is not None:
                 age.add_metric([name], seconds)
@@ -93,6 +100,7 @@ class FleetCollector(Collector):
                     blocks.add_metric([name, TIER_NAMES[tier]], n)
         stale.add_metric([], n_stale)
         yield stale
+        yield each_stale
         yield age
         yield requests
         yield prefill

@@ -66,7 +66,9 @@ ALERTS: tuple[Alert, ...] = (
     ),
     Alert(
         "KvIndexInstanceDegraded",
-        'max by (exported_instance) (kvindex_instance_state{state="degraded"}) == 1',
+        # (A stale instance is not ranked at all: its silence is the problem, not its cache view.)
+        'max by (exported_instance) (kvindex_instance_state{state="degraded"}) == 1 '
+        "unless on (exported_instance) max by (exported_instance) (kvindex_instance_stale) == 1",
         "5m",
         "warning",
         "Instance {{ $labels.exported_instance }} has been degraded for 5 minutes",

@@ -70,6 +70,7 @@ def test_fleet_collector_reads_the_registry_index_and_calibrator() -> None:
     got = samples(prom)
     assert got[("kvindex_ready", ())] == 0 and got[("kvindex_nats_connected", ())] == 1
     assert got[("kvindex_instances_stale", ())] == 1
+    assert {k[1] for k in got if k[0] == "kvindex_instance_stale"} == {(("instance", "b/0"),)}
     age = "kvindex_instance_heartbeat_age_seconds"
     assert got[(age, (("instance", "a/0"),))] == got[(age, (("instance", "b/0"),))] == 2.5
     assert got[("kvindex_instance_requests", (("instance", "a/0"), ("queue", "running")))] == 3
