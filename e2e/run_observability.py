@@ -11,9 +11,11 @@ expressions). Load goes through the proxy and, as Envoy would send it, through t
    committed unit tests;
 2. live, each fault made and fixed, the matching alerts fire and clear (``/api/v1/alerts``):
    garbage on the events subject (KvIndexRejectsSpike); a worker whose lost batch cannot be replayed
-   or snapshotted (KvIndexInstanceDegraded, cleared by answering again); nats-server stopped
-   (KvIndexNatsDisconnected, KvIndexNotReady; restarted); long prompts far over capacity
-   (KvIndexShedding, KvIndexGoodputLow; load back to normal);
+   or snapshotted (KvIndexInstanceDegraded, cleared by answering again); an engine down while its
+   sidecar heartbeats, and the index paused for 2 s (no alert: upstream errors, retries and
+   fallbacks for the dashboards); nats-server stopped (KvIndexNatsDisconnected, KvIndexNotReady;
+   restarted); long prompts far over capacity (KvIndexShedding, KvIndexGoodputLow; load back to
+   normal). Every alert that fired at all is listed (the ALERTS series);
 3. every query of every dashboard, evaluated over the run (``/api/v1/query_range``, ``$__rate_interval``
    as 15 s), returns series.
 
@@ -27,8 +29,10 @@ import argparse
 import asyncio
 import contextlib
 import json
+import os
 import random
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -491,6 +495,20 @@ class Run:
         await asyncio.sleep(15)
         await pub.close()
 
+    async def index_paused(self) -> None:
+        """The index stops answering for 2 s (SIGSTOP, then SIGCONT): the proxy's Score deadline (50 ms)
+        passes and it routes by the fallback hash (no alert: the fallbacks show on the routing
+        dashboard)."""
+        self.phase = "the index paused for 2 s"
+        self.log(self.phase)
+        self.timeline.append((self.phase, round(time.time() - self.started, 1)))
+        pid = self.procs["serve"].popen.pid
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            await asyncio.sleep(2)
+        finally:
+            os.kill(pid, signal.SIGCONT)
+
     async def nats_down(self) -> None:
         async def make() -> None:
             self.procs["nats"].stop(timeout=10)
@@ -560,7 +578,15 @@ class Run:
                 "picker"
             )
             await asyncio.sleep(self.args.warmup)
-            for phase in (self.rejects, self.degraded, self.dead_engine, self.nats_down, self.overload):
+            phases = (
+                self.rejects,
+                self.degraded,
+                self.dead_engine,
+                self.index_paused,
+                self.nats_down,
+                self.overload,
+            )
+            for phase in phases:
                 await phase()
                 self.phase = f"after: {self.phase}"
                 await asyncio.sleep(self.args.settle)
