@@ -17,7 +17,7 @@ from pathlib import Path
 
 MAX_POINTS = 2000
 DPI = 80
-OURS = ("ttft", "kvindex")  # drawn thicker: the policy under test
+OURS = ("ttft", "kvindex")  # drawn thicker: ours (ttft and its variants; kvindex routers)
 
 
 @dataclass(frozen=True)
@@ -41,7 +41,7 @@ def _pyplot():  # type: ignore[no-untyped-def]
 
 
 def _ours(policy: str) -> bool:
-    return policy.split()[0] in OURS or policy.startswith("kvindex")
+    return policy.startswith(OURS)
 
 
 def load_curves(
