@@ -161,3 +161,14 @@ $(NIXL_STAMP): $(VLLM_STAMP)
 
 e2e-pd: $(E2E_STAMP) $(NIXL_STAMP) $(ROUTING_MODEL)/kvindex-e2e.json
 	$(PY) e2e/run_pd_vllm.py --vllm-python $(VLLM_PY) --model-dir $(ROUTING_MODEL) --nixl-path $(NIXL_DIR) $(ARGS)
+
+# Dashboards and alerts checked against a real Prometheus (docs/observability.md): kvindex serve with
+# its picker, kvshim sim and kvindex route under load, scraped every second by Debian's prometheus
+# (installed with apt-get when prometheus or promtool is missing); every dashboard query must return
+# series, promtool checks the rules and runs their unit tests, and faults make the alerts fire and
+# clear. Separate from `make test`; about 4 minutes.
+.PHONY: e2e-observability
+e2e-observability: $(STAMP)
+	@command -v prometheus >/dev/null && command -v promtool >/dev/null || \
+		{ apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus; }
+	$(PY) e2e/run_observability.py $(ARGS)

@@ -239,6 +239,8 @@ class RunResult:
     join: list[dict[str, float]] = field(default_factory=list)
     # Preset-specific measurements (pd: time per output token, share served in two steps).
     extra: dict[str, float] = field(default_factory=dict)
+    # (TTFT the index estimated for the instance chosen, measured TTFT) per request, seconds.
+    predicted: list[tuple[float, float]] = field(default_factory=list, repr=False)
 
 
 class _SimRepair:
@@ -301,6 +303,7 @@ class Simulation:
         self._ticking = False
         self.correction = Correction()  # as the proxy: measured / estimated TTFT of what it served
         self._estimated: dict[str, tuple[float, float]] = {}  # request id -> (estimate ms, decided at)
+        self.estimate_s: dict[str, float] = {}  # request id -> the chosen instance's estimated TTFT (plots)
         # The service's core in virtual time (router r seeded seed + r).
         self.core = build_core(
             CoreConfig(
@@ -438,6 +441,7 @@ class Simulation:
         self.router_of[req.id] = router
         result = router.score(route, commit=True, top_k=self.cluster.top_k)
         assert result.committed is not None, "no routable instance"
+        self.estimate_s[req.id] = result.choices[0].candidate.est_ttft_ms / 1000.0
         self.routed[req.id] = (req.arrival, result.committed.worker)
         self.engines[result.committed.worker].submit(req, self.now)
 
@@ -456,6 +460,7 @@ class Simulation:
     def _serve(self, req: SimRequest, route: RouteRequest, result: Any, pick: int) -> None:
         est_ms = result.choices[pick].candidate.est_ttft_ms
         self._estimated[req.id] = (est_ms, self.now)
+        self.estimate_s[req.id] = est_ms / 1000.0
         self.correction.start(
             MODEL, req.id, est_ms, self.now, result.choices[pick].candidate.state.instance_id
         )
@@ -657,6 +662,9 @@ class Simulation:
             queued=self.queued,
             shed_reasons=dict(self.shed),
             join=self._join_windows(firsts),
+            predicted=[
+                (self.estimate_s[c.request.id], c.ttft) for c in firsts if c.request.id in self.estimate_s
+            ],
         )
 
     def _join_windows(
@@ -1166,6 +1174,30 @@ def write_outputs(exp: Experiment, results: list[RunResult]) -> None:
     fig.tight_layout()
     fig.savefig(OUT / f"{exp.name}_hit_and_spread.png", dpi=110)
     plt.close(fig)
+    plot_load_and_predictions(exp.name, results, OUT)
+
+
+def plot_load_and_predictions(name: str, results: list[RunResult], out: Path) -> list[Path]:
+    """<name>_load.png: TTFT p50/p90 and goodput (over every arrival) against load, per policy;
+    <name>_predicted.png: the estimated TTFT of the chosen instance against the measured one, for the
+    policies that estimate (ttft and its variants). kvtools/plots.py draws both."""
+    from kvtools.plots import LoadPoint, load_curves, predicted_vs_actual
+
+    points = [
+        LoadPoint(
+            r.policy, r.label, r.ttft["p50"], r.ttft["p90"], r.slo_met / r.arrivals if r.arrivals else 0.0
+        )
+        for r in results
+    ]
+    files = [load_curves(points, out / f"{name}_load.png", f"routing simulation: {name}")]
+    ours = {
+        f"{r.policy}, {r.label}": r.predicted for r in results if r.predicted and r.policy.startswith("ttft")
+    }
+    if ours:
+        files.append(
+            predicted_vs_actual(ours, out / f"{name}_predicted.png", f"{name}: estimated vs simulated TTFT")
+        )
+    return files
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -1287,7 +1319,11 @@ def main(argv: list[str] | None = None) -> int:
     print(f"({len(jobs)} runs, {time.perf_counter() - started:.0f} s; outputs in {OUT.relative_to(ROOT)}/)")
     write_outputs(exp, results)
     with open(OUT / f"{exp.name}.json", "w") as f:
-        json.dump([{k: v for k, v in asdict(r).items() if k != "ttfts"} for r in results], f, indent=1)
+        json.dump(
+            [{k: v for k, v in asdict(r).items() if k not in ("ttfts", "predicted")} for r in results],
+            f,
+            indent=1,
+        )
     return 0
 
 

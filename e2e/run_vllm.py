@@ -47,7 +47,8 @@ from kvindex.v1 import kvindex_pb2 as pb
 from kvindex.v1 import kvindex_pb2_grpc as pb_grpc
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import tokenize_check  # beside this script
+import plot_results  # beside this script
+import tokenize_check
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent  # the project's venv: kvindex and kvshim are its console scripts
@@ -945,6 +946,8 @@ class Run:
                 indent=1,
             )
         )
+        for png in plot_results.write_plots(self.out / "results.json"):  # predicted vs reported cached tokens
+            log(f"plot: {png}")
         if unexplained or anomalies:
             log(f"FAILED: {len(unexplained)} unexplained disagreements, {len(anomalies)} other failures")
             return 1

@@ -313,6 +313,8 @@ class KvIndexServicer(pb_grpc.KvIndexServicer):
             prompt_tokens=prompt.tokens,
             pick=pick,
         )
+        if request.commit and response.committed_instance_id and self.metrics is not None:
+            self.metrics.decisions[response.policy] += 1
         self._observe("Score", started)
         return response
 

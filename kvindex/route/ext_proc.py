@@ -47,13 +47,14 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 from envoy.type.v3 import http_status_pb2
 from google.protobuf import struct_pb2
-from prometheus_client import Counter
+from prometheus_client import Counter, Histogram
 
 from kvindex.api.errors import BadRequest
 from kvindex.api.handlers import Malformed, add_servicer
 from kvindex.api.server import READINESS, GrpcPort
 from kvindex.api.servicer import KvIndexServicer
 from kvindex.fleet.registry import InstanceState
+from kvindex.route.metrics import TTFT_BUCKETS
 from kvindex.route.openai_body import BodyError, PromptSpec, parse_body
 from kvindex.route.pd import (
     REMOTE,
@@ -136,6 +137,12 @@ class PickerMetrics:
             "kvindex_ext_proc_served_elsewhere", "Requests Envoy served on a fallback endpoint", **kw
         )
         self.streams = Counter("kvindex_ext_proc_streams", "ext_proc streams opened", **kw)
+        self.ttft = Histogram(
+            "kvindex_ext_proc_ttft_seconds",
+            "request headers -> first response body byte, as the picker sees them",
+            buckets=TTFT_BUCKETS,
+            **kw,
+        )
         self.reports = Counter(
             "kvindex_ext_proc_reports",
             "outcome reports read from response bodies, by what the index did with them",
@@ -256,6 +263,7 @@ class EndpointPicker(ep_grpc.ExternalProcessorServicer):
             if not ex.released_prefill and (body.body or body.end_of_stream):
                 # The first bytes of the answer: the prefill is done (time queued included).
                 now = ex.first_byte_at = time.monotonic()
+                self.metrics.ttft.observe(now - ex.arrived)
                 self.admission_metrics.observe_ttft(ex.model, ex.objective, now - ex.arrived)
                 if ex.est_ms:
                     counts = ex.streaming and not ex.prefiller

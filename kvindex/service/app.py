@@ -31,6 +31,8 @@ from kvindex.ingest.nats_source import JetStreamConfig, NatsSource
 from kvindex.instance import InstanceKey
 from kvindex.lifecycle import Stop, bounded
 from kvindex.observability.counters import Metrics
+from kvindex.observability.fleet import FleetCollector
+from kvindex.observability.hits import HitCollector
 from kvindex.observability.outcomes import OutcomeCollector
 from kvindex.observability.tokenize import TokenizeCollector
 from kvindex.repair.nats_repair import NatsRepairer, RepairConfig
@@ -161,6 +163,12 @@ class IndexService:
             self.calibrator, replicas=config.jetstream.replicas if config.jetstream else 1
         )
         self.metrics.registry.register(OutcomeCollector(self.router.outcomes, self._instance_states))
+        self.metrics.registry.register(HitCollector(self.router.outcomes))
+        self.metrics.registry.register(
+            FleetCollector(
+                self.registry, self.index, self.calibrator, lambda: self.grpc.ready, self._nats_connected
+            )
+        )
         self.recorder: Recorder | None = None
         if config.capture is not None:
             meta = _capture_meta(config)
@@ -216,6 +224,10 @@ class IndexService:
         except RuntimeError:
             return  # not serving (a test driving the router alone)
         loop.call_soon(self.repairer.reconcile_now, instance, "degraded")
+
+    def _nats_connected(self) -> bool:
+        source = self.source
+        return source is not None and source.nc is not None and source.nc.is_connected
 
     def _instance_states(self) -> dict[str, list[str]]:
         """State name -> instance ids (for the metrics)."""
