@@ -98,11 +98,14 @@ cdef class KeyArray:
     cdef uint64_t* mixed
     cdef Py_ssize_t n
 
-    def __cinit__(self, list keys):
+    def __cinit__(self, list keys, uint64_t xor=0):
         cdef Py_ssize_t i
         self.mixed = NULL
         self.data = _key_array(keys)
         self.n = len(keys)
+        if xor:  # a KV-cache group's keys (hybrid.py: key ^ G(group))
+            for i in range(self.n):
+                self.data[i] ^= xor
         self.mixed = <uint64_t*>malloc((self.n if self.n else 1) * sizeof(uint64_t))
         if self.mixed == NULL:
             raise MemoryError()
@@ -1164,7 +1167,35 @@ cdef class _HeldCache:
         free(self.known)
 
 
-cdef inline uint64_t _held(_HeldCache cache, int r, Py_ssize_t j, uint64_t* members, int n_members,
+cdef struct _Rules:
+    int n
+    int kind[MAX_RULES]
+    long long param[MAX_RULES]
+    int start[MAX_RULES + 1]
+    uint64_t members[MAX_MEMBERS]
+
+
+cdef int _read_rules(list rules, _Rules* out) except -1:
+    """(rule, param, member masks) tuples (hybrid.RuleGroup) into ``out``."""
+    cdef Py_ssize_t r, m = 0
+    if len(rules) > MAX_RULES:
+        raise ValueError(f"{len(rules)} rule groups; at most {MAX_RULES}")
+    out.n = len(rules)
+    for r in range(out.n):
+        kind, param, masks = rules[r]
+        out.kind[r] = kind
+        out.param[r] = param
+        out.start[r] = m
+        for mask in masks:
+            if m >= MAX_MEMBERS:
+                raise ValueError(f"more than {MAX_MEMBERS} member groups")
+            out.members[m] = mask
+            m += 1
+    out.start[out.n] = m
+    return 0
+
+
+cdef inline uint64_t _held(_HeldCache cache, _Rules* rules, int r, Py_ssize_t j,
                            BlockTable gpu, BlockTable cpu, BlockTable disk, list pools,
                            uint64_t* karr):
     cdef Py_ssize_t at = r * cache.n + j
@@ -1173,8 +1204,8 @@ cdef inline uint64_t _held(_HeldCache cache, int r, Py_ssize_t j, uint64_t* memb
     if cache.known[at]:
         return cache.masks[at]
     m = <uint64_t>-1
-    for i in range(n_members):
-        key = karr[j] ^ members[i]
+    for i in range(rules.start[r], rules.start[r + 1]):
+        key = karr[j] ^ rules.members[i]
         if pools and _in_pool(pools, key, _mix(key)):
             continue
         m &= gpu.get(key) | (cpu.get(key) if cpu.count else 0) | (disk.get(key) if disk.count else 0)
@@ -1185,6 +1216,47 @@ cdef inline uint64_t _held(_HeldCache cache, int r, Py_ssize_t j, uint64_t* memb
     return m
 
 
+cdef long long _refine(_HeldCache cache, _Rules* rules, uint64_t bit, long long length,
+                       Py_ssize_t block_size, BlockTable gpu, BlockTable cpu, BlockTable disk,
+                       list pools, uint64_t* karr):
+    """One slot's hit (tokens) from ``length``: every rule group lowers it until none does
+    (hybrid.hit_tokens)."""
+    cdef long long before
+    cdef Py_ssize_t r, j, blocks, run, hit
+    while True:
+        before = length
+        for r in range(rules.n):
+            blocks = length // block_size
+            if rules.kind[r] == R_FULL or rules.kind[r] == R_CHUNKED:
+                j = 0
+                if rules.kind[r] == R_CHUNKED and length > 0:
+                    j = (length // rules.param[r] * rules.param[r]) // block_size
+                while j < blocks and _held(cache, rules, r, j, gpu, cpu, disk, pools, karr) & bit:
+                    j += 1
+                length = j * block_size
+            elif rules.kind[r] == R_SLIDING:
+                run = 0
+                hit = -1
+                j = blocks - 1
+                while j >= 0:
+                    if _held(cache, rules, r, j, gpu, cpu, disk, pools, karr) & bit:
+                        run += 1
+                        if run >= rules.param[r]:
+                            hit = j + run
+                            break
+                    else:
+                        run = 0
+                    j -= 1
+                length = (run if hit < 0 else hit) * block_size
+            else:
+                j = blocks - 1
+                while j >= 0 and not (_held(cache, rules, r, j, gpu, cpu, disk, pools, karr) & bit):
+                    j -= 1
+                length = (j + 1) * block_size
+        if length >= before:
+            return length
+
+
 def hybrid_hits(list tiers, list pools, KeyArray keys, list rules, list slots, list bounds,
                 Py_ssize_t block_size):
     """Per slot of one bank, the tokens it can reuse under every rule group of a hybrid model,
@@ -1192,77 +1264,99 @@ def hybrid_hits(list tiers, list pools, KeyArray keys, list rules, list slots, l
     ``rules`` are (rule, param, member group masks), a block counts for a rule group where every
     member holds its group key (key ^ mask) on some tier of the bank, or in the shared pool."""
     cdef BlockTable gpu = tiers[0], cpu = tiers[1], disk = tiers[2]
-    cdef Py_ssize_t n_rules = len(rules), r, i, j, blocks, run, hit, n = keys.n
-    cdef long long length, before, bound
-    cdef int rule_kind[MAX_RULES]
-    cdef long long params[MAX_RULES]
-    cdef int member_start[MAX_RULES + 1]
-    cdef uint64_t members[MAX_MEMBERS]
-    cdef int m_count = 0, slot
-    cdef uint64_t bit
-    cdef _HeldCache cache
-    cdef uint64_t* karr = keys.data
-    if n_rules > MAX_RULES:
-        raise ValueError(f"{n_rules} rule groups; at most {MAX_RULES}")
-    for r in range(n_rules):
-        kind, param, masks = rules[r]
-        rule_kind[r] = kind
-        params[r] = param
-        member_start[r] = m_count
-        for mask in masks:
-            if m_count >= MAX_MEMBERS:
-                raise ValueError(f"more than {MAX_MEMBERS} member groups")
-            members[m_count] = mask
-            m_count += 1
-    member_start[n_rules] = m_count
-    cache = _HeldCache(n_rules, n)
+    cdef _Rules r
+    cdef Py_ssize_t i
+    cdef long long length
+    _read_rules(rules, &r)
+    cdef _HeldCache cache = _HeldCache(r.n, keys.n)
     out = []
     for i in range(len(slots)):
-        slot = slots[i]
-        bit = (<uint64_t>1) << slot
         length = bounds[i]
-        if length > n * block_size:
-            length = n * block_size
-        while True:
-            before = length
-            for r in range(n_rules):
-                blocks = length // block_size
-                if rule_kind[r] == R_FULL or rule_kind[r] == R_CHUNKED:
-                    j = 0
-                    if rule_kind[r] == R_CHUNKED and length > 0:
-                        j = (length // params[r] * params[r]) // block_size
-                    while j < blocks and _held(cache, r, j, &members[member_start[r]],
-                                               member_start[r + 1] - member_start[r],
-                                               gpu, cpu, disk, pools, karr) & bit:
-                        j += 1
-                    length = j * block_size
-                elif rule_kind[r] == R_SLIDING:
-                    run = 0
-                    hit = -1
-                    j = blocks - 1
-                    while j >= 0:
-                        if _held(cache, r, j, &members[member_start[r]],
-                                 member_start[r + 1] - member_start[r],
-                                 gpu, cpu, disk, pools, karr) & bit:
-                            run += 1
-                            if run >= params[r]:
-                                hit = j + run
-                                break
-                        else:
-                            run = 0
-                        j -= 1
-                    length = (run if hit < 0 else hit) * block_size
-                else:
-                    j = blocks - 1
-                    while j >= 0 and not (_held(cache, r, j, &members[member_start[r]],
-                                                member_start[r + 1] - member_start[r],
-                                                gpu, cpu, disk, pools, karr) & bit):
-                        j -= 1
-                    length = (j + 1) * block_size
-            if length >= before:
-                break
-        out.append(length)
+        if length > keys.n * block_size:
+            length = keys.n * block_size
+        out.append(_refine(cache, &r, (<uint64_t>1) << <int>slots[i], length, block_size,
+                           gpu, cpu, disk, pools, keys.data))
     return out
+
+
+def match_hybrid_into(list bank_tiers, list alive, list bank_owners, list summaries, list pools,
+                      KeyArray walked, KeyArray keys, list rules, long long limit,
+                      Py_ssize_t block_size, dict out, object match_type, Py_ssize_t everyone=-1):
+    """A hybrid model's whole match in one call (inverted.InvertedIndex._match_hybrid): per bank,
+    the full-attention group's prefix walk over ``walked`` (its group keys; None when the model has
+    no full attention: every candidate starts at the whole prompt), each candidate's hit lowered by
+    the rule groups over the plain ``keys`` (hybrid_hits), and ``owner -> match_type(blocks,
+    (gpu, cpu, disk, shared))`` stored into ``out`` for the ones left with a block, in the walked
+    group's tier split (the walk's own when the rules did not lower it)."""
+    cdef Py_ssize_t b, nb = len(bank_tiers), start = 0, n = keys.n, blocks
+    cdef uint64_t mask, groups = 0xFFFFFFFFFFFFFFFFULL, bit
+    cdef int slots[64]
+    cdef Py_ssize_t lens[64]
+    cdef long long counts[256]
+    cdef long long lengths[64]
+    cdef long long bound, hit
+    cdef int count, slot, j
+    cdef bint tiered
+    cdef BlockTable gpu, cpu, disk
+    cdef list tiers, owners
+    cdef bint any_pool = len(pools) > 0
+    cdef _Rules r
+    cdef dict same = {}
+    cdef long long top = n * block_size
+    if n == 0:
+        return
+    if limit < top:
+        top = limit
+    _read_rules(rules, &r)
+    cdef _HeldCache cache = _HeldCache(r.n, n)
+    if walked is not None:
+        groups, start = _banks_to_walk(summaries, walked, everyone)
+    for b in range(nb):
+        if not (groups >> (b & 63)) & 1:
+            continue
+        mask = alive[b]
+        if not mask:
+            continue
+        tiers = <list>bank_tiers[b]
+        owners = <list>bank_owners[b]
+        gpu = <BlockTable>tiers[0]
+        cpu = <BlockTable>tiers[1]
+        disk = <BlockTable>tiers[2]
+        tiered = any_pool or cpu.count or disk.count
+        if walked is None:
+            memset(lengths, 0, 64 * sizeof(long long))
+            while mask:
+                lengths[__builtin_ctzll(mask)] = n
+                mask &= mask - 1
+        elif tiered:
+            _walk_tiered(gpu, cpu, disk, pools, walked, mask, counts, lengths, start)
+        else:
+            memset(lengths, 0, 64 * sizeof(long long))
+            count = _walk_gpu(gpu, walked, mask, slots, lens, start)
+            for j in range(count):
+                lengths[slots[j]] = lens[j]
+        memset(cache.known, 0, r.n * n)  # a bank's own slots
+        for slot in range(64):
+            if not lengths[slot]:
+                continue
+            bound = lengths[slot] * block_size
+            if bound > top:
+                bound = top
+            bit = (<uint64_t>1) << slot
+            hit = _refine(cache, &r, bit, bound, block_size, gpu, cpu, disk, pools, keys.data) if r.n else bound
+            blocks = hit // block_size
+            if not blocks:
+                continue
+            if walked is not None and tiered and blocks == lengths[slot]:
+                out[owners[slot]] = _tiered_match(match_type, lengths, counts, slot)
+            elif not tiered:
+                m = same.get(blocks)
+                if m is None:
+                    m = same[blocks] = tuple.__new__(match_type, (blocks, (blocks, 0, 0, 0)))
+                out[owners[slot]] = m
+            else:
+                out[owners[slot]] = tuple.__new__(match_type, (blocks, tier_split(
+                    tiers, pools, walked if walked is not None else keys, bit, blocks)))
 
 
 def tier_split(list tiers, list pools, KeyArray keys, uint64_t bit, Py_ssize_t n):

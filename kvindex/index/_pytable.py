@@ -36,12 +36,12 @@ class KeyLog:
         self.data = array("Q")
 
 
-def KeyArray(keys: list[int]) -> list[int]:  # named like the native class
-    """See _native.KeyArray: the keys, checked once per match."""
+def KeyArray(keys: list[int], xor: int = 0) -> list[int]:  # named like the native class
+    """See _native.KeyArray: the keys (XORed with ``xor``: a KV-cache group's), checked once per match."""
     for key in keys:
         if not 0 <= key < 1 << 64:
             raise OverflowError("keys are unsigned 64-bit integers")
-    return keys
+    return [k ^ xor for k in keys] if xor else keys
 
 
 def _bits(mask: int) -> Iterator[int]:
@@ -476,3 +476,54 @@ def tier_split(
         else:
             counts[_SHARED] += 1
     return (counts[0], counts[1], counts[2], counts[3])
+
+
+def match_hybrid_into(
+    bank_tiers: list[list[BlockTable]],
+    alive: list[int],
+    bank_owners: list[list[Any]],
+    summaries: list[BlockTable] | None,
+    pools: list[BlockTable],
+    walked: list[int] | None,
+    keys: list[int],
+    rules: list[tuple[int, int, tuple[int, ...]]],
+    limit: int,
+    block_size: int,
+    out: dict[Any, Any],
+    match_type: Any,
+    everyone: int = -1,
+) -> None:
+    """See _native.match_hybrid_into: the walked group's prefix per slot, lowered by the rules."""
+    n = len(keys)
+    top = min(n * block_size, limit)
+    if walked is not None:
+        rows = [
+            (b, owners[slot], slot, length, (g, c, d, s))
+            for b, owners, (slot, length, g, c, d, s) in _walk_banks(
+                bank_tiers, alive, summaries, pools, walked, everyone, bank_owners
+            )
+        ]
+    else:
+        rows = [
+            (b, owners[slot], slot, n, None)
+            for b, owners in enumerate(bank_owners)
+            for slot in _bits(alive[b])
+        ]
+    by_bank: dict[int, list[tuple[Any, int, int, Any]]] = {}
+    for b, owner, slot, length, split in rows:
+        by_bank.setdefault(b, []).append((owner, slot, length, split))
+    for b, members in by_bank.items():
+        tiers = bank_tiers[b]
+        bounds = [min(length * block_size, top) for _o, _s, length, _t in members]
+        hits = hybrid_hits(tiers, pools, keys, rules, [s for _o, s, _l, _t in members], bounds, block_size)
+        for (owner, slot, length, split), hit in zip(members, hits, strict=True):
+            blocks = hit // block_size
+            if not blocks:
+                continue
+            if split is not None and blocks == length:
+                out[owner] = tuple.__new__(match_type, (blocks, split))
+            else:
+                walk = walked if walked is not None else keys
+                out[owner] = tuple.__new__(
+                    match_type, (blocks, tier_split(tiers, pools, walk, 1 << slot, blocks))
+                )

@@ -91,7 +91,17 @@ class GroupLayout:
     uses the groups it understands, and the instances say they are approximate.
     """
 
-    __slots__ = ("block_size", "groups", "hybrid", "primary", "primary_mask", "rules", "understood", "why")
+    __slots__ = (
+        "block_size",
+        "groups",
+        "hybrid",
+        "primary",
+        "primary_mask",
+        "rule_tuples",
+        "rules",
+        "understood",
+        "why",
+    )
 
     def __init__(self, groups: Sequence[GroupSpec], block_size: int) -> None:
         if not groups:
@@ -138,6 +148,8 @@ class GroupLayout:
                 param = 0
             rules.append(RuleGroup(spec.rule, param, tuple(members), tuple(group_mask(g) for g in members)))
         self.rules = tuple(rules)
+        # The rules as the index's native loops take them.
+        self.rule_tuples = [(r.rule, r.param, r.masks) for r in rules]
         # Not hybrid: one full-attention group 0, answered by the plain prefix walk as always.
         self.hybrid = not (len(self.groups) == 1 and self.primary == 0)
 

@@ -348,74 +348,24 @@ class InvertedIndex:
         instances: Iterable[InstanceKey] | None,
         limit: int | None,
     ) -> dict[InstanceKey, InstanceMatch]:
-        """``match`` by vLLM's hybrid rule (hybrid.py): the full-attention group's prefix walk bounds
-        each instance, then every other group lowers it (native, per bank), in the primary group's
-        tier split. ``keys`` are already cut to ``limit``."""
-        bs = layout.block_size
-        top = len(keys) * bs if limit is None else min(limit, len(keys) * bs)
-        if layout.primary is not None:
-            walked = keys if not layout.primary_mask else [k ^ layout.primary_mask for k in keys]
-            base = self._walk(shard, walked, instances)
-            if not layout.rules:
-                return base
-            bounds = {inst: min(m.length * bs, top) for inst, m in base.items()}
-        else:
-            walked = keys
-            base = {}
-            alive = self._alive(shard, instances)
-            bounds = {
-                owner: top
-                for b, owners in enumerate(shard.bank_owners)
-                for s, owner in enumerate(owners)
-                if owner is not None and alive[b] >> s & 1
-            }
-        per_bank: dict[int, tuple[list[int], list[int], list[InstanceKey]]] = {}
-        holders = self._holders
-        for inst, bound in bounds.items():
-            slot = holders[inst].slot
-            entry = per_bank.setdefault(slot // BANK_SLOTS, ([], [], []))
-            entry[0].append(slot % BANK_SLOTS)
-            entry[1].append(bound)
-            entry[2].append(inst)
-        rules = [(r.rule, r.param, r.masks) for r in layout.rules]
-        pools = self._pools(shard)
-        karr = self.impl.KeyArray(keys)
-        warr = None  # the walked keys as a KeyArray, made when a tier split needs them
+        """``match`` by vLLM's hybrid rule (hybrid.py), in one native call: the full-attention
+        group's prefix walk bounds each instance, then every other group lowers it; tier split of
+        the walked group. ``keys`` are already cut to ``limit``."""
+        impl = self.impl
+        walked = None if layout.primary is None else impl.KeyArray(keys, layout.primary_mask)
         out: dict[InstanceKey, InstanceMatch] = {}
-        for b, (slots, bank_bounds, insts) in per_bank.items():
-            tiers = shard.bank_tiers[b]
-            hits = self.impl.hybrid_hits(tiers, pools, karr, rules, slots, bank_bounds, bs)
-            for slot, hit, inst in zip(slots, hits, insts, strict=True):
-                n = hit // bs
-                if not n:
-                    continue
-                m = base.get(inst)
-                if m is not None and m.length == n:
-                    out[inst] = m
-                elif m is not None and m.tiers[0] == m.length:
-                    out[inst] = InstanceMatch(n, (n, 0, 0, 0))
-                else:
-                    # Sliding-window and Mamba groups load only their last blocks; without a
-                    # full-attention group the hit is counted on the tiers of the walked keys.
-                    if warr is None:
-                        warr = karr if walked is keys else self.impl.KeyArray(walked)
-                    split = self.impl.tier_split(tiers, pools, warr, 1 << slot, n)
-                    out[inst] = InstanceMatch(n, split)
-        return out
-
-    def _walk(
-        self, shard: _Shard, keys: list[int], instances: Iterable[InstanceKey] | None
-    ) -> dict[InstanceKey, InstanceMatch]:
-        out: dict[InstanceKey, InstanceMatch] = {}
-        self.impl.match_banks_into(
+        impl.match_hybrid_into(
             shard.bank_tiers,
             self._alive(shard, instances),
             shard.bank_owners,
             shard.summaries,
             self._pools(shard),
-            self.impl.KeyArray(keys),
+            walked,
+            impl.KeyArray(keys) if layout.rules else walked,
+            layout.rule_tuples,
+            len(keys) * layout.block_size if limit is None else limit,
+            layout.block_size,
             out,
-            {},
             InstanceMatch,
             len(shard.slot_owner),
         )
