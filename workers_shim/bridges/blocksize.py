@@ -53,11 +53,12 @@ def maybe_partial(ev: NativeStored, size: int) -> bool:
     return len(ev.hashes) == 1 and len(ev.tokens) == size
 
 
-def evidence(events: Iterable[NativeEvent], kv_group: int) -> list[tuple[int, bool]]:
-    """(announced size, maybe partial) of each keyed store of the indexed KV group, in order."""
+def evidence(events: Iterable[NativeEvent], kv_group: int | None = None) -> list[tuple[int, bool]]:
+    """(announced size, maybe partial) of each keyed store of the indexed KV groups (every group when
+    ``kv_group`` is None), in order."""
     out = []
     for ev in events:
-        if isinstance(ev, NativeStored) and (ev.group is None or ev.group == kv_group):
+        if isinstance(ev, NativeStored) and (kv_group is None or ev.group is None or ev.group == kv_group):
             size = announced(ev)
             if size is not None:
                 out.append((size, maybe_partial(ev, size)))
