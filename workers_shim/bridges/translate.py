@@ -382,6 +382,8 @@ class Translator:
                         **self.context,
                     )
             out.append(entry)
+        if len(out) == 1 and out[0] == {"kind": FULL_ATTENTION, "block_size": self.block_size}:
+            return None  # one full-attention cache: what an absent layout means (docs/wire.md §8)
         return out
 
     def _window_layout(self) -> list[dict[str, Any]]:
@@ -396,7 +398,7 @@ class Translator:
                 out.append({"kind": FULL_ATTENTION, "block_size": self.block_size})
             else:
                 out.append({"kind": "sliding_window", "block_size": self.block_size, "window": window})
-        return out
+        return None if len(out) == 1 and out[0]["kind"] == FULL_ATTENTION else out
 
     def inherit(self, old: Translator) -> None:
         """Keep what ``old`` (this engine life's previous map) learned about the groups: a resync
