@@ -268,3 +268,61 @@ def test_a_resync_keeps_the_layout_of_the_same_engine() -> None:
     t, log, _ = translator()
     t.inherit(old)
     assert log.groups == old.layout and log.groups is not None
+
+
+_VLLM = ["vllm", "--zmq", "tcp://h:5557", "--worker-id", "w", "--model", "m"]
+
+
+def _config(*args: str) -> Any:
+    from workers_shim.cli import build_parser, config_from_args
+
+    return config_from_args(build_parser()[0].parse_args([*_VLLM, *args]))
+
+
+def test_every_group_by_default_and_the_chunk_from_the_flags(tmp_path: Any) -> None:
+    assert (_config().kv_group, _config().attention_chunk) == (None, None)
+    assert _config("--kv-group", "3").kv_group == 3
+    llama4 = tmp_path / "config.json"
+    llama4.write_text(
+        '{"architectures": ["Llama4ForConditionalGeneration"], "text_config": {"attention_chunk_size": 8192}}'
+    )
+    assert _config("--model-config", str(llama4)).attention_chunk == 8192
+    assert _config("--model-config", str(llama4), "--attention-chunk", "64").attention_chunk == 64
+    plain = tmp_path / "plain.json"
+    plain.write_text('{"architectures": ["LlamaForCausalLM"]}')
+    assert _config("--model-config", str(plain)).attention_chunk is None
+
+
+@pytest.mark.parametrize(
+    ("args", "flag"),
+    [
+        (["--kv-group", "1024"], "--kv-group"),
+        (["--kv-group", "-1"], "--kv-group"),
+        (["--kv-group", "full"], "--kv-group"),
+        (["--attention-chunk", "0"], "--attention-chunk"),
+        (["--model-config", "/nonexistent/config.json"], "--model-config"),
+    ],
+)
+def test_group_flag_mistakes_exit_2_naming_the_flag(
+    args: list[str], flag: str, tmp_path: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from workers_shim.cli import main
+
+    with pytest.raises(SystemExit) as exc:
+        main([*_VLLM, *args])
+    assert exc.value.code == 2
+    assert f"error: argument {flag}: " in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("text", ["not json", "[1, 2]", '{"attention_chunk_size": -4}'])
+def test_an_unusable_model_config_exits_2(
+    text: str, tmp_path: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from workers_shim.cli import main
+
+    path = tmp_path / "config.json"
+    path.write_text(text)
+    with pytest.raises(SystemExit) as exc:
+        main([*_VLLM, "--model-config", str(path)])
+    assert exc.value.code == 2
+    assert "error: argument --model-config: " in capsys.readouterr().err
