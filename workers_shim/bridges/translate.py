@@ -507,10 +507,11 @@ class Translator:
             self._skip("token_count_mismatch", n, tokens=len(ev.tokens))
             self._poison(ev.hashes)
             return True
-        if self._sparse_kind(ev) and not self.dense_seen:
+        tried = self._sparse_kind(ev) and not self.dense_seen
+        if tried:
             self._learn_vllm_hashes(ev)  # no group stores every block: vLLM's hash places them
         if len(ev.tokens) > n * B:
-            return self._stored_sparse(ev, group, tier, recover)
+            return self._stored_sparse(ev, group, tier, recover, tried)
         return self._stored_dense(ev, group, tier, recover)
 
     def _stored_dense(self, ev: NativeStored, group: int, tier: int, recover: bool) -> bool:
@@ -563,13 +564,13 @@ class Translator:
         self._publish_stored(new, ev.tier, group)
         return True
 
-    def _stored_sparse(self, ev: NativeStored, group: int, tier: int, recover: bool) -> bool:
+    def _stored_sparse(self, ev: NativeStored, group: int, tier: int, recover: bool, tried: bool) -> bool:
         """The range's tokens, the hashes of some of its blocks: each placed by its translation (checked
         against the range's chain keys) or vLLM's recomputed hash, else not published."""
         n = len(ev.hashes)
         known = [self._known(h) for h in ev.hashes]
         parent = self._parent(ev)
-        if None in known and parent is not None:
+        if None in known and parent is not None and not tried:
             self._learn_vllm_hashes(ev)  # the last resort (a no-op when it cannot apply)
             known = [self._known(h) for h in ev.hashes]
         if None in known and parent is None:
