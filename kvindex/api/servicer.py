@@ -499,7 +499,7 @@ class KvIndexServicer(pb_grpc.KvIndexServicer):
             states = [s for s in states if s.worker in wanted or s.instance_id in wanted]
         # Token ids known: the engine's last-token rule applies (a hybrid model's windows end there);
         # block keys alone: what the instances hold of them.
-        limit = hit_limit(prompt.tokens) if prompt.token_ids is not None else None
+        limit = hit_limit(prompt.tokens) if request.token_ids or prompt.token_ids is not None else None
         matches = self.index.match(request.model, keys, [s.key for s in states], limit) if keys else {}
         ordered = sorted(states, key=lambda s: (-matches.get(s.key, NO_MATCH).length, s.key))
         for state in ordered:
