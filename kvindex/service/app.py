@@ -413,13 +413,24 @@ class IndexService:
         cfg = self.config.liveness
         consumer, registry = self.consumer, self.registry
         next_sweep = float("-inf")
+        # While NATS is down the index hears no heartbeat: that silence is its own, so nothing is
+        # marked stale (routers keep ranking the fleet as last known instead of answering "no
+        # instance"), and after the reconnect instances age from then on.
+        heard_since, deaf = float("-inf"), False
         while True:
             await asyncio.sleep(cfg.tick)
             try:
                 now = registry.clock()
+                if not self._nats_connected():
+                    deaf = True
+                    continue
+                if deaf:
+                    heard_since, deaf, next_sweep = now, False, float("-inf")
                 if now < next_sweep:
                     continue
-                stale, forget, next_sweep = sweep_next(registry.all(), now, cfg.stale_after, cfg.forget_after)
+                stale, forget, next_sweep = sweep_next(
+                    registry.all(), now, cfg.stale_after, cfg.forget_after, heard_since
+                )
                 rec = self.recorder  # each decision recorded just before it is carried out (kvindex/capture)
                 for state in stale:
                     if rec is not None:
