@@ -992,7 +992,6 @@ class Run:
         sliding-window or Mamba group keeps state only at a prompt's replay boundary (its last full
         block before the last token) and at shared-prefix junctions; a sibling that diverges anywhere
         else finds the full-attention blocks cached but no window or state to resume from."""
-        b = self.block
         a = self.tokens(240)
         self.ask("windows", "A240", a)
         self.ask("windows", "A240", a)  # the window ending at its replay boundary
@@ -1009,10 +1008,10 @@ class Run:
         # Extends A: the window at A's replay boundary serves it, nothing after.
         self.ask("windows", "A+x60", a + self.tokens(60))
         # Block-aligned: the replay boundary is L - 1, so the last block is never a window's end.
-        x = self.tokens(8 * b)
-        self.ask("windows", f"X{8 * b}", x)
-        self.ask("windows", f"X{8 * b}", x)
-        self.ask("windows", f"X{8 * b}+1", [*x, 7])
+        x = self.tokens(256)
+        self.ask("windows", "X256", x)
+        self.ask("windows", "X256", x)
+        self.ask("windows", "X256+1", [*x, 7])
         # Longer than several windows, and siblings of it.
         lg = self.tokens(480)
         self.ask("windows", "L480", lg)
@@ -1408,7 +1407,7 @@ class Run:
                 self.tokenize_phase()
                 print("\n".join(tokenize_check.table(self.tokenize_results)))
                 return 1 if self.failures else 0
-            self.tap = EngineTap(f"tcp://127.0.0.1:{self.zmq_port}")
+            self.tap = EngineTap(f"tcp://127.0.0.1:{self.zmq_port}", self.block, self.chunk)
             self.start_index()
             self.start_shim()
             self.workload()
