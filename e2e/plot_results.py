@@ -3,8 +3,9 @@
 - ``make e2e-routing`` (run_routing.py): ``routing_load.png``, TTFT p50/p90 and SLO goodput against
   load per router (every run of a router at a load pooled), and ``routing_predicted.png``, the TTFT
   kvindex estimated (its ``x-kvindex-est-ttft-ms`` header) against the TTFT measured at the client;
-- ``make e2e-vllm`` (run_vllm.py): ``vllm_predicted.png``, the cached tokens the index predicted
-  against those vLLM reported, per request.
+- ``make e2e-vllm`` and ``make e2e-hybrid`` (run_vllm.py): ``vllm_predicted.png``, the cached tokens
+  the index predicted against those vLLM reported, per request (hybrid models: and what the
+  full-attention group alone would have predicted).
 
 Both drivers call ``write_plots`` after writing results.json; to redraw a run's:
 
@@ -66,9 +67,17 @@ def routing_predictions(data: dict[str, Any]) -> dict[str, list[tuple[float, flo
 
 
 def vllm_predictions(data: dict[str, Any]) -> dict[str, list[tuple[float, float]]]:
-    """(predicted, engine-reported) cached tokens of every checked request, per phase."""
+    """(predicted, engine-reported) cached tokens of every checked request, per phase; for a hybrid
+    model (``--arch``) kvindex's against what an index of the full-attention group alone would have
+    predicted instead."""
+    recs = data["records"]
+    if data.get("arch", "llama") != "llama":
+        return {
+            "kvindex (every KV-cache group)": [(float(r["predicted"]), float(r["engine"])) for r in recs],
+            "full-attention group alone": [(float(r["full_only"]), float(r["engine"])) for r in recs],
+        }
     out: dict[str, list[tuple[float, float]]] = {}
-    for r in data["records"]:
+    for r in recs:
         out.setdefault(r["phase"], []).append((float(r["predicted"]), float(r["engine"])))
     return out
 
@@ -94,7 +103,8 @@ def write_plots(results: Path, out: Path | None = None) -> list[Path]:
             title = "real engines: kvindex's TTFT estimate vs measured"
             files.append(predicted_vs_actual(pairs, out / "routing_predicted.png", title))
     elif "records" in data:
-        title = "vLLM: predicted vs reported cached tokens"
+        arch = data.get("arch", "llama")
+        title = "vLLM: predicted vs reported cached tokens" + ("" if arch == "llama" else f" ({arch})")
         pairs = vllm_predictions(data)
         files.append(
             predicted_vs_actual(pairs, out / "vllm_predicted.png", title, "tokens", log=False, band=None)

@@ -92,6 +92,18 @@ def test_real_engine_runs_write_their_plots(tmp_path: Path) -> None:
     }  # fmt: skip
     (png,) = plot_results.write_plots(vllm, tmp_path / "img")
     assert png == tmp_path / "img" / "vllm_predicted.png" and is_small_png(png)
+    # A hybrid model's run (--arch): kvindex's predictions and the full-attention group alone's.
+    for r, full in zip(records, (32, 64, 64, 96), strict=True):
+        r["full_only"] = full
+    hybrid = tmp_path / "out-hybrid-gemma3" / "results.json"
+    hybrid.parent.mkdir()
+    hybrid.write_text(json.dumps({"arch": "gemma3", "records": records, "hybrid": {}}))
+    assert plot_results.vllm_predictions(json.loads(hybrid.read_text())) == {
+        "kvindex (every KV-cache group)": [(32.0, 32.0), (64.0, 64.0), (64.0, 32.0), (0.0, 0.0)],
+        "full-attention group alone": [(32.0, 32.0), (64.0, 64.0), (64.0, 32.0), (96.0, 0.0)],
+    }
+    (png,) = plot_results.write_plots(hybrid)
+    assert is_small_png(png)
     with pytest.raises(ValueError, match="neither"):
         (tmp_path / "other.json").write_text("{}")
         plot_results.write_plots(tmp_path / "other.json")
