@@ -8,6 +8,7 @@
     .venv/bin/python benchmarks/routing_sim.py fleet256            # preset 5: Mooncake on 256 instances
     .venv/bin/python benchmarks/routing_sim.py pd                  # preset 6: disaggregated prefill/decode
     .venv/bin/python benchmarks/routing_sim.py hybrid              # preset 7: a hybrid-attention fleet
+    .venv/bin/python benchmarks/routing_sim.py hybrid-llmd         # preset 7b: the same on llm-d's workload
     .venv/bin/python benchmarks/routing_sim.py demo --policies ttft,round_robin   # make run's fleet and load
     .venv/bin/python benchmarks/routing_sim.py mooncake --trace PATH --instances 16 --policies ttft,dynamo
 
@@ -81,7 +82,7 @@ from kvindex.wire.schema import TIER_BY_NAME
 from kvtools.data import mooncake_trace
 from workers_shim.publisher import WorkerLog
 from workers_shim.sim import EngineConfig, SharedPool, SimEngine, SimRequest
-from workers_shim.sim.hybrid import OneGroupSink, layout_wire, new_engine
+from workers_shim.sim.hybrid import HybridSimEngine, OneGroupSink, layout_wire, new_engine
 from workers_shim.sim.trace import mooncake_requests
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -339,8 +340,9 @@ class Simulation:
             self.pool = SharedPool(cluster.pool_blocks, sink=pool_log)
         self.engines: dict[str, SimEngine] = {}
         layout = cfg.layout()
-        # The hit the router counted on, per request (hybrid fleets: checked against the engine's).
-        self.promised: dict[str, int] | None = {} if layout is not None else None
+        # Hybrid fleets, per request: the index's answer for the instance chosen and what that
+        # engine would reuse at that moment (tokens).
+        self.promised: dict[str, tuple[int, int]] | None = {} if layout is not None else None
         for i in range(cluster.instances):
             name = f"sim{i}"
             log = self._log(name, cfg.capacity())
@@ -456,9 +458,14 @@ class Simulation:
         result = router.score(route, commit=True, top_k=self.cluster.top_k)
         assert result.committed is not None, "no routable instance"
         if self.promised is not None:
-            self.promised[req.id] = result.choices[0].candidate.hit_tokens
+            self._promise(req, result.choices[0].candidate)
         self.routed[req.id] = (req.arrival, result.committed.worker)
         self.engines[result.committed.worker].submit(req, self.now)
+
+    def _promise(self, req: SimRequest, candidate: Any) -> None:
+        engine = self.engines[candidate.state.worker]
+        assert self.promised is not None and isinstance(engine, HybridSimEngine)
+        self.promised[req.id] = (candidate.match.length * self.block_size, engine.cached_tokens(req))
 
     # -- admission ----------------------------------------------------------------------------------
 
@@ -480,7 +487,7 @@ class Simulation:
         )
         state = result.choices[pick].candidate.state
         if self.promised is not None:
-            self.promised[req.id] = result.choices[pick].candidate.hit_tokens
+            self._promise(req, result.choices[pick].candidate)
         assert self.router.commit(route, state.key), "no routable instance"
         self.routed[req.id] = (req.arrival, state.worker)
         self.engines[state.worker].submit(req, self.now)
@@ -682,17 +689,18 @@ class Simulation:
         )
 
     def _promises(self, firsts: list[Any]) -> dict[str, float]:
-        """Hybrid fleets: the requests whose hit the router counted exactly (its ``hit_tokens``, what
-        it priced as cached, against the engine's at admission); of those routed with a promised
-        hit, how many the engine served with less (``short``) or none of it (``cold``: false
-        residency), and the share of promised tokens that were not there."""
+        """Hybrid fleets, at each routing decision: the share of requests for which the index's
+        answer for the instance chosen was what that engine would reuse then (``exact``); of those
+        with a promised hit (the index's answer > 0), how many the engine held less of (``short``:
+        false residency) or none of (``cold``), and the share of promised tokens not there. (Event
+        propagation, 5 ms, is the only other difference; speculative hits of prompts in flight and
+        evictions while a request waits are not counted.)"""
         if self.promised is None:
             return {}
         promised = short = cold = exact = 0
         wanted = missing = 0
         for c in firsts:
-            p = self.promised.get(c.request.id, 0)
-            got = c.reported_cached_tokens
+            p, got = self.promised.get(c.request.id, (0, 0))
             exact += p == got
             if p <= 0:
                 continue
@@ -1115,8 +1123,36 @@ def preset_hybrid(args: argparse.Namespace) -> Experiment:
     return Experiment("hybrid", levels, policies, variants=variants)
 
 
+def preset_hybrid_llmd(args: argparse.Namespace) -> Experiment:
+    """The llmd preset's workload (groups of users sharing a 6,000-token system prompt, new
+    questions; 8 x Llama-3-8B on H100, 16-token blocks) on Gemma-3-like engines, with the hybrid
+    preset's two indexes: the shape of issue 33's scenario, where the second request of a group on an
+    instance finds the system prompt's full-attention blocks but no sliding window ending there."""
+    n = args.limit or (800 if args.quick else 3000)
+    engine = {"profile": "llama3-8b-h100", "block_size": 16, "kv_groups": args.kv_groups or "gemma3"}
+    cluster = Cluster(8, engine, slo_s=args.slo or 2.0, loss=args.loss, delay_s=args.delay)
+    levels = []
+    for qps in args.rates or (40, 80, 120):
+        reqs = shared_prefix_groups(
+            groups=150,
+            prefix_tokens=6000 // 16 * 16,
+            users=5,
+            question_tokens=1200,
+            output_tokens=256,
+            qps=qps,
+            requests=n,
+            block_size=16,
+            seed=args.seed,
+        )
+        levels.append((f"{qps:g} req/s", reqs, cluster))
+    policies = ("ttft", "dynamo") if args.policies == DEFAULT_POLICIES else args.policies
+    variants = ((" groups", {"index_groups": "all"}), (" full-attn", {"index_groups": "full"}))
+    return Experiment("hybrid-llmd", levels, policies, variants=variants)
+
+
 PRESETS = {
     "hybrid": preset_hybrid,
+    "hybrid-llmd": preset_hybrid_llmd,
     "pd": preset_pd,
     "demo": preset_demo,
     "fleet256": preset_fleet256,
@@ -1147,9 +1183,9 @@ def table(results: list[RunResult]) -> str:
 
 
 def promise_table(results: list[RunResult]) -> str:
-    """Hybrid fleets: the share of requests whose hit the router counted exactly; requests routed
-    with a promised hit, those the engine served with less, with none (cold), and the share of
-    promised tokens that were not cached."""
+    """Hybrid fleets, at each routing decision: the share of requests for which the index's answer
+    was the chosen engine's truth; requests with a promised hit, those the engine held less of
+    (false residency), none of (cold), and the share of promised tokens that were not cached."""
     width = max([13, *(len(r.policy) for r in results)])
     head = (
         f"{'level':<22} {'policy':<{width}} {'mean':>7} {'p90':>7} {'goodput':>8} {'exact':>7} "
@@ -1373,7 +1409,7 @@ def main(argv: list[str] | None = None) -> int:
     if join_count:
         print(join_table(results))
     if any("promised" in r.extra for r in results):
-        print("\nPromised hits (the router's hit_tokens) against the engines' (cached_tokens at admission)")
+        print("\nThe index's answer for the instance chosen against that engine's cache, at each decision")
         print(promise_table(results))
     elif any(r.extra for r in results):
         keys = sorted({k for r in results for k in r.extra})

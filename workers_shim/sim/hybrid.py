@@ -194,11 +194,18 @@ class HybridSimEngine(SimEngine):
 
     # -- hits ---------------------------------------------------------------------------------
 
+    def cached_tokens(self, req: SimRequest) -> int:
+        """The prefix (tokens) of ``req``'s prompt the engine would reuse now (its truth)."""
+        return self._hits(req.keys, req.prompt_tokens)[0] * self.block_size
+
     def _match(self, r: _Req) -> tuple[int, int]:
-        """(blocks the engine reuses of ``r``'s prompt, blocks of the first group's own hit)."""
-        keys = r.req.keys
+        return self._hits(r.req.keys, r.n_tokens)
+
+    def _hits(self, keys: list[int], n_tokens: int) -> tuple[int, int]:
+        """(blocks the engine reuses of a prompt of ``n_tokens`` with these block keys, blocks of
+        the first group's own hit)."""
         B = self.block_size
-        limit = min(hit_limit(r.n_tokens), len(keys) * B)
+        limit = min(hit_limit(n_tokens), len(keys) * B)
         if limit < B:
             return 0, 0
         hg = self._hg
