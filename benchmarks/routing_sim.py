@@ -1205,9 +1205,8 @@ def promise_table(results: list[RunResult]) -> str:
 
 def goodput_table(results: list[RunResult]) -> str:
     """SLO goodput over every arrival (shed = missed), and what admission did."""
-    width = max([13, *(len(r.policy) for r in results)])
     head = (
-        f"{'level':<22} {'policy':<{width}} {'goodput':>8} {'req/s':>7} {'shed':>6} {'queued':>7} "
+        f"{'level':<22} {'policy':<13} {'goodput':>8} {'req/s':>7} {'shed':>6} {'queued':>7} "
         f"{'served p90':>10}"
     )
     lines = [head, "-" * len(head)]
@@ -1215,7 +1214,7 @@ def goodput_table(results: list[RunResult]) -> str:
         share = r.slo_met / r.arrivals if r.arrivals else 0.0
         rate = r.slo_met / r.span_s if r.span_s else 0.0
         lines.append(
-            f"{r.label:<22} {r.policy:<{width}} {share:8.1%} {rate:7.2f} {r.shed / max(r.arrivals, 1):6.1%} "
+            f"{r.label:<22} {r.policy:<13} {share:8.1%} {rate:7.2f} {r.shed / max(r.arrivals, 1):6.1%} "
             f"{r.queued / max(r.arrivals, 1):7.1%} {r.ttft['p90']:10.2f}"
         )
     return "\n".join(lines)
