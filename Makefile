@@ -110,6 +110,23 @@ e2e-vllm: $(STAMP) $(E2E_MODEL)/kvindex-e2e.json
 	$(VLLM_PY) e2e/check_tokenize_hf.py
 	$(PY) e2e/run_vllm.py --vllm-python $(VLLM_PY) --model-dir $(E2E_MODEL) $(ARGS)
 
+# Hybrid-attention models on the real engine (docs/e2e-vllm.md, "Hybrid-attention models"): the same
+# run on tiny random models made by make_model.py --arch (a Gemma-3-style sliding-window model and a
+# Mamba-2 hybrid; gitignored), every prediction checked against the engine's cached tokens, what the
+# full-attention group alone would have promised, and requests through the routing proxy. One engine
+# at a time; HYBRID_ARCHS picks them (run_vllm.py --arch lists the choices).
+HYBRID_ARCHS ?= gemma3 nemotron_h
+HYBRID_MODELS := $(HYBRID_ARCHS:%=e2e/tiny-%/kvindex-e2e.json)
+
+.PHONY: e2e-hybrid
+
+$(HYBRID_MODELS): e2e/tiny-%/kvindex-e2e.json: $(VLLM_STAMP) e2e/make_model.py kvtools/testing/tokenizer_fixtures.py
+	rm -rf e2e/tiny-$*
+	$(VLLM_PY) e2e/make_model.py --out e2e/tiny-$* --arch $*
+
+e2e-hybrid: $(STAMP) $(HYBRID_MODELS)
+	$(foreach arch,$(HYBRID_ARCHS),$(PY) e2e/run_vllm.py --vllm-python $(VLLM_PY) --arch $(arch) --model-dir e2e/tiny-$(arch) $(ARGS) &&) true
+
 # The index that knows when it is wrong (docs/feedback.md): a real vLLM behind kvindex route, its KV
 # events dropped for a while by a relay between the engine and kvshim; degraded, repaired, exact again.
 .PHONY: e2e-feedback
@@ -163,3 +180,14 @@ $(NIXL_STAMP): $(VLLM_STAMP)
 
 e2e-pd: $(E2E_STAMP) $(NIXL_STAMP) $(ROUTING_MODEL)/kvindex-e2e.json
 	$(PY) e2e/run_pd_vllm.py --vllm-python $(VLLM_PY) --model-dir $(ROUTING_MODEL) --nixl-path $(NIXL_DIR) $(ARGS)
+
+# Dashboards and alerts checked against a real Prometheus (docs/observability.md): kvindex serve with
+# its picker, kvshim sim and kvindex route under load, scraped every second by Debian's prometheus
+# (installed with apt-get when prometheus or promtool is missing); every dashboard query must return
+# series, promtool checks the rules and runs their unit tests, and faults make the alerts fire and
+# clear. Separate from `make test`; about 4 minutes.
+.PHONY: e2e-observability
+e2e-observability: $(STAMP)
+	@command -v prometheus >/dev/null && command -v promtool >/dev/null || \
+		{ apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus; }
+	$(PY) e2e/run_observability.py $(ARGS)

@@ -49,6 +49,7 @@ import numpy as np
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvindex.api.servicer import KvIndexServicer
+from kvindex.index.hybrid import MAMBA, SLIDING, GroupLayout, GroupSpec
 from kvindex.keys import block_keys, keys_from_le_bytes, model_seed
 from kvindex.observability.logs import configure_logging
 from kvindex.scoring.base import PREFILL_ROLE, RouteRequest
@@ -287,7 +288,12 @@ def make_fleet(
 
 
 async def publish_fleet(
-    nc: Any, fleet: Fleet, seed: int, live: bool, part: tuple[int, int] = (0, 1)
+    nc: Any,
+    fleet: Fleet,
+    seed: int,
+    live: bool,
+    part: tuple[int, int] = (0, 1),
+    layout: GroupLayout | None = None,
 ) -> list[Publisher]:
     """Publish the fleet through the real publisher library, all publishers sharing ``nc``.
 
@@ -297,6 +303,10 @@ async def publish_fleet(
     live: each publisher runs as a worker does (heartbeats every 0.5 s, snapshot/replay responders
     where the library has them), because the index stops ranking an instance that goes silent.
     Otherwise each is closed after publishing (last flush + heartbeat), for the in-process copy.
+
+    layout: a hybrid-attention model (--hybrid): each worker holds its prefix in the full-attention
+    group and, in every other group, what vLLM keeps there of a prompt ending at that prefix (the
+    window, or the state, before its last block: kvindex/index/hybrid.py).
     """
     rng = np.random.default_rng(seed)
     pubs = []
@@ -306,6 +316,8 @@ async def publish_fleet(
         if i % part[1] != part[0]:
             continue
         pub = Publisher(nc, worker=f"w{i:03d}", model=MODEL, block_size=BLOCK_SIZE)
+        if layout is not None:
+            pub.groups = layout.to_wire()
         # Different queued prefill per worker, so ranking is not all ties.
         pub.set_load(
             running=i % 7, waiting=i % 3, waiting_prefill_tokens=(i * 977) % 8192, kv_usage=(i % 10) / 10
@@ -317,6 +329,8 @@ async def publish_fleet(
         chain = fleet.keys[:depth]
         if not chain:
             pass
+        elif layout is not None:
+            _store_hybrid(pub, layout, chain)
         elif fleet.tiered and i % 4 == 0 and depth > 2:
             # Some workers offloaded the tail of their prefix to CPU: forces the tiered match path.
             half = depth // 2
@@ -333,6 +347,72 @@ async def publish_fleet(
             await pub.close()
         pubs.append(pub)
     return pubs
+
+
+def _store_hybrid(pub: Publisher, layout: GroupLayout, chain: list[int]) -> None:
+    """A hybrid worker holding ``chain``: every block in the full-attention group, the retained
+    window (or state) at its end in the others, as vLLM keeps them for a prompt of those blocks."""
+    assert layout.primary is not None
+    pub.stored(chain, group=layout.primary)
+    for rule in layout.rules:
+        keep = rule.param if rule.rule == SLIDING else 1 if rule.rule == MAMBA else len(chain)
+        tail = chain[-keep:]
+        parent = chain[-keep - 1] if len(chain) > keep else None
+        for g in rule.members:
+            pub.stored(tail, parent=parent, group=g)
+
+
+HYBRID_LAYOUTS = {
+    # Gemma 3 27B's shape at this block size: 52 sliding-window layers (window 1,024) and 10 full
+    # ones make vLLM groups of 10 layers, 6 sliding-window groups and 1 full-attention group.
+    "gemma3": [GroupSpec("sliding_window", BLOCK_SIZE, window=1024)] * 6
+    + [GroupSpec("full_attention", BLOCK_SIZE)],
+    # gpt-oss: alternating sliding window (128) and full attention, one group each.
+    "gpt-oss": [GroupSpec("sliding_window", BLOCK_SIZE, window=128), GroupSpec("full_attention", BLOCK_SIZE)],
+    # Qwen3-Next: three linear-attention (Mamba-kind) groups and one full-attention group.
+    "qwen3-next": [GroupSpec("mamba", BLOCK_SIZE)] * 3 + [GroupSpec("full_attention", BLOCK_SIZE)],
+}
+
+
+def hybrid_ab(fleet: Fleet, seed: int, n: int, top_k: int, name: str) -> dict[str, dict[str, float]]:
+    """The same fleet and prompt as a full-attention model and as hybrid model ``name``, each in its
+    own in-process service; their Score stages timed in alternating rounds (same run, same noise)."""
+    layout = GroupLayout(HYBRID_LAYOUTS[name], BLOCK_SIZE)
+    services = {"full attention": build_local(fleet, seed), name: build_local(fleet, seed, layout)}
+    stages: dict[str, dict[str, list[float]]] = {k: {} for k in services}
+    calls = {}
+    for label, servicer in services.items():
+        route = RouteRequest(MODEL, fleet.keys, len(fleet.tokens), BLOCK_SIZE)
+        request = pb.ScoreRequest(model=MODEL, token_ids=fleet.tokens, top_k=top_k)
+        wire = request.SerializeToString()
+        index, router = servicer.index, servicer.router
+
+        def whole(servicer: KvIndexServicer = servicer, wire: bytes = wire) -> bytes:
+            req = pb.ScoreRequest.FromString(wire)
+            bs, ks = servicer.prompt_keys(req)
+            return servicer.score(req, bs, ks, None, None, PREFILL_ROLE).SerializeToString()
+
+        limit = len(fleet.tokens) - 1
+        calls[label] = {
+            "index.match": lambda index=index, limit=limit: index.match(MODEL, fleet.keys, None, limit),
+            "router.score": lambda router=router, route=route: router.score(route, top_k=top_k),
+            "in-process Score (parse..serialize)": whole,
+        }
+    # The hybrid answers are the rule's: a holder's prefix ends in its retained window, so it hits as
+    # far as the full-attention model, except one whose window ends past the prompt's last token.
+    limit_blocks = (len(fleet.tokens) - 1) // BLOCK_SIZE
+    full_m = services["full attention"].index.match(MODEL, fleet.keys, None, len(fleet.tokens) - 1)
+    hyb_m = services[name].index.match(MODEL, fleet.keys, None, len(fleet.tokens) - 1)
+    for key, m in full_m.items():
+        if m.length < limit_blocks:
+            assert hyb_m[key].length == m.length, (key, m, hyb_m.get(key))
+    gc.collect()
+    gc.freeze()
+    for _ in range(5):
+        for label in services:
+            for stage, fn in calls[label].items():
+                stages[label].setdefault(stage, []).append(_time_us(fn, n))
+    return {label: {k: min(v) for k, v in by.items()} for label, by in stages.items()}
 
 
 async def fleet_main(args: argparse.Namespace) -> None:
@@ -633,12 +713,12 @@ class _CaptureNats:
         pass
 
 
-def build_local(fleet: Fleet, seed: int) -> KvIndexServicer:
+def build_local(fleet: Fleet, seed: int, layout: GroupLayout | None = None) -> KvIndexServicer:
     """The same fleet in an in-process service (not started: no NATS, no gRPC), fed the publishers'
     exact wire messages; its servicer is the one the server runs, metrics included."""
     service = IndexService(ServiceConfig(nats_url="nats://unused", grpc_host="127.0.0.1", grpc_port=0))
     nc = _CaptureNats()
-    asyncio.run(publish_fleet(nc, fleet, seed, live=False))
+    asyncio.run(publish_fleet(nc, fleet, seed, live=False, layout=layout))
     for subject, data in nc.sent:
         if ".events." in subject:
             service.consumer.on_events(subject, data)
@@ -760,6 +840,13 @@ def main() -> int:
         action="store_true",
         help="every worker's load changes between its heartbeats (default: constant loads, an idle fleet)",
     )
+    ap.add_argument(
+        "--hybrid",
+        choices=sorted(HYBRID_LAYOUTS),
+        default=None,
+        help="in process, no gRPC: Score for the same fleet and prompt as a full-attention model and "
+        "as this hybrid-attention model, same run (issue 33: the hybrid rule's cost)",
+    )
     ap.add_argument("--fleet-procs", type=int, default=1, help=argparse.SUPPRESS)
     ap.add_argument("--fleet-part", type=int, default=0, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -769,6 +856,8 @@ def main() -> int:
         return 0  # the in-process breakdown's consumer logs every join
     if args.sweep:
         return sweep(args)
+    if args.hybrid:
+        return hybrid_main(args)
     seconds = args.seconds or (2.0 if args.quick else 6.0)
     n_calls = args.calls or (500 if args.quick else 3000)
     concurrency = [int(c) for c in args.concurrency.split(",") if c]
@@ -953,6 +1042,36 @@ def main() -> int:
     print(f"\ndone in {time.perf_counter() - started:.0f} s (load average now {os.getloadavg()[0]:.2f})")
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))
+    return 0
+
+
+def hybrid_main(args: argparse.Namespace) -> int:
+    started = time.perf_counter()
+    fleet = make_fleet(
+        args.instances,
+        args.prompt_tokens,
+        args.background,
+        False,
+        args.seed,
+        args.holders,
+        args.shared_prefix,
+    )
+    n = 100 if args.quick else 500
+    print(code_version())
+    print(
+        f"Score in process, {args.instances} instances, {args.prompt_tokens}-token prompt "
+        f"({len(fleet.keys)} blocks of {BLOCK_SIZE}), top_k {args.top_k}: full attention vs {args.hybrid} "
+        f"({GroupLayout(HYBRID_LAYOUTS[args.hybrid], BLOCK_SIZE).describe()}); best of 5 alternating rounds "
+        f"of {n} calls (load average {os.getloadavg()[0]:.2f})"
+    )
+    got = hybrid_ab(fleet, args.seed, n, args.top_k, args.hybrid)
+    full, hyb = got["full attention"], got[args.hybrid]
+    print(f"  {'stage':38s} {'full attention':>15s} {args.hybrid:>12s} {'ratio':>7s}")
+    for stage in full:
+        print(f"  {stage:38s} {full[stage]:12.1f} us {hyb[stage]:9.1f} us {hyb[stage] / full[stage]:6.2f}x")
+    print(f"done in {time.perf_counter() - started:.0f} s")
+    if args.json:
+        args.json.write_text(json.dumps(got, indent=2))
     return 0
 
 

@@ -7,6 +7,8 @@
     .venv/bin/python benchmarks/routing_sim.py llmd                # preset 4: llm-d's workload
     .venv/bin/python benchmarks/routing_sim.py fleet256            # preset 5: Mooncake on 256 instances
     .venv/bin/python benchmarks/routing_sim.py pd                  # preset 6: disaggregated prefill/decode
+    .venv/bin/python benchmarks/routing_sim.py hybrid              # preset 7: a hybrid-attention fleet
+    .venv/bin/python benchmarks/routing_sim.py hybrid-llmd         # preset 7b: the same on llm-d's workload
     .venv/bin/python benchmarks/routing_sim.py demo --policies ttft,round_robin   # make run's fleet and load
     .venv/bin/python benchmarks/routing_sim.py mooncake --trace PATH --instances 16 --policies ttft,dynamo
 
@@ -34,6 +36,7 @@ from __future__ import annotations
 import argparse
 import csv
 import heapq
+import itertools
 import json
 import logging
 import math
@@ -80,6 +83,7 @@ from kvindex.wire.schema import TIER_BY_NAME
 from kvtools.data import mooncake_trace
 from workers_shim.publisher import WorkerLog
 from workers_shim.sim import EngineConfig, SharedPool, SimEngine, SimRequest
+from workers_shim.sim.hybrid import HybridSimEngine, OneGroupSink, layout_wire, new_engine
 from workers_shim.sim.trace import mooncake_requests
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -212,6 +216,10 @@ class Cluster:
     # Prefill/decode disaggregation (the pd preset): each instance's announced role, in order
     # (empty: every instance serves whole requests).
     roles: tuple[str, ...] = ()
+    # A hybrid-attention fleet (engine "kv_groups"): what the index is told. "all": every KV-cache
+    # group's events and the layout (kvindex's rule); "full": the full-attention group's events
+    # only, as one full-attention cache (an index that follows one group: false residency).
+    index_groups: str = "all"
 
 
 @dataclass
@@ -238,8 +246,11 @@ class RunResult:
     shed_reasons: dict[str, int] = field(default_factory=dict)
     # With a join: the new instances' share of the arrivals and the TTFT, per window after it.
     join: list[dict[str, float]] = field(default_factory=list)
-    # Preset-specific measurements (pd: time per output token, share served in two steps).
+    # Preset-specific measurements (pd: time per output token, share served in two steps;
+    # hybrid: the router's promised hits against the engines').
     extra: dict[str, float] = field(default_factory=dict)
+    # (TTFT the index estimated for the instance chosen, measured TTFT) per request, seconds.
+    predicted: list[tuple[float, float]] = field(default_factory=list, repr=False)
 
 
 class _SimRepair:
@@ -299,6 +310,7 @@ class Simulation:
         self._ticking = False
         self.correction = Correction()  # as the proxy: measured / estimated TTFT of what it served
         self._estimated: dict[str, tuple[float, float]] = {}  # request id -> (estimate ms, decided at)
+        self.estimate_s: dict[str, float] = {}  # request id -> the chosen instance's estimated TTFT (plots)
         # The service's core in virtual time (router r seeded seed + r).
         self.core = build_core(
             CoreConfig(
@@ -328,10 +340,20 @@ class Simulation:
             pool_log = self._log("pool", {"shared": cluster.pool_blocks})
             self.pool = SharedPool(cluster.pool_blocks, sink=pool_log)
         self.engines: dict[str, SimEngine] = {}
+        layout = cfg.layout()
+        # Hybrid fleets, per request: the index's answer for the instance chosen and what that
+        # engine would reuse at that moment (tokens).
+        self.promised: dict[str, tuple[int, int]] | None = {} if layout is not None else None
         for i in range(cluster.instances):
             name = f"sim{i}"
             log = self._log(name, cfg.capacity())
-            self.engines[name] = SimEngine(name, cfg, sink=log, pool=self.pool)
+            sink: Any = log
+            if layout is not None:
+                if cluster.index_groups == "all":
+                    log.groups = layout_wire(cfg)
+                else:  # the full-attention group's blocks as if they were the model's only cache
+                    sink = OneGroupSink(log, layout.primary)  # type: ignore[arg-type]
+            self.engines[name] = new_engine(name, cfg, sink=sink, pool=self.pool)
         self._events: list[tuple[float, int, Callable[[], None]]] = []
         self._n = 0
         self.completions: dict[str, Any] = {}
@@ -436,8 +458,16 @@ class Simulation:
         self.ranker_of[req.id] = ranker
         result = ranker.score(route, commit=True, top_k=self.cluster.top_k)
         assert result.committed is not None, "no routable instance"
+        self.estimate_s[req.id] = result.choices[0].candidate.est_ttft_ms / 1000.0
+        if self.promised is not None:
+            self._promise(req, result.choices[0].candidate)
         self.routed[req.id] = (req.arrival, result.committed.worker)
         self.engines[result.committed.worker].submit(req, self.now)
+
+    def _promise(self, req: SimRequest, candidate: Any) -> None:
+        engine = self.engines[candidate.state.worker]
+        assert self.promised is not None and isinstance(engine, HybridSimEngine)
+        self.promised[req.id] = (candidate.match.length * self.block_size, engine.cached_tokens(req))
 
     # -- admission ----------------------------------------------------------------------------------
 
@@ -454,10 +484,13 @@ class Simulation:
     def _serve(self, req: SimRequest, route: RouteRequest, result: Any, pick: int) -> None:
         est_ms = result.choices[pick].candidate.est_ttft_ms
         self._estimated[req.id] = (est_ms, self.now)
+        self.estimate_s[req.id] = est_ms / 1000.0
         self.correction.start(
             MODEL, req.id, est_ms, self.now, result.choices[pick].candidate.state.instance_id
         )
         state = result.choices[pick].candidate.state
+        if self.promised is not None:
+            self._promise(req, result.choices[pick].candidate)
         assert self.ranker.commit(route, state.key), "no routable instance"
         self.routed[req.id] = (req.arrival, state.worker)
         self.engines[state.worker].submit(req, self.now)
@@ -655,7 +688,41 @@ class Simulation:
             queued=self.queued,
             shed_reasons=dict(self.shed),
             join=self._join_windows(firsts),
+            predicted=[
+                (self.estimate_s[c.request.id], c.ttft) for c in firsts if c.request.id in self.estimate_s
+            ],
+            extra=self._promises(firsts),
         )
+
+    def _promises(self, firsts: list[Any]) -> dict[str, float]:
+        """Hybrid fleets, at each routing decision: the share of requests for which the index's
+        answer for the instance chosen was what that engine would reuse then (``exact``); of those
+        with a promised hit (the index's answer > 0), how many the engine held less of (``short``:
+        false residency) or none of (``cold``), and the share of promised tokens not there. (Event
+        propagation, 5 ms, is the only other difference; speculative hits of prompts in flight and
+        evictions while a request waits are not counted.)"""
+        if self.promised is None:
+            return {}
+        promised = short = cold = exact = 0
+        wanted = missing = 0
+        for c in firsts:
+            p, got = self.promised.get(c.request.id, (0, 0))
+            exact += p == got
+            if p <= 0:
+                continue
+            promised += 1
+            wanted += p
+            if got < p:
+                short += 1
+                missing += p - got
+                cold += got == 0
+        return {
+            "exact": exact / len(firsts) if firsts else 0.0,
+            "promised": promised,
+            "short": short,
+            "cold": cold,
+            "missing_share": missing / wanted if wanted else 0.0,
+        }
 
     def _join_windows(
         self, firsts: list[Any], width: float = 15.0, windows: int = 6
@@ -889,6 +956,8 @@ class Experiment:
     policies: tuple[str, ...]
     options: dict[str, dict] | None = None
     notes: str = ""
+    # Runs of each policy on other deployments: (suffix of its name, Cluster fields set).
+    variants: tuple[tuple[str, dict[str, Any]], ...] = (("", {}),)
 
 
 def preset_mooncake(args: argparse.Namespace) -> Experiment:
@@ -1041,7 +1110,55 @@ def preset_demo(args: argparse.Namespace) -> Experiment:
     return Experiment("demo", levels, args.policies)
 
 
+def preset_hybrid(args: argparse.Namespace) -> Experiment:
+    """A hybrid-attention fleet (issue 33): 16 Gemma-3-like instances (``--kv-groups``, default five
+    sliding-window groups of 1,024 tokens per full-attention group; the 70B profile's time model and
+    memory) on the Mooncake trace at the mooncake preset's three loads. The same policies and
+    arrivals twice: the index knows the layout (every group's events, kvindex's rule), or it is told
+    only the full-attention group's blocks, as one cache (false residency: it promises hits the
+    sliding-window groups cannot serve)."""
+    limit = 1500 if args.quick else args.limit
+    engine = {"profile": "llama3-70b-8xa800", "block_size": 512, "kv_groups": args.kv_groups or "gemma3"}
+    cluster = Cluster(args.instances or 16, engine, slo_s=args.slo or 5.0, loss=args.loss, delay_s=args.delay)
+    levels = []
+    for label, scale in (("light", 1.0), ("near-saturation", 0.38), ("overload", 0.3)):
+        reqs = mooncake_requests(args.trace, model=MODEL, block_size=512, limit=limit, time_scale=scale)
+        levels.append((f"{label} (x{1 / scale:.1f})", reqs, cluster))
+    policies = ("ttft", "dynamo") if args.policies == DEFAULT_POLICIES else args.policies
+    variants = ((" groups", {"index_groups": "all"}), (" full-attn", {"index_groups": "full"}))
+    return Experiment("hybrid", levels, policies, variants=variants)
+
+
+def preset_hybrid_llmd(args: argparse.Namespace) -> Experiment:
+    """The llmd preset's workload (groups of users sharing a 6,000-token system prompt, new
+    questions; 8 x Llama-3-8B on H100, 16-token blocks) on Gemma-3-like engines, with the hybrid
+    preset's two indexes: the shape of issue 33's scenario, where the second request of a group on an
+    instance finds the system prompt's full-attention blocks but no sliding window ending there."""
+    n = args.limit or (800 if args.quick else 3000)
+    engine = {"profile": "llama3-8b-h100", "block_size": 16, "kv_groups": args.kv_groups or "gemma3"}
+    cluster = Cluster(8, engine, slo_s=args.slo or 2.0, loss=args.loss, delay_s=args.delay)
+    levels = []
+    for qps in args.rates or (40, 80, 120):
+        reqs = shared_prefix_groups(
+            groups=150,
+            prefix_tokens=6000 // 16 * 16,
+            users=5,
+            question_tokens=1200,
+            output_tokens=256,
+            qps=qps,
+            requests=n,
+            block_size=16,
+            seed=args.seed,
+        )
+        levels.append((f"{qps:g} req/s", reqs, cluster))
+    policies = ("ttft", "dynamo") if args.policies == DEFAULT_POLICIES else args.policies
+    variants = ((" groups", {"index_groups": "all"}), (" full-attn", {"index_groups": "full"}))
+    return Experiment("hybrid-llmd", levels, policies, variants=variants)
+
+
 PRESETS = {
+    "hybrid": preset_hybrid,
+    "hybrid-llmd": preset_hybrid_llmd,
     "pd": preset_pd,
     "demo": preset_demo,
     "fleet256": preset_fleet256,
@@ -1067,6 +1184,27 @@ def table(results: list[RunResult]) -> str:
             f"{r.label:<22} {r.policy:<{width}} {r.ttft['mean']:7.2f} {r.ttft['p50']:7.2f} "
             f"{r.ttft['p90']:7.2f} {r.ttft['p99']:7.2f} {r.goodput:8.1%} {r.hit_rate:6.1%} "
             f"{r.prefill_gpu_s:8.0f} {r.load_ratio:9.2f} {r.max_replicas:8d}"
+        )
+    return "\n".join(lines)
+
+
+def promise_table(results: list[RunResult]) -> str:
+    """Hybrid fleets, at each routing decision: the share of requests for which the index's answer
+    was the chosen engine's truth; requests with a promised hit, those the engine held less of
+    (false residency), none of (cold), and the share of promised tokens that were not cached."""
+    width = max([13, *(len(r.policy) for r in results)])
+    head = (
+        f"{'level':<22} {'policy':<{width}} {'mean':>7} {'p90':>7} {'goodput':>8} {'exact':>7} "
+        f"{'promised':>8} {'short':>6} {'cold':>6} {'missing':>8}"
+    )
+    lines = [head, "-" * len(head)]
+    for r in results:
+        e = r.extra
+        lines.append(
+            f"{r.label:<22} {r.policy:<{width}} {r.ttft['mean']:7.2f} {r.ttft['p90']:7.2f} "
+            f"{r.slo_met / max(r.arrivals, 1):8.1%} {e['exact']:7.1%} {e['promised']:8.0f} {e['short']:6.0f} "
+            f"{e['cold']:6.0f} "
+            f"{e['missing_share']:8.1%}"
         )
     return "\n".join(lines)
 
@@ -1164,6 +1302,30 @@ def write_outputs(exp: Experiment, results: list[RunResult]) -> None:
     fig.tight_layout()
     fig.savefig(OUT / f"{exp.name}_hit_and_spread.png", dpi=110)
     plt.close(fig)
+    plot_load_and_predictions(exp.name, results, OUT)
+
+
+def plot_load_and_predictions(name: str, results: list[RunResult], out: Path) -> list[Path]:
+    """<name>_load.png: TTFT p50/p90 and goodput (over every arrival) against load, per policy;
+    <name>_predicted.png: the estimated TTFT of the chosen instance against the measured one, for the
+    policies that estimate (ttft and its variants). kvtools/plots.py draws both."""
+    from kvtools.plots import LoadPoint, load_curves, predicted_vs_actual
+
+    points = [
+        LoadPoint(
+            r.policy, r.label, r.ttft["p50"], r.ttft["p90"], r.slo_met / r.arrivals if r.arrivals else 0.0
+        )
+        for r in results
+    ]
+    files = [load_curves(points, out / f"{name}_load.png", f"routing simulation: {name}")]
+    ours = {
+        f"{r.policy}, {r.label}": r.predicted for r in results if r.predicted and r.policy.startswith("ttft")
+    }
+    if ours:
+        files.append(
+            predicted_vs_actual(ours, out / f"{name}_predicted.png", f"{name}: estimated vs simulated TTFT")
+        )
+    return files
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -1205,6 +1367,11 @@ def main(argv: list[str] | None = None) -> int:
         "--top-k", type=int, default=4, help="Score top_k (0: every instance ranked, no pruning)"
     )
     parser.add_argument(
+        "--kv-groups",
+        default="",
+        help="hybrid preset: the engines' KV-cache groups (workers_shim/sim/hybrid.py; default gemma3)",
+    )
+    parser.add_argument(
         "--pick",
         default="best",
         help="picks after the ranking, one run each: best, softmax:T (comma-separated)",
@@ -1243,9 +1410,9 @@ def main(argv: list[str] | None = None) -> int:
     jobs = []
     for label, reqs, cluster in exp.levels:
         for p in exp.policies:
-            for mode, temperature in picks:
-                c = Cluster(**{**asdict(cluster), "pick": mode, "temperature": temperature})
-                name = p
+            for (suffix, overrides), (mode, temperature) in itertools.product(exp.variants, picks):
+                c = Cluster(**{**asdict(cluster), **overrides, "pick": mode, "temperature": temperature})
+                name = p + suffix
                 if named:
                     name += f" {mode}" + (f" T={temperature:g}" if mode == "softmax" else "")
                     name += f" ramp {args.warmup:g}s" if args.warmup > 0 else ""
@@ -1271,7 +1438,10 @@ def main(argv: list[str] | None = None) -> int:
     print(table(results))
     if join_count:
         print(join_table(results))
-    if any(r.extra for r in results):
+    if any("promised" in r.extra for r in results):
+        print("\nThe index's answer for the instance chosen against that engine's cache, at each decision")
+        print(promise_table(results))
+    elif any(r.extra for r in results):
         keys = sorted({k for r in results for k in r.extra})
         print(f"\n{'level':<22} {'policy':<20} " + " ".join(f"{k:>15}" for k in keys))
         for r in results:
@@ -1285,7 +1455,11 @@ def main(argv: list[str] | None = None) -> int:
     print(f"({len(jobs)} runs, {time.perf_counter() - started:.0f} s; outputs in {OUT.relative_to(ROOT)}/)")
     write_outputs(exp, results)
     with open(OUT / f"{exp.name}.json", "w") as f:
-        json.dump([{k: v for k, v in asdict(r).items() if k != "ttfts"} for r in results], f, indent=1)
+        json.dump(
+            [{k: v for k, v in asdict(r).items() if k not in ("ttfts", "predicted")} for r in results],
+            f,
+            indent=1,
+        )
     return 0
 
 

@@ -52,6 +52,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import plot_results
 from run_vllm import Proc, engine_metrics, free_port, http, wait_log_event
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -699,6 +700,8 @@ class Bench:
         table += "\n" + goodput_summary(rows)
         (self.out / "table.md").write_text(table)
         print(table)
+        for png in plot_results.write_plots(self.out / "results.json"):  # TTFT, goodput, estimates
+            self.log(f"plot: {png}")
         return 0
 
 

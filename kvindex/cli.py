@@ -226,6 +226,14 @@ def _add_serve_state(p: Any) -> None:
         default=5.0,
         help="seconds to wait for a worker's snapshot (then retried)",
     )
+    r.add_argument(
+        "--snapshot-slot-hold",
+        type=_non_negative,
+        default=1.0,
+        help="a snapshot request not answered after this long gives its turn to the next (it goes on "
+        "waiting for its answer until --snapshot-timeout), so that a worker that never answers "
+        "does not make other workers' repairs wait (s)",
+    )
     rs = p.add_argument_group("replicas (docs/deploy.md#replicas)")
     # Not BooleanOptionalAction: KVINDEX_ROUTING_SYNC / `routing-sync = false` (kvindex/config) must
     # read as a switch, so the option takes an optional on/off value.
@@ -702,6 +710,7 @@ def _service_config(args: argparse.Namespace, nats: Any, costs: Any, admission: 
             max_concurrent_snapshots=args.max_concurrent_snapshots,
             replay_timeout=args.replay_timeout,
             snapshot_timeout=args.snapshot_timeout,
+            snapshot_slot_hold=args.snapshot_slot_hold,
         ),
         liveness=LivenessConfig(stale_after=args.stale_after, forget_after=args.forget_after),
         jetstream=JetStreamConfig(max_age=args.stream_max_age, replicas=args.stream_replicas)

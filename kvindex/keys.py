@@ -181,3 +181,24 @@ def block_keys_extra(
     keys (a concatenation of :func:`mm_extra`, :func:`embeds_extra`, :func:`other_extra` items)."""
     seed = model_seed(model, lora, salt) if parent is None else parent
     return keys_from_le_bytes_extra(tokens_to_le_bytes(tokens), block_size, seed, extras)
+
+
+MAX_GROUPS = 1024  # KV-cache groups of one engine (docs/wire.md §8)
+
+
+def group_mask(group: int) -> int:
+    """``G(group)``: what a block key of KV-cache ``group`` is XORed with to make its group key
+    (docs/wire.md §8). Group 0 is the plain key, so workers without groups are unchanged; the others
+    are XXH3-64 of the group number (little-endian uint32): random-looking, one bijection per group."""
+    if not 0 <= group < MAX_GROUPS:
+        raise ValueError(f"KV-cache group {group} is outside 0..{MAX_GROUPS - 1}")
+    return 0 if group == 0 else _xxh3(group.to_bytes(4, "little"))
+
+
+def group_key(key: int, group: int) -> int:
+    """The key the index stores for block ``key`` held in KV-cache ``group``."""
+    return key ^ group_mask(group)
+
+
+# Every group's mask, for the index's native loops (computed once: 1,024 short hashes).
+GROUP_MASKS: tuple[int, ...] = tuple(group_mask(g) for g in range(MAX_GROUPS))

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -20,6 +21,7 @@ from typing import Any
 from kvindex.config import NatsSettings, add_nats_arguments, parse_layered
 from kvindex.config.args import LOG_FORMAT_HELP, LOG_LEVEL_HELP, SUBJECT_PREFIX_HELP, port, quiet_broken_pipe
 from kvindex.config.nats import DEFAULT_URL
+from kvindex.keys import MAX_GROUPS
 from kvindex.lifecycle import Stop, run
 from kvindex.observability.logs import configure_logging
 from kvindex.wire.endpoint import BadEndpoint, check_endpoint
@@ -85,6 +87,35 @@ def _positive(kind: Callable[[str], Any]) -> Callable[[str], Any]:
         return value
 
     return parse
+
+
+def parse_kv_group(text: str) -> int:
+    try:
+        group = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a KV-cache group number: {text!r}") from None
+    if not 0 <= group < MAX_GROUPS:
+        raise argparse.ArgumentTypeError(f"KV-cache group {group} is outside 0..{MAX_GROUPS - 1}")
+    return group
+
+
+def parse_model_config(path: str) -> int | None:
+    """A model's ``config.json``: its ``attention_chunk_size`` (top level, or ``text_config`` for
+    multimodal configs such as Llama 4's); None when the model has no chunked local attention."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            config = json.load(f)
+    except (OSError, ValueError) as exc:
+        raise argparse.ArgumentTypeError(f"cannot read {path}: {exc}") from None
+    if not isinstance(config, dict):
+        raise argparse.ArgumentTypeError(f"{path} is not a JSON object")
+    for section in (config, config.get("text_config")):
+        if isinstance(section, dict) and section.get("attention_chunk_size") is not None:
+            chunk = section["attention_chunk_size"]
+            if not isinstance(chunk, int) or isinstance(chunk, bool) or chunk <= 0:
+                raise argparse.ArgumentTypeError(f"{path}: attention_chunk_size {chunk!r} is not positive")
+            return chunk
+    return None
 
 
 def parse_endpoint_arg(text: str) -> str:
@@ -174,7 +205,28 @@ def add_engine_command(sub: Any, engine: str) -> argparse.ArgumentParser:
         help="map an engine medium string to a tier, e.g. STORAGE=shared (repeatable)",
     )
     p.add_argument(
-        "--kv-group", type=int, default=0, help="KV-cache group whose events are indexed (hybrid models)"
+        "--kv-group",
+        type=parse_kv_group,
+        default=None,
+        help="index only this KV-cache group, as the worker's one cache (the old behaviour). Default: every "
+        "group of a hybrid-attention model, with its layout announced, so the index applies the engine's "
+        "hit rule. With this flag a hybrid model is approximate: a sliding-window or Mamba group alone "
+        "under-estimates hits, the full-attention group alone over-promises them",
+    )
+    p.add_argument(
+        "--attention-chunk",
+        type=_positive(int),
+        default=None,
+        help="tokens per chunk of the model's chunked local attention (Llama 4: attention_chunk_size in its "
+        "config.json); no KV event carries it. Without it (or --model-config) such a model is approximate",
+    )
+    p.add_argument(
+        "--model-config",
+        type=parse_model_config,
+        default=None,
+        metavar="PATH",
+        help="the model's config.json: --attention-chunk is read from its attention_chunk_size "
+        "(--attention-chunk, when given too, wins)",
     )
     p.add_argument(
         "--reannounce-tier",
@@ -243,6 +295,7 @@ def config_from_args(args: argparse.Namespace) -> BridgeConfig:
         capacity=args.capacity,
         media=dict(args.medium),
         kv_group=args.kv_group,
+        attention_chunk=args.attention_chunk or args.model_config,
         set_tiers=tuple(args.reannounce_tier),
         replay_timeout=args.replay_timeout,
         scrape_interval=args.scrape_interval,

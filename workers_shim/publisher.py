@@ -24,6 +24,7 @@ from nats.aio.client import Client
 
 from kvindex.config.nats import NatsSettings
 from kvindex.config.nats import connect as nats_connect
+from kvindex.keys import group_mask
 from kvindex.lifecycle import bounded, close_nats, finish
 from kvindex.wire import reconcile
 from kvindex.wire.codec import encode_batch, encode_heartbeat
@@ -94,6 +95,10 @@ class WorkerLog:
         # group; None leaves the field out of heartbeats (the index then reads "both", no group).
         self.role = role
         self.pd_group = pd_group
+        # A hybrid-attention engine's KV-cache groups, announced in heartbeats (docs/wire.md §8):
+        # one map per group, in group order ({"kind", "block_size", "window", "chunk"}); None: one
+        # full-attention cache (the field is left out).
+        self.groups: list[dict[str, Any]] | None = None
         self._prefill_samples: list[tuple[int, int, float]] = []
         self.clock = clock
         self.blocks: dict[str, set[int]] = {t: set() for t in TIER_NAMES}
@@ -119,17 +124,30 @@ class WorkerLog:
 
     # -- block changes (call from the event loop thread) --------------------------------------
 
-    def stored(self, keys: Iterable[int], tier: str = "gpu", parent: int | None = None) -> int:
-        """The worker now holds ``keys`` (a chain, in order) on ``tier``; returns how many were new."""
+    def stored(
+        self, keys: Iterable[int], tier: str = "gpu", parent: int | None = None, group: int = 0
+    ) -> int:
+        """The worker now holds ``keys`` (a chain, in order) on ``tier`` in KV-cache ``group``
+        (hybrid-attention models, docs/wire.md §8; 0 otherwise); returns how many were new."""
         held = self.blocks[self._tier(tier)]
-        new = [k for k in keys if k not in held]
+        mask = group_mask(group)
+        if mask:
+            # Blocks, digests and snapshots are over group keys; events carry the plain keys.
+            pairs = [(k, k ^ mask) for k in keys]
+            fresh = [(k, gk) for k, gk in pairs if gk not in held]
+            new, gnew = [k for k, _ in fresh], [gk for _, gk in fresh]
+        else:
+            new = gnew = [k for k in keys if k not in held]
         if not new:
             return 0
-        held.update(new)
-        self._fold_xor(tier, new)
+        held.update(gnew)
+        self._fold_xor(tier, gnew)
         for start in range(0, len(new), self.max_batch_keys):
             chunk = new[start : start + self.max_batch_keys]
-            self._queue({"type": "stored", "tier": tier, "keys": chunk, "parent": parent}, len(chunk))
+            event: dict[str, Any] = {"type": "stored", "tier": tier, "keys": chunk, "parent": parent}
+            if group:
+                event["group"] = group
+            self._queue(event, len(chunk))
             parent = chunk[-1]
         return len(new)
 
@@ -140,17 +158,27 @@ class WorkerLog:
             x ^= k
         self._xor[tier] = x
 
-    def removed(self, keys: Iterable[int], tier: str = "gpu") -> int:
-        """The worker no longer holds ``keys`` on ``tier``; returns how many it held."""
+    def removed(self, keys: Iterable[int], tier: str = "gpu", group: int = 0) -> int:
+        """The worker no longer holds ``keys`` on ``tier`` in KV-cache ``group``; returns how many
+        it held."""
         held = self.blocks[self._tier(tier)]
-        gone = [k for k in keys if k in held]
+        mask = group_mask(group)
+        if mask:
+            pairs = [(k, k ^ mask) for k in keys]
+            present = [(k, gk) for k, gk in pairs if gk in held]
+            gone, ggone = [k for k, _ in present], [gk for _, gk in present]
+        else:
+            gone = ggone = [k for k in keys if k in held]
         if not gone:
             return 0
-        held.difference_update(gone)
-        self._fold_xor(tier, gone)
+        held.difference_update(ggone)
+        self._fold_xor(tier, ggone)
         for start in range(0, len(gone), self.max_batch_keys):
             chunk = gone[start : start + self.max_batch_keys]
-            self._queue({"type": "removed", "tier": tier, "keys": chunk}, len(chunk))
+            event: dict[str, Any] = {"type": "removed", "tier": tier, "keys": chunk}
+            if group:
+                event["group"] = group
+            self._queue(event, len(chunk))
         return len(gone)
 
     def cleared(self, tier: str | None = None) -> int:
@@ -250,6 +278,8 @@ class WorkerLog:
             extra["role"] = self.role
         if self.pd_group is not None:
             extra["pd_group"] = self.pd_group
+        if self.groups is not None:
+            extra["groups"] = self.groups
         return encode_heartbeat(
             worker=self.worker,
             model=self.model,

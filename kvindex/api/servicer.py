@@ -27,6 +27,7 @@ from kvindex.api.methods import (
 )
 from kvindex.fleet.registry import InstanceState, Registry
 from kvindex.index.base import NO_MATCH, KvBlockIndex
+from kvindex.index.hybrid import hit_limit
 from kvindex.instance import InstanceKey
 from kvindex.keys import keys_from_le_bytes, model_seed
 from kvindex.observability.counters import IngestCounters, Metrics
@@ -40,6 +41,7 @@ from kvindex.tokenize import ChatOptions, TokenizeError, Tokenizers, bounded_jso
 from kvindex.tokenize.bounded_json import TooDeep
 from kvindex.v1 import kvindex_pb2 as pb
 from kvindex.v1 import kvindex_pb2_grpc as pb_grpc
+from kvindex.wire.groups import describe as describe_groups
 from kvindex.wire.schema import MAX_MODEL_LEN, U64_MAX
 from kvindex.wire.subjects import WORKER_ID_RE
 
@@ -323,6 +325,8 @@ class KvIndexServicer(pb_grpc.KvIndexServicer):
             prompt_tokens=prompt.tokens,
             pick=pick,
         )
+        if request.commit and response.committed_instance_id and self.metrics is not None:
+            self.metrics.decisions[response.policy] += 1
         self._done(SCORE, request, response, started)
         return response
 
@@ -509,7 +513,10 @@ class KvIndexServicer(pb_grpc.KvIndexServicer):
         if candidates is not None:
             wanted = set(candidates)
             states = [s for s in states if s.worker in wanted or s.instance_id in wanted]
-        matches = self.index.match(request.model, keys, [s.key for s in states]) if keys else {}
+        # Token ids known: the engine's last-token rule applies (a hybrid model's windows end there);
+        # block keys alone: what the instances hold of them.
+        limit = hit_limit(prompt.tokens) if request.token_ids or prompt.token_ids is not None else None
+        matches = self.index.match(request.model, keys, [s.key for s in states], limit) if keys else {}
         ordered = sorted(states, key=lambda s: (-matches.get(s.key, NO_MATCH).length, s.key))
         for state in ordered:
             match = matches.get(state.key, NO_MATCH)
@@ -556,6 +563,7 @@ class KvIndexServicer(pb_grpc.KvIndexServicer):
                 approximate=state.approximate,
                 role=state.role,
                 pd_group=state.pd_group or "",
+                kv_groups=describe_groups(state.groups_announced) if state.groups_announced else "",
                 prefill=pb.PrefillFit(
                     source=fit.source,
                     a_ms=fit.model.a_ms,

@@ -28,12 +28,20 @@ def sweep(
 
 
 def sweep_next(
-    states: Iterable[InstanceState], now: float, stale_after: float, forget_after: float
+    states: Iterable[InstanceState],
+    now: float,
+    stale_after: float,
+    forget_after: float,
+    heard_since: float = float("-inf"),
 ) -> tuple[list[InstanceState], list[InstanceKey], float]:
     """``sweep``, plus the earliest time another sweep can find anything: heartbeats only move an
     instance's deadline later, and one that joins later has its deadline after this one, so a
     service sweeps again only then (in a healthy fleet every few seconds, not 4 times a second
-    over every instance)."""
+    over every instance).
+
+    ``heard_since``: since when the index could hear heartbeats at all (its NATS connection's last
+    return): silence before it was the index's, not the instances', so no instance ages from
+    earlier than that."""
     newly_stale: list[InstanceState] = []
     forget: list[InstanceKey] = []
     next_due = now + stale_after  # an instance that joins right after this sweep
@@ -42,6 +50,8 @@ def sweep_next(
             continue  # registered by the operator, not by heartbeats: nothing to age
         # An instance never heard in a heartbeat ages from when it was first seen.
         last = state.last_heartbeat_at if state.last_heartbeat_at is not None else state.first_seen
+        if last < heard_since:
+            last = heard_since
         silent = now - last
         if silent > forget_after:
             forget.append(state.key)

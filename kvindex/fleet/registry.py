@@ -94,6 +94,14 @@ class InstanceState:
     # serves whole requests), and the KV-transfer group routers may keep a request's two halves in.
     role: str = "both"
     pd_group: str | None = None
+    # KV-cache groups of a hybrid-attention model (docs/wire.md §8, kvindex/ingest/layouts.py): what
+    # its heartbeats last announced (() before the first; None: no groups), whether that contradicts
+    # the model's layout (its batches are then refused), the highest group its events named, and why
+    # its answers are not the engine's rule ("" when they are; else it is approximate).
+    groups_announced: Any = ()
+    layout_conflict: bool = False
+    top_group: int = 0
+    groups_inexact: str = ""
     static: bool = False  # registered from the command line: never stale, never forgotten
     _stale: bool = False  # no heartbeat for a while: excluded from rankings
     # Sets the registry's watchers drain (Registry.watch); each gets the key of a changed instance.

@@ -98,11 +98,14 @@ cdef class KeyArray:
     cdef uint64_t* mixed
     cdef Py_ssize_t n
 
-    def __cinit__(self, list keys):
+    def __cinit__(self, list keys, uint64_t xor=0):
         cdef Py_ssize_t i
         self.mixed = NULL
         self.data = _key_array(keys)
         self.n = len(keys)
+        if xor:  # a KV-cache group's keys (hybrid.py: key ^ G(group))
+            for i in range(self.n):
+                self.data[i] ^= xor
         self.mixed = <uint64_t*>malloc((self.n if self.n else 1) * sizeof(uint64_t))
         if self.mixed == NULL:
             raise MemoryError()
@@ -1003,12 +1006,13 @@ cdef _Scratch _scratch = _Scratch()
 
 
 def apply_events(list events, dict tier_numbers, list tables, list logs, uint64_t bit,
-                 list counts, list xors, object result_type):
+                 list counts, list xors, object result_type, tuple group_masks=(0,)):
     """Apply a batch's events (objects with ``op``, ``tier`` name and ``keys``) in order for the
     instance with ``bit``: ``tables`` are its bank's tables and ``logs`` its key logs, per tier;
     ``counts`` and ``xors`` are its per-tier digests, updated in place. Returns
     ``result_type(stored, removed, cleared, stored events, removed events, cleared events,
-    stored on a local tier)`` (base.Applied).
+    stored on a local tier, highest group named)`` (base.Applied). A stored or removed event's keys are taken as group
+    keys: XORed with ``group_masks[event.group]`` (hybrid.py; 0 for group 0).
 
     One call per batch instead of one per event: small events (an engine step stores a few blocks)
     were dominated by the Python calls around each store. Two passes: every event is read and every
@@ -1017,8 +1021,8 @@ def apply_events(list events, dict tier_numbers, list tables, list logs, uint64_
     events."""
     cdef Py_ssize_t i, n = len(events), k, nk, total_keys = 0, end
     cdef Py_ssize_t n_ev[3]
-    cdef int op, t, t0, t1, touched_removed = 0, local = 0
-    cdef uint64_t key, cleared = 0, total_added = 0, total_removed = 0
+    cdef int op, t, t0, t1, touched_removed = 0, local = 0, group, top_group = 0
+    cdef uint64_t key, gmask, cleared = 0, total_added = 0, total_removed = 0
     cdef uint64_t added[N_TIERS]
     cdef uint64_t removed[N_TIERS]
     cdef uint64_t xor[N_TIERS]
@@ -1054,8 +1058,12 @@ def apply_events(list events, dict tier_numbers, list tables, list logs, uint64_
             raise ValueError("a stored or removed event needs a tier")
         keys = ev.keys
         nk = len(keys)
+        group = ev.group
+        if group > top_group:
+            top_group = group
+        gmask = group_masks[group]
         for k in range(nk):
-            buf[total_keys + k] = PyLong_AsUnsignedLongLong(keys[k])
+            buf[total_keys + k] = PyLong_AsUnsignedLongLong(keys[k]) ^ gmask
         total_keys += nk
         ref.end = total_keys
     # Pass 2: apply them in order.
@@ -1124,4 +1132,249 @@ def apply_events(list events, dict tier_numbers, list tables, list logs, uint64_
         n_ev[1],
         n_ev[2],
         local == 1,
+        top_group,
     ))
+
+
+# -- hybrid-attention groups (kvindex/index/hybrid.py; the pure-Python twin is _pytable.hybrid_hits) --
+
+DEF R_FULL = 0
+DEF R_SLIDING = 1
+DEF R_CHUNKED = 2
+DEF R_MAMBA = 3
+DEF MAX_RULES = 64
+DEF MAX_MEMBERS = 1024
+
+
+cdef class _HeldCache:
+    """Per rule group and block, the bank's slots holding the block in every member group (on some
+    tier, or anywhere when the shared pool has it), probed on first use: a slot's scan reads only
+    the blocks it reaches, and the slots of a bank share the probes."""
+
+    cdef uint64_t* masks  # rules x n
+    cdef unsigned char* known
+    cdef Py_ssize_t n
+
+    def __cinit__(self, Py_ssize_t n_rules, Py_ssize_t n):
+        self.n = n
+        self.masks = <uint64_t*>malloc((n_rules * n if n_rules * n else 1) * sizeof(uint64_t))
+        self.known = <unsigned char*>calloc(n_rules * n if n_rules * n else 1, 1)
+        if self.masks == NULL or self.known == NULL:
+            raise MemoryError()
+
+    def __dealloc__(self):
+        free(self.masks)
+        free(self.known)
+
+
+cdef struct _Rules:
+    int n
+    int kind[MAX_RULES]
+    long long param[MAX_RULES]
+    int start[MAX_RULES + 1]
+    uint64_t members[MAX_MEMBERS]
+
+
+cdef int _read_rules(list rules, _Rules* out) except -1:
+    """(rule, param, member masks) tuples (hybrid.RuleGroup) into ``out``."""
+    cdef Py_ssize_t r, m = 0
+    if len(rules) > MAX_RULES:
+        raise ValueError(f"{len(rules)} rule groups; at most {MAX_RULES}")
+    out.n = len(rules)
+    for r in range(out.n):
+        kind, param, masks = rules[r]
+        out.kind[r] = kind
+        out.param[r] = param
+        out.start[r] = m
+        for mask in masks:
+            if m >= MAX_MEMBERS:
+                raise ValueError(f"more than {MAX_MEMBERS} member groups")
+            out.members[m] = mask
+            m += 1
+    out.start[out.n] = m
+    return 0
+
+
+cdef inline uint64_t _held(_HeldCache cache, _Rules* rules, int r, Py_ssize_t j,
+                           BlockTable gpu, BlockTable cpu, BlockTable disk, list pools,
+                           uint64_t* karr):
+    cdef Py_ssize_t at = r * cache.n + j
+    cdef uint64_t m, key
+    cdef int i
+    if cache.known[at]:
+        return cache.masks[at]
+    m = <uint64_t>-1
+    for i in range(rules.start[r], rules.start[r + 1]):
+        key = karr[j] ^ rules.members[i]
+        if pools and _in_pool(pools, key, _mix(key)):
+            continue
+        m &= gpu.get(key) | (cpu.get(key) if cpu.count else 0) | (disk.get(key) if disk.count else 0)
+        if not m:
+            break
+    cache.masks[at] = m
+    cache.known[at] = 1
+    return m
+
+
+cdef long long _refine(_HeldCache cache, _Rules* rules, uint64_t bit, long long length,
+                       Py_ssize_t block_size, BlockTable gpu, BlockTable cpu, BlockTable disk,
+                       list pools, uint64_t* karr):
+    """One slot's hit (tokens) from ``length``: every rule group lowers it until none does
+    (hybrid.hit_tokens)."""
+    cdef long long before
+    cdef Py_ssize_t r, j, blocks, run, hit
+    while True:
+        before = length
+        for r in range(rules.n):
+            blocks = length // block_size
+            if rules.kind[r] == R_FULL or rules.kind[r] == R_CHUNKED:
+                j = 0
+                if rules.kind[r] == R_CHUNKED and length > 0:
+                    j = (length // rules.param[r] * rules.param[r]) // block_size
+                while j < blocks and _held(cache, rules, r, j, gpu, cpu, disk, pools, karr) & bit:
+                    j += 1
+                length = j * block_size
+            elif rules.kind[r] == R_SLIDING:
+                run = 0
+                hit = -1
+                j = blocks - 1
+                while j >= 0:
+                    if _held(cache, rules, r, j, gpu, cpu, disk, pools, karr) & bit:
+                        run += 1
+                        if run >= rules.param[r]:
+                            hit = j + run
+                            break
+                    else:
+                        run = 0
+                    j -= 1
+                length = (run if hit < 0 else hit) * block_size
+            else:
+                j = blocks - 1
+                while j >= 0 and not (_held(cache, rules, r, j, gpu, cpu, disk, pools, karr) & bit):
+                    j -= 1
+                length = (j + 1) * block_size
+        if length >= before:
+            return length
+
+
+def hybrid_hits(list tiers, list pools, KeyArray keys, list rules, list slots, list bounds,
+                Py_ssize_t block_size):
+    """Per slot of one bank, the tokens it can reuse under every rule group of a hybrid model,
+    lowered from its bound (tokens) to the rules' common fixed point (hybrid.hit_tokens):
+    ``rules`` are (rule, param, member group masks), a block counts for a rule group where every
+    member holds its group key (key ^ mask) on some tier of the bank, or in the shared pool."""
+    cdef BlockTable gpu = tiers[0], cpu = tiers[1], disk = tiers[2]
+    cdef _Rules r
+    cdef Py_ssize_t i
+    cdef long long length
+    _read_rules(rules, &r)
+    cdef _HeldCache cache = _HeldCache(r.n, keys.n)
+    out = []
+    for i in range(len(slots)):
+        length = bounds[i]
+        if length > keys.n * block_size:
+            length = keys.n * block_size
+        out.append(_refine(cache, &r, (<uint64_t>1) << <int>slots[i], length, block_size,
+                           gpu, cpu, disk, pools, keys.data))
+    return out
+
+
+def match_hybrid_into(list bank_tiers, list alive, list bank_owners, list summaries, list pools,
+                      KeyArray walked, KeyArray keys, list rules, long long limit,
+                      Py_ssize_t block_size, dict out, object match_type, Py_ssize_t everyone=-1):
+    """A hybrid model's whole match in one call (inverted.InvertedIndex._match_hybrid): per bank,
+    the full-attention group's prefix walk over ``walked`` (its group keys; None when the model has
+    no full attention: every candidate starts at the whole prompt), each candidate's hit lowered by
+    the rule groups over the plain ``keys`` (hybrid_hits), and ``owner -> match_type(blocks,
+    (gpu, cpu, disk, shared))`` stored into ``out`` for the ones left with a block, in the walked
+    group's tier split (the walk's own when the rules did not lower it)."""
+    cdef Py_ssize_t b, nb = len(bank_tiers), start = 0, n = keys.n, blocks
+    cdef uint64_t mask, groups = 0xFFFFFFFFFFFFFFFFULL, bit
+    cdef int slots[64]
+    cdef Py_ssize_t lens[64]
+    cdef long long counts[256]
+    cdef long long lengths[64]
+    cdef long long bound, hit
+    cdef int count, slot, j
+    cdef bint tiered
+    cdef BlockTable gpu, cpu, disk
+    cdef list tiers, owners
+    cdef bint any_pool = len(pools) > 0
+    cdef _Rules r
+    cdef dict same = {}
+    cdef long long top = n * block_size
+    if n == 0:
+        return
+    if limit < top:
+        top = limit
+    _read_rules(rules, &r)
+    cdef _HeldCache cache = _HeldCache(r.n, n)
+    if walked is not None:
+        groups, start = _banks_to_walk(summaries, walked, everyone)
+    for b in range(nb):
+        if not (groups >> (b & 63)) & 1:
+            continue
+        mask = alive[b]
+        if not mask:
+            continue
+        tiers = <list>bank_tiers[b]
+        owners = <list>bank_owners[b]
+        gpu = <BlockTable>tiers[0]
+        cpu = <BlockTable>tiers[1]
+        disk = <BlockTable>tiers[2]
+        tiered = any_pool or cpu.count or disk.count
+        if walked is None:
+            memset(lengths, 0, 64 * sizeof(long long))
+            while mask:
+                lengths[__builtin_ctzll(mask)] = n
+                mask &= mask - 1
+        elif tiered:
+            _walk_tiered(gpu, cpu, disk, pools, walked, mask, counts, lengths, start)
+        else:
+            memset(lengths, 0, 64 * sizeof(long long))
+            count = _walk_gpu(gpu, walked, mask, slots, lens, start)
+            for j in range(count):
+                lengths[slots[j]] = lens[j]
+        memset(cache.known, 0, r.n * n)  # a bank's own slots
+        for slot in range(64):
+            if not lengths[slot]:
+                continue
+            bound = lengths[slot] * block_size
+            if bound > top:
+                bound = top
+            bit = (<uint64_t>1) << slot
+            hit = _refine(cache, &r, bit, bound, block_size, gpu, cpu, disk, pools, keys.data) if r.n else bound
+            blocks = hit // block_size
+            if not blocks:
+                continue
+            if walked is not None and tiered and blocks == lengths[slot]:
+                out[owners[slot]] = _tiered_match(match_type, lengths, counts, slot)
+            elif not tiered:
+                m = same.get(blocks)
+                if m is None:
+                    m = same[blocks] = tuple.__new__(match_type, (blocks, (blocks, 0, 0, 0)))
+                out[owners[slot]] = m
+            else:
+                out[owners[slot]] = tuple.__new__(match_type, (blocks, tier_split(
+                    tiers, pools, walked if walked is not None else keys, bit, blocks)))
+
+
+def tier_split(list tiers, list pools, KeyArray keys, uint64_t bit, Py_ssize_t n):
+    """Blocks per fastest tier among the first ``n`` keys for the slot of ``bit`` (the pool: 3)."""
+    cdef BlockTable gpu = tiers[0], cpu = tiers[1], disk = tiers[2]
+    cdef long long c0 = 0, c1 = 0, c2 = 0, c3 = 0
+    cdef Py_ssize_t j
+    cdef uint64_t key
+    if n > keys.n:
+        n = keys.n
+    for j in range(n):
+        key = keys.data[j]
+        if gpu.get(key) & bit:
+            c0 += 1
+        elif cpu.count and cpu.get(key) & bit:
+            c1 += 1
+        elif disk.count and disk.get(key) & bit:
+            c2 += 1
+        else:
+            c3 += 1
+    return (c0, c1, c2, c3)

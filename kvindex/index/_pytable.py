@@ -36,12 +36,12 @@ class KeyLog:
         self.data = array("Q")
 
 
-def KeyArray(keys: list[int]) -> list[int]:  # named like the native class
-    """See _native.KeyArray: the keys, checked once per match."""
+def KeyArray(keys: list[int], xor: int = 0) -> list[int]:  # named like the native class
+    """See _native.KeyArray: the keys (XORed with ``xor``: a KV-cache group's), checked once per match."""
     for key in keys:
         if not 0 <= key < 1 << 64:
             raise OverflowError("keys are unsigned 64-bit integers")
-    return keys
+    return [k ^ xor for k in keys] if xor else keys
 
 
 def _bits(mask: int) -> Iterator[int]:
@@ -193,9 +193,10 @@ def apply_events(
     counts: list[int],
     xors: list[int],
     result_type: Any,
+    group_masks: tuple[int, ...] = (0,),
 ) -> Any:
     """See _native.apply_events: a batch's events in order, one call."""
-    added = removed = cleared = local = 0
+    added = removed = cleared = local = top_group = 0
     n_ev = [0, 0, 0]
     for ev in events:
         n_ev[ev.op] += 1
@@ -208,19 +209,22 @@ def apply_events(
                 logs[t].reset()
             continue
         t = tier_numbers[ev.tier]
+        top_group = max(top_group, ev.group)
+        mask = group_masks[ev.group]
+        keys = [k ^ mask for k in ev.keys] if mask else ev.keys
         if ev.op == _STORED:
-            a, x = tables[t].add_bit(ev.keys, bit, logs[t])
+            a, x = tables[t].add_bit(keys, bit, logs[t])
             counts[t] += a
             added += a
             local |= t != _SHARED
         else:
-            a, x = tables[t].remove_bit(ev.keys, bit)
+            a, x = tables[t].remove_bit(keys, bit)
             counts[t] -= a
             removed += a
             if len(logs[t]) > 2 * counts[t] + _COMPACT_SLACK:
                 tables[t].compact_log(logs[t], bit)
         xors[t] ^= x
-    return result_type(added, removed, cleared, *n_ev, bool(local))
+    return result_type(added, removed, cleared, *n_ev, bool(local), top_group)
 
 
 def match_gpu(gpu: BlockTable, keys: list[int], alive: int, start: int = 0) -> list[tuple[int, int]]:
@@ -384,3 +388,143 @@ def match_banks_grouped(
             for inst in members:
                 out[inst] = m
     return large
+
+
+# -- hybrid-attention groups (kvindex/index/hybrid.py) --------------------------------------------
+
+_FULL, _SLIDING, _CHUNKED, _MAMBA = 0, 1, 2, 3
+
+
+def hybrid_hits(
+    tiers: list[BlockTable],
+    pools: list[BlockTable],
+    keys: list[int],
+    rules: list[tuple[int, int, tuple[int, ...]]],
+    slots: list[int],
+    bounds: list[int],
+    block_size: int,
+) -> list[int]:
+    """See _native.hybrid_hits: per slot of one bank, the tokens every rule group lets it reuse,
+    starting from its bound (tokens), by the fixed point of hybrid.hit_tokens. ``rules`` are
+    (rule, param, member masks); a block counts for a rule group where every member holds its group
+    key on some tier of the slot's bank, or in the shared pool."""
+    cache: list[dict[int, int]] = [{} for _ in rules]
+
+    def held(r: int, j: int) -> int:
+        m = cache[r].get(j)
+        if m is None:
+            m = -1
+            for gm in rules[r][2]:
+                key = keys[j] ^ gm
+                if any(pool.get_mask(key) for pool in pools):
+                    continue
+                m &= tiers[0].get_mask(key) | tiers[1].get_mask(key) | tiers[2].get_mask(key)
+                if not m:
+                    break
+            cache[r][j] = m
+        return m
+
+    out = []
+    for slot, bound in zip(slots, bounds, strict=True):
+        bit = 1 << slot
+        length = bound
+        while True:
+            before = length
+            for r, (rule, param, _masks) in enumerate(rules):
+                blocks = length // block_size
+                if rule in (_FULL, _CHUNKED):
+                    j = 0
+                    if rule == _CHUNKED:
+                        j = (length // param * param if length > 0 else 0) // block_size
+                    while j < blocks and held(r, j) & bit:
+                        j += 1
+                    length = j * block_size
+                elif rule == _SLIDING:
+                    run = 0
+                    hit = -1
+                    for j in range(blocks - 1, -1, -1):
+                        if held(r, j) & bit:
+                            run += 1
+                            if run >= param:
+                                hit = j + run
+                                break
+                        else:
+                            run = 0
+                    length = (run if hit < 0 else hit) * block_size
+                else:  # Mamba
+                    j = blocks - 1
+                    while j >= 0 and not held(r, j) & bit:
+                        j -= 1
+                    length = (j + 1) * block_size
+            if length >= before:
+                break
+        out.append(length)
+    return out
+
+
+def tier_split(
+    tiers: list[BlockTable], pools: list[BlockTable], keys: list[int], bit: int, n: int
+) -> tuple[int, int, int, int]:
+    """Blocks per fastest tier among the first ``n`` of ``keys`` for the slot of ``bit`` (pool: 3)."""
+    counts = [0, 0, 0, 0]
+    for j in range(n):
+        key = keys[j]
+        for t in range(3):
+            if tiers[t].get_mask(key) & bit:
+                counts[t] += 1
+                break
+        else:
+            counts[_SHARED] += 1
+    return (counts[0], counts[1], counts[2], counts[3])
+
+
+def match_hybrid_into(
+    bank_tiers: list[list[BlockTable]],
+    alive: list[int],
+    bank_owners: list[list[Any]],
+    summaries: list[BlockTable] | None,
+    pools: list[BlockTable],
+    walked: list[int] | None,
+    keys: list[int],
+    rules: list[tuple[int, int, tuple[int, ...]]],
+    limit: int,
+    block_size: int,
+    out: dict[Any, Any],
+    match_type: Any,
+    everyone: int = -1,
+) -> None:
+    """See _native.match_hybrid_into: the walked group's prefix per slot, lowered by the rules."""
+    n = len(keys)
+    top = min(n * block_size, limit)
+    rows: list[tuple[int, Any, int, int, tuple[int, int, int, int] | None]]
+    if walked is not None:
+        rows = [
+            (b, owners[slot], slot, length, (g, c, d, s))
+            for b, owners, (slot, length, g, c, d, s) in _walk_banks(
+                bank_tiers, alive, summaries, pools, walked, everyone, bank_owners
+            )
+        ]
+    else:
+        rows = [
+            (b, owners[slot], slot, n, None)
+            for b, owners in enumerate(bank_owners)
+            for slot in _bits(alive[b])
+        ]
+    by_bank: dict[int, list[tuple[Any, int, int, Any]]] = {}
+    for b, owner, slot, length, split in rows:
+        by_bank.setdefault(b, []).append((owner, slot, length, split))
+    for b, members in by_bank.items():
+        tiers = bank_tiers[b]
+        bounds = [min(length * block_size, top) for _o, _s, length, _t in members]
+        hits = hybrid_hits(tiers, pools, keys, rules, [s for _o, s, _l, _t in members], bounds, block_size)
+        for (owner, slot, length, split), hit in zip(members, hits, strict=True):
+            blocks = hit // block_size
+            if not blocks:
+                continue
+            if split is not None and blocks == length:
+                out[owner] = tuple.__new__(match_type, (blocks, split))
+            else:
+                walk = walked if walked is not None else keys
+                out[owner] = tuple.__new__(
+                    match_type, (blocks, tier_split(tiers, pools, walk, 1 << slot, blocks))
+                )

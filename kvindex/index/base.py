@@ -8,6 +8,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Protocol, runtime_checkable
 
+from kvindex.index.hybrid import GroupLayout
 from kvindex.instance import InstanceKey
 
 
@@ -55,6 +56,7 @@ class Applied(NamedTuple):
     removed_events: int
     cleared_events: int
     local_stored: bool  # some stored event was on a local tier (gpu, cpu, disk), not the shared pool
+    top_group: int = 0  # the highest KV-cache group an event named (docs/wire.md §8)
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,13 +95,26 @@ class KvBlockIndex(Protocol):
         ``op``, ``tier`` name, ``keys``): the same as store / remove / clear per event, in one call."""
 
     def match(
-        self, model: str, keys: list[int], instances: Iterable[InstanceKey] | None = None
+        self,
+        model: str,
+        keys: list[int],
+        instances: Iterable[InstanceKey] | None = None,
+        limit: int | None = None,
     ) -> dict[InstanceKey, InstanceMatch]:
-        """Per instance of ``model`` (all, or those given), the consecutive prefix of ``keys`` it holds.
+        """Per instance of ``model`` (all, or those given), the prefix of ``keys`` it can serve: the
+        consecutive blocks it holds, or for a hybrid-attention model the prefix every KV-cache group
+        can serve by vLLM's rule (kvindex/index/hybrid.py, ``set_layout``). ``limit``: the longest hit
+        in tokens (a prompt's length less one, ``hybrid.hit_limit``); None: all of ``keys``.
 
         Only instances that matched at least one block appear; look others up with NO_MATCH as the
         default.
         """
+
+    def set_layout(self, model: str, layout: GroupLayout) -> None:
+        """``model``'s KV-cache groups (a model with instances; kept while it has some)."""
+
+    def layout_of(self, model: str) -> GroupLayout | None:
+        """The layout set for ``model``; None: never set (one full-attention group)."""
 
     def block_counts(self, instance: InstanceKey) -> tuple[int, int, int, int]:
         """Blocks the instance holds per tier."""
@@ -139,9 +154,11 @@ class GroupedIndex(KvBlockIndex, Protocol):
         keys: list[int],
         instances: Iterable[InstanceKey] | None = None,
         listed: int = 16,
+        limit: int | None = None,
     ) -> tuple[dict[InstanceKey, InstanceMatch], list[MatchGroup]]:
         """``match``'s answer, except that answers shared by more than ``listed`` instances come as
-        ``MatchGroup`` slot masks instead of an entry per instance."""
+        ``MatchGroup`` slot masks instead of an entry per instance (a hybrid model's answers are all
+        listed: they depend on each instance's other groups)."""
         ...
 
     def slot_layout(self, model: str, known: int = -1) -> tuple[int, list[InstanceKey | None]]:

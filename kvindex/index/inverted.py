@@ -21,7 +21,9 @@ from typing import Any
 
 from kvindex.index import _pytable
 from kvindex.index.base import Applied, Differ, IndexStats, InstanceMatch, MatchGroup
+from kvindex.index.hybrid import GroupLayout
 from kvindex.instance import InstanceKey
+from kvindex.keys import GROUP_MASKS
 from kvindex.wire.schema import TIER_BY_NAME
 
 try:
@@ -159,6 +161,9 @@ class InvertedIndex:
         self.native = self.impl is not _pytable
         self._shards: dict[str, _Shard] = {}
         self._holders: dict[InstanceKey, _Holder] = {}
+        # Per model, its KV-cache groups (hybrid.py); a model without one is answered as one
+        # full-attention group (every match before hybrid models).
+        self._layouts: dict[str, GroupLayout] = {}
         # Stamped on a holder at each change of its blocks; one sequence for all, so that a version
         # is never seen twice, even across a drop and re-add (see digest_version).
         self._version = 0
@@ -187,6 +192,7 @@ class InvertedIndex:
         del self._holders[instance]
         if not holder.shard.slot_owner:
             del self._shards[holder.model]
+            self._layouts.pop(holder.model, None)
         return dropped
 
     def has_instance(self, instance: InstanceKey) -> bool:
@@ -204,6 +210,14 @@ class InvertedIndex:
 
     def models(self) -> list[str]:
         return list(self._shards)
+
+    def set_layout(self, model: str, layout: GroupLayout) -> None:
+        """How ``model``'s KV-cache groups are matched (hybrid.py); kept while it has instances."""
+        if model in self._shards:
+            self._layouts[model] = layout
+
+    def layout_of(self, model: str) -> GroupLayout | None:
+        return self._layouts.get(model)
 
     # -- mutations (the ingest hot path) --------------------------------------------------------
 
@@ -245,6 +259,7 @@ class InvertedIndex:
             holder.counts,
             holder.xors,
             Applied,
+            GROUP_MASKS,
         )
 
     def _maybe_compact(self, holder: _Holder, tier: int) -> None:
@@ -290,11 +305,23 @@ class InvertedIndex:
         return [bank.tiers[_SHARED] for bank in shard.banks if len(bank.tiers[_SHARED])]
 
     def match(
-        self, model: str, keys: list[int], instances: Iterable[InstanceKey] | None = None
+        self,
+        model: str,
+        keys: list[int],
+        instances: Iterable[InstanceKey] | None = None,
+        limit: int | None = None,
     ) -> dict[InstanceKey, InstanceMatch]:
         shard = self._shards.get(model)
         if shard is None or not keys:
             return {}
+        layout = self._layouts.get(model)
+        if layout is not None:
+            if limit is not None and limit < len(keys) * layout.block_size:
+                keys = keys[: max(limit, 0) // layout.block_size]
+                if not keys:
+                    return {}
+            if layout.hybrid:
+                return self._match_hybrid(shard, layout, keys, instances, limit)
         alive = self._alive(shard, instances)
         pools = self._pools(shard)
         out: dict[InstanceKey, InstanceMatch] = {}
@@ -315,12 +342,44 @@ class InvertedIndex:
         )
         return out
 
+    def _match_hybrid(
+        self,
+        shard: _Shard,
+        layout: GroupLayout,
+        keys: list[int],
+        instances: Iterable[InstanceKey] | None,
+        limit: int | None,
+    ) -> dict[InstanceKey, InstanceMatch]:
+        """``match`` by vLLM's hybrid rule (hybrid.py), in one native call: the full-attention
+        group's prefix walk bounds each instance, then every other group lowers it; tier split of
+        the walked group. ``keys`` are already cut to ``limit``."""
+        impl = self.impl
+        walked = None if layout.primary is None else impl.KeyArray(keys, layout.primary_mask)
+        out: dict[InstanceKey, InstanceMatch] = {}
+        impl.match_hybrid_into(
+            shard.bank_tiers,
+            self._alive(shard, instances),
+            shard.bank_owners,
+            shard.summaries,
+            self._pools(shard),
+            walked,
+            impl.KeyArray(keys) if layout.rules else walked,
+            layout.rule_tuples,
+            len(keys) * layout.block_size if limit is None else limit,
+            layout.block_size,
+            out,
+            InstanceMatch,
+            len(shard.slot_owner),
+        )
+        return out
+
     def match_groups(
         self,
         model: str,
         keys: list[int],
         instances: Iterable[InstanceKey] | None = None,
         listed: int = 16,
+        limit: int | None = None,
     ) -> tuple[dict[InstanceKey, InstanceMatch], list[MatchGroup]]:
         """``match`` grouped by answer, for rankings that treat many equal matches alike: the
         instances of answers that at most ``listed`` instances share, as ``match`` gives them, and
@@ -329,6 +388,15 @@ class InvertedIndex:
         shard = self._shards.get(model)
         if shard is None or not keys:
             return {}, []
+        layout = self._layouts.get(model)
+        if layout is not None and (layout.hybrid or limit is not None):
+            # A hybrid model's answers depend on each instance's other groups: listed one by one.
+            if layout.hybrid:
+                return self.match(model, keys, instances, limit), []
+            if limit is not None and limit < len(keys) * layout.block_size:
+                keys = keys[: max(limit, 0) // layout.block_size]
+                if not keys:
+                    return {}, []
         out: dict[InstanceKey, InstanceMatch] = {}
         large = self.impl.match_banks_grouped(
             shard.bank_tiers,

@@ -22,6 +22,7 @@ import structlog
 from kvindex.fleet.registry import InstanceState, Registry, instance_id
 from kvindex.index.base import Applied, KvBlockIndex
 from kvindex.ingest.heartbeats import Heartbeats
+from kvindex.ingest.layouts import Layouts
 from kvindex.ingest.limits import (
     BLOCK_LIMIT,
     DEFAULT_INGEST_LIMITS,
@@ -32,6 +33,7 @@ from kvindex.ingest.limits import (
     LimitExceeded,
 )
 from kvindex.instance import InstanceKey
+from kvindex.keys import GROUP_MASKS
 from kvindex.observability.counters import IngestCounters
 from kvindex.observability.logs import RateLimitedLog
 from kvindex.repair.machine import REPLAY, SNAPSHOT, MakeScheduler, RepairMachine
@@ -82,12 +84,20 @@ class Consumer:
         self.prefill_samples = prefill_samples
         # Told when an instance is forgotten (routing state about it can go too).
         self.on_forget = on_forget
-        # Told when an instance's repair state changes (sync, sync_cause, repair_failed) and when a
+        # Told when an instance's repair state changes (its RepairStatus: sync, cause, failed) and when a
         # snapshot reconciled it: the router keeps its degraded instances (kvindex/scoring/outcomes.py).
         self.on_sync_change = on_sync_change
         # Holes, restarts and drift: decided there, repaired by the scheduler ``repair`` makes for
         # it (NoRepair when None).
         self.repairs = RepairMachine(self, repair)
+        # Each model's KV-cache groups (hybrid attention), from its workers' heartbeats.
+        self.layouts = Layouts(
+            index,
+            registry,
+            self.log,
+            lambda state, exc: self.refuse(state.key, exc.reason, exc.message),
+            self._resync,
+        )
         self.heartbeats = Heartbeats(self)
         self.on_heartbeat = self.heartbeats.on_heartbeat
 
@@ -116,6 +126,17 @@ class Consumer:
         key = state.key
         cursor = self.sequencer.cursor(key)
         verdict = decide(cursor, batch.epoch, batch.seq)
+        if state.layout_conflict:
+            # Its blocks would be read by another layout's rule (kvindex/ingest/layouts.py): refused,
+            # but its seq is consumed, so that no repair brings them back.
+            self.refuse(
+                key, errors.GROUP_LAYOUT_MISMATCH, "batch of an instance whose KV-cache groups differ"
+            )
+            if cursor is None or cursor.epoch != batch.epoch:
+                cursor = self.sequencer.open(key, batch.epoch)
+            cursor.applied = max(cursor.applied, batch.seq)
+            state.epoch, state.last_seq = batch.epoch, cursor.applied
+            return False
         if verdict is Verdict.APPLY:
             self.apply(state, batch, len(payload))
             cursor.applied = batch.seq  # type: ignore[union-attr]
@@ -158,6 +179,12 @@ class Consumer:
         repairs.begin(state, cursor, SNAPSHOT, "start" if verdict is Verdict.FIRST else "epoch")
         return False
 
+    def _resync(self, state: InstanceState) -> None:
+        """A snapshot of the instance (its blocks were dropped while its layout was in conflict)."""
+        cursor = self.sequencer.cursor(state.key)
+        if cursor is not None and cursor.repairing is None:
+            self.repairs.begin(state, cursor, SNAPSHOT, "layout")
+
     def jumped(self, state: InstanceState, cursor: Cursor, seq: int, what: str) -> bool:
         """A batch's or heartbeat's ``seq`` more than MAX_GAP past the last one the instance is known
         to have published (kvindex/sequencer): a restart that kept its epoch, or a lie. Neither a hole
@@ -193,7 +220,9 @@ class Consumer:
         if bound > room or bound < 0:
             bound = sum([len(ev.keys) for ev in events])
         applied = self.index.apply(state.key, events) if bound <= room else self._apply_capped(state, batch)
-        stored, removed, cleared, n_stored, n_removed, n_cleared, local = applied
+        stored, removed, cleared, n_stored, n_removed, n_cleared, local, top_group = applied
+        if top_group > state.top_group:
+            self.layouts.events_named(state, top_group)
         c.blocks_stored += stored
         tally = c.events_applied
         tally[STORED] += n_stored
@@ -232,7 +261,12 @@ class Consumer:
             if excess <= 0:
                 continue
             name = TIER_NAMES[tier]
-            new = [k for ev in batch.events if ev.op == STORED and ev.tier == name for k in ev.keys]
+            new = [
+                k ^ GROUP_MASKS[ev.group]  # the index holds group keys (docs/wire.md §8)
+                for ev in batch.events
+                if ev.op == STORED and ev.tier == name
+                for k in ev.keys
+            ]
             dropped, end = 0, len(new)
             while excess > 0 and end > 0:  # keys stored and removed within the batch remove nothing
                 chunk = new[max(0, end - excess) : end]
@@ -365,6 +399,7 @@ class Consumer:
         dropped = self.index.drop_instance(instance)
         self.registry.remove(instance)
         self.sequencer.forget(instance)
+        self.repairs.forget(instance)
         self.counters.instances_forgotten += 1
         if self.on_forget is not None:
             self.on_forget(instance)

@@ -112,7 +112,11 @@ class Heartbeats:
                 memo: _HeartbeatMemo = state.heartbeat.memo
                 if decode_heartbeat_into(peek, memo):
                     report = memo.report
-                    if report.endpoint_error is None and report.role_error is None:  # (else counted)
+                    if (
+                        report.endpoint_error is None
+                        and report.role_error is None
+                        and report.groups_error is None
+                    ):  # (else counted)
                         self._apply_heartbeat(state, report, payload)
                         return True
                     return self._accept_heartbeat(subject, state, report)
@@ -188,6 +192,13 @@ class Heartbeats:
                 pd_group=report.pd_group,
             )
             self.registry.set_role(state, report.role, report.pd_group)
+        groups = report.groups
+        if report.groups_error is not None or (
+            groups is not state.groups_announced and groups != state.groups_announced
+        ):
+            self.consumer.layouts.announced(state, groups, report.groups_error)
+        elif groups is None and state.top_group:
+            self.consumer.layouts.judge(state)  # events of groups, and still no layout (rare)
         if report.prefill and self.consumer.prefill_samples is not None:
             self.consumer.prefill_samples(state.model, report.prefill, state.instance_id)
         if state.stale:
@@ -206,7 +217,7 @@ class Heartbeats:
                 dp_rank=state.dp_rank,
                 mode="approximate" if state.approximate else "events",
             )
-        if state.approximate or not self.drive_repairs:
+        if state.approximate or state.layout_conflict or not self.drive_repairs:
             # No events, so no sequence to check: its blocks are the index's own predictions.
             return
         if cursor is None or cursor.epoch != report.epoch:

@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Histogram
+from prometheus_client import CollectorRegistry, Histogram, ProcessCollector
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
@@ -214,10 +214,29 @@ class Metrics:
         self.registry = CollectorRegistry()
         self.counters = counters
         self.registry.register(_Collector(counters, gauges))
+        ProcessCollector(registry=self.registry)  # process_cpu_seconds_total, process_resident_memory_bytes
         self.rpc_latency = Histogram(
             "kvindex_rpc_latency_seconds",
             "Server-side latency of API calls",
             ["method"],
             buckets=(0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5),
             registry=self.registry,
+        )
+        # Requests committed to an instance by Score, by ranking policy (the servicer counts; plain
+        # ints, read at scrape time like the ingest counters).
+        self.decisions: Counter[str] = Counter()
+        self.registry.register(_DecisionsCollector(self.decisions))
+
+
+class _DecisionsCollector(Collector):
+    def __init__(self, decisions: Counter[str]) -> None:
+        self._decisions = decisions
+
+    def collect(self) -> Iterator[Any]:
+        _counter, labeled = counter_makers("kvindex_")
+        yield labeled(
+            "decisions",
+            "Requests committed to an instance by Score, by ranking policy",
+            "policy",
+            dict(self._decisions),
         )

@@ -30,6 +30,10 @@ SNAPSHOT: Final = "snapshot"
 # A hole that survives this many repair rounds in a row is left to the periodic reconciliation:
 # re-asking at once is how recovery loops start.
 MAX_REPAIR_ROUNDS: Final = 4
+# At the repair limit, a repair of an instance whose snapshot requests have been answered takes the
+# place of the pending repair whose worker failed the most of them in a row, if at least this many:
+# a fleet of workers that never answer must not keep every other instance's repair from starting.
+EVICT_STRIKES: Final = 1
 
 # The machine's refusals (metric labels, with the other limits in kvindex/ingest/limits.py).
 HELD_LIMIT: Final = "held_limit"  # batches held during a repair overflowed: dropped, snapshot instead
@@ -117,6 +121,10 @@ class RepairMachine:
         self.sequencer = host.sequencer
         self.counters = host.counters
         self.log = host.log
+        # Per instance, the snapshot requests that got no usable answer in a row (none: 0). Kept
+        # across repairs and restarts, dropped when the instance is forgotten; the scheduler serves
+        # and backs off by it (kvindex/repair/fair.py), and the repair limit gives way by it.
+        self.strikes: dict[InstanceKey, int] = {}
         # Made for this machine, here: NoRepair without a transport.
         self.scheduler: RepairScheduler = (scheduler or NoRepair)(self)
 
@@ -141,7 +149,7 @@ class RepairMachine:
 
     def begin(self, state: InstanceState, cursor: Cursor, how: str, cause: str, upto: int = 0) -> None:
         """Start (or escalate) a repair; ``upto`` is a seq the worker is known to have published."""
-        if cursor.repairing is None and self._repairs_full():
+        if cursor.repairing is None and self._repairs_full() and not self._make_room(state):
             # Not now: accept the hole as NoRepair does; a later heartbeat's digest (or the
             # periodic check) asks again once repairs have drained.
             cursor.target = max(cursor.target, upto)
@@ -184,6 +192,28 @@ class RepairMachine:
 
     def _repairs_full(self) -> bool:
         return self.sequencer.repairs() >= self.host.ingest_limits.max_pending_repairs
+
+    def _make_room(self, state: InstanceState) -> bool:
+        """At the repair limit: give up the pending repair of the instance with the most strikes (at
+        least EVICT_STRIKES) for one of ``state``, if ``state`` has none. True when room was made."""
+        strikes = self.strikes
+        if strikes.get(state.key):
+            return False
+        worst, most = None, EVICT_STRIKES - 1
+        for key in self.sequencer.repairing():
+            n = strikes.get(key, 0)
+            if n > most:
+                worst, most = key, n
+        if worst is None:
+            return False
+        self.host.refuse(
+            worst,
+            REPAIR_LIMIT,
+            f"repair given up after {most} snapshot requests in a row failed,"
+            f" for a repair of {state.worker}/{state.dp_rank}",
+        )
+        self.give_up(worst)
+        return True
 
     def gap(self, state: InstanceState, missing: tuple[int, int], why: str) -> None:
         """Count and log a hole (first, last) in the instance's sequence."""
@@ -333,9 +363,10 @@ class RepairMachine:
         cursor = self.sequencer.cursor(instance)
         if state is None or cursor is None:
             return True  # forgotten meanwhile: nothing to repair
+        if snapshot.epoch != cursor.epoch and snapshot.epoch in cursor.retired:
+            return False
+        self.strikes.pop(instance, None)  # an answer that says something: the worker answers
         if snapshot.epoch != cursor.epoch:
-            if snapshot.epoch in cursor.retired:
-                return False
             # The worker restarted and the snapshot says so first.
             self.restart(state, snapshot.epoch, "new epoch in snapshot")
             repairing = cursor.repairing
@@ -356,9 +387,16 @@ class RepairMachine:
         """A snapshot request got no usable answer (the repairer retries with back-off)."""
         self.counters.snapshots_failed += 1
         state = self.registry.get(instance)
-        if state is not None and not state.repair.failed:
+        if state is None:
+            return
+        self.strikes[instance] = self.strikes.get(instance, 0) + 1
+        if not state.repair.failed:
             state.repair.failed = True
             self._sync_changed(state)
+
+    def forget(self, instance: InstanceKey) -> None:
+        """The instance was forgotten (its consumer's ``forget``): if it comes back, it starts clean."""
+        self.strikes.pop(instance, None)
 
     # -- decisions from timers ----------------------------------------------------------------------
 

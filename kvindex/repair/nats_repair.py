@@ -3,9 +3,10 @@ reconciliation, and resynchronisation after a reconnect.
 
 Decisions (what to repair, when a repair is done) stay in the synchronous repair machine
 (kvindex/repair/machine.py); this module only does the I/O and the timing. At most one repair task
-runs per instance; snapshot requests share a global limit so that an index with many workers, or
-many index replicas, never floods a worker (workers also coalesce simultaneous snapshot requests,
-see workers_shim/publisher.py).
+runs per instance; snapshot requests take turns at a fair gate (kvindex/repair/fair.py) so that an
+index with many workers, or many index replicas, never floods a worker (workers also coalesce
+simultaneous snapshot requests, see workers_shim/publisher.py), and so that no worker's silence
+makes another's repair wait.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from nats.aio.client import Client
 from kvindex.fleet.registry import InstanceState
 from kvindex.instance import InstanceKey
 from kvindex.lifecycle.bounded import finish
+from kvindex.repair.fair import FairGate, Slot
 from kvindex.repair.machine import SNAPSHOT, RepairMachine
 from kvindex.wire import reconcile
 from kvindex.wire.reconcile import Snapshot
@@ -36,6 +38,10 @@ class RepairConfig:
     replay_timeout: float = 2.0
     snapshot_timeout: float = 5.0
     max_concurrent_snapshots: int = 4
+    # A snapshot request gives its turn back after this long even if its answer has not come (it
+    # goes on waiting for it): a worker that never answers must not hold the others' turns for
+    # its whole timeout (kvindex/repair/fair.py).
+    snapshot_slot_hold: float = 1.0
     reconcile_interval: float = 60.0  # periodic snapshot per instance, jittered +-20 %; 0 disables
     # ... and at most this many periodic snapshots a second over the whole fleet (0: no cap): each
     # costs the index ~0.3 ms plus ~0.1 us per block, so 8,192 instances checked every 60 s would
@@ -44,7 +50,7 @@ class RepairConfig:
     # a digest cannot see, so it may come less often in a large fleet.
     reconcile_rate: float = 8.0
     tick: float = 0.25  # how often periodic checks that are due are started (s)
-    max_backoff: float = 5.0
+    max_backoff: float = 5.0  # the most a failed snapshot request waits before the next (s)
     diff_step: int = 16384  # snapshot keys compared per event-loop turn (~1-2 ms each)
 
 
@@ -75,7 +81,15 @@ class NatsRepairer:
         self.rng = rng or random.Random()
         self.nc: Client | None = None
         self._tasks: dict[InstanceKey, asyncio.Task[None]] = {}
-        self._snapshots = asyncio.Semaphore(self.config.max_concurrent_snapshots)
+        cfg = self.config
+        self.gate = FairGate(
+            cfg.max_concurrent_snapshots, cfg.snapshot_slot_hold, max_backoff=cfg.max_backoff, rng=self.rng
+        )
+        # Checks of instances in sync (periodic, reconnect, degraded) waiting for their turn: the
+        # machine is told only when it comes, so the instance's live batches apply meanwhile instead
+        # of being held while other instances' requests go first.
+        self._checks: dict[InstanceKey, asyncio.Future[Slot]] = {}
+        self._granted: dict[InstanceKey, Slot] = {}  # a check's turn, for the request it starts
         self._next_reconcile: dict[InstanceKey, float] = {}
         # (due, instance) in due order; an entry whose due no longer matches _next_reconcile is old.
         # A tick then costs what is due, not a walk over every instance (8,192 of them 4 times a
@@ -99,6 +113,9 @@ class NatsRepairer:
         self._loop_task = asyncio.create_task(self._maintain(), name="kvindex-maintenance")
 
     async def stop(self) -> None:
+        for waiting in self._checks.values():
+            waiting.cancel()
+        self._checks.clear()
         tasks = [t for t in (self._loop_task, *self._tasks.values()) if t is not None]
         await finish(tasks, 1.0)  # not cancel-and-await: a lost cancellation must not hang the stop
         self._tasks.clear()
@@ -107,16 +124,46 @@ class NatsRepairer:
     def on_reconnect(self) -> None:
         """Whatever was published while we were away is lost to us: check every instance."""
         for key in list(self.machine.sequencer.cursors()):
-            if self.recorder is not None:
-                self.recorder.timer("reconcile", key, "reconnect")
-            self.machine.reconcile(key, "reconnect")
+            self._check(key, "reconnect")
 
     def reconcile_now(self, instance: InstanceKey, cause: str) -> None:
-        """Ask for a snapshot of ``instance`` at once (the router found it degraded), unless a
-        repair is already under way."""
-        if self.recorder is not None:
-            self.recorder.timer("reconcile", instance, cause)
-        self.machine.reconcile(instance, cause)
+        """Ask for a snapshot of ``instance`` at its next turn (the router found it degraded),
+        unless a repair is already under way then."""
+        self._check(instance, cause)
+
+    def _check(self, instance: InstanceKey, cause: str) -> None:
+        """A snapshot of an instance that looks in sync, once its turn comes."""
+        if instance in self._checks:
+            return  # one check waiting is enough
+        waiting = self.gate.wait(instance, self.machine.strikes.get(instance, 0))
+        self._checks[instance] = waiting
+        waiting.add_done_callback(functools.partial(self._checked, instance, cause))
+
+    def _checked(self, instance: InstanceKey, cause: str, waiting: asyncio.Future[Slot]) -> None:
+        if self._checks.get(instance) is waiting:
+            del self._checks[instance]
+        if waiting.cancelled():
+            return
+        slot = waiting.result()
+        taken = False
+        try:
+            cursor = self.machine.sequencer.cursor(instance)
+            state = self.machine.registry.get(instance)
+            if cursor is None or cursor.repairing is not None or state is None:
+                return  # forgotten, or a repair started meanwhile: it checks the instance anyway
+            if cause == "periodic" and state.stale:
+                return
+            self._granted[instance] = slot
+            if self.recorder is not None:
+                self.recorder.timer("reconcile", instance, cause)
+            self.machine.reconcile(instance, cause)
+            taken = instance not in self._granted  # request_snapshot took the turn
+        except Exception as exc:  # a callback: nobody else would see it
+            self.log.error("check_failed", worker=instance[0], dp_rank=instance[1], error=repr(exc))
+        finally:
+            if not taken:  # no request took the turn (the repair limit, or nothing to do)
+                self._granted.pop(instance, None)
+                slot.release()
 
     # -- RepairScheduler ------------------------------------------------------------------------
 
@@ -124,7 +171,7 @@ class NatsRepairer:
         self._run(instance, self._replay(instance, epoch, first, last))
 
     def request_snapshot(self, instance: InstanceKey, cause: str) -> None:
-        self._run(instance, self._snapshot(instance))
+        self._run(instance, self._snapshot(instance, self._granted.pop(instance, None)))
 
     def _run(self, instance: InstanceKey, work: Any) -> None:
         # The newest request supersedes an older one still running for the same instance.
@@ -162,40 +209,63 @@ class NatsRepairer:
 
     # -- snapshot -------------------------------------------------------------------------------
 
-    async def _snapshot(self, instance: InstanceKey) -> None:
+    async def _snapshot(self, instance: InstanceKey, slot: Slot | None = None) -> None:
+        """Ask until the instance has a usable snapshot (or no longer needs one), each request at
+        the instance's turn (``slot``: the turn a check already waited for)."""
         worker, rank = instance
         subject = self.subjects.snapshot(worker)
-        backoff = 0.25
-        while self._wants_snapshot(instance):
-            state = self.machine.registry.get(instance)
-            trim = _Trim(None if state is None else self.limits_of(state))
-            try:
-                async with self._snapshots:
+        machine, gate = self.machine, self.gate
+        try:
+            while self._wants_snapshot(instance):
+                if slot is None or not slot.held:
+                    # After a failure this also waits out the instance's backoff.
+                    slot = await gate.acquire(instance, machine.strikes.get(instance, 0))
+                    continue  # still wanted?
+                state = machine.registry.get(instance)
+                trim = _Trim(None if state is None else self.limits_of(state))
+                try:
                     parts = await self._request(
                         subject,
                         reconcile.snapshot_request(rank),
                         self.config.snapshot_timeout,
                         trim.decode,
                     )
-            except RequestFailed as exc:
+                except RequestFailed as exc:
+                    self._snapshot_failed(instance, str(exc))
+                    continue
+                finally:
+                    slot.release()
+                snapshot = _assemble(parts)
+                snapshot.trimmed = trim.trimmed
+                diffs = await self._diff(instance, snapshot)
+                if not self._wants_snapshot(instance):
+                    return  # given up or forgotten meanwhile
                 if self.recorder is not None:
-                    self.recorder.snapshot_failed(instance, str(exc))
-                self.machine.snapshot_failed(instance, str(exc))
-                self.log.info(
-                    "snapshot_failed", worker=worker, dp_rank=rank, error=str(exc), retry_in=backoff
-                )
-                await asyncio.sleep(backoff * (0.5 + self.rng.random()))
-                backoff = min(backoff * 2, self.config.max_backoff)
-                continue
-            snapshot = _assemble(parts)
-            snapshot.trimmed = trim.trimmed
-            diffs = await self._diff(instance, snapshot)
-            if not self._wants_snapshot(instance):
-                return  # given up or forgotten meanwhile
-            if self.recorder is not None:
-                self.recorder.snapshot(instance, snapshot)
-            if self.machine.on_snapshot(instance, snapshot, diffs):
-                return
+                    self.recorder.snapshot(instance, snapshot)
+                if machine.on_snapshot(instance, snapshot, diffs):
+                    gate.answered(instance)
+                    return
+                # A snapshot of an epoch the worker already left: no better than no answer.
+                self._snapshot_failed(instance, "stale epoch")
+        finally:
+            if slot is not None:
+                slot.release()
+
+    def _snapshot_failed(self, instance: InstanceKey, why: str) -> None:
+        if self.recorder is not None:
+            self.recorder.snapshot_failed(instance, why)
+        machine = self.machine
+        machine.snapshot_failed(instance, why)
+        strikes = machine.strikes.get(instance, 0)
+        retry_in = self.gate.backoff(instance, strikes)
+        self.log.info(
+            "snapshot_failed",
+            worker=instance[0],
+            dp_rank=instance[1],
+            error=why,
+            strikes=strikes,
+            retry_in=round(retry_in, 3),
+        )
 
     async def _diff(
         self, instance: InstanceKey, snapshot: Snapshot
@@ -302,6 +372,10 @@ class NatsRepairer:
         """The instance was forgotten (the service's liveness sweep): no periodic check is due for it,
         and if it comes back it is scheduled anew."""
         self._next_reconcile.pop(instance, None)
+        waiting = self._checks.pop(instance, None)
+        if waiting is not None:
+            waiting.cancel()
+        self.gate.forget(instance)
 
     def reconcile_every(self) -> float:
         """Seconds between an instance's periodic checks: the interval, longer in a fleet too large
@@ -331,9 +405,7 @@ class NatsRepairer:
             heapq.heappush(due_heap, (later, key))
             state = self.machine.registry.get(key)
             if cursor.repairing is None and state is not None and not state.stale:
-                if self.recorder is not None:
-                    self.recorder.timer("reconcile", key, "periodic")
-                self.machine.reconcile(key, "periodic")
+                self._check(key, "periodic")
         if len(due_heap) > 2 * len(nxt) + 64:  # old entries pile up only with churn: rebuild
             self._due = [(d, k) for k, d in nxt.items()]
             heapq.heapify(self._due)

@@ -44,7 +44,7 @@ from envoy.config.core.v3 import base_pb2 as core_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 from google.protobuf import struct_pb2
-from prometheus_client import Counter
+from prometheus_client import Counter, Histogram
 
 from kvindex.api.errors import BadRequest
 from kvindex.api.handlers import Malformed
@@ -69,6 +69,7 @@ from kvindex.route.envoy import (
 )
 from kvindex.route.gate import AdmissionGate, AdmissionMetrics, Shed
 from kvindex.route.lifecycle import RequestLedger, report_of, run_now
+from kvindex.route.metrics import TTFT_BUCKETS
 from kvindex.route.openai_body import BodyError, PromptSpec, apply_prompt, parse_body
 from kvindex.route.pd import (
     REMOTE,
@@ -130,6 +131,12 @@ class PickerMetrics:
             "kvindex_ext_proc_served_elsewhere", "Requests Envoy served on a fallback endpoint", **kw
         )
         self.streams = Counter("kvindex_ext_proc_streams", "ext_proc streams opened", **kw)
+        self.ttft = Histogram(
+            "kvindex_ext_proc_ttft_seconds",
+            "request headers -> first response body byte, as the picker sees them",
+            buckets=TTFT_BUCKETS,
+            **kw,
+        )
         self.reports = Counter(
             "kvindex_ext_proc_reports",
             "outcome reports read from response bodies, by what the index did with them",
@@ -264,6 +271,7 @@ class EndpointPicker(ep_grpc.ExternalProcessorServicer):
             if not ex.released_prefill and (body.body or body.end_of_stream):
                 # The first bytes of the answer: the prefill is done (time queued included).
                 now = ex.first_byte_at = time.monotonic()
+                self.metrics.ttft.observe(now - ex.arrived)
                 self.admission_metrics.observe_ttft(ex.model, ex.objective, now - ex.arrived)
                 if ex.est_ms:
                     counts = ex.streaming and not ex.prefiller

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
 from prometheus_client.core import CounterMetricFamily
 from prometheus_client.registry import Collector
 
@@ -116,3 +116,4 @@ class RouteMetrics:
             registry=r,
         )
         r.register(_ClientStatsCollector(client_stats))
+        ProcessCollector(registry=r)  # the proxy's own CPU and memory (process_*)

@@ -15,6 +15,7 @@ from collections.abc import Set as AbstractSet
 
 from kvindex.fleet.registry import InstanceState
 from kvindex.index.base import NO_MATCH, InstanceMatch, KvBlockIndex
+from kvindex.index.hybrid import hit_limit
 from kvindex.instance import InstanceKey
 from kvindex.scoring.base import Candidate, RouteRequest
 from kvindex.scoring.costs import (
@@ -76,7 +77,12 @@ class CandidateBuilder:
         if matches is not None:
             pass
         elif keys:
-            matches = self.index.match(request.model, keys, None if every else [s.key for s in states])
+            matches = self.index.match(
+                request.model,
+                keys,
+                None if every else [s.key for s in states],
+                hit_limit(request.prompt_tokens),
+            )
         else:
             matches = {}
         shared = self.costs.prefill(request.model)

@@ -15,6 +15,7 @@ from collections.abc import Callable
 
 from kvindex.fleet.registry import InstanceState, Registry, instance_id
 from kvindex.index.base import NO_MATCH, KvBlockIndex
+from kvindex.index.hybrid import hit_limit
 from kvindex.instance import InstanceKey
 from kvindex.scoring.approximate import PredictedCache
 from kvindex.scoring.base import DECODE_ROLE, Candidate, Policy, RouteRequest
@@ -112,11 +113,25 @@ class Decisions:
                 ahead,
             )
         if policy.speculative_ttl > 0 and request.keys:
-            self.speculative.add(key, request.keys, policy.speculative_ttl)
+            self.speculative.add(
+                key,
+                request.keys,
+                policy.speculative_ttl,
+                self.spec_boundary(request.model, request.prompt_tokens, request.block_size),
+            )
             if request.request_id:
                 entry.keys = request.keys
         if cand.state.approximate and request.keys:
             self.predicted.on_commit(cand.state, request.keys)
+
+    def spec_boundary(self, model: str, prompt_tokens: int, block_size: int) -> int | None:
+        """For SpeculativeKeys.add: a hybrid-attention model's committed prompt will serve later
+        prompts up to the block before its last token only (its sliding-window and Mamba groups keep
+        state there, kvindex/index/hybrid.py); None for other models (every block)."""
+        layout = self.index.layout_of(model)
+        if layout is None or not layout.hybrid:
+            return None
+        return hit_limit(prompt_tokens) // block_size
 
     # -- release --------------------------------------------------------------------------------
 
@@ -156,7 +171,8 @@ class Decisions:
         def held_now() -> int:
             if state is None or not p.keys:
                 return 0
-            return self.index.match(p.model, p.keys, [p.instance]).get(p.instance, NO_MATCH)[0]
+            held = self.index.match(p.model, p.keys, [p.instance], hit_limit(p.prompt_tokens))
+            return held.get(p.instance, NO_MATCH)[0]
 
         removals = None if state is None else state.removals
         status, outcome = outcomes.compare(p, report, removals, held_now)

@@ -14,7 +14,7 @@ one instead of each starting a copy elsewhere.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, ItemsView, Iterable, KeysView, Mapping
+from collections.abc import Callable, ItemsView, Iterable, KeysView, Mapping, Sequence, Set
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -204,12 +204,30 @@ class SpeculativeKeys:
         self.ttl = ttl
         self.max_keys = max_keys
         self._keys: dict[InstanceKey, dict[int, float]] = {}  # instance -> key -> expiry
+        # Hybrid-attention models (kvindex/index/hybrid.py): a committed prompt's cache serves later
+        # prompts only up to where its sliding-window and Mamba groups keep state, the block before
+        # its last token; marked by that block's key alone (which names the whole prefix).
+        self._marks: dict[InstanceKey, dict[int, float]] = {}
         self._count = 0
 
-    def add(self, instance: InstanceKey, keys: Iterable[int], ttl: float | None = None) -> None:
+    def add(
+        self,
+        instance: InstanceKey,
+        keys: Sequence[int],
+        ttl: float | None = None,
+        boundary: int | None = None,
+    ) -> None:
+        """``keys`` are expected on ``instance`` for ``ttl``; ``boundary``: a hybrid model's, only the
+        prefix of ``boundary`` blocks as a whole (``boundary_of``)."""
         if self._count > self.max_keys:
             self.expire()
         expiry = self.clock() + (self.ttl if ttl is None else ttl)
+        if boundary is not None:
+            if 0 < boundary <= len(keys):
+                marks = self._marks.setdefault(instance, {})
+                self._count += keys[boundary - 1] not in marks
+                marks[keys[boundary - 1]] = expiry
+            return
         held = self._keys.setdefault(instance, {})
         before = len(held)
         for key in keys:
@@ -219,16 +237,22 @@ class SpeculativeKeys:
     def extend(self, instance: InstanceKey, keys: list[int], start: int) -> int:
         """How far past ``start`` the consecutive request ``keys`` are expected on ``instance``."""
         held = self._keys.get(instance)
-        if not held:
-            return start
         now = self.clock()
         i = start
         n = len(keys)
-        while i < n:
-            expiry = held.get(keys[i])
-            if expiry is None or expiry <= now:
-                break
-            i += 1
+        if held:
+            while i < n:
+                expiry = held.get(keys[i])
+                if expiry is None or expiry <= now:
+                    break
+                i += 1
+        marks = self._marks.get(instance)
+        if marks:
+            # The longest marked prefix of the request (a key names its whole prefix).
+            for j in range(n, i, -1):
+                expiry = marks.get(keys[j - 1])
+                if expiry is not None and expiry > now:
+                    return j
         return i
 
     def settle(self, instance: InstanceKey, keys: Iterable[int], until: float) -> None:
@@ -236,17 +260,21 @@ class SpeculativeKeys:
         cache now and its KV events vouch for them, evictions included. Speculative credit for them
         ends at ``until`` (a grace for the events in flight) instead of the TTL: kept for the TTL, a
         prefix the engine evicted after storing it would still be promised (an ``over`` outcome)."""
-        held = self._keys.get(instance)
-        if not held:
-            return
-        for key in keys:
-            expiry = held.get(key)
-            if expiry is not None and expiry > until:
-                held[key] = until
+        for store in (self._keys.get(instance), self._marks.get(instance)):
+            if not store:
+                continue
+            for key in keys:
+                expiry = store.get(key)
+                if expiry is not None and expiry > until:
+                    store[key] = until
 
-    def instances(self) -> KeysView[InstanceKey]:
+    def instances(self) -> Set[InstanceKey]:
         """The instances with expected keys (some may have expired: see ``extend``), a live view."""
-        return self._keys.keys()
+        return self._keys.keys() | self._marks.keys() if self._marks else self._keys.keys()
+
+    def marked(self) -> KeysView[InstanceKey]:
+        """The instances with marked prefixes of hybrid-attention prompts (see ``add``), a live view."""
+        return self._marks.keys()
 
     def by_instance(self) -> ItemsView[InstanceKey, Mapping[int, float]]:
         """(instance, its expected keys -> expiry) for every instance with some, a live read-only
@@ -255,18 +283,20 @@ class SpeculativeKeys:
 
     def expire(self) -> None:
         now = self.clock()
-        for instance in list(self._keys):
-            held = self._keys[instance]
-            for key in [k for k, t in held.items() if t <= now]:
-                del held[key]
-            if not held:
-                del self._keys[instance]
-        self._count = sum(len(h) for h in self._keys.values())
+        for store in (self._keys, self._marks):
+            for instance in list(store):
+                held = store[instance]
+                for key in [k for k, t in held.items() if t <= now]:
+                    del held[key]
+                if not held:
+                    del store[instance]
+        self._count = sum(len(h) for h in self._keys.values()) + sum(len(h) for h in self._marks.values())
 
     def forget(self, instance: InstanceKey) -> None:
-        held = self._keys.pop(instance, None)
-        if held:
-            self._count -= len(held)
+        for store in (self._keys, self._marks):
+            held = store.pop(instance, None)
+            if held:
+                self._count -= len(held)
 
     def __len__(self) -> int:
         return self._count

@@ -302,6 +302,8 @@ class OutcomeTracker:
         outcomes, a repair under way for anything but a routine check, or a repair that failed."""
         if state.approximate:
             return APPROXIMATE, ""
+        if state.groups_inexact:  # a hybrid model's answers not by the engine's rule (ingest/layouts.py)
+            return APPROXIMATE, state.groups_inexact
         if state.repair.failed:
             return DEGRADED, "repair failed"
         if state.repair.sync != "synced" and state.repair.cause not in ROUTINE_CHECKS:

@@ -18,6 +18,7 @@ import numpy as np
 
 from kvindex.fleet.registry import Registry
 from kvindex.index.base import NO_MATCH, GroupedIndex, InstanceMatch, MatchGroup
+from kvindex.index.hybrid import hit_limit
 from kvindex.instance import InstanceKey
 from kvindex.scoring.base import Candidate, RouteRequest
 from kvindex.scoring.candidates import CandidateBuilder
@@ -99,10 +100,14 @@ class PoolBuilder:
             grouped = self.grouped_index
             if grouped is not None:
                 matches, groups = grouped.match_groups(
-                    request.model, keys, restrict, self.group_min_instances
+                    request.model,
+                    keys,
+                    restrict,
+                    self.group_min_instances,
+                    hit_limit(request.prompt_tokens),
                 )
             else:
-                matches = self.index.match(request.model, keys, restrict)
+                matches = self.index.match(request.model, keys, restrict, hit_limit(request.prompt_tokens))
         else:
             matches = {}
         if everyone:  # a set lookup per holder rather than a numpy scalar read
@@ -144,7 +149,8 @@ class PoolBuilder:
     ) -> list[int]:
         """The rows of the instances whose speculative keys continue their match: full candidates
         (past 0 blocks for a non-holder, past its group's answer for a group's member, whose answer
-        goes into ``matches``)."""
+        goes into ``matches``); and those with a marked prefix of a hybrid model's prompt (their
+        index answers are all in ``matches``, so a marked holder is one already)."""
         now = self.clock()
         n_keys = len(keys)
         row = table.row
@@ -162,6 +168,11 @@ class PoolBuilder:
                 rows.append(i)
                 if g:
                     matches[inst] = groups[g - 1].match
+        for inst in self.speculative.marked():  # hybrid models' committed prompts (answers all listed)
+            if inst in matches or (i := row.get(inst)) is None or not mask[i] or i in rows:
+                continue
+            if self.speculative.extend(inst, keys, 0):
+                rows.append(i)
         return rows
 
     def _degraded_rows(

@@ -9,6 +9,7 @@ replay.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Final
@@ -120,6 +121,10 @@ class Sequencer:
     def repairs(self) -> int:
         """Instances being repaired now."""
         return len(self._repairing)
+
+    def repairing(self) -> AbstractSet[InstanceKey]:
+        """The instances being repaired now (a view: not to be changed)."""
+        return self._repairing
 
     def take_opened(self) -> list[InstanceKey]:
         """The instances opened (first or again) since the last call, oldest first."""

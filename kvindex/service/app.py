@@ -31,6 +31,8 @@ from kvindex.ingest.nats_source import JetStreamConfig, NatsSource
 from kvindex.instance import InstanceKey
 from kvindex.lifecycle import Stop, bounded
 from kvindex.observability.counters import Metrics
+from kvindex.observability.fleet import FleetCollector
+from kvindex.observability.hits import HitCollector
 from kvindex.observability.outcomes import OutcomeCollector
 from kvindex.observability.tokenize import TokenizeCollector
 from kvindex.repair.machine import RepairMachine
@@ -175,6 +177,12 @@ class IndexService:
             self.calibrator, replicas=config.jetstream.replicas if config.jetstream else 1
         )
         self.metrics.registry.register(OutcomeCollector(self.ranker.outcomes, self._instance_states))
+        self.metrics.registry.register(HitCollector(self.ranker.outcomes))
+        self.metrics.registry.register(
+            FleetCollector(
+                self.registry, self.index, self.calibrator, lambda: self.grpc.ready, self._nats_connected
+            )
+        )
         args = (self.index, self.registry, self.counters, self.metrics, self.ranker, self.tokenizers)
         self.servicer = (
             KvIndexServicer(*args) if self.recorder is None else RecordingServicer(self.recorder, *args)
@@ -227,6 +235,10 @@ class IndexService:
         except RuntimeError:
             return  # not serving (a test driving the router alone)
         loop.call_soon(self.repairer.reconcile_now, instance, "degraded")
+
+    def _nats_connected(self) -> bool:
+        source = self.source
+        return source is not None and source.nc is not None and source.nc.is_connected
 
     def _instance_states(self) -> dict[str, list[str]]:
         """State name -> instance ids (for the metrics)."""
@@ -412,13 +424,24 @@ class IndexService:
         cfg = self.config.liveness
         consumer, registry = self.consumer, self.registry
         next_sweep = float("-inf")
+        # While NATS is down the index hears no heartbeat: that silence is its own, so nothing is
+        # marked stale (routers keep ranking the fleet as last known instead of answering "no
+        # instance"), and after the reconnect instances age from then on.
+        heard_since, deaf = float("-inf"), False
         while True:
             await asyncio.sleep(cfg.tick)
             try:
                 now = registry.clock()
+                if not self._nats_connected():
+                    deaf = True
+                    continue
+                if deaf:
+                    heard_since, deaf, next_sweep = now, False, float("-inf")
                 if now < next_sweep:
                     continue
-                stale, forget, next_sweep = sweep_next(registry.all(), now, cfg.stale_after, cfg.forget_after)
+                stale, forget, next_sweep = sweep_next(
+                    registry.all(), now, cfg.stale_after, cfg.forget_after, heard_since
+                )
                 rec = self.recorder  # each decision recorded just before it is carried out (kvindex/capture)
                 for state in stale:
                     if rec is not None:

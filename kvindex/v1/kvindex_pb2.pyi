@@ -275,7 +275,7 @@ class ListInstancesRequest(_message.Message):
     def __init__(self, model: _Optional[str] = ...) -> None: ...
 
 class InstanceInfo(_message.Message):
-    __slots__ = ("instance_id", "worker", "dp_rank", "model", "block_size", "epoch", "last_seq", "load", "blocks", "capacity", "batches", "gaps", "missing_batches", "restarts", "pool", "stale", "sync", "endpoint", "approximate", "state", "state_reason", "outcomes_exact", "outcomes_over", "outcomes_under", "role", "pd_group", "prefill")
+    __slots__ = ("instance_id", "worker", "dp_rank", "model", "block_size", "epoch", "last_seq", "load", "blocks", "capacity", "batches", "gaps", "missing_batches", "restarts", "pool", "stale", "sync", "endpoint", "approximate", "state", "state_reason", "outcomes_exact", "outcomes_over", "outcomes_under", "role", "pd_group", "kv_groups", "prefill")
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     WORKER_FIELD_NUMBER: _ClassVar[int]
     DP_RANK_FIELD_NUMBER: _ClassVar[int]
@@ -302,6 +302,7 @@ class InstanceInfo(_message.Message):
     OUTCOMES_UNDER_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     PD_GROUP_FIELD_NUMBER: _ClassVar[int]
+    KV_GROUPS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_FIELD_NUMBER: _ClassVar[int]
     instance_id: str
     worker: str
@@ -329,8 +330,9 @@ class InstanceInfo(_message.Message):
     outcomes_under: int
     role: str
     pd_group: str
+    kv_groups: str
     prefill: PrefillFit
-    def __init__(self, instance_id: _Optional[str] = ..., worker: _Optional[str] = ..., dp_rank: _Optional[int] = ..., model: _Optional[str] = ..., block_size: _Optional[int] = ..., epoch: _Optional[int] = ..., last_seq: _Optional[int] = ..., load: _Optional[_Union[Load, _Mapping]] = ..., blocks: _Optional[_Union[TierBlocks, _Mapping]] = ..., capacity: _Optional[_Union[TierBlocks, _Mapping]] = ..., batches: _Optional[int] = ..., gaps: _Optional[int] = ..., missing_batches: _Optional[int] = ..., restarts: _Optional[int] = ..., pool: _Optional[bool] = ..., stale: _Optional[bool] = ..., sync: _Optional[str] = ..., endpoint: _Optional[str] = ..., approximate: _Optional[bool] = ..., state: _Optional[str] = ..., state_reason: _Optional[str] = ..., outcomes_exact: _Optional[int] = ..., outcomes_over: _Optional[int] = ..., outcomes_under: _Optional[int] = ..., role: _Optional[str] = ..., pd_group: _Optional[str] = ..., prefill: _Optional[_Union[PrefillFit, _Mapping]] = ...) -> None: ...
+    def __init__(self, instance_id: _Optional[str] = ..., worker: _Optional[str] = ..., dp_rank: _Optional[int] = ..., model: _Optional[str] = ..., block_size: _Optional[int] = ..., epoch: _Optional[int] = ..., last_seq: _Optional[int] = ..., load: _Optional[_Union[Load, _Mapping]] = ..., blocks: _Optional[_Union[TierBlocks, _Mapping]] = ..., capacity: _Optional[_Union[TierBlocks, _Mapping]] = ..., batches: _Optional[int] = ..., gaps: _Optional[int] = ..., missing_batches: _Optional[int] = ..., restarts: _Optional[int] = ..., pool: _Optional[bool] = ..., stale: _Optional[bool] = ..., sync: _Optional[str] = ..., endpoint: _Optional[str] = ..., approximate: _Optional[bool] = ..., state: _Optional[str] = ..., state_reason: _Optional[str] = ..., outcomes_exact: _Optional[int] = ..., outcomes_over: _Optional[int] = ..., outcomes_under: _Optional[int] = ..., role: _Optional[str] = ..., pd_group: _Optional[str] = ..., kv_groups: _Optional[str] = ..., prefill: _Optional[_Union[PrefillFit, _Mapping]] = ...) -> None: ...
 
 class PrefillFit(_message.Message):
     __slots__ = ("source", "a_ms", "b_ms_per_token", "c_ms_per_token2", "samples", "error", "has_error")

@@ -30,6 +30,7 @@ from kvindex.wire.errors import (
     UNSUPPORTED_VERSION,
     WireError,
 )
+from kvindex.wire.groups import GroupSpec, LayoutError, parse_groups
 from kvindex.wire.role import BOTH, BadRole, check_group, check_role
 from kvindex.wire.schema import (
     CLEARED,
@@ -62,6 +63,9 @@ DEFAULT_LIMITS = Limits()
 MAX_PREFILL_SAMPLES = 1024
 
 
+_NOT_SENT = Raw(b"")
+
+
 class _HeartbeatMsg(Struct, gc=False):
     v: int
     worker: WorkerId
@@ -85,9 +89,8 @@ class _HeartbeatMsg(Struct, gc=False):
     # Prefill/decode disaggregation: checked after decoding like the endpoint (see _role).
     role: Any = None
     pd_group: Any = None
-
-
-_NOT_SENT = Raw(b"")
+    # KV-cache groups (docs/wire.md §8): bytes, parsed once per distinct layout (see _groups).
+    groups: Raw = _NOT_SENT
 
 
 class HeartbeatPeek(Struct, gc=False):
@@ -116,6 +119,7 @@ class HeartbeatPeek(Struct, gc=False):
     events: bool = True
     role: Any = None
     pd_group: Any = None
+    groups: Raw = _NOT_SENT
 
 
 _batch_decoder = msgspec.msgpack.Decoder(EventBatch)
@@ -256,7 +260,33 @@ def decode_heartbeat(payload: bytes, subject_worker: str | None = None) -> Heart
         *_endpoint(msg.endpoint),
         msg.events,
         *_role(msg.role, msg.pd_group),  # type: ignore[arg-type]  # (mypy does not align star args)
+        *_groups(msg.groups, msg.block_size),
     )
+
+
+# Layouts by their bytes: every worker of a model sends the same one every second, parsed once.
+_layouts: dict[tuple[bytes, int], tuple[tuple[GroupSpec, ...] | None, str | None]] = {}
+_MAX_LAYOUTS = 256
+
+
+def _groups(raw: Raw, block_size: int) -> tuple[tuple[GroupSpec, ...] | None, str | None]:
+    """(groups, None) when valid or absent (None), (None, why) when malformed: the heartbeat is
+    applied without them (docs/wire.md §8)."""
+    if not raw:
+        return None, None
+    key = (bytes(raw), block_size)
+    known = _layouts.get(key)
+    if known is None:
+        try:
+            known = (parse_groups(msgspec.msgpack.decode(key[0]), block_size), None)
+        except (msgspec.MsgspecError, RecursionError):
+            known = (None, "groups is not valid msgpack")
+        except LayoutError as exc:
+            known = (None, str(exc))
+        if len(_layouts) >= _MAX_LAYOUTS:
+            _layouts.clear()
+        _layouts[key] = known
+    return known
 
 
 def peek_heartbeat(payload: bytes) -> HeartbeatPeek | None:
@@ -277,8 +307,10 @@ _ABSENT = b"\xc1"
 
 
 def _maps_of(peek: HeartbeatPeek) -> bytes:
-    """The load, capacity and digest maps' bytes, one after the other (absent: _ABSENT)."""
-    return b"".join((peek.load or _ABSENT, peek.capacity or _ABSENT, peek.digest or _ABSENT))
+    """The load, capacity, digest and groups' bytes, one after the other (absent: _ABSENT)."""
+    return b"".join(
+        (peek.load or _ABSENT, peek.capacity or _ABSENT, peek.digest or _ABSENT, peek.groups or _ABSENT)
+    )
 
 
 class HeartbeatMemory:
@@ -341,7 +373,7 @@ def decode_heartbeat_into(peek: HeartbeatPeek, memory: HeartbeatMemory) -> bool:
     else:
         split = len(peek.load) or 1
         if maps[split:] != memory.maps[memory.split :]:
-            return False  # capacity or digest
+            return False  # capacity, digest or groups
         fresh = load_of(maps[:split]) if peek.load else Load()  # (not sent: the defaults)
         if fresh is None:
             return False
@@ -395,13 +427,15 @@ def _packb(obj: Any) -> bytes:
 
 
 def event_to_wire(
-    op: int, tier: int | None, keys: Iterable[int] = (), parent: int | None = None
+    op: int, tier: int | None, keys: Iterable[int] = (), parent: int | None = None, group: int = 0
 ) -> dict[str, Any]:
     if op == CLEARED:
         return {"type": "cleared", "tier": None if tier is None else TIER_NAMES[tier]}
     out: dict[str, Any] = {"type": OP_NAMES[op], "tier": TIER_NAMES[tier], "keys": list(keys)}  # type: ignore[index]
     if op == STORED:
         out["parent"] = parent
+    if group:
+        out["group"] = group
     return out
 
 

@@ -21,6 +21,11 @@ MODEL_MISMATCH: Final = "model_mismatch"
 BAD_ENDPOINT: Final = "bad_endpoint"
 # Likewise: a heartbeat whose ``role`` or ``group`` is malformed is applied as role ``both``, no group.
 BAD_ROLE: Final = "bad_role"
+# Likewise: a heartbeat whose ``groups`` (KV-cache layout, docs/wire.md §8) is malformed is applied
+# without them (the instance is approximate until a valid layout comes).
+BAD_GROUPS: Final = "bad_groups"
+# A layout other than the model's (its first announced): the instance's batches are refused.
+GROUP_LAYOUT_MISMATCH: Final = "group_layout_mismatch"
 
 REASONS: Final = (
     MALFORMED,
@@ -37,6 +42,8 @@ REASONS: Final = (
     MODEL_MISMATCH,
     BAD_ENDPOINT,
     BAD_ROLE,
+    BAD_GROUPS,
+    GROUP_LAYOUT_MISMATCH,
 )
 
 

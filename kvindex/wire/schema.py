@@ -7,6 +7,8 @@ from typing import Annotated, ClassVar, Final, Literal
 
 from msgspec import Meta, Struct
 
+from kvindex.wire.groups import GroupSpec
+
 WIRE_VERSION: Final = 1
 
 # Tier order is also preference order: a block present on several tiers of one instance is loaded
@@ -36,29 +38,37 @@ TierName = Literal["gpu", "cpu", "disk", "shared"]
 U64 = Annotated[int, Meta(ge=0)]
 
 
+# A KV-cache group of a hybrid-attention model (docs/wire.md §8); 0 for models with one cache.
+Group = Annotated[int, Meta(ge=0, le=1023)]
+
+
 class Stored(Struct, tag_field="type", tag="stored", gc=False):
-    """The worker now holds ``keys`` (a chain, in order) on ``tier``; ``parent`` precedes keys[0]."""
+    """The worker now holds ``keys`` (a chain, in order) on ``tier`` in KV-cache ``group``;
+    ``parent`` precedes keys[0]."""
 
     tier: TierName
     keys: list[U64]
     parent: U64 | None = None
+    group: Group = 0
     op: ClassVar[int] = STORED
 
 
 class Removed(Struct, tag_field="type", tag="removed", gc=False):
     tier: TierName
     keys: list[U64]
+    group: Group = 0
     op: ClassVar[int] = REMOVED
     parent: ClassVar[None] = None
 
 
 class Cleared(Struct, tag_field="type", tag="cleared", gc=False):
-    """Every block on ``tier`` is gone (every tier when None)."""
+    """Every block on ``tier`` is gone (every tier when None), in every KV-cache group."""
 
     tier: TierName | None = None
     op: ClassVar[int] = CLEARED
     keys: ClassVar[tuple[int, ...]] = ()
     parent: ClassVar[None] = None
+    group: ClassVar[int] = 0
 
 
 Event = Stored | Removed | Cleared
@@ -122,6 +132,10 @@ class HeartbeatReport:
     role: str = "both"
     pd_group: str | None = None
     role_error: str | None = None
+    # KV-cache groups (docs/wire.md §8): None when not announced (one full-attention group) or
+    # malformed, and then ``groups_error`` says what was wrong with them.
+    groups: tuple[GroupSpec, ...] | None = None
+    groups_error: str | None = None
 
     @property
     def instance(self) -> tuple[str, int]:

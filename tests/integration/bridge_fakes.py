@@ -51,6 +51,7 @@ class VllmStored(msgspec.Struct, tag="BlockStored", omit_defaults=True, gc=False
     extra_keys: list[Any] | None = None
     group_idx: int | None = None
     kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
 
 
 class VllmRemoved(msgspec.Struct, tag="BlockRemoved", omit_defaults=True, gc=False):

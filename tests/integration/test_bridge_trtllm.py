@@ -156,3 +156,60 @@ async def test_trtllm_load(
         assert info.load.kv_usage == pytest.approx(0.75)
     finally:
         page.close()
+
+
+async def test_trtllm_variable_sliding_windows_are_kv_cache_groups(
+    nats_server: EmbeddedNats, service: IndexService, stub: pb_grpc.KvIndexStub, engine: FakeEngine
+) -> None:
+    """TensorRT-LLM's variable sliding window attention keeps one cache per window size and names it
+    (``window_size``) on every pull-API event: the largest window is the full-attention group, the
+    others sliding-window groups, and the index applies the hybrid rule over them."""
+    h = [fake_hash("vswa", i) for i in range(4)]
+
+    def block(i: int) -> dict[str, Any]:
+        tokens = [
+            {"type": "unique_token", "token_id": t, "token_extra_id": 0} for t in P[i * BS : (i + 1) * BS]
+        ]
+        return {
+            "type": "stored_block",
+            "block_hash": h[i],
+            "tokens": tokens,
+            "cache_level": 0,
+            "priority": 35,
+        }
+
+    def event(n: int, window: int, data: dict[str, Any]) -> dict[str, Any]:
+        return {"event_id": n, "data": data, "window_size": window}
+
+    created = {"type": "created", "num_blocks_per_cache_level": [100, 0]}
+    async with shim(nats_server, engine) as bridge:
+        await engine.publish(batch(event(0, 16, created), event(1, 4096, created)))
+        await engine.publish(
+            batch(
+                event(2, 16, {"type": "stored", "parent_hash": None, "blocks": [block(0), block(1)]}),
+                event(
+                    3, 4096, {"type": "stored", "parent_hash": None, "blocks": [block(i) for i in range(4)]}
+                ),
+            )
+        )
+        await settle(bridge, service, [engine])
+        publisher = bridge.ranks[0].publisher
+        assert publisher is not None
+        assert publisher.groups == [
+            {"kind": "sliding_window", "block_size": BS, "window": 16},
+            {"kind": "full_attention", "block_size": BS},
+        ]
+        await publisher.heartbeat()
+        await wait_until(
+            lambda: (s := service.registry.get(("trt1", 0))) is not None and bool(s.groups_announced),
+            what="the windows announced",
+        )
+        (info,) = (await stub.ListInstances(pb.ListInstancesRequest(model=MODEL))).instances
+        assert (info.state, info.kv_groups) == ("exact", "sliding_window(16) + full_attention")
+        # 31 tokens may hit: the full-attention window holds 3 blocks of them, the 16-token window the
+        # two blocks before token 16 only, so 16 tokens are reusable.
+        assert await lookup(stub, MODEL, token_ids=P) == {"trt1/0": (2, (2, 0, 0, 0))}
+        await engine.publish(batch(event(4, 16, {"type": "removed", "block_hashes": [h[1]]})))
+        await settle(bridge, service, [engine])
+        assert await lookup(stub, MODEL, token_ids=P) == {"trt1/0": (1, (1, 0, 0, 0))}
+        assert bridge.stats.snapshot().get("skipped", {}) == {}

@@ -8,6 +8,7 @@ import time
 from typing import Any
 
 import pytest
+import structlog
 import xxhash
 
 from kvindex.keys import block_keys
@@ -461,3 +462,55 @@ async def test_reannounced_prefix_hits_are_not_reference_counted(
         await engine.publish(batch(VllmRemoved(H[1:3], "GPU", 0)))  # one eviction removes it
         await settle(bridge, service, [engine])
     assert await lookup(stub, MODEL, token_ids=P) == {"w1/0": (1, (1, 0, 0, 0))}
+
+
+async def test_hybrid_groups_and_bad_group_input(
+    nats_server: EmbeddedNats, service: IndexService, stub: pb_grpc.KvIndexStub, engine: FakeEngine
+) -> None:
+    """A vLLM 0.32 hybrid model (group 0 sliding window of 8 tokens, group 1 full attention) over the
+    real bridge and index; events with bad group information are counted, logged with the worker id,
+    and lose nothing else."""
+
+    def group(
+        g: int, hashes: list[Any], tokens: list[int], kind: str | None, window: int | None = None
+    ) -> Any:
+        return VllmStored(
+            hashes, None, tokens, BS, None, "GPU", None,
+            group_idx=g, kv_cache_spec_kind=kind, kv_cache_spec_sliding_window=window,
+        )  # fmt: skip
+
+    # vLLM's order: the sliding-window group (keeping the window before the prompt's end) first.
+    step = [group(0, H[4:6], P, "sliding_window", 8), group(1, H, P, "full_attention")]
+    bad = [
+        group(3, H[:2], P[:8], None),  # a group index without a kind
+        group(0, H[:1], P[:4], "sliding_window", 16),  # another window for group 0
+        VllmRemoved([H[0]], "GPU", 7),  # a group never stored
+        VllmRemoved([H[0]], "GPU", 4096),  # outside 0..1023
+    ]
+    with structlog.testing.capture_logs() as logs:
+        async with shim(nats_server, engine) as bridge:
+            await engine.publish(batch(*step, *bad))
+            await settle(bridge, service, [engine])
+            publisher = bridge.ranks[0].publisher
+            assert publisher is not None
+            await publisher.heartbeat()
+            await wait_until(
+                lambda: (s := service.registry.get(("w1", 0))) is not None and bool(s.groups_announced),
+                what="the layout announced",
+            )
+            assert bridge.stats.snapshot()["skipped"] == {
+                "group_without_kind": 2,
+                "group_spec_mismatch": 1,
+                "unknown_group_removed": 1,
+                "bad_group": 1,
+            }
+    (info,) = (await stub.ListInstances(pb.ListInstancesRequest(model=MODEL))).instances
+    assert (info.state, info.kv_groups) == ("exact", "sliding_window(8) + full_attention")
+    # 25 tokens: 24 may hit, and the window before token 24 (blocks 4, 5) is held: 6 blocks.
+    assert await lookup(stub, MODEL, token_ids=[*P, 7]) == {"w1/0": (6, (6, 0, 0, 0))}
+    # The prompt itself: 23 tokens may hit; no window of two blocks ends at or before token 20, where
+    # full attention stops: nothing (a full-attention index alone would promise 5 blocks).
+    assert await lookup(stub, MODEL, token_ids=P) == {"w1/0": (0, (0, 0, 0, 0))}
+    skips = {e["reason"]: e for e in logs if e["event"] == "kv_event_skipped"}
+    assert set(skips) == {"group_without_kind", "group_spec_mismatch", "unknown_group_removed", "bad_group"}
+    assert all(e["worker"] == "w1" and e["engine"] == "vllm" for e in skips.values())

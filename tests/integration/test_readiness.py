@@ -14,6 +14,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from kvindex.fleet.liveness import LivenessConfig
 from kvindex.service.app import IndexService
 from kvindex.service.natsd import EmbeddedNats
 from kvindex.service.readiness import ReadinessConfig
@@ -125,15 +126,26 @@ async def test_not_ready_while_nats_is_down(
     pub.stored([1, 2, 3])
     # A settled index re-checks readiness only every 30 s here: the connection's drop and return
     # must wake the check themselves.
-    svc = await make_service(readiness=ReadinessConfig(window=0.2, grace=10.0, settled_tick=30.0))
+    svc = await make_service(
+        readiness=ReadinessConfig(window=0.2, grace=10.0, settled_tick=30.0),
+        liveness=LivenessConfig(stale_after=0.5, forget_after=30.0, tick=0.05),
+    )
     await wait_until(lambda: svc.grpc.ready, 5.0, "ready")
     await nats_server.stop(cleanup=False)
     await wait_until(lambda: not svc.grpc.ready, 3.0, "not ready once NATS is gone")
     assert svc.ready() == (False, "nats_disconnected")
     assert await health(svc.grpc.address, "readiness") == NOT_SERVING
     assert await health(svc.grpc.address, "liveness") == SERVING
+    # Silence the index cannot hear through is not the worker's: still ranked, well past stale_after
+    # (it was marked stale, and Score answered no instance, until issue 36's run found it).
+    await asyncio.sleep(1.5)
+    assert not svc.registry.get(("n1", 0)).stale
+    async with grpc.aio.insecure_channel(svc.grpc.address) as channel:
+        reply = await pb_grpc.KvIndexStub(channel).Score(pb.ScoreRequest(model=MODEL, block_keys=[1, 2, 3]))
+    assert [r.instance_id for r in reply.ranked] == ["n1/0"]
     await nats_server.start()
     await wait_until(lambda: svc.grpc.ready, 10.0, "ready again after the reconnect")
+    assert not svc.registry.get(("n1", 0)).stale
 
 
 async def test_ready_after_the_grace_even_if_a_worker_never_syncs(

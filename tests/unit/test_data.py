@@ -36,6 +36,14 @@ def test_shipped_captures(monkeypatch: pytest.MonkeyPatch) -> None:
         "r1_sha256_int.frames.bin",
         "r2_sha256cbor_bytes.frames.bin",
         "r4_serve_sha256_int.frames.bin",
+        "r5_hybrid_gemma3_evict.frames.bin",
+        "r5_hybrid_gemma3_main.frames.bin",
+        "r5_hybrid_gptoss_short.frames.bin",
+        "r5_hybrid_llama4_evict.frames.bin",
+        "r5_hybrid_mamba2_short.frames.bin",
+        "r5_hybrid_nemotronh_short.frames.bin",
+        "r5_hybrid_qwen3next_main.frames.bin",
+        "r5_hybrid_qwen3next_pmu32.frames.bin",
     ]
 
 

@@ -12,7 +12,15 @@ import xxhash
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvindex.keys import block_keys, keys_from_le_bytes, model_seed, tokens_to_le_bytes
+from kvindex.keys import (
+    MAX_GROUPS,
+    block_keys,
+    group_key,
+    group_mask,
+    keys_from_le_bytes,
+    model_seed,
+    tokens_to_le_bytes,
+)
 from tests.conftest import ROOT
 
 VECTORS = json.loads((ROOT / "proto" / "vectors" / "block_keys.json").read_text())["vectors"]
@@ -196,3 +204,23 @@ int main(void) {
         subprocess.run([cc, "-O2", *defines, "-I", include, str(driver), "-o", str(exe)], check=True)
         out = subprocess.run([str(exe)], input=stdin, capture_output=True, text=True, check=True).stdout
         assert [int(x) for x in out.split()] == want, defines
+
+
+GROUP_VECTORS = json.loads((ROOT / "proto" / "vectors" / "block_keys.json").read_text())["group_keys"]
+
+
+@pytest.mark.parametrize("vector", GROUP_VECTORS["vectors"], ids=lambda v: f"group {v['group']}")
+def test_group_key_vectors(vector: dict) -> None:
+    """docs/wire.md §8, written out: G(0) = 0, G(g) = xxh3_64(u32 le g, seed 0); group key = key ^ G."""
+    g = vector["group"]
+    spec_mask = 0 if g == 0 else xxhash.xxh3_64_intdigest(struct.pack("<I", g))
+    assert group_mask(g) == vector["mask"] == spec_mask
+    assert group_key(vector["key"], g) == vector["group_key"] == vector["key"] ^ spec_mask
+
+
+def test_group_masks_are_distinct_and_bounded() -> None:
+    masks = [group_mask(g) for g in range(MAX_GROUPS)]
+    assert len(set(masks)) == MAX_GROUPS and masks[0] == 0
+    for bad in (-1, MAX_GROUPS):
+        with pytest.raises(ValueError, match="KV-cache group"):
+            group_mask(bad)

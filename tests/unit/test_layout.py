@@ -164,6 +164,8 @@ LAYERS: list[tuple[str, ...]] = [
         "kvindex.ingest",
         "kvindex.routing_sync",
         "kvindex.observability.outcomes",
+        "kvindex.observability.fleet",
+        "kvindex.observability.hits",
         "kvindex.observability.tokenize",
     ),
     ("kvindex.core",),  # the one assembly of registry, index, sequencer, consumer, ledger and router

@@ -10,7 +10,7 @@ from kvindex.index import InvertedIndex
 from kvindex.ingest.consumer import Consumer
 from kvindex.ingest.limits import BLOCK_LIMIT, INSTANCE_LIMIT, MODEL_LIMIT, IngestLimits
 from kvindex.observability.counters import IngestCounters
-from kvindex.repair.machine import HELD_LIMIT, REPAIR_LIMIT
+from kvindex.repair.machine import EVICT_STRIKES, HELD_LIMIT, REPAIR_LIMIT
 from kvindex.sequencer.cursor import Sequencer
 from kvindex.wire import encode_batch, encode_heartbeat
 from kvindex.wire.reconcile import Snapshot
@@ -214,6 +214,47 @@ def test_repairs_beyond_the_limit_are_not_started_and_are_asked_again_later() ->
     c.repairs.give_up(("a", 0))
     c.on_heartbeat("kvindex.status.b", heartbeat(3, {"gpu": 8}, {"gpu": (3, 1 ^ 2 ^ 3)}, worker="b"))
     assert pending.asked[-1] == (("b", 0), "snapshot")
+
+
+def test_at_the_repair_limit_a_worker_that_never_answers_gives_way() -> None:
+    """Hostile workers whose snapshot requests keep failing must not hold every repair slot: a
+    repair of an instance that answers takes the place of the one that failed most (issue 32)."""
+    pending = Pending()
+    c, log = make(repair=pending, max_pending_repairs=2)
+    m = c.repairs
+    for w in ("h1", "h2", "a", "b", "c"):
+        c.on_events(f"kvindex.events.{w}", batch(1, [stored(1)], worker=w))
+    for w in ("h1", "h2"):  # holes, replays that fail, snapshots that fail
+        c.on_events(f"kvindex.events.{w}", batch(3, [stored(3)], worker=w))
+        m.on_replay_failed((w, 0), 1, "timeout")
+    for _ in range(3):
+        m.snapshot_failed(("h1", 0), "timeout")
+    m.snapshot_failed(("h2", 0), "timeout")
+    assert m.strikes == {("h1", 0): 3, ("h2", 0): 1} and c.sequencer.repairs() == 2
+    # a has a hole: h1, with the most strikes, gives way.
+    c.on_events("kvindex.events.a", batch(3, [stored(3)], worker="a"))
+    assert pending.asked[-1] == (("a", 0), "replay")
+    h1 = c.sequencer.cursor(("h1", 0))
+    assert h1 is not None and h1.repairing is None and h1.applied == 3  # its hole accepted
+    assert c.counters.rejects[REPAIR_LIMIT] == 1 and refusals(log) == [REPAIR_LIMIT]
+    # ... then h2 (EVICT_STRIKES: one failure is enough) for b.
+    assert EVICT_STRIKES == 1
+    c.on_events("kvindex.events.b", batch(3, [stored(3)], worker="b"))
+    assert pending.asked[-1] == (("b", 0), "replay") and c.sequencer.repairing() == {("a", 0), ("b", 0)}
+    # Among instances that answer, the limit is first come, first served, as before.
+    c.on_events("kvindex.events.c", batch(3, [stored(3)], worker="c"))
+    assert pending.asked[-1] == (("b", 0), "replay") and c.counters.rejects[REPAIR_LIMIT] == 3
+    # A worker with strikes of its own takes nobody's place.
+    c.repairs.give_up(("b", 0))
+    m.snapshot_failed(("a", 0), "timeout")
+    c.on_events("kvindex.events.c", batch(5, [stored(5)], worker="c"))  # c takes b's place
+    c.on_events("kvindex.events.h1", batch(5, [stored(5)], worker="h1"))
+    assert c.sequencer.repairing() == {("a", 0), ("c", 0)} and c.counters.rejects[REPAIR_LIMIT] == 4
+    # A usable answer clears the strikes; a forgotten instance comes back clean.
+    m.on_snapshot(("h2", 0), Snapshot(1, 3, {0: [1, 3]}))
+    assert ("h2", 0) not in m.strikes
+    c.forget(("h1", 0))
+    assert m.strikes == {("a", 0): 1}
 
 
 def test_a_batch_may_pass_the_limit_on_the_way_if_it_ends_within_it() -> None:

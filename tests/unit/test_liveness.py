@@ -30,6 +30,15 @@ def test_stale_and_forgotten() -> None:
     assert sweep(registry.all(), 10.0, 5.0, 120.0) == (stale, forget)
 
 
+def test_silence_before_the_index_could_hear_does_not_count() -> None:
+    """``heard_since``: the index's NATS connection came back at 8; silence before it was the
+    index's. w1 (last heard at 4) and w3 (never) age from 8, so nobody is stale or forgotten at 10."""
+    registry = _fleet([9.0, 4.0, -200.0, None], [False, False, False, False])
+    stale, forget, due = sweep_next(registry.all(), 10.0, 5.0, 120.0, heard_since=8.0)
+    assert (stale, forget) == ([], [])
+    assert due == 8.0 + 5.0
+
+
 @settings(max_examples=200, deadline=None)
 @given(
     lasts=st.lists(st.one_of(st.none(), st.floats(-300, 100)), min_size=0, max_size=12),

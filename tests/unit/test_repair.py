@@ -1,6 +1,7 @@
 """The periodic reconciliation's schedule as pure logic: each instance checked once per interval, only
-what is due, and a large fleet kept to the rate. Repairs over a real nats-server:
-tests/integration/test_repair.py."""
+what is due, and a large fleet kept to the rate; and the fair gate's turns (kvindex/repair/fair.py):
+who goes next, a turn that is not answered given back, back-off. Repairs over a real nats-server:
+tests/integration/test_repair.py and test_repair_fairness.py."""
 
 from __future__ import annotations
 
@@ -33,7 +34,7 @@ def _scheduled_fleet(n: int, cfg: RepairConfig, seed: int) -> tuple[Any, Any, li
     )
     repairer = consumer.repairs.scheduler
     checked: list[tuple[str, int]] = []
-    consumer.repairs.reconcile = lambda key, cause: checked.append(key)  # type: ignore[method-assign]
+    repairer._check = lambda key, cause: checked.append(key)  # type: ignore[method-assign]
     for i in range(n):
         join(consumer, (f"w{i}", 0))
     return repairer, consumer, checked
@@ -97,3 +98,97 @@ def test_periodic_checks_of_a_large_fleet_keep_to_the_rate() -> None:
     rate = len(checked) / 1_000.0
     assert 6.0 <= rate <= 8.5, rate  # ~8 a second on average (jitter +-20 %), not 33
     assert len(set(checked)) == 2_000  # everyone within the first 250 s (+ jitter)
+
+
+# -- the fair gate (kvindex/repair/fair.py): whose snapshot request goes next ----------------------
+
+
+async def test_the_gate_serves_by_strikes_then_answered_then_the_longest_unserved() -> None:
+    import asyncio
+
+    from kvindex.repair.fair import FairGate
+
+    gate = FairGate(slots=1, hold=60.0)
+    for name in ("old", "recent"):  # served (and answered) in this order
+        (await gate.acquire((name, 0), 0)).release()
+        gate.answered((name, 0))
+    first = await gate.acquire(("first", 0), 0)  # holds the only slot meanwhile
+    order: list[str] = []
+    waiting = {
+        name: gate.wait((name, 0), strikes)
+        for name, strikes in [("failing", 3), ("recent", 0), ("new", 0), ("old", 0), ("failed-once", 1)]
+    }
+    for name, future in waiting.items():
+        future.add_done_callback(lambda f, n=name: order.append(n))
+    assert gate.waiting == 5 and gate.in_use == 1
+    slot = first
+    for _ in range(5):
+        slot.release()
+        await asyncio.sleep(0)
+        slot = waiting[order[-1]].result()
+    slot.release()
+    # A new instance (a worker opening instances) goes after those known to answer.
+    assert order == ["old", "recent", "new", "failed-once", "failing"]
+    assert gate.in_use == 0 and gate.expired == 0
+
+
+async def test_a_request_that_is_not_answered_gives_its_turn_back() -> None:
+    """A silent worker's request keeps waiting for its answer, but not with the others' turn."""
+    import asyncio
+
+    from kvindex.repair.fair import FairGate
+
+    gate = FairGate(slots=2, hold=0.05)
+    silent = [await gate.acquire((f"silent{i}", 0), 0) for i in range(2)]
+    honest = await asyncio.wait_for(gate.acquire(("honest", 0), 0), 10)  # never released by them
+    assert gate.expired >= 1 and not all(s.held for s in silent) and honest.held
+    honest.release()
+    for s in silent:
+        s.release()  # late releases of expired turns give nothing back twice
+    assert gate.in_use == 0
+
+
+async def test_a_failing_instance_backs_off_exponentially_to_the_cap() -> None:
+    import asyncio
+    import random
+
+    from kvindex.repair.fair import FairGate
+
+    gate = FairGate(slots=4, hold=60.0, base_backoff=0.25, max_backoff=5.0, rng=random.Random(1))
+    for strikes in range(1, 12):
+        nominal = min(5.0, 0.25 * 2 ** (strikes - 1))
+        assert 0.5 * nominal <= gate.backoff(("bad", 0), strikes) <= 1.5 * nominal
+    # In its backoff the instance is not served, even with every slot free; others are at once.
+    gate.backoff(("bad", 0), 10)
+    bad = gate.wait(("bad", 0), 10)
+    good = gate.wait(("good", 0), 0)
+    await asyncio.sleep(0)
+    assert good.done() and not bad.done()
+    good.result().release()
+    bad.cancel()  # a cancelled wait is dropped, and takes no turn
+    gate.forget(("bad", 0))
+    again = await asyncio.wait_for(gate.acquire(("bad", 0), 10), 10)  # forgotten: no backoff
+    again.release()
+    assert gate.in_use == 0
+
+
+async def test_one_turn_is_kept_for_instances_in_good_standing() -> None:
+    import asyncio
+
+    from kvindex.repair.fair import FairGate
+
+    gate = FairGate(slots=3, hold=60.0)
+    struck = [await gate.acquire((f"struck{i}", 0), 1) for i in range(2)]
+    third = gate.wait(("struck2", 0), 5)
+    await asyncio.sleep(0)
+    assert not third.done() and gate.in_use == 2  # a slot is free, but not for it
+    good = await asyncio.wait_for(gate.acquire(("good", 0), 0), 10)
+    assert gate.in_use == 3
+    good.release()
+    assert not third.done()
+    struck[0].release()  # a struck turn ends: the next struck one may have it
+    await asyncio.sleep(0)
+    assert third.done()
+    third.result().release()
+    struck[1].release()
+    assert gate.in_use == 0

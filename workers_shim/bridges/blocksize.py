@@ -12,7 +12,8 @@ would publish keys no router ever computes. Every engine announces its block siz
   naming both sizes, instead of skipping every event.
 
 SGLang's last partial page arrives as a single short block whose ``block_size`` is its own length,
-so for engines with partial blocks a lone one-block store shorter than the known size is not
+and so does vLLM's partial (sub-block) entry with ``--prefix-match-unit`` (it announces the hash
+block), so for engines with partial blocks a lone one-block store shorter than the known size is not
 evidence of a conflict, and the size learned from a batch is the largest it announces.
 """
 
@@ -40,8 +41,13 @@ class BlockSizeConflict(RuntimeError):
 def announced(ev: NativeStored) -> int | None:
     """Tokens per block a keyed store announces; None for token-less or inconsistent ones."""
     n = len(ev.hashes)
-    if not n or not ev.tokens:
+    if not ev.tokens:
         return None
+    if not n:
+        # A hybrid model's sparse group keeping none of a range (vLLM names the size): a pure Mamba
+        # model's first stores are all like this, and the next ones chain from them.
+        size = ev.block_size
+        return size if size > 0 and len(ev.tokens) % size == 0 else None
     size = ev.block_size
     if size == 0 and len(ev.tokens) % n == 0:
         size = len(ev.tokens) // n  # the field left out: implied by the tokens
@@ -50,14 +56,15 @@ def announced(ev: NativeStored) -> int | None:
 
 def maybe_partial(ev: NativeStored, size: int) -> bool:
     """A single block whose announced size is just its token count: possibly a short last page."""
-    return len(ev.hashes) == 1 and len(ev.tokens) == size
+    return len(ev.hashes) <= 1 and len(ev.tokens) == size
 
 
-def evidence(events: Iterable[NativeEvent], kv_group: int) -> list[tuple[int, bool]]:
-    """(announced size, maybe partial) of each keyed store of the indexed KV group, in order."""
+def evidence(events: Iterable[NativeEvent], kv_group: int | None = None) -> list[tuple[int, bool]]:
+    """(announced size, maybe partial) of each keyed store of the indexed KV groups (every group when
+    ``kv_group`` is None), in order."""
     out = []
     for ev in events:
-        if isinstance(ev, NativeStored) and (ev.group is None or ev.group == kv_group):
+        if isinstance(ev, NativeStored) and (kv_group is None or ev.group is None or ev.group == kv_group):
             size = announced(ev)
             if size is not None:
                 out.append((size, maybe_partial(ev, size)))

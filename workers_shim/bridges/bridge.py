@@ -83,7 +83,11 @@ class BridgeConfig:
     subject_prefix: str = "kvindex"
     capacity: dict[str, int] = field(default_factory=dict)
     media: dict[str, str] = field(default_factory=dict)  # medium -> tier overrides
-    kv_group: int = 0
+    # None: every KV-cache group (hybrid models), each published as itself; N: group N alone, as
+    # group 0 (approximate for a hybrid model).
+    kv_group: int | None = None
+    # Tokens per chunk of chunked local attention (Llama 4): in no event, so the operator says.
+    attention_chunk: int | None = None
     set_tiers: tuple[str, ...] = ()  # tiers where repeated stores re-announce instead of counting
     replay_timeout: float = 2.0
     scrape_interval: float = 1.0
@@ -155,8 +159,12 @@ class Rank:
         epoch = max(time.time_ns() // 1000, old.epoch + 1)
         self.publisher = self._publisher(epoch)
         self.publisher.load = dict(old.load)
+        translator = self.bridge.new_translator(self.publisher, self.dp_rank)
+        if reason != "engine_restart" and self.translator is not None:
+            # The same engine: its KV-cache groups stay announced from the first heartbeat on.
+            translator.inherit(self.translator)
         await self.publisher.start()
-        self.translator = self.bridge.new_translator(self.publisher, self.dp_rank)
+        self.translator = translator
         self.bridge.log.warning(
             "kv_new_epoch", dp_rank=self.dp_rank, reason=reason, old_epoch=old.epoch, epoch=epoch
         )
@@ -231,6 +239,7 @@ class Link:
             translators = self._translators()
         self._check_rank(batch.dp_rank)
         events = batch.events
+        self._prepare(batch, translators)
         i = 0
         while i < len(events):
             ev = events[i]
@@ -247,6 +256,21 @@ class Link:
             recover = False  # retry the event with what was learned; skip it if still unknown
         stats.add("batches", "applied")
         self._applied(seq)
+
+    def _prepare(self, batch: Any, translators: dict[int, Translator]) -> None:
+        """Each translator learns its share of the batch's complete stores first (a hybrid model's
+        sparse groups are stored before the group that lists every block)."""
+        if not self.route:
+            translators[self.default_rank].prepare(batch.events)
+            return
+        by_rank: dict[int, list[Any]] = {}
+        for ev in batch.events:
+            rank = self._rank(batch.dp_rank, ev.dp_rank)
+            if rank is not None:
+                by_rank.setdefault(rank.dp_rank, []).append(ev)
+        for r, events in by_rank.items():
+            if r in translators:
+                translators[r].prepare(events)
 
     def _applied(self, seq: int) -> None:
         self.applied = seq
@@ -312,6 +336,7 @@ class Link:
             batch = self.bridge.decoder.decode(payload)
         except DecodeError:
             return
+        self._prepare(batch, translators)
         for ev in batch.events:
             rank = self._rank(batch.dp_rank, ev.dp_rank)
             if rank is not None:
@@ -509,6 +534,7 @@ class Bridge:
             sink,
             stats or self.stats,
             kv_group=cfg.kv_group,
+            attention_chunk=cfg.attention_chunk,
             set_tiers=cfg.set_tiers,
             context={"dp_rank": dp_rank},
         )

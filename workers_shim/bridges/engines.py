@@ -58,7 +58,8 @@ class EngineProfile:
     prefill_prompt: str | None = None
     prefill_computed: str | None = None
     prefill_cached: tuple[str, ...] = ()
-    # The engine may store a short last block (announcing its own length as block_size): SGLang pages.
+    # The engine may store a short last block (announcing its own length as block_size): SGLang pages,
+    # vLLM's partial entries.
     partial_blocks: bool = False
     media: dict[str, str] = field(default_factory=lambda: dict(DEFAULT_MEDIA))
 
@@ -77,6 +78,8 @@ class EngineProfile:
 
 VLLM = EngineProfile(
     name="vllm",
+    # With --prefix-match-unit vLLM caches partial (sub-block) entries announcing the hash block.
+    partial_blocks=True,
     running=("vllm:num_requests_running",),
     waiting=("vllm:num_requests_waiting",),
     kv_usage=("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"),

@@ -60,6 +60,11 @@ class NativeStored:
     group: int | None = None
     dp_rank: int | None = None
     synthetic_lora: bool = False  # lora_id without a name: keyed under "lora-id:N"
+    # The group's kind and sliding window as vLLM >= 0.32 names them (kv_cache_spec_kind,
+    # kv_cache_spec_sliding_window); TensorRT-LLM's pull API names the attention window instead.
+    kind: str | None = None
+    sliding_window: int | None = None
+    attention_window: int | None = None
 
 
 @dataclass(slots=True)
@@ -70,6 +75,7 @@ class NativeRemoved:
     tier: str
     group: int | None = None
     dp_rank: int | None = None
+    attention_window: int | None = None
 
 
 @dataclass(slots=True)
@@ -84,6 +90,7 @@ class NativeCleared:
 class Ignored:
     kind: str
     dp_rank: int | None = None
+    attention_window: int | None = None  # TensorRT-LLM ``created``: one per attention window
 
 
 @dataclass(slots=True)
@@ -269,9 +276,15 @@ class Decoder:
                 extra_keys = value
             elif pos == 9 and isinstance(value, int) and not isinstance(value, bool):
                 group = value
-        return self._stored(
+        ev = self._stored(
             raw[1], raw[2], raw[3], raw[4], lora_id, medium, lora_name, salt, extra_keys, group, None, None
         )
+        # vLLM >= 0.32 arrays go on with kv_cache_spec_kind, kv_cache_spec_sliding_window.
+        if len(raw) > 10:
+            ev.kind = _str(raw[10], "kv_cache_spec_kind")
+        if len(raw) > 11:
+            ev.sliding_window = _int(raw[11], "kv_cache_spec_sliding_window")
+        return ev
 
     def _stored_map(self, raw: dict[str, Any]) -> NativeStored:
         if "block_hashes" not in raw:
@@ -280,7 +293,7 @@ class Decoder:
         salt = raw.get("cache_salt")
         if salt is None and isinstance(metadata, dict):
             salt = metadata.get("cache_salt")
-        return self._stored(
+        ev = self._stored(
             raw["block_hashes"],
             raw.get("parent_block_hash", raw.get("parent_hash")),
             raw.get("token_ids"),
@@ -294,6 +307,9 @@ class Decoder:
             raw.get("mm_keys"),
             raw.get("block_mm_infos"),
         )
+        ev.kind = _str(raw.get("kv_cache_spec_kind"), "kv_cache_spec_kind")
+        ev.sliding_window = _int(raw.get("kv_cache_spec_sliding_window"), "kv_cache_spec_sliding_window")
+        return ev
 
     def _stored(
         self,
@@ -340,11 +356,18 @@ class Decoder:
         """TensorRT-LLM ``LLM.get_kv_cache_events()`` serialized dicts."""
         data = raw["data"]
         rank = _int(raw.get("attention_dp_rank"), "attention_dp_rank")
+        # The attention window of the cache the event is about: TensorRT-LLM keeps one block manager
+        # per window size (variable sliding window attention) and says which on every event.
+        window = _int(raw.get("window_size"), "window_size")
         kind = _str(data.get("type"), "type") or ""
         if kind == "stored":
-            return self._pull_stored(data, rank)
+            out = self._pull_stored(data, rank)
+            for ev in out:
+                assert isinstance(ev, NativeStored)
+                ev.attention_window = window
+            return out
         if kind == "removed":
-            return [NativeRemoved(_hashes(data.get("block_hashes")), "gpu", None, rank)]
+            return [NativeRemoved(_hashes(data.get("block_hashes")), "gpu", None, rank, window)]
         if kind == "updated":
             level = data.get("cache_level")
             if isinstance(level, dict) and "old_value" in level and "new_value" in level:
@@ -352,12 +375,12 @@ class Decoder:
                 old, new = self._level(level["old_value"]), self._level(level["new_value"])
                 if old != new:  # a block moved between cache levels: drop it on one, hold it on the other
                     return [
-                        NativeRemoved([h], old, None, rank),
-                        NativeStored([h], None, [], 0, new, dp_rank=rank),
+                        NativeRemoved([h], old, None, rank, window),
+                        NativeStored([h], None, [], 0, new, dp_rank=rank, attention_window=window),
                     ]
             return [Ignored("updated", rank)]
         if kind == "created":
-            return [Ignored("created", rank)]
+            return [Ignored("created", rank, window)]
         raise DecodeError("unknown_event_type", kind)
 
     def _level(self, level: Any) -> str:

@@ -36,6 +36,7 @@ from kvindex.wire.role import check_group, check_role
 from workers_shim.sim.engine import Completion, EngineConfig, SimRequest
 from workers_shim.sim.fleet import SimFleet, run_fleet
 from workers_shim.sim.http import serve_fleet
+from workers_shim.sim.hybrid import KV_GROUP_PRESETS, parse_kv_groups
 from workers_shim.sim.timemodel import PROFILES
 from workers_shim.sim.trace import mooncake_requests
 
@@ -93,7 +94,22 @@ def add_sim_arguments(parser: argparse.ArgumentParser) -> None:
         help="model and GPU whose prefill/decode times and KV capacity are simulated",
     )
     e.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
-    e.add_argument("--gpu-blocks", type=int, default=0, help="default: the profile's KV capacity")
+    e.add_argument(
+        "--kv-groups",
+        type=kv_groups,
+        default=None,
+        metavar="LAYOUT",
+        help="a hybrid-attention model's KV-cache groups, announced in heartbeats and kept as vLLM "
+        f"keeps them: a preset ({', '.join(KV_GROUP_PRESETS)}) or KIND[:TOKENS][xCOUNT],... e.g. "
+        "sliding_window:64x3,full_attention (workers_shim/sim/hybrid.py). GPU only; --gpu-blocks then "
+        "counts (block, group) pairs. Default: one full-attention cache",
+    )
+    e.add_argument(
+        "--gpu-blocks",
+        type=int,
+        default=0,
+        help="default: the profile's KV capacity (with --kv-groups, in (block, group) pairs)",
+    )
     e.add_argument("--cpu-blocks", type=int, default=0, help="CPU offload tier in blocks (0: none)")
     e.add_argument("--disk-blocks", type=int, default=0, help="disk tier in blocks (0: none)")
     e.add_argument("--pool-blocks", type=int, default=0, help="shared pool capacity (0: no pool)")
@@ -133,11 +149,33 @@ def build_config(args: argparse.Namespace) -> EngineConfig:
     }
     if args.gpu_blocks:
         overrides["gpu_blocks"] = args.gpu_blocks
+    if getattr(args, "kv_groups", None):
+        overrides["kv_groups"] = args.kv_groups
     cfg = EngineConfig.from_profile(args.profile, args.block_size, **overrides)
     transfer = getattr(args, "transfer_ms_per_block", None)
     if transfer is not None:  # (default: the profile's RDMA link, timemodel.PROFILES)
         cfg.fetch_ms_per_block = {**cfg.fetch_ms_per_block, "remote": transfer}
     return cfg
+
+
+def kv_groups(text: str) -> str:
+    """``--kv-groups``: a layout hybrid.parse_kv_groups reads (checked here with any block size)."""
+    try:
+        parse_kv_groups(text, 16)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
+def config_error(args: argparse.Namespace) -> str:
+    """What makes the engine options unusable together ("" when they fit)."""
+    if args.kv_groups and (args.cpu_blocks or args.disk_blocks or args.pool_blocks):
+        return "--kv-groups: a hybrid engine is GPU only (no --cpu-blocks, --disk-blocks or --pool-blocks)"
+    try:
+        build_config(args)
+    except ValueError as exc:
+        return str(exc)
+    return ""
 
 
 def per_worker(text: str, n: int, check: Any, what: str) -> list[str | None]:
@@ -173,7 +211,7 @@ def port_room_error(args: argparse.Namespace) -> str:
 
 def main_sim(args: argparse.Namespace) -> int:
     """Run until ``--duration``, SIGTERM/SIGINT/SIGHUP or the parent's exit (kvindex/lifecycle)."""
-    problem = port_room_error(args)
+    problem = port_room_error(args) or config_error(args)
     if problem:
         print(f"kvshim sim: error: {problem}", file=sys.stderr)
         return 2

@@ -11,6 +11,7 @@ from __future__ import annotations
 import heapq
 from collections.abc import Callable, Iterable, Mapping, Sequence
 
+from kvindex.keys import group_mask
 from workers_shim.sim.engine import TIERS, Completion, SimEngine, SimRequest
 
 __all__ = ["MirrorSink", "run_until_idle"]
@@ -91,24 +92,26 @@ def run_until_idle(
 
 
 class MirrorSink:
-    """Applies stored/removed/cleared calls to one set per tier, as an index would."""
+    """Applies stored/removed/cleared calls to one set per tier, as an index would. A hybrid engine's
+    blocks of KV-cache group g are kept as group keys (``kvindex.keys.group_key``, as the publisher
+    and the index keep them; group 0's are the block keys)."""
 
     def __init__(self) -> None:
         self.tiers: dict[str, set[int]] = {t: set() for t in TIERS}
         self.calls = 0
 
-    def stored(self, keys: list[int], tier: str = "gpu", parent: int | None = None) -> int:
+    def stored(self, keys: list[int], tier: str = "gpu", parent: int | None = None, group: int = 0) -> int:
         self.calls += 1
         held = self.tiers[tier]
         before = len(held)
-        held.update(keys)
+        held.update(_group_keys(keys, group))
         return len(held) - before
 
-    def removed(self, keys: list[int], tier: str = "gpu") -> int:
+    def removed(self, keys: list[int], tier: str = "gpu", group: int = 0) -> int:
         self.calls += 1
         held = self.tiers[tier]
         before = len(held)
-        held.difference_update(keys)
+        held.difference_update(_group_keys(keys, group))
         return before - len(held)
 
     def cleared(self, tier: str | None = None) -> int:
@@ -119,3 +122,8 @@ class MirrorSink:
             n += len(self.tiers[t])
             self.tiers[t] = set()
         return n
+
+
+def _group_keys(keys: list[int], group: int) -> list[int]:
+    mask = group_mask(group) if group else 0
+    return [k ^ mask for k in keys] if mask else keys

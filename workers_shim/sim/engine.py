@@ -21,12 +21,16 @@ import heapq
 import math
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from sortedcontainers import SortedList
 
+from kvindex.wire.groups import GroupSpec
 from workers_shim.sim.tiers import EventSink, LruTier, SharedPool
 from workers_shim.sim.timemodel import PROFILES, Profile, TimeModel
+
+if TYPE_CHECKING:
+    from kvindex.index.hybrid import GroupLayout
 
 __all__ = [
     "TIERS",
@@ -151,10 +155,26 @@ class EngineConfig:
     # "evict": GPU evictions are offloaded to CPU (a victim cache); "store": computed blocks are
     # written to CPU as soon as computed (write-through, like vLLM's CPU offloading connector).
     offload: Literal["evict", "store"] = "evict"
+    # A hybrid-attention model's KV-cache groups (workers_shim/sim/hybrid.py: HybridSimEngine), as
+    # GroupSpecs or their text ("gemma3", "sliding_window:64x3,full_attention"; hybrid.parse_kv_groups).
+    # Empty, or one full-attention group: the plain engine. With groups, ``gpu_blocks`` counts
+    # (block, group) pairs: vLLM's groups share one pool.
+    kv_groups: tuple[GroupSpec, ...] | str = ()
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.gpu_blocks <= 0:
             raise ValueError("block_size and gpu_blocks must be positive")
+        if isinstance(self.kv_groups, str):
+            from workers_shim.sim.hybrid import parse_kv_groups
+
+            self.kv_groups = parse_kv_groups(self.kv_groups, self.block_size)
+        else:
+            self.kv_groups = tuple(self.kv_groups)
+        layout = self.layout()
+        if layout is not None:
+            from workers_shim.sim.hybrid import check_layout
+
+            check_layout(self, layout)
         if self.cpu_blocks < 0 or self.disk_blocks < 0:
             raise ValueError("cpu_blocks and disk_blocks must be >= 0")
         if self.max_running <= 0 or self.max_batched_tokens < self.max_running:
@@ -169,10 +189,17 @@ class EngineConfig:
     @classmethod
     def from_profile(cls, profile: str | Profile, block_size: int = 16, **overrides: Any) -> EngineConfig:
         """A config for a named profile (``PROFILES``): its time model, GPU capacity in blocks of
-        ``block_size`` and fetch costs derived from the profile's link bandwidths."""
+        ``block_size`` and fetch costs derived from the profile's link bandwidths. With ``kv_groups``
+        of G groups the capacity is G x as many (block, group) pairs: a pair holds the KV of a G-th
+        of the layers, so the same memory."""
         p = PROFILES[profile] if isinstance(profile, str) else profile
+        groups = overrides.get("kv_groups") or ()
+        if isinstance(groups, str):
+            from workers_shim.sim.hybrid import parse_kv_groups
+
+            groups = parse_kv_groups(groups, block_size)
         kw: dict[str, Any] = {
-            "gpu_blocks": p.gpu_kv_tokens // block_size,
+            "gpu_blocks": p.gpu_kv_tokens // block_size * max(1, len(groups)),
             "time": p.time,
             "block_size": block_size,
             "fetch_ms_per_block": p.fetch_ms_per_block(block_size),
@@ -187,6 +214,17 @@ class EngineConfig:
     @classmethod
     def llama3_70b_8xa800(cls, block_size: int = 512, **overrides: Any) -> EngineConfig:
         return cls.from_profile("llama3-70b-8xa800", block_size, **overrides)
+
+    def layout(self) -> GroupLayout | None:
+        """The KV-cache group layout when the model is hybrid (None: one full-attention cache)."""
+        if not self.kv_groups:
+            return None
+        # Imported here: kvindex.index loads the index's native kernels, which a plain engine
+        # does not need.
+        from kvindex.index.hybrid import GroupLayout
+
+        layout = GroupLayout(self.kv_groups, self.block_size)  # type: ignore[arg-type]
+        return layout if layout.hybrid else None
 
     def capacity(self) -> dict[str, int]:
         """Blocks per tier, as a heartbeat announces them."""
@@ -252,6 +290,7 @@ class _Req:
         "O",
         "P",
         "blocks",
+        "bounds",
         "cached",
         "computed",
         "d0",
@@ -263,9 +302,12 @@ class _Req:
         "first_token_at",
         "g0",
         "gen",
+        "gheld",
         "keys_held",
+        "lo",
         "n_computed",
         "n_tokens",
+        "null",
         "preemptions",
         "req",
         "submitted",
@@ -295,6 +337,13 @@ class _Req:
         self.computed = 0
         self.est = 0
         self.preemptions = 0
+        # Hybrid engines (hybrid.py): per KV-cache group the cached blocks referenced (positions,
+        # ascending) and the first block it holds (before it: vLLM's null blocks, no memory; their
+        # pairs in total: null), and the boundaries (in blocks) whose windows sparse groups keep.
+        self.gheld: list[list[int]] = []
+        self.lo: list[int] = []
+        self.null = 0
+        self.bounds: tuple[int, ...] = ()
 
 
 class _Step:
@@ -318,11 +367,16 @@ class SimEngine:
     def __init__(
         self, name: str, cfg: EngineConfig, sink: EventSink | None = None, pool: SharedPool | None = None
     ) -> None:
+        if cfg.kv_groups and type(self) is SimEngine and cfg.layout() is not None:
+            raise ValueError("a config with KV-cache groups needs HybridSimEngine (sim.hybrid.new_engine)")
         self.name = name
         self.cfg = cfg
         self.sink = sink
         self.pool = pool
         self.block_size = cfg.block_size
+        # Blocks of the pool per block of a request: 1 here, the number of KV-cache groups in a
+        # hybrid engine (hybrid.py), whose pool counts (block, group) pairs.
+        self._G = 1
         tm = cfg.time
         self._a, self._b, self._c = tm.a_ms, tm.b_ms_per_token, tm.c_ms_per_token2
         self._d, self._e = tm.d_ms_per_decode_seq, tm.e_ms_per_decode_ctx
@@ -374,7 +428,7 @@ class SimEngine:
             raise ValueError(f"request {req.id}: prompt_tokens and output_tokens must be >= 1")
         if len(req.keys) > req.prompt_tokens // B:
             raise ValueError(f"request {req.id}: {len(req.keys)} keys for {req.prompt_tokens} tokens")
-        if -(-(req.prompt_tokens + req.output_tokens - 1) // B) > self.cfg.gpu_blocks:
+        if -(-(req.prompt_tokens + req.output_tokens - 1) // B) * self._G > self.cfg.gpu_blocks:
             raise ValueError(
                 f"request {req.id} needs more KV blocks than the GPU has ({self.cfg.gpu_blocks})"
             )
@@ -767,6 +821,7 @@ class SimEngine:
         """Plan one step: decoders, the running prefill, then admissions (vLLM v1 order)."""
         cfg = self.cfg
         B = self.block_size
+        G = self._G
         D = self._D
         st = _Step(t)
         self._step_fetch_ms = 0.0
@@ -781,7 +836,7 @@ class SimEngine:
             chunk = min(r.n_tokens - r.n_computed, b)
             need = -(-(r.n_computed + chunk) // B) - r.blocks
             plan.append((r, chunk, need))
-            total += need
+            total += need * G
             b -= chunk
         preempted = False
         if total <= self._anon + len(self._free):
@@ -830,6 +885,7 @@ class SimEngine:
         """Slow path when the running requests need more blocks than are free: walk them in order,
         preempting the newest running request until the current one fits (vLLM v1)."""
         B = self.block_size
+        G = self._G
         D = self._D
         running = self._running
         order = [r for r in running if r.decoding] + list(self._prefilling)
@@ -845,7 +901,7 @@ class SimEngine:
                 chunk = min(r.n_tokens - r.n_computed, budget)
                 need = -(-(r.n_computed + chunk) // B) - r.blocks
             fits = True
-            while need > self._anon + len(self._free):
+            while need * G > self._anon + len(self._free):
                 victim = next(reversed(running))
                 if victim.decoding:
                     budget += 1  # its decode token is not spent
@@ -856,9 +912,9 @@ class SimEngine:
             if not fits:
                 continue
             if r.decoding:
-                self._alloc(need)
+                self._alloc(need * G)
             else:
-                self._alloc(need)
+                self._alloc(need * G)
                 self._schedule_chunk(r, chunk, need, st)
                 budget -= chunk
         return budget

@@ -32,6 +32,7 @@ from kvindex.lifecycle import finish
 from kvindex.wire.endpoint import format_endpoint, parse_endpoint
 from workers_shim.publisher import Publisher
 from workers_shim.sim.engine import Completion, EngineConfig, EngineLoad, SimEngine, SimRequest
+from workers_shim.sim.hybrid import HybridSimEngine, layout_wire, new_engine
 from workers_shim.sim.tiers import SharedPool
 
 __all__ = ["SimFleet", "run_fleet"]
@@ -53,11 +54,11 @@ class _LossySink:
             return True
         return False
 
-    def stored(self, keys: list[int], tier: str = "gpu", parent: int | None = None) -> int:
-        return 0 if self._dropping() else self.publisher.stored(keys, tier, parent)
+    def stored(self, keys: list[int], tier: str = "gpu", parent: int | None = None, group: int = 0) -> int:
+        return 0 if self._dropping() else self.publisher.stored(keys, tier, parent, group)
 
-    def removed(self, keys: list[int], tier: str = "gpu") -> int:
-        return 0 if self._dropping() else self.publisher.removed(keys, tier)
+    def removed(self, keys: list[int], tier: str = "gpu", group: int = 0) -> int:
+        return 0 if self._dropping() else self.publisher.removed(keys, tier, group)
 
     def cleared(self, tier: str | None = None) -> int:
         return 0 if self._dropping() else self.publisher.cleared(tier)
@@ -159,6 +160,16 @@ class SimFleet:
         self._sync(worker)
         engine = self.engines[worker]
         pub = self.publishers[worker]
+        if isinstance(engine, HybridSimEngine):
+            # The publisher keeps group keys, which do not say their group: when they differ from
+            # the engine's, it drops them all and takes every group's blocks again.
+            if pub.blocks["gpu"] != engine.holds("gpu"):
+                pub.cleared("gpu")
+                for g, keys in enumerate(engine.holds_groups()):
+                    if keys:
+                        pub.stored(list(keys), "gpu", group=g)
+            await pub.flush()
+            return
         for tier in ("gpu", "cpu", "disk"):
             truth = engine.holds(tier)
             held = pub.blocks[tier]
@@ -260,6 +271,11 @@ async def run_fleet(
         **extra,
     }
     names = [f"{worker_prefix}-{i}" for i in range(n_workers)]
+    groups = None
+    if engine_cfg.layout() is not None:
+        if pool_blocks > 0:
+            raise ValueError("a hybrid fleet (kv_groups) has no shared pool")
+        groups = layout_wire(engine_cfg)
     pool: SharedPool | None = None
     pool_pub: Publisher | None = None
     pubs: dict[str, Publisher] = {}
@@ -272,7 +288,7 @@ async def run_fleet(
             pool = SharedPool(pool_blocks, pool_pub, name=f"{worker_prefix}-pool")
         fleet = SimFleet({}, {}, speed=speed, pool=pool, pool_publisher=pool_pub, on_completion=on_completion)
         for name in names:
-            engine = SimEngine(name, engine_cfg, None, pool)
+            engine = new_engine(name, engine_cfg, None, pool)
             fleet.engines[name] = engine
             fleet.prefill_samples[name] = deque(maxlen=4096)
             pub = await Publisher.connect(
@@ -284,6 +300,7 @@ async def run_fleet(
                 load_fn=lambda n=name: fleet._heartbeat_load(n),  # type: ignore[union-attr]
                 **common,
             )
+            pub.groups = groups  # a hybrid engine's KV-cache groups, in every heartbeat
             sink = _LossySink(pub)
             engine.attach(sink)
             pub.before_snapshot = lambda n=name: fleet.resync(n)  # type: ignore[union-attr]
@@ -306,5 +323,6 @@ async def run_fleet(
         disk_blocks=engine_cfg.disk_blocks,
         pool_blocks=pool_blocks,
         profile=engine_cfg.time.name,
+        kv_groups=None if groups is None else engine_cfg.layout().describe(),  # type: ignore[union-attr]
     )
     return fleet

@@ -16,11 +16,15 @@ __all__ = ["EventSink", "LruTier", "SharedPool"]
 
 
 class EventSink(Protocol):
-    """Where block changes go; ``workers_shim.publisher.Publisher`` satisfies it."""
+    """Where block changes go; ``workers_shim.publisher.Publisher`` satisfies it. ``group`` is the
+    KV-cache group of a hybrid engine's blocks (workers_shim/sim/hybrid.py); plain engines and these
+    tiers leave it out (group 0)."""
 
-    def stored(self, keys: list[int], tier: str = "gpu", parent: int | None = None) -> int: ...
+    def stored(
+        self, keys: list[int], tier: str = "gpu", parent: int | None = None, group: int = 0
+    ) -> int: ...
 
-    def removed(self, keys: list[int], tier: str = "gpu") -> int: ...
+    def removed(self, keys: list[int], tier: str = "gpu", group: int = 0) -> int: ...
 
     def cleared(self, tier: str | None = None) -> int: ...
 
