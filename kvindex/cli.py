@@ -199,6 +199,39 @@ def _add_serve_state(p: Any) -> None:
         "kv_bytes_per_token, pcie_gbps, disk_gbps, network_gbps (loading KV from slower tiers); "
         "repeatable (docs/scoring.md)",
     )
+    _add_serve_repair(p)
+    rs = p.add_argument_group("replicas (docs/deploy.md#replicas)")
+    # Not BooleanOptionalAction: KVINDEX_ROUTING_SYNC / `routing-sync = false` (kvindex/config) must
+    # read as a switch, so the option takes an optional on/off value.
+    rs.add_argument(
+        "--routing-sync",
+        nargs="?",
+        const=True,
+        default=None,
+        type=_on_off,
+        metavar="on|off",
+        help="share routing state (in-flight ledger, speculative keys, prefix heat) with the other "
+        "replicas on the same NATS and prefix; default: on with --nats, off with the embedded server",
+    )
+    rs.add_argument(
+        "--no-routing-sync", dest="routing_sync", action="store_const", const=False, help="--routing-sync off"
+    )
+    rs.add_argument(
+        "--replica-id",
+        type=_replica_id,
+        default="",
+        help="this replica's name on {prefix}.routing.<id> ([A-Za-z0-9_-]{1,128}); default: hostname-pid",
+    )
+    j = p.add_argument_group("JetStream (optional)")
+    j.add_argument("--jetstream", action="store_true", help="keep event batches in a stream; rebuild from it")
+    j.add_argument("--stream-max-age", type=float, default=3600.0, help="history kept in the stream (s)")
+    j.add_argument("--stream-replicas", type=int, default=1, help="stream replicas in a NATS cluster (1-5)")
+    _add_limits(p)
+    add_serve_capture(p)
+
+
+def _add_serve_repair(p: Any) -> None:
+    """``kvindex serve``: self-healing (kvindex/repair/README.md)."""
     r = p.add_argument_group("self-healing")
     r.add_argument(
         "--reconcile-interval", type=float, default=60.0, help="periodic snapshot per instance (s); 0 off"
@@ -234,34 +267,6 @@ def _add_serve_state(p: Any) -> None:
         "waiting for its answer until --snapshot-timeout), so that a worker that never answers "
         "does not make other workers' repairs wait (s)",
     )
-    rs = p.add_argument_group("replicas (docs/deploy.md#replicas)")
-    # Not BooleanOptionalAction: KVINDEX_ROUTING_SYNC / `routing-sync = false` (kvindex/config) must
-    # read as a switch, so the option takes an optional on/off value.
-    rs.add_argument(
-        "--routing-sync",
-        nargs="?",
-        const=True,
-        default=None,
-        type=_on_off,
-        metavar="on|off",
-        help="share routing state (in-flight ledger, speculative keys, prefix heat) with the other "
-        "replicas on the same NATS and prefix; default: on with --nats, off with the embedded server",
-    )
-    rs.add_argument(
-        "--no-routing-sync", dest="routing_sync", action="store_const", const=False, help="--routing-sync off"
-    )
-    rs.add_argument(
-        "--replica-id",
-        type=_replica_id,
-        default="",
-        help="this replica's name on {prefix}.routing.<id> ([A-Za-z0-9_-]{1,128}); default: hostname-pid",
-    )
-    j = p.add_argument_group("JetStream (optional)")
-    j.add_argument("--jetstream", action="store_true", help="keep event batches in a stream; rebuild from it")
-    j.add_argument("--stream-max-age", type=float, default=3600.0, help="history kept in the stream (s)")
-    j.add_argument("--stream-replicas", type=int, default=1, help="stream replicas in a NATS cluster (1-5)")
-    _add_limits(p)
-    add_serve_capture(p)
 
 
 def _non_negative(text: str) -> float:

@@ -190,19 +190,7 @@ class IndexService:
         self.grpc = GrpcServer(
             self.servicer, config.grpc_host, config.grpc_port, config.grpc_security, ready=False
         )
-        self.ext_proc: ExtProcServer | None = None
-        if config.ext_proc_port is not None:
-            picker = EndpointPicker(
-                self.servicer,
-                policy=config.ext_proc_policy,
-                log=self.log,
-                pd=config.ext_proc_pd,
-                admission=config.ext_proc_admission,
-                objectives=config.ext_proc_objectives,
-            )
-            self.ext_proc = ExtProcServer(
-                picker, config.ext_proc_host, config.ext_proc_port, config.grpc_security, ready=False
-            )
+        self.ext_proc = self._ext_proc_server()
         self.route: Any = None  # the RouteProxy of config.route, made in start() (on the loop)
         self.readiness = Readiness(self.registry, self.consumer.sequencer, config.readiness)
         self._readiness_task: asyncio.Task[None] | None = None
@@ -221,6 +209,23 @@ class IndexService:
         self.nats_url = NatsSettings.coerce(config.nats_url).redacted_servers() if config.nats_url else ""
         self.metrics_port: int | None = None
         self._metrics_server: Any = None
+
+    def _ext_proc_server(self) -> ExtProcServer | None:
+        """The Envoy endpoint picker over this servicer, if asked for (--ext-proc-port)."""
+        config = self.config
+        if config.ext_proc_port is None:
+            return None
+        picker = EndpointPicker(
+            self.servicer,
+            policy=config.ext_proc_policy,
+            log=self.log,
+            pd=config.ext_proc_pd,
+            admission=config.ext_proc_admission,
+            objectives=config.ext_proc_objectives,
+        )
+        return ExtProcServer(
+            picker, config.ext_proc_host, config.ext_proc_port, config.grpc_security, ready=False
+        )
 
     def _make_repairer(self, machine: RepairMachine) -> NatsRepairer:
         """The consumer's repair scheduler (CoreConfig.repair): replays and snapshots over NATS."""
