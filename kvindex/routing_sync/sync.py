@@ -299,12 +299,7 @@ class RoutingSync:
                 if op.spec_ttl > 0 and op.keys:
                     entry.keys = op.keys
         if op.spec_ttl > 0 and op.keys:
-            ranker.speculative.add(
-                instance,
-                op.keys,
-                op.spec_ttl,
-                ranker.spec_boundary(op.model, op.prompt_tokens, op.block_size),
-            )
+            ranker.decisions.expect(instance, request, op.spec_ttl)
         if gone is not None:  # released here before the commit came: its keys are settled already
             if gone[0] == FINISHED:
                 ranker.speculative.settle(instance, op.keys, ranker.clock() + ranker.config.speculative_grace)

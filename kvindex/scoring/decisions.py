@@ -113,16 +113,17 @@ class Decisions:
                 ahead,
             )
         if policy.speculative_ttl > 0 and request.keys:
-            self.speculative.add(
-                key,
-                request.keys,
-                policy.speculative_ttl,
-                self.spec_boundary(request.model, request.prompt_tokens, request.block_size),
-            )
+            self.expect(key, request, policy.speculative_ttl)
             if request.request_id:
                 entry.keys = request.keys
         if cand.state.approximate and request.keys:
             self.predicted.on_commit(cand.state, request.keys)
+
+    def expect(self, instance: InstanceKey, request: RouteRequest, ttl: float) -> None:
+        """A committed prompt's keys are expected on ``instance`` for ``ttl`` (speculative keys; a
+        commit here or, through the replica sync, another replica's)."""
+        boundary = self.spec_boundary(request.model, request.prompt_tokens, request.block_size)
+        self.speculative.add(instance, request.keys, ttl, boundary)
 
     def spec_boundary(self, model: str, prompt_tokens: int, block_size: int) -> int | None:
         """For SpeculativeKeys.add: a hybrid-attention model's committed prompt will serve later

@@ -137,7 +137,6 @@ class Ranker:
         self.predicted = decisions.predicted
         self.outcomes = decisions.outcomes
         self.degraded = decisions.degraded
-        self.spec_boundary = decisions.spec_boundary  # (the replica sync adds others' commits' keys)
         self.candidates = candidates.candidates  # one request's candidates (CandidateBuilder)
         self.pool = pools.pool  # one request's pruned pool (PoolBuilder)
         self.observer: RoutingObserver | None = observer(self) if observer is not None else None
