@@ -98,6 +98,9 @@ class Config:
     limit: int | None = None  # first rows of the trace only
     check_samples: int = 400  # matches whose answer is checked against the set model
     check_workers: int = 8000  # workers modelled by the check (all of them up to this many)
+    preregister: bool = False  # every worker registered before timing
+    max_seconds: float = 300.0  # a replay that falls behind stops after this long
+    final_samples: int = 2000  # matches timed one after the other on the final state
 
     @property
     def tag(self) -> str:
@@ -108,6 +111,10 @@ class Config:
             parts.append(f"f{self.length_factor}")
         if self.limit is not None:
             parts.append(f"rows{self.limit}")
+        if self.window_seconds != 30.0:
+            parts.append(f"{self.window_seconds:g}s")
+        if self.preregister:
+            parts.append("prereg")
         return "-".join(parts)
 
 
@@ -465,6 +472,9 @@ class Run:
     steady_from_schedule: dict[str, float]
     match_busy_s: float  # time spent in matches
     event_busy_s: float  # time spent in events
+    preregistered: bool = False
+    done: int = 0  # operations done (all, unless the replay hit --max-seconds)
+    final_state: dict[str, float] = field(default_factory=dict)  # closed loop after the replay
     entries: int = 0
     distinct: int = 0
     nbytes: int = 0
@@ -522,6 +532,10 @@ def replay(
     limits: IngestLimits,
     record_every: int = 0,
     profile: cProfile.Profile | None = None,
+    preregister: bool = False,
+    max_seconds: float = math.inf,
+    final_samples: int = 0,
+    record_limit: int = 1 << 30,
 ) -> tuple[Run, Core, dict[int, Any]]:
     """One open-loop replay of the whole schedule into a fresh core, stretched to ``window`` s.
     Returns the run, the core, and the answers of every ``record_every``-th match (by match number)."""
@@ -538,15 +552,24 @@ def replay(
     m_start: list[float] = []
     m_end: list[float] = []
     recorded: dict[int, Any] = {}
+    if preregister:
+        # Every worker known before timing (as Dynamo's later replay does), and one match made so
+        # that the rankings' per-fleet tables are built: what is timed is then the steady state.
+        for name in wl.worker_names:
+            core.consumer.state_for(name, 0, MODEL, wl.config.block_size, 1)
+        query(0)
     perf = time.perf_counter
     sleep = time.sleep
     settle()
     t0 = perf() + 0.02
 
-    def drive(lo: int, hi: int, j: int) -> tuple[float, int]:
-        """Operations lo..hi-1 at their times; returns the time spent in events and the next match
-        number (``j``: matches before lo)."""
+    deadline = t0 + max(max_seconds, 1.2 * window)  # a replay that keeps up is never cut
+
+    def drive(lo: int, hi: int, j: int) -> tuple[float, int, int]:
+        """Operations lo..hi-1 at their times, until ``deadline``; returns the time spent in events,
+        the next match number (``j``: matches before lo) and the operations done."""
         ev_busy = 0.0
+        done = lo
         for t, op in zip(sched[lo:hi], ops[lo:hi], strict=True):
             target = t0 + t * scale
             now = perf()
@@ -555,6 +578,8 @@ def replay(
                     sleep(target - now - 0.0004)
                 while perf() < target:
                     pass
+            elif now > deadline:
+                break
             if op.__class__ is tuple:
                 s = perf()
                 on_events(op[0], op[1])
@@ -566,24 +591,25 @@ def replay(
                 m_sched.append(target)
                 m_start.append(s)
                 m_end.append(e)
-                if record_every and j % record_every == 0:
+                if record_every and j % record_every == 0 and len(recorded) < record_limit:
                     # match groups name slots: keep the slot owners of the moment with the answer
                     recorded[j] = (answer, index.slot_layout(MODEL)[1]) if path == "match" else answer
                 j += 1
-        return ev_busy, j
+            done += 1
+        return ev_busy, j, done - lo
 
     if profile is None:
-        ev_busy, _ = drive(0, len(ops), 0)
+        ev_busy, _, done = drive(0, len(ops), 0)
     else:  # only the operations scheduled outside the bursts
         lo = bisect.bisect_left(sched, STEADY_EDGE * wl.config.window_seconds)
         hi = bisect.bisect_right(sched, (1 - STEADY_EDGE) * wl.config.window_seconds)
-        ev_busy, j = drive(0, lo, 0)
+        ev_busy, j, done = drive(0, lo, 0)
         profile.enable()
-        busy, j = drive(lo, hi, j)
+        busy, j, n = drive(lo, hi, j) if done == lo else (0.0, j, 0)
         profile.disable()
-        ev_busy += busy
-        busy, j = drive(hi, len(ops), j)
-        ev_busy += busy
+        ev_busy, done = ev_busy + busy, done + n
+        busy, j, n = drive(hi, len(ops), j) if done == hi else (0.0, j, 0)
+        ev_busy, done = ev_busy + busy, done + n
     t_end = perf()
     gc.unfreeze()
     sched_a, start_a, end_a = np.array(m_sched), np.array(m_start), np.array(m_end)
@@ -598,15 +624,17 @@ def replay(
         path=path,
         window=window,
         offered=len(ops) / window,
-        achieved=len(ops) / max(duration, window),
+        achieved=done / max(duration, window),
         duration=duration,
-        kept_up=duration <= 1.1 * window,
+        kept_up=done == len(ops) and duration <= 1.1 * window,
         service=stats_us(service),
         from_schedule=stats_us(waited),
         steady_service=stats_us(service[steady]),
         steady_from_schedule=stats_us(waited[steady]),
         match_busy_s=float(service.sum()),
         event_busy_s=ev_busy,
+        preregistered=preregister,
+        done=done,
         entries=stats.entries[0],
         distinct=stats.distinct_blocks[0],
         nbytes=stats.nbytes,
@@ -614,22 +642,40 @@ def replay(
         instances=stats.instances,
         rejects=dict(c.rejects),
     )
+    if final_samples:
+        run.final_state = final_state_latency(query, wl, final_samples)
     # Every batch applied, in order, and nothing refused: otherwise the figures mean nothing.
+    events_done = sum(1 for op in ops[:done] if op.__class__ is tuple)
+    complete = done == len(ops)
     run.check["ingest"] = {
         "batches_applied": c.batches_applied,
-        "events": wl.facts["events"],
+        "events": events_done,
         "gaps": c.gaps,
         "rejects": c.rejects_total,
         "entries": stats.entries[0],
-        "expected_entries": wl.final_entries,
+        "expected_entries": wl.final_entries if complete else None,
     }
     run.check["ingest_ok"] = (
         c.rejects_total == 0
         and c.gaps == 0
-        and c.batches_applied == wl.facts["events"]
-        and stats.entries[0] == wl.final_entries
+        and c.batches_applied == events_done
+        and (not complete or stats.entries[0] == wl.final_entries)
     )
     return run, core, recorded
+
+
+def final_state_latency(query: Callable[[int], Any], wl: Workload, n: int) -> dict[str, float]:
+    """Service time of ``n`` matches (requests spread over the trace) one after the other on the
+    index as the replay left it: no joins, no bursts, no queue."""
+    step = max(1, wl.n_requests // n)
+    picks = list(range(0, wl.n_requests, step))[:n]
+    perf = time.perf_counter
+    samples = []
+    for i in picks:
+        s = perf()
+        query(i)
+        samples.append(perf() - s)
+    return stats_us(np.array(samples))
 
 
 # -- correctness: a plain set model ---------------------------------------------------------------
@@ -725,11 +771,26 @@ def check_answers(wl: Workload, path: str, recorded: dict[int, Any]) -> dict[str
 # -- runs -----------------------------------------------------------------------------------------
 
 
-def steady_run(wl: Workload, path: str, limits: IngestLimits, check: bool, log: Callable[[str], None]) -> Run:
-    every = max(1, wl.n_matches // max(1, wl.config.check_samples)) if check else 0
-    if path == "lookup" and check:  # each answer holds every instance: keep fewer of them
-        every = max(every, wl.n_matches // 150)
-    run, core, recorded = replay(wl, path, wl.config.window_seconds, limits, every)
+def steady_run(
+    wl: Workload, path: str, limits: IngestLimits, check: bool, log: Callable[[str], None], preregister: bool
+) -> Run:
+    cfg = wl.config
+    every = max(1, wl.n_matches // max(1, cfg.check_samples)) if check else 0
+    keep = cfg.check_samples
+    if path == "lookup" and check:
+        # Each answer lists every instance: keep fewer, early (a Lookup replay may stop early).
+        every, keep = min(every, 10), min(keep, 150)
+    run, core, recorded = replay(
+        wl,
+        path,
+        cfg.window_seconds,
+        limits,
+        every,
+        preregister=preregister,
+        max_seconds=cfg.max_seconds,
+        final_samples=cfg.final_samples // (10 if path == "lookup" else 1),
+        record_limit=keep,
+    )
     log(summary_line(run))
     del core
     if check:
@@ -752,13 +813,18 @@ def sweep_windows(lo: float, hi: float, steps: int) -> list[float]:
 
 
 def sweep(
-    wl: Workload, path: str, windows: list[float], limits: IngestLimits, log: Callable[[str], None]
+    wl: Workload,
+    path: str,
+    windows: list[float],
+    limits: IngestLimits,
+    log: Callable[[str], None],
+    preregister: bool,
 ) -> list[Run]:
     """Shrinking windows (rising offered rates) until two in a row do not keep up."""
     runs: list[Run] = []
     behind = 0
     for w in windows:
-        run, core, _ = replay(wl, path, w, limits)
+        run, core, _ = replay(wl, path, w, limits, preregister=preregister, max_seconds=wl.config.max_seconds)
         del core
         gc.collect()
         runs.append(run)
@@ -772,12 +838,17 @@ def sweep(
 def summary_line(r: Run) -> str:
     return (
         f"[{r.path} {r.window:.2f} s] offered {r.offered:,.0f} ops/s, achieved {r.achieved:,.0f}"
-        f"{'' if r.kept_up else ' (behind)'}; match service p50/p99/max "
+        f"{behind(r)}; match service p50/p99/max "
         f"{r.service['p50']:.0f}/{r.service['p99']:.0f}/{r.service['max']:.0f} us; from schedule "
         f"{triple(r.from_schedule, '/')}; without the bursts: service p50/p99 "
         f"{r.steady_service['p50']:.0f}/{r.steady_service['p99']:.0f} us, "
         f"from schedule p99 {fmt_us(r.steady_from_schedule['p99'])}; busy: matches "
         f"{r.match_busy_s:.1f} s, events {r.event_busy_s:.1f} s"
+        + (
+            f"; final state one at a time p50/p99 {r.final_state['p50']:.0f}/{r.final_state['p99']:.0f} us"
+            if r.final_state
+            else ""
+        )
     )
 
 
@@ -789,6 +860,15 @@ def fmt_us(us: float) -> str:
     if us >= 1e3:
         return f"{us / 1e3:.1f} ms"
     return f"{us:.0f} us"
+
+
+def behind(r: Run) -> str:
+    if r.kept_up:
+        return ""
+    ops = round(r.offered * r.window)
+    if r.done < ops:
+        return f" (behind; stopped after {r.duration:.0f} s, {r.done / ops:.0%} done)"
+    return " (behind)"
 
 
 def triple(st: dict[str, float], sep: str = " / ") -> str:
@@ -811,11 +891,12 @@ def steady_rows(runs: list[Run]) -> list[list[str]]:
             [
                 r.path,
                 f"{r.offered:,.0f}",
-                f"{r.achieved:,.0f}" + ("" if r.kept_up else " (behind)"),
+                f"{r.achieved:,.0f}" + behind(r),
                 f"{r.service['p50']:.0f} / {r.service['p99']:.0f} / {fmt_us(r.service['max'])}",
                 triple(r.from_schedule),
                 f"{r.steady_service['p50']:.0f} / {r.steady_service['p99']:.0f}",
                 triple(r.steady_from_schedule),
+                f"{r.final_state['p50']:.0f} / {r.final_state['p99']:.0f}" if r.final_state else "-",
                 f"{r.match_busy_s:.1f} + {r.event_busy_s:.1f}",
                 f"{r.nbytes / max(r.entries, 1):.1f} / {r.rss_delta / max(r.entries, 1):.1f}",
                 "passed" if r.check.get("passed") and r.check.get("ingest_ok") else "FAILED",
@@ -832,6 +913,7 @@ STEADY_HEADER = [
     "from schedule p50 / p99 / max",
     "without the bursts: service p50 / p99 (us)",
     "without the bursts: from schedule",
+    "final state, one at a time: p50 / p99 (us)",
     "busy s: matches + events",
     "B per entry: index / RSS",
     "check",
@@ -1000,6 +1082,20 @@ def parser() -> argparse.ArgumentParser:
         action="store_true",
         help="keep the default ingest limits (max_instances_per_model 16,384) instead of sizing them",
     )
+    ap.add_argument(
+        "--max-seconds", type=positive_float, default=300.0, help="stop a replay that falls behind after this"
+    )
+    ap.add_argument(
+        "--final-samples",
+        type=int,
+        default=2000,
+        help="matches timed one after the other on the final state (Lookup: a tenth)",
+    )
+    ap.add_argument(
+        "--preregister",
+        action="store_true",
+        help="register every worker before timing (the published runs did not; Dynamo's later replay does)",
+    )
     ap.add_argument("--quick", action="store_true", help="a small configuration for a smoke run (seconds)")
     ap.add_argument("--no-pin", action="store_true", help="do not pin the process to one CPU")
     ap.add_argument(
@@ -1027,6 +1123,9 @@ def config_from(args: argparse.Namespace) -> Config:
         limit=args.limit,
         check_samples=args.check_samples,
         check_workers=args.check_workers,
+        preregister=args.preregister,
+        max_seconds=args.max_seconds,
+        final_samples=args.final_samples,
     )
     return cfg
 
@@ -1070,7 +1169,7 @@ def run_bench(args: argparse.Namespace, log: Callable[[str], None] = print) -> R
     for i, path in enumerate(args.paths):
         prof = cProfile.Profile() if args.profile and i == 0 else None
         if prof is not None:
-            run, core, _ = replay(wl, path, cfg.window_seconds, limits, 0, prof)
+            run, core, _ = replay(wl, path, cfg.window_seconds, limits, 0, prof, cfg.preregister)
             del core
             log(summary_line(run))
             prof.dump_stats(args.profile)
@@ -1078,7 +1177,7 @@ def run_bench(args: argparse.Namespace, log: Callable[[str], None] = print) -> R
             pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(25)
             log(out.getvalue())
         else:
-            run = steady_run(wl, path, limits, cfg.check_samples > 0, log)
+            run = steady_run(wl, path, limits, cfg.check_samples > 0, log, cfg.preregister)
         steady.append(run)
         if run.rejects:
             log(f"[ingest] refused: {run.rejects}")
@@ -1088,7 +1187,7 @@ def run_bench(args: argparse.Namespace, log: Callable[[str], None] = print) -> R
         if args.quick:
             windows = [cfg.window_seconds, cfg.window_seconds / 4]
         for path in args.sweep_paths:
-            sweeps[path] = sweep(wl, path, windows, limits, log)
+            sweeps[path] = sweep(wl, path, windows, limits, log, cfg.preregister)
     lines = facts_lines(wl, steady, pinned, (load0, os.getloadavg()[0]))
     return Results(cfg, wl.facts, steady, sweeps, lines)
 
