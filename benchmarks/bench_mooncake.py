@@ -44,12 +44,14 @@ import math
 import os
 import pstats
 import re
+import resource
 import sys
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from resource import RUSAGE_SELF
 from typing import Any
 
 import numpy as np
@@ -473,6 +475,10 @@ class Run:
     match_busy_s: float  # time spent in matches
     event_busy_s: float  # time spent in events
     preregistered: bool = False
+    # Matches during which the kernel ran another process on this CPU (shared machine): their
+    # service time includes someone else's; service_alone leaves them out.
+    service_alone: dict[str, float] = field(default_factory=dict)
+    preempted: int = 0
     done: int = 0  # operations done (all, unless the replay hit --max-seconds)
     final_state: dict[str, float] = field(default_factory=dict)  # closed loop after the replay
     entries: int = 0
@@ -551,6 +557,7 @@ def replay(
     m_sched: list[float] = []
     m_start: list[float] = []
     m_end: list[float] = []
+    m_preempted: list[int] = []  # involuntary context switches during the match (another process ran)
     recorded: dict[int, Any] = {}
     if preregister:
         # Every worker known before timing (as Dynamo's later replay does), and one match made so
@@ -560,6 +567,7 @@ def replay(
         query(0)
     perf = time.perf_counter
     sleep = time.sleep
+    switches = resource.getrusage
     settle()
     t0 = perf() + 0.02
 
@@ -585,9 +593,11 @@ def replay(
                 on_events(op[0], op[1])
                 ev_busy += perf() - s
             else:
+                c0 = switches(RUSAGE_SELF).ru_nivcsw
                 s = perf()
                 answer = query(op)
                 e = perf()
+                m_preempted.append(switches(RUSAGE_SELF).ru_nivcsw - c0)
                 m_sched.append(target)
                 m_start.append(s)
                 m_end.append(e)
@@ -611,9 +621,11 @@ def replay(
         busy, j, n = drive(hi, len(ops), j) if done == hi else (0.0, j, 0)
         ev_busy, done = ev_busy + busy, done + n
     t_end = perf()
+    final = final_state_latency(query, wl, final_samples) if final_samples else {}
     gc.unfreeze()
     sched_a, start_a, end_a = np.array(m_sched), np.array(m_start), np.array(m_end)
     service = end_a - start_a
+    alone = np.array(m_preempted) == 0
     waited = end_a - sched_a
     rel = sched_a - t0
     steady = (rel >= STEADY_EDGE * window) & (rel <= (1 - STEADY_EDGE) * window)
@@ -630,6 +642,8 @@ def replay(
         service=stats_us(service),
         from_schedule=stats_us(waited),
         steady_service=stats_us(service[steady]),
+        service_alone=stats_us(service[alone]),
+        preempted=int((~alone).sum()),
         steady_from_schedule=stats_us(waited[steady]),
         match_busy_s=float(service.sum()),
         event_busy_s=ev_busy,
@@ -642,8 +656,7 @@ def replay(
         instances=stats.instances,
         rejects=dict(c.rejects),
     )
-    if final_samples:
-        run.final_state = final_state_latency(query, wl, final_samples)
+    run.final_state = final
     # Every batch applied, in order, and nothing refused: otherwise the figures mean nothing.
     events_done = sum(1 for op in ops[:done] if op.__class__ is tuple)
     complete = done == len(ops)
@@ -670,12 +683,17 @@ def final_state_latency(query: Callable[[int], Any], wl: Workload, n: int) -> di
     step = max(1, wl.n_requests // n)
     picks = list(range(0, wl.n_requests, step))[:n]
     perf = time.perf_counter
-    samples = []
+    samples, alone = [], []
     for i in picks:
+        c0 = resource.getrusage(RUSAGE_SELF).ru_nivcsw
         s = perf()
         query(i)
         samples.append(perf() - s)
-    return stats_us(np.array(samples))
+        alone.append(resource.getrusage(RUSAGE_SELF).ru_nivcsw == c0)
+    out = stats_us(np.array(samples))
+    kept = np.array(samples)[np.array(alone, dtype=bool)]
+    out.update({f"alone_{k}": v for k, v in stats_us(kept).items()})
+    return out
 
 
 # -- correctness: a plain set model ---------------------------------------------------------------
@@ -839,13 +857,15 @@ def summary_line(r: Run) -> str:
     return (
         f"[{r.path} {r.window:.2f} s] offered {r.offered:,.0f} ops/s, achieved {r.achieved:,.0f}"
         f"{behind(r)}; match service p50/p99/max "
-        f"{r.service['p50']:.0f}/{r.service['p99']:.0f}/{r.service['max']:.0f} us; from schedule "
+        f"{r.service['p50']:.0f}/{r.service['p99']:.0f}/{r.service['max']:.0f} us (not preempted p99 "
+        f"{r.service_alone['p99']:.0f}, {r.preempted:,} preempted); from schedule "
         f"{triple(r.from_schedule, '/')}; without the bursts: service p50/p99 "
         f"{r.steady_service['p50']:.0f}/{r.steady_service['p99']:.0f} us, "
         f"from schedule p99 {fmt_us(r.steady_from_schedule['p99'])}; busy: matches "
         f"{r.match_busy_s:.1f} s, events {r.event_busy_s:.1f} s"
         + (
-            f"; final state one at a time p50/p99 {r.final_state['p50']:.0f}/{r.final_state['p99']:.0f} us"
+            f"; final state one at a time p50/p99 {r.final_state['p50']:.0f}/{r.final_state['p99']:.0f} us "
+            f"(not preempted p99 {r.final_state['alone_p99']:.0f})"
             if r.final_state
             else ""
         )
@@ -893,10 +913,16 @@ def steady_rows(runs: list[Run]) -> list[list[str]]:
                 f"{r.offered:,.0f}",
                 f"{r.achieved:,.0f}" + behind(r),
                 f"{r.service['p50']:.0f} / {r.service['p99']:.0f} / {fmt_us(r.service['max'])}",
+                f"{r.service_alone['p99']:.0f} ({r.preempted / max(r.service['n'], 1):.1%})",
                 triple(r.from_schedule),
                 f"{r.steady_service['p50']:.0f} / {r.steady_service['p99']:.0f}",
                 triple(r.steady_from_schedule),
-                f"{r.final_state['p50']:.0f} / {r.final_state['p99']:.0f}" if r.final_state else "-",
+                (
+                    f"{r.final_state['p50']:.0f} / {r.final_state['p99']:.0f} "
+                    f"({r.final_state['alone_p99']:.0f})"
+                )
+                if r.final_state
+                else "-",
                 f"{r.match_busy_s:.1f} + {r.event_busy_s:.1f}",
                 f"{r.nbytes / max(r.entries, 1):.1f} / {r.rss_delta / max(r.entries, 1):.1f}",
                 "passed" if r.check.get("passed") and r.check.get("ingest_ok") else "FAILED",
@@ -910,10 +936,11 @@ STEADY_HEADER = [
     "offered ops/s",
     "achieved ops/s",
     "match service p50 / p99 / max (us)",
+    "service p99, matches not preempted (share preempted)",
     "from schedule p50 / p99 / max",
     "without the bursts: service p50 / p99 (us)",
     "without the bursts: from schedule",
-    "final state, one at a time: p50 / p99 (us)",
+    "final state, one at a time: p50 / p99 (not preempted) (us)",
     "busy s: matches + events",
     "B per entry: index / RSS",
     "check",
@@ -973,7 +1000,11 @@ def facts_lines(wl: Workload, runs: list[Run], pinned: int | None, load: tuple[f
                     f"{ck['audited_workers']:,} workers: {ck['mismatches']} mismatches; ingest: "
                     f"{ck['ingest']['batches_applied']:,} batches applied, {ck['ingest']['gaps']} gaps, "
                     f"{ck['ingest']['rejects']} rejects, entries {ck['ingest']['entries']:,} "
-                    f"(the engines hold {ck['ingest']['expected_entries']:,})"
+                    + (
+                        f"(the engines hold {ck['ingest']['expected_entries']:,})"
+                        if ck["ingest"]["expected_entries"] is not None
+                        else f"(replay stopped after {run.done:,} operations)"
+                    )
                 )
     lines.append(
         f"code: {code_version()}; "
