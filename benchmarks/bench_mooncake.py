@@ -72,6 +72,7 @@ from kvindex.v1 import kvindex_pb2 as pb  # noqa: E402
 from kvindex.wire.codec import encode_batch, event_to_wire  # noqa: E402
 from kvindex.wire.schema import REMOVED, STORED  # noqa: E402
 from kvtools.data import mooncake_trace  # noqa: E402
+from workers_shim.publisher import WorkerLog  # noqa: E402
 from workers_shim.sim.trace import mooncake_rows  # noqa: E402
 
 MODEL = "mooncake"
@@ -479,6 +480,7 @@ class Run:
     # service time includes someone else's; service_alone leaves them out.
     service_alone: dict[str, float] = field(default_factory=dict)
     preempted: int = 0
+    cpu_wait_s: float = 0.0  # runnable but waiting for the CPU (other processes on it), from schedstat
     done: int = 0  # operations done (all, unless the replay hit --max-seconds)
     final_state: dict[str, float] = field(default_factory=dict)  # closed loop after the replay
     entries: int = 0
@@ -560,15 +562,22 @@ def replay(
     m_preempted: list[int] = []  # involuntary context switches during the match (another process ran)
     recorded: dict[int, Any] = {}
     if preregister:
-        # Every worker known before timing (as Dynamo's later replay does), and one match made so
-        # that the rankings' per-fleet tables are built: what is timed is then the steady state.
+        # Every worker known before timing (as Dynamo's later replay does), by the heartbeat a worker
+        # sends first (with its capacity), and one match made so that the rankings' per-fleet tables
+        # are built: what is timed is then the steady state.
+        cfg = wl.config
         for name in wl.worker_names:
-            core.consumer.state_for(name, 0, MODEL, wl.config.block_size, 1)
+            log = WorkerLog(
+                worker=name, model=MODEL, block_size=cfg.block_size, epoch=1, capacity={"gpu": cfg.gpu_blocks}
+            )
+            for subject, data in log.heartbeat_messages():
+                core.consumer.on_heartbeat(subject, data)
         query(0)
     perf = time.perf_counter
     sleep = time.sleep
     switches = resource.getrusage
     settle()
+    wait0 = run_delay()
     t0 = perf() + 0.02
 
     deadline = t0 + max(max_seconds, 1.2 * window)  # a replay that keeps up is never cut
@@ -621,6 +630,7 @@ def replay(
         busy, j, n = drive(hi, len(ops), j) if done == hi else (0.0, j, 0)
         ev_busy, done = ev_busy + busy, done + n
     t_end = perf()
+    cpu_wait = run_delay() - wait0
     final = final_state_latency(query, wl, final_samples) if final_samples else {}
     gc.unfreeze()
     sched_a, start_a, end_a = np.array(m_sched), np.array(m_start), np.array(m_end)
@@ -648,6 +658,7 @@ def replay(
         match_busy_s=float(service.sum()),
         event_busy_s=ev_busy,
         preregistered=preregister,
+        cpu_wait_s=cpu_wait,
         done=done,
         entries=stats.entries[0],
         distinct=stats.distinct_blocks[0],
@@ -675,6 +686,15 @@ def replay(
         and (not complete or stats.entries[0] == wl.final_entries)
     )
     return run, core, recorded
+
+
+def run_delay() -> float:
+    """Seconds this thread has spent runnable but waiting for a CPU (/proc schedstat; 0 elsewhere)."""
+    try:
+        with open("/proc/thread-self/schedstat") as f:
+            return int(f.read().split()[1]) / 1e9
+    except OSError:
+        return 0.0
 
 
 def final_state_latency(query: Callable[[int], Any], wl: Workload, n: int) -> dict[str, float]:
@@ -862,7 +882,7 @@ def summary_line(r: Run) -> str:
         f"{triple(r.from_schedule, '/')}; without the bursts: service p50/p99 "
         f"{r.steady_service['p50']:.0f}/{r.steady_service['p99']:.0f} us, "
         f"from schedule p99 {fmt_us(r.steady_from_schedule['p99'])}; busy: matches "
-        f"{r.match_busy_s:.1f} s, events {r.event_busy_s:.1f} s"
+        f"{r.match_busy_s:.1f} s, events {r.event_busy_s:.1f} s; waited for the CPU {r.cpu_wait_s:.1f} s"
         + (
             f"; final state one at a time p50/p99 {r.final_state['p50']:.0f}/{r.final_state['p99']:.0f} us "
             f"(not preempted p99 {r.final_state['alone_p99']:.0f})"
@@ -924,7 +944,7 @@ def steady_rows(runs: list[Run]) -> list[list[str]]:
                 )
                 if r.final_state
                 else "-",
-                f"{r.match_busy_s:.1f} + {r.event_busy_s:.1f}",
+                f"{r.match_busy_s:.1f} + {r.event_busy_s:.1f} ({r.cpu_wait_s:.1f})",
                 f"{r.nbytes / max(r.entries, 1):.1f} / "
                 + (f"{r.rss_delta / max(r.entries, 1):.1f}" if i == 0 else "-"),
                 "passed" if r.check.get("passed") and r.check.get("ingest_ok") else "FAILED",
@@ -943,7 +963,7 @@ STEADY_HEADER = [
     "without the bursts: service p50 / p99",
     "without the bursts: from schedule",
     "final state, one at a time: p50 / p99 (not preempted) (us)",
-    "busy s: matches + events",
+    "busy s: matches + events (waiting for the CPU)",
     "B per entry: index / RSS (first replay)",
     "check",
 ]
