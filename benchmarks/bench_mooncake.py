@@ -481,6 +481,16 @@ class Run:
     service_alone: dict[str, float] = field(default_factory=dict)
     preempted: int = 0
     cpu_wait_s: float = 0.0  # runnable but waiting for the CPU (other processes on it), from schedstat
+    match_cpu_s: float = 0.0  # this thread's CPU time in matches (thread_time: preemption left out)
+    event_cpu_s: float = 0.0
+
+    @property
+    def capacity(self) -> float:
+        """Operations per second of CPU spent in them: the rate one core could sustain, the replay
+        loop and other processes aside."""
+        spent = self.match_cpu_s + self.event_cpu_s
+        return self.done / spent if spent else math.nan
+
     done: int = 0  # operations done (all, unless the replay hit --max-seconds)
     final_state: dict[str, float] = field(default_factory=dict)  # closed loop after the replay
     entries: int = 0
@@ -576,6 +586,7 @@ def replay(
     perf = time.perf_counter
     sleep = time.sleep
     switches = resource.getrusage
+    cpu = time.thread_time
     settle()
     wait0 = run_delay()
     t0 = perf() + 0.02
@@ -585,7 +596,7 @@ def replay(
     def drive(lo: int, hi: int, j: int) -> tuple[float, int, int]:
         """Operations lo..hi-1 at their times, until ``deadline``; returns the time spent in events,
         the next match number (``j``: matches before lo) and the operations done."""
-        ev_busy = 0.0
+        ev_busy = ev_cpu = m_cpu = 0.0
         done = lo
         for t, op in zip(sched[lo:hi], ops[lo:hi], strict=True):
             target = t0 + t * scale
@@ -598,14 +609,18 @@ def replay(
             elif now > deadline:
                 break
             if op.__class__ is tuple:
+                c = cpu()
                 s = perf()
                 on_events(op[0], op[1])
                 ev_busy += perf() - s
+                ev_cpu += cpu() - c
             else:
                 c0 = switches(RUSAGE_SELF).ru_nivcsw
+                c = cpu()
                 s = perf()
                 answer = query(op)
                 e = perf()
+                m_cpu += cpu() - c
                 m_preempted.append(switches(RUSAGE_SELF).ru_nivcsw - c0)
                 m_sched.append(target)
                 m_start.append(s)
@@ -615,8 +630,11 @@ def replay(
                     recorded[j] = (answer, index.slot_layout(MODEL)[1]) if path == "match" else answer
                 j += 1
             done += 1
+        cpu_s[0] += m_cpu
+        cpu_s[1] += ev_cpu
         return ev_busy, j, done - lo
 
+    cpu_s = [0.0, 0.0]  # CPU time of this thread in matches, in events (preemption left out)
     if profile is None:
         ev_busy, _, done = drive(0, len(ops), 0)
     else:  # only the operations scheduled outside the bursts
@@ -659,6 +677,8 @@ def replay(
         event_busy_s=ev_busy,
         preregistered=preregister,
         cpu_wait_s=cpu_wait,
+        match_cpu_s=cpu_s[0],
+        event_cpu_s=cpu_s[1],
         done=done,
         entries=stats.entries[0],
         distinct=stats.distinct_blocks[0],
@@ -882,7 +902,8 @@ def summary_line(r: Run) -> str:
         f"{triple(r.from_schedule, '/')}; without the bursts: service p50/p99 "
         f"{r.steady_service['p50']:.0f}/{r.steady_service['p99']:.0f} us, "
         f"from schedule p99 {fmt_us(r.steady_from_schedule['p99'])}; busy: matches "
-        f"{r.match_busy_s:.1f} s, events {r.event_busy_s:.1f} s; waited for the CPU {r.cpu_wait_s:.1f} s"
+        f"{r.match_busy_s:.1f} s, events {r.event_busy_s:.1f} s (CPU {r.match_cpu_s:.1f} + "
+        f"{r.event_cpu_s:.1f} s: {r.capacity:,.0f} ops/s per core); waited for the CPU {r.cpu_wait_s:.1f} s"
         + (
             f"; final state one at a time p50/p99 {r.final_state['p50']:.0f}/{r.final_state['p99']:.0f} us "
             f"(not preempted p99 {r.final_state['alone_p99']:.0f})"
@@ -944,7 +965,8 @@ def steady_rows(runs: list[Run]) -> list[list[str]]:
                 )
                 if r.final_state
                 else "-",
-                f"{r.match_busy_s:.1f} + {r.event_busy_s:.1f} ({r.cpu_wait_s:.1f})",
+                f"{r.match_cpu_s:.1f} + {r.event_cpu_s:.1f} ({r.cpu_wait_s:.1f})",
+                f"{r.capacity:,.0f}",
                 f"{r.nbytes / max(r.entries, 1):.1f} / "
                 + (f"{r.rss_delta / max(r.entries, 1):.1f}" if i == 0 else "-"),
                 "passed" if r.check.get("passed") and r.check.get("ingest_ok") else "FAILED",
@@ -963,7 +985,8 @@ STEADY_HEADER = [
     "without the bursts: service p50 / p99",
     "without the bursts: from schedule",
     "final state, one at a time: p50 / p99 (not preempted) (us)",
-    "busy s: matches + events (waiting for the CPU)",
+    "CPU s: matches + events (s waiting for the CPU)",
+    "ops per CPU second",
     "B per entry: index / RSS (first replay)",
     "check",
 ]
