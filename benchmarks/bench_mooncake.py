@@ -104,6 +104,7 @@ class Config:
     preregister: bool = False  # every worker registered before timing
     max_seconds: float = 300.0  # a replay that falls behind stops after this long
     final_samples: int = 2000  # matches timed one after the other on the final state
+    final_also: tuple[str, ...] = ()  # paths also timed on each replay's final state
 
     @property
     def tag(self) -> str:
@@ -493,6 +494,7 @@ class Run:
 
     done: int = 0  # operations done (all, unless the replay hit --max-seconds)
     final_state: dict[str, float] = field(default_factory=dict)  # closed loop after the replay
+    final_others: dict[str, dict[str, float]] = field(default_factory=dict)  # other paths, same state
     entries: int = 0
     distinct: int = 0
     nbytes: int = 0
@@ -554,6 +556,7 @@ def replay(
     max_seconds: float = math.inf,
     final_samples: int = 0,
     record_limit: int = 1 << 30,
+    final_also: Sequence[str] = (),
 ) -> tuple[Run, Core, dict[int, Any]]:
     """One open-loop replay of the whole schedule into a fresh core, stretched to ``window`` s.
     Returns the run, the core, and the answers of every ``record_every``-th match (by match number)."""
@@ -650,6 +653,13 @@ def replay(
     t_end = perf()
     cpu_wait = run_delay() - wait0
     final = final_state_latency(query, wl, final_samples) if final_samples else {}
+    others = {
+        other: final_state_latency(
+            query_for(other, core, wl), wl, final_samples // (10 if other == "lookup" else 1)
+        )
+        for other in final_also
+        if other != path and final_samples
+    }
     gc.unfreeze()
     sched_a, start_a, end_a = np.array(m_sched), np.array(m_start), np.array(m_end)
     service = end_a - start_a
@@ -688,6 +698,7 @@ def replay(
         rejects=dict(c.rejects),
     )
     run.final_state = final
+    run.final_others = others
     # Every batch applied, in order, and nothing refused: otherwise the figures mean nothing.
     events_done = sum(1 for op in ops[:done] if op.__class__ is tuple)
     complete = done == len(ops)
@@ -847,6 +858,7 @@ def steady_run(
         preregister=preregister,
         max_seconds=cfg.max_seconds,
         final_samples=cfg.final_samples // (10 if path == "lookup" else 1),
+        final_also=cfg.final_also,
         record_limit=keep,
     )
     log(summary_line(run))
@@ -1038,6 +1050,11 @@ def facts_lines(wl: Workload, runs: list[Run], pinned: int | None, load: tuple[f
             f"{(r.rss_delta - r.nbytes) / max(r.instances, 1) / 1e3:.1f} kB per instance besides the tables)"
         )
         for run in runs:
+            for other, st in run.final_others.items():
+                lines.append(
+                    f"final state of the {run.path} replay, {other} one at a time: p50 / p99 "
+                    f"{st['p50']:.0f} / {st['p99']:.0f} us (not preempted p99 {st['alone_p99']:.0f})"
+                )
             ck = run.check
             if "checked" in ck:
                 lines.append(
@@ -1168,6 +1185,12 @@ def parser() -> argparse.ArgumentParser:
         help="matches timed one after the other on the final state (Lookup: a tenth)",
     )
     ap.add_argument(
+        "--final-also",
+        type=path_list,
+        default=[],
+        help="paths also timed one at a time on each replay's final state (e.g. score,lookup)",
+    )
+    ap.add_argument(
         "--preregister",
         action="store_true",
         help="register every worker before timing (the published runs did not; Dynamo's later replay does)",
@@ -1202,6 +1225,7 @@ def config_from(args: argparse.Namespace) -> Config:
         preregister=args.preregister,
         max_seconds=args.max_seconds,
         final_samples=args.final_samples,
+        final_also=tuple(args.final_also),
     )
     return cfg
 
