@@ -1041,13 +1041,20 @@ def facts_lines(wl: Workload, runs: list[Run], pinned: int | None, load: tuple[f
         f"in the first and last {STEADY_EDGE * 100:.0f} % of the window",
     ]
     if runs:
-        r = runs[0]
+        r = max(runs, key=lambda run: run.done)  # the most complete replay
         lines.append(
-            f"index after the replay: {r.instances:,} instances, {r.entries:,} (block, worker) entries on "
+            f"index after the {r.path} replay{'' if r.done == f['operations'] else ' (stopped early)'}: "
+            f"{r.instances:,} instances, {r.entries:,} (block, worker) entries on "
             f"{r.distinct:,} distinct blocks; index tables and logs {r.nbytes / 1e6:,.0f} MB "
-            f"({r.nbytes / max(r.entries, 1):.1f} B per entry), process RSS grew {r.rss_delta / 1e6:,.0f} MB "
-            f"({r.rss_delta / max(r.entries, 1):.1f} B per entry, "
-            f"{(r.rss_delta - r.nbytes) / max(r.instances, 1) / 1e3:.1f} kB per instance besides the tables)"
+            f"({r.nbytes / max(r.entries, 1):.1f} B per entry)"
+            + (
+                f", process RSS grew {r.rss_delta / 1e6:,.0f} MB "
+                f"({r.rss_delta / max(r.entries, 1):.1f} B per entry, "
+                f"{(r.rss_delta - r.nbytes) / max(r.instances, 1) / 1e3:.1f} kB per instance "
+                "besides the tables)"
+                if r is runs[0]
+                else " (RSS growth: first replay only, in the table)"
+            )
         )
         for run in runs:
             for other, st in run.final_others.items():
