@@ -773,23 +773,51 @@ def breakdown(fleet: Fleet, seed: int, n: int, top_k: int) -> list[tuple[str, fl
     parse_keys = _time_us(lambda: pb.ScoreRequest.FromString(wire_keys), n)
     keys_list = _time_us(lambda: list(req_keys.block_keys), n)
     shown = top_k or len(fleet.prefix_blocks)
+    n_tok, n_keys, n_inst = len(fleet.tokens), len(keys), len(states)
     return [
-        ("parse request (8192 token_ids, protobuf)", parse),
+        (f"parse request ({n_tok} token_ids, protobuf)", parse),
         ("token_ids -> LE bytes (numpy)", to_bytes),
-        ("block keys (512 x xxh3_64 chain, native)", hashing),
+        (f"block keys ({n_keys} x xxh3_64 chain, native)", hashing),
         ("  prompt_keys() total (checks + both above)", prompt_keys),
-        ("registry.routable (64 instances)", routable),
-        ("index.match (walks 512 blocks)", match),
-        ("  router.candidates (match + TTFT terms, 64)", candidates),
-        (f"policy.rank ({policy.name}, 64 candidates)", rank),
+        (f"registry.routable ({n_inst} instances)", routable),
+        (f"index.match (walks {n_keys} blocks)", match),
+        (f"  router.candidates (match + TTFT terms, {n_inst})", candidates),
+        (f"policy.rank ({policy.name}, {n_inst} candidates)", rank),
         ("  router.score total (routable..rank)", routed),
         (f"build ScoreResponse ({shown} ranked, nested msgs)", total - routed),
         ("  servicer.score total", total),
         ("serialize response", serialize),
         ("SUM parse..serialize (in-process Score)", full),
-        ("block_keys path: parse request (512 u64)", parse_keys),
+        (f"block_keys path: parse request ({n_keys} u64)", parse_keys),
         ("block_keys path: list(request.block_keys)", keys_list),
     ]
+
+
+def profile_score(fleet: Fleet, seed: int, calls: int, top_k: int) -> None:
+    """cProfile of the in-process Score (parse, keys, ranking, response, serialize) on ``fleet``."""
+    import cProfile
+    import pstats
+
+    servicer = build_local(fleet, seed)
+    wire = pb.ScoreRequest(model=MODEL, token_ids=fleet.tokens, top_k=top_k).SerializeToString()
+
+    def whole() -> bytes:
+        req = pb.ScoreRequest.FromString(wire)
+        bs, ks = servicer.prompt_keys(req)
+        return servicer.score(req, bs, ks, None, None, PREFILL_ROLE).SerializeToString()
+
+    whole()
+    samples = []
+    prof = cProfile.Profile()
+    for _ in range(calls):
+        t0 = time.perf_counter()
+        prof.enable()
+        whole()
+        prof.disable()
+        samples.append(time.perf_counter() - t0)
+    p50 = statistics.median(samples) * 1e3
+    print(f"in-process Score, {calls} calls: p50 {p50:.2f} ms (under the profiler)")
+    pstats.Stats(prof).sort_stats("tottime").print_stats(20)
 
 
 # -- main --------------------------------------------------------------------------------------
@@ -808,6 +836,13 @@ def main() -> int:
     ap.add_argument("--calls", type=int, default=None, help="sequential calls per latency measurement")
     ap.add_argument("--no-breakdown", action="store_true", help="skip the in-process stage breakdown")
     ap.add_argument("--hold", type=float, default=0.0, help="keep Score load running N s (for py-spy)")
+    ap.add_argument(
+        "--profile",
+        type=int,
+        default=0,
+        metavar="CALLS",
+        help="cProfile CALLS in-process Scores (token_ids path, no gRPC), print the top and exit",
+    )
     ap.add_argument("--json", type=Path, default=None, help="also write the results here")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--holders", type=int, default=0, help="instances holding a prefix (0: all)")
@@ -885,6 +920,9 @@ def main() -> int:
         f"Load average before start: {os.getloadavg()[0]:.2f} (anything else running skews the figures)."
     )
     print(f"code: {code_version()}")
+    if args.profile:
+        profile_score(fleet, args.seed, args.profile, args.top_k)
+        return 0
 
     results: dict[str, Any] = {"config": vars(args) | {"json": None}, "cores": os.cpu_count()}
     natsd = NatsProcess()

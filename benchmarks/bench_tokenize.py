@@ -46,11 +46,17 @@ def build_chat(toks: Tokenizers, model: str, target: int, rng: random.Random) ->
     system = " ".join(lines[:20])
     chat = [{"role": "system", "content": system}]
     i = 20
-    while len(toks.encode_chat(model, chat)) < target:
-        role = "user" if chat[-1]["role"] != "user" else "assistant"
-        n = rng.randint(2, 8)
-        chat.append({"role": role, "content": " ".join(lines[i : i + n])})
-        i += n
+    while (have := len(toks.encode_chat(model, chat))) < target:
+        # Far from the target, add several turns before measuring again (each measure renders and
+        # encodes the whole chat: one turn at a time is quadratic, hours at 256 K tokens); about 80 %
+        # of what is missing, so the chat is still the first one of the sequence to reach the target.
+        missing = target - have
+        turns = max(1, int(0.8 * missing * (len(chat) / have))) if missing > 4096 else 1
+        for _ in range(turns):
+            role = "user" if chat[-1]["role"] != "user" else "assistant"
+            n = rng.randint(2, 8)
+            chat.append({"role": role, "content": " ".join(lines[i % len(lines) : i % len(lines) + n])})
+            i += n
     return chat
 
 
