@@ -68,6 +68,7 @@ from kvindex.core import Core, CoreConfig, build_core  # noqa: E402
 from kvindex.ingest.limits import IngestLimits  # noqa: E402
 from kvindex.keys import keys_from_le_bytes, model_seed  # noqa: E402
 from kvindex.scoring.base import RouteRequest  # noqa: E402
+from kvindex.tokenize.registry import Tokenizers  # noqa: E402
 from kvindex.v1 import kvindex_pb2 as pb  # noqa: E402
 from kvindex.wire.codec import encode_batch, event_to_wire  # noqa: E402
 from kvindex.wire.schema import REMOVED, STORED  # noqa: E402
@@ -513,15 +514,15 @@ def query_for(path: str, core: Core, wl: Workload) -> Callable[[int], Any]:
     bs = wl.config.block_size
     if path == "score":
         reqs = [RouteRequest(MODEL, k, t, bs) for k, t in zip(wl.req_keys, wl.req_tokens, strict=True)]
-        score = core.router.score
+        score = core.ranker.score
         return lambda i: score(reqs[i], top_k=TOP_K)
     if path == "match":
         groups = core.index.match_groups
-        listed = core.router.config.group_min_instances
+        listed = core.ranker.config.group_min_instances
         keys = wl.req_keys
         return lambda i: groups(MODEL, keys[i], None, listed)
     if path == "lookup":
-        servicer = KvIndexServicer(core.index, core.registry, core.counters, router=core.router)
+        servicer = KvIndexServicer(core.index, core.registry, core.counters, None, core.ranker, Tokenizers())
         lookups = [pb.LookupRequest(model=MODEL, block_keys=k) for k in wl.req_keys]
         lookup = servicer.Lookup
 
