@@ -385,7 +385,7 @@ def hybrid_ab(fleet: Fleet, seed: int, n: int, top_k: int, name: str) -> dict[st
         route = RouteRequest(MODEL, fleet.keys, len(fleet.tokens), BLOCK_SIZE)
         request = pb.ScoreRequest(model=MODEL, token_ids=fleet.tokens, top_k=top_k)
         wire = request.SerializeToString()
-        index, router = servicer.index, servicer.router
+        index, router = servicer.index, servicer.ranker
 
         def whole(servicer: KvIndexServicer = servicer, wire: bytes = wire) -> bytes:
             req = pb.ScoreRequest.FromString(wire)
@@ -395,7 +395,7 @@ def hybrid_ab(fleet: Fleet, seed: int, n: int, top_k: int, name: str) -> dict[st
         limit = len(fleet.tokens) - 1
         calls[label] = {
             "index.match": lambda index=index, limit=limit: index.match(MODEL, fleet.keys, None, limit),
-            "router.score": lambda router=router, route=route: router.score(route, top_k=top_k),
+            "ranker.score": lambda router=router, route=route: router.score(route, top_k=top_k),
             "in-process Score (parse..serialize)": whole,
         }
     # The hybrid answers are the rule's: a holder's prefix ends in its retained window, so it hits as
