@@ -149,6 +149,7 @@ FLEET = Dashboard(
                desc="exact: the index's view is trusted; degraded: recent reports disagree, or a repair is "
                "under way or failed; approximate: no KV events (predicted from routing decisions)"),
             ts("Instances not exact", _each("kvindex_instance_state", 'state!="exact"', "state"), width=12),
+            ts("Approximate instances", Query('max(kvindex_instances_by_state{state="approximate"})', "approximate"), width=12, desc="No KV events, or (hybrid-attention models) KV-cache groups not read by the engine's rule: the reason per instance is `kvindex instances` / ListInstances state_reason and the log's instance_kv_groups_approximate"),  # noqa: E501
             ts("Heartbeat age", _each("kvindex_instance_heartbeat_age_seconds"), unit="s", width=12,
                desc="Seconds since each instance's last heartbeat (every 0.5 s by default)"),
             ts("Heartbeats and staleness /s", make_rate("kvindex_status_received_total", legend="heartbeats"),
@@ -185,6 +186,7 @@ INGEST = Dashboard(
                make_rate("kvindex_blocks_refused_total", legend="blocks refused (limit)"), unit="ops",
                desc="Malformed messages and limit refusals (kvindex/ingest/limits.py); the log names the "
                "worker"),
+            ts("KV-cache group layouts refused /s", Query(f'sum by (reason) (rate(kvindex_rejects_total{{reason=~"group_layout_mismatch|bad_groups"}}[{RATE}])) or on () vector(0)', "{{reason}}"), unit="ops", desc="Heartbeats or batches of hybrid-attention instances whose KV-cache groups differ from the model's (group_layout_mismatch: their blocks are dropped until they announce the model's) or cannot be read (bad_groups); the log names the worker"),  # noqa: E501
             ts("Event → visible lag", quantiles("kvindex_event_lag_seconds", qs=(0.5, 0.9, 0.99)), unit="s",
                desc="Batch sealed by the worker -> applied here (worker and index clocks must agree)"),
         )),
