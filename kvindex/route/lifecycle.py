@@ -18,6 +18,7 @@ so its answer to Envoy follows them.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, Protocol
 
@@ -166,7 +167,26 @@ class RequestLedger:
         does not take it (it would count against an instance that is not serving the request)."""
         self.run(lambda: self._move(instance_id))
 
-    async def _move(self, instance_id: str) -> None:
+    async def move_before_sending(self, instance_id: str) -> bool:
+        """``move``, over when this returns (in order with the calls before it): for a request about
+        to be sent to ``instance_id`` (a retry). The commit prices the instance as the index sees it
+        before the request runs there; once the engine has run it, its KV events would make the
+        request's own prompt the predicted hit, and the engine's report would be judged against
+        that. Whether the index took it."""
+        moved: list[bool] = []
+        over = asyncio.Event()
+
+        async def call() -> None:
+            try:
+                moved.append(await self._move(instance_id))
+            finally:
+                over.set()
+
+        self.run(call)
+        await over.wait()
+        return bool(moved and moved[0])
+
+    async def _move(self, instance_id: str) -> bool:
         try:
             ok = await self._committed(instance_id)
         except (IndexUnavailable, BadRequest, TypeError) as exc:
@@ -175,6 +195,7 @@ class RequestLedger:
         self.events.moved(ok)
         if not ok:
             await self._release(FINISHED, None, wake=True)
+        return ok
 
     async def _committed(self, instance_id: str) -> bool:
         assert self._commit is not None, "a front end that commits or moves entries says how"
@@ -203,8 +224,6 @@ class RequestLedger:
 def ordered(spawn: Callable[[Awaitable[None]], Any]) -> Run:
     """``Run`` for a front end that must not wait for the index: each call in a background task
     (``spawn``), after the one before it (whatever became of that one)."""
-    import asyncio
-
     tail: list[asyncio.Task[None] | None] = [None]
 
     def run(call: Callable[[], Awaitable[None]]) -> None:

@@ -374,6 +374,12 @@ class RouteProxy:
         for attempt, target in enumerate(targets):
             if attempt:
                 self.metrics.retries.inc()
+            if decision.committed and target.instance_id != decision.committed_instance_id:
+                # The entry follows the request before it is sent there (a retry, or admission's
+                # pick): committed after the engine had run it, the request's own KV events would
+                # be its predicted hit, and the engine's report judged against that.
+                moved = await req.ledger.move_before_sending(target.instance_id)
+                decision.committed_instance_id = target.instance_id if moved else ""
             url = f"http://{target.endpoint}{request.path_qs}"
             req.sent_at = time.monotonic()
             if not attempt:
@@ -396,8 +402,6 @@ class RouteProxy:
             return openai_error(502, msg, "bad_gateway", "upstream_unreachable"), "502"
         reason = "retry" if attempt else decision.source
         self.metrics.decisions.labels(reason).inc()
-        if decision.committed and target.instance_id != decision.committed_instance_id:
-            req.ledger.move(target.instance_id)
         est = estimate_of(decision, target.instance_id)
         try:
             return await self._relay(

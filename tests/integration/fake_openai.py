@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from aiohttp import web
@@ -62,6 +63,9 @@ class FakeOpenAIEngine:
         self.status = 200
         self.cached_tokens: int | None = 0  # reported in usage.prompt_tokens_details
         self.streaming: web.Request | None = None  # the request whose stream is at the gate
+        # Awaited before each completion is answered (an engine that prefills first: a test makes its
+        # KV events known to the index here, as a real engine's arrive before its answer).
+        self.before_answer: Callable[[], Awaitable[None]] | None = None
         self._runner: web.AppRunner | None = None
         self.port = 0
 
@@ -103,6 +107,8 @@ class FakeOpenAIEngine:
         body: dict[str, Any] = json.loads(raw)
         prompt = body.get("prompt")
         prompt_tokens = len(prompt) if isinstance(prompt, list) else 7
+        if self.before_answer is not None:
+            await self.before_answer()
         if not body.get("stream"):
             out = json.dumps(
                 {

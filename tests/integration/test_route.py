@@ -16,6 +16,7 @@ import sys
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import pytest
@@ -268,6 +269,40 @@ async def test_unreachable_engine_retries_the_next_and_moves_the_ledger(fleet: F
     assert sample(m, "kvindex_route_upstream_errors_total", kind="connect") == 1
     assert sample(m, "kvindex_route_decisions_total", reason="retry") == 1
     assert sample(m, "kvindex_route_recommits_total", result="committed") == 1
+
+
+async def test_a_retried_request_is_judged_against_the_prediction_for_where_it_ran(fleet: Fleet) -> None:
+    """Regression: the entry moved to the retry's instance was priced after that engine had answered
+    (a non-streamed answer comes after the prefill, whose KV events the index had applied by then),
+    so the request's own blocks were its predicted hit: the engine's exact report counted as an
+    ``over`` against the healthy instance that served it, and two such retries degraded it."""
+    await fleet.engines["w1"].close()  # the index's first choice, unreachable
+    w2, pub = fleet.engines["w2"], fleet.pubs["w2"]
+    w2.cached_tokens = 8  # the 2 blocks w2 held when the request reached it
+
+    async def prefilled() -> None:  # the engine caches the whole prompt and says so before answering
+        pub.stored(KEYS[2:])
+        await pub.flush()
+        await wait_until(
+            lambda: fleet.service.index.block_counts(("w2", 0))[0] == len(KEYS), what="w2's events applied"
+        )
+
+    w2.before_answer = prefilled
+    outcomes = fleet.service.ranker.outcomes
+    seen: list[Any] = []
+    outcomes.subscribe(seen.append)
+    async with await fleet.post({"model": MODEL, "prompt": PROMPT}) as resp:
+        assert resp.status == 200
+        assert resp.headers["x-kvindex-instance"] == "w2/0" and resp.headers["x-kvindex-decision"] == "retry"
+        await resp.read()
+    await wait_until(lambda: len(seen) == 1 and fleet.ledger() == 0, what="the report compared")
+    (outcome,) = seen
+    assert outcome.instance == ("w2", 0) and outcome.prediction.cached_tokens == 8
+    assert outcome.outcome == "exact" and outcome.evidence
+    assert not any(any(inst.recent) for inst in outcomes.instances.values())  # no evidence against anyone
+    for key in (("w1", 0), ("w2", 0)):
+        state = fleet.service.registry.get(key)
+        assert state is not None and fleet.service.ranker.state_of(state)[0] == "exact"
 
 
 async def test_engine_failing_mid_stream_cuts_the_client_and_releases(fleet: Fleet) -> None:
