@@ -72,10 +72,13 @@ RELEASE_METHOD = Method(
 )
 LIST_INSTANCES = Method("ListInstances", pb.ListInstancesRequest, pb.ListInstancesResponse, "ListInstances")
 STATS = Method("Stats", pb.StatsRequest, pb.StatsResponse, "Stats")
+# A ranking explained; changes nothing (no commit), so nothing to record.
+EXPLAIN = Method("Explain", pb.ScoreRequest, pb.ExplainResponse, "Explain")
 
 # (In the order the latency histogram's children have always been made, which /metrics lists.)
 METHODS: dict[str, Method] = {
-    m.name: m for m in (SCORE, SCORE_STREAM, LOOKUP, LIST_INSTANCES, STATS, COMMIT_METHOD, RELEASE_METHOD)
+    m.name: m
+    for m in (SCORE, SCORE_STREAM, LOOKUP, LIST_INSTANCES, STATS, COMMIT_METHOD, RELEASE_METHOD, EXPLAIN)
 }
 # The latency histogram's label values, one per unary call kind.
 LABELS: tuple[str, ...] = tuple(dict.fromkeys(m.label for m in METHODS.values()))

@@ -17,6 +17,7 @@ from kvindex.api.errors import BadRequest
 from kvindex.api.handlers import Malformed
 from kvindex.api.methods import (
     COMMIT_METHOD,
+    EXPLAIN,
     LABELS,
     LIST_INSTANCES,
     LOOKUP,
@@ -32,11 +33,12 @@ from kvindex.instance import InstanceKey
 from kvindex.keys import keys_from_le_bytes, model_seed
 from kvindex.observability.counters import IngestCounters, Metrics
 from kvindex.scoring.base import DECODE_ROLE, PREFILL_ROLE, RouteRequest, prompt_length
+from kvindex.scoring.explain import verdict
 from kvindex.scoring.ledger import FINISHED, PREFILL
 from kvindex.scoring.outcomes import INVALID, Report
 from kvindex.scoring.pick import PickOptions
 from kvindex.scoring.policies import POLICY_NAMES
-from kvindex.scoring.ranker import Ranker
+from kvindex.scoring.ranker import Ranker, ScoreResult
 from kvindex.tokenize import ChatOptions, TokenizeError, Tokenizers, bounded_json
 from kvindex.tokenize.bounded_json import TooDeep
 from kvindex.v1 import kvindex_pb2 as pb
@@ -301,9 +303,11 @@ class KvIndexServicer(pb_grpc.KvIndexServicer):
 
     # -- RPCs ----------------------------------------------------------------------------------
 
-    def score_request(self, request: pb.ScoreRequest) -> pb.ScoreResponse:
-        """One Score, unary or streamed: check the arguments (BadRequest), rank, build the response."""
-        started = time.perf_counter()
+    def score_args(
+        self, request: pb.ScoreRequest
+    ) -> tuple[Prompt, list[str] | None, str | None, str, PickOptions]:
+        """A Score's (or Explain's) arguments checked (BadRequest): the prompt, candidates, policy,
+        role and pick."""
         prompt = self.resolve(request)
         candidates = _check_candidates(request.candidates)
         policy = request.policy or None
@@ -314,7 +318,12 @@ class KvIndexServicer(pb_grpc.KvIndexServicer):
             raise BadRequest(f"role must be {PREFILL_ROLE!r} or {DECODE_ROLE!r}, got {role!r}")
         if request.commit and not request.request_id:
             raise BadRequest("commit needs a request_id (Release refers to it)")
-        pick = self.pick_options(request)
+        return prompt, candidates, policy, role, self.pick_options(request)
+
+    def score_request(self, request: pb.ScoreRequest) -> pb.ScoreResponse:
+        """One Score, unary or streamed: check the arguments (BadRequest), rank, build the response."""
+        started = time.perf_counter()
+        prompt, candidates, policy, role, pick = self.score_args(request)
         response = self.score(
             request,
             prompt.block_size,
@@ -340,6 +349,76 @@ class KvIndexServicer(pb_grpc.KvIndexServicer):
             )
         except ValueError as exc:
             raise BadRequest(str(exc)) from exc
+
+    def explain_request(self, request: pb.ScoreRequest, quiet: bool = True) -> pb.ExplainResponse:
+        """One Explain: the ranking a Score of ``request`` would answer (with explain, never
+        committed), each ranked instance's state and the rest of its estimate, and the verdict
+        (kvindex/scoring/explain.py). ``quiet``: the router is left as it was (Ranker.explain);
+        False ranks as a Score does (a replay re-running a recorded Score). BadRequest as Score."""
+        started = time.perf_counter()
+        if request.commit:
+            raise BadRequest(
+                "Explain never commits: commit must be false (Score with commit routes a request)"
+            )
+        prompt, candidates, policy, role, pick = self.score_args(request)
+        if not request.explain:
+            explained = pb.ScoreRequest()
+            explained.CopyFrom(request)
+            explained.explain = True
+            request = explained
+        results: list[ScoreResult] = []
+        ranking = self.score(
+            request,
+            prompt.block_size,
+            prompt.keys,
+            candidates,
+            policy,
+            role,
+            prompt_tokens=prompt.tokens,
+            pick=pick,
+            quiet=quiet,
+            results=results,
+        )
+        response = pb.ExplainResponse(ranking=ranking)
+        ranker = self.ranker
+        for choice in results[0].choices[: len(ranking.ranked)] if results else ():
+            c = choice.candidate
+            state = c.state
+            name, why = ranker.state_of(state)
+            response.instances.add(
+                instance_id=state.instance_id,
+                state=name,
+                state_reason=why,
+                credit=ranker.config.outcomes.degraded_credit if state.key in ranker.degraded else 1.0,
+                miss_tokens=_u32(c.miss_tokens),
+                queued_tokens=c.queued_tokens,
+                routed_tokens=_u32(c.routed_tokens),
+                in_flight=_u32(c.inflight),
+                prefill_source=ranker.calibrator.status(state.model, state.instance_id).source,
+            )
+        v = verdict(ranking.ranked, ranking.cost_unit, ranking.picked_rank)
+        response.verdict.CopyFrom(
+            pb.Verdict(
+                winner=v.winner,
+                reason=v.reason,
+                runner_up=v.runner_up,
+                margin=v.margin,
+                margin_ms=v.margin_ms,
+                deciding_term=v.deciding_term,
+                deciding_ms=v.deciding_ms,
+                summary=v.summary,
+            )
+        )
+        self._done(EXPLAIN, request, response, started)
+        return response
+
+    async def Explain(
+        self, request: pb.ScoreRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ExplainResponse:
+        try:
+            return self.explain_request(request)
+        except BadRequest as exc:
+            await self._abort(context, exc)
 
     async def Score(self, request: pb.ScoreRequest, context: grpc.aio.ServicerContext) -> pb.ScoreResponse:
         try:
@@ -372,9 +451,13 @@ class KvIndexServicer(pb_grpc.KvIndexServicer):
         role: str,
         prompt_tokens: int | None = None,
         pick: PickOptions | None = None,
+        quiet: bool = False,
+        results: list[ScoreResult] | None = None,
     ) -> pb.ScoreResponse:
         """Rank and build the response. A hot loop (every Score, a message per ranked instance):
-        kept in one function, cached parts copied rather than rebuilt."""
+        kept in one function, cached parts copied rather than rebuilt. ``quiet``: rank without
+        changing the router (Ranker.explain; no commit); ``results`` receives the ranking's
+        ScoreResult (Explain reads the candidates)."""
         model = request.model
         prompt = prompt_length(request, block_size, keys) if prompt_tokens is None else prompt_tokens
         response = pb.ScoreResponse(
@@ -393,9 +476,14 @@ class KvIndexServicer(pb_grpc.KvIndexServicer):
         if not block_size:
             return response  # unknown model: empty ranking, not an error
         route = RouteRequest(model, keys, prompt, block_size, request.request_id, role)
-        result = self.ranker.score(
-            route, candidates, policy, commit=request.commit, top_k=request.top_k, pick=pick
-        )
+        if quiet:
+            result = self.ranker.explain(route, candidates, policy, top_k=request.top_k, pick=pick)
+        else:
+            result = self.ranker.score(
+                route, candidates, policy, commit=request.commit, top_k=request.top_k, pick=pick
+            )
+        if results is not None:
+            results.append(result)
         if result.committed is not None:
             response.committed_instance_id = result.committed.instance_id
         choices = result.choices[: request.top_k] if request.top_k else result.choices

@@ -595,15 +595,21 @@ def _pairs(counts: dict[str, int]) -> str:
 def _query_dict(q: Any) -> dict[str, Any]:
     from google.protobuf.json_format import MessageToDict
 
+    def as_dict(message: Any) -> Any:
+        if message is None:
+            return None
+        return MessageToDict(
+            message, preserving_proto_field_name=True, always_print_fields_with_no_presence=True
+        )
+
+    explanation = getattr(q, "explanation", None)
     return {
         "name": q.name,
         "request": q.request,
         "error": q.error,
-        "response": None
-        if q.response is None
-        else MessageToDict(
-            q.response, preserving_proto_field_name=True, always_print_fields_with_no_presence=True
-        ),
+        "response": as_dict(q.response),
+        "instances": [as_dict(i) for i in explanation.instances] if explanation is not None else [],
+        "verdict": as_dict(explanation.verdict) if explanation is not None else None,
     }
 
 
@@ -618,13 +624,25 @@ def _print_query(out: Output, q: Any, wall: float) -> None:
         f"{resp.block_size}, policy {resp.policy} (cost in {resp.cost_unit})"
         + (f"; the live service committed it to {live}" if live else "")
     )
+    print_explanation(out, q.explanation, title, resp)
+
+
+def print_explanation(out: Output, explanation: Any, title: str, ranking: Any = None) -> None:
+    """A ranking explained (an ``ExplainResponse``; None: ``ranking``, a ScoreResponse, alone): per
+    instance its state, cost and estimate term by term, then why the first won. What ``kvindex
+    replay`` shows for a recorded decision and ``kvindex explain`` for a live one."""
+    resp = explanation.ranking if explanation is not None else ranking
+    extra = list(explanation.instances) if explanation is not None else []
     rows = []
     for i, x in enumerate(resp.ranked, 1):
         m = x.matched
+        more = extra[i - 1] if i <= len(extra) else None
+        state = more.state + ("" if more.credit == 1.0 else f" x{more.credit:g}") if more is not None else ""
         rows.append(
             [
                 i,
                 x.instance_id,
+                state,
                 f"{x.cost:.2f}",
                 f"{x.est_ttft_ms:.1f}",
                 f"{x.matched_blocks} ({m.gpu}/{m.cpu}/{m.disk}/{m.shared})",
@@ -641,6 +659,7 @@ def _print_query(out: Output, q: Any, wall: float) -> None:
         [
             "#",
             "instance",
+            "state",
             "cost",
             "ttft ms",
             "blocks (g/c/d/s)",
@@ -657,3 +676,10 @@ def _print_query(out: Output, q: Any, wall: float) -> None:
         out.line(f"  (model {resp.model!r} is unknown at this point of the log)")
     elif not rows:
         out.line("  (no routable instance of this model)")
+    if explanation is None:
+        return
+    for more in extra:
+        if more.state_reason:
+            out.line(f"  {more.instance_id} is {more.state}: {more.state_reason}")
+    if rows:
+        out.line(f"  why: {explanation.verdict.summary}", "bold")

@@ -28,7 +28,7 @@ from typing import Any
 
 import structlog
 
-from kvindex.api.inprocess import Aborted, InProcessContext, run_sync
+from kvindex.api.errors import BadRequest
 from kvindex.api.methods import METHODS, RELEASE
 from kvindex.api.servicer import KvIndexServicer, release_report
 from kvindex.capture import records as R
@@ -204,6 +204,9 @@ class QueryResult:
     request: dict[str, Any]
     response: pb.ScoreResponse | None
     error: str = ""
+    # The ranking explained (the Explain RPC's answer: per instance its state and the rest of its
+    # estimate, and why the first won); ``response`` is its ranking.
+    explanation: pb.ExplainResponse | None = None
 
 
 class Replayer:
@@ -482,7 +485,8 @@ class Replayer:
         for name in ("commit", "explain"):
             fields.pop(name, None)
         score = pb.ScoreRequest(**fields, explain=True)
-        result = self._score(score, f"request {req.request_id}")
+        # Ranked as the live Score was (quiet=False: the policy's state moves on as it did live).
+        result = self._score(score, f"request {req.request_id}", quiet=False)
         result.request["committed_live"] = instance
         return result
 
@@ -528,15 +532,17 @@ class Replayer:
             return QueryResult(name, spec, None, f"bad query: {exc}")
         return self._score(request, name)
 
-    def _score(self, request: pb.ScoreRequest, name: str) -> QueryResult:
+    def _score(self, request: pb.ScoreRequest, name: str, quiet: bool = True) -> QueryResult:
+        """The ranking of ``request`` explained by the Explain RPC's own code (the servicer's
+        ``explain_request``); ``quiet``: leaving the replayed router as it was."""
         from google.protobuf.json_format import MessageToDict
 
         spec = MessageToDict(request, preserving_proto_field_name=True)
         try:
-            response = run_sync(self.servicer.Score(request, InProcessContext()))
-        except Aborted as exc:
+            explanation = self.servicer.explain_request(request, quiet=quiet)
+        except BadRequest as exc:
             return QueryResult(name, spec, None, str(exc))
-        return QueryResult(name, spec, response)
+        return QueryResult(name, spec, explanation.ranking, explanation=explanation)
 
     # -- results --------------------------------------------------------------------------------
 

@@ -209,6 +209,13 @@ class Picker:
         # Requests without an id or a seed: drawn from here (seeded, but order-dependent).
         self._rng = random.Random(seed ^ 0x5EED)
 
+    def getstate(self) -> object:
+        """The generator's state (``setstate`` puts it back: an Explain draws without consuming)."""
+        return self._rng.getstate()
+
+    def setstate(self, state: object) -> None:
+        self._rng.setstate(state)  # type: ignore[arg-type]
+
     def options(self, mode: str | None, temperature: float | None, seed: int | None) -> PickOptions:
         """The request's options over the defaults (ValueError when they make no sense)."""
         mode = mode or self.default.mode

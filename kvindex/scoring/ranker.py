@@ -207,6 +207,32 @@ class Ranker:
             result.committed = top.state
         return result
 
+    def explain(
+        self,
+        request: RouteRequest,
+        candidates: list[str] | None = None,
+        policy: str | None = None,
+        top_k: int = 0,
+        pick: PickOptions | None = None,
+    ) -> ScoreResult:
+        """``score`` without commit that leaves the router as it was (the Explain RPC): what a
+        ranking changes is put back, the policy's scalar state (ttft's congestion weight, folded in
+        at every ranking) and the generators (randomised policies, draws without a request id).
+        A policy's containers hold what commits change (heat, rotations, trees) or caches."""
+        chosen = self.policies["decode"] if request.role == DECODE_ROLE else self.policy(policy)
+        scalars = {
+            name: value
+            for name, value in vars(chosen).items()
+            if value is None or isinstance(value, (bool, int, float, str))
+        }
+        rng, drawn = self.rng.getstate(), self.picker.getstate()
+        try:
+            return self.score(request, candidates, policy, commit=False, top_k=top_k, pick=pick)
+        finally:
+            vars(chosen).update(scalars)
+            self.rng.setstate(rng)
+            self.picker.setstate(drawn)
+
     # -- decisions ------------------------------------------------------------------------------
 
     def commit(self, request: RouteRequest, instance: InstanceKey, policy: str | None = None) -> bool:

@@ -160,6 +160,58 @@ class ScoreResponse(_message.Message):
     picked_rank: int
     def __init__(self, model: _Optional[str] = ..., block_size: _Optional[int] = ..., total_blocks: _Optional[int] = ..., ranked: _Optional[_Iterable[_Union[RankedInstance, _Mapping]]] = ..., cost_unit: _Optional[str] = ..., policy: _Optional[str] = ..., committed_instance_id: _Optional[str] = ..., request_id: _Optional[str] = ..., error: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., pick: _Optional[str] = ..., temperature: _Optional[float] = ..., pick_seed: _Optional[int] = ..., pick_draw: _Optional[float] = ..., picked_rank: _Optional[int] = ...) -> None: ...
 
+class InstanceExplanation(_message.Message):
+    __slots__ = ("instance_id", "state", "state_reason", "credit", "miss_tokens", "queued_tokens", "routed_tokens", "in_flight", "prefill_source")
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    STATE_REASON_FIELD_NUMBER: _ClassVar[int]
+    CREDIT_FIELD_NUMBER: _ClassVar[int]
+    MISS_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    QUEUED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ROUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_SOURCE_FIELD_NUMBER: _ClassVar[int]
+    instance_id: str
+    state: str
+    state_reason: str
+    credit: float
+    miss_tokens: int
+    queued_tokens: float
+    routed_tokens: int
+    in_flight: int
+    prefill_source: str
+    def __init__(self, instance_id: _Optional[str] = ..., state: _Optional[str] = ..., state_reason: _Optional[str] = ..., credit: _Optional[float] = ..., miss_tokens: _Optional[int] = ..., queued_tokens: _Optional[float] = ..., routed_tokens: _Optional[int] = ..., in_flight: _Optional[int] = ..., prefill_source: _Optional[str] = ...) -> None: ...
+
+class Verdict(_message.Message):
+    __slots__ = ("winner", "reason", "runner_up", "margin", "margin_ms", "deciding_term", "deciding_ms", "summary")
+    WINNER_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    RUNNER_UP_FIELD_NUMBER: _ClassVar[int]
+    MARGIN_FIELD_NUMBER: _ClassVar[int]
+    MARGIN_MS_FIELD_NUMBER: _ClassVar[int]
+    DECIDING_TERM_FIELD_NUMBER: _ClassVar[int]
+    DECIDING_MS_FIELD_NUMBER: _ClassVar[int]
+    SUMMARY_FIELD_NUMBER: _ClassVar[int]
+    winner: str
+    reason: str
+    runner_up: str
+    margin: float
+    margin_ms: float
+    deciding_term: str
+    deciding_ms: float
+    summary: str
+    def __init__(self, winner: _Optional[str] = ..., reason: _Optional[str] = ..., runner_up: _Optional[str] = ..., margin: _Optional[float] = ..., margin_ms: _Optional[float] = ..., deciding_term: _Optional[str] = ..., deciding_ms: _Optional[float] = ..., summary: _Optional[str] = ...) -> None: ...
+
+class ExplainResponse(_message.Message):
+    __slots__ = ("ranking", "instances", "verdict")
+    RANKING_FIELD_NUMBER: _ClassVar[int]
+    INSTANCES_FIELD_NUMBER: _ClassVar[int]
+    VERDICT_FIELD_NUMBER: _ClassVar[int]
+    ranking: ScoreResponse
+    instances: _containers.RepeatedCompositeFieldContainer[InstanceExplanation]
+    verdict: Verdict
+    def __init__(self, ranking: _Optional[_Union[ScoreResponse, _Mapping]] = ..., instances: _Optional[_Iterable[_Union[InstanceExplanation, _Mapping]]] = ..., verdict: _Optional[_Union[Verdict, _Mapping]] = ...) -> None: ...
+
 class CommitRequest(_message.Message):
     __slots__ = ("request_id", "instance_id", "model", "lora", "salt", "token_ids", "block_keys", "prompt_tokens", "prompt", "messages", "prompt_options")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]

@@ -69,6 +69,11 @@ class KvIndexStub:
                 request_serializer=kvindex_dot_v1_dot_kvindex__pb2.StatsRequest.SerializeToString,
                 response_deserializer=kvindex_dot_v1_dot_kvindex__pb2.StatsResponse.FromString,
                 _registered_method=True)
+        self.Explain = channel.unary_unary(
+                '/kvindex.v1.KvIndex/Explain',
+                request_serializer=kvindex_dot_v1_dot_kvindex__pb2.ScoreRequest.SerializeToString,
+                response_deserializer=kvindex_dot_v1_dot_kvindex__pb2.ExplainResponse.FromString,
+                _registered_method=True)
 
 
 class KvIndexServicer:
@@ -128,6 +133,16 @@ class KvIndexServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Explain(self, request, context):
+        """Why a request would go where it would, without sending it anywhere: the ranking Score would
+        answer now (with explain), each ranked instance's estimate term by term with its state, and why
+        the first beat the second. Changes nothing (no commit, no ledger entry, no policy or generator
+        state): commit must be false. The same breakdown `kvindex replay` gives for recorded decisions.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KvIndexServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -165,6 +180,11 @@ def add_KvIndexServicer_to_server(servicer, server):
                     servicer.Stats,
                     request_deserializer=kvindex_dot_v1_dot_kvindex__pb2.StatsRequest.FromString,
                     response_serializer=kvindex_dot_v1_dot_kvindex__pb2.StatsResponse.SerializeToString,
+            ),
+            'Explain': grpc.unary_unary_rpc_method_handler(
+                    servicer.Explain,
+                    request_deserializer=kvindex_dot_v1_dot_kvindex__pb2.ScoreRequest.FromString,
+                    response_serializer=kvindex_dot_v1_dot_kvindex__pb2.ExplainResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -356,6 +376,33 @@ class KvIndex:
             '/kvindex.v1.KvIndex/Stats',
             kvindex_dot_v1_dot_kvindex__pb2.StatsRequest.SerializeToString,
             kvindex_dot_v1_dot_kvindex__pb2.StatsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Explain(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvindex.v1.KvIndex/Explain',
+            kvindex_dot_v1_dot_kvindex__pb2.ScoreRequest.SerializeToString,
+            kvindex_dot_v1_dot_kvindex__pb2.ExplainResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -45,7 +45,7 @@ def test_every_method_has_a_handler_on_the_servicer() -> None:
 
 def test_latency_labels_are_the_unary_calls() -> None:
     # The label values of kvindex_rpc_latency_seconds{method}, as they have always been.
-    assert LABELS == ("Score", "Lookup", "ListInstances", "Stats", "Commit", "Release")
+    assert LABELS == ("Score", "Lookup", "ListInstances", "Stats", "Commit", "Release", "Explain")
     core = build_core()
     metrics = Metrics(core.counters, dict)
     servicer = KvIndexServicer(core.index, core.registry, core.counters, metrics, core.ranker, Tokenizers())
