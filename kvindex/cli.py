@@ -1,4 +1,4 @@
-"""Command line: ``kvindex serve`` runs the service; score, lookup, stats and instances query it;
+"""Command line: ``kvindex serve`` runs the service; score, explain, lookup, stats and instances query it;
 ``capture`` records the wire to an event log and ``replay`` rebuilds the index from one; ``route``
 is the OpenAI-compatible routing proxy."""
 
@@ -409,6 +409,8 @@ def _add_query(sub: Any, name: str, help_text: str, prompt: bool) -> None:
         )
         g.add_argument(
             "--keys",
+            "--block-keys",
+            dest="keys",
             help="block keys separated by commas and/or spaces, or @FILE: a JSON list of them or a "
             'prompt object {"model": ..., "block_keys": [...]}',
         )
@@ -417,10 +419,14 @@ def _add_query(sub: Any, name: str, help_text: str, prompt: bool) -> None:
             "--messages", help="an OpenAI chat messages JSON list, or @FILE (needs serve --tokenizer)"
         )
         p.add_argument("--candidates", default="", help="comma-separated instance ids")
-        if name == "score":
+        if name in ("score", "explain"):
             p.add_argument(
                 "--top-k", type=count, default=0, help="return at most this many instances (0: all)"
             )
+        if name == "explain":
+            p.add_argument("--policy", default="", help="rank with this policy (default: the index's)")
+            p.add_argument("--json", action="store_true", help="print the ExplainResponse as JSON")
+            p.add_argument("--plain", action="store_true", help="plain text even on a terminal")
     elif name == "instances":
         p.add_argument("--model", default="", help="only this model's instances (default: all)")
 
@@ -543,7 +549,7 @@ def _query(args: argparse.Namespace) -> int:
 
     fields: dict[str, Any] = {}
     try:
-        if args.command in ("score", "lookup"):
+        if args.command in ("score", "lookup", "explain"):
             fields = _prompt_fields(args)
     except UsageError as exc:
         print(f"kvindex {args.command}: error: {exc}", file=sys.stderr)
@@ -556,14 +562,18 @@ def _query(args: argparse.Namespace) -> int:
     with channel:
         stub = pb_grpc.KvIndexStub(channel)
         try:
-            if args.command in ("score", "lookup"):
+            if args.command in ("score", "lookup", "explain"):
                 if args.command == "score":
                     reply = stub.Score(pb.ScoreRequest(top_k=args.top_k, **fields), timeout=args.timeout)
+                elif args.command == "explain":
+                    request = pb.ScoreRequest(top_k=args.top_k, policy=args.policy, **fields)
+                    reply = stub.Explain(request, timeout=args.timeout)
                 else:
                     reply = stub.Lookup(pb.LookupRequest(**fields), timeout=args.timeout)
-                if not reply.block_size:  # the index answers an unknown model with no block size
+                ranking = reply.ranking if args.command == "explain" else reply
+                if not ranking.block_size:  # the index answers an unknown model with no block size
                     unknown = _unknown_model(stub, args.model, args.timeout)
-                    if args.command == "score" or ("prompt" not in fields and "messages" not in fields):
+                    if args.command != "lookup" or ("prompt" not in fields and "messages" not in fields):
                         print(f"kvindex {args.command}: error: {unknown}", file=sys.stderr)
                         return 2
                     # A text lookup still answers how the index tokenizes it: shown, with the note.
@@ -578,8 +588,23 @@ def _query(args: argparse.Namespace) -> int:
             else:
                 reply = stub.ListInstances(pb.ListInstancesRequest(model=args.model), timeout=args.timeout)
         except grpc.RpcError as exc:
+            if args.command == "explain" and exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
+                # What the flags asked for makes no sense (an unknown --policy, a text prompt the
+                # index cannot tokenize): said as a usage error.
+                print(f"kvindex explain: error: {exc.details()}", file=sys.stderr)
+                return 2
             print(f"error: {exc.code().name}: {exc.details()}", file=sys.stderr)
             return 1
+    if args.command == "explain" and not args.json:
+        from kvindex.capture.cli import Output, print_explanation
+
+        r = reply.ranking
+        title = (
+            f"model {r.model!r}: {r.prompt_tokens} prompt tokens, {r.total_blocks} blocks of {r.block_size}, "
+            f"policy {r.policy} (cost in {r.cost_unit}), pick {r.pick}"
+        )
+        print_explanation(Output(plain=args.plain), reply, title)
+        return 0
     print(json.dumps(MessageToDict(reply, always_print_fields_with_no_presence=True), indent=2))
     return 0
 
@@ -816,6 +841,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     _add_serve(sub)
     _add_query(sub, "score", "rank instances for a prompt", prompt=True)
+    _add_query(sub, "explain", "why a prompt would go where it would: the ranking term by term", prompt=True)
     _add_query(sub, "lookup", "per-instance, per-tier matched blocks for a prompt", prompt=True)
     _add_query(sub, "stats", "index size and ingest counters", prompt=False)
     _add_query(sub, "instances", "list known instances", prompt=False)
