@@ -165,7 +165,11 @@ class RequestLedger:
         """The request is served by ``instance_id``, not where it was committed: commit it there (a
         commit under the same request id replaces the entry), or release the entry if the index
         does not take it (it would count against an instance that is not serving the request)."""
-        self.run(lambda: self._move(instance_id))
+
+        async def call() -> None:
+            await self._move(instance_id)
+
+        self.run(call)
 
     async def move_before_sending(self, instance_id: str) -> bool:
         """``move``, over when this returns (in order with the calls before it): for a request about
