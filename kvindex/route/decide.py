@@ -5,6 +5,7 @@ fallback hash over the instances it knows; and what to tell the client when ther
 
 from __future__ import annotations
 
+import json
 import time
 from typing import Any
 
@@ -103,17 +104,10 @@ class Decider:
         started = time.monotonic()
         why = ""
         try:
-            fields = fields_taken(pb.ScoreRequest, spec)
+            fields = self._fields(spec, extra)
             if fields is None:
                 decision = self._hash_decision(spec, request_id, TEXT_UNSUPPORTED)
             else:
-                if self.config.policy:
-                    fields["policy"] = self.config.policy
-                if self.config.pick:
-                    fields["pick"] = self.config.pick
-                if self.config.temperature is not None:
-                    fields["temperature"] = self.config.temperature
-                fields.update(extra)
                 decision = await self.client.score(
                     spec.model,
                     top_k=self.config.top_k,
@@ -149,6 +143,41 @@ class Decider:
         if decision is None and not why:
             why = f"no instance serves model {spec.model!r}: the index could not rank it, and none is known"
         return decision, why
+
+    def _fields(self, spec: PromptSpec, extra: dict[str, Any]) -> dict[str, Any] | None:
+        """The ScoreRequest fields of ``spec`` with the proxy's settings and ``extra`` (None: a text
+        prompt this index's API cannot take)."""
+        fields = fields_taken(pb.ScoreRequest, spec)
+        if fields is None:
+            return None
+        if self.config.policy:
+            fields["policy"] = self.config.policy
+        if self.config.pick:
+            fields["pick"] = self.config.pick
+        if self.config.temperature is not None:
+            fields["temperature"] = self.config.temperature
+        fields.update(extra)
+        return fields
+
+    async def explain(
+        self, spec: PromptSpec, request_id: str, **extra: Any
+    ) -> tuple[pb.ExplainResponse | None, str]:
+        """The ranking ``decide`` is about to get, explained by the index (its Explain: nothing
+        committed, nothing changed; with the request id, a draw is the decision's own), or None and
+        why not. For requests that ask (``x-kvindex-explain``), just before each decision."""
+        fields = self._fields(spec, extra)
+        if fields is None:
+            return None, "this index's API takes token ids only: routed by a hash of the prompt"
+        fields.update(model=spec.model, top_k=self.config.top_k, request_id=request_id)
+        try:
+            answer = await self.client.call(
+                "Explain", pb.ScoreRequest(**fields), timeout=self.config.score_timeout
+            )
+        except BadRequest as exc:
+            return None, f"the index cannot rank it: {exc}"
+        except IndexUnavailable as exc:
+            return None, f"the index did not explain it: {exc}"
+        return answer, ""
 
     def _index_failed(self, model: str, exc: IndexUnavailable) -> str:
         """Why a request cannot be routed when the index did not answer and no instance of its
@@ -187,3 +216,53 @@ class Decider:
         elif not hash_only and model in self._text_hash_only:
             self._text_hash_only.discard(model)
             log.info("chat_routing_by_index", model=model)
+
+
+def explanation_header(
+    explanation: pb.ExplainResponse | None, why_not: str, admission: dict[str, Any]
+) -> str:
+    """The ``x-kvindex-explain`` response header: compact JSON of the index's explanation (the verdict,
+    and per ranked instance its state, cost and estimate term by term) and the proxy's admission
+    decision (docs/observability.md, "Explaining a decision")."""
+    out: dict[str, Any] = {}
+    if explanation is None:
+        out["error"] = why_not or "no explanation"
+    else:
+        r = explanation.ranking
+        v = explanation.verdict
+        out["policy"], out["cost_unit"], out["pick"] = r.policy, r.cost_unit, r.pick
+        out["verdict"] = {
+            "winner": v.winner,
+            "reason": v.reason,
+            "runner_up": v.runner_up,
+            "margin": round(v.margin, 3),
+            "margin_ms": round(v.margin_ms, 3),
+            "deciding_term": v.deciding_term,
+            "deciding_ms": round(v.deciding_ms, 3),
+            "summary": v.summary,
+        }
+        states = {i.instance_id: i for i in explanation.instances}
+        ranked = []
+        for x in r.ranked:
+            t = x.matched_tokens_by_tier
+            more = states.get(x.instance_id)
+            ranked.append(
+                {
+                    "instance": x.instance_id,
+                    "state": more.state if more is not None else "",
+                    "why_state": more.state_reason if more is not None else "",
+                    "cost": round(x.cost, 3),
+                    "est_ttft_ms": round(x.est_ttft_ms, 3),
+                    "wait_ms": round(x.wait_ms, 3),
+                    "prefill_ms": round(x.prefill_ms, 3),
+                    "fetch_ms": round(x.fetch_ms, 3),
+                    "matched_tokens": {"gpu": t.gpu, "cpu": t.cpu, "disk": t.disk, "shared": t.shared},
+                    "running": x.load.running,
+                    "waiting": x.load.waiting,
+                    "explain": x.explain,
+                }
+            )
+        out["ranked"] = ranked
+    out["admission"] = admission
+    # A header value: ASCII, one line.
+    return json.dumps(out, separators=(",", ":"), ensure_ascii=True)

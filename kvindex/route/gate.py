@@ -91,6 +91,10 @@ class Admitted(Generic[T]):
     waited_s: float
     committed: bool = True
     est_ms: float = 0.0
+    # Why: the rule's reason to admit ("" within the objective, best_effort), and why it was held
+    # first ("" if it was not: over_objective, saturated, behind) — the proxy's debug explanation.
+    reason: str = ""
+    held: str = ""
 
 
 @dataclass
@@ -98,6 +102,7 @@ class Shed:
     reason: str
     retry_after_s: int
     message: str
+    waited_s: float = 0.0  # held this long first
 
 
 Attempt = Callable[[bool], Awaitable[T]]  # score, with commit or not
@@ -173,7 +178,7 @@ class AdmissionGate(Generic[T]):
             TIMEOUT: "queued too long",
             SHEDDABLE: "the fleet is past its objectives and the request is sheddable (negative priority)",
         }[reason]
-        return Shed(reason, max(1, retry), f"overloaded: {what} ({reason})")
+        return Shed(reason, max(1, retry), f"overloaded: {what} ({reason})", waited or 0.0)
 
     async def admit(
         self,
@@ -207,7 +212,7 @@ class AdmissionGate(Generic[T]):
             if objective.priority < 0 or not self.queue.ahead_of(entry.key):
                 if verdict.reason == BEST_EFFORT and self.metrics is not None:
                     self.metrics.best_effort.labels(model, objective.label).inc()
-                return Admitted(trial, verdict.pick, 0.0, est_ms=est_ms)
+                return Admitted(trial, verdict.pick, 0.0, est_ms=est_ms, reason=verdict.reason)
             reason = BEHIND
         elif verdict.action == SHED:
             await undo(trial)
@@ -217,7 +222,7 @@ class AdmissionGate(Generic[T]):
         displaced = self.queue.push(entry)
         if displaced is entry:  # full, and this one ranks last
             if verdict.can_meet:  # never shed while an instance could meet
-                return Admitted(trial, verdict.pick, 0.0, est_ms=est_ms)
+                return Admitted(trial, verdict.pick, 0.0, est_ms=est_ms, reason=verdict.reason)
             await undo(trial)
             return self._shed(model, objective, QUEUE_FULL, verdict.retry_after_s or 1, None)
         if displaced is not None:
@@ -232,7 +237,10 @@ class AdmissionGate(Generic[T]):
                 self.metrics.queued.labels(model, objective.label, reason).inc()
                 self.metrics.depth.set(len(self.queue))
             self._start()
-            return await self._held(entry, turn, attempt, estimates, undo)
+            held = await self._held(entry, turn, attempt, estimates, undo)
+            if isinstance(held, Admitted):
+                held.held = reason
+            return held
         finally:
             self._turns.pop(entry.seq, None)
             self._trying.discard(entry.seq)
@@ -270,7 +278,9 @@ class AdmissionGate(Generic[T]):
                     if verdict.reason == BEST_EFFORT:
                         self.metrics.best_effort.labels(model, objective.label).inc()
                 est_ms = raw[verdict.pick].est_ttft_ms if raw else 0.0
-                return Admitted(trial, verdict.pick, waited, committed=False, est_ms=est_ms)
+                return Admitted(
+                    trial, verdict.pick, waited, committed=False, est_ms=est_ms, reason=verdict.reason
+                )
             if entry.evicted:
                 return self._shed(model, objective, QUEUE_FULL, verdict.retry_after_s or 1, waited)
             if verdict.action == SHED:

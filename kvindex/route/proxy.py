@@ -31,7 +31,7 @@ from kvindex.client import (
 )
 from kvindex.observability.logs import RateLimitedLog
 from kvindex.route.config import RouteConfig
-from kvindex.route.decide import MAYBE_COMMITTED, Decider, estimate_of, estimates
+from kvindex.route.decide import MAYBE_COMMITTED, Decider, estimate_of, estimates, explanation_header
 from kvindex.route.gate import AdmissionGate, AdmissionMetrics, Admitted, Shed
 from kvindex.route.http import (
     engine_models,
@@ -54,6 +54,10 @@ from kvindex.v1 import kvindex_pb2 as pb
 log = structlog.get_logger("kvindex.route")
 
 COMPLETION_PATHS = ("/v1/completions", "/v1/chat/completions")
+# Debug: a request with this header (1, true, yes, on) gets the decision explained in the response
+# header of the same name (decide.explanation_header); off by default, it costs an Explain call.
+EXPLAIN_HEADER = "x-kvindex-explain"
+_ON = frozenset({"1", "true", "yes", "on"})
 ENGINE_KEEPALIVE = 4.0  # seconds an idle engine connection is kept (uvicorn closes them at 5)
 
 
@@ -68,6 +72,17 @@ class _Request:
     est_ms: float = 0.0  # the index's TTFT estimate for the instance chosen, and when it was chosen
     decided_at: float = 0.0
     sent_at: float = 0.0  # the last attempt's send to an engine (the proxy's stage timings)
+    # Asked for an explanation (``x-kvindex-explain``): the index's, of the last decision (or why
+    # there is none), and the admission decision, returned in the response header of that name.
+    explain: bool = False
+    explanation: pb.ExplainResponse | None = None
+    why_not: str = ""
+    admission: dict[str, Any] = field(default_factory=dict)
+
+
+def _objective(objective: Objective) -> dict[str, Any]:
+    """The request's objective, as the explanation shows it."""
+    return {"ttft_slo_ms": objective.ttft_ms, "priority": objective.priority}
 
 
 class RouteProxy:
@@ -268,6 +283,7 @@ class RouteProxy:
                 return openai_error(400, str(exc), "invalid_request_error", param=exc.header)
             request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
             req = _Request(self.ledger(request_id, spec), spec.model, objective)
+            req.explain = request.headers.get(EXPLAIN_HEADER, "").strip().lower() in _ON
             ledger = req.ledger
             pd = self.pd
             extra = pd.decode_fields(spec.model) if pd is not None else {}
@@ -275,7 +291,7 @@ class RouteProxy:
                 spec.model,
                 objective,
                 received,
-                lambda commit: self.decider.decide(spec, request_id, commit, **extra),
+                lambda commit: self._decide(spec, request_id, req, commit, extra),
                 estimates,
                 lambda trial: self._undo(trial, ledger),
             )
@@ -283,16 +299,27 @@ class RouteProxy:
                 code = "429"
                 shed = openai_error(429, admitted.message, "rate_limit_error", admitted.reason)
                 shed.headers["Retry-After"] = str(admitted.retry_after_s)
+                if req.explain:
+                    req.admission = {
+                        "decision": "shed",
+                        "why": admitted.reason,
+                        "held_ms": round(admitted.waited_s * 1000, 1),
+                        **_objective(objective),
+                    }
+                    shed.headers[EXPLAIN_HEADER] = self._explanation(req)
                 return shed
             decision, why = admitted.trial
             raw, strip_usage = await self._admitted(raw, spec, req, admitted)
             if decision is None or not decision.targets:
                 code = "503"
                 down = decision is None and self.client.health.reachable is False
-                return openai_error(
+                unavailable = openai_error(
                     503, why if decision is None else f"no instance serves model {spec.model!r}",
                     "service_unavailable", "index_unreachable" if down else "no_instance",
                 )  # fmt: skip
+                if req.explain:
+                    unavailable.headers[EXPLAIN_HEADER] = self._explanation(req)
+                return unavailable
             added: dict[str, str] | None = None
             first_byte: FirstByte | None = None
             if pd is not None:
@@ -307,6 +334,8 @@ class RouteProxy:
             response, code = await self._forward(
                 request, raw, spec, decision, req, received, strip_usage, added, first_byte
             )
+            if req.explain and not response.prepared:  # no engine reached (a relayed one has it)
+                response.headers[EXPLAIN_HEADER] = self._explanation(req)
             return response
         except asyncio.CancelledError:
             code = "499"  # the client went away (or shutdown's grace ran out)
@@ -320,6 +349,18 @@ class RouteProxy:
             self.metrics.in_flight.dec()
             self.metrics.requests.labels(path, code).inc()
 
+    async def _decide(
+        self, spec: PromptSpec, request_id: str, req: _Request, commit: bool, extra: dict[str, Any]
+    ) -> tuple[Decision | None, str]:
+        """The decision (admission asks again after holding a request); explained first by the
+        index when the request asked: Explain changes nothing, so it sees what the Score will."""
+        if req.explain:
+            req.explanation, req.why_not = await self.decider.explain(spec, request_id, **extra)
+        return await self.decider.decide(spec, request_id, commit, **extra)
+
+    def _explanation(self, req: _Request) -> str:
+        return explanation_header(req.explanation, req.why_not, req.admission)
+
     async def _admitted(
         self, raw: bytes, spec: PromptSpec, req: _Request, admitted: Admitted[tuple[Decision | None, str]]
     ) -> tuple[bytes, bool]:
@@ -330,6 +371,17 @@ class RouteProxy:
         decision = admitted.trial[0]
         ledger = req.ledger
         req.est_ms, req.decided_at = admitted.est_ms, time.monotonic()
+        if req.explain:
+            objective = req.objective
+            req.admission = {
+                "decision": "held" if admitted.held else "admitted",
+                "why": admitted.reason
+                or ("within its objective" if objective.ttft_ms is not None else "no objective"),
+                "held_ms": round(admitted.waited_s * 1000, 1),
+                "held_because": admitted.held,
+                "pick": admitted.pick,  # the rank admission chose (0: the index's first)
+                **_objective(objective),
+            }
         if spec.stream and req.est_ms and decision is not None and admitted.pick < len(decision.targets):
             first = decision.targets[admitted.pick].instance_id
             self.gate.awaiting(spec.model, req, req.est_ms, req.decided_at, first)
@@ -439,6 +491,8 @@ class RouteProxy:
         }
         if est_ttft_ms is not None:  # what the index predicted, for a client to compare with
             ours["x-kvindex-est-ttft-ms"] = f"{est_ttft_ms:.1f}"
+        if req.explain:
+            ours[EXPLAIN_HEADER] = self._explanation(req)
         response = relayed_response(upstream, reader is not None and reader.strip, ours)
         await response.prepare(request)
         first = True

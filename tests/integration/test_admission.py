@@ -143,6 +143,58 @@ async def test_queued_until_the_fleet_frees_then_served_queue_time_in_ttft(slo_f
     await wait_until(lambda: slo_fleet.ledger() == 0, what="ledger released")
 
 
+async def test_the_explain_header_returns_the_decision_explained_with_admission(slo_fleet: Fleet) -> None:
+    """``x-kvindex-explain: 1`` returns the index's explanation of the decision (the Explain RPC: it
+    changes nothing) and what admission did, in the response header of that name; off by default."""
+    async with await slo_fleet.post(body()) as resp:
+        assert resp.status == 200 and "x-kvindex-explain" not in resp.headers
+        await resp.read()
+    ask = {"x-kvindex-explain": "1"}
+    async with await slo_fleet.post(body(), headers=ask) as resp:
+        assert resp.status == 200
+        served = resp.headers["x-kvindex-instance"]
+        said = json.loads(resp.headers["x-kvindex-explain"])
+        await resp.read()
+    v = said["verdict"]
+    assert (v["winner"], v["reason"], served) == ("w1/0", "cache", "w1/0")  # w1 holds 6 blocks, w2 2
+    assert v["runner_up"] == said["ranked"][1]["instance"] and v["deciding_term"] == "prefill"
+    first = said["ranked"][0]  # (the first request's blocks count speculatively: all but the last token)
+    assert (
+        first["instance"] == "w1/0"
+        and first["matched_tokens"]["gpu"] == len(PROMPT) - 1
+        and first["state"] == "exact"
+    )
+    assert first["est_ttft_ms"] == pytest.approx(
+        first["wait_ms"] + first["prefill_ms"] + first["fetch_ms"], abs=0.01
+    )
+    assert said["admission"] == {
+        "decision": "admitted", "why": "no objective", "held_ms": 0.0, "held_because": "", "pick": 0,
+        "ttft_slo_ms": None, "priority": 0,
+    }  # fmt: skip
+    assert [len(e.bodies) for e in slo_fleet.engines.values()] == [2, 0, 0]  # explained, not sent
+    await wait_until(lambda: slo_fleet.ledger() == 0, what="ledger released")
+    # Held until the fleet frees: for how long and why.
+    await overload(slo_fleet, 30_000)
+    post = asyncio.ensure_future(slo_fleet.post(body(), headers={**ask, "x-kvindex-ttft-slo-ms": "3000"}))
+    await wait_until(lambda: len(slo_fleet.proxy.gate.queue) == 1, what="the request queued")
+    await asyncio.sleep(0.2)
+    await overload(slo_fleet, 0)
+    async with await post as resp:
+        assert resp.status == 200
+        held = json.loads(resp.headers["x-kvindex-explain"])["admission"]
+        await resp.read()
+    assert held["decision"] == "held" and held["held_because"] == OVER_OBJECTIVE and held["held_ms"] >= 200
+    assert held["why"] == "within its objective" and held["ttft_slo_ms"] == 3000
+    # Shed: why, with the ranking that made it so.
+    await overload(slo_fleet, 30_000)
+    async with await slo_fleet.post(body(), headers={**ask, "x-kvindex-ttft-slo-ms": "1"}) as resp:
+        assert resp.status == 429
+        shed = json.loads(resp.headers["x-kvindex-explain"])
+    assert shed["admission"]["decision"] == "shed" and shed["admission"]["why"] == UNATTAINABLE
+    assert all(r["wait_ms"] > 3000 for r in shed["ranked"]) and shed["verdict"]["winner"]
+    await wait_until(lambda: slo_fleet.ledger() == 0, what="ledger released")
+
+
 async def test_queued_request_shed_when_its_deadline_can_no_longer_be_met(slo_fleet: Fleet) -> None:
     await overload(slo_fleet, 30_000)
     started = time.monotonic()
