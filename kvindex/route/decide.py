@@ -24,10 +24,12 @@ from kvindex.client import (
     prefix_key,
 )
 from kvindex.observability.logs import RateLimitedLog
+from kvindex.route.gate import Admitted, Shed
 from kvindex.route.http import fields_taken
 from kvindex.route.metrics import RouteMetrics
 from kvindex.route.openai_body import PromptSpec
 from kvindex.scoring.admission import Estimate
+from kvindex.scoring.objectives import Objective
 from kvindex.v1 import kvindex_pb2 as pb
 
 log = structlog.get_logger("kvindex.route")
@@ -42,6 +44,15 @@ _NO_TOKENIZER = "has no tokenizer configured"
 
 # A Score that may have reached the index and committed although no answer came back: release it.
 MAYBE_COMMITTED = frozenset({DEADLINE, STREAM_BROKEN, ERROR})
+
+# Debug: a request with this header (1, true, yes, on) gets its decision explained in the response
+# header of the same name (``explanation_header``), by the proxy and the picker; off by default (it
+# costs an Explain call).
+EXPLAIN_HEADER = "x-kvindex-explain"
+
+
+def wants_explanation(value: str) -> bool:
+    return value.strip().lower() in ("1", "true", "yes", "on")
 
 
 def estimates(trial: tuple[Decision | None, str]) -> list[Estimate]:
@@ -266,3 +277,21 @@ def explanation_header(
     out["admission"] = admission
     # A header value: ASCII, one line.
     return json.dumps(out, separators=(",", ":"), ensure_ascii=True)
+
+
+def admission_said(outcome: Admitted[Any] | Shed, objective: Objective) -> dict[str, Any]:
+    """What admission did with a request (kvindex/route/gate.py), as its explanation shows it:
+    admitted at once, held (for how long, because) then admitted, or shed (why)."""
+    said: dict[str, Any]
+    if isinstance(outcome, Shed):
+        said = {"decision": "shed", "why": outcome.reason, "held_ms": round(outcome.waited_s * 1000, 1)}
+    else:
+        said = {
+            "decision": "held" if outcome.held else "admitted",
+            "why": outcome.reason
+            or ("within its objective" if objective.ttft_ms is not None else "no objective"),
+            "held_ms": round(outcome.waited_s * 1000, 1),
+            "held_because": outcome.held,
+            "pick": outcome.pick,  # the rank admission chose (0: the index's first)
+        }
+    return {**said, "ttft_slo_ms": objective.ttft_ms, "priority": objective.priority}

@@ -52,6 +52,7 @@ from kvindex.api.inprocess import run_sync
 from kvindex.api.servicer import KvIndexServicer
 from kvindex.client.local import LocalKvIndexClient
 from kvindex.fleet.registry import InstanceState
+from kvindex.route.decide import EXPLAIN_HEADER, admission_said, explanation_header, wants_explanation
 from kvindex.route.envoy import (
     DESTINATION,
     FULL_DUPLEX,
@@ -116,6 +117,7 @@ class _Exchange:
     picked_at: float = 0.0  # monotonic time of the pick (the TTFT the picker sees starts here)
     first_byte_at: float = 0.0
     reader: UsageReader | None = None  # the response's usage, when the gateway sends the body
+    explained: str = ""  # asked for (x-kvindex-explain): the response header's value
 
     @property
     def committed(self) -> str:
@@ -265,6 +267,17 @@ class EndpointPicker(ep_grpc.ExternalProcessorServicer):
                 ex.reader = UsageReader(stream)
             if msg.response_headers.end_of_stream:
                 self._finish(ex)
+            if ex.explained:  # asked for: the decision explained, to the client with the answer
+                explained = ep.HeaderMutation(
+                    set_headers=[
+                        core_pb2.HeaderValueOption(
+                            header=core_pb2.HeaderValue(key=EXPLAIN_HEADER, raw_value=ex.explained.encode()),
+                            append_action=core_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD,
+                        )
+                    ]
+                )
+                common = ep.CommonResponse(header_mutation=explained)
+                return [ep.ProcessingResponse(response_headers=ep.HeadersResponse(response=common))]
             return [ep.ProcessingResponse(response_headers=ep.HeadersResponse())]
         if kind == "response_body":
             body = msg.response_body
@@ -302,7 +315,10 @@ class EndpointPicker(ep_grpc.ExternalProcessorServicer):
             return immediate(400, str(exc))
         if isinstance(endpoints, Shed):
             self.metrics.picks.labels("shed").inc()
-            return immediate(429, endpoints.message, {"retry-after": str(endpoints.retry_after_s)})
+            headers = {"retry-after": str(endpoints.retry_after_s)}
+            if ex.explained:
+                headers[EXPLAIN_HEADER] = ex.explained
+            return immediate(429, endpoints.message, headers)
         if not endpoints:
             self.metrics.picks.labels("no_endpoint").inc()
             reason = "no ready endpoint in the subset hint" if ex.subset is not None else "no ready endpoint"
@@ -354,8 +370,12 @@ class EndpointPicker(ep_grpc.ExternalProcessorServicer):
         else:
             candidates, role = sorted(s.instance_id for s in eligible), ""
         scored: list[pb.ScoreRequest] = []
+        explain = wants_explanation(ex.headers.get(EXPLAIN_HEADER, ""))
+        explained: list[tuple[pb.ExplainResponse | None, str]] = []
 
         async def attempt(commit: bool) -> pb.ScoreResponse:
+            if explain:  # the ranking this Score gets, explained first (Explain changes nothing)
+                explained.append(self._explain(self._score_request(spec, ex, candidates, False, role)))
             request = self._score_request(spec, ex, candidates, commit, role)
             response = self._score(request)
             scored.append(request)
@@ -372,6 +392,8 @@ class EndpointPicker(ep_grpc.ExternalProcessorServicer):
             lambda r: [Estimate.of(x) for x in r.ranked] if r.block_size else [],
             self._undo(ex),
         )
+        if explained:
+            ex.explained = explanation_header(*explained[-1], admission_said(admitted, ex.objective))
         if isinstance(admitted, Shed):
             return admitted
         response = admitted.trial
@@ -560,6 +582,12 @@ class EndpointPicker(ep_grpc.ExternalProcessorServicer):
         servicer raises it)."""
         response: pb.ScoreResponse = run_sync(self.client.call("Score", request))
         return response
+
+    def _explain(self, request: pb.ScoreRequest) -> tuple[pb.ExplainResponse | None, str]:
+        try:
+            return self.servicer.explain_request(request), ""
+        except BadRequest as exc:
+            return None, f"the index cannot rank it: {exc}"
 
     def _committed(self, ex: _Exchange, instance_id: str) -> None:
         if ex.ledger is not None:

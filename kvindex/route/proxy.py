@@ -31,7 +31,16 @@ from kvindex.client import (
 )
 from kvindex.observability.logs import RateLimitedLog
 from kvindex.route.config import RouteConfig
-from kvindex.route.decide import MAYBE_COMMITTED, Decider, estimate_of, estimates, explanation_header
+from kvindex.route.decide import (
+    EXPLAIN_HEADER,
+    MAYBE_COMMITTED,
+    Decider,
+    admission_said,
+    estimate_of,
+    estimates,
+    explanation_header,
+    wants_explanation,
+)
 from kvindex.route.gate import AdmissionGate, AdmissionMetrics, Admitted, Shed
 from kvindex.route.http import (
     engine_models,
@@ -54,10 +63,6 @@ from kvindex.v1 import kvindex_pb2 as pb
 log = structlog.get_logger("kvindex.route")
 
 COMPLETION_PATHS = ("/v1/completions", "/v1/chat/completions")
-# Debug: a request with this header (1, true, yes, on) gets the decision explained in the response
-# header of the same name (decide.explanation_header); off by default, it costs an Explain call.
-EXPLAIN_HEADER = "x-kvindex-explain"
-_ON = frozenset({"1", "true", "yes", "on"})
 ENGINE_KEEPALIVE = 4.0  # seconds an idle engine connection is kept (uvicorn closes them at 5)
 
 
@@ -78,11 +83,6 @@ class _Request:
     explanation: pb.ExplainResponse | None = None
     why_not: str = ""
     admission: dict[str, Any] = field(default_factory=dict)
-
-
-def _objective(objective: Objective) -> dict[str, Any]:
-    """The request's objective, as the explanation shows it."""
-    return {"ttft_slo_ms": objective.ttft_ms, "priority": objective.priority}
 
 
 class RouteProxy:
@@ -283,7 +283,7 @@ class RouteProxy:
                 return openai_error(400, str(exc), "invalid_request_error", param=exc.header)
             request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
             req = _Request(self.ledger(request_id, spec), spec.model, objective)
-            req.explain = request.headers.get(EXPLAIN_HEADER, "").strip().lower() in _ON
+            req.explain = wants_explanation(request.headers.get(EXPLAIN_HEADER, ""))
             ledger = req.ledger
             pd = self.pd
             extra = pd.decode_fields(spec.model) if pd is not None else {}
@@ -300,12 +300,7 @@ class RouteProxy:
                 shed = openai_error(429, admitted.message, "rate_limit_error", admitted.reason)
                 shed.headers["Retry-After"] = str(admitted.retry_after_s)
                 if req.explain:
-                    req.admission = {
-                        "decision": "shed",
-                        "why": admitted.reason,
-                        "held_ms": round(admitted.waited_s * 1000, 1),
-                        **_objective(objective),
-                    }
+                    req.admission = admission_said(admitted, objective)
                     shed.headers[EXPLAIN_HEADER] = self._explanation(req)
                 return shed
             decision, why = admitted.trial
@@ -372,16 +367,7 @@ class RouteProxy:
         ledger = req.ledger
         req.est_ms, req.decided_at = admitted.est_ms, time.monotonic()
         if req.explain:
-            objective = req.objective
-            req.admission = {
-                "decision": "held" if admitted.held else "admitted",
-                "why": admitted.reason
-                or ("within its objective" if objective.ttft_ms is not None else "no objective"),
-                "held_ms": round(admitted.waited_s * 1000, 1),
-                "held_because": admitted.held,
-                "pick": admitted.pick,  # the rank admission chose (0: the index's first)
-                **_objective(objective),
-            }
+            req.admission = admission_said(admitted, req.objective)
         if spec.stream and req.est_ms and decision is not None and admitted.pick < len(decision.targets):
             first = decision.targets[admitted.pick].instance_id
             self.gate.awaiting(spec.model, req, req.est_ms, req.decided_at, first)

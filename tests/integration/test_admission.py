@@ -16,6 +16,7 @@ from envoy.config.core.v3 import base_pb2 as core_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 
+from kvindex.keys import block_keys
 from kvindex.scoring.admission import (
     DEADLINE,
     OVER_OBJECTIVE,
@@ -330,6 +331,50 @@ async def test_picker_sheds_with_an_immediate_429_and_retry_after(
     assert pick.immediate_response.status.code == 400
     assert "x-kvindex-priority" in pick.immediate_response.details
     assert len(svc.ext_proc.picker.gate.queue) == 0  # type: ignore[union-attr]
+
+
+async def test_picker_explains_the_pick_on_request(
+    slo_picker: tuple[IndexService, ep_grpc.ExternalProcessorStub], make_publisher: MakePub
+) -> None:
+    """``x-kvindex-explain: 1`` through Envoy: the picker adds the explanation to the response headers
+    (a header mutation of its response-headers answer), and to a shed request's 429."""
+    svc, stub = slo_picker
+    pubs = await picker_fleet(make_publisher, svc)
+    prompt = tokens(4 * 16, 5)
+    pubs[1].stored(block_keys(prompt, 16, PICKER_MODEL))
+    await pubs[1].flush()
+    await wait_until(lambda: svc.index.block_counts(("w1", 0))[0] == 4, what="blocks indexed")
+    ask = {"x-kvindex-explain": "1"}
+    envoy = Envoy(stub)
+    with_headers(envoy, ask)
+    pick, _ = await envoy.request({"model": PICKER_MODEL, "prompt": prompt})
+    assert destination(pick, "request_headers")[0].split(",")[0] == "10.0.0.2:8000"  # w1
+    status = core_pb2.HeaderMap(headers=[core_pb2.HeaderValue(key=":status", raw_value=b"200")])
+    await envoy.send(
+        ep.ProcessingRequest(response_headers=ep.HttpHeaders(headers=status, end_of_stream=True))
+    )
+    answer = (await envoy.recv()).response_headers.response.header_mutation.set_headers
+    said = json.loads(next(h.header.raw_value for h in answer if h.header.key == "x-kvindex-explain"))
+    assert said["verdict"]["winner"] == "w1/0" and said["verdict"]["reason"] == "cache"
+    assert said["admission"]["decision"] == "admitted" and said["ranked"][0]["state"] == "exact"
+    await envoy.close()
+    # Without the header, nothing is added.
+    envoy = Envoy(stub)
+    pick, _ = await envoy.request({"model": PICKER_MODEL, "prompt": prompt})
+    await envoy.send(
+        ep.ProcessingRequest(response_headers=ep.HttpHeaders(headers=status, end_of_stream=True))
+    )
+    assert not (await envoy.recv()).response_headers.response.header_mutation.set_headers
+    await envoy.close()
+    # Shed: the 429 says why.
+    await picker_overload(pubs, svc, 30_000)
+    envoy = Envoy(stub)
+    with_headers(envoy, {**ask, "x-kvindex-ttft-slo-ms": "1"})
+    pick, _ = await envoy.request({"model": PICKER_MODEL, "prompt": prompt})
+    assert pick.immediate_response.status.code == 429
+    got = {h.header.key: h.header.raw_value for h in pick.immediate_response.headers.set_headers}
+    assert json.loads(got["x-kvindex-explain"])["admission"]["why"] == UNATTAINABLE
+    await wait_until(lambda: len(svc.ranker.ledger) == 0, what="ledger empty")
 
 
 async def test_picker_holds_the_request_until_an_instance_can_meet_its_objective(
