@@ -118,6 +118,9 @@ class _Exchange:
     first_byte_at: float = 0.0
     reader: UsageReader | None = None  # the response's usage, when the gateway sends the body
     explained: str = ""  # asked for (x-kvindex-explain): the response header's value
+    # Envoy served it on a fallback endpoint: re-committed there only once the engine answered, so
+    # its engine's report is not compared (see _served).
+    served_elsewhere: bool = False
 
     @property
     def committed(self) -> str:
@@ -262,7 +265,8 @@ class EndpointPicker(ep_grpc.ExternalProcessorServicer):
             self._served(ex, msg.metadata_context)
             headers = headers_of(msg.response_headers.headers)
             ex.streaming = headers.get("content-type", "").startswith("text/event-stream")
-            if ex.committed and headers.get(":status", "200") == "200" and "content-encoding" not in headers:
+            reportable = ex.committed and not ex.served_elsewhere
+            if reportable and headers.get(":status", "200") == "200" and "content-encoding" not in headers:
                 stream = headers.get("content-type", "").startswith("text/event-stream")
                 ex.reader = UsageReader(stream)
             if msg.response_headers.end_of_stream:
@@ -552,6 +556,11 @@ class EndpointPicker(ep_grpc.ExternalProcessorServicer):
         self.metrics.served_elsewhere.inc()
         self._drop(ex)  # then committed again where it is served (a unified entry)
         self._recommit(ex, instance, ex.request)
+        # Committed there only now that the engine answers: its prediction is the index's view after
+        # the engine ran the request (a non-streamed answer, or a stream's headers sent with the
+        # first token, comes after the prefill, whose KV events the index may have applied), which
+        # would count the request's own blocks as its hit: its report is no evidence, not sent.
+        ex.served_elsewhere = True
 
     def _recommit(self, ex: _Exchange, instance: str, like: pb.ScoreRequest) -> None:
         """Commit the request to ``instance`` (a unified entry: prefill and decode there)."""

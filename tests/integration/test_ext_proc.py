@@ -324,6 +324,44 @@ async def test_served_on_a_fallback_moves_the_ledger_entry(
     await envoy.close()
 
 
+async def test_a_request_served_on_a_fallback_is_no_evidence_against_where_it_ran(
+    picker_service: IndexService, picker: ep_grpc.ExternalProcessorStub, make_publisher: MakePub
+) -> None:
+    """Regression: the picker learns of Envoy's fallback at the response headers and commits the
+    request there then, once the engine has prefilled it and its KV events may be in the index: the
+    engine's report (what it held before) was compared with a prediction counting the request's own
+    blocks, an ``over`` against the healthy instance that served it. Such a report is not sent."""
+    svc = picker_service
+    pubs = {p.worker: p for p in await fleet(make_publisher, svc)}
+    seen: list[Any] = []
+    svc.ranker.outcomes.subscribe(seen.append)
+    prompt = tokens(6 * BS, 7)
+    usage = {
+        "prompt_tokens": len(prompt),
+        "completion_tokens": 2,
+        "prompt_tokens_details": {"cached_tokens": 0},
+    }
+    sse = [
+        b'data: {"choices":[{"text":"a"}]}\n\n',
+        b'data: {"choices":[],"usage":' + json.dumps(usage).encode() + b"}\n\n",
+        b"data: [DONE]\n\n",
+    ]
+    envoy = Envoy(picker)
+    body = {"model": MODEL, "prompt": prompt, "stream": True, "stream_options": {"include_usage": True}}
+    pick, _ = await envoy.request(body)
+    fallback = destination(pick, "request_headers")[0].split(",")[1]
+    (state,) = svc.registry.at_endpoint(fallback)
+    pub = pubs[state.worker]  # Envoy retried there; that engine prefilled the prompt, and says so
+    pub.stored(block_keys(prompt, BS, MODEL))
+    await pub.flush()
+    await wait_until(lambda: svc.index.block_counts(state.key)[0] == 6, what="the fallback's events applied")
+    assert await envoy.response(fallback, sse, content_type="text/event-stream") == sse
+    await envoy.close()
+    assert len(svc.ranker.ledger) == 0
+    assert not seen and not any(any(i.recent) for i in svc.ranker.outcomes.instances.values())
+    assert all(svc.ranker.state_of(s)[0] == "exact" for s in svc.registry.all())
+
+
 async def test_health_services_on_the_picker_port(picker_service: IndexService) -> None:
     assert picker_service.ext_proc is not None
     # Readiness follows the service's (kvindex/service/readiness.py): after the first heartbeat window.
