@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import inspect
 
+import pytest
+
 from kvindex.scoring import costs
 from kvindex.scoring.explain import PICK, PLACEMENT, TERMS, verdict
 from kvindex.scoring.pick import PickOptions
@@ -68,8 +70,9 @@ def test_one_or_no_instance() -> None:
     assert none.winner == "" and none.summary == "no instance was ranked"
 
 
-def test_explain_leaves_the_router_as_it_was() -> None:
-    router, index, registry, clock = fleet(6)
+@pytest.mark.parametrize(("instances", "top_k"), [(6, 0), (130, 3)])  # (130, 3): the pruned ranking
+def test_explain_leaves_the_router_as_it_was(instances: int, top_k: int) -> None:
+    router, index, registry, clock = fleet(instances)
     keys = prompt(40)
     index.store(("w0", 0), 0, keys[:30])
     for i, state in enumerate(registry.all()):  # queues longer than the work: congested
@@ -78,14 +81,14 @@ def test_explain_leaves_the_router_as_it_was() -> None:
     ttft = router.policies["ttft"]
     softmax = PickOptions("softmax", 0.5)
     for _ in range(3):  # a Score folds the congestion weight in, and draws without a request id
-        router.score(request(keys), pick=softmax)
+        router.score(request(keys), pick=softmax, top_k=top_k)
         clock.t += 1.0
     state = (vars(ttft).copy(), router.rng.getstate(), router.picker.getstate())
     assert ttft._k > 0  # type: ignore[attr-defined]
-    first = router.explain(request(keys), pick=softmax)
-    for policy in ("ttft", "power_of_two", "flexlb", "round_robin"):
-        router.explain(request(keys), policy=policy, pick=softmax)
-    again = router.explain(request(keys), pick=softmax)
+    first = router.explain(request(keys), pick=softmax, top_k=top_k)
+    for policy in ("ttft", "power_of_two", "flexlb", "round_robin", "kvaware"):
+        router.explain(request(keys), policy=policy, pick=softmax, top_k=top_k)
+    again = router.explain(request(keys), pick=softmax, top_k=top_k)
     assert (vars(ttft), router.rng.getstate(), router.picker.getstate()) == state
     assert [(c.candidate.state.key, c.cost, c.reason) for c in first.choices] == [
         (c.candidate.state.key, c.cost, c.reason) for c in again.choices
@@ -93,5 +96,5 @@ def test_explain_leaves_the_router_as_it_was() -> None:
     assert first.committed is None and len(router.ledger) == 0
     # What a Score changes, for contrast: the same call moves the weight on.
     clock.t += 1.0
-    router.score(request(keys), pick=softmax)
+    router.score(request(keys), pick=softmax, top_k=top_k)
     assert vars(ttft) != state[0] and router.picker.getstate() != state[2]
