@@ -172,3 +172,26 @@ async def test_cli_explains_and_says_what_is_wrong(
     assert "kvindex explain: error: unknown policy 'nope'" in capsys.readouterr().err
     assert await run("--model", "ghost", "--tokens", tokens) == 2
     assert "no instance of model 'ghost'" in capsys.readouterr().err
+
+
+async def test_explain_says_why_a_hybrid_models_instance_is_approximate(
+    service: IndexService, stub: pb_grpc.KvIndexStub, make_publisher: MakePub
+) -> None:
+    """A hybrid-attention model (tests/integration/test_hybrid.py's tiny Gemma 3): an instance whose
+    KV-cache groups differ from the model's is approximate, and the explanation says why."""
+    from tests.integration import test_hybrid as hybrid
+
+    a = await hybrid.gemma_worker(make_publisher, "a")
+    hybrid.cache_first_prompt(a)
+    other = [{**g, "window": 128} if g["kind"] == "sliding_window" else g for g in hybrid.GEMMA]
+    b = await hybrid.gemma_worker(make_publisher, "b", other)
+    for pub in (a, b):
+        await pub.heartbeat()
+        await hybrid.settle(service, pub)
+    await hybrid.announced(service, a, b)
+    await wait_until(lambda: service.registry.get(("b", 0)).layout_conflict, what="b's conflict seen")
+    got = await stub.Explain(pb.ScoreRequest(model=hybrid.MODEL, token_ids=hybrid.FIRST))
+    states = {i.instance_id: (i.state, i.state_reason) for i in got.instances}
+    assert states["a/0"] == ("exact", "")
+    assert states["b/0"][0] == "approximate" and "KV-cache groups differ from the model's" in states["b/0"][1]
+    assert got.verdict.winner == "a/0" and got.ranking.ranked[0].matched_blocks == 7
