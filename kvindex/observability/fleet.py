@@ -1,6 +1,7 @@
 """Prometheus view of the fleet as the index sees it, and of the service's own state: readiness, the
-NATS connection, per instance its heartbeat age, load and blocks per tier, and per model where the
-prefill model that ranks its instances comes from and how wrong it recently was.
+NATS connection, per instance its heartbeat age, load and blocks per tier, the instances known only
+approximately by why, and per model where the prefill model that ranks its instances comes from and
+how wrong it recently was.
 
 Read at scrape time (prometheus_client's HTTP thread) from the registry, the index and the
 calibrator, like the ingest counters: nothing on the hot path. The per-instance label is
@@ -23,6 +24,12 @@ from kvindex.scoring.calibration import DEFAULT, OWN, SHARED, Calibrator
 from kvindex.wire.schema import TIER_NAMES
 
 SOURCES = (DEFAULT, SHARED, OWN)
+# Why an instance's cache is not known exactly (kvindex_instances_approximate{reason}), bounded:
+# no KV events (predicted from routing); a hybrid-attention model's KV-cache layout other than the
+# model's (its blocks refused, kvindex/ingest/layouts.py); other groups not read by the engine's rule
+# (unreadable, not announced, a group its layout lacks). ListInstances' state_reason says which.
+NO_EVENTS, KV_GROUPS_CONFLICT, KV_GROUPS = "no_events", "kv_groups_conflict", "kv_groups"
+APPROXIMATE_REASONS = (NO_EVENTS, KV_GROUPS_CONFLICT, KV_GROUPS)
 
 
 class FleetCollector(Collector):
@@ -80,9 +87,16 @@ class FleetCollector(Collector):
             "Blocks the index holds for the instance, per tier",
             labels=["instance", "tier"],
         )
+        approximate = dict.fromkeys(APPROXIMATE_REASONS, 0)
         n_stale = 0
         for state in states:
             name = state.instance_id
+            if state.is_pool:
+                pass  # (not an instance that serves: no state, as kvindex_instances_by_state)
+            elif state.approximate:  # the order of OutcomeTracker.state
+                approximate[NO_EVENTS] += 1
+            elif state.groups_inexact:
+                approximate[KV_GROUPS_CONFLICT if state.layout_conflict else KV_GROUPS] += 1
             if state.stale:
                 n_stale += 1
                 each_stale.add_metric([name], 1)
@@ -100,6 +114,16 @@ class FleetCollector(Collector):
                     blocks.add_metric([name, TIER_NAMES[tier]], n)
         stale.add_metric([], n_stale)
         yield stale
+        by_reason = GaugeMetricFamily(
+            "kvindex_instances_approximate",
+            "Instances whose cache the index does not know exactly, by why: no_events (predicted from "
+            "routing), kv_groups_conflict (a hybrid-attention layout other than the model's), kv_groups "
+            "(KV-cache groups not read by the engine's rule)",
+            labels=["reason"],
+        )
+        for reason, n in approximate.items():
+            by_reason.add_metric([reason], n)
+        yield by_reason
         yield each_stale
         yield age
         yield requests

@@ -149,7 +149,7 @@ FLEET = Dashboard(
                desc="exact: the index's view is trusted; degraded: recent reports disagree, or a repair is "
                "under way or failed; approximate: no KV events (predicted from routing decisions)"),
             ts("Instances not exact", _each("kvindex_instance_state", 'state!="exact"', "state"), width=12),
-            ts("Approximate instances", Query('max(kvindex_instances_by_state{state="approximate"})', "approximate"), width=12, desc="No KV events, or (hybrid-attention models) KV-cache groups not read by the engine's rule: the reason per instance is `kvindex instances` / ListInstances state_reason and the log's instance_kv_groups_approximate"),  # noqa: E501
+            ts("Approximate instances by reason", Query("max by (reason) (kvindex_instances_approximate)", "{{reason}}"), width=12, desc="no_events: no KV events (cache predicted from routing); kv_groups_conflict: a hybrid-attention model's KV-cache layout other than the model's (blocks refused); kv_groups: groups not read by the engine's rule. Each instance's exact reason: `kvindex instances` (state_reason)"),  # noqa: E501
             ts("Heartbeat age", _each("kvindex_instance_heartbeat_age_seconds"), unit="s", width=12,
                desc="Seconds since each instance's last heartbeat (every 0.5 s by default)"),
             ts("Heartbeats and staleness /s", make_rate("kvindex_status_received_total", legend="heartbeats"),

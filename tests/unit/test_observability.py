@@ -21,7 +21,7 @@ from kvindex.observability.fleet import FleetCollector
 from kvindex.observability.hits import HitCollector
 from kvindex.scoring.calibration import Calibrator
 from kvindex.scoring.outcomes import OutcomeTracker, Prediction, Report
-from kvindex.wire.schema import CPU, GPU, Load
+from kvindex.wire.schema import CPU, GPU, SHARED, Load
 from kvtools.observability import alerts, generate, grafana
 from kvtools.observability.alerts import ALERTS
 from kvtools.observability.dashboards import DASHBOARDS
@@ -95,6 +95,32 @@ def test_fleet_collector_reads_the_registry_index_and_calibrator() -> None:
     got = samples(prom)
     assert got[("kvindex_ready", ())] == 1 and got[("kvindex_instances_stale", ())] == 0
     assert not any(dict(k[1]).get("instance") == "b/0" for k in got)
+
+
+def test_approximate_instances_are_counted_by_why() -> None:
+    """kvindex_instances_approximate{reason}: every reason always exported (0 when none), an
+    instance counted once, as OutcomeTracker.state decides (no events first), pools not at all."""
+    registry, index, cal = Registry(Clock()), InvertedIndex(), Calibrator()
+    prom = CollectorRegistry()
+    prom.register(FleetCollector(registry, index, cal, lambda: True, lambda: True))
+    reason = "kvindex_instances_approximate"
+
+    def counts() -> dict[str, float]:
+        return {dict(k[1])["reason"]: v for k, v in samples(prom).items() if k[0] == reason}
+
+    assert counts() == {"no_events": 0, "kv_groups_conflict": 0, "kv_groups": 0}
+    made = {
+        w: registry.add((w, 0), "m", 16) for w in ("exact", "static", "both", "conflict", "unread", "pool")
+    }
+    made["static"].approximate = True
+    made["both"].approximate = True
+    made["both"].groups_inexact = "announces no KV-cache groups; the model has ..."
+    made["conflict"].groups_inexact = "KV-cache groups differ from the model's: ..."
+    made["conflict"].layout_conflict = True
+    made["unread"].groups_inexact = "KV-cache groups unreadable: ..."
+    made["pool"].approximate = True
+    made["pool"].capacity = {SHARED: 1000}  # a shared pool's publisher
+    assert counts() == {"no_events": 2, "kv_groups_conflict": 1, "kv_groups": 1}
 
 
 def test_hit_collector_counts_the_tokens_of_compared_reports() -> None:
