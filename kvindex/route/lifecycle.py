@@ -171,12 +171,13 @@ class RequestLedger:
 
         self.run(call)
 
-    async def move_before_sending(self, instance_id: str) -> bool:
-        """``move``, over when this returns (in order with the calls before it): for a request about
-        to be sent to ``instance_id`` (a retry). The commit prices the instance as the index sees it
-        before the request runs there; once the engine has run it, its KV events would make the
-        request's own prompt the predicted hit, and the engine's report would be judged against
-        that. Whether the index took it."""
+    async def move_before_sending(self, instance_id: str, wait: float | None = None) -> bool | None:
+        """``move``, awaited (in order with the calls before it): for a request about to be sent to
+        ``instance_id`` (a retry). The commit prices the instance as the index sees it before the
+        request runs there; once the engine has run it, its KV events would make the request's own
+        prompt the predicted hit, and the engine's report would be judged against that. Whether the
+        index took it; None when it has not answered within ``wait`` seconds (the request is not
+        held longer: the commit goes on, ordered before the releases)."""
         moved: list[bool] = []
         over = asyncio.Event()
 
@@ -187,7 +188,10 @@ class RequestLedger:
                 over.set()
 
         self.run(call)
-        await over.wait()
+        try:
+            await asyncio.wait_for(over.wait(), wait)
+        except TimeoutError:
+            return None
         return bool(moved and moved[0])
 
     async def _move(self, instance_id: str) -> bool:

@@ -416,8 +416,9 @@ class RouteProxy:
                 # The entry follows the request before it is sent there (a retry, or admission's
                 # pick): committed after the engine had run it, the request's own KV events would
                 # be its predicted hit, and the engine's report judged against that.
-                moved = await req.ledger.move_before_sending(target.instance_id)
-                decision.committed_instance_id = target.instance_id if moved else ""
+                # (Waited for as long as a decision may take.)
+                moved = await req.ledger.move_before_sending(target.instance_id, self.config.score_timeout)
+                decision.committed_instance_id = "" if moved is False else target.instance_id
             url = f"http://{target.endpoint}{request.path_qs}"
             req.sent_at = time.monotonic()
             if not attempt:

@@ -85,3 +85,59 @@ def test_cli_without_the_route_extra_names_it(
         "kvindex route: error: the routing proxy needs aiohttp, which is not installed: "
         "pip install 'kvindex[route]'\n"
     )
+
+
+async def test_a_move_before_sending_is_awaited_in_order_and_bounded() -> None:
+    """RequestLedger.move_before_sending (a retry's re-commit, kvindex/route/proxy.py) over the
+    in-process client of a real servicer: over when it returns, in order with the request's other
+    index calls; a commit slower than the wait is not waited for, and still comes before the release."""
+    import asyncio
+
+    from kvindex.api.servicer import KvIndexServicer
+    from kvindex.client.local import LocalKvIndexClient
+    from kvindex.core import build_core
+    from kvindex.route.lifecycle import RequestLedger, ordered
+    from kvindex.scoring.ledger import FINISHED
+    from kvindex.tokenize import Tokenizers
+
+    core = build_core()
+    for worker in ("a", "b"):
+        core.index.add_instance((worker, 0), "m")
+        core.registry.add((worker, 0), "m", 4).last_heartbeat_at = core.registry.clock()
+    servicer = KvIndexServicer(core.index, core.registry, core.counters, None, core.ranker, Tokenizers())
+    client = LocalKvIndexClient(servicer, refresh_interval=0)
+    delay = 0.0
+
+    async def commit(instance_id: str) -> bool:
+        await asyncio.sleep(delay)  # an index slow to answer
+        return await client.commit("r1", instance_id, "m", token_ids=list(range(16)))
+
+    class Events:
+        moves: list[bool] = []
+
+        def released(self, phase: str, found: bool | None, reported: bool, status: str, wake: bool) -> None:
+            pass
+
+        def moved(self, committed: bool) -> None:
+            self.moves.append(committed)
+
+    tasks: set[asyncio.Task[None]] = set()
+
+    def spawn(coro: object) -> asyncio.Task[None]:
+        task = asyncio.ensure_future(coro)  # type: ignore[call-overload]
+        tasks.add(task)
+        return task
+
+    ledger = RequestLedger(client, "r1", ordered(spawn), Events(), commit=commit)
+    ledger.active = True
+    entries = core.ranker.ledger
+    assert await ledger.move_before_sending("a/0", 1.0) is True
+    assert [e.instance for e in entries._entries.values()] == [("a", 0)]
+    delay = 0.3
+    assert await ledger.move_before_sending("b/0", 0.02) is None  # not answered in time: not waited for
+    assert [e.instance for e in entries._entries.values()] == [("a", 0)]
+    ledger.release(FINISHED)  # runs after the move it follows
+    await asyncio.wait(tasks)
+    assert Events.moves == [True, True] and len(entries) == 0
+    assert await ledger.move_before_sending("ghost/0", 1.0) is False  # the index does not take it
+    await client.close()
