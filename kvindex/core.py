@@ -1,7 +1,9 @@
 """The core: the parts that turn worker events into rankings, assembled in one place.
 
 Registry, index, sequencer, consumer, calibration and ranker (with its ledger, speculative keys and
-outcomes) are built and connected by ``build_core`` only. The service, the replay of an event log
+outcomes) are built and connected by ``build_core`` only; the ingest path under the consumer (rejects,
+layouts, applier, repair machine, instances, heartbeats) by ``build_consumer``, bottom up, each stage
+handed what it calls and none holding what calls it (kvindex/ingest/README.md). The service, the replay of an event log
 (kvindex/capture/replay.py), the routing simulation and the benchmarks all call it, so they run one
 assembly: what differs between them is data in ``CoreConfig`` (the clock, the index's tables, the
 repair scheduler, the consumer's logger, the ranker's settings), never the wiring.
