@@ -1,12 +1,13 @@
 """The core: the parts that turn worker events into rankings, assembled in one place.
 
 Registry, index, sequencer, consumer, calibration and ranker (with its ledger, speculative keys and
-outcomes) are built and connected by ``build_core`` only; the ingest path under the consumer (rejects,
-layouts, applier, repair machine, instances, heartbeats) by ``build_consumer``, bottom up, each stage
-handed what it calls and none holding what calls it (kvindex/ingest/README.md). The service, the replay of an event log
-(kvindex/capture/replay.py), the routing simulation and the benchmarks all call it, so they run one
-assembly: what differs between them is data in ``CoreConfig`` (the clock, the index's tables, the
-repair scheduler, the consumer's logger, the ranker's settings), never the wiring.
+outcomes) are built and connected by ``build_core`` only; the ingest path under the consumer
+(rejects, layouts, applier, repair machine, instances, heartbeats) by ``build_consumer``, bottom up,
+each stage handed what it calls and none holding what calls it (kvindex/ingest/README.md). The
+service, the replay of an event log (kvindex/capture/replay.py), the routing simulation and the
+benchmarks all call it, so they run one assembly: what differs between them is data in
+``CoreConfig`` (the clock, the index's tables, the repair scheduler, the consumer's logger, the
+ranker's settings), never the wiring.
 
 Every hook is passed to the constructor of the part that calls it, and no part builds a dependency
 of its own when none is given (a missing one is an error). Where two parts answer each other (the
@@ -43,7 +44,7 @@ from kvindex.ingest.limits import DEFAULT_INGEST_LIMITS, IngestLimits
 from kvindex.ingest.rejects import Rejects
 from kvindex.instance import InstanceKey
 from kvindex.observability.counters import IngestCounters
-from kvindex.repair.machine import MakeScheduler, RepairMachine, RepairScheduler
+from kvindex.repair.machine import IngestState, MakeScheduler, RepairMachine, RepairScheduler
 from kvindex.scoring.calibration import Calibrator
 from kvindex.scoring.ranker import Ranker, RankerConfig, RoutingObserver, build_ranker
 from kvindex.sequencer.cursor import Sequencer
@@ -167,15 +168,12 @@ def build_consumer(
     of an instance's repair state (the rankers)."""
     subjects = subjects or Subjects()
     log = log or structlog.get_logger("kvindex.ingest")
+    shared = IngestState(index, registry, sequencer, counters, log)
     rejects = Rejects(counters, log)
     layouts = Layouts(index, registry, log, rejects)
-    applier = Applier(index, counters, ingest_limits, rejects, layouts, log)
+    applier = Applier(shared, ingest_limits, rejects, layouts)
     repairs = RepairMachine(
-        index=index,
-        registry=registry,
-        sequencer=sequencer,
-        counters=counters,
-        log=log,
+        shared,
         limits=ingest_limits,
         wire_limits=limits,
         applier=applier,
@@ -183,14 +181,10 @@ def build_consumer(
         on_sync_change=on_sync_change,
         scheduler=repair,
     )
-    instances = Instances(index, registry, sequencer, ingest_limits, log)
+    instances = Instances(shared, ingest_limits)
     heartbeats = Heartbeats(
-        index=index,
-        registry=registry,
-        sequencer=sequencer,
-        counters=counters,
+        shared,
         subjects=subjects,
-        log=log,
         instances=instances,
         rejects=rejects,
         limits=ingest_limits,
@@ -200,13 +194,9 @@ def build_consumer(
         on_forget=on_forget,
     )
     return Consumer(
-        index=index,
-        registry=registry,
-        sequencer=sequencer,
-        counters=counters,
+        shared,
         subjects=subjects,
         limits=limits,
-        log=log,
         instances=instances,
         applier=applier,
         rejects=rejects,

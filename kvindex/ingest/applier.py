@@ -9,15 +9,14 @@ machine never reaches back to the consumer that drives it.
 from __future__ import annotations
 
 from time import time as _now
-from typing import Any
 
 from kvindex.fleet.registry import InstanceState
-from kvindex.index.base import Applied, KvBlockIndex
+from kvindex.index.base import Applied
 from kvindex.ingest.layouts import Layouts
 from kvindex.ingest.limits import BLOCK_LIMIT, IngestLimits
 from kvindex.ingest.rejects import Rejects
 from kvindex.keys import GROUP_MASKS
-from kvindex.observability.counters import IngestCounters
+from kvindex.repair.machine import IngestState
 from kvindex.wire.reconcile import Snapshot
 from kvindex.wire.schema import CLEARED, REMOVED, SHARED, STORED, TIER_NAMES, EventBatch
 
@@ -26,21 +25,9 @@ class Applier:
     """``apply`` (a batch) and ``apply_snapshot``; blocks beyond an instance's limit are dropped,
     counted and logged, and its tier marked capped."""
 
-    def __init__(
-        self,
-        index: KvBlockIndex,
-        counters: IngestCounters,
-        limits: IngestLimits,
-        rejects: Rejects,
-        layouts: Layouts,
-        log: Any,
-    ) -> None:
-        self.index = index
-        self.counters = counters
-        self.ingest_limits = limits
-        self.rejects = rejects
-        self.layouts = layouts
-        self.log = log
+    def __init__(self, shared: IngestState, limits: IngestLimits, rejects: Rejects, layouts: Layouts) -> None:
+        self.index, self.counters, self.log = shared.index, shared.counters, shared.log
+        self.ingest_limits, self.rejects, self.layouts = limits, rejects, layouts
 
     def apply(self, state: InstanceState, batch: EventBatch, bound: int = -1) -> None:
         """Apply a batch; ``bound`` is an upper bound of its keys when known (its payload's size:

@@ -18,16 +18,14 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from kvindex.fleet.registry import InstanceState, Registry
-from kvindex.index.base import KvBlockIndex
+from kvindex.fleet.registry import InstanceState
 from kvindex.ingest.applier import Applier
 from kvindex.ingest.heartbeats import Heartbeats
 from kvindex.ingest.instances import Instances
 from kvindex.ingest.rejects import Rejects
 from kvindex.instance import InstanceKey
-from kvindex.observability.counters import IngestCounters
-from kvindex.repair.machine import REPLAY, SNAPSHOT, RepairMachine
-from kvindex.sequencer.cursor import Sequencer, Verdict, decide
+from kvindex.repair.machine import REPLAY, SNAPSHOT, IngestState, RepairMachine
+from kvindex.sequencer.cursor import Verdict, decide
 from kvindex.wire import errors
 from kvindex.wire.codec import Limits, decode_batch
 from kvindex.wire.errors import WireError
@@ -41,14 +39,10 @@ class Consumer:
 
     def __init__(
         self,
+        shared: IngestState,
         *,
-        index: KvBlockIndex,
-        registry: Registry,
-        sequencer: Sequencer,
-        counters: IngestCounters,
         subjects: Subjects,
         limits: Limits,
-        log: Any,
         instances: Instances,
         applier: Applier,
         rejects: Rejects,
@@ -56,16 +50,10 @@ class Consumer:
         heartbeats: Heartbeats,
         on_forget: Callable[[InstanceKey], Any] | None = None,
     ) -> None:
-        self.index = index
-        self.registry = registry
-        self.subjects = subjects
-        self.sequencer = sequencer
-        self.counters = counters
-        self.limits = limits
-        self.log = log
-        self.instances = instances
-        self.applier = applier
-        self.rejects = rejects
+        self.index, self.registry, self.sequencer = shared.index, shared.registry, shared.sequencer
+        self.counters, self.log = shared.counters, shared.log
+        self.subjects, self.limits = subjects, limits  # (the wire decoder's limits)
+        self.instances, self.applier, self.rejects = instances, applier, rejects
         # Holes, restarts and drift: decided there, repaired by the scheduler it was built with.
         self.repairs = repairs
         self.heartbeats = heartbeats

@@ -17,16 +17,14 @@ from typing import Any
 
 import msgspec
 
-from kvindex.fleet.registry import InstanceState, Registry
-from kvindex.index.base import KvBlockIndex
+from kvindex.fleet.registry import InstanceState
 from kvindex.ingest.instances import Instances
 from kvindex.ingest.layouts import Layouts
 from kvindex.ingest.limits import IngestLimits
 from kvindex.ingest.rejects import Rejects
 from kvindex.instance import InstanceKey
-from kvindex.observability.counters import IngestCounters
-from kvindex.repair.machine import REPLAY, SNAPSHOT, RepairMachine
-from kvindex.sequencer.cursor import MAX_GAP, Cursor, Sequencer
+from kvindex.repair.machine import REPLAY, SNAPSHOT, IngestState, RepairMachine
+from kvindex.sequencer.cursor import MAX_GAP, Cursor
 from kvindex.wire import errors
 from kvindex.wire.codec import (
     HeartbeatMemory,
@@ -47,13 +45,9 @@ class Heartbeats:
 
     def __init__(
         self,
+        shared: IngestState,
         *,
-        index: KvBlockIndex,
-        registry: Registry,
-        sequencer: Sequencer,
-        counters: IngestCounters,
         subjects: Subjects,
-        log: Any,
         instances: Instances,
         rejects: Rejects,
         limits: IngestLimits,
@@ -62,12 +56,9 @@ class Heartbeats:
         prefill_samples: Callable[[str, list[tuple[int, int, float]], str], Any] | None = None,
         on_forget: Callable[[InstanceKey], Any] | None = None,
     ) -> None:
-        self.index = index
-        self.registry = registry
-        self.sequencer = sequencer
-        self.counters = counters
+        self.index, self.registry, self.sequencer = shared.index, shared.registry, shared.sequencer
+        self.counters, self.log = shared.counters, shared.log
         self.subjects = subjects
-        self.log = log
         self.instances = instances
         self.rejects = rejects
         self.limits = limits

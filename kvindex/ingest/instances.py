@@ -4,13 +4,10 @@ said (another model or block size in the same epoch, a block size other than the
 
 from __future__ import annotations
 
-from typing import Any
-
-from kvindex.fleet.registry import InstanceState, Registry
-from kvindex.index.base import KvBlockIndex
+from kvindex.fleet.registry import InstanceState
 from kvindex.ingest.limits import INSTANCE_LIMIT, MODEL_LIMIT, IngestLimits, LimitExceeded
 from kvindex.instance import InstanceKey
-from kvindex.sequencer.cursor import Sequencer
+from kvindex.repair.machine import IngestState
 from kvindex.wire import errors
 from kvindex.wire.errors import WireError
 
@@ -18,14 +15,9 @@ from kvindex.wire.errors import WireError
 class Instances:
     """``state_for``, for the consumer's batches and the heartbeats alike."""
 
-    def __init__(
-        self, index: KvBlockIndex, registry: Registry, sequencer: Sequencer, limits: IngestLimits, log: Any
-    ) -> None:
-        self.index = index
-        self.registry = registry
-        self.sequencer = sequencer
-        self.limits = limits
-        self.log = log
+    def __init__(self, shared: IngestState, limits: IngestLimits) -> None:
+        self.index, self.registry, self.sequencer = shared.index, shared.registry, shared.sequencer
+        self.limits, self.log = limits, shared.log
 
     def state_for(self, worker: str, dp_rank: int, model: str, block_size: int, epoch: int) -> InstanceState:
         """The registry entry for an instance, created on first contact; WireError on conflicts."""

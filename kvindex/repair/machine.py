@@ -15,6 +15,7 @@ of a batch goes one way, consumer -> machine -> applier -> index.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, Final, Protocol
 
 from kvindex.fleet.registry import InstanceState, Registry
@@ -67,6 +68,21 @@ class HeldLimits(Protocol):
     def max_pending_repairs(self) -> int: ...
 
 
+@dataclass(frozen=True, slots=True)
+class IngestState:
+    """What the stages of ingest share (the consumer, the heartbeats, the instances, the applier, this
+    machine): the index, the registry, the sequencer's cursors, the ingest counters and the log. Built
+    once (kvindex/core.py ``build_consumer``) and handed to each stage, which copies what it uses into
+    attributes of its own (read on hot paths: one attribute, not two). Defined here, with the lowest
+    stage that takes it: kvindex/repair imports nothing of ingest."""
+
+    index: KvBlockIndex
+    registry: Registry
+    sequencer: Sequencer
+    counters: IngestCounters
+    log: Any
+
+
 class BlockApplier(Protocol):
     """Applies batches and snapshots to the index within the block limits (kvindex/ingest/applier.py)."""
 
@@ -112,12 +128,8 @@ class RepairMachine:
 
     def __init__(
         self,
+        shared: IngestState,
         *,
-        index: KvBlockIndex,
-        registry: Registry,
-        sequencer: Sequencer,
-        counters: IngestCounters,
-        log: Any,
         limits: HeldLimits,
         wire_limits: Limits,
         applier: BlockApplier,
@@ -125,11 +137,8 @@ class RepairMachine:
         on_sync_change: Callable[[InstanceState, bool], Any] | None = None,
         scheduler: MakeScheduler | None = None,
     ) -> None:
-        self.index = index
-        self.registry = registry
-        self.sequencer = sequencer
-        self.counters = counters
-        self.log = log
+        self.index, self.registry, self.sequencer = shared.index, shared.registry, shared.sequencer
+        self.counters, self.log = shared.counters, shared.log
         self.limits = limits  # held batches and keys, pending repairs
         self.wire_limits = wire_limits  # for decoding replayed batches
         self.applier = applier
