@@ -56,6 +56,7 @@ from _common import (
     worker_name,
 )
 
+from kvindex.core import build_consumer
 from kvindex.fleet.registry import Registry
 from kvindex.index.base import InstanceMatch
 from kvindex.index.inverted import InvertedIndex
@@ -170,7 +171,7 @@ def new_index() -> InvertedIndex:
 
 
 def new_consumer() -> Consumer:
-    return Consumer(new_index(), Registry(), sequencer=Sequencer(), counters=IngestCounters())
+    return build_consumer(new_index(), Registry(), sequencer=Sequencer(), counters=IngestCounters())
 
 
 def settle() -> None:

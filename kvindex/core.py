@@ -1,10 +1,13 @@
 """The core: the parts that turn worker events into rankings, assembled in one place.
 
 Registry, index, sequencer, consumer, calibration and ranker (with its ledger, speculative keys and
-outcomes) are built and connected by ``build_core`` only. The service, the replay of an event log
-(kvindex/capture/replay.py), the routing simulation and the benchmarks all call it, so they run one
-assembly: what differs between them is data in ``CoreConfig`` (the clock, the index's tables, the
-repair scheduler, the consumer's logger, the ranker's settings), never the wiring.
+outcomes) are built and connected by ``build_core`` only; the ingest path under the consumer
+(rejects, layouts, applier, repair machine, instances, heartbeats) by ``build_consumer``, bottom up,
+each stage handed what it calls and none holding what calls it (kvindex/ingest/README.md). The
+service, the replay of an event log (kvindex/capture/replay.py), the routing simulation and the
+benchmarks all call it, so they run one assembly: what differs between them is data in
+``CoreConfig`` (the clock, the index's tables, the repair scheduler, the consumer's logger, the
+ranker's settings), never the wiring.
 
 Every hook is passed to the constructor of the part that calls it, and no part builds a dependency
 of its own when none is given (a missing one is an error). Where two parts answer each other (the
@@ -27,16 +30,25 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+import structlog
+
 from kvindex.fleet.registry import InstanceState, Registry
+from kvindex.index.base import KvBlockIndex
 from kvindex.index.inverted import InvertedIndex
+from kvindex.ingest.applier import Applier
 from kvindex.ingest.consumer import Consumer
-from kvindex.ingest.limits import IngestLimits
+from kvindex.ingest.heartbeats import Heartbeats
+from kvindex.ingest.instances import Instances
+from kvindex.ingest.layouts import Layouts
+from kvindex.ingest.limits import DEFAULT_INGEST_LIMITS, IngestLimits
+from kvindex.ingest.rejects import Rejects
 from kvindex.instance import InstanceKey
 from kvindex.observability.counters import IngestCounters
-from kvindex.repair.machine import MakeScheduler, RepairScheduler
+from kvindex.repair.machine import IngestState, MakeScheduler, RepairMachine, RepairScheduler
 from kvindex.scoring.calibration import Calibrator
 from kvindex.scoring.ranker import Ranker, RankerConfig, RoutingObserver, build_ranker
 from kvindex.sequencer.cursor import Sequencer
+from kvindex.wire.codec import DEFAULT_LIMITS, Limits
 from kvindex.wire.subjects import Subjects
 
 
@@ -110,7 +122,7 @@ def build_core(config: CoreConfig | None = None) -> Core:
         on_sync_change: Callable[[InstanceState, bool], Any] = rankers[0].sync_changed
     else:
         on_forget, on_sync_change = _each_forget(rankers), _each_sync_changed(rankers)
-    consumer = Consumer(
+    consumer = build_consumer(
         index,
         registry,
         subjects=config.subjects,
@@ -125,6 +137,72 @@ def build_core(config: CoreConfig | None = None) -> Core:
     )
     return Core(
         index, registry, sequencer, counters, consumer, calibrator, rankers, consumer.repairs.scheduler
+    )
+
+
+def build_consumer(
+    index: KvBlockIndex,
+    registry: Registry,
+    *,
+    sequencer: Sequencer,
+    counters: IngestCounters,
+    subjects: Subjects | None = None,
+    limits: Limits = DEFAULT_LIMITS,
+    repair: MakeScheduler | None = None,
+    ingest_limits: IngestLimits = DEFAULT_INGEST_LIMITS,
+    log: Any = None,
+    prefill_samples: Callable[[str, list[tuple[int, int, float]], str], Any] | None = None,
+    on_forget: Callable[[InstanceKey], Any] | None = None,
+    on_sync_change: Callable[[InstanceState, bool], Any] | None = None,
+) -> Consumer:
+    """The ingest path, built bottom up so that each stage is handed what it calls and none holds
+    what calls it: rejects (counting and logging refusals) and layouts, the applier (batches and
+    snapshots into the index within the limits), the repair machine over the applier, instances on
+    first contact, the heartbeats over the machine, and the consumer over all of them
+    (kvindex/ingest/README.md). Offline tools, tests and benchmarks build a consumer alone with it.
+
+    ``limits`` bound what the wire decoder accepts, ``ingest_limits`` what the fleet can make the
+    index hold; ``repair`` makes the machine's scheduler (None: ``NoRepair``, holes accepted);
+    ``prefill_samples`` gets the heartbeats' prefill samples (the calibration), ``on_forget`` an
+    instance forgotten or whose predicted blocks give way to its events, ``on_sync_change`` a change
+    of an instance's repair state (the rankers)."""
+    subjects = subjects or Subjects()
+    log = log or structlog.get_logger("kvindex.ingest")
+    shared = IngestState(index, registry, sequencer, counters, log)
+    rejects = Rejects(counters, log)
+    layouts = Layouts(index, registry, log, rejects)
+    applier = Applier(shared, ingest_limits, rejects, layouts)
+    repairs = RepairMachine(
+        shared,
+        limits=ingest_limits,
+        wire_limits=limits,
+        applier=applier,
+        rejecter=rejects,
+        on_sync_change=on_sync_change,
+        scheduler=repair,
+    )
+    instances = Instances(shared, ingest_limits)
+    heartbeats = Heartbeats(
+        shared,
+        subjects=subjects,
+        instances=instances,
+        rejects=rejects,
+        limits=ingest_limits,
+        layouts=layouts,
+        repairs=repairs,
+        prefill_samples=prefill_samples,
+        on_forget=on_forget,
+    )
+    return Consumer(
+        shared,
+        subjects=subjects,
+        limits=limits,
+        instances=instances,
+        applier=applier,
+        rejects=rejects,
+        repairs=repairs,
+        heartbeats=heartbeats,
+        on_forget=on_forget,
     )
 
 

@@ -12,12 +12,18 @@ first two are taken only where the full path would have found the same.
 from __future__ import annotations
 
 import struct
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import Any
 
 import msgspec
 
 from kvindex.fleet.registry import InstanceState
-from kvindex.repair.machine import REPLAY, SNAPSHOT
+from kvindex.ingest.instances import Instances
+from kvindex.ingest.layouts import Layouts
+from kvindex.ingest.limits import IngestLimits
+from kvindex.ingest.rejects import Rejects
+from kvindex.instance import InstanceKey
+from kvindex.repair.machine import REPLAY, SNAPSHOT, IngestState, RepairMachine
 from kvindex.sequencer.cursor import MAX_GAP, Cursor
 from kvindex.wire import errors
 from kvindex.wire.codec import (
@@ -30,24 +36,40 @@ from kvindex.wire.codec import (
 )
 from kvindex.wire.errors import WireError
 from kvindex.wire.schema import WIRE_VERSION, HeartbeatReport, Load
-from kvindex.wire.subjects import HEARTBEAT
-
-if TYPE_CHECKING:
-    from kvindex.ingest.consumer import Consumer
+from kvindex.wire.subjects import HEARTBEAT, Subjects
 
 
 class Heartbeats:
-    """The consumer's heartbeat handling (``Consumer.on_heartbeat`` is this ``on_heartbeat``)."""
+    """The heartbeat handling of ingest (``Consumer.on_heartbeat`` is this ``on_heartbeat``). What it
+    needs is handed to it when it is built (kvindex/core.py): it does not hold the consumer."""
 
-    def __init__(self, consumer: Consumer) -> None:
-        self.consumer = consumer
-        self.index = consumer.index
-        self.registry = consumer.registry
-        self.sequencer = consumer.sequencer
-        self.counters = consumer.counters
-        self.subjects = consumer.subjects
-        self.log = consumer.log
-        self.repairs = consumer.repairs
+    def __init__(
+        self,
+        shared: IngestState,
+        *,
+        subjects: Subjects,
+        instances: Instances,
+        rejects: Rejects,
+        limits: IngestLimits,
+        layouts: Layouts,
+        repairs: RepairMachine,
+        prefill_samples: Callable[[str, list[tuple[int, int, float]], str], Any] | None = None,
+        on_forget: Callable[[InstanceKey], Any] | None = None,
+    ) -> None:
+        self.index, self.registry, self.sequencer = shared.index, shared.registry, shared.sequencer
+        self.counters, self.log = shared.counters, shared.log
+        self.subjects = subjects
+        self.instances = instances
+        self.rejects = rejects
+        self.limits = limits
+        self.layouts = layouts
+        self.repairs = repairs
+        # Where prefill samples go (model, [(prompt, cached, ms)], instance id): the calibration
+        # (kvindex/scoring/calibration.py).
+        self.prefill_samples = prefill_samples
+        # Told when an instance's predicted blocks give way to its events (routing state about them
+        # can go too).
+        self.on_forget = on_forget
         self._head = f"{self.subjects.prefix}.{HEARTBEAT}."
         # Per heartbeat subject, the last heartbeat that changed nothing (see _Repeat): the next one
         # equal to it but for its timestamp only refreshes liveness.
@@ -124,11 +146,11 @@ class Heartbeats:
         try:
             worker = self.subjects.worker_of(subject, HEARTBEAT)
             report = decode_heartbeat(payload, worker)
-            state = self.consumer.state_for(
+            state = self.instances.state_for(
                 report.worker, report.dp_rank, report.model, report.block_size, report.epoch
             )
         except WireError as exc:
-            self.consumer.reject(worker, subject, exc)
+            self.rejects.reject(worker, subject, exc)
             return False
         memo = state.heartbeat.memo
         if peek is None:
@@ -143,10 +165,10 @@ class Heartbeats:
         if report.endpoint_error is not None:
             # The heartbeat still counts (load, digest, liveness); only the endpoint is dropped, so
             # routers never see an address they could not connect to.
-            self.consumer.reject(state.worker, subject, WireError(errors.BAD_ENDPOINT, report.endpoint_error))
+            self.rejects.reject(state.worker, subject, WireError(errors.BAD_ENDPOINT, report.endpoint_error))
         if report.role_error is not None:
             # Likewise a role or group that cannot be read: the instance serves whole requests.
-            self.consumer.reject(state.worker, subject, WireError(errors.BAD_ROLE, report.role_error))
+            self.rejects.reject(state.worker, subject, WireError(errors.BAD_ROLE, report.role_error))
         self._apply_heartbeat(state, report)
         return True
 
@@ -174,10 +196,19 @@ class Heartbeats:
             # the drift it shows brings a snapshot, which makes the tier exact.
             for tier in range(4):
                 held = report.digest.get(tier, (0, 0))[0]
-                if state.capped & (1 << tier) and held <= self.consumer.limits_of(state)[tier]:
+                if state.capped & (1 << tier) and held <= self.limits.limits_of(state)[tier]:
                     state.capped &= ~(1 << tier)
         state.heartbeat.digest = report.digest
         state.heartbeat.seq = report.seq
+        self._announcements(state, report)
+        if state.approximate or state.layout_conflict or not self.drive_repairs:
+            # No events, so no sequence to check: its blocks are the index's own predictions.
+            return
+        self._check_sequence(state, cursor, report, unchanged)
+
+    def _announcements(self, state: InstanceState, report: HeartbeatReport) -> None:
+        """What the heartbeat announces about the instance: endpoint, role, KV-cache groups, prefill
+        samples, liveness and whether it reports events (each rare but the samples)."""
         if report.endpoint != state.endpoint:  # rare: announced, moved, or withdrawn
             self.log.info(
                 "instance_endpoint", worker=state.worker, dp_rank=state.dp_rank, endpoint=report.endpoint
@@ -196,11 +227,13 @@ class Heartbeats:
         if report.groups_error is not None or (
             groups is not state.groups_announced and groups != state.groups_announced
         ):
-            self.consumer.layouts.announced(state, groups, report.groups_error)
+            if self.layouts.announced(state, groups, report.groups_error):
+                self._resync(state)
+                self.layouts.judge(state)
         elif groups is None and state.top_group:
-            self.consumer.layouts.judge(state)  # events of groups, and still no layout (rare)
-        if report.prefill and self.consumer.prefill_samples is not None:
-            self.consumer.prefill_samples(state.model, report.prefill, state.instance_id)
+            self.layouts.judge(state)  # events of groups, and still no layout (rare)
+        if report.prefill and self.prefill_samples is not None:
+            self.prefill_samples(state.model, report.prefill, state.instance_id)
         if state.stale:
             state.stale = False
             self.log.info("instance_alive_again", worker=state.worker, dp_rank=state.dp_rank)
@@ -208,18 +241,28 @@ class Heartbeats:
             state.approximate = not report.events
             if not state.approximate:
                 # Now it reports events: predictions give way to the truth (its seq brings a snapshot).
-                self.index.clear(key)
-                if self.consumer.on_forget is not None:
-                    self.consumer.on_forget(key)
+                self.index.clear(state.key)
+                if self.on_forget is not None:
+                    self.on_forget(state.key)
             self.log.info(
                 "instance_mode",
                 worker=state.worker,
                 dp_rank=state.dp_rank,
                 mode="approximate" if state.approximate else "events",
             )
-        if state.approximate or state.layout_conflict or not self.drive_repairs:
-            # No events, so no sequence to check: its blocks are the index's own predictions.
-            return
+
+    def _resync(self, state: InstanceState) -> None:
+        """A snapshot of the instance (its blocks were dropped while its layout was in conflict)."""
+        cursor = self.sequencer.cursor(state.key)
+        if cursor is not None and cursor.repairing is None:
+            self.repairs.begin(state, cursor, SNAPSHOT, "layout")
+
+    def _check_sequence(
+        self, state: InstanceState, cursor: Cursor | None, report: HeartbeatReport, unchanged: bool
+    ) -> None:
+        """The heartbeat's epoch, ``seq`` and digest against the instance's cursor and blocks: a
+        restart, a lost tail or drift goes to the repair machine."""
+        key = state.key
         if cursor is None or cursor.epoch != report.epoch:
             if cursor is not None:
                 if report.epoch in cursor.retired:
@@ -240,7 +283,7 @@ class Heartbeats:
                 return
             if report.seq - cursor.applied > MAX_GAP:  # no tail that long was lost: a jump
                 cursor.behind = 0
-                if self.consumer.jumped(state, cursor, report.seq, "heartbeat"):
+                if self.repairs.jump(state, cursor, report.seq, "heartbeat"):
                     cursor.applied = state.last_seq = report.seq  # no repair: taken as the position
                 return
             # The worker published more than we received: the tail batches were lost.

@@ -17,12 +17,12 @@ so the index must know the layout, and every instance of the model must have the
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 from kvindex.fleet.registry import InstanceState, Registry
 from kvindex.index.base import KvBlockIndex
 from kvindex.index.hybrid import GroupLayout
+from kvindex.ingest.rejects import Rejects
 from kvindex.wire import errors
 from kvindex.wire.errors import WireError
 from kvindex.wire.groups import GroupSpec
@@ -31,23 +31,14 @@ _MAX_CACHED = 256
 
 
 class Layouts:
-    """The consumer's layout bookkeeping (``Consumer.layouts``)."""
+    """The layout bookkeeping of ingest: the heartbeats tell it what instances announce, the applier
+    which groups their batches name."""
 
-    def __init__(
-        self,
-        index: KvBlockIndex,
-        registry: Registry,
-        log: Any,
-        refuse: Callable[[InstanceState, WireError], None],
-        resync: Callable[[InstanceState], None],
-    ) -> None:
+    def __init__(self, index: KvBlockIndex, registry: Registry, log: Any, rejects: Rejects) -> None:
         self.index = index
         self.registry = registry
         self.log = log
-        self.refuse = refuse
-        # An instance out of conflict: its blocks were dropped and its batches refused, so a snapshot
-        # brings it back.
-        self.resync = resync
+        self.rejects = rejects
         # GroupLayout per announced (groups, block size): built once, shared by a model's instances.
         self._built: dict[tuple[tuple[GroupSpec, ...], int], GroupLayout] = {}
 
@@ -60,14 +51,18 @@ class Layouts:
             layout = self._built[key] = GroupLayout(specs, block_size)
         return layout
 
-    def announced(self, state: InstanceState, specs: tuple[GroupSpec, ...] | None, error: str | None) -> None:
+    def announced(self, state: InstanceState, specs: tuple[GroupSpec, ...] | None, error: str | None) -> bool:
         """A heartbeat of ``state`` announced ``specs`` (None: no groups, or ``error`` when its groups
-        could not be read). Called when the announcement differs from the instance's last one."""
+        could not be read). Called when the announcement differs from the instance's last one.
+
+        True when the instance comes out of a conflict: its blocks were dropped and its batches
+        refused, so a snapshot must bring them back. The caller asks for it (the heartbeats hold the
+        repair machine, this does not), then has the instance judged (``judge``)."""
         state.groups_announced = specs
         if error is not None:
-            self.refuse(state, WireError(errors.BAD_GROUPS, error))
+            self._refuse(state, WireError(errors.BAD_GROUPS, error))
             self._inexact(state, f"KV-cache groups unreadable: {error}")
-            return
+            return False
         model_layout = self.index.layout_of(state.model)
         layout = None if specs is None else self.layout(specs, state.block_size)
         alone = self.registry.count(state.model) <= 1
@@ -89,9 +84,12 @@ class Layouts:
                 )
         elif model_layout != layout:
             self._conflict(state, f"announces {layout.describe()}; the model has {model_layout.describe()}")
-            return
-        self._settled(state)
+            return False
+        if state.layout_conflict:
+            state.layout_conflict = False
+            return True
         self.judge(state)
+        return False
 
     def events_named(self, state: InstanceState, top_group: int) -> None:
         """A batch of ``state`` named KV-cache groups up to ``top_group`` (> the last highest seen)."""
@@ -120,13 +118,11 @@ class Layouts:
             why = ""
         self._inexact(state, why)
 
-    def _settled(self, state: InstanceState) -> None:
-        if state.layout_conflict:
-            state.layout_conflict = False
-            self.resync(state)
+    def _refuse(self, state: InstanceState, exc: WireError) -> None:
+        self.rejects.refuse(state.key, exc.reason, exc.message)
 
     def _conflict(self, state: InstanceState, why: str) -> None:
-        self.refuse(state, WireError(errors.GROUP_LAYOUT_MISMATCH, why))
+        self._refuse(state, WireError(errors.GROUP_LAYOUT_MISMATCH, why))
         if not state.layout_conflict:
             state.layout_conflict = True
             self.index.clear(state.key)

@@ -12,17 +12,14 @@ from dataclasses import dataclass, fields
 from typing import Any, Final
 
 from kvindex.fleet.registry import InstanceState
-from kvindex.repair.machine import HELD_LIMIT, REPAIR_LIMIT
+from kvindex.repair.machine import HELD_LIMIT, REPAIR_LIMIT, SEQ_JUMP
 from kvindex.wire.errors import WireError
 
 # Refusal reasons (metric labels), alongside kvindex.wire.errors.REASONS; the repair machine's own
-# two (held batches, pending repairs) are defined with it.
+# three (held batches, pending repairs, a seq jump) are defined with it.
 BLOCK_LIMIT: Final = "block_limit"  # an (instance, tier) would hold more than its limit: stores dropped
 INSTANCE_LIMIT: Final = "instance_limit"  # a new instance of a model that has the most allowed
 MODEL_LIMIT: Final = "model_limit"  # a new model beyond the most allowed
-# A seq more than kvindex.sequencer.cursor.MAX_GAP past what the instance published: the message is
-# dropped and the instance resynchronised from a snapshot (Consumer.jumped).
-SEQ_JUMP: Final = "seq_jump"
 
 LIMIT_REASONS: Final = (BLOCK_LIMIT, INSTANCE_LIMIT, MODEL_LIMIT, HELD_LIMIT, REPAIR_LIMIT, SEQ_JUMP)
 

@@ -2,24 +2,27 @@
 back in sync.
 
 Synchronous and transport-free, like the consumer it serves (kvindex/ingest/consumer.py): the consumer
-hands it the batches it cannot apply in order (``hold``, ``gap``, ``begin``, ``restart``), the
-heartbeats hand it lost tails and drift, and a ``RepairScheduler`` (``NatsRepairer`` over NATS,
+hands it the batches it cannot apply in order (``hold``, ``gap``, ``begin``, ``restart``, ``jump``),
+the heartbeats hand it lost tails and drift, and a ``RepairScheduler`` (``NatsRepairer`` over NATS,
 ``NoRepair`` offline, the simulation's own) runs the replays and snapshots it asks for and hands
 the answers back (``on_replay``, ``on_replay_failed``, ``on_snapshot``, ``snapshot_failed``).
-Applying batches and snapshots to the index stays the consumer's (``RepairHost``): the machine
-decides, the consumer applies, so limits and counters are kept in one place.
+The machine decides; applying what it held and the snapshots it got is the applier's
+(``BlockApplier``, kvindex/ingest/applier.py) and counting refusals the rejecter's (``Rejecter``),
+both handed to it when it is built (kvindex/core.py): it holds nothing that calls it, so the path
+of a batch goes one way, consumer -> machine -> applier -> index.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, Final, Protocol
 
 from kvindex.fleet.registry import InstanceState, Registry
 from kvindex.index.base import KvBlockIndex
 from kvindex.instance import InstanceKey
 from kvindex.observability.counters import IngestCounters
-from kvindex.sequencer.cursor import Cursor, Sequencer
+from kvindex.sequencer.cursor import MAX_GAP, Cursor, Sequencer
 from kvindex.wire.codec import Limits, decode_batch
 from kvindex.wire.errors import WireError
 from kvindex.wire.reconcile import REPLAY_OK, Snapshot
@@ -38,6 +41,9 @@ EVICT_STRIKES: Final = 1
 # The machine's refusals (metric labels, with the other limits in kvindex/ingest/limits.py).
 HELD_LIMIT: Final = "held_limit"  # batches held during a repair overflowed: dropped, snapshot instead
 REPAIR_LIMIT: Final = "repair_limit"  # too many repairs pending: this one is not started now
+# A seq more than kvindex.sequencer.cursor.MAX_GAP past what the instance published: the message is
+# dropped and the instance resynchronised from a snapshot (RepairMachine.jump).
+SEQ_JUMP: Final = "seq_jump"
 
 
 class RepairScheduler(Protocol):
@@ -62,20 +68,23 @@ class HeldLimits(Protocol):
     def max_pending_repairs(self) -> int: ...
 
 
-class RepairHost(Protocol):
-    """The consumer as the machine uses it (kvindex/ingest/consumer.py): its state, and applying
-    batches and snapshots to the index within its limits."""
+@dataclass(frozen=True, slots=True)
+class IngestState:
+    """What the stages of ingest share (the consumer, the heartbeats, the instances, the applier, this
+    machine): the index, the registry, the sequencer's cursors, the ingest counters and the log. Built
+    once (kvindex/core.py ``build_consumer``) and handed to each stage, which copies what it uses into
+    attributes of its own (read on hot paths: one attribute, not two). Defined here, with the lowest
+    stage that takes it: kvindex/repair imports nothing of ingest."""
 
     index: KvBlockIndex
     registry: Registry
     sequencer: Sequencer
     counters: IngestCounters
-    limits: Limits
     log: Any
-    on_sync_change: Callable[[InstanceState, bool], Any] | None
 
-    @property
-    def ingest_limits(self) -> HeldLimits: ...
+
+class BlockApplier(Protocol):
+    """Applies batches and snapshots to the index within the block limits (kvindex/ingest/applier.py)."""
 
     def apply(self, state: InstanceState, batch: EventBatch, bound: int = -1) -> None: ...
 
@@ -85,6 +94,10 @@ class RepairHost(Protocol):
         snapshot: Snapshot,
         diffs: dict[int, tuple[list[int], list[int]]] | None,
     ) -> None: ...
+
+
+class Rejecter(Protocol):
+    """Counts and logs refusals by a limit and rejected messages (kvindex/ingest/rejects.py)."""
 
     def refuse(self, instance: InstanceKey, reason: str, message: str, **kw: Any) -> None: ...
 
@@ -113,14 +126,26 @@ class NoRepair:
 class RepairMachine:
     """Per instance: synced -> replay / snapshot -> synced (kvindex/repair/README.md)."""
 
-    def __init__(self, host: RepairHost, scheduler: MakeScheduler | None = None) -> None:
-        self.host = host
-        # Fixed for the consumer's life: read once, not through the host at every call.
-        self.index = host.index
-        self.registry = host.registry
-        self.sequencer = host.sequencer
-        self.counters = host.counters
-        self.log = host.log
+    def __init__(
+        self,
+        shared: IngestState,
+        *,
+        limits: HeldLimits,
+        wire_limits: Limits,
+        applier: BlockApplier,
+        rejecter: Rejecter,
+        on_sync_change: Callable[[InstanceState, bool], Any] | None = None,
+        scheduler: MakeScheduler | None = None,
+    ) -> None:
+        self.index, self.registry, self.sequencer = shared.index, shared.registry, shared.sequencer
+        self.counters, self.log = shared.counters, shared.log
+        self.limits = limits  # held batches and keys, pending repairs
+        self.wire_limits = wire_limits  # for decoding replayed batches
+        self.applier = applier
+        self.rejecter = rejecter
+        # Told when an instance's repair state changes (its RepairStatus: sync, cause, failed) and
+        # when a snapshot reconciled it: the rankers keep their degraded instances by it.
+        self.on_sync_change = on_sync_change
         # Per instance, the snapshot requests that got no usable answer in a row (none: 0). Kept
         # across repairs and restarts, dropped when the instance is forgotten; the scheduler serves
         # and backs off by it (kvindex/repair/fair.py), and the repair limit gives way by it.
@@ -134,14 +159,14 @@ class RepairMachine:
         """Keep a batch until the repair in progress lets it apply in order (bounded)."""
         cursor.buffer[batch.seq] = batch
         cursor.held_keys += _n_keys(batch)
-        limits = self.host.ingest_limits
+        limits = self.limits
         if len(cursor.buffer) > limits.max_held_batches or cursor.held_keys > limits.max_held_keys:
             # A snapshot supersedes what is held; later batches are held again after it.
             held, keys = len(cursor.buffer), cursor.held_keys
             cursor.buffer.clear()
             cursor.held_keys = 0
             self.counters.buffer_overflows += 1
-            self.host.refuse(
+            self.rejecter.refuse(
                 state.key, HELD_LIMIT, f"{held} batches ({keys} keys) held: dropped for a snapshot"
             )
             if cursor.repairing != SNAPSHOT:
@@ -153,10 +178,10 @@ class RepairMachine:
             # Not now: accept the hole as NoRepair does; a later heartbeat's digest (or the
             # periodic check) asks again once repairs have drained.
             cursor.target = max(cursor.target, upto)
-            self.host.refuse(
+            self.rejecter.refuse(
                 state.key,
                 REPAIR_LIMIT,
-                f"{self.host.ingest_limits.max_pending_repairs} repairs pending: {how} ({cause}) not started",
+                f"{self.limits.max_pending_repairs} repairs pending: {how} ({cause}) not started",
             )
             self.give_up(state.key)
             return
@@ -191,7 +216,7 @@ class RepairMachine:
             self.scheduler.request_snapshot(state.key, cause)
 
     def _repairs_full(self) -> bool:
-        return self.sequencer.repairs() >= self.host.ingest_limits.max_pending_repairs
+        return self.sequencer.repairs() >= self.limits.max_pending_repairs
 
     def _make_room(self, state: InstanceState) -> bool:
         """At the repair limit: give up the pending repair of the instance with the most strikes (at
@@ -206,7 +231,7 @@ class RepairMachine:
                 worst, most = key, n
         if worst is None:
             return False
-        self.host.refuse(
+        self.rejecter.refuse(
             worst,
             REPAIR_LIMIT,
             f"repair given up after {most} snapshot requests in a row failed,"
@@ -234,6 +259,29 @@ class RepairMachine:
             missing=n,
             why=why,
         )
+
+    def jump(self, state: InstanceState, cursor: Cursor, seq: int, what: str) -> bool:
+        """A batch's or heartbeat's ``seq`` more than MAX_GAP past the last one the instance is known
+        to have published (kvindex/sequencer): a restart that kept its epoch, or a lie. Neither a hole
+        to replay nor batches to count missing: refused (``seq_jump``, logged with the worker id) and
+        the instance resynchronised from a snapshot, whose seq says where the worker really is (a
+        batch refused so is in it if the worker really published it).
+
+        True when no snapshot could start (no repair transport, or ``--max-pending-repairs``
+        reached): the caller then takes ``seq`` as the instance's position, as the batches after an
+        unrepaired hole are applied across it."""
+        known = cursor.known()
+        self.rejecter.refuse(
+            state.key,
+            SEQ_JUMP,
+            f"{what} seq {seq} is {seq - known} past seq {known}, the last known published (a hole may "
+            f"miss at most {MAX_GAP} batches): resynchronised from a snapshot",
+            epoch=cursor.epoch,
+        )
+        if cursor.repairing == SNAPSHOT:
+            return False  # the snapshot being taken answers it
+        self.begin(state, cursor, SNAPSHOT, "jump")
+        return cursor.repairing is None
 
     def restart(self, state: InstanceState, epoch: int, why: str) -> None:
         """The worker restarted (a new epoch): its blocks are gone, and so is any repair of them."""
@@ -269,7 +317,7 @@ class RepairMachine:
                 break
             batch = buffer.pop(seq)
             cursor.held_keys -= _n_keys(batch)
-            self.host.apply(state, batch)
+            self.applier.apply(state, batch)
             cursor.applied = seq
         if not buffer and cursor.repairing is not None:
             took = self.registry.clock() - cursor.repair_started
@@ -298,7 +346,7 @@ class RepairMachine:
                 self.begin(state, cursor, REPLAY, "after_snapshot")
 
     def _sync_changed(self, state: InstanceState, reconciled: bool = False) -> None:
-        hook = self.host.on_sync_change
+        hook = self.on_sync_change
         if hook is not None:
             hook(state, reconciled)
 
@@ -316,13 +364,12 @@ class RepairMachine:
             self.begin(state, cursor, SNAPSHOT, "gap")
             return
         c.replays_ok += 1
-        host = self.host
-        limits = host.ingest_limits
+        limits = self.limits
         for payload in payloads:
             try:
-                batch = decode_batch(payload, instance[0], host.limits)
+                batch = decode_batch(payload, instance[0], self.wire_limits)
             except WireError as exc:
-                host.reject(instance[0], "replay", exc)
+                self.rejecter.reject(instance[0], "replay", exc)
                 continue
             seq = batch.seq
             if batch.epoch != cursor.epoch or batch.dp_rank != instance[1]:
@@ -332,7 +379,9 @@ class RepairMachine:
             n = _n_keys(batch)
             if len(cursor.buffer) >= limits.max_held_batches or cursor.held_keys + n > limits.max_held_keys:
                 # What is left stays a hole: the next round asks for a snapshot instead.
-                host.refuse(instance, HELD_LIMIT, f"replay answer holds more than the limit (at seq {seq})")
+                self.rejecter.refuse(
+                    instance, HELD_LIMIT, f"replay answer holds more than the limit (at seq {seq})"
+                )
                 break
             cursor.buffer[seq] = batch
             cursor.held_keys += n
@@ -373,7 +422,7 @@ class RepairMachine:
             cursor = self.sequencer.open(instance, snapshot.epoch)
             cursor.repairing, cursor.repair_started, cursor.rounds = repairing, self.registry.clock(), 1
             diffs = None
-        self.host.apply_snapshot(state, snapshot, diffs)
+        self.applier.apply_snapshot(state, snapshot, diffs)
         cursor.applied = max(cursor.applied, snapshot.seq)
         state.epoch, state.last_seq = cursor.epoch, cursor.applied
         state.repair.failed = False  # whatever was lost before is reconciled now
@@ -418,7 +467,7 @@ class RepairMachine:
         for seq in list(cursor.buffer):
             batch = cursor.buffer.pop(seq)
             if seq > cursor.applied:
-                self.host.apply(state, batch)
+                self.applier.apply(state, batch)
                 cursor.applied = seq
         cursor.held_keys = 0
         # What is known lost stays lost; do not ask for it again on every heartbeat.

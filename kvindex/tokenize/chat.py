@@ -442,6 +442,51 @@ def _tool_dump(tool: Any, index: int) -> dict[str, Any]:
 
 def render_chat(mt: ModelTokenizer, messages: Any, options: ChatOptions) -> str:
     """The prompt text vLLM's chat endpoint renders for ``messages`` with ``options``."""
+    call = _template_call(mt, options)
+    source = call.source
+    conv = conversation(messages, content_format(source))
+    if any(m["role"] == "developer" for m in conv) and not (
+        '"developer"' in source or "'developer'" in source
+    ):
+        conv = _developer_as_system(conv)
+    final_text = _mark_final(conv, call.continue_final, source) if call.continue_final else None
+    variables = {**mt.special_tokens, **call.variables}
+    template = compile_template(source)
+    try:
+        text = template.render(
+            messages=conv,
+            tools=call.tools,
+            documents=call.documents,
+            add_generation_prompt=call.add_generation_prompt,
+            **variables,
+        )
+    except jinja2.TemplateError as exc:
+        raise TokenizeError(f"the chat template rejected the request: {exc}") from exc
+    except (TypeError, ValueError, KeyError, IndexError, AttributeError, RecursionError) as exc:
+        raise TokenizeError(
+            f"the chat template failed on these messages: {type(exc).__name__}: {exc}"
+        ) from exc
+    if final_text is not None:
+        text = _cut_final(text, final_text)
+    return text
+
+
+@dataclass
+class _TemplateCall:
+    """What the template is rendered with, besides the messages (``_template_call``)."""
+
+    source: str
+    tools: list[Any] | None
+    documents: list[dict[str, Any]] | None
+    add_generation_prompt: bool
+    continue_final: Any
+    variables: dict[str, Any]
+
+
+def _template_call(mt: ModelTokenizer, options: ChatOptions) -> _TemplateCall:
+    """The template's source and arguments from the request's options, merged and checked as vLLM
+    does: request kwargs under the explicit options, ``None`` and ``"auto"`` dropped, only what the
+    template reads kept."""
     tools = None
     if options.tools is not None:
         if not isinstance(options.tools, list):
@@ -489,57 +534,35 @@ def render_chat(mt: ModelTokenizer, messages: Any, options: ChatOptions) -> str:
         isinstance(documents, list) and all(isinstance(d, dict) for d in documents)
     ):
         raise TokenizeError("documents must be a list of objects")
+    return _TemplateCall(source, tools, documents, add_generation_prompt, continue_final, merged)
 
-    conv = conversation(messages, content_format(source))
-    if any(m["role"] == "developer" for m in conv) and not (
-        '"developer"' in source or "'developer'" in source
-    ):
-        conv = _developer_as_system(conv)
 
-    final_text: str | None = None
+def _mark_final(conv: list[dict[str, Any]], continue_final: Any, source: str) -> str:
+    """Mark the end of the final message (continue_final_message: its field, ``content`` unless it
+    names another) with CONTINUE_TAG, so that the rendering can be cut there; its text before."""
     field = continue_final if isinstance(continue_final, str) else "content"
-    if continue_final:
-        final = conv[-1].get(field)
-        if final is None:
-            raise TokenizeError(f'continue_final_message is set but the final message has no "{field}"')
-        if field not in source:
-            raise TokenizeError(f'continue_final_message: the chat template does not use "{field}"')
-        if isinstance(final, list | tuple):
-            for block in reversed(final):
-                if isinstance(block, dict) and "text" in block:
-                    final_text = block["text"]
-                    block["text"] = block["text"] + CONTINUE_TAG
-                    break
-            else:
-                raise TokenizeError("continue_final_message is set but the final message has no text")
-        else:
-            final_text = str(final)
-            conv[-1][field] = final + CONTINUE_TAG
+    final = conv[-1].get(field)
+    if final is None:
+        raise TokenizeError(f'continue_final_message is set but the final message has no "{field}"')
+    if field not in source:
+        raise TokenizeError(f'continue_final_message: the chat template does not use "{field}"')
+    if isinstance(final, list | tuple):
+        for block in reversed(final):
+            if isinstance(block, dict) and "text" in block:
+                final_text: str = block["text"]
+                block["text"] = block["text"] + CONTINUE_TAG
+                return final_text
+        raise TokenizeError("continue_final_message is set but the final message has no text")
+    conv[-1][field] = final + CONTINUE_TAG
+    return str(final)
 
-    variables = {**mt.special_tokens, **merged}
-    template = compile_template(source)
-    try:
-        text = template.render(
-            messages=conv,
-            tools=tools,
-            documents=documents,
-            add_generation_prompt=add_generation_prompt,
-            **variables,
-        )
-    except jinja2.TemplateError as exc:
-        raise TokenizeError(f"the chat template rejected the request: {exc}") from exc
-    except (TypeError, ValueError, KeyError, IndexError, AttributeError, RecursionError) as exc:
+
+def _cut_final(text: str, final_text: str) -> str:
+    """The rendering up to the end of the final message (its CONTINUE_TAG), which must be in it."""
+    if final_text.strip() not in text or CONTINUE_TAG.strip() not in text:
         raise TokenizeError(
-            f"the chat template failed on these messages: {type(exc).__name__}: {exc}"
-        ) from exc
-
-    if continue_final:
-        assert final_text is not None
-        if final_text.strip() not in text or CONTINUE_TAG.strip() not in text:
-            raise TokenizeError(
-                "continue_final_message is set but the final message does not appear in the rendered chat "
-                "(the template changes it)"
-            )
-        at = text.rindex(CONTINUE_TAG.strip())
-        text = text[:at] if text[at : at + len(CONTINUE_TAG)] == CONTINUE_TAG else text[:at].rstrip()
-    return text
+            "continue_final_message is set but the final message does not appear in the rendered chat "
+            "(the template changes it)"
+        )
+    at = text.rindex(CONTINUE_TAG.strip())
+    return text[:at] if text[at : at + len(CONTINUE_TAG)] == CONTINUE_TAG else text[:at].rstrip()

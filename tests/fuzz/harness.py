@@ -42,6 +42,7 @@ import msgspec
 
 from kvindex.api.handlers import Malformed, method_handlers
 from kvindex.api.servicer import KvIndexServicer
+from kvindex.core import build_consumer
 from kvindex.fleet.registry import Registry
 from kvindex.index import InvertedIndex
 from kvindex.ingest.consumer import Consumer
@@ -147,7 +148,7 @@ def _heartbeat(worker: str, seq: int, capacity: dict, digest: dict | None = None
 def world() -> Consumer:
     """w1 in sync near its limit (capacity 32 -> 40 blocks), w2 repairing by replay (seq 2 lost,
     3 held), w3 discovered mid-stream and waiting for a snapshot of seq 5."""
-    c = Consumer(
+    c = build_consumer(
         InvertedIndex(),
         Registry(clock=_Clock()),
         sequencer=Sequencer(),
@@ -188,7 +189,8 @@ def invariants(c: Consumer, capacity_fixed: bool = True) -> None:
         counts = ix.block_counts(state.key)
         if capacity_fixed:  # a heartbeat may lower a limit below what is held (kept, not trimmed)
             check(
-                all(n <= lim for n, lim in zip(counts, c.limits_of(state), strict=True)), "over a block limit"
+                all(n <= lim for n, lim in zip(counts, c.applier.limits_of(state), strict=True)),
+                "over a block limit",
             )
         for t in range(4):
             keys = list(ix.keys_of(state.key, t))
@@ -262,7 +264,7 @@ def snapshot_target(data: bytes) -> None:
     c = world()
     w3 = ("w3", 0)
     state = c.registry.get(w3)
-    trim = _Trim(None if state is None else c.limits_of(state))
+    trim = _Trim(None if state is None else c.applier.limits_of(state))
     parts = _Parts()
     for _header, payload in records(data):
         try:

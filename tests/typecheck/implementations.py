@@ -12,9 +12,10 @@ from kvindex.client.local import LocalKvIndexClient
 from kvindex.index import _pytable
 from kvindex.index.base import Differ, GroupedIndex, KvBlockIndex
 from kvindex.index.inverted import InvertedIndex
-from kvindex.ingest.consumer import Consumer
+from kvindex.ingest.applier import Applier
 from kvindex.ingest.limits import IngestLimits
-from kvindex.repair.machine import HeldLimits, NoRepair, RepairHost, RepairScheduler
+from kvindex.ingest.rejects import Rejects
+from kvindex.repair.machine import BlockApplier, HeldLimits, NoRepair, Rejecter, RepairScheduler
 from kvindex.repair.nats_repair import NatsRepairer
 from kvindex.route.ext_proc import EndpointPicker
 from kvindex.route.lifecycle import LedgerCalls, LedgerEvents
@@ -47,7 +48,8 @@ differ: type[Differ] = _pytable.Differ
 index_view: type[IndexView] = InvertedIndex
 
 # Ingest and repair.
-host: type[RepairHost] = Consumer
+applier: type[BlockApplier] = Applier
+rejecter: type[Rejecter] = Rejects
 held: type[HeldLimits] = IngestLimits
 schedulers: list[type[RepairScheduler]] = [NoRepair, NatsRepairer, LoggedRepair]
 

@@ -7,6 +7,7 @@ from typing import Any
 import msgpack
 import pytest
 
+from kvindex.core import build_consumer
 from kvindex.fleet.registry import Registry
 from kvindex.index import InvertedIndex
 from kvindex.ingest.consumer import Consumer
@@ -18,7 +19,7 @@ from kvindex.wire.codec import Limits
 
 
 def make() -> Consumer:
-    return Consumer(
+    return build_consumer(
         InvertedIndex(),
         Registry(),
         sequencer=Sequencer(),
@@ -89,7 +90,7 @@ def test_restart_during_a_repair_reports_the_new_history_as_synced() -> None:
             self.asked.append("snapshot")
 
     pending = Pending()
-    c = Consumer(
+    c = build_consumer(
         InvertedIndex(),
         Registry(),
         sequencer=Sequencer(),

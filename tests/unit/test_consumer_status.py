@@ -11,6 +11,7 @@ from typing import Any
 import msgpack
 import pytest
 
+from kvindex.core import build_consumer
 from kvindex.fleet.registry import Registry
 from kvindex.index import InvertedIndex
 from kvindex.ingest.consumer import Consumer
@@ -44,13 +45,14 @@ class Recorder:
         self.asked.append((instance, f"snapshot {cause}"))
 
 
-def make(repair: Any = None) -> Consumer:
-    return Consumer(
+def make(repair: Any = None, prefill_samples: Any = None) -> Consumer:
+    return build_consumer(
         InvertedIndex(),
         Registry(clock=Clock()),
         sequencer=Sequencer(),
         counters=IngestCounters(),
         repair=None if repair is None else lambda _machine: repair,
+        prefill_samples=prefill_samples,
     )
 
 
@@ -390,11 +392,10 @@ def _view(c: Consumer, samples: list[Any]) -> Any:
 @pytest.mark.parametrize("seed", range(40))
 def test_steady_path_matches_the_full_decoder(seed: int) -> None:
     rng = random.Random(seed)
-    fast, full = make(Recorder()), make(Recorder())
     fast_samples: list[Any] = []
     full_samples: list[Any] = []
-    fast.prefill_samples = lambda model, s, instance: fast_samples.append((model, s, instance))
-    full.prefill_samples = lambda model, s, instance: full_samples.append((model, s, instance))
+    fast = make(Recorder(), lambda model, s, instance: fast_samples.append((model, s, instance)))
+    full = make(Recorder(), lambda model, s, instance: full_samples.append((model, s, instance)))
     seqs = {"w1": 0, "w2": 0}
     last: dict[str, dict] = {}
     for _ in range(400):
@@ -472,7 +473,9 @@ def test_fleet_tables_rows_equal_row_values_through_heartbeats(seed: int) -> Non
 
     rng = random.Random(seed)
     clock = Clock()
-    c = Consumer(InvertedIndex(), Registry(clock=clock), sequencer=Sequencer(), counters=IngestCounters())
+    c = build_consumer(
+        InvertedIndex(), Registry(clock=clock), sequencer=Sequencer(), counters=IngestCounters()
+    )
     ledger = Ledger(clock)
     tables = FleetTables(c.registry, ledger)
     workers = [f"w{i}" for i in range(40)]
@@ -520,7 +523,9 @@ def test_fleet_tables_follow_an_instance_forgotten_and_back_between_refreshes() 
     from kvindex.scoring.ledger import Ledger
 
     clock = Clock()
-    c = Consumer(InvertedIndex(), Registry(clock=clock), sequencer=Sequencer(), counters=IngestCounters())
+    c = build_consumer(
+        InvertedIndex(), Registry(clock=clock), sequencer=Sequencer(), counters=IngestCounters()
+    )
     tables = FleetTables(c.registry, Ledger(clock))
     assert c.on_heartbeat(SUBJECT, heartbeat(load={"running": 1}))
     old = c.registry.get(("w1", 0))
@@ -541,12 +546,12 @@ def test_fleet_tables_follow_an_instance_forgotten_and_back_between_refreshes() 
 
 
 def _repeat_setup():
+    from kvindex.core import build_consumer
     from kvindex.fleet.registry import Registry
     from kvindex.index import InvertedIndex
-    from kvindex.ingest.consumer import Consumer
     from kvindex.wire.codec import encode_batch, encode_heartbeat
 
-    c = Consumer(InvertedIndex(), Registry(), sequencer=Sequencer(), counters=IngestCounters())
+    c = build_consumer(InvertedIndex(), Registry(), sequencer=Sequencer(), counters=IngestCounters())
 
     def hb(ts: float, seq: int = 0, running: int = 1, digest=(0, 0)) -> bytes:
         return encode_heartbeat(

@@ -19,13 +19,13 @@ def assert_assembled(core: Core) -> None:
     consumer, router = core.consumer, core.ranker
     assert consumer.index is core.index and consumer.registry is core.registry
     assert consumer.sequencer is core.sequencer and consumer.counters is core.counters
-    assert consumer.prefill_samples == core.calibrator.add
+    assert consumer.heartbeats.prefill_samples == core.calibrator.add
     for r in core.rankers:
         assert r.index is core.index and r.registry is core.registry
         assert r.calibrator is core.calibrator and r.clock is core.registry.clock
     if len(core.rankers) == 1:
-        assert consumer.on_forget == router.forget
-        assert consumer.on_sync_change == router.sync_changed
+        assert consumer.on_forget == consumer.heartbeats.on_forget == router.forget
+        assert consumer.repairs.on_sync_change == router.sync_changed
     # Functionally too: an instance the consumer forgets is forgotten by every router.
     for r in core.rankers:
         r.speculative.add(KEY, [1, 2, 3])
@@ -66,5 +66,58 @@ def test_several_routers_are_each_told_of_repair_changes() -> None:
     assert_assembled(core)
     state = core.registry.add(KEY, "m", 16)
     state.repair.failed = True  # a repair gave up: the instance is degraded everywhere
-    core.consumer.on_sync_change(state, False)
+    core.consumer.repairs.on_sync_change(state, False)
     assert all(KEY in r.degraded for r in core.rankers)
+
+
+def _held(obj: object) -> list[object]:
+    """What ``obj`` holds: its attributes' values, the objects of bound methods among them, and what
+    functions among them close over (slotted values, such as the limits, hold no stage)."""
+    out: list[object] = []
+    for value in getattr(obj, "__dict__", {}).values():
+        out.append(getattr(value, "__self__", value))
+        for cell in getattr(value, "__closure__", None) or ():
+            out.append(cell.cell_contents)
+    return out
+
+
+def test_the_ingest_path_goes_one_way_down() -> None:
+    """No stage of ingest or repair holds (as an attribute, a bound method or a closure) a stage that
+    calls it: from the consumer down, the stages' holdings form no cycle. The scheduler made for the
+    repair machine answers it, by design (kvindex/core.py), and is left out."""
+    consumer = build_core().consumer
+    scheduler = consumer.repairs.scheduler
+
+    def is_stage(obj: object) -> bool:
+        module = type(obj).__module__
+        return obj is not scheduler and module.startswith(("kvindex.ingest.", "kvindex.repair."))
+
+    stages: dict[int, object] = {id(consumer): consumer}
+    edges: dict[int, set[int]] = {}
+    todo = [consumer]
+    while todo:
+        obj = todo.pop()
+        edges[id(obj)] = set()
+        for held in _held(obj):
+            if is_stage(held) and held is not obj:
+                edges[id(obj)].add(id(held))
+                if id(held) not in stages:
+                    stages[id(held)] = held
+                    todo.append(held)
+    names = {k: type(v).__name__ for k, v in stages.items()}
+    assert {"Heartbeats", "RepairMachine", "Applier", "Instances", "Rejects", "Layouts"} <= set(
+        names.values()
+    )
+    done: set[int] = set()
+
+    def walk(node: int, path: list[int]) -> None:
+        assert node not in path, "a stage holds what calls it: " + " -> ".join(
+            names[n] for n in [*path, node]
+        )
+        if node in done:
+            return
+        for nxt in edges[node]:
+            walk(nxt, [*path, node])
+        done.add(node)
+
+    walk(id(consumer), [])

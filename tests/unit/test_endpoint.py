@@ -10,9 +10,9 @@ import msgpack
 import pytest
 import structlog
 
+from kvindex.core import build_consumer
 from kvindex.fleet.registry import Registry
 from kvindex.index import InvertedIndex
-from kvindex.ingest.consumer import Consumer
 from kvindex.observability.counters import IngestCounters
 from kvindex.sequencer.cursor import Sequencer
 from kvindex.wire import encode_heartbeat
@@ -94,7 +94,7 @@ def test_heartbeat_without_endpoint_still_decodes() -> None:
 
 @pytest.mark.parametrize("bad", ["10.0.0.7", 8000, {"host": "x"}, "x" * 1000, "h:99999"])
 def test_malformed_endpoint_is_dropped_counted_and_logged_heartbeat_kept(bad: Any) -> None:
-    consumer = Consumer(InvertedIndex(), Registry(), sequencer=Sequencer(), counters=IngestCounters())
+    consumer = build_consumer(InvertedIndex(), Registry(), sequencer=Sequencer(), counters=IngestCounters())
     assert consumer.on_heartbeat("kvindex.status.w1", heartbeat(endpoint="10.0.0.7:8000"))
     assert consumer.registry.endpoint("w1/0") == "10.0.0.7:8000"
     with structlog.testing.capture_logs() as logs:
@@ -110,7 +110,7 @@ def test_malformed_endpoint_is_dropped_counted_and_logged_heartbeat_kept(bad: An
 
 
 def test_registry_endpoint_lookups_follow_moves_and_forgetting() -> None:
-    consumer = Consumer(InvertedIndex(), Registry(), sequencer=Sequencer(), counters=IngestCounters())
+    consumer = build_consumer(InvertedIndex(), Registry(), sequencer=Sequencer(), counters=IngestCounters())
     reg = consumer.registry
     for worker, rank, endpoint in [("w1", 0, "a:1"), ("w2", 0, "b:2"), ("w2", 1, "b:2")]:
         hb = msgpack.unpackb(heartbeat(worker, endpoint=endpoint))

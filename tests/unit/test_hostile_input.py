@@ -18,6 +18,7 @@ import structlog.testing
 from kvindex.api.errors import BadRequest
 from kvindex.api.handlers import Malformed, deserializer
 from kvindex.api.servicer import U32_MAX, KvIndexServicer
+from kvindex.core import build_consumer
 from kvindex.fleet.registry import Registry
 from kvindex.index import InvertedIndex
 from kvindex.ingest.consumer import Consumer
@@ -221,7 +222,7 @@ def test_msgpack_nested_too_deep_is_rejected_counted_and_logged_with_the_worker(
     kind: str, make_payload: Callable[[], bytes]
 ) -> None:
     with structlog.testing.capture_logs() as logs:
-        c = Consumer(InvertedIndex(), Registry(), sequencer=Sequencer(), counters=IngestCounters())
+        c = build_consumer(InvertedIndex(), Registry(), sequencer=Sequencer(), counters=IngestCounters())
         assert c.on_events("kvindex.events.w1", batch(1, [1, 2]))
         assert c.on_heartbeat("kvindex.status.w1", heartbeat(1))
         before = view(c)
@@ -237,7 +238,7 @@ def test_msgpack_nested_too_deep_is_rejected_counted_and_logged_with_the_worker(
 
 
 def test_deep_heartbeat_of_an_unknown_worker_is_rejected_under_its_subject() -> None:
-    c = Consumer(InvertedIndex(), Registry(), sequencer=Sequencer(), counters=IngestCounters())
+    c = build_consumer(InvertedIndex(), Registry(), sequencer=Sequencer(), counters=IngestCounters())
     assert not c.on_heartbeat("kvindex.status.w9", with_field(heartbeat(0, "w9"), "x", nested_msgpack(5000)))
     assert not c.on_events("kvindex.events.w8", with_field(batch(1, [1], "w8"), "x", nested_msgpack(5000)))
     assert c.counters.rejects == {E.TOO_DEEP: 2}
@@ -278,7 +279,7 @@ def answer(servicer: KvIndexServicer, method: str, request: Any) -> Any:
 def test_seqs_at_the_ends_of_u64_leave_stats_and_list_instances_working() -> None:
     # The issue's two cases: two instances send seq 1 then 2**64 - 1 (Stats summed their "missing
     # batches" past u64); one jumps, restarts and jumps to 2**63 (its own sum broke ListInstances).
-    c = Consumer(
+    c = build_consumer(
         InvertedIndex(), Registry(), sequencer=Sequencer(), counters=IngestCounters()
     )  # no repair transport: jumps are taken as positions
     sent = [(w, 1, 1) for w in "abc"] + [(w, 1, U64_MAX) for w in "abc"] + [("c", 2, 1), ("c", 2, 1 << 63)]
@@ -299,7 +300,7 @@ def test_seqs_at_the_ends_of_u64_leave_stats_and_list_instances_working() -> Non
 def test_a_jump_is_refused_logged_with_the_worker_and_resynchronised_from_a_snapshot() -> None:
     requests = Requests()
     with structlog.testing.capture_logs() as logs:
-        c = Consumer(
+        c = build_consumer(
             InvertedIndex(),
             Registry(),
             sequencer=Sequencer(),
@@ -325,7 +326,7 @@ def test_a_jump_is_refused_logged_with_the_worker_and_resynchronised_from_a_snap
 
 def test_a_heartbeat_jump_asks_a_snapshot_not_a_replay_of_its_tail() -> None:
     requests = Requests()
-    c = Consumer(
+    c = build_consumer(
         InvertedIndex(),
         Registry(),
         sequencer=Sequencer(),
@@ -337,7 +338,7 @@ def test_a_heartbeat_jump_asks_a_snapshot_not_a_replay_of_its_tail() -> None:
     assert requests.asked == [(("w1", 0), "snapshot:jump")]
     assert c.counters.rejects == {SEQ_JUMP: 1} and c.counters.missing_batches == 0
     # A tail within the widest hole is still a lost tail: replayed, its batches counted missing.
-    c2 = Consumer(
+    c2 = build_consumer(
         InvertedIndex(),
         Registry(),
         sequencer=Sequencer(),
@@ -352,7 +353,7 @@ def test_a_heartbeat_jump_asks_a_snapshot_not_a_replay_of_its_tail() -> None:
 def test_replies_saturate_what_does_not_fit_their_fields() -> None:
     # Counters are Python ints; the reply's fields are uint64 (uint32 for token counts). A block
     # size of 2**20 (the wire's largest) times 5,000 block keys is 5.2e9 tokens.
-    c = Consumer(InvertedIndex(), Registry(), sequencer=Sequencer(), counters=IngestCounters())
+    c = build_consumer(InvertedIndex(), Registry(), sequencer=Sequencer(), counters=IngestCounters())
     keys = list(range(1, 5001))
     big = encode_batch(
         worker="w1", model="m", epoch=1, seq=1, ts=0.0, block_size=1 << 20,

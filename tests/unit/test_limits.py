@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from kvindex.core import build_consumer
 from kvindex.fleet.registry import Registry
 from kvindex.index import InvertedIndex
 from kvindex.ingest.consumer import Consumer
@@ -43,7 +44,7 @@ class Log:
 
 def make(repair: Any = None, **limits: Any) -> tuple[Consumer, Log]:
     log = Log()
-    c = Consumer(
+    c = build_consumer(
         InvertedIndex(),
         Registry(),
         sequencer=Sequencer(),

@@ -11,9 +11,9 @@ import msgpack
 import pytest
 import structlog
 
+from kvindex.core import build_consumer
 from kvindex.fleet.registry import Registry
 from kvindex.index import InvertedIndex
-from kvindex.ingest.consumer import Consumer
 from kvindex.observability.counters import IngestCounters
 from kvindex.sequencer.cursor import Sequencer
 from kvindex.wire import encode_heartbeat
@@ -53,7 +53,7 @@ def test_heartbeat_without_role_is_both() -> None:
 
 @pytest.mark.parametrize("bad", [{"role": "encode"}, {"role": 7}, {"pd_group": "a b"}, {"pd_group": [1]}])
 def test_malformed_role_is_dropped_counted_and_logged_heartbeat_kept(bad: dict[str, Any]) -> None:
-    consumer = Consumer(InvertedIndex(), Registry(), sequencer=Sequencer(), counters=IngestCounters())
+    consumer = build_consumer(InvertedIndex(), Registry(), sequencer=Sequencer(), counters=IngestCounters())
     assert consumer.on_heartbeat(SUBJECT, heartbeat(role="decode", pd_group="g1"))
     state = consumer.registry.get(("w1", 0))
     assert state is not None and (state.role, state.pd_group) == ("decode", "g1")
@@ -69,7 +69,7 @@ def test_malformed_role_is_dropped_counted_and_logged_heartbeat_kept(bad: dict[s
 def test_role_changes_take_every_decode_path() -> None:
     """Full decode, the steady-state peek path (maps reused) and the repeated-bytes path all keep the
     role right, and a change of role leaves the repeated-bytes path (its head bytes differ)."""
-    consumer = Consumer(InvertedIndex(), Registry(), sequencer=Sequencer(), counters=IngestCounters())
+    consumer = build_consumer(InvertedIndex(), Registry(), sequencer=Sequencer(), counters=IngestCounters())
     reg = consumer.registry
     assert consumer.on_heartbeat(SUBJECT, heartbeat(ts=1.0, role="prefill"))  # full decode
     state = reg.get(("w1", 0))

@@ -17,9 +17,9 @@ def _scheduled_fleet(n: int, cfg: RepairConfig, seed: int) -> tuple[Any, Any, li
     (repairer, consumer, checked keys in order)."""
     import random
 
+    from kvindex.core import build_consumer
     from kvindex.fleet.registry import Registry
     from kvindex.index.inverted import InvertedIndex
-    from kvindex.ingest.consumer import Consumer
     from kvindex.ingest.limits import DEFAULT_INGEST_LIMITS
     from kvindex.repair.nats_repair import NatsRepairer
     from kvindex.wire.subjects import Subjects
@@ -29,7 +29,7 @@ def _scheduled_fleet(n: int, cfg: RepairConfig, seed: int) -> tuple[Any, Any, li
             machine, Subjects(), DEFAULT_INGEST_LIMITS.limits_of, cfg, rng=random.Random(seed)
         )
 
-    consumer = Consumer(
+    consumer = build_consumer(
         InvertedIndex(), Registry(), sequencer=Sequencer(), counters=IngestCounters(), repair=make_repairer
     )
     repairer = consumer.repairs.scheduler
