@@ -114,16 +114,7 @@ class FleetCollector(Collector):
                     blocks.add_metric([name, TIER_NAMES[tier]], n)
         stale.add_metric([], n_stale)
         yield stale
-        by_reason = GaugeMetricFamily(
-            "kvindex_instances_approximate",
-            "Instances whose cache the index does not know exactly, by why: no_events (predicted from "
-            "routing), kv_groups_conflict (a hybrid-attention layout other than the model's), kv_groups "
-            "(KV-cache groups not read by the engine's rule)",
-            labels=["reason"],
-        )
-        for reason, n in approximate.items():
-            by_reason.add_metric([reason], n)
-        yield by_reason
+        yield _approximate_by_reason(approximate)
         yield each_stale
         yield age
         yield requests
@@ -166,3 +157,16 @@ class FleetCollector(Collector):
         yield ranked_by
         yield error
         yield samples
+
+
+def _approximate_by_reason(counts: dict[str, int]) -> GaugeMetricFamily:
+    by_reason = GaugeMetricFamily(
+        "kvindex_instances_approximate",
+        "Instances whose cache the index does not know exactly, by why: no_events (predicted from "
+        "routing), kv_groups_conflict (a hybrid-attention layout other than the model's), kv_groups "
+        "(KV-cache groups not read by the engine's rule)",
+        labels=["reason"],
+    )
+    for reason, n in counts.items():
+        by_reason.add_metric([reason], n)
+    return by_reason

@@ -35,7 +35,6 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
@@ -44,7 +43,6 @@ from envoy.config.core.v3 import base_pb2 as core_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 from google.protobuf import struct_pb2
-from prometheus_client import Counter, Histogram
 
 from kvindex.api.errors import BadRequest
 from kvindex.api.handlers import Malformed
@@ -70,7 +68,6 @@ from kvindex.route.envoy import (
 )
 from kvindex.route.gate import AdmissionGate, AdmissionMetrics, Shed
 from kvindex.route.lifecycle import RequestLedger, report_of, run_now
-from kvindex.route.metrics import TTFT_BUCKETS
 from kvindex.route.openai_body import BodyError, PromptSpec, apply_prompt, parse_body
 from kvindex.route.pd import (
     REMOTE,
@@ -83,81 +80,13 @@ from kvindex.route.pd import (
     decode_candidates,
     prefill_candidates,
 )
+from kvindex.route.picker_state import Exchange, PickerMetrics, QuietEvents
 from kvindex.route.usage import UsageReader
 from kvindex.scoring.admission import AdmissionConfig, Estimate
 from kvindex.scoring.ledger import FINISHED, PREFILL
-from kvindex.scoring.objectives import Objective, ObjectiveDefaults, ObjectiveError
+from kvindex.scoring.objectives import ObjectiveDefaults, ObjectiveError
 from kvindex.scoring.outcomes import Report
 from kvindex.v1 import kvindex_pb2 as pb
-
-
-@dataclass
-class _Exchange:
-    """One HTTP request's state across its ext_proc stream."""
-
-    full_duplex: bool = True
-    headers: dict[str, str] = field(default_factory=dict)
-    body: bytearray = field(default_factory=bytearray)
-    subset: list[str] | None = None
-    request: pb.ScoreRequest | None = None
-    request_id: str = ""
-    # The request's ledger entry (kvindex/route/lifecycle.py; ``committed``: the instance holding
-    # it), made with the request id; PD: the prefill step's, <request_id>:prefill.
-    ledger: RequestLedger | None = None
-    prefill: RequestLedger | None = None
-    prefiller: str = ""  # PD: the prefill endpoint named in x-prefiller-host-port
-    released_prefill: bool = False
-    finished: bool = False
-    arrived: float = field(default_factory=time.monotonic)  # the request headers: TTFT starts here
-    model: str = ""
-    objective: Objective = field(default_factory=Objective)
-    est_ms: float = 0.0  # the index's TTFT estimate for the pick, and when it was made
-    decided_at: float = 0.0
-    streaming: bool = False  # the response is an event stream: its first body chunk is the first token
-    picked_at: float = 0.0  # monotonic time of the pick (the TTFT the picker sees starts here)
-    first_byte_at: float = 0.0
-    reader: UsageReader | None = None  # the response's usage, when the gateway sends the body
-    explained: str = ""  # asked for (x-kvindex-explain): the response header's value
-    # Envoy served it on a fallback endpoint: re-committed there only once the engine answered, so
-    # its engine's report is not compared (see _served).
-    served_elsewhere: bool = False
-
-    @property
-    def committed(self) -> str:
-        """The instance holding the request's ledger entry ("" for none)."""
-        return self.ledger.committed if self.ledger is not None else ""
-
-
-class PickerMetrics:
-    def __init__(self, registry: Any) -> None:
-        kw = {"registry": registry} if registry is not None else {}
-        self.picks = Counter("kvindex_ext_proc_picks", "ext_proc requests by outcome", ["outcome"], **kw)
-        self.served_elsewhere = Counter(
-            "kvindex_ext_proc_served_elsewhere", "Requests Envoy served on a fallback endpoint", **kw
-        )
-        self.streams = Counter("kvindex_ext_proc_streams", "ext_proc streams opened", **kw)
-        self.ttft = Histogram(
-            "kvindex_ext_proc_ttft_seconds",
-            "request headers -> first response body byte, as the picker sees them",
-            buckets=TTFT_BUCKETS,
-            **kw,
-        )
-        self.reports = Counter(
-            "kvindex_ext_proc_reports",
-            "outcome reports read from response bodies, by what the index did with them",
-            ["result"],
-            **kw,
-        )
-
-
-class _Quiet:
-    """LedgerEvents of the PD prefill entry: its release is neither counted nor a wake-up."""
-
-    def released(self, phase: str, found: bool | None, reported: bool, status: str, wake: bool) -> None:
-        pass
-
-    def moved(self, committed: bool) -> None:
-        pass
 
 
 class EndpointPicker(ep_grpc.ExternalProcessorServicer):
@@ -209,7 +138,7 @@ class EndpointPicker(ep_grpc.ExternalProcessorServicer):
         self, request_iterator: AsyncIterator[ep.ProcessingRequest], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[ep.ProcessingResponse]:
         self.metrics.streams.inc()
-        ex = _Exchange()
+        ex = Exchange()
         try:
             async for msg in request_iterator:
                 if type(msg) is Malformed:  # bytes that are not a ProcessingRequest (handlers.py)
@@ -233,7 +162,7 @@ class EndpointPicker(ep_grpc.ExternalProcessorServicer):
             self._finish(ex)
 
     async def _handle(
-        self, ex: _Exchange, kind: str | None, msg: ep.ProcessingRequest
+        self, ex: Exchange, kind: str | None, msg: ep.ProcessingRequest
     ) -> list[ep.ProcessingResponse]:
         if kind == "request_headers":
             ex.headers = headers_of(msg.request_headers.headers)
@@ -310,7 +239,7 @@ class EndpointPicker(ep_grpc.ExternalProcessorServicer):
 
     # -- picking -------------------------------------------------------------------------------
 
-    async def _pick(self, ex: _Exchange, phase: str) -> ep.ProcessingResponse:
+    async def _pick(self, ex: Exchange, phase: str) -> ep.ProcessingResponse:
         """Rank, commit, and answer ``phase`` (request_headers or request_body) with the destination."""
         try:
             endpoints = await self._rank(ex)
@@ -356,7 +285,7 @@ class EndpointPicker(ep_grpc.ExternalProcessorServicer):
             )
         return ep.ProcessingResponse(request_body=ep.BodyResponse(response=common), dynamic_metadata=metadata)
 
-    async def _rank(self, ex: _Exchange) -> list[str] | Shed:
+    async def _rank(self, ex: Exchange) -> list[str] | Shed:
         """Endpoints best first (the pick and up to ``fallbacks`` more); [] when none is eligible;
         Shed when admission sheds the request."""
         eligible = self._eligible(ex.subset)
@@ -428,7 +357,7 @@ class EndpointPicker(ep_grpc.ExternalProcessorServicer):
 
     def _plan_prefill(
         self,
-        ex: _Exchange,
+        ex: Exchange,
         spec: PromptSpec,
         decode_request: pb.ScoreRequest,
         decoded: pb.ScoreResponse,
@@ -456,7 +385,7 @@ class EndpointPicker(ep_grpc.ExternalProcessorServicer):
                 request.top_k = self.pd.prefill_top_k
                 request.request_id = ex.request_id + PREFILL_SUFFIX
                 ranked = self._score(request)
-                ex.prefill = prefill = RequestLedger(self.client, request.request_id, run_now, _Quiet())
+                ex.prefill = prefill = RequestLedger(self.client, request.request_id, run_now, QuietEvents())
                 prefill.committed_on(ranked.committed_instance_id)
                 groups = {s.instance_id: s.pd_group or "" for s in eligible}
                 options = [
@@ -494,7 +423,7 @@ class EndpointPicker(ep_grpc.ExternalProcessorServicer):
         return whole_ranked
 
     def _score_request(
-        self, spec: PromptSpec, ex: _Exchange, candidates: list[str], commit: bool = True, role: str = ""
+        self, spec: PromptSpec, ex: Exchange, candidates: list[str], commit: bool = True, role: str = ""
     ) -> pb.ScoreRequest:
         request = pb.ScoreRequest(
             model=spec.model,
@@ -508,7 +437,7 @@ class EndpointPicker(ep_grpc.ExternalProcessorServicer):
         apply_prompt(request, spec)
         return request
 
-    def _commit_on(self, ex: _Exchange, spec: PromptSpec, instance: str, role: str = "") -> None:
+    def _commit_on(self, ex: Exchange, spec: PromptSpec, instance: str, role: str = "") -> None:
         """Commit the request on ``instance`` (a Score with commit restricted to it replaces any
         entry the request had)."""
         if ex.committed and ex.committed != instance:
@@ -521,7 +450,7 @@ class EndpointPicker(ep_grpc.ExternalProcessorServicer):
             ex.request = request
             self._committed(ex, response.committed_instance_id)
 
-    def _undo(self, ex: _Exchange) -> Any:
+    def _undo(self, ex: Exchange) -> Any:
         """A pick not acted on (held or shed): its commit must not count against the instance."""
 
         async def undo(_response: pb.ScoreResponse) -> None:
@@ -544,7 +473,7 @@ class EndpointPicker(ep_grpc.ExternalProcessorServicer):
 
     # -- the response side ---------------------------------------------------------------------
 
-    def _served(self, ex: _Exchange, metadata: core_pb2.Metadata) -> None:
+    def _served(self, ex: Exchange, metadata: core_pb2.Metadata) -> None:
         """Envoy says which endpoint served: move the ledger entry if it was a fallback."""
         served = metadata_string(metadata, LB_NAMESPACE, SERVED)
         if not served or ex.request is None or ex.finished:
@@ -562,7 +491,7 @@ class EndpointPicker(ep_grpc.ExternalProcessorServicer):
         # would count the request's own blocks as its hit: its report is no evidence, not sent.
         ex.served_elsewhere = True
 
-    def _recommit(self, ex: _Exchange, instance: str, like: pb.ScoreRequest) -> None:
+    def _recommit(self, ex: Exchange, instance: str, like: pb.ScoreRequest) -> None:
         """Commit the request to ``instance`` (a unified entry: prefill and decode there)."""
         request = pb.ScoreRequest()
         request.CopyFrom(like)
@@ -576,7 +505,7 @@ class EndpointPicker(ep_grpc.ExternalProcessorServicer):
             return
         self._committed(ex, response.committed_instance_id)
 
-    def _report(self, ex: _Exchange, reader: UsageReader) -> Report | None:
+    def _report(self, ex: Exchange, reader: UsageReader) -> Report | None:
         reader.finish()
         ttft_ms = max(0.0, (ex.first_byte_at - ex.picked_at) * 1000) if ex.picked_at else None
         return report_of(reader.usage, reader.stream, ttft_ms)
@@ -598,11 +527,11 @@ class EndpointPicker(ep_grpc.ExternalProcessorServicer):
         except BadRequest as exc:
             return None, f"the index cannot rank it: {exc}"
 
-    def _committed(self, ex: _Exchange, instance_id: str) -> None:
+    def _committed(self, ex: Exchange, instance_id: str) -> None:
         if ex.ledger is not None:
             ex.ledger.committed_on(instance_id)
 
-    def _drop(self, ex: _Exchange) -> None:
+    def _drop(self, ex: Exchange) -> None:
         """The request's entry goes (it is committed elsewhere next): not its end, no wake-up."""
         if ex.ledger is not None:
             run_sync(ex.ledger.undo())
@@ -618,7 +547,7 @@ class EndpointPicker(ep_grpc.ExternalProcessorServicer):
     def moved(self, committed: bool) -> None:
         pass  # Envoy's fallbacks are committed again by a Score (_served), not moved
 
-    def _release(self, ex: _Exchange, phase: str) -> None:
+    def _release(self, ex: Exchange, phase: str) -> None:
         if ex.prefill is not None:
             # The decode side answers once the prefill step is over: the prefill entry goes first.
             ex.prefill.release(FINISHED)
@@ -627,7 +556,7 @@ class EndpointPicker(ep_grpc.ExternalProcessorServicer):
         if ex.ledger is not None:
             ex.ledger.release(phase)
 
-    def _finish(self, ex: _Exchange) -> None:
+    def _finish(self, ex: Exchange) -> None:
         if not ex.finished:
             ex.finished = True
             self._release(ex, FINISHED)

@@ -22,7 +22,6 @@ from typing import Any
 import aiohttp
 import structlog
 from aiohttp import web
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from kvindex.client import (
     AsyncKvIndexClient,
@@ -43,7 +42,6 @@ from kvindex.route.decide import (
 )
 from kvindex.route.gate import AdmissionGate, AdmissionMetrics, Admitted, Shed
 from kvindex.route.http import (
-    engine_models,
     error_kind,
     fields_taken,
     forward_headers,
@@ -55,6 +53,7 @@ from kvindex.route.lifecycle import RequestLedger, ordered, report_of
 from kvindex.route.metrics import RouteMetrics
 from kvindex.route.openai_body import MAX_BODY_BYTES, BodyError, PromptSpec, parse_body
 from kvindex.route.pd_proxy import FirstByte, PdRoute
+from kvindex.route.status import health_response, metrics_response, models_response, ready_response
 from kvindex.route.usage import UsageReader, add_include_usage
 from kvindex.scoring.ledger import FINISHED, PREFILL
 from kvindex.scoring.objectives import Objective, ObjectiveError
@@ -264,23 +263,11 @@ class RouteProxy:
         req: _Request | None = None
         decision: Decision | None = None
         try:
-            try:
-                raw = await request.read()
-                spec = parse_body(raw, path)
-            except web.HTTPRequestEntityTooLarge:
-                code = "413"
-                return openai_error(
-                    413, f"request body larger than {MAX_BODY_BYTES} bytes", "invalid_request_error"
-                )
-            except BodyError as exc:
-                code = "400"
-                return openai_error(400, str(exc), "invalid_request_error")
-            try:
-                objective = self.config.objectives.of(spec.model, lower_headers(request.headers))
-            except ObjectiveError as exc:
-                code = "400"
-                self.limited_log.warning(("bad_objective", exc.header), "bad_objective", error=str(exc))
-                return openai_error(400, str(exc), "invalid_request_error", param=exc.header)
+            read = await self._read(request)
+            if isinstance(read, web.Response):
+                code = str(read.status)
+                return read
+            raw, spec, objective = read
             request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
             req = _Request(self.ledger(request_id, spec), spec.model, objective)
             req.explain = wants_explanation(request.headers.get(EXPLAIN_HEADER, ""))
@@ -297,12 +284,7 @@ class RouteProxy:
             )
             if isinstance(admitted, Shed):
                 code = "429"
-                shed = openai_error(429, admitted.message, "rate_limit_error", admitted.reason)
-                shed.headers["Retry-After"] = str(admitted.retry_after_s)
-                if req.explain:
-                    req.admission = admission_said(admitted, objective)
-                    shed.headers[EXPLAIN_HEADER] = self._explanation(req)
-                return shed
+                return self._shed(admitted, req)
             decision, why = admitted.trial
             raw, strip_usage = await self._admitted(raw, spec, req, admitted)
             if decision is None or not decision.targets:
@@ -343,6 +325,33 @@ class RouteProxy:
                 self.gate.correction.finish(req.model, req)  # no first token awaited any more
             self.metrics.in_flight.dec()
             self.metrics.requests.labels(path, code).inc()
+
+    async def _read(self, request: web.Request) -> tuple[bytes, PromptSpec, Objective] | web.Response:
+        """The request's body and objective, or the error answer (413, 400) that refuses it."""
+        try:
+            raw = await request.read()
+            spec = parse_body(raw, request.path)
+        except web.HTTPRequestEntityTooLarge:
+            return openai_error(
+                413, f"request body larger than {MAX_BODY_BYTES} bytes", "invalid_request_error"
+            )
+        except BodyError as exc:
+            return openai_error(400, str(exc), "invalid_request_error")
+        try:
+            objective = self.config.objectives.of(spec.model, lower_headers(request.headers))
+        except ObjectiveError as exc:
+            self.limited_log.warning(("bad_objective", exc.header), "bad_objective", error=str(exc))
+            return openai_error(400, str(exc), "invalid_request_error", param=exc.header)
+        return raw, spec, objective
+
+    def _shed(self, shed: Shed, req: _Request) -> web.Response:
+        """Admission's refusal: 429 with when to come back (and the explanation, when asked)."""
+        answer = openai_error(429, shed.message, "rate_limit_error", shed.reason)
+        answer.headers["Retry-After"] = str(shed.retry_after_s)
+        if req.explain:
+            req.admission = admission_said(shed, req.objective)
+            answer.headers[EXPLAIN_HEADER] = self._explanation(req)
+        return answer
 
     async def _decide(
         self, spec: PromptSpec, request_id: str, req: _Request, commit: bool, extra: dict[str, Any]
@@ -574,70 +583,15 @@ class RouteProxy:
 
     async def handle_models(self, request: web.Request) -> web.Response:
         """The models of every known instance, merged by id (each engine lists what it serves)."""
-        assert self._session is not None
-        client = self.client
-        if not client.instances.models():
-            await client.refresh_instances(timeout=1.0)
-        endpoints = sorted(
-            {
-                k.endpoint
-                for m in client.instances.models()
-                for k in client.instances.instances(m)
-                if k.endpoint
-            }
+        return await models_response(
+            request, self.client, self.session, self.metrics, self.config.models_timeout
         )
-        if not endpoints:
-            self.metrics.requests.labels(request.path, "503").inc()
-            return openai_error(
-                503, "no instance with an endpoint is known", "service_unavailable", "no_instance"
-            )
-        headers = forward_headers(request.headers)
-        timeout = aiohttp.ClientTimeout(total=self.config.models_timeout)
-        merged, results = await engine_models(self.session, endpoints, headers, timeout)
-        for result in results:
-            if isinstance(result, BaseException):
-                self.metrics.upstream_errors.labels(error_kind(result)).inc()
-        if not merged and all(isinstance(r, BaseException) for r in results):
-            self.metrics.requests.labels(request.path, "502").inc()
-            return openai_error(502, "no instance answered /v1/models", "bad_gateway", "upstream_unreachable")
-        self.metrics.requests.labels(request.path, "200").inc()
-        return web.json_response({"object": "list", "data": list(merged.values())})
-
-    def _state(self) -> dict[str, Any]:
-        """What /health and /ready report: the index as last seen, the instances known to route to
-        without it, and how requests are being routed now."""
-        client = self.client
-        instances = [k for m in client.instances.models() for k in client.instances.instances(m)]
-        routable = sum(1 for k in instances if k.endpoint)
-        reachable = client.health.reachable is not False
-        return {
-            **client.health.json(),
-            "routing": "index" if reachable else "fallback" if routable else "none",
-            "instances_known": len(instances),
-            "fallbacks": sum(client.stats.fallbacks.values()),
-        }
 
     async def handle_health(self, request: web.Request) -> web.Response:
-        """Liveness: 200 while the process serves, the index down included (a restart would not
-        bring it back, and would forget the fleet the fallback routes over). The body says the
-        state."""
-        body = {"status": "draining" if self.draining else "ok", **self._state()}
-        return web.json_response(body)
+        return health_response(self.client, self.draining)
 
     async def handle_ready(self, request: web.Request) -> web.Response:
-        """Readiness (what a load balancer should probe): 200 while this proxy can route a request,
-        by the index or, while the index is unreachable, by the fallback over instances it knows;
-        503 while draining, and while the index is unreachable with no instance known to route to
-        (every request would get 503)."""
-        state = self._state()
-        if self.draining:
-            return web.json_response({"status": "draining", **state}, status=503)
-        if state["routing"] == "none":
-            message = f"{self.client.health.describe()}, and no instance is known to route to without it"
-            return web.json_response({"status": "unready", "message": message, **state}, status=503)
-        return web.json_response({"status": "ready", **state})
+        return ready_response(self.client, self.draining)
 
     async def handle_metrics(self, request: web.Request) -> web.Response:
-        return web.Response(
-            body=generate_latest(self.metrics.registry), headers={"Content-Type": CONTENT_TYPE_LATEST}
-        )
+        return metrics_response(self.metrics.registry)
