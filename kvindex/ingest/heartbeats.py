@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 import msgspec
 
 from kvindex.fleet.registry import InstanceState
-from kvindex.repair.machine import REPLAY, SNAPSHOT
+from kvindex.repair.machine import QUEUED, REPLAY, SNAPSHOT
 from kvindex.sequencer.cursor import MAX_GAP, Cursor
 from kvindex.wire import errors
 from kvindex.wire.codec import (
@@ -232,8 +232,8 @@ class Heartbeats:
                 self.counters.joins_mid_stream += 1
                 self.repairs.begin(state, cursor, SNAPSHOT, "start", upto=report.seq)
             return
-        if cursor.repairing is not None:
-            return
+        if cursor.repairing is not None or state.repair.sync == QUEUED:
+            return  # (queued: its snapshot comes when a repair ends; its drift is known)
         if report.seq > cursor.applied:
             if not self.in_order and cursor.behind <= cursor.applied:
                 cursor.behind = report.seq  # maybe just overtaken: check again at the next heartbeat
