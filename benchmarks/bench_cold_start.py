@@ -59,6 +59,7 @@ BLOCK_SIZE = 128
 PREFIX = "kvindex"
 EPOCH = 1_700_000_000_000_000
 SNAPSHOT = "snapshot"  # kvindex.wire.subjects.SNAPSHOT
+STEADY_S = 2.0  # the index's CPU is measured this long once exact and ready
 SEQ = 1000  # the workers are mid-stream: the index must ask for their blocks
 
 
@@ -296,6 +297,7 @@ class Run:
     answers: int = 0
     counters: dict[str, Any] = field(default_factory=dict)
     cpu_s: float = 0.0  # this process's CPU time (the index, and the 50 ms checks) until exact
+    steady_cpu: float = 0.0  # ... per second afterwards (the fleet's heartbeats)
 
     @property
     def apply_rate(self) -> float:
@@ -370,6 +372,11 @@ async def start_index(
                 break
             await asyncio.sleep(0.05)
         end = time.monotonic()
+        if run.exact_s is not None and run.ready_s is not None:
+            # The fleet's steady load once exact: heartbeats only (the fleet is quiet).
+            cpu1 = time.process_time()
+            await asyncio.sleep(STEADY_S)
+            run.steady_cpu = (time.process_time() - cpu1) / STEADY_S
         if run.exact_s is not None:  # still exact, the whole fleet
             wrong = [k for k, d in fleet.digests.items() if index.digest((k, 0), 0) != d]
             assert not wrong, f"{len(wrong)} workers no longer exact"
@@ -414,6 +421,7 @@ def rows(runs: list[Run]) -> list[list[str]]:
                 f"{r.answers:,} ({r.answers_peak:,.0f}/s)",
                 f"{r.apply_rate / 1e6:.2f} M/s" if r.exact_s else "—",
                 f"{r.cpu_s:.2f} s" if r.exact_s else "—",
+                f"{r.steady_cpu * 100:.0f} %" if r.steady_cpu else "—",
             ]
         )
     return out
@@ -430,6 +438,7 @@ HEADER = [
     "snapshot answers (peak)",
     "entries/s to exact",
     "index CPU to exact",
+    "index CPU after",
 ]
 
 
