@@ -37,9 +37,9 @@ from kvindex.wire.subjects import Subjects
 class RepairConfig:
     replay_timeout: float = 2.0
     snapshot_timeout: float = 5.0
-    # Snapshot requests holding a turn at once (kvindex/repair/fair.py). 16: an index started into
-    # 7,000 workers is exact in ~2.5 s, against ~4 s with 4 turns, whose round trips left the index
-    # idle (benchmarks/README.md, "Cold start"); answers in flight stay within 16 workers' blocks.
+    # Snapshot requests holding a turn at once (kvindex/repair/fair.py). 16: with 4, an index started
+    # into 7,000 workers was idle on their round trips (~3 s of CPU in ~4.5 s; benchmarks/README.md,
+    # "Cold start"); answers in flight stay within 16 workers' blocks.
     max_concurrent_snapshots: int = 16
     # A snapshot request gives its turn back after this long even if its answer has not come (it
     # goes on waiting for it): a worker that never answers must not hold the others' turns for
