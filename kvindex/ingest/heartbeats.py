@@ -232,8 +232,11 @@ class Heartbeats:
                 self.counters.joins_mid_stream += 1
                 self.repairs.begin(state, cursor, SNAPSHOT, "start", upto=report.seq)
             return
-        if cursor.repairing is not None or state.repair.sync == QUEUED:
-            return  # (queued: its snapshot comes when a repair ends; its drift is known)
+        if cursor.repairing is not None:
+            return
+        if state.repair.sync == QUEUED:  # its drift is known: its snapshot starts when there is room
+            self.repairs.start_queued()
+            return
         if report.seq > cursor.applied:
             if not self.in_order and cursor.behind <= cursor.applied:
                 cursor.behind = report.seq  # maybe just overtaken: check again at the next heartbeat

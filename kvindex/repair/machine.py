@@ -35,10 +35,10 @@ MAX_REPAIR_ROUNDS: Final = 4
 # a fleet of workers that never answer must not keep every other instance's repair from starting.
 EVICT_STRIKES: Final = 1
 
-# The machine's refusals (metric labels, with the other limits in kvindex/ingest/limits.py).
 # An instance waiting for a repair to end before its snapshot starts (RepairStatus.sync).
 QUEUED: Final = "queued"
 
+# The machine's refusals (metric labels, with the other limits in kvindex/ingest/limits.py).
 HELD_LIMIT: Final = "held_limit"  # batches held during a repair overflowed: dropped, snapshot instead
 REPAIR_LIMIT: Final = "repair_limit"  # too many repairs pending: this one is not started now
 
@@ -129,7 +129,7 @@ class RepairMachine:
         # and backs off by it (kvindex/repair/fair.py), and the repair limit gives way by it.
         self.strikes: dict[InstanceKey, int] = {}
         # Instances whose snapshot waits for a repair to end (the repair limit was reached), oldest
-        # first, with the cause of the repair they wait for: started as repairs end (_start_queued).
+        # first, with the cause of the repair they wait for: started as repairs end (start_queued).
         self.queued: dict[InstanceKey, str] = {}
         self._starting = False
         # Made for this machine, here: NoRepair without a transport.
@@ -178,13 +178,18 @@ class RepairMachine:
                     cause=cause,
                     queued=len(self.queued) + 1,
                 )
+            # Queued first: the hooks give_up calls must see it (a degraded instance's check
+            # would otherwise take a snapshot turn for nothing).
+            cause = self.queued.setdefault(key, cause)
             self.give_up(key, counted=not queued)
-            self.queued.setdefault(key, cause)
             state.repair.sync = QUEUED
-            state.repair.cause = self.queued[key]
+            state.repair.cause = cause
             self._sync_changed(state)
             return
-        self.queued.pop(key, None)
+        if key in self.queued:
+            # What it waits for is a snapshot (its blocks before the hole it accepted are unknown),
+            # whatever repair starts it now.
+            how, cause = SNAPSHOT, self.queued.pop(key)
         if cursor.repairing is None:
             cursor.repair_started = self.registry.clock()
             cursor.rounds = 0
@@ -316,7 +321,7 @@ class RepairMachine:
             self.sequencer.set_repairing(state.key, cursor, None)
             state.repair.sync = "synced"
             self._sync_changed(state)
-            self._start_queued()
+            self.start_queued()
             return
         if buffer:
             if cursor.rounds >= MAX_REPAIR_ROUNDS:
@@ -464,10 +469,12 @@ class RepairMachine:
         state.repair.failed = True  # holes accepted: blocks may be missing until a snapshot
         self._sync_changed(state)
         if was_repairing:
-            self._start_queued()
+            self.start_queued()
 
-    def _start_queued(self) -> None:
-        """Start the snapshots of queued instances, oldest first, while the repair limit allows."""
+    def start_queued(self) -> None:
+        """Start the snapshots of queued instances, oldest first, while the repair limit allows.
+        Called as repairs end, and by a queued instance's heartbeat (room can also come from an
+        instance forgotten or restarted in the middle of its repair)."""
         if self._starting:
             return  # (begin -> give_up -> here: the outer loop goes on)
         self._starting = True

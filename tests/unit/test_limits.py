@@ -215,6 +215,14 @@ def test_repairs_beyond_the_limit_wait_in_a_queue_and_start_as_repairs_end() -> 
     # Once a's repair ends, b's snapshot starts (a hole is repaired by a snapshot once queued).
     c.repairs.give_up(("a", 0))
     assert pending.asked[-1] == (("b", 0), "snapshot") and not c.repairs.queued
+    # A repair that ends without a word (its instance forgotten): the next queued instance's heartbeat
+    # starts its snapshot, a snapshot even when what it met was a hole.
+    c.on_events("kvindex.events.a", batch(5, [stored(5)], worker="a"))  # a: queued behind b
+    assert c.repairs.queued == {("a", 0): "gap"}
+    c.forget(("b", 0))
+    assert c.sequencer.repairs() == 0 and c.repairs.queued
+    c.on_heartbeat("kvindex.status.a", heartbeat(5, {"gpu": 8}, {"gpu": (3, 1 ^ 3 ^ 5)}, worker="a"))
+    assert pending.asked[-1] == (("a", 0), "snapshot") and not c.repairs.queued
 
 
 def test_an_index_started_into_a_fleet_beyond_the_limit_queues_once_and_is_ready_only_when_exact() -> None:
