@@ -248,7 +248,10 @@ def _add_serve_repair(p: Any) -> None:
         "--forget-after", type=float, default=120.0, help="no heartbeat this long: blocks dropped (s)"
     )
     r.add_argument(
-        "--max-concurrent-snapshots", type=int, default=4, help="snapshot requests in flight at once"
+        "--max-concurrent-snapshots",
+        type=int,
+        default=16,  # RepairConfig.max_concurrent_snapshots (not imported: the CLI starts fast)
+        help="snapshot requests in flight at once (turns)",
     )
     r.add_argument(
         "--replay-timeout", type=float, default=2.0, help="seconds to wait for a worker's replay answer"

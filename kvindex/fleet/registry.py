@@ -41,7 +41,7 @@ def _watching(slot: str) -> property:
 class RepairStatus:
     """The repair machine's account of an instance (kvindex/repair/machine.py writes it)."""
 
-    sync: str = "synced"  # synced | replay | snapshot: what the index is doing to stay exact
+    sync: str = "synced"  # synced | replay | snapshot | queued: what the index is doing to stay exact
     cause: str = ""  # why that repair began (gap, drift, start, periodic, degraded, ...)
     # A repair failed (a replay or snapshot that timed out, holes accepted): the index may miss
     # blocks until a snapshot succeeds (kvindex/scoring/outcomes.py: the instance is degraded).

@@ -23,7 +23,7 @@ from kvindex.ingest.layouts import Layouts
 from kvindex.ingest.limits import IngestLimits
 from kvindex.ingest.rejects import Rejects
 from kvindex.instance import InstanceKey
-from kvindex.repair.machine import REPLAY, SNAPSHOT, IngestState, RepairMachine
+from kvindex.repair.machine import QUEUED, REPLAY, SNAPSHOT, IngestState, RepairMachine
 from kvindex.sequencer.cursor import MAX_GAP, Cursor
 from kvindex.wire import errors
 from kvindex.wire.codec import (
@@ -276,6 +276,9 @@ class Heartbeats:
                 self.repairs.begin(state, cursor, SNAPSHOT, "start", upto=report.seq)
             return
         if cursor.repairing is not None:
+            return
+        if state.repair.sync == QUEUED:  # its drift is known: its snapshot starts when there is room
+            self.repairs.start_queued()
             return
         if report.seq > cursor.applied:
             if not self.in_order and cursor.behind <= cursor.applied:

@@ -38,6 +38,9 @@ MAX_REPAIR_ROUNDS: Final = 4
 # a fleet of workers that never answer must not keep every other instance's repair from starting.
 EVICT_STRIKES: Final = 1
 
+# An instance waiting for a repair to end before its snapshot starts (RepairStatus.sync).
+QUEUED: Final = "queued"
+
 # The machine's refusals (metric labels, with the other limits in kvindex/ingest/limits.py).
 HELD_LIMIT: Final = "held_limit"  # batches held during a repair overflowed: dropped, snapshot instead
 REPAIR_LIMIT: Final = "repair_limit"  # too many repairs pending: this one is not started now
@@ -150,6 +153,10 @@ class RepairMachine:
         # across repairs and restarts, dropped when the instance is forgotten; the scheduler serves
         # and backs off by it (kvindex/repair/fair.py), and the repair limit gives way by it.
         self.strikes: dict[InstanceKey, int] = {}
+        # Instances whose snapshot waits for a repair to end (the repair limit was reached), oldest
+        # first, with the cause of the repair they wait for: started as repairs end (start_queued).
+        self.queued: dict[InstanceKey, str] = {}
+        self._starting = False
         # Made for this machine, here: NoRepair without a transport.
         self.scheduler: RepairScheduler = (scheduler or NoRepair)(self)
 
@@ -174,17 +181,40 @@ class RepairMachine:
 
     def begin(self, state: InstanceState, cursor: Cursor, how: str, cause: str, upto: int = 0) -> None:
         """Start (or escalate) a repair; ``upto`` is a seq the worker is known to have published."""
+        key = state.key
         if cursor.repairing is None and self._repairs_full() and not self._make_room(state):
-            # Not now: accept the hole as NoRepair does; a later heartbeat's digest (or the
-            # periodic check) asks again once repairs have drained.
+            # Not now: accept the hole as NoRepair does (held batches apply across it) and queue a
+            # snapshot for when a repair ends (counted once per wait, as `repair_limit`). Before,
+            # the repair was refused and its next heartbeat's drift asked again: a fleet larger than
+            # the limit (an index started into 7,000 workers) was refused at every heartbeat of
+            # every waiting instance, and the refusals and drift warnings alone took the event loop
+            # (issue 34: ~6,000 a second, 8 snapshots applied in 40 s).
             cursor.target = max(cursor.target, upto)
-            self.rejecter.refuse(
-                state.key,
-                REPAIR_LIMIT,
-                f"{self.limits.max_pending_repairs} repairs pending: {how} ({cause}) not started",
-            )
-            self.give_up(state.key)
+            queued = key in self.queued
+            if not queued:
+                self.counters.reject(REPAIR_LIMIT, key[0])
+                # Info, as the repair it waits for: thousands at once are expected when an index
+                # starts into a large fleet.
+                self.log.info(
+                    "repair_queued",
+                    worker=state.worker,
+                    dp_rank=state.dp_rank,
+                    how=how,
+                    cause=cause,
+                    queued=len(self.queued) + 1,
+                )
+            # Queued first: the hooks give_up calls must see it (a degraded instance's check
+            # would otherwise take a snapshot turn for nothing).
+            cause = self.queued.setdefault(key, cause)
+            self.give_up(key, counted=not queued)
+            state.repair.sync = QUEUED
+            state.repair.cause = cause
+            self._sync_changed(state)
             return
+        if key in self.queued:
+            # What it waits for is a snapshot (its blocks before the hole it accepted are unknown),
+            # whatever repair starts it now.
+            how, cause = SNAPSHOT, self.queued.pop(key)
         if cursor.repairing is None:
             cursor.repair_started = self.registry.clock()
             cursor.rounds = 0
@@ -222,8 +252,8 @@ class RepairMachine:
         """At the repair limit: give up the pending repair of the instance with the most strikes (at
         least EVICT_STRIKES) for one of ``state``, if ``state`` has none. True when room was made."""
         strikes = self.strikes
-        if strikes.get(state.key):
-            return False
+        if not strikes or strikes.get(state.key):
+            return False  # (no strikes anywhere: no walk over the pending repairs)
         worst, most = None, EVICT_STRIKES - 1
         for key in self.sequencer.repairing():
             n = strikes.get(key, 0)
@@ -237,7 +267,12 @@ class RepairMachine:
             f"repair given up after {most} snapshot requests in a row failed,"
             f" for a repair of {state.worker}/{state.dp_rank}",
         )
-        self.give_up(worst)
+        # The room is for ``state``: no queued instance may take it meanwhile.
+        starting, self._starting = self._starting, True
+        try:
+            self.give_up(worst)
+        finally:
+            self._starting = starting
         return True
 
     def gap(self, state: InstanceState, missing: tuple[int, int], why: str) -> None:
@@ -294,6 +329,7 @@ class RepairMachine:
         # A repair of the old history ends with it; the new one starts in sync unless it begins its own.
         state.repair.sync = "synced"
         state.repair.failed = False
+        self.queued.pop(state.key, None)
         self._sync_changed(state, reconciled=True)
         self.log.info(
             "worker_restarted",
@@ -333,6 +369,7 @@ class RepairMachine:
             self.sequencer.set_repairing(state.key, cursor, None)
             state.repair.sync = "synced"
             self._sync_changed(state)
+            self.start_queued()
             return
         if buffer:
             if cursor.rounds >= MAX_REPAIR_ROUNDS:
@@ -446,6 +483,7 @@ class RepairMachine:
     def forget(self, instance: InstanceKey) -> None:
         """The instance was forgotten (its consumer's ``forget``): if it comes back, it starts clean."""
         self.strikes.pop(instance, None)
+        self.queued.pop(instance, None)
 
     # -- decisions from timers ----------------------------------------------------------------------
 
@@ -457,13 +495,14 @@ class RepairMachine:
             return
         self.begin(state, cursor, SNAPSHOT, cause)
 
-    def give_up(self, instance: InstanceKey) -> None:
+    def give_up(self, instance: InstanceKey, counted: bool = True) -> None:
         """Stop repairing: apply held batches in order across their holes (the loss stays counted)."""
         state = self.registry.get(instance)
         cursor = self.sequencer.cursor(instance)
         if state is None or cursor is None:
             return
-        self.counters.repairs_abandoned += 1
+        if counted:
+            self.counters.repairs_abandoned += 1
         for seq in list(cursor.buffer):
             batch = cursor.buffer.pop(seq)
             if seq > cursor.applied:
@@ -473,10 +512,33 @@ class RepairMachine:
         # What is known lost stays lost; do not ask for it again on every heartbeat.
         cursor.applied = max(cursor.applied, cursor.target)
         state.last_seq = cursor.applied
+        was_repairing = cursor.repairing is not None
         self.sequencer.set_repairing(state.key, cursor, None)
         state.repair.sync = "synced"
         state.repair.failed = True  # holes accepted: blocks may be missing until a snapshot
         self._sync_changed(state)
+        if was_repairing:
+            self.start_queued()
+
+    def start_queued(self) -> None:
+        """Start the snapshots of queued instances, oldest first, while the repair limit allows.
+        Called as repairs end, and by a queued instance's heartbeat (room can also come from an
+        instance forgotten or restarted in the middle of its repair)."""
+        if self._starting:
+            return  # (begin -> give_up -> here: the outer loop goes on)
+        self._starting = True
+        try:
+            queued = self.queued
+            while queued and not self._repairs_full():
+                key = next(iter(queued))
+                cause = queued.pop(key)
+                state = self.registry.get(key)
+                cursor = self.sequencer.cursor(key)
+                if state is None or cursor is None or cursor.repairing is not None:
+                    continue
+                self.begin(state, cursor, SNAPSHOT, cause)
+        finally:
+            self._starting = False
 
 
 def _n_keys(batch: EventBatch) -> int:

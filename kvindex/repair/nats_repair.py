@@ -37,7 +37,10 @@ from kvindex.wire.subjects import Subjects
 class RepairConfig:
     replay_timeout: float = 2.0
     snapshot_timeout: float = 5.0
-    max_concurrent_snapshots: int = 4
+    # Snapshot requests holding a turn at once (kvindex/repair/fair.py). 16: with 4, an index started
+    # into 7,000 workers was idle on their round trips (~3 s of CPU in ~4.5 s; benchmarks/README.md,
+    # "Cold start"); answers in flight stay within 16 workers' blocks.
+    max_concurrent_snapshots: int = 16
     # A snapshot request gives its turn back after this long even if its answer has not come (it
     # goes on waiting for it): a worker that never answers must not hold the others' turns for
     # its whole timeout (kvindex/repair/fair.py).
@@ -129,6 +132,8 @@ class NatsRepairer:
     def reconcile_now(self, instance: InstanceKey, cause: str) -> None:
         """Ask for a snapshot of ``instance`` at its next turn (the router found it degraded),
         unless a repair is already under way then."""
+        if instance in self.machine.queued:
+            return  # its snapshot starts when a repair ends (a turn now would be wasted)
         self._check(instance, cause)
 
     def _check(self, instance: InstanceKey, cause: str) -> None:

@@ -17,6 +17,7 @@ others meanwhile, and a joining instance is ranked with what the index already h
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
@@ -54,6 +55,7 @@ class Readiness:
         self.log = log or structlog.get_logger("kvindex.readiness")
         self.started_at: float | None = None
         self.initial: set[InstanceKey] | None = None  # heard within the first window
+        self._waiting: deque[InstanceKey] = deque()  # of those, maybe not in sync yet (heard order)
         self.synced = False  # the initial sync is done (latched)
         self.stopping = False
         self.reason = "starting"
@@ -65,20 +67,35 @@ class Readiness:
     def pending(self) -> list[InstanceKey]:
         """Instances of the first window that are not in sync yet."""
         assert self.initial is not None
-        out = []
-        for key in self.initial:
-            state = self.registry.get(key)
-            if state is None or state.stale:
-                continue  # forgotten or silent: not ranked, so not waited for
-            cursor = self.sequencer.cursor(key)
-            if (
-                cursor is None
-                or cursor.repairing is not None
-                or state.repair.sync != "synced"
-                or cursor.applied < state.heartbeat.seq
-            ):
-                out.append(key)
-        return sorted(out)
+        return sorted(key for key in self.initial if self._pending(key))
+
+    def _pending(self, key: InstanceKey) -> bool:
+        state = self.registry.get(key)
+        if state is None or state.stale:
+            return False  # forgotten or silent: not ranked, so not waited for
+        cursor = self.sequencer.cursor(key)
+        # (sync "queued": its snapshot waits for a repair to end, kvindex/repair/machine.py)
+        return (
+            cursor is None
+            or cursor.repairing is not None
+            or state.repair.sync != "synced"
+            or cursor.applied < state.heartbeat.seq
+        )
+
+    def _still_waiting(self) -> bool:
+        """Whether an instance of the first window is not in sync yet, checking them in the order
+        they were heard (which is about the order their snapshots are served) and dropping those
+        found in sync from the front; with none left, every instance once more (one may have fallen
+        out of sync meanwhile). A tick costs what was synced since the last, not a walk over the
+        fleet (7,000 instances walked every 0.1 s cost ~10 % of the core an index starting into them
+        needs)."""
+        waiting = self._waiting
+        while waiting and not self._pending(waiting[0]):
+            waiting.popleft()
+        if waiting:
+            return True
+        self._waiting = deque(self.pending())
+        return bool(self._waiting)
 
     def evaluate(self, now: float, connected: bool, caught_up: bool = True) -> tuple[bool, str]:
         """(ready, reason) at ``now``; logs the moment the initial sync completes."""
@@ -91,11 +108,12 @@ class Readiness:
             if elapsed < self.config.window:
                 return False, "first_heartbeat_window"
             if self.initial is None:
-                self.initial = {s.key for s in self.registry.all()}
-            pending = self.pending()
-            if pending or not caught_up:
+                heard = [s.key for s in self.registry.all()]
+                self.initial, self._waiting = set(heard), deque(heard)
+            if self._still_waiting() or not caught_up:
                 if elapsed < self.config.grace:
                     return False, "initial_sync"
+                pending = self.pending()
                 self.log.warning(
                     "ready_after_grace",
                     grace=self.config.grace,

@@ -32,7 +32,7 @@ async def test_an_honest_worker_stays_in_sync_beside_hostile_ones(
     make_service: Callable[..., Awaitable[IndexService]],
     make_publisher: Callable[..., Awaitable[Publisher]],
 ) -> None:
-    # The default snapshot timeout and turns (5 s, 4 at once): a silent worker's request waits 5 s.
+    # The default snapshot timeout and turns (5 s, 16 at once): a silent worker's request waits 5 s.
     # Fewer pending repairs than hostile workers, so that the repair limit is contested too.
     cfg = RepairConfig(replay_timeout=0.5, reconcile_interval=1.0, tick=0.05)
     svc = await make_service(cfg, limits=IngestLimits(max_pending_repairs=HOSTILE // 2))

@@ -11,8 +11,9 @@ from kvindex.index import InvertedIndex
 from kvindex.ingest.consumer import Consumer
 from kvindex.ingest.limits import BLOCK_LIMIT, INSTANCE_LIMIT, MODEL_LIMIT, IngestLimits
 from kvindex.observability.counters import IngestCounters
-from kvindex.repair.machine import EVICT_STRIKES, HELD_LIMIT, REPAIR_LIMIT
+from kvindex.repair.machine import EVICT_STRIKES, HELD_LIMIT, QUEUED, REPAIR_LIMIT
 from kvindex.sequencer.cursor import Sequencer
+from kvindex.service.readiness import Readiness, ReadinessConfig
 from kvindex.wire import encode_batch, encode_heartbeat
 from kvindex.wire.reconcile import Snapshot
 from tests.unit.test_consumer import snapshot as index_state
@@ -199,22 +200,65 @@ def test_held_batches_beyond_the_limit_are_dropped_for_a_snapshot() -> None:
     assert c.index.block_counts(w1) == (13, 0, 0, 0) and cursor.repairing is None
 
 
-def test_repairs_beyond_the_limit_are_not_started_and_are_asked_again_later() -> None:
+def test_repairs_beyond_the_limit_wait_in_a_queue_and_start_as_repairs_end() -> None:
     pending = Pending()
     c, _ = make(repair=pending, max_pending_repairs=1)
     for w in ("a", "b"):
         c.on_events(f"kvindex.events.{w}", batch(1, [stored(1)], worker=w))
     c.on_events("kvindex.events.a", batch(3, [stored(3)], worker="a"))  # a: repair 1 of 1
-    c.on_events("kvindex.events.b", batch(3, [stored(3)], worker="b"))  # b: refused, hole accepted
+    c.on_events("kvindex.events.b", batch(3, [stored(3)], worker="b"))  # b: queued, hole accepted
     assert pending.asked == [(("a", 0), "replay")]
     assert c.counters.rejects[REPAIR_LIMIT] == 1
     assert sorted(c.index.keys_of(("b", 0), 0)) == [1, 3]  # applied across the hole, as NoRepair does
     b = c.sequencer.cursor(("b", 0))
     assert b is not None and b.repairing is None and b.applied == 3
-    # Once a's repair ends, b's drift (its heartbeat's digest) starts b's own repair.
+    assert c.repairs.queued == {("b", 0): "gap"} and c.registry.get(("b", 0)).repair.sync == QUEUED  # type: ignore[union-attr]
+    # Once a's repair ends, b's snapshot starts (a hole is repaired by a snapshot once queued).
     c.repairs.give_up(("a", 0))
-    c.on_heartbeat("kvindex.status.b", heartbeat(3, {"gpu": 8}, {"gpu": (3, 1 ^ 2 ^ 3)}, worker="b"))
-    assert pending.asked[-1] == (("b", 0), "snapshot")
+    assert pending.asked[-1] == (("b", 0), "snapshot") and not c.repairs.queued
+    # A repair that ends without a word (its instance forgotten): the next queued instance's heartbeat
+    # starts its snapshot, a snapshot even when what it met was a hole.
+    c.on_events("kvindex.events.a", batch(5, [stored(5)], worker="a"))  # a: queued behind b
+    assert c.repairs.queued == {("a", 0): "gap"}
+    c.forget(("b", 0))
+    assert c.sequencer.repairs() == 0 and c.repairs.queued
+    c.on_heartbeat("kvindex.status.a", heartbeat(5, {"gpu": 8}, {"gpu": (3, 1 ^ 3 ^ 5)}, worker="a"))
+    assert pending.asked[-1] == (("a", 0), "snapshot") and not c.repairs.queued
+
+
+def test_an_index_started_into_a_fleet_beyond_the_limit_queues_once_and_is_ready_only_when_exact() -> None:
+    """Issue 34: workers heard mid-stream beyond --max-pending-repairs were refused at every heartbeat
+    (and their drift logged), and the refused ones looked in sync to the readiness."""
+    pending = Pending()
+    c, _ = make(repair=pending, max_pending_repairs=1)
+    readiness = Readiness(c.registry, c.sequencer, ReadinessConfig(window=0.0, grace=100.0))
+    readiness.start(0.0)
+    workers = [("a", 0), ("b", 0), ("c", 0)]
+
+    def heartbeats() -> None:
+        for w, _ in workers:
+            c.on_heartbeat(f"kvindex.status.{w}", heartbeat(3, {"gpu": 8}, {"gpu": (2, 1 ^ 2)}, worker=w))
+
+    heartbeats()
+    assert pending.asked == [(("a", 0), "snapshot")]
+    assert c.repairs.queued == {("b", 0): "start", ("c", 0): "start"}
+    for _ in range(3):  # their next heartbeats neither refuse them again nor find drift
+        heartbeats()
+    assert c.counters.rejects[REPAIR_LIMIT] == 2 and c.counters.drift_detected == 0
+    assert pending.asked == [(("a", 0), "snapshot")]
+    assert readiness.evaluate(1.0, connected=True) == (False, "initial_sync")
+    # Each snapshot that applies starts the next queued one, oldest first.
+    c.repairs.on_snapshot(("a", 0), Snapshot(1, 3, {0: [1, 2]}))
+    assert pending.asked[-1] == (("b", 0), "snapshot") and list(c.repairs.queued) == [("c", 0)]
+    assert readiness.evaluate(1.1, connected=True) == (False, "initial_sync")
+    assert readiness.pending() == [("b", 0), ("c", 0)]
+    c.repairs.on_snapshot(("b", 0), Snapshot(1, 3, {0: [1, 2]}))
+    assert pending.asked[-1] == (("c", 0), "snapshot") and not c.repairs.queued
+    assert readiness.evaluate(1.2, connected=True) == (False, "initial_sync")
+    c.repairs.on_snapshot(("c", 0), Snapshot(1, 3, {0: [1, 2]}))
+    assert readiness.evaluate(1.3, connected=True) == (True, "ready")
+    assert all(sorted(c.index.keys_of(w, 0)) == [1, 2] for w in workers)
+    assert c.counters.rejects[REPAIR_LIMIT] == 2
 
 
 def test_at_the_repair_limit_a_worker_that_never_answers_gives_way() -> None:

@@ -1,0 +1,534 @@
+"""Cold start at scale: an index (re)started into a running fleet, timed to ready and to exact.
+
+    .venv/bin/python benchmarks/bench_cold_start.py                      # 700, 2,000, 7,000 workers
+    .venv/bin/python benchmarks/bench_cold_start.py --workers 7000 --configs baseline,paced
+    .venv/bin/python benchmarks/bench_cold_start.py --quick              # smoke run, a few seconds
+
+A real nats-server (with its monitoring port) and a simulated fleet in a child process: every worker
+of the fleet heartbeats every ``--heartbeat-interval`` (its epoch, seq and per-tier digest, as a
+``Publisher`` does) and answers snapshot requests (docs/wire.md §6) with its blocks, from one NATS
+connection and one wildcard subscription (``kvindex.snapshot.*``), as many workers' shims on one host
+would. The workers hold the Mooncake trace's caches at the end of benchmarks/bench_mooncake.py's
+default run (1,000 unique workers, LRU engines of 16,384 blocks, ``-d 7`` copies: ~2.1 M (block,
+worker) entries at 7,000 workers); a fleet of N workers is the first N of them. ``--caches empty``
+gives every worker no blocks (what a worker costs apart from its entries).
+
+For each fleet size, each configuration (``--configs``) starts an index (``IndexService``, in this
+process: one core) on the running fleet and measures, from ``IndexService.start``:
+
+- **ready**: the gRPC readiness the index reports turns true (kvindex/service/readiness.py);
+- **exact**: every worker of the fleet is in the index with its blocks, per tier, equal to the
+  worker's (count and xor of its keys, checked every 50 ms; the whole fleet checked again at the end);
+- the peak NATS traffic (messages and bytes per second, in and out of the server, from its ``/varz``
+  monitoring endpoint every 0.25 s) and the fleet's snapshot answers per second;
+- the index's apply rate: snapshot entries added per second of the time to exact.
+
+Configurations: ``baseline`` is the repairer as configured before issue 34 (4 snapshot turns, 256
+pending repairs); ``paced`` is the default now (kvindex/repair/README.md, "Cold start").
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+HERE = Path(__file__).resolve().parent
+if str(HERE) not in sys.path:
+    sys.path.insert(0, str(HERE))
+
+from _common import machine_info, markdown_table, quiet_logs, render_table  # noqa: E402
+
+MODEL = "mooncake"
+UNIQUE = 1000  # bench_mooncake's unique workers (its default run); the fleet's worker u*7+r is copy r of u
+BLOCK_SIZE = 128
+PREFIX = "kvindex"
+EPOCH = 1_700_000_000_000_000
+SNAPSHOT = "snapshot"  # kvindex.wire.subjects.SNAPSHOT
+STEADY_S = 2.0  # the index's CPU is measured this long once exact and ready
+SEQ = 1000  # the workers are mid-stream: the index must ask for their blocks
+
+
+# -- the fleet's caches ---------------------------------------------------------------------------
+
+
+def trace_caches(unique_workers: int) -> list[np.ndarray]:
+    """Per unique worker, the keys its LRU engine holds at the end of bench_mooncake's default run."""
+    from bench_mooncake import EVENT, Config, build_workload
+
+    from kvindex.wire.schema import STORED
+
+    wl = build_workload(Config(workers=unique_workers, dup=1), log=lambda _m: None)
+    held: list[set[int]] = [set() for _ in range(unique_workers)]
+    for w, e in zip(wl.op_worker.tolist(), wl.op_event.tolist(), strict=True):
+        if e < 0:
+            continue
+        keys = wl.ev_keys[e]
+        if wl.ev_kind[e] == STORED:
+            held[w].update(keys)
+        else:
+            held[w].difference_update(keys)
+    assert EVENT  # (imported for its meaning: events are the ops with an event index)
+    return [np.fromiter(sorted(s), dtype=np.uint64, count=len(s)) for s in held]
+
+
+def write_caches(path: Path, caches: list[np.ndarray], copies: int) -> None:
+    offsets = np.zeros(len(caches) + 1, dtype=np.int64)
+    offsets[1:] = np.cumsum([len(c) for c in caches])
+    keys = np.concatenate(caches) if caches else np.zeros(0, np.uint64)
+    np.savez(path, keys=keys, offsets=offsets, copies=np.array([copies]))
+
+
+def worker_name(i: int, copies: int) -> str:
+    return f"w{i // copies:06d}-{i % copies}"
+
+
+# -- the fleet (child process) --------------------------------------------------------------------
+
+
+async def run_fleet(url: str, caches: Path, workers: int, heartbeat_interval: float) -> None:
+    """Heartbeat every worker every ``heartbeat_interval`` (evenly spread) and answer snapshot
+    requests, until stdin closes; then print the answers' statistics as JSON."""
+    import nats
+
+    from kvindex.wire import reconcile
+    from kvindex.wire.codec import encode_heartbeat
+    from kvindex.wire.subjects import Subjects
+
+    subjects = Subjects(PREFIX)
+
+    data = np.load(caches)
+    keys_all, offsets, copies = data["keys"], data["offsets"], int(data["copies"][0])
+    unique = len(offsets) - 1
+    names = [worker_name(i, copies) for i in range(workers)]
+    index_of = {n: i for i, n in enumerate(names)}
+
+    def keys_of(i: int) -> np.ndarray:
+        u = i // copies % unique
+        return keys_all[offsets[u] : offsets[u + 1]]
+
+    digests: dict[int, tuple[int, int]] = {}
+    heartbeats: list[tuple[str, bytes]] = []
+    for i, name in enumerate(names):
+        k = keys_of(i)
+        xor = int(np.bitwise_xor.reduce(k)) if len(k) else 0
+        digests[i] = (len(k), xor)
+        payload = encode_heartbeat(
+            worker=name,
+            model=MODEL,
+            epoch=EPOCH,
+            seq=SEQ,
+            ts=time.time(),
+            block_size=BLOCK_SIZE,
+            load={},
+            capacity={"gpu": 16384},
+            digest={"gpu": (len(k), xor)},
+        )
+        heartbeats.append((subjects.heartbeat(name), payload))
+
+    nc = await nats.connect(url, pending_size=256 * 1024 * 1024, max_reconnect_attempts=-1)
+    parts: dict[int, list[bytes]] = {}
+    served: list[float] = []
+    head = subjects.wildcard(SNAPSHOT)[:-1]
+
+    async def on_snapshot(msg: Any) -> None:
+        i = index_of.get(msg.subject[len(head) :])
+        if i is None or not msg.reply:
+            return
+        req = reconcile.decode_snapshot_request(msg.data)
+        if req.dp_rank != 0:
+            return
+        answer = parts.get(i)
+        if answer is None:
+            answer = parts[i] = list(
+                reconcile.snapshot_parts(
+                    names[i], 0, EPOCH, SEQ, {"gpu": keys_of(i).tolist()}, nc.max_payload
+                )
+            )
+        served.append(time.monotonic())
+        for part in answer:
+            await nc.publish(msg.reply, part)
+
+    await nc.subscribe(subjects.wildcard(SNAPSHOT), cb=on_snapshot)
+    await nc.flush()
+
+    async def heartbeat_loop() -> None:
+        tick = 0.01
+        per_tick = max(1, round(workers * tick / heartbeat_interval))
+        nxt = 0
+        t = time.monotonic()
+        while True:
+            for _ in range(per_tick):
+                subject, payload = heartbeats[nxt]
+                await nc.publish(subject, payload)
+                nxt = (nxt + 1) % workers
+            t += tick
+            await asyncio.sleep(max(0.0, t - time.monotonic()))
+
+    hb = asyncio.create_task(heartbeat_loop())
+    # One full round of heartbeats before the index is started: the fleet is running.
+    await asyncio.sleep(heartbeat_interval)
+    print(json.dumps({"fleet": "up", "digests": {names[i]: d for i, d in digests.items()}}), flush=True)
+    loop = asyncio.get_running_loop()
+    while True:  # a line on stdin: report (and reset) the answers served; end of stdin: stop
+        line = await loop.run_in_executor(None, sys.stdin.readline)
+        if not line:
+            break
+        times, served[:] = list(served), []
+        print(json.dumps({"served": len(times), "peak_per_s": peak_rate(times, 0.25)}), flush=True)
+    hb.cancel()
+    await nc.drain()
+
+
+def peak_rate(times: Sequence[float], window: float) -> float:
+    """The most events in any ``window`` seconds (sliding over the events), per second."""
+    best, lo = 0, 0
+    for hi, t in enumerate(times):
+        while times[lo] < t - window:
+            lo += 1
+        best = max(best, hi - lo + 1)
+    return best / window
+
+
+class Fleet:
+    """The fleet's child process."""
+
+    def __init__(self, url: str, caches: Path, workers: int, heartbeat_interval: float) -> None:
+        cmd = [
+            sys.executable,
+            __file__,
+            "--fleet-child",
+            url,
+            str(caches),
+            str(workers),
+            str(heartbeat_interval),
+        ]
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        assert self.proc.stdout is not None
+        first = json.loads(self.proc.stdout.readline())
+        self.digests: dict[str, tuple[int, int]] = {k: tuple(v) for k, v in first["digests"].items()}  # type: ignore[misc]
+
+    def served(self) -> dict[str, Any]:
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.write("report\n")
+        self.proc.stdin.flush()
+        return json.loads(self.proc.stdout.readline())
+
+    def close(self) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.close()
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+# -- NATS monitoring ------------------------------------------------------------------------------
+
+
+class VarzPoller:
+    """Samples the server's /varz every ``every`` s (a thread: the index's loop is not disturbed)."""
+
+    def __init__(self, port: int, every: float = 0.25) -> None:
+        self.url = f"http://127.0.0.1:{port}/varz"
+        self.every = every
+        self.samples: list[tuple[float, int, int, int, int]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                with urllib.request.urlopen(self.url, timeout=2) as r:
+                    v = json.load(r)
+                self.samples.append(
+                    (time.monotonic(), v["in_msgs"], v["out_msgs"], v["in_bytes"], v["out_bytes"])
+                )
+            except OSError:
+                pass
+            self._stop.wait(self.every)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def peaks(self, since: float, until: float) -> dict[str, float]:
+        """Peak rates (per second) between two samples in [since, until]."""
+        s = [x for x in self.samples if since - self.every <= x[0] <= until + self.every]
+        out = {"in_msgs": 0.0, "out_msgs": 0.0, "in_bytes": 0.0, "out_bytes": 0.0}
+        for a, b in itertools.pairwise(s):
+            dt = b[0] - a[0]
+            if dt <= 0:
+                continue
+            for j, name in enumerate(out, start=1):
+                out[name] = max(out[name], (b[j] - a[j]) / dt)
+        return out
+
+
+# -- one index start ------------------------------------------------------------------------------
+
+
+@dataclass
+class Run:
+    workers: int
+    config: str
+    entries: int
+    ready_s: float | None = None
+    exact_s: float | None = None
+    ready_before_exact: bool = False
+    nats: dict[str, float] = field(default_factory=dict)
+    answers_peak: float = 0.0
+    answers: int = 0
+    counters: dict[str, Any] = field(default_factory=dict)
+    cpu_s: float = 0.0  # this process's CPU time (the index, and the 50 ms checks) until exact
+    steady_cpu: float = 0.0  # ... per second afterwards (the fleet's heartbeats)
+
+    @property
+    def apply_rate(self) -> float:
+        return self.entries / self.exact_s if self.exact_s else 0.0
+
+
+CONFIGS = ("baseline", "paced")
+
+
+def service_config(name: str, url: str, workers: int) -> Any:
+    from kvindex.ingest.limits import IngestLimits
+    from kvindex.repair.nats_repair import RepairConfig
+    from kvindex.service.app import ServiceConfig
+
+    limits = IngestLimits(max_instances_per_model=max(16384, 2 * workers))
+    if name == "baseline":  # the repairer's settings before issue 34
+        repair = RepairConfig(max_concurrent_snapshots=4)
+        limits = IngestLimits(max_instances_per_model=max(16384, 2 * workers), max_pending_repairs=256)
+    elif name == "paced":
+        repair = RepairConfig()
+    elif name.startswith("slots"):  # experiments: slotsN[-pendingM]
+        a, _, b = name[5:].partition("-pending")
+        repair = RepairConfig(max_concurrent_snapshots=int(a))
+        if b:
+            limits = IngestLimits(max_instances_per_model=max(16384, 2 * workers), max_pending_repairs=int(b))
+    else:
+        raise ValueError(f"unknown configuration {name!r}")
+    return ServiceConfig(nats_url=url, grpc_host="127.0.0.1", grpc_port=0, repair=repair, limits=limits)
+
+
+async def start_index(
+    name: str, url: str, fleet: Fleet, varz: VarzPoller, entries: int, timeout: float, profile: bool = False
+) -> Run:
+    from kvindex.service.app import IndexService
+
+    workers = len(fleet.digests)
+    run = Run(workers, name, entries)
+    svc = IndexService(service_config(name, url, workers))
+    index, counters = svc.index, svc.counters
+    todo = {(w, 0): d for w, d in fleet.digests.items()}
+    prof = None
+    if profile:
+        import cProfile
+
+        prof = cProfile.Profile()
+        prof.enable()
+    t0, cpu0 = time.monotonic(), time.process_time()
+    await svc.start()
+    try:
+        while time.monotonic() - t0 < timeout:
+            now = time.monotonic() - t0
+            ready = svc.grpc.ready
+            # Every worker is mid-stream, so none is exact before a snapshot of it applies: the
+            # digests are compared only from then on (comparing 7,000 every 50 ms cost the index
+            # ~10 % of its core in this process).
+            if todo and (ready or counters.snapshots_applied >= len(todo)):
+                for key in [k for k, d in todo.items() if index.digest(k, 0) == d]:
+                    del todo[key]
+            if run.ready_s is None and ready:
+                run.ready_s = now
+                run.ready_before_exact = bool(todo)
+            if not todo and run.exact_s is None:
+                run.exact_s = now
+                run.cpu_s = time.process_time() - cpu0
+                if prof is not None:
+                    prof.disable()
+                    import pstats
+
+                    pstats.Stats(prof).sort_stats("cumulative").print_stats(45)
+                    pstats.Stats(prof).sort_stats("tottime").print_stats(30)
+            if run.exact_s is not None and run.ready_s is not None:
+                break
+            await asyncio.sleep(0.05)
+        end = time.monotonic()
+        if run.exact_s is not None and run.ready_s is not None:
+            # The fleet's steady load once exact: heartbeats only (the fleet is quiet).
+            cpu1 = time.process_time()
+            await asyncio.sleep(STEADY_S)
+            run.steady_cpu = (time.process_time() - cpu1) / STEADY_S
+        if run.exact_s is not None:  # still exact, the whole fleet
+            wrong = [k for k, d in fleet.digests.items() if index.digest((k, 0), 0) != d]
+            assert not wrong, f"{len(wrong)} workers no longer exact"
+        run.nats = varz.peaks(t0, end)
+        c = svc.counters
+        run.counters = {
+            "snapshots_requested": sum(c.snapshots_requested.values()),
+            "snapshots_applied": c.snapshots_applied,
+            "snapshots_failed": c.snapshots_failed,
+            "repair_limit": c.rejects.get("repair_limit", 0),
+            "slots_expired": svc.repairer.gate.expired,
+            "blocks_added": c.snapshot_blocks_added,
+            "instances": len(svc.registry),
+            "rejects": dict(c.rejects),
+        }
+    finally:
+        await svc.stop()
+    ans = fleet.served()
+    run.answers, run.answers_peak = ans["served"], ans["peak_per_s"]
+    return run
+
+
+# -- driver ---------------------------------------------------------------------------------------
+
+
+def fmt_s(x: float | None) -> str:
+    return "—" if x is None else f"{x:.2f} s"
+
+
+def rows(runs: list[Run]) -> list[list[str]]:
+    out = []
+    for r in runs:
+        out.append(
+            [
+                f"{r.workers:,}",
+                f"{r.entries:,}",
+                r.config,
+                fmt_s(r.ready_s) + (" (before exact)" if r.ready_before_exact else ""),
+                fmt_s(r.exact_s),
+                f"{r.nats.get('in_msgs', 0):,.0f} / {r.nats.get('out_msgs', 0):,.0f}",
+                f"{r.nats.get('in_bytes', 0) / 1e6:,.1f} / {r.nats.get('out_bytes', 0) / 1e6:,.1f}",
+                f"{r.answers:,} ({r.answers_peak:,.0f}/s)",
+                f"{r.apply_rate / 1e6:.2f} M/s" if r.exact_s else "—",
+                f"{r.cpu_s:.2f} s" if r.exact_s else "—",
+                f"{r.steady_cpu * 100:.0f} %" if r.steady_cpu else "—",
+            ]
+        )
+    return out
+
+
+HEADER = [
+    "workers",
+    "entries",
+    "config",
+    "ready",
+    "exact",
+    "NATS peak msgs/s in / out",
+    "NATS peak MB/s in / out",
+    "snapshot answers (peak)",
+    "entries/s to exact",
+    "index CPU to exact",
+    "index CPU after",
+]
+
+
+async def bench(args: argparse.Namespace) -> list[Run]:
+    from kvindex.service.natsd import EmbeddedNats, free_port
+
+    quiet_logs()
+    sizes = sorted(args.workers)
+    copies = 7
+    unique = max(UNIQUE, -(-max(sizes) // copies))
+    t = time.perf_counter()
+    if args.caches == "trace":
+        caches = trace_caches(UNIQUE)
+        caches = [caches[u % UNIQUE] for u in range(unique)]
+    else:
+        caches = [np.zeros(0, np.uint64) for _ in range(unique)]
+    print(f"[caches] {args.caches}: {unique:,} unique workers in {time.perf_counter() - t:.1f} s", flush=True)
+    runs: list[Run] = []
+    with tempfile.TemporaryDirectory(prefix="kvindex-cold-") as tmp:
+        path = Path(tmp) / "caches.npz"
+        write_caches(path, caches, copies)
+        mon = free_port()
+        conf = Path(tmp) / "nats.conf"
+        conf.write_text(f"http: 127.0.0.1:{mon}\nmax_payload: 1048576\n")
+        server = EmbeddedNats(config=conf)
+        await server.start()
+        varz = VarzPoller(mon)
+        try:
+            for n in sizes:
+                entries = sum(len(caches[(i // copies) % unique]) for i in range(n))
+                fleet = Fleet(server.url, path, n, args.heartbeat_interval)
+                try:
+                    for name in args.configs:
+                        for _ in range(args.repeat):
+                            r = await start_index(
+                                name, server.url, fleet, varz, entries, args.timeout, args.profile
+                            )
+                            if args.label:
+                                r.config = f"{args.label} {r.config}"
+                            runs.append(r)
+                            render_table(f"cold start, {n:,} workers", HEADER, rows([r]))
+                            print(f"  counters: {r.counters}", flush=True)
+                            await asyncio.sleep(1.0)  # the fleet's answers to the stopped index drain
+                finally:
+                    fleet.close()
+        finally:
+            varz.stop()
+            await server.stop()
+    return runs
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--workers", type=lambda s: [int(x) for x in s.split(",")], default=[700, 2000, 7000])
+    p.add_argument("--configs", type=lambda s: s.split(","), default=list(CONFIGS))
+    p.add_argument("--caches", choices=("trace", "empty"), default="trace")
+    p.add_argument("--heartbeat-interval", type=float, default=0.5)
+    p.add_argument("--repeat", type=int, default=1)
+    p.add_argument("--timeout", type=float, default=60.0, help="give up on a start after this long (s)")
+    p.add_argument(
+        "--label",
+        default="",
+        help="prefix of the configurations' names in the table (e.g. 'before': this script run on the "
+        "code of an earlier commit with PYTHONPATH, benchmarks/README.md)",
+    )
+    p.add_argument("--profile", action="store_true", help="cProfile the index until exact")
+    p.add_argument("--quick", action="store_true", help="a smoke run: 70 workers, a few seconds")
+    args = p.parse_args(argv)
+    for c in args.configs:
+        if c not in CONFIGS and not c.startswith("slots"):
+            p.error(f"--configs: unknown configuration {c!r} (choose from {', '.join(CONFIGS)})")
+    if args.quick:
+        args.workers = [70]
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] == "--fleet-child":
+        url, caches, workers, hb = argv[1:5]
+        asyncio.run(run_fleet(url, Path(caches), int(workers), float(hb)))
+        return 0
+    args = parse_args(argv)
+    load = os.getloadavg()
+    runs = asyncio.run(bench(args))
+    print()
+    print(markdown_table(HEADER, rows(runs)))
+    print(f"\n{machine_info()}; load average {load[0]:.2f} at the start")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
