@@ -1,0 +1,164 @@
+"""The shard side: answers a front's match queries from this process's index and registry.
+
+A shard is an ordinary index (``serve --shard I/N``) whose consumer reads its partition of the fleet
+(kvindex/shards/layout.py) and whose repairs go to its own workers. This module adds the query
+endpoint: the match of a prompt on the shard's instances, and the instances whose state changed
+since the version the front last applied (versions count the shard's answers that carried changes;
+a short log of them lets several fronts, each at its own version, be answered).
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+import msgspec
+import structlog
+
+from kvindex.fleet.registry import InstanceState, Registry
+from kvindex.index.base import KvBlockIndex
+from kvindex.ingest.consumer import Consumer
+from kvindex.instance import InstanceKey
+from kvindex.shards.layout import MATCH_QUEUE, ShardSpec, match_subject
+from kvindex.shards.messages import Answer, Query, encode_state, query_decoder
+from kvindex.wire.subjects import Subjects
+
+# Versions kept for fronts that are behind: a front further behind (or new) gets every state.
+LOG_VERSIONS = 4096
+
+_encoder = msgspec.msgpack.Encoder()
+
+
+class ShardResponder:
+    def __init__(
+        self,
+        spec: ShardSpec,
+        fleet: Subjects,
+        index: KvBlockIndex,
+        registry: Registry,
+        consumer: Consumer,
+        ready: Callable[[], tuple[bool, str]],
+        log: Any = None,
+    ) -> None:
+        self.spec = spec
+        self.subject = match_subject(fleet, spec.count, spec.index)
+        self.index = index
+        self.registry = registry
+        self.consumer = consumer
+        self.ready = ready
+        self.log = log or structlog.get_logger("kvindex.shard")
+        self.replica = secrets.token_hex(6)
+        self.version = 0
+        # (version, instances changed, prefill samples) per answer that carried changes.
+        self._log: deque[tuple[int, set[InstanceKey], list[Any]]] = deque(maxlen=LOG_VERSIONS)
+        self._changed = registry.watch()  # load, heartbeat time, staleness, capacity, add/remove
+        self._samples: list[Any] = []
+        # Instances without a reported capacity: whether they are pools follows per-batch fields the
+        # registry does not watch, so they are sent with every version (normally there are none).
+        self._recheck: set[InstanceKey] = set()
+        self.queries = 0
+        self._sub: Any = None
+        # Repair-state changes (the consumer tells its ranker) and heartbeat prefill samples (the
+        # calibration) are not registry fields: tee them into the next version.
+        sync_changed, samples = consumer.on_sync_change, consumer.prefill_samples
+
+        def on_sync_change(state: InstanceState, reconciled: bool = False) -> None:
+            self._changed.add(state.key)
+            if sync_changed is not None:
+                sync_changed(state, reconciled)
+
+        def on_samples(model: str, rows: list[tuple[int, int, float]], instance: str) -> None:
+            self._samples.append((model, instance, list(rows)))
+            if samples is not None:
+                samples(model, rows, instance)
+
+        consumer.on_sync_change = on_sync_change
+        consumer.prefill_samples = on_samples
+
+    async def start(self, nc: Any) -> None:
+        self._sub = await nc.subscribe(self.subject, queue=MATCH_QUEUE, cb=self._on_query)
+        self.log.info("shard_answering", subject=self.subject, shard=str(self.spec), replica=self.replica)
+
+    async def stop(self) -> None:
+        if self._sub is not None:
+            sub, self._sub = self._sub, None
+            try:
+                await sub.unsubscribe()
+            except Exception as exc:  # a closed connection: nothing left to unsubscribe
+                self.log.info("shard_unsubscribe_failed", error=str(exc))
+
+    async def _on_query(self, msg: Any) -> None:
+        try:
+            query = query_decoder.decode(msg.data)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            self.log.warning("shard_bad_query", error=str(exc))
+            return  # the front times out and says so; nothing here to answer with
+        await msg.respond(self.answer(query))
+
+    def answer(self, query: Query) -> bytes:
+        """The encoded answer to ``query`` (pure with respect to NATS: tests call it directly)."""
+        self.queries += 1
+        self._advance()
+        now = self.registry.clock()
+        get, counts = self.registry.get, self.index.block_counts
+        states: list[list[Any]] = []
+        removed: list[tuple[str, int]] = []
+        samples: list[Any] = []
+        oldest = self._log[0][0] if self._log else self.version + 1
+        full = query.replica != self.replica or query.since < oldest - 1 or query.since > self.version
+        if full:
+            states = [encode_state(s, now, counts(s.key)) for s in self.registry.all()]
+        elif query.since < self.version:
+            keys: set[InstanceKey] = set()
+            for version, changed, rows in self._log:
+                if version > query.since:
+                    keys |= changed
+                    samples.extend(rows)
+            for key in keys:
+                state = get(key)
+                if state is None:
+                    removed.append(key)
+                else:
+                    states.append(encode_state(state, now, counts(key)))
+        matches: list[tuple[str, int, int, int, int, int, int]] = []
+        if query.model and query.keys:
+            instances = None if query.instances is None else [(w, r) for w, r in query.instances]
+            found = self.index.match(query.model, query.keys, instances, query.limit)
+            matches = [(k[0], k[1], m[0], *m[1]) for k, m in found.items()]  # type: ignore[misc]
+        ready, reason = self.ready()
+        return _encoder.encode(
+            Answer(
+                self.replica,
+                self.version,
+                full,
+                states,
+                removed,
+                matches,
+                samples,
+                ready,
+                reason,
+                len(self.registry),
+                self.consumer.counters.batches_applied,
+            )
+        )
+
+    def _advance(self) -> None:
+        """Close the changes since the last answer into a new version (if there are any)."""
+        changed = self._changed
+        recheck = self._recheck
+        if not changed and not self._samples and not recheck:
+            return
+        keys = set(changed) | recheck
+        changed.clear()
+        get = self.registry.get
+        for key in keys:
+            state = get(key)
+            if state is not None and not state.capacity and not state.static:
+                recheck.add(key)
+            else:
+                recheck.discard(key)
+        self.version += 1
+        self._log.append((self.version, keys, self._samples))
+        self._samples = []

@@ -1,0 +1,162 @@
+"""Index shards over a real nats-server (docs/shards.md): the server partitions the workers with a
+subject mapping, two shard processes each index their partition, a front ranks over their answers,
+and every Score equals the one an unsharded index makes over the same fleet."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import grpc
+import nats
+import pytest
+
+from kvindex.keys import block_keys
+from kvindex.scoring.costs import CostConfig
+from kvindex.scoring.ranker import RankerConfig
+from kvindex.service.app import IndexService, ServiceConfig
+from kvindex.service.natsd import EmbeddedNats
+from kvindex.shards.layout import ShardSpec, nats_mappings, partition_of
+from kvindex.v1 import kvindex_pb2 as pb
+from kvindex.v1 import kvindex_pb2_grpc as pb_grpc
+from kvindex.wire.subjects import Subjects
+from tests.conftest import wait_until
+from workers_shim.publisher import Publisher
+
+MODEL = "shard-model"
+BS = 4
+WORKERS = [f"w{i}" for i in range(8)]
+
+
+def tokens(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(50_000) for _ in range(n)]
+
+
+@pytest.fixture
+async def mapped_nats(tmp_path: Path) -> AsyncIterator[EmbeddedNats]:
+    conf = tmp_path / "nats.conf"
+    conf.write_text(nats_mappings(Subjects("kvindex"), 2))
+    server = EmbeddedNats(config=conf)
+    await server.start()
+    try:
+        yield server
+    finally:
+        await server.stop()
+
+
+async def start(config: ServiceConfig) -> IndexService:
+    svc = IndexService(config)
+    await svc.start()
+    return svc
+
+
+def config(url: str, **kwargs: object) -> ServiceConfig:
+    # A reported queue is not drained with the heartbeat's age: the two deployments hear each
+    # heartbeat a few ms apart, and estimates that follow the clock would differ by that much.
+    ranker = RankerConfig(costs=CostConfig(drain_reported_queue=False))
+    cfg = ServiceConfig(nats_url=url, grpc_host="127.0.0.1", grpc_port=0, ranker=ranker)
+    for name, value in kwargs.items():
+        setattr(cfg, name, value)
+    return cfg
+
+
+async def test_two_shards_score_as_one_index(mapped_nats: EmbeddedNats) -> None:
+    url = mapped_nats.url
+    # The same fleet twice: each worker publishes the same events under the mapped prefix (the
+    # sharded deployment) and under an unmapped one (the unsharded index).
+    assert {partition_of(w, 2) for w in WORKERS} == {0, 1}
+    single = await start(config(url, subject_prefix="plain"))
+    shards = [await start(config(url, shard=ShardSpec(i, 2))) for i in range(2)]
+    front = await start(config(url, shards=2))
+    services = [single, *shards, front]
+    pubs: list[Publisher] = []
+    try:
+        for prefix in ("plain", "kvindex"):
+            for i, w in enumerate(WORKERS):
+                nc = await nats.connect(url)
+                pub = Publisher(
+                    nc,
+                    worker=w,
+                    model=MODEL,
+                    block_size=BS,
+                    subject_prefix=prefix,
+                    capacity={"gpu": 10_000},
+                    heartbeat_interval=0.2,
+                )
+                pub._owns_nc = True
+                await pub.start()
+                pub.set_load(running=i % 3, waiting=(i * 7) % 5, waiting_prefill_tokens=100 * i)
+                pubs.append(pub)
+        shared = tokens(12 * BS, seed=99)
+        for pub in pubs:
+            i = WORKERS.index(pub.worker)
+            # Worker i holds the shared system prompt's first i+2 blocks, and a prompt of its own.
+            keys = block_keys(shared, BS, MODEL)
+            pub.stored(keys[: i + 2])
+            pub.stored(block_keys(tokens(6 * BS, seed=i), BS, MODEL), tier="cpu" if i % 2 else "gpu")
+            await pub.flush()
+            await pub.heartbeat()
+        for i, shard in enumerate(shards):  # the server's partition is the one partition_of computes
+            want = {(w, 0) for w in WORKERS if partition_of(w, 2) == i}
+            await wait_until(lambda shard=shard, want=want: {s.key for s in shard.registry.all()} == want)
+        await wait_until(lambda: len(single.registry) == len(WORKERS))
+        await wait_until(lambda: front.ready()[0] and len(front.registry) == len(WORKERS))
+        await asyncio.sleep(0.5)  # every index has heard its instances' latest heartbeats
+
+        async with (
+            grpc.aio.insecure_channel(single.grpc.address) as a,
+            grpc.aio.insecure_channel(front.grpc.address) as b,
+        ):
+            one, sharded = pb_grpc.KvIndexStub(a), pb_grpc.KvIndexStub(b)
+            prompts = [shared[: n * BS] + tokens(3 * BS, seed=n) for n in range(1, 12)]
+            prompts += [tokens(6 * BS, seed=i) + tokens(2 * BS, seed=50 + i) for i in range(len(WORKERS))]
+            for n, prompt in enumerate(prompts):
+                for policy in ("", "cache_aware"):
+                    # Committed (speculative keys, the ledger and policies' memory change the next
+                    # rankings the same way on both), then released: an in-flight entry's wait
+                    # drains with time, and the two calls are not at the same instant.
+                    req = pb.ScoreRequest(
+                        model=MODEL, token_ids=prompt, request_id=f"r{n}{policy}", commit=True, policy=policy
+                    )
+                    x, y = await one.Score(req), await sharded.Score(req)
+                    assert [r.instance_id for r in x.ranked] == [r.instance_id for r in y.ranked]
+                    assert [(r.matched_blocks, r.matched.gpu, r.matched.cpu) for r in x.ranked] == [
+                        (r.matched_blocks, r.matched.gpu, r.matched.cpu) for r in y.ranked
+                    ]
+                    assert x.committed_instance_id == y.committed_instance_id
+                    parts = [(r.est_ttft_ms, r.wait_ms, r.prefill_ms, r.fetch_ms) for r in y.ranked]
+                    assert [(r.est_ttft_ms, r.wait_ms, r.prefill_ms, r.fetch_ms) for r in x.ranked] == [
+                        pytest.approx(p, rel=1e-9) for p in parts
+                    ]
+                    assert [r.load.waiting for r in x.ranked] == [r.load.waiting for r in y.ranked]
+                    done = pb.ReleaseRequest(request_id=req.request_id, phase="finished")
+                    assert (await one.Release(done)).found and (await sharded.Release(done)).found
+                lookup = pb.LookupRequest(model=MODEL, token_ids=prompt)
+                lx, ly = await one.Lookup(lookup), await sharded.Lookup(lookup)
+                assert [(m.instance_id, m.matched_blocks) for m in lx.matches] == [
+                    (m.instance_id, m.matched_blocks) for m in ly.matches
+                ]
+            assert front.mirror is not None and front.mirror.unfetched == 0
+
+            # A shard down: the front is not ready and ranks the other shard's instances only.
+            await shards[1].stop()
+            services.remove(shards[1])
+            reply = await sharded.Score(pb.ScoreRequest(model=MODEL, token_ids=prompts[3]))
+            alive = {f"{w}/0" for w in WORKERS if partition_of(w, 2) == 0}
+            assert {r.instance_id for r in reply.ranked} == alive
+            assert not front.ready()[0] and "shard 1/2" in front.ready()[1]
+            assert front.front is not None and not front.front.shards[1].up
+            # It comes back (a new process): every state afresh, the whole fleet ranked again.
+            shards[1] = await start(config(url, shard=ShardSpec(1, 2)))
+            services.append(shards[1])
+            await wait_until(lambda: front.ready()[0], timeout=10)
+            reply = await sharded.Score(pb.ScoreRequest(model=MODEL, token_ids=prompts[3]))
+            assert {r.instance_id for r in reply.ranked} == {f"{w}/0" for w in WORKERS}
+    finally:
+        for pub in pubs:
+            await pub.close()
+        for svc in services:
+            await svc.stop()
