@@ -12,6 +12,7 @@ from pathlib import Path
 import grpc
 import nats
 import pytest
+from prometheus_client import generate_latest
 
 from kvindex.keys import block_keys
 from kvindex.scoring.costs import CostConfig
@@ -140,6 +141,11 @@ async def test_two_shards_score_as_one_index(mapped_nats: EmbeddedNats) -> None:
                     (m.instance_id, m.matched_blocks) for m in ly.matches
                 ]
             assert front.mirror is not None and front.mirror.unfetched == 0
+            metrics = generate_latest(front.metrics.registry).decode()
+            for i in range(2):
+                assert f'kvindex_shard_up{{shard="{i}/2"}} 1.0' in metrics
+                owned = sum(1 for w in WORKERS if partition_of(w, 2) == i)
+                assert f'kvindex_shard_instances{{shard="{i}/2"}} {float(owned)}' in metrics
 
             # A shard down: the front is not ready and ranks the other shard's instances only.
             await shards[1].stop()
@@ -148,7 +154,7 @@ async def test_two_shards_score_as_one_index(mapped_nats: EmbeddedNats) -> None:
             alive = {f"{w}/0" for w in WORKERS if partition_of(w, 2) == 0}
             assert {r.instance_id for r in reply.ranked} == alive
             assert not front.ready()[0] and "shard 1/2" in front.ready()[1]
-            assert front.front is not None and not front.front.shards[1].up
+            assert 'kvindex_shard_up{shard="1/2"} 0.0' in generate_latest(front.metrics.registry).decode()
             # It comes back (a new process): every state afresh, the whole fleet ranked again.
             shards[1] = await start(config(url, shard=ShardSpec(1, 2)))
             services.append(shards[1])
