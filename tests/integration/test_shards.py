@@ -14,6 +14,7 @@ import nats
 import pytest
 from prometheus_client import generate_latest
 
+from kvindex.config.nats import NatsSettings
 from kvindex.keys import block_keys
 from kvindex.scoring.costs import CostConfig
 from kvindex.scoring.ranker import RankerConfig
@@ -23,6 +24,7 @@ from kvindex.shards.layout import ShardSpec, nats_mappings, partition_of
 from kvindex.v1 import kvindex_pb2 as pb
 from kvindex.v1 import kvindex_pb2_grpc as pb_grpc
 from kvindex.wire.subjects import Subjects
+from kvtools.testing.natsauth import make_tls_files
 from tests.conftest import wait_until
 from workers_shim.publisher import Publisher
 
@@ -54,7 +56,7 @@ async def start(config: ServiceConfig) -> IndexService:
     return svc
 
 
-def config(url: str, **kwargs: object) -> ServiceConfig:
+def config(url: str | NatsSettings, **kwargs: object) -> ServiceConfig:
     # A reported queue is not drained with the heartbeat's age: the two deployments hear each
     # heartbeat a few ms apart, and estimates that follow the clock would differ by that much.
     ranker = RankerConfig(costs=CostConfig(drain_reported_queue=False))
@@ -166,3 +168,50 @@ async def test_two_shards_score_as_one_index(mapped_nats: EmbeddedNats) -> None:
             await pub.close()
         for svc in services:
             await svc.stop()
+
+
+async def test_shards_on_secured_nats_with_two_front_replicas(tmp_path: Path) -> None:
+    """TLS and a password on the shard traffic as on the rest (kvindex/config/nats.py), and two
+    fronts sharing their routing decisions (routing sync) as unsharded replicas do."""
+    tls = make_tls_files(tmp_path)
+    conf = tmp_path / "secure.conf"
+    conf.write_text(
+        f'tls {{ cert_file: "{tls.server_cert}", key_file: "{tls.server_key}" }}\n'
+        'authorization { user: alice, password: "s3cret-pw" }\n' + nats_mappings(Subjects("kvindex"), 2)
+    )
+    server = EmbeddedNats(config=conf, scheme="tls")
+    await server.start()
+    settings = NatsSettings(servers=(server.url,), tls_ca=str(tls.ca), user="alice", password="s3cret-pw")
+    services = [await start(config(settings, shard=ShardSpec(i, 2))) for i in range(2)]
+    fronts = [await start(config(settings, shards=2)) for _ in range(2)]
+    services += fronts
+    pubs = []
+    try:
+        prompt = tokens(8 * BS, seed=7)
+        for w in WORKERS[:4]:
+            pub = await Publisher.connect(
+                settings, worker=w, model=MODEL, block_size=BS, heartbeat_interval=0.2
+            )
+            pubs.append(pub)
+            if w == "w3":
+                pub.stored(block_keys(prompt, BS, MODEL)[:5])
+            await pub.flush()
+            await pub.heartbeat()
+        for front in fronts:
+            await wait_until(lambda front=front: front.ready()[0] and len(front.registry) == 4)
+        async with grpc.aio.insecure_channel(fronts[0].grpc.address) as channel:
+            reply = await pb_grpc.KvIndexStub(channel).Score(
+                pb.ScoreRequest(model=MODEL, token_ids=prompt, request_id="sync-1", commit=True)
+            )
+        assert reply.ranked[0].instance_id == "w3/0" and reply.ranked[0].matched_blocks == 5
+        assert reply.committed_instance_id == "w3/0"
+        # The other front learns the commit (its ledger holds the request in flight there).
+        other = fronts[1].ranker.decisions.ledger
+        await wait_until(lambda: other.get("sync-1") is not None, what="the commit synced")
+        assert other.get("sync-1").instance == ("w3", 0)
+    finally:
+        for pub in pubs:
+            await pub.close()
+        for svc in services:
+            await svc.stop()
+        await server.stop()
