@@ -352,6 +352,10 @@ class FrontServicer(KvIndexServicer):
         self.front = front
 
     async def _prefetch(self, request: Any, candidates: bool = True) -> None:
+        if request.model and not self.registry.block_size(request.model):
+            # A model whose first instances joined since the last refresh: its block size (the
+            # prompt's keys) comes with their states.
+            await self.front.fetch("", [], None, None)
         try:
             prompt = self.resolve(request)
         except BadRequest:

@@ -21,12 +21,14 @@ from kvindex.fleet.registry import InstanceState, Registry
 from kvindex.index.base import KvBlockIndex
 from kvindex.ingest.consumer import Consumer
 from kvindex.instance import InstanceKey
-from kvindex.shards.layout import MATCH_QUEUE, ShardSpec, match_subject
+from kvindex.shards.layout import MATCH_QUEUE, ShardSpec, match_subject, partition_of
 from kvindex.shards.messages import Answer, Query, encode_state, query_decoder
+from kvindex.wire.errors import BAD_SUBJECT, WireError
 from kvindex.wire.subjects import Subjects
 
 # Versions kept for fronts that are behind: a front further behind (or new) gets every state.
 LOG_VERSIONS = 4096
+MAX_OWNED_CACHE = 1 << 20  # workers whose shard is remembered (beyond: computed per message, ~1 us)
 
 _encoder = msgspec.msgpack.Encoder()
 
@@ -76,6 +78,43 @@ class ShardResponder:
 
         consumer.on_sync_change = on_sync_change
         consumer.prefill_samples = on_samples
+        self._guard(consumer)
+
+    def _guard(self, consumer: Consumer) -> None:
+        """Refuse the messages of workers this shard does not own. The server's mapping sends each
+        worker's subjects to its partition, but a worker allowed to publish on the partitioned
+        subjects (per-worker permissions are checked on them: docs/shards.md) could publish on
+        another partition's, and two shards would then both report it."""
+        spec = self.spec
+        owned: dict[str, bool] = {}  # worker -> ours (computed once per worker)
+        on_events, on_heartbeat = consumer.on_events, consumer.on_heartbeat
+
+        def ours(subject: str) -> bool:
+            worker = subject.rpartition(".")[2]
+            mine = owned.get(worker)
+            if mine is None:
+                mine = spec.owns(worker)
+                if len(owned) < MAX_OWNED_CACHE:
+                    owned[worker] = mine
+            if not mine:
+                other = partition_of(worker, spec.count)
+                consumer.reject(
+                    worker,
+                    subject,
+                    WireError(
+                        BAD_SUBJECT, f"worker {worker!r} is shard {other}/{spec.count}'s, not {spec}'s"
+                    ),
+                )
+            return mine
+
+        def events(subject: str, payload: bytes) -> bool:
+            return ours(subject) and on_events(subject, payload)
+
+        def heartbeat(subject: str, payload: bytes) -> bool:
+            return ours(subject) and on_heartbeat(subject, payload)
+
+        consumer.on_events = events  # type: ignore[method-assign]
+        consumer.on_heartbeat = heartbeat  # type: ignore[method-assign]
 
     async def start(self, nc: Any) -> None:
         self._sub = await nc.subscribe(self.subject, queue=MATCH_QUEUE, cb=self._on_query)

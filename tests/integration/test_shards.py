@@ -23,6 +23,7 @@ from kvindex.service.natsd import EmbeddedNats
 from kvindex.shards.layout import ShardSpec, nats_mappings, partition_of
 from kvindex.v1 import kvindex_pb2 as pb
 from kvindex.v1 import kvindex_pb2_grpc as pb_grpc
+from kvindex.wire.codec import encode_heartbeat
 from kvindex.wire.subjects import Subjects
 from kvtools.testing.natsauth import make_tls_files
 from tests.conftest import wait_until
@@ -209,6 +210,79 @@ async def test_shards_on_secured_nats_with_two_front_replicas(tmp_path: Path) ->
         other = fronts[1].ranker.decisions.ledger
         await wait_until(lambda: other.get("sync-1") is not None, what="the commit synced")
         assert other.get("sync-1").instance == ("w3", 0)
+    finally:
+        for pub in pubs:
+            await pub.close()
+        for svc in services:
+            await svc.stop()
+        await server.stop()
+
+
+async def test_shards_under_the_shipped_per_worker_authorization(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """deploy/nats/nats-server.conf with the mapping appended: a worker publishes on its own subjects
+    only (checked before the mapping), its shard reads them, the front queries the shards as the
+    index user and the shards answer on its inbox."""
+    shipped = Path(__file__).resolve().parents[2] / "deploy" / "nats" / "nats-server.conf"
+    conf = tmp_path / "nats.conf"
+    conf.write_text(shipped.read_text() + nats_mappings(Subjects("kvindex"), 2))
+    for user in ("index", "capture", "node-1", "node-2"):
+        monkeypatch.setenv(f"KVINDEX_{user.upper().replace('-', '_')}_PASSWORD", f"{user}-pw")
+    server = EmbeddedNats(config=conf)
+    await server.start()
+
+    def as_user(user: str) -> NatsSettings:
+        return NatsSettings(servers=(server.url,), user=user, password=f"{user}-pw")
+
+    services = [await start(config(as_user("index"), shard=ShardSpec(i, 2))) for i in range(2)]
+    front = await start(config(as_user("index"), shards=2))
+    services.append(front)
+    pubs = []
+    try:
+        assert {partition_of(w, 2) for w in ("node-1", "node-2")} == {0, 1}
+        prompt = tokens(6 * BS, seed=3)
+        for w in ("node-1", "node-2"):
+            pub = await Publisher.connect(
+                as_user(w), worker=w, model=MODEL, block_size=BS, heartbeat_interval=0.2
+            )
+            pubs.append(pub)
+            pub.stored(block_keys(prompt, BS, MODEL)[: 2 if w == "node-1" else 4])
+            await pub.flush()
+        await wait_until(lambda: front.ready()[0] and len(front.registry) == 2)
+        async with grpc.aio.insecure_channel(front.grpc.address) as channel:
+            reply = await pb_grpc.KvIndexStub(channel).Score(pb.ScoreRequest(model=MODEL, token_ids=prompt))
+        assert [(r.instance_id, r.matched_blocks) for r in reply.ranked] == [("node-2/0", 4), ("node-1/0", 2)]
+        # node-1 publishing as node-2 (on the subject before the mapping) is refused by the server.
+        rogue = await nats.connect(server.url, user="node-1", password="node-1-pw")
+        errors: list[Exception] = []
+
+        async def on_error(exc: Exception) -> None:
+            errors.append(exc)
+
+        rogue._error_cb = on_error
+        await rogue.publish("kvindex.events.node-2", b"forged")
+        await rogue.flush()
+        await wait_until(lambda: any("ermissions" in str(e) for e in errors), what="the violation")
+        # Its own partitioned subjects are allowed, on any partition: the wrong shard refuses it.
+        other = 1 - partition_of("node-1", 2)
+        beat = encode_heartbeat(
+            worker="node-1",
+            model=MODEL,
+            epoch=1,
+            seq=0,
+            ts=0.0,
+            block_size=BS,
+            load={},
+            capacity={},
+            digest={},
+        )
+        await rogue.publish(f"kvindex.part.2.{other}.status.node-1", beat)
+        await rogue.flush()
+        counters = services[other].counters
+        await wait_until(lambda: counters.rejects_by_worker["node-1"] == 1, what="the wrong shard's refusal")
+        assert counters.rejects["bad_subject"] == 1 and services[other].registry.get(("node-1", 0)) is None
+        await rogue.close()
     finally:
         for pub in pubs:
             await pub.close()
