@@ -218,7 +218,13 @@ class IndexService:
             self.metrics.registry.register(ShardCollector(self.front))
         elif config.shard is not None:
             self.shard = ShardResponder(
-                config.shard, self.subjects, self.index, self.registry, self.consumer, self.ready
+                config.shard,
+                self.subjects,
+                self.index,
+                self.registry,
+                self.consumer,
+                self.ready,
+                reconcile=lambda key: self.repairer.reconcile_now(key, "degraded"),
             )
         self.grpc = GrpcServer(
             self.servicer, config.grpc_host, config.grpc_port, config.grpc_security, ready=False
@@ -272,7 +278,10 @@ class IndexService:
             loop = asyncio.get_running_loop()
         except RuntimeError:
             return  # not serving (a test driving the router alone)
-        loop.call_soon(self.repairer.reconcile_now, instance, "degraded")
+        if self.front is not None:  # its shard asks the worker (kvindex/shards)
+            loop.call_soon(self.front.request_reconcile, instance)
+        else:
+            loop.call_soon(self.repairer.reconcile_now, instance, "degraded")
 
     def _nats_connected(self) -> bool:
         source = self.source

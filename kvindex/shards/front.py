@@ -24,7 +24,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from kvindex.api.errors import BadRequest
-from kvindex.api.servicer import KvIndexServicer
+from kvindex.api.servicer import KvIndexServicer, release_report
 from kvindex.fleet.registry import Registry
 from kvindex.index.base import NO_MATCH, Applied, Differ, IndexStats, InstanceMatch
 from kvindex.index.hybrid import GroupLayout, hit_limit
@@ -205,7 +205,10 @@ class ShardFront:
         self.fanout_seconds = 0.0  # the last fan-out's wall time
         self.nc: Any = None
         self._task: asyncio.Task[None] | None = None
+        self._pending_tasks: set[asyncio.Task[Any]] = set()
         self._last_fetch = float("-inf")
+        self._reconciles: dict[InstanceKey, int] = {}  # the shards' count, as last applied
+        self._to_reconcile: dict[int, set[InstanceKey]] = {}  # per shard, sent with its next query
 
     async def start(self, nc: Any) -> None:
         self.nc = nc
@@ -216,6 +219,8 @@ class ShardFront:
         if self._task is not None:
             self._task.cancel()
             self._task = None
+        for task in list(self._pending_tasks):
+            task.cancel()
 
     def ready(self) -> tuple[bool, str]:
         """Ready when every shard is (answering, and ready by its own readiness)."""
@@ -225,6 +230,15 @@ class ShardFront:
             if not s.ready:
                 return False, f"shard {s.index}/{self.count} not ready: {s.reason}"
         return True, "ready"
+
+    def request_reconcile(self, instance: InstanceKey) -> None:
+        """The ranker found ``instance`` degraded: its shard asks the worker for a snapshot (sent at
+        once, with a states-only query)."""
+        self._to_reconcile.setdefault(partition_of(instance[0], self.count), set()).add(instance)
+        if self.nc is not None:
+            task = asyncio.get_running_loop().create_task(self.fetch("", [], None, None))
+            self._pending_tasks.add(task)
+            task.add_done_callback(self._pending_tasks.discard)
 
     async def _refresh_loop(self) -> None:
         while True:
@@ -280,7 +294,8 @@ class ShardFront:
         self, i: int, model: str, keys: list[int], instances: list[tuple[str, int]] | None, limit: int | None
     ) -> tuple[Answer, float]:
         health = self.shards[i]
-        query = Query(model, keys, instances, limit, health.since, health.replica)
+        todo = self._to_reconcile.pop(i, None)
+        query = Query(model, keys, instances, limit, health.since, health.replica, sorted(todo or ()))
         t0 = time.monotonic()
         msg = await self.nc.request(self.subjects[i], query_encoder.encode(query), timeout=self.timeout)
         return answer_decoder.decode(msg.data), time.monotonic() - t0
@@ -316,14 +331,15 @@ class ShardFront:
                     self._forget(key)
                 state = registry.add(key, row[2], row[3])
                 index.add_instance(key, row[2])
-            before = (state.repair.sync, state.repair.failed, state.restarts)
+            before = (state.repair.sync, state.repair.failed)
             apply_state(state, row, now)
             registry.set_endpoint(state, row[15])
             index.blocks[key] = tuple(row[20])  # type: ignore[assignment]
-            after = (state.repair.sync, state.repair.failed, state.restarts)
-            if after != before:
-                # Its blocks were made equal to the worker's (a snapshot ended, or a restart).
-                reconciled = (before[0] == "snapshot" and after[0] == "synced") or after[2] != before[2]
+            # Told as the shard's consumer told its ranker: a change of repair state, or blocks made
+            # equal to the worker's (a snapshot, a restart) however briefly the repair lasted.
+            reconciled = row[21] != self._reconciles.get(key, 0)
+            self._reconciles[key] = row[21]
+            if reconciled or (state.repair.sync, state.repair.failed) != before:
                 for ranker in self.rankers:
                     ranker.sync_changed(state, reconciled)
         gone = [tuple(k) for k in answer.removed]
@@ -337,6 +353,7 @@ class ShardFront:
             self.calibrator.add(model, rows, instance)
 
     def _forget(self, key: InstanceKey) -> None:
+        self._reconciles.pop(key, None)
         if self.registry.remove(key) is not None:
             self.index.drop_instance(key)
             for ranker in self.rankers:
@@ -405,7 +422,9 @@ class FrontServicer(KvIndexServicer):
 
     async def Release(self, request: pb.ReleaseRequest, context: grpc.aio.ServicerContext) -> Any:
         # A report is compared with what the instance holds now: its shard is asked for that.
-        entry = self.ranker.decisions.ledger.get(request.request_id) if request.request_id else None
+        report = release_report(request)
+        wanted = request.request_id and report is not None and not report.empty()
+        entry = self.ranker.decisions.ledger.get(request.request_id) if wanted else None
         p = None if entry is None else entry.prediction
         if p is not None and p.keys:
             await self.front.fetch(p.model, p.keys, [p.instance], hit_limit(p.prompt_tokens))

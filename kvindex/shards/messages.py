@@ -26,6 +26,8 @@ class Query(msgspec.Struct, array_like=True):
     limit: int | None  # the match's limit in tokens (KvBlockIndex.match)
     since: int  # the last version the front applied from this shard's replica (0: send everything)
     replica: str  # the replica that version came from ("" at first)
+    # Instances the front's outcomes found degraded: the shard asks their workers for a snapshot.
+    reconcile: list[tuple[str, int]] = []
 
 
 class Answer(msgspec.Struct, array_like=True):
@@ -47,9 +49,12 @@ query_decoder = msgspec.msgpack.Decoder(Query)
 answer_decoder = msgspec.msgpack.Decoder(Answer)
 
 
-def encode_state(state: InstanceState, now: float, blocks: tuple[int, int, int, int]) -> list[Any]:
-    """The fields of an instance that rankings, the pick and ListInstances read, and ``blocks``
-    (the index's count per tier, for ListInstances)."""
+def encode_state(
+    state: InstanceState, now: float, blocks: tuple[int, int, int, int], reconciles: int
+) -> list[Any]:
+    """The fields of an instance that rankings, the pick and ListInstances read, ``blocks`` (the
+    index's count per tier, for ListInstances) and ``reconciles`` (how many times the shard made its
+    blocks equal to the worker's: outcome evidence before one is void, kvindex/scoring/outcomes.py)."""
     load = state.load
     hb = state.last_heartbeat_at
     r = state.repair
@@ -75,6 +80,7 @@ def encode_state(state: InstanceState, now: float, blocks: tuple[int, int, int, 
         state.groups_inexact,
         [state.epoch, state.last_seq, state.gaps, state.missing_batches, state.restarts],
         list(blocks),
+        reconciles,
     ]
 
 
@@ -103,6 +109,7 @@ def apply_state(state: InstanceState, row: list[Any], now: float) -> None:
         groups_inexact,
         seqs,
         _blocks,
+        _reconciles,
     ) = row
     state.first_seen = now - first_age
     state.last_heartbeat_at = None if hb_age is None else now - hb_age

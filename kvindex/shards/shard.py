@@ -42,14 +42,17 @@ class ShardResponder:
         registry: Registry,
         consumer: Consumer,
         ready: Callable[[], tuple[bool, str]],
+        reconcile: Callable[[InstanceKey], None] | None = None,
         log: Any = None,
     ) -> None:
+        """``reconcile``: asks an instance's worker for a snapshot (the front found it degraded)."""
         self.spec = spec
         self.subject = match_subject(fleet, spec.count, spec.index)
         self.index = index
         self.registry = registry
         self.consumer = consumer
         self.ready = ready
+        self.reconcile = reconcile
         self.log = log or structlog.get_logger("kvindex.shard")
         self.replica = secrets.token_hex(6)
         self.version = 0
@@ -57,6 +60,7 @@ class ShardResponder:
         self._log: deque[tuple[int, set[InstanceKey], list[Any]]] = deque(maxlen=LOG_VERSIONS)
         self._changed = registry.watch()  # load, heartbeat time, staleness, capacity, add/remove
         self._samples: list[Any] = []
+        self._reconciles: dict[InstanceKey, int] = {}  # per instance, while it is registered
         # Instances without a reported capacity: whether they are pools follows per-batch fields the
         # registry does not watch, so they are sent with every version (normally there are none).
         self._recheck: set[InstanceKey] = set()
@@ -68,6 +72,8 @@ class ShardResponder:
 
         def on_sync_change(state: InstanceState, reconciled: bool = False) -> None:
             self._changed.add(state.key)
+            if reconciled:
+                self._reconciles[state.key] = self._reconciles.get(state.key, 0) + 1
             if sync_changed is not None:
                 sync_changed(state, reconciled)
 
@@ -139,16 +145,20 @@ class ShardResponder:
     def answer(self, query: Query) -> bytes:
         """The encoded answer to ``query`` (pure with respect to NATS: tests call it directly)."""
         self.queries += 1
+        if self.reconcile is not None:
+            for w, r in query.reconcile:
+                if self.registry.get((w, r)) is not None:
+                    self.reconcile((w, r))
         self._advance()
         now = self.registry.clock()
-        get, counts = self.registry.get, self.index.block_counts
+        get, counts, rec = self.registry.get, self.index.block_counts, self._reconciles.get
         states: list[list[Any]] = []
         removed: list[tuple[str, int]] = []
         samples: list[Any] = []
         oldest = self._log[0][0] if self._log else self.version + 1
         full = query.replica != self.replica or query.since < oldest - 1 or query.since > self.version
         if full:
-            states = [encode_state(s, now, counts(s.key)) for s in self.registry.all()]
+            states = [encode_state(s, now, counts(s.key), rec(s.key, 0)) for s in self.registry.all()]
         elif query.since < self.version:
             keys: set[InstanceKey] = set()
             for version, changed, rows in self._log:
@@ -159,8 +169,9 @@ class ShardResponder:
                 state = get(key)
                 if state is None:
                     removed.append(key)
+                    self._reconciles.pop(key, None)
                 else:
-                    states.append(encode_state(state, now, counts(key)))
+                    states.append(encode_state(state, now, counts(key), rec(key, 0)))
         matches: list[tuple[str, int, int, int, int, int, int]] = []
         if query.model and query.keys:
             instances = None if query.instances is None else [(w, r) for w, r in query.instances]

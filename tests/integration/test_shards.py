@@ -17,6 +17,7 @@ from prometheus_client import generate_latest
 from kvindex.config.nats import NatsSettings
 from kvindex.keys import block_keys
 from kvindex.scoring.costs import CostConfig
+from kvindex.scoring.outcomes import OutcomeConfig
 from kvindex.scoring.ranker import RankerConfig
 from kvindex.service.app import IndexService, ServiceConfig
 from kvindex.service.natsd import EmbeddedNats
@@ -60,7 +61,11 @@ async def start(config: ServiceConfig) -> IndexService:
 def config(url: str | NatsSettings, **kwargs: object) -> ServiceConfig:
     # A reported queue is not drained with the heartbeat's age: the two deployments hear each
     # heartbeat a few ms apart, and estimates that follow the clock would differ by that much.
-    ranker = RankerConfig(costs=CostConfig(drain_reported_queue=False))
+    # Reports never make an instance degraded here: that asks its worker for a snapshot, which each
+    # deployment gets at its own moment (test_a_degraded_instance_is_snapshotted_by_its_shard).
+    ranker = RankerConfig(
+        costs=CostConfig(drain_reported_queue=False), outcomes=OutcomeConfig(threshold=1_000_000)
+    )
     cfg = ServiceConfig(nats_url=url, grpc_host="127.0.0.1", grpc_port=0, ranker=ranker)
     for name, value in kwargs.items():
         setattr(cfg, name, value)
@@ -136,8 +141,14 @@ async def test_two_shards_score_as_one_index(mapped_nats: EmbeddedNats) -> None:
                         pytest.approx(p, rel=1e-9) for p in parts
                     ]
                     assert [r.load.waiting for r in x.ranked] == [r.load.waiting for r in y.ranked]
+                    # With the engine's report (ttft policy): compared with what the instance holds
+                    # now, which the front asks its shard for.
                     done = pb.ReleaseRequest(request_id=req.request_id, phase="finished")
-                    assert (await one.Release(done)).found and (await sharded.Release(done)).found
+                    if not policy:
+                        done.cached_tokens, done.prompt_tokens = 2 * BS, len(prompt)
+                    rx, ry = await one.Release(done), await sharded.Release(done)
+                    assert rx.found and ry.found and rx.report == ry.report
+                    assert single.ranker.outcomes.outcomes == front.ranker.outcomes.outcomes
                 lookup = pb.LookupRequest(model=MODEL, token_ids=prompt)
                 lx, ly = await one.Lookup(lookup), await sharded.Lookup(lookup)
                 assert [(m.instance_id, m.matched_blocks) for m in lx.matches] == [
@@ -166,6 +177,46 @@ async def test_two_shards_score_as_one_index(mapped_nats: EmbeddedNats) -> None:
             assert {r.instance_id for r in reply.ranked} == {f"{w}/0" for w in WORKERS}
     finally:
         for pub in pubs:
+            await pub.close()
+        for svc in services:
+            await svc.stop()
+
+
+async def test_a_degraded_instance_is_snapshotted_by_its_shard(mapped_nats: EmbeddedNats) -> None:
+    """Engine reports that disagree with the index make the front's ranker find an instance
+    degraded; the front asks the instance's shard, which asks the worker for a snapshot, and the
+    front learns the blocks were reconciled (its outcome evidence starts over, as in one index)."""
+    url = mapped_nats.url
+    services = [
+        await start(ServiceConfig(nats_url=url, grpc_host="127.0.0.1", grpc_port=0, shard=ShardSpec(i, 2)))
+        for i in range(2)
+    ]
+    front = await start(ServiceConfig(nats_url=url, grpc_host="127.0.0.1", grpc_port=0, shards=2))
+    services.append(front)
+    pub = None
+    try:
+        pub = await Publisher.connect(url, worker="w1", model=MODEL, block_size=BS, heartbeat_interval=0.2)
+        prompt = tokens(8 * BS, seed=11)
+        pub.stored(block_keys(prompt, BS, MODEL))
+        await pub.flush()
+        await wait_until(lambda: front.ready()[0] and len(front.registry) == 1)
+        key, shard = ("w1", 0), services[partition_of("w1", 2)]
+        async with grpc.aio.insecure_channel(front.grpc.address) as channel:
+            stub = pb_grpc.KvIndexStub(channel)
+            for n in range(2):  # the index says 8 blocks are cached; the engine says none were
+                req = pb.ScoreRequest(model=MODEL, token_ids=prompt, request_id=f"d{n}", commit=True)
+                assert (await stub.Score(req)).ranked[0].matched_blocks == 8
+                report = pb.ReleaseRequest(request_id=f"d{n}", phase="finished", cached_tokens=0)
+                report.prompt_tokens = len(prompt)
+                assert (await stub.Release(report)).report == "applied"
+        await wait_until(
+            lambda: shard.counters.snapshots_requested["degraded"] == 1, what="the shard's snapshot"
+        )
+        outcomes = front.ranker.outcomes.instances[key]
+        await wait_until(lambda: outcomes.repaired_at > float("-inf"), what="the front told of the repair")
+        assert not outcomes.recent and front.front is not None
+    finally:
+        if pub is not None:
             await pub.close()
         for svc in services:
             await svc.stop()
