@@ -157,11 +157,15 @@ async def publish(url: str, messages: list[tuple[str, bytes]]) -> None:
 
 
 def ingest(
-    url: str, messages: list[tuple[str, bytes]], procs: list[ServerProcess], total: int
+    server: MappedNats, messages: list[tuple[str, bytes]], procs: list[ServerProcess], total: int
 ) -> dict[str, Any]:
+    """Publish ``messages`` and wait until ``procs`` applied ``total`` batches: the rate, and the CPU
+    seconds of each index process, of the nats-server and of this process (the publisher, polling)."""
+    url = server.url
     addresses = [p.address for p in procs]
     base = applied(addresses)
     cpu0 = [cpu_seconds(p.pid) for p in procs]
+    others0 = cpu_seconds(server.proc.pid), time.process_time()
     t0 = time.perf_counter()
     asyncio.run(publish(url, messages))
     published = time.perf_counter() - t0
@@ -172,7 +176,15 @@ def ingest(
         time.sleep(0.05)
     wall = time.perf_counter() - t0
     cpu = [cpu_seconds(p.pid) - c for p, c in zip(procs, cpu0, strict=True)]
-    return {"wall": wall, "published": published, "cpu": cpu, "rate": total / wall}
+    server_cpu, own_cpu = cpu_seconds(server.proc.pid) - others0[0], time.process_time() - others0[1]
+    return {
+        "wall": wall,
+        "published": published,
+        "cpu": cpu,
+        "rate": total / wall,
+        # Cores busy on average over the run: the indexes, the nats-server, this process.
+        "cores": (sum(cpu) / wall, server_cpu / wall, own_cpu / wall),
+    }
 
 
 def drop_all(url: str, messages: list[tuple[str, bytes]], proc: ServerProcess) -> float:
@@ -300,8 +312,8 @@ def main() -> None:
             seed, names = 1000 + rep, f"r{rep}w"
             plain = make_batches("plain", args.workers, args.batches, args.keys, seed, names)
             sharded = make_batches("kvindex", args.workers, args.batches, args.keys, seed, names)
-            one_runs.append(ingest(server.url, plain, [single], total))
-            two_runs.append(ingest(server.url, sharded, shards, total))
+            one_runs.append(ingest(server, plain, [single], total))
+            two_runs.append(ingest(server, sharded, shards, total))
             rates = one_runs[-1]["rate"], two_runs[-1]["rate"]
             print(f"rep {rep}: 1 process {rates[0]:,.0f} batches/s, 2 shards {rates[1]:,.0f}")
         one_rate = statistics.median(r["rate"] for r in one_runs)
@@ -353,6 +365,12 @@ def main() -> None:
         print(f"| {name} | {one} | {two} | {f'{ratio:.2f}x' if ratio else '-'} |")
     print()
     print(f"- publisher (this process): {publish_rate:,.0f} batches/s offered")
+    for name, runs in (("1 process", one_runs), ("2 shards", two_runs)):
+        cores = [statistics.median(r["cores"][i] for r in runs) for i in range(3)]
+        print(
+            f"- cores busy during ingest, {name}: indexes {cores[0]:.2f}, nats-server {cores[1]:.2f}, "
+            f"publisher and polling {cores[2]:.2f} (of 2)"
+        )
     print(
         f"- in one process, no NATS: unsharded match {costs['match'] * 1e6:.0f} us; per shard answer, "
         f"shard side {costs['shard'] * 1e6:.0f} us, front side {costs['front'] * 1e6:.0f} us; "
