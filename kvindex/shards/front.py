@@ -319,6 +319,8 @@ class ShardFront:
             self.log.info("shard_answering", shard=health.index, shards=self.count, replica=answer.replica)
         health.up, health.ready, health.reason = True, answer.ready, answer.reason
         health.last_answer, health.instances, health.batches = now, answer.instances, answer.batches
+        if answer.replica == health.replica and answer.version < health.since:
+            return  # overtaken by a later answer already applied (concurrent requests): older states
         health.replica, health.since = answer.replica, answer.version
         registry, index = self.registry, self.index
         listed: set[InstanceKey] = set()
