@@ -201,7 +201,8 @@ class Run:
         ]  # fmt: skip
         self.procs["serve"] = Proc("kvindex serve", serve, self.out / "kvindex.log")
         wait_log_event(self.out / "kvindex.log", "kvindex_serving", self.procs["serve"], 60)
-        for name, role in (("shard-0", ["--shard", "0/2"]), ("shard-1", ["--shard", "1/2"]), ("front", None)):
+        shard = ["--metrics-port", "-1", "--shard"]  # (the shards' own metrics are an index's)
+        for name, role in (("shard-0", [*shard, "0/2"]), ("shard-1", [*shard, "1/2"]), ("front", None)):
             argv = [
                 str(BIN / "kvindex"), "serve", "--nats", nats, "--subject-prefix", SHARDS_PREFIX,
                 "--grpc-host", "127.0.0.1", "--grpc-port", str(free_port()), "--no-routing-sync",
