@@ -336,7 +336,7 @@ class ShardFront:
             before = (state.repair.sync, state.repair.failed)
             apply_state(state, row, now)
             registry.set_endpoint(state, row[15])
-            index.blocks[key] = tuple(row[20])  # type: ignore[assignment]
+            index.blocks[key] = (row[20][0], row[20][1], row[20][2], row[20][3])
             # Told as the shard's consumer told its ranker: a change of repair state, or blocks made
             # equal to the worker's (a snapshot, a restart) however briefly the repair lasted.
             reconciled = row[21] != self._reconciles.get(key, 0)
@@ -344,12 +344,12 @@ class ShardFront:
             if reconciled or (state.repair.sync, state.repair.failed) != before:
                 for ranker in self.rankers:
                     ranker.sync_changed(state, reconciled)
-        gone = [tuple(k) for k in answer.removed]
+        gone: list[InstanceKey] = [(w, r) for w, r in answer.removed]
         if answer.full:
             gone += [k for k in health.owned if k not in listed]
         for key in gone:
-            self._forget(key)  # type: ignore[arg-type]
-        health.owned -= set(gone)  # type: ignore[arg-type]
+            self._forget(key)
+        health.owned -= set(gone)
         health.owned |= listed
         for model, instance, rows in answer.samples:
             self.calibrator.add(model, rows, instance)
@@ -366,6 +366,8 @@ class FrontServicer(KvIndexServicer):
     """The gRPC service of a front: each call that reads the index asks the shards first."""
 
     front: ShardFront
+    # The prompt the last prefetch resolved, with its request (reused by the call it was made for).
+    _resolved: tuple[Any, Any] | None = None
 
     def bind(self, front: ShardFront) -> None:
         self.front = front
@@ -381,7 +383,7 @@ class FrontServicer(KvIndexServicer):
             return  # the call itself reports it
         if not prompt.keys:
             return
-        limit = hit_limit(prompt.tokens)
+        limit: int | None = hit_limit(prompt.tokens)
         if isinstance(request, pb.LookupRequest) and not (request.token_ids or prompt.token_ids is not None):
             limit = None
         await self.front.fetch(request.model, prompt.keys, None, limit)

@@ -120,7 +120,7 @@ class ShardResponder:
             return ours(subject) and on_heartbeat(subject, payload)
 
         consumer.on_events = events  # type: ignore[method-assign]
-        consumer.on_heartbeat = heartbeat  # type: ignore[method-assign]
+        consumer.on_heartbeat = heartbeat
 
     async def start(self, nc: Any) -> None:
         self._sub = await nc.subscribe(self.subject, queue=MATCH_QUEUE, cb=self._on_query)
@@ -176,7 +176,7 @@ class ShardResponder:
         if query.model and query.keys:
             instances = None if query.instances is None else [(w, r) for w, r in query.instances]
             found = self.index.match(query.model, query.keys, instances, query.limit)
-            matches = [(k[0], k[1], m[0], *m[1]) for k, m in found.items()]  # type: ignore[misc]
+            matches = [(k[0], k[1], m[0], m[1][0], m[1][1], m[1][2], m[1][3]) for k, m in found.items()]
         ready, reason = self.ready()
         return _encoder.encode(
             Answer(
