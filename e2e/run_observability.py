@@ -56,6 +56,8 @@ from run_vllm import Proc, free_port, wait_log_event  # beside this script
 from kvindex.keys import block_keys
 from kvindex.route.ext_proc import DESTINATION, LB_NAMESPACE, SERVED
 from kvindex.service.natsd import nats_server_binary
+from kvindex.shards.layout import nats_mappings
+from kvindex.wire.subjects import Subjects
 from kvtools.observability import alerts
 from kvtools.observability.dashboards import DASHBOARDS, RATE
 from kvtools.testing.faults import Faults, FaultyPublisher
@@ -65,6 +67,7 @@ BIN = Path(sys.executable).parent
 MODEL = "sim-model"
 BLOCK = 16
 OBJECTIVE_MS = 1500  # the TTFT objective of every request (proxy and picker)
+SHARDS_PREFIX = "kvshards"  # the shard deployment beside the index under test (no workers)
 RATE_INTERVAL = "15s"  # $__rate_interval with a 1 s scrape interval
 LIVE_WINDOW, LIVE_HOLD = "20s", "5s"  # the live rules' range windows and holds
 # Overload prompts: about 1.8 s of prefill on the simulated 70B engines, over the 1.5 s objective even
@@ -84,6 +87,7 @@ class Ports:
     ext_proc: int = field(default_factory=free_port)
     route: int = field(default_factory=free_port)
     prometheus: int = field(default_factory=free_port)
+    front: int = field(default_factory=free_port)  # a shard front's /metrics (docs/shards.md)
 
 
 def prometheus_config(ports: Ports, rules: Path) -> str:
@@ -94,6 +98,7 @@ def prometheus_config(ports: Ports, rules: Path) -> str:
             "scrape_configs": [
                 {"job_name": "kvindex", "static_configs": [{"targets": [f"127.0.0.1:{ports.metrics}"]}]},
                 {"job_name": "kvindex-route", "static_configs": [{"targets": [f"127.0.0.1:{ports.route}"]}]},
+                {"job_name": "kvindex-front", "static_configs": [{"targets": [f"127.0.0.1:{ports.front}"]}]},
             ],
         },
         sort_keys=False,
@@ -170,7 +175,11 @@ class Run:
     # -- processes -----------------------------------------------------------------------------------
 
     def start_nats(self) -> None:
-        argv = [nats_server_binary(), "-a", "127.0.0.1", "-p", str(self.ports.nats)]
+        # Partitions the prefix of the shards (their own, without workers: the dashboards' shard
+        # panels need a front and its shards, not load).
+        conf = self.out / "nats.conf"
+        conf.write_text(nats_mappings(Subjects(SHARDS_PREFIX), 2))
+        argv = [nats_server_binary(), "-a", "127.0.0.1", "-p", str(self.ports.nats), "-c", str(conf)]
         self.procs["nats"] = Proc("nats-server", argv, self.out / "nats.log")
         deadline = time.monotonic() + 10
         while "Server is ready" not in (self.out / "nats.log").read_text(errors="replace"):
@@ -192,6 +201,16 @@ class Run:
         ]  # fmt: skip
         self.procs["serve"] = Proc("kvindex serve", serve, self.out / "kvindex.log")
         wait_log_event(self.out / "kvindex.log", "kvindex_serving", self.procs["serve"], 60)
+        shard = ["--metrics-port", "-1", "--shard"]  # (the shards' own metrics are an index's)
+        for name, role in (("shard-0", [*shard, "0/2"]), ("shard-1", [*shard, "1/2"]), ("front", None)):
+            argv = [
+                str(BIN / "kvindex"), "serve", "--nats", nats, "--subject-prefix", SHARDS_PREFIX,
+                "--grpc-host", "127.0.0.1", "--grpc-port", str(free_port()), "--no-routing-sync",
+                "--log-format", "json", *(role or ["--shards", "2", "--metrics-host", "127.0.0.1",
+                                                   "--metrics-port", str(p.front)]),
+            ]  # fmt: skip
+            self.procs[name] = Proc(f"kvindex serve ({name})", argv, self.out / f"kvindex-{name}.log")
+        wait_log_event(self.out / "kvindex-front.log", "readiness_changed", self.procs["front"], 60)
         sim = [
             str(BIN / "kvshim"), "sim", "--nats", nats, "--workers", str(self.args.workers), "--model", MODEL,
             "--http-host", "127.0.0.1", "--http-port", "0", "--profile", "llama3-70b-8xa800",
@@ -232,7 +251,7 @@ class Run:
         return out
 
     def stop(self) -> None:
-        for name in ("prometheus", "route", "sim", "serve", "nats"):
+        for name in ("prometheus", "route", "sim", "front", "shard-0", "shard-1", "serve", "nats"):
             proc = self.procs.get(name)
             if proc is not None:
                 proc.stop(timeout=15)

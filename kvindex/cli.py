@@ -28,6 +28,7 @@ from kvindex.config.args import (
     quiet_broken_pipe,
     read_prompts,
 )
+from kvindex.config.nats import split_servers
 from kvindex.observability.logs import configure_logging
 from kvindex.route.admission_args import add_admission_options, admission_from_args
 from kvindex.route.cli import add_route
@@ -222,6 +223,29 @@ def _add_serve_state(p: Any) -> None:
         default="",
         help="this replica's name on {prefix}.routing.<id> ([A-Za-z0-9_-]{1,128}); default: hostname-pid",
     )
+    sh = p.add_argument_group("index shards (docs/shards.md)")
+    sh.add_argument(
+        "--shard",
+        type=_shard_spec,
+        default=None,
+        metavar="I/N",
+        help="serve shard I of N: only the workers the nats-server maps to partition I (its config "
+        "needs the mapping `kvindex shard-mappings N` prints); a --shards N front ranks over it",
+    )
+    sh.add_argument(
+        "--shards",
+        type=_shard_count,
+        default=0,
+        metavar="N",
+        help="be the front of N shards: no events of its own; Score, Lookup and Release ask every "
+        "shard (NATS request/reply) and rank over their answers",
+    )
+    sh.add_argument(
+        "--shard-timeout",
+        type=_positive,
+        default=0.5,
+        help="a front's wait for each shard's answer (s); a shard that misses it is not ranked",
+    )
     j = p.add_argument_group("JetStream (optional)")
     j.add_argument("--jetstream", action="store_true", help="keep event batches in a stream; rebuild from it")
     j.add_argument("--stream-max-age", type=float, default=3600.0, help="history kept in the stream (s)")
@@ -270,6 +294,49 @@ def _add_serve_repair(p: Any) -> None:
         "waiting for its answer until --snapshot-timeout), so that a worker that never answers "
         "does not make other workers' repairs wait (s)",
     )
+
+
+def _shard_spec(text: str) -> Any:
+    from kvindex.shards.layout import ShardSpec
+
+    try:
+        return ShardSpec.parse(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _shard_count(text: str) -> int:
+    from kvindex.shards.layout import MAX_SHARDS
+
+    if not text.isdigit() or not 2 <= int(text) <= MAX_SHARDS:
+        raise argparse.ArgumentTypeError(f"expected a shard count 2..{MAX_SHARDS}, got {text!r}")
+    return int(text)
+
+
+def _positive(text: str) -> float:
+    value = _non_negative(text)
+    if value == 0:
+        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}")
+    return value
+
+
+def _shard_conflict(args: argparse.Namespace, nats: Any) -> str | None:
+    """Why the shard flags cannot work together with the others (None: they can); ``nats``: the
+    --nats servers (none: the embedded server)."""
+    if args.shard is None and not args.shards:
+        return None
+    if args.shard is not None and args.shards:
+        return "--shard and --shards: a process is a shard or a front, not both"
+    flag = "--shard" if args.shard is not None else "--shards"
+    if not nats:
+        return (
+            f"{flag} needs --nats: the nats-server's config partitions the workers (kvindex shard-mappings)"
+        )
+    if args.jetstream:
+        return f"{flag} with --jetstream: shards read core NATS only"
+    if args.shards and (args.capture or args.instance):
+        return "--shards with --capture or --instance: a front consumes no events, keeps no instances"
+    return None
 
 
 def _non_negative(text: str) -> float:
@@ -665,6 +732,10 @@ def _serve(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"kvindex serve: error: argument --cost: {exc}", file=sys.stderr)
         return 2
+    conflict = _shard_conflict(args, split_servers(args.nats))
+    if conflict is not None:
+        print(f"kvindex serve: error: {conflict}", file=sys.stderr)
+        return 2
     configure_logging(args.log_format, args.log_level)
     try:
         nats = NatsSettings.from_args(args)  # None: embedded nats-server
@@ -759,6 +830,9 @@ def _service_config(args: argparse.Namespace, nats: Any, costs: Any, admission: 
         ext_proc_objectives=objectives,
         route=_embedded_route(args, admission, objectives),
         routing_sync=SyncConfig(enabled=args.routing_sync, replica_id=args.replica_id),
+        shard=args.shard,
+        shards=args.shards,
+        shard_timeout=args.shard_timeout,
         static_instances=args.instance,
         static_model=args.instance_model,
         static_block_size=args.instance_block_size,
@@ -851,6 +925,11 @@ def build_parser() -> argparse.ArgumentParser:
     add_capture(sub)
     add_replay(sub)
     add_route(sub)
+    m = sub.add_parser(
+        "shard-mappings", help="print the nats-server config block that partitions workers into N shards"
+    )
+    m.add_argument("shards", type=_shard_count, metavar="N", help="how many shards")
+    m.add_argument("--subject-prefix", default="kvindex", help=SUBJECT_PREFIX_HELP)
     return parser
 
 
@@ -887,6 +966,17 @@ def main(argv: list[str] | None = None) -> int:
         from kvindex.capture.cli import run_replay
 
         return run_replay(args)
+    if args.command == "shard-mappings":
+        from kvindex.shards.layout import nats_mappings
+        from kvindex.wire.subjects import Subjects
+
+        try:
+            subjects = Subjects(args.subject_prefix)
+        except ValueError as exc:
+            print(f"kvindex shard-mappings: error: argument --subject-prefix: {exc}", file=sys.stderr)
+            return 2
+        sys.stdout.write(nats_mappings(subjects, args.shards))
+        return 0
     return _query(args)
 
 

@@ -61,6 +61,8 @@ class CoreConfig:
     # InvertedIndex's table module: None is its default (native when built); benchmarks pass the
     # pure-Python twin to measure the fallback.
     index_tables: Any = None
+    # The index itself, instead of a new InvertedIndex (a shard front's MirrorIndex, kvindex/shards).
+    index: Any = None
     ingest_limits: IngestLimits = field(default_factory=IngestLimits)
     # Makes the scheduler that runs the consumer's replays and snapshots, for its repair machine
     # (the service's NatsRepairer, the simulation's, the replay's LoggedRepair). None: holes are
@@ -98,7 +100,7 @@ class Core:
 
 def build_core(config: CoreConfig | None = None) -> Core:
     config = config or CoreConfig()
-    index = InvertedIndex(config.index_tables)
+    index = config.index if config.index is not None else InvertedIndex(config.index_tables)
     registry = Registry(config.clock)
     sequencer = Sequencer()
     counters = IngestCounters()

@@ -84,7 +84,8 @@ class NatsSource:
         self.on_connection_change = on_connection_change
         self._closing = False  # stop() began: the disconnection that follows is ours
 
-    async def start(self) -> None:
+    async def connect(self) -> None:
+        """Connect only (a shard front: it consumes nothing, kvindex/shards/front.py)."""
         self.nc = await nats_connect(
             self.settings,
             name=self.name,
@@ -94,6 +95,10 @@ class NatsSource:
             disconnected_cb=self._on_disconnected,
             reconnected_cb=self._on_reconnected,
         )
+
+    async def start(self) -> None:
+        await self.connect()
+        assert self.nc is not None
         if self.jetstream is not None:
             await self._start_jetstream(self.jetstream)
             return

@@ -51,6 +51,9 @@ from kvindex.security import ServerSecurity
 from kvindex.service.calibration_store import CalibrationStore
 from kvindex.service.natsd import EmbeddedNats
 from kvindex.service.readiness import Readiness, ReadinessConfig
+from kvindex.shards.front import FrontServicer, MirrorIndex, ShardCollector, ShardFront
+from kvindex.shards.layout import ShardSpec, partition_subjects
+from kvindex.shards.shard import ShardResponder
 from kvindex.tokenize import DEFAULT_CACHE_BYTES, Tokenizers
 from kvindex.wire.schema import GPU
 from kvindex.wire.subjects import Subjects
@@ -101,6 +104,11 @@ class ServiceConfig:
     readiness: ReadinessConfig = field(default_factory=ReadinessConfig)
     shutdown_grace: float = 5.0  # in-flight RPCs get this long once stopping (s)
     routing_sync: SyncConfig = field(default_factory=SyncConfig)  # replicas sharing routing state
+    # Index shards (docs/shards.md): this process is shard I of N (its partition of the workers), or
+    # the front of N shards (ranks over their answers; no events of its own). Neither: unsharded.
+    shard: ShardSpec | None = None
+    shards: int = 0
+    shard_timeout: float = 0.5  # a front's wait for each shard's answer (s)
 
 
 # Closing NATS (2 s), the capture file, the calibration save (1 s) and the embedded nats-server (1 s)
@@ -149,10 +157,16 @@ class IndexService:
         # external NATS: nothing else can reach an embedded server's replica.
         sync = config.routing_sync
         shared = bool(sync.enabled or (sync.enabled is None and config.nats_url))
+        if config.shard is not None:
+            shared = False  # a shard ranks nothing: its front shares the routing state
+        # A shard's consumer reads its partition; repairs and replicas use the fleet's subjects.
+        consumed = self.subjects if config.shard is None else partition_subjects(self.subjects, config.shard)
+        self.mirror = MirrorIndex() if config.shards else None
         self.core = build_core(
             CoreConfig(
                 clock=clock,
-                subjects=self.subjects,
+                subjects=consumed,
+                index=self.mirror,
                 ingest_limits=config.limits,
                 repair=self._make_repairer,
                 ranker=config.ranker,
@@ -187,6 +201,31 @@ class IndexService:
         self.servicer = (
             KvIndexServicer(*args) if self.recorder is None else RecordingServicer(self.recorder, *args)
         )
+        self.front: ShardFront | None = None
+        self.shard: ShardResponder | None = None
+        if self.mirror is not None:
+            self.servicer = FrontServicer(*args)
+            self.front = ShardFront(
+                self.subjects,
+                config.shards,
+                self.mirror,
+                self.registry,
+                self.calibrator,
+                core.rankers,
+                timeout=config.shard_timeout,
+            )
+            self.servicer.bind(self.front)
+            self.metrics.registry.register(ShardCollector(self.front))
+        elif config.shard is not None:
+            self.shard = ShardResponder(
+                config.shard,
+                self.subjects,
+                self.index,
+                self.registry,
+                self.consumer,
+                self.ready,
+                reconcile=lambda key: self.repairer.reconcile_now(key, "degraded"),
+            )
         self.grpc = GrpcServer(
             self.servicer, config.grpc_host, config.grpc_port, config.grpc_security, ready=False
         )
@@ -239,7 +278,10 @@ class IndexService:
             loop = asyncio.get_running_loop()
         except RuntimeError:
             return  # not serving (a test driving the router alone)
-        loop.call_soon(self.repairer.reconcile_now, instance, "degraded")
+        if self.front is not None:  # its shard asks the worker (kvindex/shards)
+            loop.call_soon(self.front.request_reconcile, instance)
+        else:
+            loop.call_soon(self.repairer.reconcile_now, instance, "degraded")
 
     def _nats_connected(self) -> bool:
         source = self.source
@@ -315,10 +357,19 @@ class IndexService:
         self._register_static()
         if self.recorder is not None:
             self.recorder.start(self.consumer)
-        await self.source.start()
-        assert self.source.nc is not None
-        self.repairer.start(self.source.nc)
-        self._liveness_task = asyncio.create_task(self._sweep_liveness(), name="kvindex-liveness")
+        if self.front is not None:
+            # A front consumes nothing: its connection carries the shard queries (and the replicas'
+            # routing sync, the calibration store), with the same settings as any other.
+            await self.source.connect()
+            assert self.source.nc is not None
+            await self.front.start(self.source.nc)
+        else:
+            await self.source.start()
+            assert self.source.nc is not None
+            self.repairer.start(self.source.nc)
+            self._liveness_task = asyncio.create_task(self._sweep_liveness(), name="kvindex-liveness")
+        if self.shard is not None:
+            await self.shard.start(self.source.nc)
         await self.calibration.start(self.source.nc)
         if self.routing_link is not None:
             await self.routing_link.start(self.source.nc)
@@ -404,6 +455,10 @@ class IndexService:
     def ready(self) -> tuple[bool, str]:
         source = self.source
         connected = source is not None and source.nc is not None and source.nc.is_connected
+        if self.front is not None:
+            if self.readiness.stopping:
+                return False, "stopping"
+            return self.front.ready() if connected else (False, "NATS not connected")
         caught_up = source is None or source.caught_up
         return self.readiness.evaluate(time.monotonic(), connected, caught_up)
 
@@ -479,6 +534,10 @@ class IndexService:
         if self._liveness_task is not None:
             self._liveness_task.cancel()
             self._liveness_task = None
+        if self.front is not None:
+            await self.front.stop()
+        if self.shard is not None:
+            await bounded(self.shard.stop(), 0.5, "shard_stop", self.log)
         await bounded(self.repairer.stop(), 0.5, "repair_stop", self.log)
         await bounded(self.calibration.stop(), 1.0, "calibration_save", self.log)
         if self.routing_link is not None:

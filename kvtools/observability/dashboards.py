@@ -347,6 +347,19 @@ SERVICE = Dashboard(
             ts("Tokenizations /s", make_rate("kvindex_tokenize_requests_total", "form"),
                make_rate("kvindex_tokenize_errors_total", "form", legend="errors {{form}}"), unit="ops"),
         )),
+        Row("Shards (a serve --shards front's view, docs/shards.md)", (
+            ts("Shards up and ready", Query("kvindex_shard_up", "up {{shard}} {{instance}}"),
+               Query("kvindex_shard_ready", "ready {{shard}} {{instance}}"),
+               desc="1 while the shard answers the front's queries / reports itself ready"),
+            ts("Shard lag", Query("kvindex_shard_answer_age_seconds", "{{shard}} {{instance}}"), unit="s",
+               desc="Seconds since the shard's last answer (-1: none yet)"),
+            ts("Shard round trip and fan-out", Query("kvindex_shard_rtt_seconds", "{{shard}} {{instance}}"),
+               Query("kvindex_shard_fanout_seconds", "fan-out {{instance}}"), unit="s"),
+            ts("Shard instances", Query("max by (shard) (kvindex_shard_instances)", "{{shard}}")),
+            ts("Shard batches applied /s", make_rate("kvindex_shard_batches_total", "shard"), unit="ops"),
+            ts("Shard queries and failures /s", make_rate("kvindex_shard_queries_total", "shard"),
+               make_rate("kvindex_shard_failures_total", "shard", legend="failed {{shard}}"), unit="ops"),
+        )),
     ),
 )
 

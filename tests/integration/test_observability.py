@@ -88,10 +88,15 @@ async def test_every_metric_a_dashboard_or_rule_names_is_exported(
     )
     assert response.committed_instance_id == "w0/0"
 
-    index_page, proxy_page = await asyncio.gather(
-        asyncio.to_thread(scrape, svc.metrics_port), asyncio.to_thread(scrape, svc.route.port)
+    # A shard front (docs/shards.md) exports the kvindex_shard_* series (its shards need not run).
+    front = await make_service(metrics_port=0, metrics_host="127.0.0.1", shards=2)
+    assert front.metrics_port
+    index_page, proxy_page, front_page = await asyncio.gather(
+        asyncio.to_thread(scrape, svc.metrics_port),
+        asyncio.to_thread(scrape, svc.route.port),
+        asyncio.to_thread(scrape, front.metrics_port),
     )
-    available = exported(index_page) | exported(proxy_page) | SYNTHETIC
+    available = exported(index_page) | exported(proxy_page) | exported(front_page) | SYNTHETIC
     wanted = named()
     assert len(wanted) > 60  # the scan found the dashboards' names, not an empty set passing vacuously
     dangling = {name: sorted(where) for name, where in wanted.items() if name not in available}

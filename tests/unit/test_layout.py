@@ -172,6 +172,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("kvindex.api",),  # the gRPC servicer and server; kvindex.api.errors is shared with the client
     ("kvindex.client",),
     ("kvindex.capture", "kvindex.route"),  # replay serves the API; the ext_proc picker calls the servicer
+    ("kvindex.shards",),  # a shard answers from its consumer's index; a front's servicer asks first
     ("kvindex.service",),
     ("kvindex.cli",),
 ]
