@@ -190,19 +190,52 @@ class IndexService:
         self.calibration = CalibrationStore(
             self.calibrator, replicas=config.jetstream.replicas if config.jetstream else 1
         )
-        self.metrics.registry.register(OutcomeCollector(self.ranker.outcomes, self._instance_states))
-        self.metrics.registry.register(HitCollector(self.ranker.outcomes))
-        self.metrics.registry.register(
-            FleetCollector(
-                self.registry, self.index, self.calibrator, lambda: self.grpc.ready, self._nats_connected
-            )
-        )
+        self._register_collectors()
         args = (self.index, self.registry, self.counters, self.metrics, self.ranker, self.tokenizers)
         self.servicer = (
             KvIndexServicer(*args) if self.recorder is None else RecordingServicer(self.recorder, *args)
         )
         self.front: ShardFront | None = None
         self.shard: ShardResponder | None = None
+        self._shard_parts(args)
+        self.grpc = GrpcServer(
+            self.servicer, config.grpc_host, config.grpc_port, config.grpc_security, ready=False
+        )
+        self.ext_proc = self._ext_proc_server()
+        self.route: Any = None  # the RouteProxy of config.route, made in start() (on the loop)
+        self.readiness = Readiness(self.registry, self.consumer.sequencer, config.readiness)
+        self._readiness_task: asyncio.Task[None] | None = None
+        self._readiness_changed = asyncio.Event()  # the NATS connection dropped or came back
+        self._liveness_task: asyncio.Task[None] | None = None
+        self.routing_sync: RoutingSync | None = None
+        self.routing_link: NatsRoutingLink | None = None
+        if shared:
+            assert isinstance(self.ranker.observer, RoutingSync)
+            self.routing_sync = self.ranker.observer
+            self.routing_link = NatsRoutingLink(self.routing_sync, self.subjects)
+            self.metrics.registry.register(SyncCollector(self.routing_sync))
+        self.natsd: EmbeddedNats | None = None
+        self.source: NatsSource | None = None
+        # The servers for logs and callers, secrets redacted (the settings themselves stay private).
+        self.nats_url = NatsSettings.coerce(config.nats_url).redacted_servers() if config.nats_url else ""
+        self.metrics_port: int | None = None
+        self._metrics_server: Any = None
+
+    def _register_collectors(self) -> None:
+        """The scrape-time collectors over the ranker's outcomes and the fleet."""
+        register = self.metrics.registry.register
+        register(OutcomeCollector(self.ranker.outcomes, self._instance_states))
+        register(HitCollector(self.ranker.outcomes))
+        register(
+            FleetCollector(
+                self.registry, self.index, self.calibrator, lambda: self.grpc.ready, self._nats_connected
+            )
+        )
+
+    def _shard_parts(self, args: tuple[Any, ...]) -> None:
+        """A front's servicer and fan-out, or a shard's responder (docs/shards.md); neither for one
+        index alone."""
+        config, core = self.config, self.core
         if self.mirror is not None:
             self.servicer = FrontServicer(*args)
             self.front = ShardFront(
@@ -226,28 +259,6 @@ class IndexService:
                 self.ready,
                 reconcile=lambda key: self.repairer.reconcile_now(key, "degraded"),
             )
-        self.grpc = GrpcServer(
-            self.servicer, config.grpc_host, config.grpc_port, config.grpc_security, ready=False
-        )
-        self.ext_proc = self._ext_proc_server()
-        self.route: Any = None  # the RouteProxy of config.route, made in start() (on the loop)
-        self.readiness = Readiness(self.registry, self.consumer.sequencer, config.readiness)
-        self._readiness_task: asyncio.Task[None] | None = None
-        self._readiness_changed = asyncio.Event()  # the NATS connection dropped or came back
-        self._liveness_task: asyncio.Task[None] | None = None
-        self.routing_sync: RoutingSync | None = None
-        self.routing_link: NatsRoutingLink | None = None
-        if shared:
-            assert isinstance(self.ranker.observer, RoutingSync)
-            self.routing_sync = self.ranker.observer
-            self.routing_link = NatsRoutingLink(self.routing_sync, self.subjects)
-            self.metrics.registry.register(SyncCollector(self.routing_sync))
-        self.natsd: EmbeddedNats | None = None
-        self.source: NatsSource | None = None
-        # The servers for logs and callers, secrets redacted (the settings themselves stay private).
-        self.nats_url = NatsSettings.coerce(config.nats_url).redacted_servers() if config.nats_url else ""
-        self.metrics_port: int | None = None
-        self._metrics_server: Any = None
 
     def _ext_proc_server(self) -> ExtProcServer | None:
         """The Envoy endpoint picker over this servicer, if asked for (--ext-proc-port)."""
@@ -318,26 +329,7 @@ class IndexService:
         }
 
     async def start(self) -> None:
-        if not self.config.nats_url:
-            # JetStream on: the calibration bucket lives there (and the optional event stream).
-            cfg = self.config
-            self.natsd = EmbeddedNats(cfg.embedded_nats_port, cfg.embedded_nats_host, jetstream=True)
-            await self.natsd.start()
-            self.nats_url = self.natsd.url
-            local = listen.is_loopback(cfg.embedded_nats_host)
-            self.log.info(
-                "embedded_nats_started",
-                url=self.nats_url,  # for this machine
-                listen=listen.address(cfg.embedded_nats_host, self.natsd.port),
-                workers_url=self.natsd.workers_url,  # what kvshim --nats / Publisher.connect take
-                reachable_from="this machine only (--embedded-nats-listen 0.0.0.0:4222 for workers "
-                "elsewhere, or an external nats-server)"
-                if local
-                else "other machines too",
-            )
-            nats_settings = NatsSettings.from_url(self.natsd.url)
-        else:
-            nats_settings = NatsSettings.coerce(self.config.nats_url)
+        nats_settings = await self._nats_settings()
         # Serving before NATS is reached: liveness answers (and readiness says "starting") while the
         # connection is retried, so an orchestrator does not restart a process that only waits.
         await self.grpc.start()
@@ -377,19 +369,7 @@ class IndexService:
             self.recorder.calibration(self.calibrator)
         self.readiness.start(time.monotonic())
         self._readiness_task = asyncio.create_task(self._track_readiness(), name="kvindex-readiness")
-        metrics_bound = None
-        if self.config.metrics_port is not None:
-            host = self.config.metrics_host
-            try:
-                server, _thread = start_http_server(
-                    self.config.metrics_port, addr=host, registry=self.metrics.registry
-                )
-            except OSError as exc:
-                where = listen.address(host, self.config.metrics_port)
-                raise listen.ListenError("metrics", where, exc.strerror or str(exc)) from None
-            self._metrics_server = server
-            self.metrics_port = server.server_port
-            metrics_bound = listen.address(host, self.metrics_port)
+        metrics_bound = self._start_metrics()
         self._warn_if_exposed()
         self.log.info(
             "kvindex_serving",
@@ -405,6 +385,44 @@ class IndexService:
             route=listen.address(self.config.route.host, self.route.port) if self.route is not None else None,
             routing_sync=self.routing_sync.replica_id if self.routing_sync is not None else None,
         )
+
+    async def _nats_settings(self) -> NatsSettings:
+        """The NATS to connect to: the configured one, or an embedded server started here."""
+        if not self.config.nats_url:
+            # JetStream on: the calibration bucket lives there (and the optional event stream).
+            cfg = self.config
+            self.natsd = EmbeddedNats(cfg.embedded_nats_port, cfg.embedded_nats_host, jetstream=True)
+            await self.natsd.start()
+            self.nats_url = self.natsd.url
+            local = listen.is_loopback(cfg.embedded_nats_host)
+            self.log.info(
+                "embedded_nats_started",
+                url=self.nats_url,  # for this machine
+                listen=listen.address(cfg.embedded_nats_host, self.natsd.port),
+                workers_url=self.natsd.workers_url,  # what kvshim --nats / Publisher.connect take
+                reachable_from="this machine only (--embedded-nats-listen 0.0.0.0:4222 for workers "
+                "elsewhere, or an external nats-server)"
+                if local
+                else "other machines too",
+            )
+            return NatsSettings.from_url(self.natsd.url)
+        return NatsSettings.coerce(self.config.nats_url)
+
+    def _start_metrics(self) -> str | None:
+        """The Prometheus endpoint, if asked for (--metrics-port): where it listens."""
+        if self.config.metrics_port is not None:
+            host = self.config.metrics_host
+            try:
+                server, _thread = start_http_server(
+                    self.config.metrics_port, addr=host, registry=self.metrics.registry
+                )
+            except OSError as exc:
+                where = listen.address(host, self.config.metrics_port)
+                raise listen.ListenError("metrics", where, exc.strerror or str(exc)) from None
+            self._metrics_server = server
+            self.metrics_port = server.server_port
+            return listen.address(host, self.metrics_port)
+        return None
 
     async def _start_route(self, cfg: Any) -> None:
         # Imported here: aiohttp comes with the route extra, which a plain index does not need.

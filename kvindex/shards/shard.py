@@ -68,7 +68,7 @@ class ShardResponder:
         self._sub: Any = None
         # Repair-state changes (the consumer tells its ranker) and heartbeat prefill samples (the
         # calibration) are not registry fields: tee them into the next version.
-        sync_changed, samples = consumer.on_sync_change, consumer.prefill_samples
+        sync_changed, samples = consumer.repairs.on_sync_change, consumer.heartbeats.prefill_samples
 
         def on_sync_change(state: InstanceState, reconciled: bool = False) -> None:
             self._changed.add(state.key)
@@ -82,8 +82,8 @@ class ShardResponder:
             if samples is not None:
                 samples(model, rows, instance)
 
-        consumer.on_sync_change = on_sync_change
-        consumer.prefill_samples = on_samples
+        consumer.repairs.on_sync_change = on_sync_change
+        consumer.heartbeats.prefill_samples = on_samples
         self._guard(consumer)
 
     def _guard(self, consumer: Consumer) -> None:
@@ -104,7 +104,7 @@ class ShardResponder:
                     owned[worker] = mine
             if not mine:
                 other = partition_of(worker, spec.count)
-                consumer.reject(
+                consumer.rejects.reject(
                     worker,
                     subject,
                     WireError(
