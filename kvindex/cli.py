@@ -107,7 +107,19 @@ def _add_serve(sub: Any) -> None:
         "and chat template (repeatable)",
     )
     t.add_argument(
-        "--tokenize-cache-mb", type=float, default=128.0, metavar="MIB", help="tokenization cache size"
+        "--tokenize-cache-mb",
+        type=_non_negative,
+        default=128.0,
+        metavar="MIB",
+        help="tokenization cache size",
+    )
+    t.add_argument(
+        "--tokenize-call-mb",
+        type=_non_negative,
+        default=16.0,
+        metavar="MIB",
+        help="the most one prompt adds to the tokenization cache (the rest of a longer one is encoded, "
+        "not kept; default 16)",
     )
 
     add_server_options(p)
@@ -746,6 +758,7 @@ def _service_config(args: argparse.Namespace, nats: Any, costs: Any, admission: 
         ),
         tokenizers=_tokenizer_dirs(args.tokenizer),
         tokenize_cache_bytes=int(args.tokenize_cache_mb * (1 << 20)),
+        tokenize_call_bytes=int(args.tokenize_call_mb * (1 << 20)),
         limits=_limits(args),
         readiness=ReadinessConfig(window=args.ready_window, grace=args.ready_grace),
         shutdown_grace=args.shutdown_grace,
