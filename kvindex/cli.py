@@ -121,6 +121,14 @@ def _add_serve(sub: Any) -> None:
         help="the most one prompt adds to the tokenization cache (the rest of a longer one is encoded, "
         "not kept; default 16)",
     )
+    t.add_argument(
+        "--tokenize-max-chars",
+        type=_positive_int,
+        default=8 << 20,
+        metavar="N",
+        help="prompt texts (and rendered chats) longer than N characters are refused: the bound on one "
+        "tokenization's time and memory (default 8 Mi, some 2 M tokens)",
+    )
 
     add_server_options(p)
     _add_readiness_shutdown(p)
@@ -279,6 +287,16 @@ def _add_serve_repair(p: Any) -> None:
         "waiting for its answer until --snapshot-timeout), so that a worker that never answers "
         "does not make other workers' repairs wait (s)",
     )
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a number >= 1, got {text!r}")
+    return value
 
 
 def _non_negative(text: str) -> float:
@@ -759,6 +777,7 @@ def _service_config(args: argparse.Namespace, nats: Any, costs: Any, admission: 
         tokenizers=_tokenizer_dirs(args.tokenizer),
         tokenize_cache_bytes=int(args.tokenize_cache_mb * (1 << 20)),
         tokenize_call_bytes=int(args.tokenize_call_mb * (1 << 20)),
+        tokenize_max_chars=args.tokenize_max_chars,
         limits=_limits(args),
         readiness=ReadinessConfig(window=args.ready_window, grace=args.ready_grace),
         shutdown_grace=args.shutdown_grace,

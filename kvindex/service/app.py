@@ -51,7 +51,7 @@ from kvindex.security import ServerSecurity
 from kvindex.service.calibration_store import CalibrationStore
 from kvindex.service.natsd import EmbeddedNats
 from kvindex.service.readiness import Readiness, ReadinessConfig
-from kvindex.tokenize import DEFAULT_CACHE_BYTES, DEFAULT_CALL_BYTES, Tokenizers
+from kvindex.tokenize import DEFAULT_CACHE_BYTES, DEFAULT_CALL_BYTES, DEFAULT_MAX_TEXT_CHARS, Tokenizers
 from kvindex.wire.schema import GPU
 from kvindex.wire.subjects import Subjects
 
@@ -99,6 +99,7 @@ class ServiceConfig:
     tokenizers: dict[str, str] = field(default_factory=dict)
     tokenize_cache_bytes: int = DEFAULT_CACHE_BYTES
     tokenize_call_bytes: int = DEFAULT_CALL_BYTES  # the most one prompt adds to that cache
+    tokenize_max_chars: int = DEFAULT_MAX_TEXT_CHARS  # longer prompt texts are refused
     readiness: ReadinessConfig = field(default_factory=ReadinessConfig)
     shutdown_grace: float = 5.0  # in-flight RPCs get this long once stopping (s)
     routing_sync: SyncConfig = field(default_factory=SyncConfig)  # replicas sharing routing state
@@ -173,7 +174,10 @@ class IndexService:
         self.metrics = Metrics(self.counters, self._gauges)
         # Loaded before anything starts: a bad tokenizer directory fails `serve` at once, clearly.
         self.tokenizers = Tokenizers.from_dirs(
-            config.tokenizers, config.tokenize_cache_bytes, config.tokenize_call_bytes
+            config.tokenizers,
+            config.tokenize_cache_bytes,
+            config.tokenize_call_bytes,
+            config.tokenize_max_chars,
         )
         self.metrics.registry.register(TokenizeCollector(self.tokenizers))
         self.calibration = CalibrationStore(

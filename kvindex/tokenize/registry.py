@@ -32,7 +32,10 @@ DEFAULT_CACHE_BYTES = 128 << 20
 # are encoded but not kept, so one huge prompt cannot evict what every other conversation cached.
 DEFAULT_CALL_BYTES = 16 << 20
 MEMO_SHARE = 4  # a quarter of the cache's bytes remembers whole prompts (PrefixMemo), the rest pieces
-MAX_TEXT_CHARS = 32 << 20  # a prompt (or rendered chat) longer than this is refused, not encoded
+# A prompt (or rendered chat) longer than this is refused, not encoded: the bound on a call's time
+# (encoding costs ~1 us a new character on the 2-core test machine: 8 M characters, some 2 M tokens,
+# about 8 s cold) and memory (the text, its pieces and ids: ~12 bytes a character, tracemalloc).
+DEFAULT_MAX_TEXT_CHARS = 8 << 20
 # New pieces go to the tokenizer in batches of at most this many characters: the tokenizers library
 # builds an Encoding per piece (ids, offsets, token strings, masks: ~100 bytes a token), so batching the
 # whole text would hold ~100 bytes per new token at once; per batch it is bounded (~10 MB).
@@ -66,9 +69,15 @@ class Tokenizers:
     Safe to call from several threads.
     """
 
-    def __init__(self, cache_bytes: int = DEFAULT_CACHE_BYTES, call_bytes: int = DEFAULT_CALL_BYTES) -> None:
-        if cache_bytes < 0 or call_bytes < 0:
-            raise ValueError("cache_bytes and call_bytes must not be negative")
+    def __init__(
+        self,
+        cache_bytes: int = DEFAULT_CACHE_BYTES,
+        call_bytes: int = DEFAULT_CALL_BYTES,
+        max_text_chars: int = DEFAULT_MAX_TEXT_CHARS,
+    ) -> None:
+        if cache_bytes < 0 or call_bytes < 0 or max_text_chars < 0:
+            raise ValueError("cache_bytes, call_bytes and max_text_chars must not be negative")
+        self.max_text_chars = max_text_chars
         memo_bytes = cache_bytes // MEMO_SHARE
         self.cache = PieceCache(cache_bytes - memo_bytes)
         self.memo = PrefixMemo(memo_bytes)
@@ -83,8 +92,9 @@ class Tokenizers:
         dirs: Mapping[str, str | Path],
         cache_bytes: int = DEFAULT_CACHE_BYTES,
         call_bytes: int = DEFAULT_CALL_BYTES,
+        max_text_chars: int = DEFAULT_MAX_TEXT_CHARS,
     ) -> Tokenizers:
-        tokenizers = cls(cache_bytes, call_bytes)
+        tokenizers = cls(cache_bytes, call_bytes, max_text_chars)
         for model, directory in dirs.items():
             tokenizers.load(model, directory)
         return tokenizers
@@ -230,9 +240,10 @@ class Tokenizers:
     # -- encoding --------------------------------------------------------------------------------
 
     def _encode(self, entry: _Model, text: str, add_special_tokens: bool) -> np.ndarray:
-        if len(text) > MAX_TEXT_CHARS:
+        if len(text) > self.max_text_chars:
             raise TokenizeError(
-                f"the prompt text has {len(text)} characters; at most {MAX_TEXT_CHARS} are allowed"
+                f"the prompt text has {len(text)} characters; at most {self.max_text_chars} are allowed "
+                "(kvindex serve --tokenize-max-chars)"
             )
         tokenizer = entry.mt.tokenizer
         if add_special_tokens and entry.wrap is None:

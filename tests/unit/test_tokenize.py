@@ -429,12 +429,25 @@ def test_remembered_prompts_stay_within_their_bytes(dirs: dict[str, Path]) -> No
     assert 0 < len(toks.memo) < 200
 
 
-def test_tokenize_call_mb_is_checked_by_serve() -> None:
+@pytest.mark.parametrize(
+    "flag", [["--tokenize-call-mb", "-1"], ["--tokenize-max-chars", "0"], ["--tokenize-max-chars", "1e6"]]
+)
+def test_tokenize_bounds_are_checked_by_serve(flag: list[str], capsys: pytest.CaptureFixture[str]) -> None:
     from kvindex.cli import build_parser
 
     with pytest.raises(SystemExit) as exc:
-        build_parser().parse_args(["serve", "--tokenize-call-mb", "-1"])
-    assert exc.value.code == 2
+        build_parser().parse_args(["serve", *flag])
+    assert exc.value.code == 2 and flag[0] in capsys.readouterr().err
+
+
+def test_a_text_longer_than_the_bound_is_refused_naming_the_flag(dirs: dict[str, Path]) -> None:
+    toks = Tokenizers.from_dirs({"llama3": str(dirs["llama3"])}, max_text_chars=1000)
+    assert len(toks.encode_prompt("llama3", "x" * 1000)) > 0
+    with pytest.raises(TokenizeError, match=r"1001 characters; at most 1000 .*--tokenize-max-chars"):
+        toks.encode_prompt("llama3", "x" * 1001)
+    with pytest.raises(TokenizeError, match="at most 1000"):
+        toks.encode_chat("llama3", [{"role": "user", "content": "y" * 1000}])  # rendered: longer
+    assert toks.cache.stats.misses == 1
 
 
 _pieces = st.sampled_from(
