@@ -385,6 +385,16 @@ def test_a_grown_conversation_looks_up_only_its_new_turn(dirs: dict[str, Path]) 
     assert max(grown) == min(grown) < 20, looked_up
 
 
+def test_common_prefix_of_long_texts() -> None:
+    base = "".join(chr(0x41 + (i * 7919) % 57) for i in range(200_000))
+    for at in (0, 1, 4095, 32_767, 32_768, 65_537, 150_001, 199_999):
+        other = base[:at] + "\u6771" + base[at + 1 :]
+        assert cache_module.common_prefix(base, other) == at
+        assert cache_module.common_prefix(other[: at + 1], base) == at
+    assert cache_module.common_prefix(base, base[:70_000]) == 70_000
+    assert cache_module.common_prefix("", base) == 0
+
+
 def test_the_same_long_prompt_again_comes_whole_from_memory(dirs: dict[str, Path]) -> None:
     toks = Tokenizers.from_dirs({"llama3": str(dirs["llama3"])})
     text = "\n".join(f"Row {i}: value {i * 3}." for i in range(400))
