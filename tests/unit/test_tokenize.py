@@ -410,15 +410,15 @@ def test_the_same_long_prompt_again_comes_whole_from_memory(dirs: dict[str, Path
 
 
 def test_one_call_adds_at_most_its_budget_to_the_cache(dirs: dict[str, Path]) -> None:
-    """A huge prompt made of many small lines is encoded exactly, but adds at most ``call_bytes`` to the
-    cache: what other prompts cached stays (the bound of --tokenize-call-mb)."""
+    """A huge prompt made of many small lines (~1 MiB of pieces) is encoded exactly, but adds at most
+    ``call_bytes`` to the cache: what other prompts cached stays (the bound of --tokenize-call-mb)."""
     call = 32 << 10
     toks = Tokenizers.from_dirs({"llama3": str(dirs["llama3"])}, cache_bytes=1 << 20, call_bytes=call)
     earlier = ["\n".join(f"Doc {d} line {i}: kept." for i in range(60)) for d in range(10)]
     for text in earlier:
         toks.encode_prompt("llama3", text)
     held = toks.cache.bytes
-    huge = "\n".join(f"Line {i} of a very long agent transcript." for i in range(20000))
+    huge = "\n".join(f"Line {i} of a very long agent transcript." for i in range(5000))
     assert toks.encode_prompt("llama3", huge).tolist() == _fresh_ids(dirs, "llama3", huge, special=True)
     assert held < toks.cache.bytes <= held + call
     assert toks.cache.stats.evictions == 0 and toks.cache.stats.uncached > 0
@@ -534,12 +534,12 @@ def test_cached_chats_equal_a_full_encode_of_the_rendered_text(
     special=st.booleans(),
 )
 def test_texts_built_on_remembered_ones_equal_a_full_encode(
-    dirs: dict[str, Path], base: str, edits: list[tuple[float, str]], special: bool
+    dirs: dict[str, Path], shared: Tokenizers, base: str, edits: list[tuple[float, str]], special: bool
 ) -> None:
     """Each text is the previous one cut anywhere and continued (a turn added, an answer regenerated,
     a message edited): what the remembered prefix gives plus the rest equals a full encode. The window
     that files remembered texts is made tiny so that these short texts exercise it."""
-    toks = Tokenizers.from_dirs({s: str(dirs[s]) for s in ("llama3", "chatml")}, cache_bytes=1 << 20)
+    toks = shared  # later examples also find earlier ones' texts
     window = cache_module.WINDOW
     cache_module.WINDOW = 4
     try:
