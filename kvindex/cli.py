@@ -668,6 +668,9 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"kvindex serve: error: argument --cost: {exc}", file=sys.stderr)
         return 2
     configure_logging(args.log_format, args.log_level)
+    from kvindex.service.malloc import reuse_large_allocations
+
+    reuse_large_allocations()  # long prompts: a call's MiB reused, not faulted in anew (its module says)
     try:
         nats = NatsSettings.from_args(args)  # None: embedded nats-server
     except NatsConfigError as exc:
