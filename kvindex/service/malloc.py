@@ -4,7 +4,7 @@ A Score with a 256 K-token prompt allocates a few MiB per call (the 750 KB reque
 262,144 ids, their numpy copy and bytes, the key list). With glibc's defaults the heap top above
 128 KiB is returned to the kernel after each call and faulted back, zeroed, on the next: measured
 (benchmarks/README.md, "Long contexts"), a third of the server's CPU was the kernel's page faults, and
-fixing the thresholds took its CPU per call from 6.1 to 4.3 ms. Setting them also turns off glibc's
+fixing the thresholds took its CPU per call from 6.7 to 4.4 ms. Setting them also turns off glibc's
 dynamic threshold, so the process keeps up to TRIM_THRESHOLD of free heap instead of returning it.
 """
 
