@@ -33,8 +33,8 @@ DEFAULT_CACHE_BYTES = 128 << 20
 DEFAULT_CALL_BYTES = 16 << 20
 MEMO_SHARE = 4  # a quarter of the cache's bytes remembers whole prompts (PrefixMemo), the rest pieces
 # A prompt (or rendered chat) longer than this is refused, not encoded: the bound on a call's time
-# (encoding costs ~1 us a new character on the 2-core test machine: 8 M characters, some 2 M tokens,
-# about 8 s cold) and memory (the text, its pieces and ids: ~12 bytes a character, tracemalloc).
+# (encoding costs 0.3-1 us a new character on the 2-core test machine: 8 M characters, some 2 M
+# tokens, 3-8 s cold) and memory (the text, its pieces and ids: ~12 bytes a character, tracemalloc).
 DEFAULT_MAX_TEXT_CHARS = 8 << 20
 # New pieces go to the tokenizer in batches of at most this many characters: the tokenizers library
 # builds an Encoding per piece (ids, offsets, token strings, masks: ~100 bytes a token), so batching the
