@@ -1170,9 +1170,8 @@ def chat_main(args: argparse.Namespace) -> int:
     wires = {name: [r.SerializeToString() for r in reqs] for name, reqs in requests.items()}
     first = pb.ScoreResponse.FromString(whole(wires["messages, the same chat"][0]))
     assert first.total_blocks == len(fleet.keys) and first.prompt_tokens == len(ids), "tokenized differently"
-    memory = {"messages, cold (first call)": _peak_bytes(lambda: None)}
     servicer.tokenizers.clear_cache()
-    memory["messages, cold (first call)"] = _peak_bytes(lambda: whole(wires["messages, the same chat"][0]))
+    memory = {"messages, cold (first call)": _peak_bytes(lambda: whole(wires["messages, the same chat"][0]))}
     for name, ws in wires.items():
         memory[name] = _peak_bytes(lambda ws=ws: whole(ws[-1]))
     in_process: dict[str, float] = {}
