@@ -259,6 +259,7 @@ def make_fleet(
     seed: int,
     holders: int = 0,
     shared_prefix: int = 0,
+    tokens: list[int] | None = None,
 ) -> Fleet:
     """``holders`` (0: all) of the instances hold a prefix of the prompt; the others only background.
 
@@ -266,7 +267,8 @@ def make_fleet(
     (a system prompt the whole fleet serves), and 1-4 instances hold it to each of TAIL_DEPTHS
     deeper depths spread up to the whole prompt (the conversations that continue it)."""
     rng = random.Random(seed)
-    tokens = [rng.randrange(128_000) for _ in range(prompt_tokens)]
+    random_tokens = [rng.randrange(128_000) for _ in range(prompt_tokens)]
+    tokens = random_tokens if tokens is None else tokens  # (drawn anyway: the same rng state after)
     keys = block_keys(tokens, BLOCK_SIZE, MODEL)
     n = len(keys)
     if shared_prefix:
@@ -426,6 +428,7 @@ async def fleet_main(args: argparse.Namespace) -> None:
         args.seed,
         args.holders,
         args.shared_prefix,
+        np.load(args.tokens_file).tolist() if args.tokens_file else None,
     )
     nc = await nats.connect(args.nats)
     pubs = await publish_fleet(nc, fleet, args.seed, live=True, part=(args.fleet_part, args.fleet_procs))
@@ -467,6 +470,7 @@ class FleetProcess:
         cmd += ["--shared-prefix", str(args.shared_prefix)]
         cmd += ["--busy-fleet"] if getattr(args, "busy_fleet", False) else []
         cmd += ["--tiered"] if args.tiered else []
+        cmd += ["--tokens-file", str(args.tokens_file)] if getattr(args, "tokens_file", None) else []
         self.procs = [
             subprocess.Popen([*cmd, "--fleet-part", str(i)], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
             for i in range(procs)
@@ -713,10 +717,14 @@ class _CaptureNats:
         pass
 
 
-def build_local(fleet: Fleet, seed: int, layout: GroupLayout | None = None) -> KvIndexServicer:
+def build_local(
+    fleet: Fleet, seed: int, layout: GroupLayout | None = None, tokenizers: dict[str, str] | None = None
+) -> KvIndexServicer:
     """The same fleet in an in-process service (not started: no NATS, no gRPC), fed the publishers'
     exact wire messages; its servicer is the one the server runs, metrics included."""
-    service = IndexService(ServiceConfig(nats_url="nats://unused", grpc_host="127.0.0.1", grpc_port=0))
+    config = ServiceConfig(nats_url="nats://unused", grpc_host="127.0.0.1", grpc_port=0)
+    config.tokenizers = tokenizers or {}
+    service = IndexService(config)
     nc = _CaptureNats()
     asyncio.run(publish_fleet(nc, fleet, seed, live=False, layout=layout))
     for subject, data in nc.sent:
@@ -882,6 +890,14 @@ def main() -> int:
         help="in process, no gRPC: Score for the same fleet and prompt as a full-attention model and "
         "as this hybrid-attention model, same run (issue 33: the hybrid rule's cost)",
     )
+    ap.add_argument(
+        "--chat",
+        action="store_true",
+        help="long contexts: the prompt is a chat of --prompt-tokens tokens (bench_tokenize.py's), which the "
+        "server tokenizes: Score with token_ids, messages (the same chat, and grown by a turn) and prompt, "
+        "sequential latency, and each call's memory in process",
+    )
+    ap.add_argument("--tokens-file", type=Path, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--fleet-procs", type=int, default=1, help=argparse.SUPPRESS)
     ap.add_argument("--fleet-part", type=int, default=0, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -893,6 +909,8 @@ def main() -> int:
         return sweep(args)
     if args.hybrid:
         return hybrid_main(args)
+    if args.chat:
+        return chat_main(args)
     seconds = args.seconds or (2.0 if args.quick else 6.0)
     n_calls = args.calls or (500 if args.quick else 3000)
     concurrency = [int(c) for c in args.concurrency.split(",") if c]
@@ -1078,6 +1096,150 @@ def main() -> int:
         )
 
     print(f"\ndone in {time.perf_counter() - started:.0f} s (load average now {os.getloadavg()[0]:.2f})")
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=2))
+    return 0
+
+
+def _peak_bytes(fn: Callable[[], Any]) -> int:
+    """tracemalloc peak of one call (Python objects and numpy arrays; not the tokenizers library's Rust
+    allocations: bench_tokenize.py measures those as RSS)."""
+    import tracemalloc
+
+    gc.collect()
+    tracemalloc.start()
+    fn()
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    return peak
+
+
+def chat_main(args: argparse.Namespace) -> int:
+    """``--chat``: a long agent conversation through the server's tokenizer, against its token ids."""
+    from bench_tokenize import build_chat  # benchmarks/ is this script's directory
+
+    from kvindex.tokenize import Tokenizers
+    from kvtools.testing.tokenizer_fixtures import make_tokenizer_dir
+
+    started = time.perf_counter()
+    n_calls = args.calls or (50 if args.quick else 300)
+    tmp = tempfile.TemporaryDirectory()
+    directory = str(make_tokenizer_dir(Path(tmp.name) / "llama3", "llama3"))
+    toks = Tokenizers.from_dirs({MODEL: directory})
+    chat = build_chat(toks, MODEL, args.prompt_tokens, random.Random(args.seed))
+    ids = toks.encode_chat(MODEL, chat)
+    text = toks.render_chat(MODEL, chat).replace("<|", "< |")  # a completions prompt, no special tokens
+    args.tokens_file = Path(tmp.name) / "tokens.npy"
+    np.save(args.tokens_file, ids)
+    fleet = make_fleet(
+        args.instances, len(ids), args.background, False, args.seed, args.holders, 0, ids.tolist()
+    )
+    rng = random.Random(args.seed)
+    questions = [
+        f"Question {k}: " + " ".join(rng.choices(chat[-1]["content"].split(), k=6)) for k in range(64)
+    ]
+    messages = json.dumps(chat)
+    grown = [json.dumps([*chat, {"role": "user", "content": q}]) for q in questions]
+    print(code_version())
+    print(
+        f"long context: a chat of {len(chat)} messages, {len(ids)} tokens ({len(fleet.keys)} blocks of "
+        f"{BLOCK_SIZE}, {len(messages)} bytes as messages JSON), {args.instances} instances holding prefixes "
+        f"of {min(fleet.prefix_blocks)}..{max(fleet.prefix_blocks)} blocks, {args.background} background "
+        f"blocks each; top_k {args.top_k}; load average {os.getloadavg()[0]:.2f}"
+    )
+    requests = {
+        "token_ids": [pb.ScoreRequest(model=MODEL, token_ids=ids.tolist(), top_k=args.top_k)],
+        "messages, the same chat": [pb.ScoreRequest(model=MODEL, messages=messages, top_k=args.top_k)],
+        "messages, grown by a turn": [
+            pb.ScoreRequest(model=MODEL, messages=g, top_k=args.top_k) for g in grown
+        ],
+        "prompt (completions text), the same": [pb.ScoreRequest(model=MODEL, prompt=text, top_k=args.top_k)],
+    }
+    results: dict[str, Any] = {"config": vars(args) | {"json": None, "tokens_file": None}, "tokens": len(ids)}
+
+    # In process: each form's whole server-side Score (parse..serialize) and its memory.
+    servicer = build_local(fleet, args.seed, tokenizers={MODEL: directory})
+
+    def whole(wire: bytes) -> bytes:
+        req = pb.ScoreRequest.FromString(wire)
+        prompt = servicer.resolve(req)
+        return servicer.score(
+            req, prompt.block_size, prompt.keys, None, None, PREFILL_ROLE, prompt.tokens
+        ).SerializeToString()
+
+    wires = {name: [r.SerializeToString() for r in reqs] for name, reqs in requests.items()}
+    first = pb.ScoreResponse.FromString(whole(wires["messages, the same chat"][0]))
+    assert first.total_blocks == len(fleet.keys) and first.prompt_tokens == len(ids), "tokenized differently"
+    servicer.tokenizers.clear_cache()
+    memory = {"messages, cold (first call)": _peak_bytes(lambda: whole(wires["messages, the same chat"][0]))}
+    for name, ws in wires.items():
+        memory[name] = _peak_bytes(lambda ws=ws: whole(ws[-1]))
+    in_process: dict[str, float] = {}
+    for name, ws in wires.items():
+        samples = []
+        for k in range(min(n_calls, 100)):
+            t0 = time.perf_counter()
+            whole(ws[k % len(ws)])
+            samples.append((time.perf_counter() - t0) * 1e3)
+        in_process[name] = statistics.median(samples)
+    servicer.tokenizers.clear_cache()
+    t0 = time.perf_counter()
+    whole(wires["messages, the same chat"][0])
+    in_process["messages, cold (first call)"] = (time.perf_counter() - t0) * 1e3
+    print(f"\nin process (parse .. serialized response), median of {min(n_calls, 100)} calls:")
+    for name in in_process:
+        print(f"  {name:40s} {in_process[name]:8.2f} ms   tracemalloc peak {memory[name] / 2**20:6.1f} MiB")
+    results["in_process_ms"] = in_process
+    results["in_process_peak_bytes"] = memory
+
+    natsd = NatsProcess()
+    server = ServerProcess(natsd.url, ["--tokenizer", f"{MODEL}={directory}"])
+    fleet_proc: FleetProcess | None = None
+    try:
+        server.wait_ready()
+        meter = CpuMeter({"server": server.pid, "client": os.getpid(), "nats-server": natsd.proc.pid})
+        fleet_proc = FleetProcess(args, natsd.url)
+        meter.pids |= fleet_proc.pids
+        wait_applied(server.address, fleet, args.instances)
+        lat: dict[str, Latency] = {}
+        with grpc.insecure_channel(server.address) as channel:
+            score = pb_grpc.KvIndexStub(channel).Score
+            t0 = time.perf_counter()
+            reply = score(requests["messages, the same chat"][0], timeout=30)
+            cold_ms = (time.perf_counter() - t0) * 1e3
+            assert reply.total_blocks == len(fleet.keys) and reply.ranked[0].matched_blocks == len(fleet.keys)
+            by_ids = score(requests["token_ids"][0], timeout=30)
+            assert {r.instance_id: r.matched_blocks for r in by_ids.ranked} == {
+                r.instance_id: r.matched_blocks for r in reply.ranked
+            }
+            print(
+                f"\nover gRPC, sequential, {n_calls} calls each (first messages call, cold: {cold_ms:.1f} ms)"
+            )
+            health = health_pb2_grpc.HealthStub(channel).Check
+            lat["health"] = measure_latency(
+                lambda: health(health_pb2.HealthCheckRequest()), n_calls, 20, meter
+            )
+            print(f"  {'health':36s} {lat['health'].row()}")
+            for name, reqs in requests.items():
+                cycle = iter(range(1 << 62))
+
+                def call(reqs: list[pb.ScoreRequest] = reqs, cycle: Any = cycle) -> Any:
+                    return score(reqs[next(cycle) % len(reqs)], timeout=30)
+
+                lat[name] = measure_latency(call, n_calls, 10, meter)
+                print(f"  {name:36s} {lat[name].row()}")
+                print(f"  {'':36s} CPU: {fmt_shares(lat[name].cpu)}")
+        results["latency"] = {k: vars(v) for k, v in lat.items()}
+        results["cold_ms"] = cold_ms
+    finally:
+        if fleet_proc is not None:
+            fleet_proc.stop()
+        server.stop()
+        natsd.stop()
+        tmp.cleanup()
+    p50 = lat["token_ids"].p50_us / 1000
+    print(f"\ntarget: token_ids p50 <= 10 ms over gRPC: {p50:.2f} ms -> {_ok(p50 <= 10)}")
+    print(f"done in {time.perf_counter() - started:.0f} s (load average now {os.getloadavg()[0]:.2f})")
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))
     return 0

@@ -98,6 +98,14 @@ def _add_serve(sub: Any) -> None:
     add_admission_options(e, named=True)
     _add_serve_routing(p)
     _add_serve_state(p)
+    _add_serve_tokenize(p)
+
+    add_server_options(p)
+    _add_readiness_shutdown(p)
+
+
+def _add_serve_tokenize(p: Any) -> None:
+    """``kvindex serve``: text prompts' tokenizers and the bounds on tokenizing them."""
     t = p.add_argument_group("text prompts (docs/tokenize.md)")
     t.add_argument(
         "--tokenizer",
@@ -108,11 +116,28 @@ def _add_serve(sub: Any) -> None:
         "and chat template (repeatable)",
     )
     t.add_argument(
-        "--tokenize-cache-mb", type=float, default=128.0, metavar="MIB", help="tokenization cache size"
+        "--tokenize-cache-mb",
+        type=_non_negative,
+        default=128.0,
+        metavar="MIB",
+        help="tokenization cache size",
     )
-
-    add_server_options(p)
-    _add_readiness_shutdown(p)
+    t.add_argument(
+        "--tokenize-call-mb",
+        type=_non_negative,
+        default=16.0,
+        metavar="MIB",
+        help="the most one prompt adds to the tokenization cache (the rest of a longer one is encoded, "
+        "not kept; default 16)",
+    )
+    t.add_argument(
+        "--tokenize-max-chars",
+        type=_positive_int,
+        default=8 << 20,
+        metavar="N",
+        help="prompt texts (and rendered chats) longer than N characters are refused: the bound on one "
+        "tokenization's time and memory (default 8 Mi, some 2 M tokens)",
+    )
 
 
 def _add_serve_routing(p: Any) -> None:
@@ -337,6 +362,16 @@ def _shard_conflict(args: argparse.Namespace, nats: Any) -> str | None:
     if args.shards and (args.capture or args.instance):
         return "--shards with --capture or --instance: a front consumes no events, keeps no instances"
     return None
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a number >= 1, got {text!r}")
+    return value
 
 
 def _non_negative(text: str) -> float:
@@ -737,6 +772,9 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"kvindex serve: error: {conflict}", file=sys.stderr)
         return 2
     configure_logging(args.log_format, args.log_level)
+    from kvindex.service.malloc import reuse_large_allocations
+
+    reuse_large_allocations()  # long prompts: a call's MiB reused, not faulted in anew (its module says)
     try:
         nats = NatsSettings.from_args(args)  # None: embedded nats-server
     except NatsConfigError as exc:
@@ -848,6 +886,8 @@ def _service_config(args: argparse.Namespace, nats: Any, costs: Any, admission: 
         ),
         tokenizers=_tokenizer_dirs(args.tokenizer),
         tokenize_cache_bytes=int(args.tokenize_cache_mb * (1 << 20)),
+        tokenize_call_bytes=int(args.tokenize_call_mb * (1 << 20)),
+        tokenize_max_chars=args.tokenize_max_chars,
         limits=_limits(args),
         readiness=ReadinessConfig(window=args.ready_window, grace=args.ready_grace),
         shutdown_grace=args.shutdown_grace,

@@ -61,8 +61,28 @@ class TokenizeCollector(Collector):
             "Pieces evicted to stay within the cache's bytes",
             value=c.evictions,
         )
+        yield CounterMetricFamily(
+            "kvindex_tokenize_cache_uncached",
+            "Pieces encoded but not kept: larger than a quarter of the cache, or beyond the call's budget",
+            value=c.uncached,
+        )
+        yield CounterMetricFamily(
+            "kvindex_tokenize_cache_prefix_hits",
+            "Prompts that reused a remembered prompt's ids up to the text they share",
+            value=c.prefix_hits,
+        )
+        yield CounterMetricFamily(
+            "kvindex_tokenize_cache_prefix_tokens",
+            "Tokens taken from remembered prompts (also counted as hit tokens)",
+            value=c.prefix_tokens,
+        )
         yield GaugeMetricFamily(
-            "kvindex_tokenize_cache_bytes", "Bytes held by the tokenization cache", value=cache.bytes
+            "kvindex_tokenize_cache_bytes",
+            "Bytes held by the tokenization cache (pieces and remembered prompts)",
+            value=cache.bytes + self._t.memo.bytes,
+        )
+        yield GaugeMetricFamily(
+            "kvindex_tokenize_cache_prompts", "Prompts remembered whole", value=len(self._t.memo)
         )
         yield GaugeMetricFamily(
             "kvindex_tokenize_cache_entries", "Pieces held by the tokenization cache", value=len(cache)

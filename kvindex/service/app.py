@@ -54,7 +54,7 @@ from kvindex.service.readiness import Readiness, ReadinessConfig
 from kvindex.shards.front import FrontServicer, MirrorIndex, ShardCollector, ShardFront
 from kvindex.shards.layout import ShardSpec, partition_subjects
 from kvindex.shards.shard import ShardResponder
-from kvindex.tokenize import DEFAULT_CACHE_BYTES, Tokenizers
+from kvindex.tokenize import DEFAULT_CACHE_BYTES, DEFAULT_CALL_BYTES, DEFAULT_MAX_TEXT_CHARS, Tokenizers
 from kvindex.wire.schema import GPU
 from kvindex.wire.subjects import Subjects
 
@@ -101,6 +101,8 @@ class ServiceConfig:
     # Text prompts: model -> tokenizer directory (serve --tokenizer MODEL=DIR), and the cache's bytes.
     tokenizers: dict[str, str] = field(default_factory=dict)
     tokenize_cache_bytes: int = DEFAULT_CACHE_BYTES
+    tokenize_call_bytes: int = DEFAULT_CALL_BYTES  # the most one prompt adds to that cache
+    tokenize_max_chars: int = DEFAULT_MAX_TEXT_CHARS  # longer prompt texts are refused
     readiness: ReadinessConfig = field(default_factory=ReadinessConfig)
     shutdown_grace: float = 5.0  # in-flight RPCs get this long once stopping (s)
     routing_sync: SyncConfig = field(default_factory=SyncConfig)  # replicas sharing routing state
@@ -142,6 +144,14 @@ def _capture_meta(config: ServiceConfig) -> dict[str, Any]:
     )
 
 
+def _shares_routing(config: ServiceConfig) -> bool:
+    """Replicas share their routing decisions (docs/deploy.md#replicas); by default only with an
+    external NATS: nothing else can reach an embedded server's replica. A shard ranks nothing: its
+    front shares the routing state."""
+    sync = config.routing_sync
+    return config.shard is None and bool(sync.enabled or (sync.enabled is None and config.nats_url))
+
+
 class IndexService:
     def __init__(self, config: ServiceConfig, log: Any = None) -> None:
         self.config = config
@@ -153,12 +163,8 @@ class IndexService:
         self.recorder: Recorder | None = None
         if config.capture is not None:
             self.recorder = Recorder.open(config.capture, _capture_meta(config), clock)
-        # Replicas share their routing decisions (docs/deploy.md#replicas); by default only with an
-        # external NATS: nothing else can reach an embedded server's replica.
         sync = config.routing_sync
-        shared = bool(sync.enabled or (sync.enabled is None and config.nats_url))
-        if config.shard is not None:
-            shared = False  # a shard ranks nothing: its front shares the routing state
+        shared = _shares_routing(config)
         # A shard's consumer reads its partition; repairs and replicas use the fleet's subjects.
         consumed = self.subjects if config.shard is None else partition_subjects(self.subjects, config.shard)
         self.mirror = MirrorIndex() if config.shards else None
@@ -185,8 +191,12 @@ class IndexService:
         self.repairer: NatsRepairer = core.repair
         self.metrics = Metrics(self.counters, self._gauges)
         # Loaded before anything starts: a bad tokenizer directory fails `serve` at once, clearly.
-        self.tokenizers = Tokenizers.from_dirs(config.tokenizers, config.tokenize_cache_bytes)
-        self.metrics.registry.register(TokenizeCollector(self.tokenizers))
+        self.tokenizers = Tokenizers.from_dirs(
+            config.tokenizers,
+            config.tokenize_cache_bytes,
+            config.tokenize_call_bytes,
+            config.tokenize_max_chars,
+        )
         self.calibration = CalibrationStore(
             self.calibrator, replicas=config.jetstream.replicas if config.jetstream else 1
         )
@@ -224,6 +234,7 @@ class IndexService:
     def _register_collectors(self) -> None:
         """The scrape-time collectors over the ranker's outcomes and the fleet."""
         register = self.metrics.registry.register
+        register(TokenizeCollector(self.tokenizers))
         register(OutcomeCollector(self.ranker.outcomes, self._instance_states))
         register(HitCollector(self.ranker.outcomes))
         register(

@@ -2,6 +2,18 @@
 
 from kvindex.tokenize.chat import ChatOptions
 from kvindex.tokenize.errors import TokenizeError
-from kvindex.tokenize.registry import DEFAULT_CACHE_BYTES, Tokenizers
+from kvindex.tokenize.registry import (
+    DEFAULT_CACHE_BYTES,
+    DEFAULT_CALL_BYTES,
+    DEFAULT_MAX_TEXT_CHARS,
+    Tokenizers,
+)
 
-__all__ = ["DEFAULT_CACHE_BYTES", "ChatOptions", "TokenizeError", "Tokenizers"]
+__all__ = [
+    "DEFAULT_CACHE_BYTES",
+    "DEFAULT_CALL_BYTES",
+    "DEFAULT_MAX_TEXT_CHARS",
+    "ChatOptions",
+    "TokenizeError",
+    "Tokenizers",
+]

@@ -353,11 +353,21 @@ def conversation(messages: Any, fmt: str) -> list[dict[str, Any]]:
         role = message.get("role")
         if not isinstance(role, str):
             raise TokenizeError(f"messages[{i}].role is required and must be a string")
-        parts = _parts(message, i)
-        if role == "system":
-            parts = _strip_billing_header(parts)
-        texts = _text_parts(parts, i, as_dicts=fmt == "openai")
-        result: dict[str, Any] = {"role": role, "content": texts if fmt == "openai" else "\n".join(texts)}
+        content = message.get("content")
+        result: dict[str, Any]
+        if isinstance(content, str) and role != "system":
+            # The usual message, one text part: what the general path below makes of it, without building
+            # and joining parts (a 256 K-token agent conversation has thousands of messages).
+            result = {
+                "role": role,
+                "content": [{"type": "text", "text": content}] if fmt == "openai" else content,
+            }
+        else:
+            parts = _parts(message, i)
+            if role == "system":
+                parts = _strip_billing_header(parts)
+            texts = _text_parts(parts, i, as_dicts=fmt == "openai")
+            result = {"role": role, "content": texts if fmt == "openai" else "\n".join(texts)}
         if role == "assistant":
             if message.get("tool_calls") is not None:
                 result["tool_calls"] = copy.deepcopy(list(message["tool_calls"]))

@@ -11,11 +11,11 @@ from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
-from kvindex.tokenize.cache import PieceCache
+from kvindex.tokenize.cache import PieceCache, PrefixMemo, Reuse
 from kvindex.tokenize.chat import ChatOptions, render_chat
 from kvindex.tokenize.errors import TokenizeError
 from kvindex.tokenize.loader import ModelTokenizer, load_model_tokenizer
@@ -28,7 +28,18 @@ from kvindex.tokenize.segments import (
 )
 
 DEFAULT_CACHE_BYTES = 128 << 20
-MAX_TEXT_CHARS = 32 << 20  # a prompt (or rendered chat) longer than this is refused, not encoded
+# The most one call adds to the cache (pieces, and the remembered prompt): beyond it a call's new pieces
+# are encoded but not kept, so one huge prompt cannot evict what every other conversation cached.
+DEFAULT_CALL_BYTES = 16 << 20
+MEMO_SHARE = 4  # a quarter of the cache's bytes remembers whole prompts (PrefixMemo), the rest pieces
+# A prompt (or rendered chat) longer than this is refused, not encoded: the bound on a call's time
+# (encoding costs 0.3-1 us a new character on the 2-core test machine: 8 M characters, some 2 M
+# tokens, 3-8 s cold) and memory (the text, its pieces and ids: ~12 bytes a character, tracemalloc).
+DEFAULT_MAX_TEXT_CHARS = 8 << 20
+# New pieces go to the tokenizer in batches of at most this many characters: the tokenizers library
+# builds an Encoding per piece (ids, offsets, token strings, masks: ~100 bytes a token), so batching the
+# whole text would hold ~100 bytes per new token at once; per batch it is bounded (~10 MB).
+ENCODE_BATCH_CHARS = 1 << 18
 _EMPTY = np.zeros(0, dtype=np.uint32)
 
 
@@ -58,15 +69,32 @@ class Tokenizers:
     Safe to call from several threads.
     """
 
-    def __init__(self, cache_bytes: int = DEFAULT_CACHE_BYTES) -> None:
-        self.cache = PieceCache(cache_bytes)
+    def __init__(
+        self,
+        cache_bytes: int = DEFAULT_CACHE_BYTES,
+        call_bytes: int = DEFAULT_CALL_BYTES,
+        max_text_chars: int = DEFAULT_MAX_TEXT_CHARS,
+    ) -> None:
+        if cache_bytes < 0 or call_bytes < 0 or max_text_chars < 0:
+            raise ValueError("cache_bytes, call_bytes and max_text_chars must not be negative")
+        self.max_text_chars = max_text_chars
+        memo_bytes = cache_bytes // MEMO_SHARE
+        self.cache = PieceCache(cache_bytes - memo_bytes)
+        self.memo = PrefixMemo(memo_bytes)
+        self.call_bytes = call_bytes
         self.stats = TokenizeStats()
         self._models: dict[str, _Model] = {}
         self._stats_lock = threading.Lock()
 
     @classmethod
-    def from_dirs(cls, dirs: Mapping[str, str | Path], cache_bytes: int = DEFAULT_CACHE_BYTES) -> Tokenizers:
-        tokenizers = cls(cache_bytes)
+    def from_dirs(
+        cls,
+        dirs: Mapping[str, str | Path],
+        cache_bytes: int = DEFAULT_CACHE_BYTES,
+        call_bytes: int = DEFAULT_CALL_BYTES,
+        max_text_chars: int = DEFAULT_MAX_TEXT_CHARS,
+    ) -> Tokenizers:
+        tokenizers = cls(cache_bytes, call_bytes, max_text_chars)
         for model, directory in dirs.items():
             tokenizers.load(model, directory)
         return tokenizers
@@ -212,41 +240,75 @@ class Tokenizers:
     # -- encoding --------------------------------------------------------------------------------
 
     def _encode(self, entry: _Model, text: str, add_special_tokens: bool) -> np.ndarray:
-        if len(text) > MAX_TEXT_CHARS:
+        if len(text) > self.max_text_chars:
             raise TokenizeError(
-                f"the prompt text has {len(text)} characters; at most {MAX_TEXT_CHARS} are allowed"
+                f"the prompt text has {len(text)} characters; at most {self.max_text_chars} are allowed "
+                "(kvindex serve --tokenize-max-chars)"
             )
         tokenizer = entry.mt.tokenizer
         if add_special_tokens and entry.wrap is None:
             with self._stats_lock:
                 self.stats.direct_encodes += 1
             return np.array(tokenizer.encode(text, add_special_tokens=True).ids, dtype=np.uint32)
-        pieces = split(text, entry.pattern)
-        cache = self.cache
-        arrays: list[np.ndarray | None] = []
-        missing: list[int] = []
-        for i, piece in enumerate(pieces):
-            ids = cache.get((entry.index, piece))
-            if ids is None:
-                missing.append(i)
-            arrays.append(ids)
-        if missing:
-            # One batch call: the Rust side encodes the pieces in parallel and skips per-call overhead;
-            # the "fast" variant skips character offsets, which only the ids' consumers would need.
-            encode_batch = getattr(tokenizer, "encode_batch_fast", tokenizer.encode_batch)
-            encodings = encode_batch([pieces[i] for i in missing], add_special_tokens=False)
-            for i, enc in zip(missing, encodings, strict=True):
+        body = self._body(entry, text)
+        if add_special_tokens:
+            assert entry.wrap is not None
+            return np.concatenate([entry.wrap[0], body, entry.wrap[1]])
+        return body
+
+    def clear_cache(self) -> None:
+        """Forget every cached piece and remembered prompt (benchmarks, tests)."""
+        self.cache.clear()
+        self.memo.clear()
+
+    def _body(self, entry: _Model, text: str) -> np.ndarray:
+        """``text``'s ids, without the post-processor's additions: a remembered prompt's ids up to the
+        last piece boundary it shares with ``text``, then the rest cut into pieces, each from the piece
+        cache or encoded. Adds at most ``call_bytes`` to the cache."""
+        reuse: Reuse | None = None
+        start = 0
+        if entry.pattern is not None and text:
+            reuse = self.memo.find(entry.index, text)
+            if reuse is not None:
+                self.cache.count_reused(len(reuse.ends), len(reuse.ids))
+                if reuse.whole:
+                    return reuse.ids
+                start = reuse.start
+        pieces = split(text[start:] if start else text, entry.pattern)
+        room = self.call_bytes
+        arrays = self.cache.get_many(entry.index, pieces)
+        missing = [i for i, ids in enumerate(arrays) if ids is None]
+        tokenizer = entry.mt.tokenizer
+        # One batch call per ENCODE_BATCH_CHARS: the Rust side encodes the pieces in parallel and skips
+        # per-call overhead; the "fast" variant skips character offsets, which only the ids' consumers
+        # would need.
+        encode_batch = getattr(tokenizer, "encode_batch_fast", tokenizer.encode_batch)
+        for batch in _batches(missing, pieces):
+            encodings = encode_batch([pieces[i] for i in batch], add_special_tokens=False)
+            for i, enc in zip(batch, encodings, strict=True):
                 ids = np.array(enc.ids, dtype=np.uint32)
                 ids.flags.writeable = False  # shared by every prompt containing the piece
                 arrays[i] = ids
-                cache.put((entry.index, pieces[i]), ids)
-        parts = [a for a in arrays if a is not None]
-        if add_special_tokens:
-            assert entry.wrap is not None
-            parts = [entry.wrap[0], *parts, entry.wrap[1]]
+                room -= self.cache.put((entry.index, pieces[i]), ids, room)
+            del encodings
+        filled = cast(list[np.ndarray], arrays)  # every None was filled above
+        parts: list[np.ndarray] = filled
+        if reuse is not None:
+            parts = [reuse.ids, *parts]
         if not parts:
             return _EMPTY
-        return parts[0] if len(parts) == 1 else np.concatenate(parts)
+        body = parts[0] if len(parts) == 1 else np.concatenate(parts)
+        body.flags.writeable = False
+        if entry.pattern is not None and pieces:
+            lengths = np.fromiter((len(p) for p in pieces), dtype=np.int64, count=len(pieces))
+            counts = np.fromiter((len(a) for a in filled), dtype=np.int64, count=len(filled))
+            ends = np.cumsum(lengths) + start
+            tokens = np.cumsum(counts) + (len(reuse.ids) if reuse is not None else 0)
+            if reuse is not None:
+                ends = np.concatenate([reuse.ends, ends])
+                tokens = np.concatenate([reuse.tokens, tokens])
+            self.memo.remember(entry.index, text, body, ends, tokens, room, reuse)
+        return body
 
     def _count(self, form: str, started: float, error: bool = False) -> None:
         with self._stats_lock:
@@ -254,3 +316,20 @@ class Tokenizers:
             self.stats.seconds[form] += time.perf_counter() - started  # type: ignore[assignment]
             if error:
                 self.stats.errors[form] += 1
+
+
+def _batches(missing: list[int], pieces: list[str]) -> list[list[int]]:
+    """``missing`` in runs of at most ENCODE_BATCH_CHARS characters (a longer piece on its own)."""
+    out: list[list[int]] = []
+    run: list[int] = []
+    chars = 0
+    for i in missing:
+        n = len(pieces[i])
+        if run and chars + n > ENCODE_BATCH_CHARS:
+            out.append(run)
+            run, chars = [], 0
+        run.append(i)
+        chars += n
+    if run:
+        out.append(run)
+    return out

@@ -26,6 +26,7 @@ from hypothesis import strategies as st
 from tokenizers import Tokenizer
 
 from kvindex.tokenize import ChatOptions, TokenizeError, Tokenizers
+from kvindex.tokenize import cache as cache_module
 from kvindex.tokenize.chat import content_format
 from kvindex.tokenize.segments import LINE_START
 from kvtools.testing.tokenizer_fixtures import make_tokenizer_dir
@@ -348,6 +349,117 @@ def test_the_cache_stays_within_its_bytes(dirs: dict[str, Path]) -> None:
     assert toks.cache.stats.uncached == 1
 
 
+def _fresh_ids(dirs: dict[str, Path], style: str, text: str, special: bool = False) -> list[int]:
+    return list(raw(dirs, style).encode(text, add_special_tokens=special).ids)
+
+
+def test_a_grown_conversation_looks_up_only_its_new_turn(dirs: dict[str, Path]) -> None:
+    """A conversation grown by a turn reuses the remembered ids of its previous text up to the last
+    boundary they share: the pieces looked up are the new turn's, as many at turn 2 as at turn 11, not
+    the whole conversation's; the ids are exactly a full encode's."""
+    toks = Tokenizers.from_dirs({"llama3": str(dirs["llama3"])})
+    looked_up: list[int] = []
+    get_many = toks.cache.get_many
+
+    def counting(model: int, pieces: list[str]) -> list[np.ndarray | None]:
+        looked_up.append(len(pieces))
+        return get_many(model, pieces)
+
+    toks.cache.get_many = counting  # type: ignore[method-assign]
+    chat = [{"role": "system", "content": "You are a careful assistant.\nAnswer briefly.\n" * 30}]
+    for turn in range(12):
+        chat.append({"role": "user", "content": f"Question {turn}:\nhow do caches help?\nSay it." * 3})
+        stats = toks.cache.stats
+        before = stats.prefix_hits, stats.hit_tokens + stats.miss_tokens, stats.miss_tokens
+        ids = toks.encode_chat("llama3", chat).tolist()
+        assert ids == _fresh_ids(dirs, "llama3", toks.render_chat("llama3", chat))
+        # Every token is counted once: a hit (remembered, or a cached piece) or a miss (encoded).
+        assert stats.hit_tokens + stats.miss_tokens - before[1] == len(ids)
+        if turn:
+            assert stats.prefix_hits == before[0] + 1
+            assert stats.miss_tokens - before[2] < 80  # the new turns (a question, an answer) at most
+        chat.append({"role": "assistant", "content": f"Answer {turn}.\nDone."})
+    assert len(toks.memo) == 1  # the conversation keeps one remembered entry, not one per turn
+    assert len(toks.memo._entries[next(iter(toks.memo._entries))].ends) > looked_up[0] + 100
+    grown = looked_up[1:]
+    assert max(grown) == min(grown) < 20, looked_up
+
+
+def test_common_prefix_of_long_texts() -> None:
+    base = "".join(chr(0x41 + (i * 7919) % 57) for i in range(200_000))
+    for at in (0, 1, 4095, 32_767, 32_768, 65_537, 150_001, 199_999):
+        other = base[:at] + "\u6771" + base[at + 1 :]
+        assert cache_module.common_prefix(base, other) == at
+        assert cache_module.common_prefix(other[: at + 1], base) == at
+    assert cache_module.common_prefix(base, base[:70_000]) == 70_000
+    assert cache_module.common_prefix("", base) == 0
+
+
+def test_the_same_long_prompt_again_comes_whole_from_memory(dirs: dict[str, Path]) -> None:
+    toks = Tokenizers.from_dirs({"llama3": str(dirs["llama3"])})
+    text = "\n".join(f"Row {i}: value {i * 3}." for i in range(400))
+    first = toks.encode_prompt("llama3", text)
+    misses = toks.cache.stats.misses
+    again = toks.encode_prompt("llama3", text)
+    assert again.tolist() == first.tolist() == _fresh_ids(dirs, "llama3", text, special=True)
+    assert toks.cache.stats.misses == misses and toks.cache.stats.prefix_hits == 1
+    # A new question after the same document: only the question is cut and encoded.
+    asked = toks.encode_prompt("llama3", text + "\nQuestion: which row is largest?")
+    assert asked.tolist() == _fresh_ids(dirs, "llama3", text + "\nQuestion: which row is largest?", True)
+    assert toks.cache.stats.misses - misses <= 2
+
+
+def test_one_call_adds_at_most_its_budget_to_the_cache(dirs: dict[str, Path]) -> None:
+    """A huge prompt made of many small lines (~1 MiB of pieces) is encoded exactly, but adds at most
+    ``call_bytes`` to the cache: what other prompts cached stays (the bound of --tokenize-call-mb)."""
+    call = 32 << 10
+    toks = Tokenizers.from_dirs({"llama3": str(dirs["llama3"])}, cache_bytes=1 << 20, call_bytes=call)
+    earlier = ["\n".join(f"Doc {d} line {i}: kept." for i in range(60)) for d in range(10)]
+    for text in earlier:
+        toks.encode_prompt("llama3", text)
+    held = toks.cache.bytes
+    huge = "\n".join(f"Line {i} of a very long agent transcript." for i in range(5000))
+    assert toks.encode_prompt("llama3", huge).tolist() == _fresh_ids(dirs, "llama3", huge, special=True)
+    assert held < toks.cache.bytes <= held + call
+    assert toks.cache.stats.evictions == 0 and toks.cache.stats.uncached > 0
+    assert len(toks.memo) == 10  # too large to remember: the earlier prompts stay remembered
+    toks.memo.clear()  # the pieces alone: every earlier document still cached
+    misses = toks.cache.stats.misses
+    for text in earlier:
+        toks.encode_prompt("llama3", text)
+    assert toks.cache.stats.misses == misses
+
+
+def test_remembered_prompts_stay_within_their_bytes(dirs: dict[str, Path]) -> None:
+    toks = Tokenizers.from_dirs({"llama3": str(dirs["llama3"])}, cache_bytes=1 << 20)
+    for i in range(200):
+        text = "\n".join(f"Conversation {i}, line {j}." for j in range(100))
+        assert toks.encode_prompt("llama3", text).tolist() == _fresh_ids(dirs, "llama3", text, True)
+        assert toks.memo.bytes <= toks.memo.max_bytes == (1 << 20) // 4
+    assert 0 < len(toks.memo) < 200
+
+
+@pytest.mark.parametrize(
+    "flag", [["--tokenize-call-mb", "-1"], ["--tokenize-max-chars", "0"], ["--tokenize-max-chars", "1e6"]]
+)
+def test_tokenize_bounds_are_checked_by_serve(flag: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    from kvindex.cli import build_parser
+
+    with pytest.raises(SystemExit) as exc:
+        build_parser().parse_args(["serve", *flag])
+    assert exc.value.code == 2 and flag[0] in capsys.readouterr().err
+
+
+def test_a_text_longer_than_the_bound_is_refused_naming_the_flag(dirs: dict[str, Path]) -> None:
+    toks = Tokenizers.from_dirs({"llama3": str(dirs["llama3"])}, max_text_chars=1000)
+    assert len(toks.encode_prompt("llama3", "x" * 1000)) > 0
+    with pytest.raises(TokenizeError, match=r"1001 characters; at most 1000 .*--tokenize-max-chars"):
+        toks.encode_prompt("llama3", "x" * 1001)
+    with pytest.raises(TokenizeError, match="at most 1000"):
+        toks.encode_chat("llama3", [{"role": "user", "content": "y" * 1000}])  # rendered: longer
+    assert toks.cache.stats.misses == 1
+
+
 _pieces = st.sampled_from(
     [
         "hello",
@@ -413,6 +525,32 @@ def test_cached_chats_equal_a_full_encode_of_the_rendered_text(
             assert (
                 toks.encode_chat(style, msgs[:n]).tolist() == tok.encode(text, add_special_tokens=False).ids
             )
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    base=_texts,
+    edits=st.lists(st.tuples(st.floats(0, 1), _texts), min_size=1, max_size=5),
+    special=st.booleans(),
+)
+def test_texts_built_on_remembered_ones_equal_a_full_encode(
+    dirs: dict[str, Path], shared: Tokenizers, base: str, edits: list[tuple[float, str]], special: bool
+) -> None:
+    """Each text is the previous one cut anywhere and continued (a turn added, an answer regenerated,
+    a message edited): what the remembered prefix gives plus the rest equals a full encode. The window
+    that files remembered texts is made tiny so that these short texts exercise it."""
+    toks = shared  # later examples also find earlier ones' texts
+    window = cache_module.WINDOW
+    cache_module.WINDOW = 4
+    try:
+        for style in ("llama3", "chatml"):
+            text = base
+            for cut, suffix in [(1.0, ""), *edits]:
+                text = text[: int(len(text) * cut)] + suffix
+                got = toks.encode_prompt(style, text, special).tolist()
+                assert got == _fresh_ids(dirs, style, text, special), (style, text)
+    finally:
+        cache_module.WINDOW = window
 
 
 def test_openai_request_bodies_as_vllm_reads_them(toks: Tokenizers, dirs: dict[str, Path]) -> None:
