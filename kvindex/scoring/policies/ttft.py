@@ -14,6 +14,9 @@ sums here are costs.est_ttft_ms and costs.weighted_cost, inline). Placement rule
   rendezvous home (not to an arbitrary idle instance), and never beyond ``max_replicas`` holders
   unless every holder is ``overflow`` times slower than the best.
 - Otherwise: the best estimate.
+- Hybrid-attention models: an instance whose full-attention group holds a prefix no window ends at
+  (``Candidate.reach``) is a holder of it, and is credited the prefill the prefix will save later
+  requests, by its heat (``_reach_costs``); its estimate stays the exact, cold one.
 """
 
 from __future__ import annotations
