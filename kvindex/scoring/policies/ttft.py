@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import heapq
 import math
+import operator
 import statistics
 from collections import OrderedDict
 from collections.abc import Callable
@@ -96,9 +97,10 @@ class Ttft:
         k = self._congestion_weight(candidates, ctx.clock()) if self.congestion else 0.0
         est, costs = _costs(candidates, k)
         keys = request.keys
-        if keys and self.reach_credit:
+        reach = self._has_reach(request, candidates)
+        depth = self._depth if reach and self.reach_holders else _blocks
+        if reach and self.reach_credit:
             costs = self._reach_costs(request, candidates, costs, k, ctx)
-        depth = self._depth
         cost = {id(c): x for c, x in zip(candidates, costs, strict=True)}
         # Ties (an idle fleet, equal hits) go to the emptier cache, then the less busy instance
         # (Candidate.load); instance keys are unique, so the position is never compared.
@@ -185,9 +187,10 @@ class Ttft:
             self._fold_pool(pool, None if native is None else native[1:], ctx.clock())
         cost_e = _costs(explicit, k)[1]
         keys = request.keys
-        if keys and self.reach_credit:
+        reach = self._has_reach(request, explicit)  # (only explicit candidates can have any)
+        depth = self._depth if reach and self.reach_holders else _blocks
+        if reach and self.reach_credit:
             cost_e = self._reach_costs(request, explicit, cost_e, k, ctx)
-        depth = self._depth
         chosen_rows = native[0] if native is not None else pool.smallest(pool.cost(k), top_k)
         others = pool.materialize(chosen_rows)
         candidates = explicit + others
@@ -312,6 +315,15 @@ class Ttft:
         dup *= self._replica_weight(best)
         return best_cost * (1 + self.margin) + self.margin_ms + self.replica_cost * hot * dup
 
+    def _has_reach(self, request: RouteRequest, candidates: list[Candidate]) -> bool:
+        """Whether the reach applies to this ranking: some candidate has one (only a hybrid model's
+        can) and the policy uses it. When not, the placement rules read plain ``blocks``."""
+        return (
+            bool(request.keys)
+            and (self.reach_credit != 0 or self.reach_holders)
+            and any(c.reach for c in candidates)
+        )
+
     def _depth(self, c: Candidate) -> int:
         """How much of the prompt ``c`` holds for the placement rules (holders, spread, spills): its
         match, or a hybrid model's held full-attention prefix (``Candidate.reach``) with
@@ -333,8 +345,6 @@ class Ttft:
         ``reach_credit`` x the prefix's heat (as the replica rule's) x the prefill (weighted as the
         cost weighs it) that prefix saves: at full heat it ranks as if the prefix were the hit,
         while its estimate, admission and the ledger stay with the exact (cold) figure."""
-        if not any(c.reach for c in candidates):
-            return costs
         h = home_block(len(request.keys), request.block_size, self.home_tokens)
         now = ctx.clock()
         out = list(costs)
@@ -404,6 +414,9 @@ def heat_block(held: int, home: int) -> int:
     while 2 * i - 1 <= held - 1:
         i *= 2
     return i - 1
+
+
+_blocks: Callable[[Candidate], int] = operator.attrgetter("blocks")
 
 
 def _costs(candidates: list[Candidate], k: float) -> tuple[list[float], list[float]]:
