@@ -1281,13 +1281,16 @@ def hybrid_hits(list tiers, list pools, KeyArray keys, list rules, list slots, l
 
 def match_hybrid_into(list bank_tiers, list alive, list bank_owners, list summaries, list pools,
                       KeyArray walked, KeyArray keys, list rules, long long limit,
-                      Py_ssize_t block_size, dict out, object match_type, Py_ssize_t everyone=-1):
+                      Py_ssize_t block_size, dict out, object match_type, Py_ssize_t everyone=-1,
+                      dict reach=None):
     """A hybrid model's whole match in one call (inverted.InvertedIndex._match_hybrid): per bank,
     the full-attention group's prefix walk over ``walked`` (its group keys; None when the model has
     no full attention: every candidate starts at the whole prompt), each candidate's hit lowered by
     the rule groups over the plain ``keys`` (hybrid_hits), and ``owner -> match_type(blocks,
     (gpu, cpu, disk, shared))`` stored into ``out`` for the ones left with a block, in the walked
-    group's tier split (the walk's own when the rules did not lower it)."""
+    group's tier split (the walk's own when the rules did not lower it). ``reach``: also
+    ``owner -> blocks`` of the walked group's own prefix (up to ``limit``) where the rules lowered
+    it: what the walk found anyway, the prefix vLLM keeps a window at once a request diverges there."""
     cdef Py_ssize_t b, nb = len(bank_tiers), start = 0, n = keys.n, blocks
     cdef uint64_t mask, groups = 0xFFFFFFFFFFFFFFFFULL, bit
     cdef int slots[64]
@@ -1345,6 +1348,8 @@ def match_hybrid_into(list bank_tiers, list alive, list bank_owners, list summar
             bit = (<uint64_t>1) << slot
             hit = _refine(cache, &r, bit, bound, block_size, gpu, cpu, disk, pools, keys.data) if r.n else bound
             blocks = hit // block_size
+            if reach is not None and walked is not None and hit < bound:
+                reach[owners[slot]] = bound // block_size
             if not blocks:
                 continue
             if walked is not None and tiered and blocks == lengths[slot]:

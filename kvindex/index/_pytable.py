@@ -492,6 +492,7 @@ def match_hybrid_into(
     out: dict[Any, Any],
     match_type: Any,
     everyone: int = -1,
+    reach: dict[Any, int] | None = None,
 ) -> None:
     """See _native.match_hybrid_into: the walked group's prefix per slot, lowered by the rules."""
     n = len(keys)
@@ -517,8 +518,10 @@ def match_hybrid_into(
         tiers = bank_tiers[b]
         bounds = [min(length * block_size, top) for _o, _s, length, _t in members]
         hits = hybrid_hits(tiers, pools, keys, rules, [s for _o, s, _l, _t in members], bounds, block_size)
-        for (owner, slot, length, split), hit in zip(members, hits, strict=True):
+        for (owner, slot, length, split), hit, bound in zip(members, hits, bounds, strict=True):
             blocks = hit // block_size
+            if reach is not None and walked is not None and hit < bound:
+                reach[owner] = bound // block_size
             if not blocks:
                 continue
             if split is not None and blocks == length:

@@ -100,11 +100,15 @@ class KvBlockIndex(Protocol):
         keys: list[int],
         instances: Iterable[InstanceKey] | None = None,
         limit: int | None = None,
+        reach: dict[InstanceKey, int] | None = None,
     ) -> dict[InstanceKey, InstanceMatch]:
         """Per instance of ``model`` (all, or those given), the prefix of ``keys`` it can serve: the
         consecutive blocks it holds, or for a hybrid-attention model the prefix every KV-cache group
         can serve by vLLM's rule (kvindex/index/hybrid.py, ``set_layout``). ``limit``: the longest hit
         in tokens (a prompt's length less one, ``hybrid.hit_limit``); None: all of ``keys``.
+        ``reach``: for a hybrid model, filled with ``instance -> blocks`` of the prefix its
+        full-attention group holds (up to ``limit``) wherever that is longer than the answer — the
+        junction where vLLM keeps a window once a request diverges there (docs/scoring.md, "Reach").
 
         Only instances that matched at least one block appear; look others up with NO_MATCH as the
         default.
@@ -155,6 +159,7 @@ class GroupedIndex(KvBlockIndex, Protocol):
         instances: Iterable[InstanceKey] | None = None,
         listed: int = 16,
         limit: int | None = None,
+        reach: dict[InstanceKey, int] | None = None,
     ) -> tuple[dict[InstanceKey, InstanceMatch], list[MatchGroup]]:
         """``match``'s answer, except that answers shared by more than ``listed`` instances come as
         ``MatchGroup`` slot masks instead of an entry per instance (a hybrid model's answers are all

@@ -310,6 +310,7 @@ class InvertedIndex:
         keys: list[int],
         instances: Iterable[InstanceKey] | None = None,
         limit: int | None = None,
+        reach: dict[InstanceKey, int] | None = None,
     ) -> dict[InstanceKey, InstanceMatch]:
         shard = self._shards.get(model)
         if shard is None or not keys:
@@ -321,7 +322,7 @@ class InvertedIndex:
                 if not keys:
                     return {}
             if layout.hybrid:
-                return self._match_hybrid(shard, layout, keys, instances, limit)
+                return self._match_hybrid(shard, layout, keys, instances, limit, reach)
         alive = self._alive(shard, instances)
         pools = self._pools(shard)
         out: dict[InstanceKey, InstanceMatch] = {}
@@ -349,10 +350,12 @@ class InvertedIndex:
         keys: list[int],
         instances: Iterable[InstanceKey] | None,
         limit: int | None,
+        reach: dict[InstanceKey, int] | None = None,
     ) -> dict[InstanceKey, InstanceMatch]:
         """``match`` by vLLM's hybrid rule (hybrid.py), in one native call: the full-attention
         group's prefix walk bounds each instance, then every other group lowers it; tier split of
-        the walked group. ``keys`` are already cut to ``limit``."""
+        the walked group. ``keys`` are already cut to ``limit``; ``reach`` gets the walk's own
+        prefix where the rules lowered it (``match``)."""
         impl = self.impl
         walked = None if layout.primary is None else impl.KeyArray(keys, layout.primary_mask)
         out: dict[InstanceKey, InstanceMatch] = {}
@@ -370,6 +373,7 @@ class InvertedIndex:
             out,
             InstanceMatch,
             len(shard.slot_owner),
+            reach,
         )
         return out
 
@@ -380,11 +384,13 @@ class InvertedIndex:
         instances: Iterable[InstanceKey] | None = None,
         listed: int = 16,
         limit: int | None = None,
+        reach: dict[InstanceKey, int] | None = None,
     ) -> tuple[dict[InstanceKey, InstanceMatch], list[MatchGroup]]:
         """``match`` grouped by answer, for rankings that treat many equal matches alike: the
         instances of answers that at most ``listed`` instances share, as ``match`` gives them, and
         the larger groups as slot masks (``MatchGroup``; rows through ``slot_layout``). A prompt
-        every instance holds the start of costs per bank and per distinct answer, not per instance."""
+        every instance holds the start of costs per bank and per distinct answer, not per instance.
+        ``reach`` as ``match`` (hybrid models' answers are all listed)."""
         shard = self._shards.get(model)
         if shard is None or not keys:
             return {}, []
@@ -392,7 +398,7 @@ class InvertedIndex:
         if layout is not None and (layout.hybrid or limit is not None):
             # A hybrid model's answers depend on each instance's other groups: listed one by one.
             if layout.hybrid:
-                return self.match(model, keys, instances, limit), []
+                return self.match(model, keys, instances, limit, reach), []
             if limit is not None and limit < len(keys) * layout.block_size:
                 keys = keys[: max(limit, 0) // layout.block_size]
                 if not keys:

@@ -69,6 +69,13 @@ class Candidate(Struct, gc=False):
     inflight: int  # requests routed here and not finished (ledger)
     queued_tokens: float  # prefill tokens ahead of this request (reported and drained since, + routed since)
     routed_tokens: int  # prefill tokens routed here since the last heartbeat (ledger)
+    # A hybrid-attention model's instance whose full-attention group holds more of the prompt than
+    # the engine can reuse (no window ends there): those blocks (0: nothing beyond ``blocks``), and
+    # what the prefill would cost with them as the hit. Not this request's estimate (it is cold
+    # there): the engine keeps a window at that junction after this request, so later requests
+    # sharing the prefix hit it (docs/scoring.md, "Reach"); the ttft policy's ranking counts it.
+    reach: int = 0
+    reach_prefill_ms: float = 0.0
 
     @property
     def est_ttft_ms(self) -> float:

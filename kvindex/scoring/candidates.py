@@ -62,13 +62,15 @@ class CandidateBuilder:
         spec_ttl: float,
         every: bool = False,
         matches: dict[InstanceKey, InstanceMatch] | None = None,
+        reach: dict[InstanceKey, int] | None = None,
     ) -> list[Candidate]:
         """The request's candidates among ``states``. A hot loop (every Score, once per instance):
         kept in one function, its reads hoisted.
 
         ``every``: ``states`` are all the model's routable instances, so the index may match all
         of its instances (the extra ones, stale or pools, are not looked at) instead of building a
-        mask from the list. ``matches``: the index's answer, when the caller already has it.
+        mask from the list. ``matches``: the index's answer, when the caller already has it, with
+        ``reach`` (KvBlockIndex.match: a hybrid model's full-attention prefixes beyond the answer).
 
         The estimate's terms are the cost model's (kvindex/scoring/costs.py: ``queued_now``,
         ``queue_wait``, ``ledger_ms``, ``wait_ms``, ``prefill_terms`` and ``prefill_at``,
@@ -77,11 +79,13 @@ class CandidateBuilder:
         if matches is not None:
             pass
         elif keys:
+            reach = {}
             matches = self.index.match(
                 request.model,
                 keys,
                 None if every else [s.key for s in states],
                 hit_limit(request.prompt_tokens),
+                reach,
             )
         else:
             matches = {}
@@ -110,6 +114,8 @@ class CandidateBuilder:
         busy_until = self.ledger.busy_until
         busy = self.ledger.busy
         get_match = matches.get
+        get_reach = reach.get if reach else None  # (hybrid models only)
+        marked = self.speculative.marked() if spec else ()
         degraded = self.degraded
         credit = self.degraded_credit
         terms_of: dict[int, tuple[float, float]] = {}  # prefill_terms per miss size (shared by many)
@@ -129,10 +135,13 @@ class CandidateBuilder:
             match = get_match(key, NO_MATCH)
             blocks, t = match
             gpu = t[0]
+            far = get_reach(key, 0) if get_reach is not None else 0
             if spec and key in spec:
                 extended = self.speculative.extend(key, keys, blocks)
                 gpu += extended - blocks
                 blocks = extended
+                if key in marked:  # a hybrid model's committed prompts: their full-attention blocks
+                    far = self.speculative.reach(key, keys, max(far, blocks))
             hit = blocks * b
             by_tier = (gpu * b, t[1] * b, t[2] * b, t[3] * b)
             if hit > cap:  # the capped tokens come off the last (slowest) tier that has any
@@ -167,22 +176,33 @@ class CandidateBuilder:
             fetch = (
                 fetch_ms(f_cpu, f_disk, f_pool, by_tier[1], by_tier[2], by_tier[3]) if blocks > gpu else 0.0
             )
-            append(
-                Candidate(
-                    state,
-                    match,
-                    blocks,
-                    by_tier,
-                    hit,
-                    miss,
-                    wait,
-                    prefill,
-                    fetch,
-                    inflight,
-                    queued,
-                    tokens_new,
-                )
+            cand = Candidate(
+                state,
+                match,
+                blocks,
+                by_tier,
+                hit,
+                miss,
+                wait,
+                prefill,
+                fetch,
+                inflight,
+                queued,
+                tokens_new,
             )
+            if far > blocks:
+                far = min(far, cap // b)
+                if far > blocks:
+                    # The prefill as if the held full-attention prefix were the hit (capped as the
+                    # hit is): what a later request sharing it would pay here.
+                    far_miss = prompt - min(far * b, cap)
+                    cand.reach = far
+                    cand.reach_prefill_ms = (
+                        prefill_at(*prefill_terms(model, shape, far_miss, prompt), running)
+                        if far_miss > 0
+                        else 0.0
+                    )
+            append(cand)
         return out
 
 

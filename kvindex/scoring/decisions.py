@@ -113,17 +113,18 @@ class Decisions:
                 ahead,
             )
         if policy.speculative_ttl > 0 and request.keys:
-            self.expect(key, request, policy.speculative_ttl)
+            self.expect(key, request, policy.speculative_ttl, cand.reach)
             if request.request_id:
                 entry.keys = request.keys
         if cand.state.approximate and request.keys:
             self.predicted.on_commit(cand.state, request.keys)
 
-    def expect(self, instance: InstanceKey, request: RouteRequest, ttl: float) -> None:
+    def expect(self, instance: InstanceKey, request: RouteRequest, ttl: float, junction: int = 0) -> None:
         """A committed prompt's keys are expected on ``instance`` for ``ttl`` (speculative keys; a
-        commit here or, through the replica sync, another replica's)."""
+        commit here or, through the replica sync, another replica's). ``junction``: a hybrid model's
+        full-attention prefix held there beyond the hit (``Candidate.reach``), kept from now on."""
         boundary = self.spec_boundary(request.model, request.prompt_tokens, request.block_size)
-        self.speculative.add(instance, request.keys, ttl, boundary)
+        self.speculative.add(instance, request.keys, ttl, boundary, junction)
 
     def spec_boundary(self, model: str, prompt_tokens: int, block_size: int) -> int | None:
         """For SpeculativeKeys.add: a hybrid-attention model's committed prompt will serve later

@@ -208,6 +208,8 @@ class SpeculativeKeys:
         # prompts only up to where its sliding-window and Mamba groups keep state, the block before
         # its last token; marked by that block's key alone (which names the whole prefix).
         self._marks: dict[InstanceKey, dict[int, float]] = {}
+        # ... while its full-attention group holds every block of it: the reach (``reach``).
+        self._full: dict[InstanceKey, dict[int, float]] = {}
         self._count = 0
 
     def add(
@@ -216,17 +218,28 @@ class SpeculativeKeys:
         keys: Sequence[int],
         ttl: float | None = None,
         boundary: int | None = None,
+        junction: int = 0,
     ) -> None:
         """``keys`` are expected on ``instance`` for ``ttl``; ``boundary``: a hybrid model's, only the
-        prefix of ``boundary`` blocks as a whole (``boundary_of``)."""
+        prefix of ``boundary`` blocks as a whole (``boundary_of``), and ``junction`` blocks too when
+        the instance's full-attention group held that much of the prompt but no window ended there
+        (``Candidate.reach``): vLLM keeps the window at that junction after this request."""
         if self._count > self.max_keys:
             self.expire()
         expiry = self.clock() + (self.ttl if ttl is None else ttl)
         if boundary is not None:
-            if 0 < boundary <= len(keys):
-                marks = self._marks.setdefault(instance, {})
-                self._count += keys[boundary - 1] not in marks
-                marks[keys[boundary - 1]] = expiry
+            marks = self._marks.setdefault(instance, {})
+            for depth in (boundary, junction) if 0 < junction < boundary else (boundary,):
+                if 0 < depth <= len(keys):
+                    self._count += keys[depth - 1] not in marks
+                    marks[keys[depth - 1]] = expiry
+            if not marks:
+                del self._marks[instance]
+            full = self._full.setdefault(instance, {})
+            before = len(full)
+            for key in keys:
+                full[key] = expiry
+            self._count += len(full) - before
             return
         held = self._keys.setdefault(instance, {})
         before = len(held)
@@ -255,12 +268,28 @@ class SpeculativeKeys:
                     return j
         return i
 
+    def reach(self, instance: InstanceKey, keys: list[int], start: int) -> int:
+        """How far past ``start`` a hybrid model's committed prompts on ``instance`` are expected in
+        its full-attention group (``add`` with a boundary): the reach they give (Candidate.reach)."""
+        full = self._full.get(instance)
+        if not full:
+            return start
+        now = self.clock()
+        i = start
+        n = len(keys)
+        while i < n:
+            expiry = full.get(keys[i])
+            if expiry is None or expiry <= now:
+                break
+            i += 1
+        return i
+
     def settle(self, instance: InstanceKey, keys: Iterable[int], until: float) -> None:
         """The request that added ``keys`` has prefilled (or ended): its blocks are in the engine's
         cache now and its KV events vouch for them, evictions included. Speculative credit for them
         ends at ``until`` (a grace for the events in flight) instead of the TTL: kept for the TTL, a
         prefix the engine evicted after storing it would still be promised (an ``over`` outcome)."""
-        for store in (self._keys.get(instance), self._marks.get(instance)):
+        for store in (self._keys.get(instance), self._marks.get(instance), self._full.get(instance)):
             if not store:
                 continue
             for key in keys:
@@ -283,17 +312,17 @@ class SpeculativeKeys:
 
     def expire(self) -> None:
         now = self.clock()
-        for store in (self._keys, self._marks):
+        for store in (self._keys, self._marks, self._full):
             for instance in list(store):
                 held = store[instance]
                 for key in [k for k, t in held.items() if t <= now]:
                     del held[key]
                 if not held:
                     del store[instance]
-        self._count = sum(len(h) for h in self._keys.values()) + sum(len(h) for h in self._marks.values())
+        self._count = sum(len(h) for store in (self._keys, self._marks, self._full) for h in store.values())
 
     def forget(self, instance: InstanceKey) -> None:
-        for store in (self._keys, self._marks):
+        for store in (self._keys, self._marks, self._full):
             held = store.pop(instance, None)
             if held:
                 self._count -= len(held)

@@ -95,6 +95,7 @@ class PoolBuilder:
         states = table.states
         row = table.row
         groups: list[MatchGroup] = []
+        reach: dict[InstanceKey, int] = {}
         if keys:
             restrict = None if candidates is None else [states[i].key for i in np.flatnonzero(mask)]
             grouped = self.grouped_index
@@ -105,16 +106,24 @@ class PoolBuilder:
                     restrict,
                     self.group_min_instances,
                     hit_limit(request.prompt_tokens),
+                    reach,
                 )
             else:
-                matches = self.index.match(request.model, keys, restrict, hit_limit(request.prompt_tokens))
+                matches = self.index.match(
+                    request.model, keys, restrict, hit_limit(request.prompt_tokens), reach
+                )
         else:
             matches = {}
+        # A hybrid model's instances holding a full-attention prefix the engine cannot reuse yet
+        # are explicit too (Candidate.reach): only they can tell the ranking so.
+        held = [k for k in reach if k not in matches] if reach else ()
         if everyone:  # a set lookup per holder rather than a numpy scalar read
             out = table.unroutable_set()
             rows = [i for k in matches if (i := row.get(k)) is not None and i not in out]
+            rows += [i for k in held if (i := row.get(k)) is not None and i not in out]
         else:
             rows = [i for k in matches if (i := row.get(k)) is not None and mask[i]]
+            rows += [i for k in held if (i := row.get(k)) is not None and mask[i]]
         if groups:
             group_of, marked = self._group_rows(request.model, table, groups, mask)
         else:
@@ -123,7 +132,9 @@ class PoolBuilder:
             rows += self._speculative_rows(keys, table, mask, matches, groups, group_of)
         if group_of is not None and self.degraded:
             rows += self._degraded_rows(table, mask, matches, groups, group_of)
-        explicit = self.builder.candidates(request, [states[i] for i in rows], spec_ttl, matches=matches)
+        explicit = self.builder.candidates(
+            request, [states[i] for i in rows], spec_ttl, matches=matches, reach=reach
+        )
         pool = CandidatePool(
             self.builder, request, table, mask, count, everyone, explicit, rows, spec_ttl, groups, group_of
         )
@@ -171,7 +182,7 @@ class PoolBuilder:
         for inst in self.speculative.marked():  # hybrid models' committed prompts (answers all listed)
             if inst in matches or (i := row.get(inst)) is None or not mask[i] or i in rows:
                 continue
-            if self.speculative.extend(inst, keys, 0):
+            if self.speculative.extend(inst, keys, 0) or self.speculative.reach(inst, keys, 0):
                 rows.append(i)
         return rows
 

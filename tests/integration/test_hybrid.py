@@ -146,3 +146,29 @@ async def test_layout_conflicts_and_unreadable_layouts(
     # The honest worker is untouched.
     assert seen["a/0"] == ("exact", "")
     assert await matched(stub, FIRST) == {"a/0": 7}
+
+
+async def test_score_prefers_the_full_attention_holder_on_a_tie_and_stays_exact(
+    service: IndexService, stub: pb_grpc.KvIndexStub, make_publisher: MakePub
+) -> None:
+    """Issue 33's third prompt on two idle instances: ``b`` served FIRST (its full-attention group
+    holds the 192 shared tokens, no window ends there), ``a`` holds nothing. Both are cold for it —
+    Score says so — but the engine keeps the window at that junction after it, so the ranking puts
+    it on ``b`` (docs/scoring.md, "Reach"); ``a`` is its rendezvous home and first by key."""
+    a = await gemma_worker(make_publisher, "a")
+    b = await gemma_worker(make_publisher, "b")
+    cache_first_prompt(b)
+    for pub in (a, b):
+        await pub.heartbeat()
+    await settle(service, a, b)
+    await announced(service, a, b)
+
+    for top_k in (0, 2):
+        score = await stub.Score(pb.ScoreRequest(model=MODEL, token_ids=THIRD, top_k=top_k, explain=True))
+        ranked = [(r.instance_id, r.matched_tokens, r.matched_blocks) for r in score.ranked]
+        assert ranked == [("b/0", 0, 0), ("a/0", 0, 0)], top_k
+        assert score.ranked[0].est_ttft_ms == score.ranked[1].est_ttft_ms  # the tie: both cold
+        assert score.ranked[0].explain in ("cache", "replica")
+    # The prompt b can serve is still priced as the hit it is.
+    score = await stub.Score(pb.ScoreRequest(model=MODEL, token_ids=FIRST))
+    assert [(r.instance_id, r.matched_tokens) for r in score.ranked] == [("b/0", 224), ("a/0", 0)]

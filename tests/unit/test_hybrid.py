@@ -171,6 +171,13 @@ def test_index_answers_the_issues_scenario(impl: object) -> None:
     index.set_layout("m", GroupLayout.single(BS))
     assert index.match("m", third, limit=239) == {}  # group 3's keys are not the plain keys
     index.set_layout("m", layout)
+    # What the walk found anyway: the full-attention group's 6 blocks, where no window ends.
+    reach: dict = {}
+    assert index.match("m", third, limit=239, reach=reach) == {}
+    assert reach == {("a", 0): 6}
+    reach.clear()
+    index.match("m", keys, limit=239, reach=reach)
+    assert reach == {}  # the answer is the whole prefix: nothing beyond it
     index.apply(("a", 0), [Removed(tier="gpu", keys=[keys[6]], group=1)])
     assert index.match("m", keys, limit=239) == {}  # group 1 lost block 6: no window at 224, none below
 
@@ -213,7 +220,8 @@ def test_index_agrees_with_the_rule(impl: object, layout: GroupLayout, data: st.
             held[(name, g)] = tiers
     limit = data.draw(st.integers(0, n_blocks * layout.block_size))
     index = _build(impl, layout, held, keys)
-    got = index.match("m", keys, limit=limit)
+    reach: dict = {}
+    got = index.match("m", keys, limit=limit, reach=reach)
     for name in names:
 
         def held_any(g: int, j: int, name: str = name) -> bool:
@@ -224,3 +232,9 @@ def test_index_agrees_with_the_rule(impl: object, layout: GroupLayout, data: st.
         assert (m.length if m else 0) == want, (name, want, m)
         if m is not None:
             assert sum(m.tiers) == m.length
+        # The reach: the full-attention group's own prefix (up to the limit), where it is longer.
+        far = 0
+        if layout.primary is not None and layout.hybrid:
+            while far < min(n_blocks, limit // layout.block_size) and held_any(layout.primary, far):
+                far += 1
+        assert reach.get((name, 0), 0) == (far if far > want else 0), (name, far, want)

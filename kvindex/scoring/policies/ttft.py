@@ -14,12 +14,16 @@ sums here are costs.est_ttft_ms and costs.weighted_cost, inline). Placement rule
   rendezvous home (not to an arbitrary idle instance), and never beyond ``max_replicas`` holders
   unless every holder is ``overflow`` times slower than the best.
 - Otherwise: the best estimate.
+- Hybrid-attention models: an instance whose full-attention group holds a prefix no window ends at
+  (``Candidate.reach``) is a holder of it, and is credited the prefill the prefix will save later
+  requests, by its heat (``_reach_costs``); its estimate stays the exact, cold one.
 """
 
 from __future__ import annotations
 
 import heapq
 import math
+import operator
 import statistics
 from collections import OrderedDict
 from collections.abc import Callable
@@ -57,6 +61,8 @@ class Ttft:
         hot_half_life: float = 30.0,
         max_tracked: int = 100_000,
         replica_by_wait: bool = True,
+        reach_credit: float = 1.0,
+        reach_holders: bool = True,
     ) -> None:
         self.home_tokens = home_tokens
         self.useful_tokens = useful_tokens
@@ -74,6 +80,8 @@ class Ttft:
         self.hot_requests = hot_requests
         self.hot_half_life = hot_half_life
         self.replica_by_wait = replica_by_wait
+        self.reach_credit = reach_credit
+        self.reach_holders = reach_holders
         self.max_tracked = max_tracked
         # Recent requests per home prefix (exponentially decayed): how hot a prefix is.
         self._hot: OrderedDict[int, tuple[float, float]] = OrderedDict()
@@ -88,6 +96,11 @@ class Ttft:
         # s), never the current candidates' own loads: one instance's load must not reorder the others.
         k = self._congestion_weight(candidates, ctx.clock()) if self.congestion else 0.0
         est, costs = _costs(candidates, k)
+        keys = request.keys
+        reach = self._has_reach(request, candidates)
+        depth = self._depth if reach and self.reach_holders else _blocks
+        if reach and self.reach_credit:
+            costs = self._reach_costs(request, candidates, costs, k, ctx)
         cost = {id(c): x for c, x in zip(candidates, costs, strict=True)}
         # Ties (an idle fleet, equal hits) go to the emptier cache, then the less busy instance
         # (Candidate.load); instance keys are unique, so the position is never compared.
@@ -105,12 +118,11 @@ class Ttft:
             return cost[id(c)] <= limit
 
         pick, reason = best, "fastest"
-        keys = request.keys
         if keys:
             h = home_block(len(keys), request.block_size, self.home_tokens)
-            longest = max(c.blocks for c in ordered)
+            longest = max(depth(c) for c in ordered)
             held = min(h + 1, longest)
-            holders = [c for c in ordered if c.blocks >= held]
+            holders = [c for c in ordered if depth(c) >= held]
 
             def homes() -> list[Candidate]:  # only cold prompts and spills need the hashing
                 return rendezvous_order(ordered, [c.state.instance_id for c in ordered], keys[h])
@@ -119,7 +131,7 @@ class Ttft:
             useful = max(1, min(self.useful_tokens // request.block_size, (len(keys) + 1) // 2))
             if longest < useful:
                 pick, reason = _first(homes(), ok, "home")
-            elif best.blocks < held:  # the fastest does not hold the prefix: a new replica
+            elif depth(best) < held:  # the fastest does not hold the prefix: a new replica
                 # A new copy of the prefix costs more than its own recompute: cache space, and the
                 # work every later copy-holder does again. Holders win unless they are worse than
                 # the best by more than ``replica_cost`` x the duplicated prefill.
@@ -128,7 +140,7 @@ class Ttft:
                 if within:
                     pick, reason = within[0], "replica"
                 elif len(holders) < self.max_replicas:
-                    pick, reason = _first([c for c in homes() if c.blocks < held], ok, "spill")
+                    pick, reason = _first([c for c in homes() if depth(c) < held], ok, "spill")
                 elif cost[id(holders[0])] <= cost[id(best)] * self.overflow:
                     pick, reason = holders[0], "capped"
                 else:
@@ -174,6 +186,11 @@ class Ttft:
         if self.congestion:
             self._fold_pool(pool, None if native is None else native[1:], ctx.clock())
         cost_e = _costs(explicit, k)[1]
+        keys = request.keys
+        reach = self._has_reach(request, explicit)  # (only explicit candidates can have any)
+        depth = self._depth if reach and self.reach_holders else _blocks
+        if reach and self.reach_credit:
+            cost_e = self._reach_costs(request, explicit, cost_e, k, ctx)
         chosen_rows = native[0] if native is not None else pool.smallest(pool.cost(k), top_k)
         others = pool.materialize(chosen_rows)
         candidates = explicit + others
@@ -189,26 +206,25 @@ class Ttft:
         best_cost = costs[order[0]]
         limit = best_cost * (1 + self.margin) + self.margin_ms
         pick, reason = best, "fastest"
-        keys = request.keys
         if keys:
             h = home_block(len(keys), request.block_size, self.home_tokens)
             # (match groups: the others of a group hold its answer; a group of none is empty)
             counts = pool.group_counts if pool.groups else None
             depths = [t.blocks for g, t in enumerate(pool.templates) if counts[g]] if counts else []
-            longest = max(max((c.blocks for c in explicit), default=0), max(depths, default=0))
+            longest = max(max((depth(c) for c in explicit), default=0), max(depths, default=0))
             held = min(h + 1, longest)
             useful = max(1, min(self.useful_tokens // request.block_size, (len(keys) + 1) // 2))
             if longest < useful:
                 pick, reason = self._first_home(
                     pool, explicit, cost_e, pool.cost(k), limit, keys[h], 0, "home"
                 )
-            elif best.blocks < held:
+            elif depth(best) < held:
                 ordered = [candidates[i] for i in _order(candidates, costs, math.inf)]
                 cost = {c.state.key: x for c, x in zip(candidates, costs, strict=True)}
                 # Explicit ones and the best of each match group (held >= 1): the first in order of
                 # them all is among them; their number counts every member of a group.
-                holders = [c for c in ordered if c.blocks >= held]
-                n_holders = len([c for c in explicit if c.blocks >= held])
+                holders = [c for c in ordered if depth(c) >= held]
+                n_holders = len([c for c in explicit if depth(c) >= held])
                 if counts:
                     n_holders += sum(
                         n for n, t in zip(counts, pool.templates, strict=True) if t.blocks >= held
@@ -267,7 +283,7 @@ class Ttft:
         if held:
             if pool.groups:  # a match group's members hold its answer
                 eligible &= pool.blocks < held
-            eligible[pool.explicit_rows] = [c.blocks < held for c in explicit]
+            eligible[pool.explicit_rows] = [self._depth(c) < held for c in explicit]
         within = pool.column(cost_rest <= limit, [x <= limit for x in cost_e]) & eligible
         target = within if within.any() else eligible
         rows = np.flatnonzero(target)
@@ -293,10 +309,50 @@ class Ttft:
         """How far above the best cost a holder may be and still win over a new replica on ``best``:
         the margins plus ``replica_cost`` x the duplicated prefill, weighed by how hot the prefix is
         and by ``_replica_weight``."""
-        dup = max(0.0, best.prefill_ms - holder.prefill_ms)
+        # (a holder by its full-attention prefix alone: what a replica duplicates is that prefix)
+        dup = max(0.0, best.prefill_ms - (holder.reach_prefill_ms if holder.reach else holder.prefill_ms))
         hot = min(1.0, self._heat(heat_key, ctx.clock()) / self.hot_requests)
         dup *= self._replica_weight(best)
         return best_cost * (1 + self.margin) + self.margin_ms + self.replica_cost * hot * dup
+
+    def _has_reach(self, request: RouteRequest, candidates: list[Candidate]) -> bool:
+        """Whether the reach applies to this ranking: some candidate has one (only a hybrid model's
+        can) and the policy uses it. When not, the placement rules read plain ``blocks``."""
+        return (
+            bool(request.keys)
+            and (self.reach_credit != 0 or self.reach_holders)
+            and any(c.reach for c in candidates)
+        )
+
+    def _depth(self, c: Candidate) -> int:
+        """How much of the prompt ``c`` holds for the placement rules (holders, spread, spills): its
+        match, or a hybrid model's held full-attention prefix (``Candidate.reach``) with
+        ``reach_holders``: the engine will keep a window there, so it is where the prefix lives."""
+        return c.reach if self.reach_holders and c.reach > c.blocks else c.blocks
+
+    def _reach_costs(
+        self,
+        request: RouteRequest,
+        candidates: list[Candidate],
+        costs: list[float],
+        k: float,
+        ctx: PolicyContext,
+    ) -> list[float]:
+        """``costs`` with the reach credit: a hybrid model's instance whose full-attention group holds
+        a prefix the engine cannot reuse yet (``Candidate.reach``; only such models have any) is
+        cold for this request, but this request makes vLLM keep a window at that junction, and
+        every later request sharing the prefix then hits there. Its cost is lowered by
+        ``reach_credit`` x the prefix's heat (as the replica rule's) x the prefill (weighted as the
+        cost weighs it) that prefix saves: at full heat it ranks as if the prefix were the hit,
+        while its estimate, admission and the ledger stay with the exact (cold) figure."""
+        h = home_block(len(request.keys), request.block_size, self.home_tokens)
+        now = ctx.clock()
+        out = list(costs)
+        for i, c in enumerate(candidates):
+            if c.reach:
+                hot = min(1.0, self._heat(request.keys[heat_block(c.reach, h)], now) / self.hot_requests)
+                out[i] -= self.reach_credit * hot * (1.0 + k) * max(0.0, c.prefill_ms - c.reach_prefill_ms)
+        return out
 
     def _replica_weight(self, best: Candidate) -> float:
         """How much of a new replica's duplicated prefill counts against it: the best instance's own
@@ -358,6 +414,9 @@ def heat_block(held: int, home: int) -> int:
     while 2 * i - 1 <= held - 1:
         i *= 2
     return i - 1
+
+
+_blocks: Callable[[Candidate], int] = operator.attrgetter("blocks")
 
 
 def _costs(candidates: list[Candidate], k: float) -> tuple[list[float], list[float]]:
