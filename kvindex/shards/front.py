@@ -65,7 +65,11 @@ class MirrorIndex:
         instances: Iterable[InstanceKey] | None = None,
         limit: int | None = None,
         # (the request's: the answer is for exactly these keys)
+        reach: dict[InstanceKey, int] | None = None,
     ) -> dict[InstanceKey, InstanceMatch]:
+        # ``reach`` (a hybrid model's full-attention prefix beyond the hit, docs/scoring.md "Reach")
+        # is not carried by the shards' answers: through a front, hybrid models rank on the exact hit
+        # alone (docs/shards.md, limits).
         answer = self._answer
         if (
             answer is not None

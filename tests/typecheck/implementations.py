@@ -39,6 +39,7 @@ from kvindex.scoring.policies.prefix_hash import PrefixHash
 from kvindex.scoring.policies.round_robin import RoundRobin
 from kvindex.scoring.policies.ttft import Ttft
 from kvindex.scoring.ranker import RoutingObserver
+from kvindex.shards.front import MirrorIndex
 from kvindex.v1 import kvindex_pb2 as pb
 
 # The index (and its pure-Python twin's resumable diff).
@@ -46,6 +47,7 @@ index: type[KvBlockIndex] = InvertedIndex
 grouped: type[GroupedIndex] = InvertedIndex
 differ: type[Differ] = _pytable.Differ
 index_view: type[IndexView] = InvertedIndex
+mirror: type[KvBlockIndex] = MirrorIndex  # the shards' front (kvindex/shards/front.py)
 
 # Ingest and repair.
 applier: type[BlockApplier] = Applier
