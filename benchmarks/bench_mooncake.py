@@ -24,8 +24,8 @@ batch); matches through one of three paths:
 - ``score``: ``Ranker.score(top_k=3)``, what the Score RPC runs (its pruned ranking over
   ``InvertedIndex.match_groups``), without protobuf;
 - ``match``: ``InvertedIndex.match_groups``, the index query the ranking makes;
-- ``lookup``: ``KvIndexServicer.Lookup`` in process (every instance with its match, in protobuf), no
-  socket.
+- ``lookup``: ``KvIndexServicer.Lookup`` in process (every instance with its match, as the protobuf
+  bytes gRPC sends), no socket.
 
 A sample of the answers is checked afterwards against a plain set model of every worker (of a sample
 of workers beyond ``--check-workers``), replaying the same operations in the same order.
@@ -775,6 +775,8 @@ def answer_overlaps(path: str, answer: Any, names: dict[str, int], audited: set[
                 out[names[owners[slot][0]]] = g.match.length
         return {w: n for w, n in out.items() if w in audited and n}
     if path == "lookup":
+        if isinstance(answer, bytes):  # the servicer answers with the bytes (kvindex/api/lookup.py)
+            answer = pb.LookupResponse.FromString(answer)
         return {
             names[m.worker]: m.matched_blocks
             for m in answer.matches
