@@ -152,7 +152,7 @@ class LookupEncoder:
             if listed:  # a hybrid model answers per instance: its listed answers as masks too
                 answers.extend(self._masks(listed, roster.slot_of))
         head, tail = header.SerializeToString(), trailer.SerializeToString()
-        return encode_matches(roster.idents, roster.offsets, roster.slots, answers, _NONE_FIELDS, head, tail)  # type: ignore[no-any-return]
+        return encode_matches(roster.idents, roster.offsets, roster.slots, answers, _NONE_FIELDS, head, tail)
 
     @staticmethod
     def _masks(
