@@ -458,3 +458,47 @@ def test_fleet_wide_prefix_match_and_groups(
     want = ref.match("fleet", prompt, live)
     assert ix.match("fleet", prompt) == want
     assert _flatten_groups(ix, "fleet", prompt, None) == want
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_banks_past_the_fleet_wide_prefix(backend: str) -> None:
+    """Every instance holds the prompt's first blocks (Mooncake's block 0): only the banks holding
+    the next block are walked, the others answer the shared blocks without a walk. Their answers,
+    grouped or not, for all instances or some, with a holder of the next block on the CPU, in the
+    pool, or none at all, equal the sets'."""
+    import random
+
+    rng = random.Random(5)
+    ix = InvertedIndex(BACKENDS[backend])
+    ref = Brute()
+    prompt = [rng.getrandbits(64) for _ in range(8)]
+    names = [(f"b{i:03d}", 0) for i in range(300)]  # 5 banks
+    for i, inst in enumerate(names):
+        MODEL_OF.setdefault(inst, "wide")
+        ix.add_instance(inst, "wide")
+        ref.ensure(inst)
+        depth = 2 + (i % 5 if 128 <= i < 192 else 0)  # bank 2 holds deeper prefixes
+        ix.store(inst, 0, prompt[:depth])
+        ref.held[inst][0] |= set(prompt[:depth])
+
+    def check() -> None:
+        for keys in (prompt, prompt[:2], prompt[:1], [*prompt[:2], 99]):
+            for insts in (None, names[::7], names[:3] + names[250:]):
+                want = ref.match("wide", keys, insts if insts is not None else names)
+                assert ix.match("wide", keys, insts) == want
+                assert _flatten_groups(ix, "wide", keys, insts) == want
+                assert _flatten_groups(ix, "wide", keys, insts, listed=100) == want
+
+    check()
+    ix.store(names[270], 1, prompt[2:4])  # bank 4: the next block on a CPU tier
+    ref.held[names[270]][1] |= set(prompt[2:4])
+    check()
+    ix.add_instance(("pool", 0), "wide")  # a pool holding the next block: every bank is walked
+    MODEL_OF[("pool", 0)] = "wide"
+    ref.ensure(("pool", 0))
+    ix.store(("pool", 0), 0, prompt[:2])  # (on its GPU too: the first blocks stay fleet-wide)
+    ref.held[("pool", 0)][0] |= set(prompt[:2])
+    ix.store(("pool", 0), 3, prompt[2:3])
+    ref.held[("pool", 0)][3] |= set(prompt[2:3])
+    names.append(("pool", 0))
+    check()
