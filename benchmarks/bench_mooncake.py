@@ -1183,7 +1183,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument(
         "--default-limits",
         action="store_true",
-        help="keep the default ingest limits (max_instances_per_model 16,384) instead of sizing them",
+        help="keep the default ingest limits (max_instances_per_model 262,144) instead of sizing them",
     )
     ap.add_argument(
         "--max-seconds", type=positive_float, default=300.0, help="stop a replay that falls behind after this"
@@ -1265,14 +1265,15 @@ def run_bench(args: argparse.Namespace, log: Callable[[str], None] = print) -> R
     pinned = None if args.no_pin else pin_to_one_cpu()
     load0 = os.getloadavg()[0]
     wl = build_workload(cfg, log)
+    default = IngestLimits().max_instances_per_model
     limits = (
         IngestLimits()
         if args.default_limits
-        else IngestLimits(max_instances_per_model=max(16384, len(wl.worker_names)))
+        else IngestLimits(max_instances_per_model=max(default, len(wl.worker_names)))
     )
-    if not args.default_limits and len(wl.worker_names) > 16384:
+    if not args.default_limits and len(wl.worker_names) > default:
         log(
-            f"[limits] max_instances_per_model raised from 16,384 to "
+            f"[limits] max_instances_per_model raised from {default:,} to "
             f"{limits.max_instances_per_model:,} for this fleet"
         )
     steady: list[Run] = []
