@@ -49,6 +49,7 @@ from kvindex.scoring.objectives import ObjectiveDefaults
 from kvindex.scoring.ranker import RankerConfig
 from kvindex.security import ServerSecurity
 from kvindex.service.calibration_store import CalibrationStore
+from kvindex.service.gc_policy import GcConfig, GcPolicy
 from kvindex.service.natsd import EmbeddedNats
 from kvindex.service.readiness import Readiness, ReadinessConfig
 from kvindex.tokenize import DEFAULT_CACHE_BYTES, Tokenizers
@@ -101,6 +102,7 @@ class ServiceConfig:
     readiness: ReadinessConfig = field(default_factory=ReadinessConfig)
     shutdown_grace: float = 5.0  # in-flight RPCs get this long once stopping (s)
     routing_sync: SyncConfig = field(default_factory=SyncConfig)  # replicas sharing routing state
+    gc: GcConfig = field(default_factory=GcConfig)  # periodic gc.freeze (kvindex/service/gc_policy.py)
 
 
 # Closing NATS (2 s), the capture file, the calibration save (1 s) and the embedded nats-server (1 s)
@@ -194,6 +196,9 @@ class IndexService:
         self.route: Any = None  # the RouteProxy of config.route, made in start() (on the loop)
         self.readiness = Readiness(self.registry, self.consumer.sequencer, config.readiness)
         self._readiness_task: asyncio.Task[None] | None = None
+        # Collections that do not traverse the fleet's state (kvindex/service/gc_policy.py).
+        self.gc_policy = GcPolicy(config.gc, self.log)
+        self._gc_task: asyncio.Task[None] | None = None
         self._readiness_changed = asyncio.Event()  # the NATS connection dropped or came back
         self._liveness_task: asyncio.Task[None] | None = None
         self.routing_sync: RoutingSync | None = None
@@ -326,6 +331,7 @@ class IndexService:
             self.recorder.calibration(self.calibrator)
         self.readiness.start(time.monotonic())
         self._readiness_task = asyncio.create_task(self._track_readiness(), name="kvindex-readiness")
+        self._gc_task = asyncio.create_task(self.gc_policy.run(), name="kvindex-gc")
         metrics_bound = None
         if self.config.metrics_port is not None:
             host = self.config.metrics_host
@@ -479,6 +485,10 @@ class IndexService:
         if self._liveness_task is not None:
             self._liveness_task.cancel()
             self._liveness_task = None
+        if self._gc_task is not None:
+            self._gc_task.cancel()
+            self._gc_task = None
+            self.gc_policy.stop()
         await bounded(self.repairer.stop(), 0.5, "repair_stop", self.log)
         await bounded(self.calibration.stop(), 1.0, "calibration_save", self.log)
         if self.routing_link is not None:
