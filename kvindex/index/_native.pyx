@@ -616,6 +616,14 @@ cdef int _walk_gpu_drops(BlockTable gpu, KeyArray keys, uint64_t alive, uint64_t
     cdef Py_ssize_t n = keys.n
     cdef uint64_t* karr = keys.data
     cdef uint64_t* mixed = keys.mixed
+    if start < n and not alive & gpu.get_mixed(karr[start], mixed[start]):
+        # No slot holds the first key walked (a bank sharing its summary bit with a holder's): no
+        # prefetches for a walk that ends here.
+        if start:
+            masks[0] = alive
+            lens[0] = start
+            return 1
+        return 0
     for i in range(start, min(n, start + PREFETCH)):
         _prefetch_mixed(gpu, mixed[i])
     for i in range(start, n):
