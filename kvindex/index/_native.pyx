@@ -172,8 +172,9 @@ cdef class BlockTable:
     cdef uint64_t mask
     cdef Py_ssize_t count
     # Models with more than one bank: a table per tier saying which banks hold each key (bit
-    # bank % 64), kept here as keys appear and disappear, so that a match walks only those banks.
-    # ``siblings`` are the other banks' tables of this tier sharing this bank's bit (> 64 banks).
+    # bank >> shift: inverted.bank_shift), kept here as keys appear and disappear, so that a match
+    # walks only those banks. ``siblings`` are the other banks' tables of this tier sharing this
+    # bank's bit (> 64 banks).
     cdef BlockTable summary
     cdef uint64_t group_bit
     cdef list siblings
@@ -800,7 +801,7 @@ def match_banks_into(list bank_tiers, list alive, list bank_owners, list summari
 
     ``bank_tiers[b]`` are bank b's four tables, ``alive[b]`` its candidate slots and
     ``bank_owners[b]`` the instance in each slot. ``summaries`` (per tier, key -> banks holding it,
-    bit b % 64; None with a single bank) narrow the walk to the banks holding the first block on a
+    bit b >> shift, inverted.bank_shift; None with a single bank) narrow the walk to the banks holding the first block on a
     local tier, or every bank with candidates when the pool holds it. ``pools`` are the shared-tier
     tables to consult (the shared summary, or each bank's). Done natively because at thousands of
     instances the Python loop around the per-bank walks cost more than the walks themselves.
@@ -808,7 +809,8 @@ def match_banks_into(list bank_tiers, list alive, list bank_owners, list summari
     ``everyone``: how many instances the model has (-1: unknown); the leading keys that many hold on
     the GPU (the GPU summary's counts) are matched by every candidate without walking a bank."""
     cdef Py_ssize_t b, nb = len(bank_tiers), j, start
-    cdef uint64_t mask, groups
+    cdef uint64_t mask, groups, walk
+    cdef int shift
     cdef int slots[64]
     cdef Py_ssize_t lens[64]
     cdef long long counts[256]
@@ -820,11 +822,15 @@ def match_banks_into(list bank_tiers, list alive, list bank_owners, list summari
     if keys.n == 0:
         return
     groups, start = _banks_to_walk(summaries, keys, everyone, True)
+    shift = _bank_shift(nb)
     for b in range(nb):
+        walk = (groups >> (b >> shift)) & 1
+        if not walk and not start:
+            continue
         mask = alive[b]
         if not mask:
             continue
-        if not (groups >> (b & 63)) & 1:
+        if not walk:
             if start:  # every candidate of the bank holds the leading keys, none the next one
                 count = 0
                 while mask:
@@ -849,8 +855,16 @@ def match_banks_into(list bank_tiers, list alive, list bank_owners, list summari
             _emit_gpu(count, slots, lens, owners, out, same, match_type)
 
 
+cdef inline int _bank_shift(Py_ssize_t nb) noexcept nogil:
+    """A bank's summary bit is its number >> this (inverted.bank_shift: 64 << shift >= banks)."""
+    cdef int shift = 0
+    while (<Py_ssize_t>64 << shift) < nb:
+        shift += 1
+    return shift
+
+
 cdef tuple _banks_to_walk(list summaries, KeyArray keys, Py_ssize_t everyone, bint narrow=False):
-    """(bank groups to walk (bit b % 64), keys every instance holds on the GPU): how many leading
+    """(bank groups to walk (bit b >> shift), keys every instance holds on the GPU): how many leading
     keys the GPU summary counts ``everyone`` holders of (only with a counting summary, 0 otherwise),
     and the banks holding the first key on a local tier (all when the pool holds it).
 
@@ -906,7 +920,8 @@ def match_banks_grouped(list bank_tiers, list alive, list bank_owners, list summ
     Equal answers are one group whether from a GPU-only or a tiered walk. The banks that need no
     walk (_banks_to_walk, ``narrow``) join the group of the leading keys in one C array."""
     cdef Py_ssize_t b, nb = len(bank_tiers), j, start, n, bulk_count = 0, count_all
-    cdef uint64_t mask, groups_mask
+    cdef uint64_t mask, groups_mask, walk
+    cdef int shift
     cdef uint64_t drops[64]
     cdef Py_ssize_t lens[64]
     cdef long long counts[256]
@@ -922,14 +937,16 @@ def match_banks_grouped(list bank_tiers, list alive, list bank_owners, list summ
     if keys.n == 0:
         return large
     groups_mask, start = _banks_to_walk(summaries, keys, everyone, True)
+    shift = _bank_shift(nb)
     try:
         for b in range(nb):
+            walk = (groups_mask >> (b >> shift)) & 1
+            if not walk and not start:
+                continue
             mask = alive[b]
             if not mask:
                 continue
-            if not (groups_mask >> (b & 63)) & 1:
-                if not start:
-                    continue
+            if not walk:
                 if g_start is None:
                     g_start = _length_group(start, by_length, groups, match_type)
                     bulk = <uint64_t*>calloc(nb, sizeof(uint64_t))
@@ -1372,8 +1389,9 @@ def match_hybrid_into(list bank_tiers, list alive, list bank_owners, list summar
     cdef _HeldCache cache = _HeldCache(r.n, n)
     if walked is not None:
         groups, start = _banks_to_walk(summaries, walked, everyone)
+    cdef int shift = _bank_shift(nb)
     for b in range(nb):
-        if not (groups >> (b & 63)) & 1:
+        if not (groups >> (b >> shift)) & 1:
             continue
         mask = alive[b]
         if not mask:
