@@ -43,7 +43,7 @@ class IngestLimits:
     default_tier_blocks: int = 1 << 20
     max_tier_blocks: int = 1 << 24
     # 2^18: above the 224,000 workers of Dynamo's largest Mooncake run, which this index was measured
-    # at (benchmarks/README.md; ~1-3 kB of state per instance besides its blocks: docs/deploy.md).
+    # at (benchmarks/README.md; ~2-9 kB of memory per instance besides its blocks: docs/deploy.md).
     max_instances_per_model: int = 1 << 18
     max_models: int = 256
     # Batches held per instance while it is repaired, and the keys they carry.
