@@ -41,6 +41,13 @@ extensions = [
         extra_compile_args=["-O3"],
         optional=True,
     ),
+    # The Lookup RPC's instance list, encoded (kvindex/api/lookup.py has its pure-Python twin).
+    Extension(
+        "kvindex.api._lookup",
+        ["kvindex/api/_lookup.pyx"],
+        extra_compile_args=["-O3"],
+        optional=True,
+    ),
     Extension(
         "kvindex._keys_native",
         ["kvindex/_keys_native.pyx"],

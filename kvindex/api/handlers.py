@@ -24,6 +24,17 @@ from google.protobuf.message_factory import GetMessageClass
 _PARSE_PREFIX = "Error parsing message"
 
 
+def serializer(cls: type[Message]) -> Callable[[Any], bytes]:
+    """``cls.SerializeToString``, except that a method may answer with the bytes themselves (the
+    Lookup RPC does, kvindex/api/lookup.py): sent as they are."""
+    serialize = cls.SerializeToString
+
+    def encode(response: Any) -> bytes:
+        return response if type(response) is bytes else serialize(response)
+
+    return encode
+
+
 class Malformed:
     """What a streaming method receives instead of a request whose bytes did not parse."""
 
@@ -75,7 +86,7 @@ def method_handlers(service: ServiceDescriptor, servicer: object) -> dict[str, g
         impl = getattr(servicer, method.name)
         codec: dict[str, Any] = {
             "request_deserializer": deserializer(request),
-            "response_serializer": response.SerializeToString,
+            "response_serializer": serializer(response),
         }
         streaming = (method.client_streaming, method.server_streaming)
         if streaming == (False, False):

@@ -15,6 +15,7 @@ import numpy as np
 
 from kvindex.api.errors import BadRequest
 from kvindex.api.handlers import Malformed
+from kvindex.api.lookup import LookupEncoder
 from kvindex.api.methods import (
     COMMIT_METHOD,
     EXPLAIN,
@@ -27,7 +28,7 @@ from kvindex.api.methods import (
     Method,
 )
 from kvindex.fleet.registry import InstanceState, Registry
-from kvindex.index.base import NO_MATCH, KvBlockIndex
+from kvindex.index.base import NO_MATCH, GroupedIndex, KvBlockIndex
 from kvindex.index.hybrid import hit_limit
 from kvindex.instance import InstanceKey
 from kvindex.keys import keys_from_le_bytes, model_seed
@@ -204,6 +205,8 @@ class KvIndexServicer(pb_grpc.KvIndexServicer):
         self._invariant: dict[InstanceKey, tuple[object, str, str | None, pb.RankedInstance]] = {}
         # One histogram child per label of the method table (kvindex/api/methods.py).
         self._latency = {label: metrics.rpc_latency.labels(label) if metrics else None for label in LABELS}
+        # Lookup answers encoded from the index's grouped answer (kvindex/api/lookup.py).
+        self._lookups = LookupEncoder(registry, index) if isinstance(index, GroupedIndex) else None
 
     # -- request decoding ----------------------------------------------------------------------
 
@@ -580,7 +583,12 @@ class KvIndexServicer(pb_grpc.KvIndexServicer):
         self._done(RELEASE_METHOD, request, response, started)
         return response
 
-    async def Lookup(self, request: pb.LookupRequest, context: grpc.aio.ServicerContext) -> pb.LookupResponse:
+    async def Lookup(
+        self, request: pb.LookupRequest, context: grpc.aio.ServicerContext
+    ) -> pb.LookupResponse | bytes:
+        """Every instance of the model with its match, best first. Without candidates, answered with
+        the response's bytes (gRPC sends them as they are; an in-process caller parses them with
+        ``pb.LookupResponse.FromString``): kvindex/api/lookup.py."""
         started = time.perf_counter()
         try:
             prompt = self.resolve(request)
@@ -588,6 +596,23 @@ class KvIndexServicer(pb_grpc.KvIndexServicer):
         except BadRequest as exc:
             await self._abort(context, exc)
         block_size, keys = prompt.block_size, prompt.keys
+        # Token ids known: the engine's last-token rule applies (a hybrid model's windows end there);
+        # block keys alone: what the instances hold of them.
+        limit = hit_limit(prompt.tokens) if request.token_ids or prompt.token_ids is not None else None
+        if candidates is None and self._lookups is not None:
+            encoded = self._lookups.encode(
+                pb.LookupResponse(
+                    model=request.model, block_size=block_size, total_blocks=len(keys), block_keys=keys
+                ),
+                pb.LookupResponse(
+                    token_ids=None if prompt.token_ids is None else prompt.token_ids.tolist(),
+                    prompt_tokens=_u32(prompt.tokens),
+                ),
+                keys,
+                limit,
+            )
+            self._done(LOOKUP, request, encoded, started)
+            return encoded
         response = pb.LookupResponse(
             model=request.model,
             block_size=block_size,
@@ -601,9 +626,6 @@ class KvIndexServicer(pb_grpc.KvIndexServicer):
         if candidates is not None:
             wanted = set(candidates)
             states = [s for s in states if s.worker in wanted or s.instance_id in wanted]
-        # Token ids known: the engine's last-token rule applies (a hybrid model's windows end there);
-        # block keys alone: what the instances hold of them.
-        limit = hit_limit(prompt.tokens) if request.token_ids or prompt.token_ids is not None else None
         matches = self.index.match(request.model, keys, [s.key for s in states], limit) if keys else {}
         ordered = sorted(states, key=lambda s: (-matches.get(s.key, NO_MATCH).length, s.key))
         for state in ordered:

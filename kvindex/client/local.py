@@ -63,7 +63,10 @@ class LocalKvIndexClient(AsyncKvIndexClient):
         self.start()
         try:
             # The servicer's handler of the method (kvindex/api/methods.py: same name as the rpc).
-            return await getattr(self.servicer, METHODS[name].name)(request, InProcessContext())
+            method = METHODS[name]
+            response = await getattr(self.servicer, method.name)(request, InProcessContext())
+            # A method may answer with the response's bytes (Lookup: kvindex/api/lookup.py).
+            return method.response.FromString(response) if type(response) is bytes else response
         except Aborted as exc:
             if exc.code == grpc.StatusCode.INVALID_ARGUMENT:
                 raise BadRequest(exc.details) from None

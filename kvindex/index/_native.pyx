@@ -172,8 +172,9 @@ cdef class BlockTable:
     cdef uint64_t mask
     cdef Py_ssize_t count
     # Models with more than one bank: a table per tier saying which banks hold each key (bit
-    # bank % 64), kept here as keys appear and disappear, so that a match walks only those banks.
-    # ``siblings`` are the other banks' tables of this tier sharing this bank's bit (> 64 banks).
+    # bank >> shift: inverted.bank_shift), kept here as keys appear and disappear, so that a match
+    # walks only those banks. ``siblings`` are the other banks' tables of this tier sharing this
+    # bank's bit (> 64 banks).
     cdef BlockTable summary
     cdef uint64_t group_bit
     cdef list siblings
@@ -616,6 +617,14 @@ cdef int _walk_gpu_drops(BlockTable gpu, KeyArray keys, uint64_t alive, uint64_t
     cdef Py_ssize_t n = keys.n
     cdef uint64_t* karr = keys.data
     cdef uint64_t* mixed = keys.mixed
+    if start < n and not alive & gpu.get_mixed(karr[start], mixed[start]):
+        # No slot holds the first key walked (a bank sharing its summary bit with a holder's): no
+        # prefetches for a walk that ends here.
+        if start:
+            masks[0] = alive
+            lens[0] = start
+            return 1
+        return 0
     for i in range(start, min(n, start + PREFETCH)):
         _prefetch_mixed(gpu, mixed[i])
     for i in range(start, n):
@@ -792,7 +801,7 @@ def match_banks_into(list bank_tiers, list alive, list bank_owners, list summari
 
     ``bank_tiers[b]`` are bank b's four tables, ``alive[b]`` its candidate slots and
     ``bank_owners[b]`` the instance in each slot. ``summaries`` (per tier, key -> banks holding it,
-    bit b % 64; None with a single bank) narrow the walk to the banks holding the first block on a
+    bit b >> shift, inverted.bank_shift; None with a single bank) narrow the walk to the banks holding the first block on a
     local tier, or every bank with candidates when the pool holds it. ``pools`` are the shared-tier
     tables to consult (the shared summary, or each bank's). Done natively because at thousands of
     instances the Python loop around the per-bank walks cost more than the walks themselves.
@@ -800,7 +809,8 @@ def match_banks_into(list bank_tiers, list alive, list bank_owners, list summari
     ``everyone``: how many instances the model has (-1: unknown); the leading keys that many hold on
     the GPU (the GPU summary's counts) are matched by every candidate without walking a bank."""
     cdef Py_ssize_t b, nb = len(bank_tiers), j, start
-    cdef uint64_t mask, groups
+    cdef uint64_t mask, groups, walk
+    cdef int shift
     cdef int slots[64]
     cdef Py_ssize_t lens[64]
     cdef long long counts[256]
@@ -811,12 +821,24 @@ def match_banks_into(list bank_tiers, list alive, list bank_owners, list summari
     cdef bint any_pool = len(pools) > 0
     if keys.n == 0:
         return
-    groups, start = _banks_to_walk(summaries, keys, everyone)
+    groups, start = _banks_to_walk(summaries, keys, everyone, True)
+    shift = _bank_shift(nb)
     for b in range(nb):
-        if not (groups >> (b & 63)) & 1:
+        walk = (groups >> (b >> shift)) & 1
+        if not walk and not start:
             continue
         mask = alive[b]
         if not mask:
+            continue
+        if not walk:
+            if start:  # every candidate of the bank holds the leading keys, none the next one
+                count = 0
+                while mask:
+                    slots[count] = __builtin_ctzll(mask)
+                    lens[count] = start
+                    count += 1
+                    mask &= mask - 1
+                _emit_gpu(count, slots, lens, <list>bank_owners[b], out, same, match_type)
             continue
         tiers = <list>bank_tiers[b]
         owners = <list>bank_owners[b]
@@ -833,11 +855,25 @@ def match_banks_into(list bank_tiers, list alive, list bank_owners, list summari
             _emit_gpu(count, slots, lens, owners, out, same, match_type)
 
 
-cdef tuple _banks_to_walk(list summaries, KeyArray keys, Py_ssize_t everyone):
-    """(bank groups to walk (bit b % 64), keys every instance holds on the GPU): the banks holding
-    the first key on a local tier (all when the pool holds it), and how many leading keys the GPU
-    summary counts ``everyone`` holders of (only with a counting summary, 0 otherwise)."""
-    cdef uint64_t groups = 0xFFFFFFFFFFFFFFFFULL, first = keys.data[0]
+cdef inline int _bank_shift(Py_ssize_t nb) noexcept nogil:
+    """A bank's summary bit is its number >> this (inverted.bank_shift: 64 << shift >= banks)."""
+    cdef int shift = 0
+    while (<Py_ssize_t>64 << shift) < nb:
+        shift += 1
+    return shift
+
+
+cdef tuple _banks_to_walk(list summaries, KeyArray keys, Py_ssize_t everyone, bint narrow=False):
+    """(bank groups to walk (bit b >> shift), keys every instance holds on the GPU): how many leading
+    keys the GPU summary counts ``everyone`` holders of (only with a counting summary, 0 otherwise),
+    and the banks holding the first key on a local tier (all when the pool holds it).
+
+    ``narrow``: after such leading keys, only the banks holding the next key on a local tier (all
+    when the pool holds it; none when no key is left): in every other bank each candidate matched
+    exactly the leading keys, all on the GPU, and the caller answers them so without a walk. A
+    Mooncake-style fleet where every instance holds the prompts' first block then walks the few
+    banks holding the second, not every bank (hybrid matches walk every bank after them)."""
+    cdef uint64_t groups = 0xFFFFFFFFFFFFFFFFULL, key
     cdef BlockTable gpu_summary
     cdef Py_ssize_t start = 0, n = keys.n
     cdef uint64_t i
@@ -850,9 +886,13 @@ cdef tuple _banks_to_walk(list summaries, KeyArray keys, Py_ssize_t everyone):
             if not gpu_summary.cells[i].val or gpu_summary.aux[i] != <unsigned int>everyone:
                 break
             start += 1
-    if start == 0 and not (<BlockTable>summaries[3]).get(first):
-        groups = (gpu_summary.get(first) | (<BlockTable>summaries[1]).get(first)
-                  | (<BlockTable>summaries[2]).get(first))
+    if start and narrow and start == n:
+        return 0, start
+    if (start == 0 or narrow):
+        key = keys.data[start]
+        if not (<BlockTable>summaries[3]).get(key):
+            groups = (gpu_summary.get(key) | (<BlockTable>summaries[1]).get(key)
+                      | (<BlockTable>summaries[2]).get(key))
     return groups, start
 
 
@@ -877,9 +917,11 @@ def match_banks_grouped(list bank_tiers, list alive, list bank_owners, list summ
     per bank and per distinct answer, not per instance. Answers of at most ``listed`` instances are
     stored into ``out`` per instance as match_banks_into does; returns ``[match, count, masks]`` for
     each larger one (``masks``: bytes of one little-endian u64 per bank, the slots with that answer).
-    Equal answers are one group whether from a GPU-only or a tiered walk."""
-    cdef Py_ssize_t b, nb = len(bank_tiers), j, start, n
-    cdef uint64_t mask, groups_mask
+    Equal answers are one group whether from a GPU-only or a tiered walk. The banks that need no
+    walk (_banks_to_walk, ``narrow``) join the group of the leading keys in one C array."""
+    cdef Py_ssize_t b, nb = len(bank_tiers), j, start, n, bulk_count = 0, count_all
+    cdef uint64_t mask, groups_mask, walk
+    cdef int shift
     cdef uint64_t drops[64]
     cdef Py_ssize_t lens[64]
     cdef long long counts[256]
@@ -887,55 +929,91 @@ def match_banks_grouped(list bank_tiers, list alive, list bank_owners, list summ
     cdef int count, slot
     cdef BlockTable gpu, cpu, disk
     cdef list tiers, g, owners, large = []
+    cdef list g_start = None  # the leading keys' group, when some banks are not walked
+    cdef uint64_t* bulk = NULL  # its slots in those banks
     cdef bint any_pool = len(pools) > 0
     cdef dict groups = {}
     cdef dict by_length = {}  # GPU-only answers: matched length -> its group
     if keys.n == 0:
         return large
-    groups_mask, start = _banks_to_walk(summaries, keys, everyone)
-    for b in range(nb):
-        if not (groups_mask >> (b & 63)) & 1:
-            continue
-        mask = alive[b]
-        if not mask:
-            continue
-        tiers = <list>bank_tiers[b]
-        gpu = <BlockTable>tiers[0]
-        cpu = <BlockTable>tiers[1]
-        disk = <BlockTable>tiers[2]
-        if any_pool or cpu.count or disk.count:
-            _walk_tiered(gpu, cpu, disk, pools, keys, mask, counts, lengths, start)
-            for slot in range(64):
-                if lengths[slot]:
-                    m = _tiered_match(match_type, lengths, counts, slot)
-                    g = groups.get(m)
-                    if g is None:
-                        g = groups[m] = [m, 0, []]
-                    _group_add(g, b, (<uint64_t>1) << slot)
-        else:
-            count = _walk_gpu_drops(gpu, keys, mask, drops, lens, start)
-            for j in range(count):
-                n = lens[j]
-                g = by_length.get(n)
-                if g is None:
-                    m = tuple.__new__(match_type, (n, (n, 0, 0, 0)))
-                    g = groups.get(m)
-                    if g is None:
-                        g = groups[m] = [m, 0, []]
-                    by_length[n] = g
-                _group_add(g, b, drops[j])
-    for g in groups.values():
-        if <Py_ssize_t>g[1] > listed:
-            large.append([g[0], g[1], _pairs_bytes(<list>g[2], nb)])
-            continue
-        m = g[0]
-        for pair in <list>g[2]:
-            owners = <list>bank_owners[<Py_ssize_t>(<list>pair)[0]]
-            mask = (<list>pair)[1]
-            while mask:
-                out[owners[__builtin_ctzll(mask)]] = m
-                mask &= mask - 1
+    groups_mask, start = _banks_to_walk(summaries, keys, everyone, True)
+    shift = _bank_shift(nb)
+    try:
+        for b in range(nb):
+            walk = (groups_mask >> (b >> shift)) & 1
+            if not walk and not start:
+                continue
+            mask = alive[b]
+            if not mask:
+                continue
+            if not walk:
+                if g_start is None:
+                    g_start = _length_group(start, by_length, groups, match_type)
+                    bulk = <uint64_t*>calloc(nb, sizeof(uint64_t))
+                    if bulk == NULL:
+                        raise MemoryError()
+                bulk[b] = mask
+                bulk_count += __builtin_popcountll(mask)
+                continue
+            tiers = <list>bank_tiers[b]
+            gpu = <BlockTable>tiers[0]
+            cpu = <BlockTable>tiers[1]
+            disk = <BlockTable>tiers[2]
+            if any_pool or cpu.count or disk.count:
+                _walk_tiered(gpu, cpu, disk, pools, keys, mask, counts, lengths, start)
+                for slot in range(64):
+                    if lengths[slot]:
+                        m = _tiered_match(match_type, lengths, counts, slot)
+                        g = groups.get(m)
+                        if g is None:
+                            g = groups[m] = [m, 0, []]
+                        _group_add(g, b, (<uint64_t>1) << slot)
+            else:
+                count = _walk_gpu_drops(gpu, keys, mask, drops, lens, start)
+                for j in range(count):
+                    _group_add(_length_group(lens[j], by_length, groups, match_type), b, drops[j])
+        for g in groups.values():
+            if g is g_start:  # its walked banks' slots join the others
+                for pair in <list>g[2]:
+                    bulk[<Py_ssize_t>(<list>pair)[0]] |= <uint64_t>(<list>pair)[1]
+                count_all = <Py_ssize_t>g[1] + bulk_count
+                if count_all > listed:
+                    large.append([g[0], count_all, (<char*>bulk)[:nb * 8]])
+                    continue
+                m = g[0]
+                for b in range(nb):
+                    mask = bulk[b]
+                    owners = <list>bank_owners[b]
+                    while mask:
+                        out[owners[__builtin_ctzll(mask)]] = m
+                        mask &= mask - 1
+                continue
+            if <Py_ssize_t>g[1] > listed:
+                large.append([g[0], g[1], _pairs_bytes(<list>g[2], nb)])
+                continue
+            m = g[0]
+            for pair in <list>g[2]:
+                owners = <list>bank_owners[<Py_ssize_t>(<list>pair)[0]]
+                mask = (<list>pair)[1]
+                while mask:
+                    out[owners[__builtin_ctzll(mask)]] = m
+                    mask &= mask - 1
+    finally:
+        free(bulk)
     return large
+
+
+cdef inline list _length_group(Py_ssize_t n, dict by_length, dict groups, object match_type):
+    """The group of the GPU-only answer of ``n`` blocks (made when new; a tiered walk's equal
+    answer shares it)."""
+    cdef list g = by_length.get(n)
+    if g is None:
+        m = tuple.__new__(match_type, (n, (n, 0, 0, 0)))
+        g = groups.get(m)
+        if g is None:
+            g = groups[m] = [m, 0, []]
+        by_length[n] = g
+    return g
 
 
 cdef bytes _pairs_bytes(list pairs, Py_ssize_t nb):
@@ -1314,8 +1392,9 @@ def match_hybrid_into(list bank_tiers, list alive, list bank_owners, list summar
     cdef _HeldCache cache = _HeldCache(r.n, n)
     if walked is not None:
         groups, start = _banks_to_walk(summaries, walked, everyone)
+    cdef int shift = _bank_shift(nb)
     for b in range(nb):
-        if not (groups >> (b & 63)) & 1:
+        if not (groups >> (b >> shift)) & 1:
             continue
         mask = alive[b]
         if not mask:

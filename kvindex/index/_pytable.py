@@ -339,9 +339,12 @@ def _walk_banks(
             groups = (
                 summaries[0].get_mask(first) | summaries[1].get_mask(first) | summaries[2].get_mask(first)
             )
+    shift = 0
+    while 64 << shift < len(bank_tiers):  # a bank's summary bit: b >> shift (inverted.bank_shift)
+        shift += 1
     for b, tiers in enumerate(bank_tiers):
         mask = alive[b]
-        if not mask or not (groups >> (b % 64)) & 1:
+        if not mask or not (groups >> (b >> shift)) & 1:
             continue
         gpu, cpu, disk = tiers[0], tiers[1], tiers[2]
         owners = bank_owners[b] if bank_owners is not None else None

@@ -41,6 +41,14 @@ _COMPACT_SLACK = 1024  # mirrored in _native.pyx (COMPACT_SLACK) and _pytable.py
 _LAYOUTS = itertools.count(1)  # slot layouts, unique across models and their re-creation
 
 
+def bank_shift(banks: int) -> int:
+    """Summary bit of bank b: b >> this (the smallest shift with 64 << shift >= banks)."""
+    shift = 0
+    while BANK_SLOTS << shift < banks:
+        shift += 1
+    return shift
+
+
 class _Bank:
     """Tables of one 64-slot bank of a model, one per tier."""
 
@@ -68,7 +76,7 @@ class _Shard:
 
     def __init__(self, impl: Any) -> None:
         self.impl = impl
-        # With more than one bank, per tier: key -> banks holding it (bit bank % 64), kept by the
+        # With more than one bank, per tier: key -> banks holding it (bit bank >> bank_shift), kept by the
         # banks' tables themselves; a match then walks only the banks that hold the first block.
         self.summaries: list[Any] | None = None
         self.banks: list[_Bank] = []
@@ -102,22 +110,31 @@ class _Shard:
 
     def _link_summaries(self) -> None:
         """Banks came into being: the model's second bank starts the summaries (from what bank 0
-        already holds); every bank reports to them, and banks sharing a bit know each other."""
-        if len(self.banks) < 2:
+        already holds); every bank reports to them, and banks sharing a bit know each other.
+
+        A summary value has 64 bits: bank b reports under bit b >> shift, the smallest shift with
+        64 << shift >= banks (``bank_shift``; _native computes the same from the bank count), so
+        that a bit stands for a contiguous range of banks. Instances that joined together (one
+        trace copy, one deployment) then share few bits, and a match walks their range, not one
+        bank in 64 of the whole model. When the banks outgrow 64 << shift, the summaries are built
+        again over every bank (O(the model's keys), once per doubling of its banks)."""
+        n = len(self.banks)
+        if n < 2:
             return
-        if self.summaries is None:
+        shift = bank_shift(n)
+        if self.summaries is None or shift != bank_shift(n - 1):
             self.summaries = [self.impl.BlockTable() for _ in range(_N_TIERS)]
             # The GPU summary also counts each key's holders: a match then skips the leading blocks
             # every instance holds (a fleet-wide system prompt) without walking each bank.
             self.summaries[0].enable_counts()
             linked = 0
         else:
-            linked = len(self.banks) - 1
-        for b in range(linked, len(self.banks)):
+            linked = n - 1
+        for b in range(linked, n):
             for t, table in enumerate(self.banks[b].tiers):
-                table.link_summary(self.summaries[t], 1 << (b % BANK_SLOTS))
-        for b in range(linked, len(self.banks)):
-            group = [g for g in range(b % BANK_SLOTS, len(self.banks), BANK_SLOTS)]
+                table.link_summary(self.summaries[t], 1 << (b >> shift))
+        for b in range(linked, n):
+            group = list(range((b >> shift) << shift, min(n, ((b >> shift) + 1) << shift)))
             if len(group) < 2:
                 continue
             for t in range(_N_TIERS):

@@ -39,7 +39,9 @@ class IngestLimits:
     capacity_slack: float = 1.25
     default_tier_blocks: int = 1 << 20
     max_tier_blocks: int = 1 << 24
-    max_instances_per_model: int = 16384  # twice the 8,192-instance fleet the design is measured at
+    # 2^18: above the 224,000 workers of Dynamo's largest Mooncake run, which this index was measured
+    # at (benchmarks/README.md; ~2-9 kB of memory per instance besides its blocks: docs/deploy.md).
+    max_instances_per_model: int = 1 << 18
     max_models: int = 256
     # Batches held per instance while it is repaired, and the keys they carry.
     max_held_batches: int = 4096

@@ -75,22 +75,10 @@ class PoolBuilder:
         table = self.tables.get(request.model)
         if table is None:
             return None
-        n = table.n
-        if candidates is None:
-            count = len(table.routable_rows())
-            if not count:
-                return None
-            mask = table.routable[:n]  # a view (nothing modifies a pool's mask)
-            everyone = True
-        else:
-            mask = table.routable[:n].copy()
-            wanted = np.zeros(n, dtype=bool)
-            wanted[table.rows_of(set(candidates))] = True
-            mask &= wanted
-            count = int(np.count_nonzero(mask))
-            if not count:
-                return None
-            everyone = count == len(table.routable_rows())
+        chosen = _routable_mask(table, candidates)
+        if chosen is None:
+            return None
+        mask, count, everyone = chosen
         keys = request.keys
         states = table.states
         row = table.row
@@ -98,20 +86,7 @@ class PoolBuilder:
         reach: dict[InstanceKey, int] = {}
         if keys:
             restrict = None if candidates is None else [states[i].key for i in np.flatnonzero(mask)]
-            grouped = self.grouped_index
-            if grouped is not None:
-                matches, groups = grouped.match_groups(
-                    request.model,
-                    keys,
-                    restrict,
-                    self.group_min_instances,
-                    hit_limit(request.prompt_tokens),
-                    reach,
-                )
-            else:
-                matches = self.index.match(
-                    request.model, keys, restrict, hit_limit(request.prompt_tokens), reach
-                )
+            matches, groups = self._matches(request, restrict, reach)
         else:
             matches = {}
         # A hybrid model's instances holding a full-attention prefix the engine cannot reuse yet
@@ -148,6 +123,18 @@ class PoolBuilder:
             counts[0] = count - len(rows) - sum(counts)
             pool.group_counts = counts
         return pool
+
+    def _matches(
+        self, request: RouteRequest, restrict: list[InstanceKey] | None, reach: dict[InstanceKey, int]
+    ) -> tuple[dict[InstanceKey, Any], list[MatchGroup]]:
+        """The index's answer for the prompt: per instance, and grouped when the index groups."""
+        limit = hit_limit(request.prompt_tokens)
+        grouped = self.grouped_index
+        if grouped is not None:
+            return grouped.match_groups(
+                request.model, request.keys, restrict, self.group_min_instances, limit, reach
+            )
+        return self.index.match(request.model, request.keys, restrict, limit, reach), []
 
     def _speculative_rows(
         self,
@@ -528,3 +515,21 @@ class CandidatePool:
 
 _NO_ROWS = np.zeros(0, dtype=np.int64)
 _NO_GROUPS = np.zeros(0, dtype=np.int32)
+
+
+def _routable_mask(table: ModelTable, candidates: list[str] | None) -> tuple[Any, int, bool] | None:
+    """The rows a pruned ranking may choose (a view of the routable column when every instance is a
+    candidate: nothing modifies a pool's mask), how many, and whether that is every routable one;
+    None when there is none."""
+    n = table.n
+    if candidates is None:
+        count = len(table.routable_rows())
+        return (table.routable[:n], count, True) if count else None
+    mask = table.routable[:n].copy()
+    wanted = np.zeros(n, dtype=bool)
+    wanted[table.rows_of(set(candidates))] = True
+    mask &= wanted
+    count = int(np.count_nonzero(mask))
+    if not count:
+        return None
+    return mask, count, count == len(table.routable_rows())

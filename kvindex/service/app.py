@@ -49,6 +49,7 @@ from kvindex.scoring.objectives import ObjectiveDefaults
 from kvindex.scoring.ranker import RankerConfig
 from kvindex.security import ServerSecurity
 from kvindex.service.calibration_store import CalibrationStore
+from kvindex.service.gc_policy import GcConfig, GcPolicy
 from kvindex.service.natsd import EmbeddedNats
 from kvindex.service.readiness import Readiness, ReadinessConfig
 from kvindex.shards.front import FrontServicer, MirrorIndex, ShardCollector, ShardFront
@@ -111,6 +112,7 @@ class ServiceConfig:
     shard: ShardSpec | None = None
     shards: int = 0
     shard_timeout: float = 0.5  # a front's wait for each shard's answer (s)
+    gc: GcConfig = field(default_factory=GcConfig)  # periodic gc.freeze (kvindex/service/gc_policy.py)
 
 
 # Closing NATS (2 s), the capture file, the calibration save (1 s) and the embedded nats-server (1 s)
@@ -215,6 +217,9 @@ class IndexService:
         self.route: Any = None  # the RouteProxy of config.route, made in start() (on the loop)
         self.readiness = Readiness(self.registry, self.consumer.sequencer, config.readiness)
         self._readiness_task: asyncio.Task[None] | None = None
+        # Collections that do not traverse the fleet's state (kvindex/service/gc_policy.py).
+        self.gc_policy = GcPolicy(config.gc, self.log)
+        self._gc_task: asyncio.Task[None] | None = None
         self._readiness_changed = asyncio.Event()  # the NATS connection dropped or came back
         self._liveness_task: asyncio.Task[None] | None = None
         self.routing_sync: RoutingSync | None = None
@@ -380,6 +385,7 @@ class IndexService:
             self.recorder.calibration(self.calibrator)
         self.readiness.start(time.monotonic())
         self._readiness_task = asyncio.create_task(self._track_readiness(), name="kvindex-readiness")
+        self._gc_task = asyncio.create_task(self.gc_policy.run(), name="kvindex-gc")
         metrics_bound = self._start_metrics()
         self._warn_if_exposed()
         self.log.info(
@@ -567,6 +573,10 @@ class IndexService:
             await self.front.stop()
         if self.shard is not None:
             await bounded(self.shard.stop(), 0.5, "shard_stop", self.log)
+        if self._gc_task is not None:
+            self._gc_task.cancel()
+            self._gc_task = None
+            self.gc_policy.stop()
         await bounded(self.repairer.stop(), 0.5, "repair_stop", self.log)
         await bounded(self.calibration.stop(), 1.0, "calibration_save", self.log)
         if self.routing_link is not None:

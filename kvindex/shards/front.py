@@ -421,7 +421,9 @@ class FrontServicer(KvIndexServicer):
         finally:
             self._resolved = None
 
-    async def Lookup(self, request: pb.LookupRequest, context: grpc.aio.ServicerContext) -> pb.LookupResponse:
+    async def Lookup(
+        self, request: pb.LookupRequest, context: grpc.aio.ServicerContext
+    ) -> pb.LookupResponse | bytes:
         await self._prefetch(request)
         try:
             return await super().Lookup(request, context)

@@ -4,9 +4,21 @@ asserted: speed is the benchmark's business."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import pytest
+import structlog
 
 from benchmarks import bench_mooncake
+
+
+@pytest.fixture(autouse=True)
+def _logging_restored() -> Iterator[None]:
+    """The benchmark drops info logs (quiet_logs) for the whole process: later tests that capture
+    logs (tests/integration/test_client.py) must see them again."""
+    config = structlog.get_config()
+    yield
+    structlog.configure(**config)
 
 
 def run(*argv: str) -> bench_mooncake.Results:

@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from kvindex.index import NATIVE, InstanceMatch, InvertedIndex, _pytable
 from kvindex.index.base import Applied
+from kvindex.index.inverted import bank_shift
 from kvindex.wire.schema import CLEARED, STORED, TIER_BY_NAME, Cleared, Removed, Stored
 
 # Small keys (they cluster in a table without mixing), zero, and the top of the u64 range.
@@ -297,8 +298,8 @@ def test_batch_apply_agrees_with_brute_force(backend: str, batches: list) -> Non
 
 _TIER_NAME = {n: name for name, n in TIER_BY_NAME.items()}
 
-# Slots in banks 0, 1, 64 and 65 of one model: banks 64 and 65 share their summary bits with banks 0
-# and 1 (a summary value has one bit per bank % 64).
+# Slots in banks 0, 1, 64 and 65 of one model: with 66 banks a summary bit stands for two banks
+# (bit b >> 1), so banks 0 and 1 share one, and 64 and 65 another.
 _BANKED = [0, 1, 64, 64 * 64, 65 * 64 + 3]
 banked_st = st.sampled_from(range(len(_BANKED)))
 banked_op_st = st.one_of(
@@ -343,7 +344,7 @@ def test_bank_summaries_stay_exact(backend: str, ops: list, queries: list) -> No
         want: dict[int, int] = {}
         for b, bank in enumerate(shard.banks):
             for key, _mask in bank.tiers[t].items():
-                want[key] = want.get(key, 0) | 1 << (b % 64)
+                want[key] = want.get(key, 0) | 1 << (b >> bank_shift(len(shard.banks)))
         assert dict(shard.summaries[t].items()) == want
     # The GPU summary's holder counts (the match's shortcut for blocks every instance holds).
     gpu_holders: dict[int, int] = {}
@@ -458,3 +459,47 @@ def test_fleet_wide_prefix_match_and_groups(
     want = ref.match("fleet", prompt, live)
     assert ix.match("fleet", prompt) == want
     assert _flatten_groups(ix, "fleet", prompt, None) == want
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_banks_past_the_fleet_wide_prefix(backend: str) -> None:
+    """Every instance holds the prompt's first blocks (Mooncake's block 0): only the banks holding
+    the next block are walked, the others answer the shared blocks without a walk. Their answers,
+    grouped or not, for all instances or some, with a holder of the next block on the CPU, in the
+    pool, or none at all, equal the sets'."""
+    import random
+
+    rng = random.Random(5)
+    ix = InvertedIndex(BACKENDS[backend])
+    ref = Brute()
+    prompt = [rng.getrandbits(64) for _ in range(8)]
+    names = [(f"b{i:03d}", 0) for i in range(300)]  # 5 banks
+    for i, inst in enumerate(names):
+        MODEL_OF.setdefault(inst, "wide")
+        ix.add_instance(inst, "wide")
+        ref.ensure(inst)
+        depth = 2 + (i % 5 if 128 <= i < 192 else 0)  # bank 2 holds deeper prefixes
+        ix.store(inst, 0, prompt[:depth])
+        ref.held[inst][0] |= set(prompt[:depth])
+
+    def check() -> None:
+        for keys in (prompt, prompt[:2], prompt[:1], [*prompt[:2], 99]):
+            for insts in (None, names[::7], names[:3] + names[250:]):
+                want = ref.match("wide", keys, insts if insts is not None else names)
+                assert ix.match("wide", keys, insts) == want
+                assert _flatten_groups(ix, "wide", keys, insts) == want
+                assert _flatten_groups(ix, "wide", keys, insts, listed=100) == want
+
+    check()
+    ix.store(names[270], 1, prompt[2:4])  # bank 4: the next block on a CPU tier
+    ref.held[names[270]][1] |= set(prompt[2:4])
+    check()
+    ix.add_instance(("pool", 0), "wide")  # a pool holding the next block: every bank is walked
+    MODEL_OF[("pool", 0)] = "wide"
+    ref.ensure(("pool", 0))
+    ix.store(("pool", 0), 0, prompt[:2])  # (on its GPU too: the first blocks stay fleet-wide)
+    ref.held[("pool", 0)][0] |= set(prompt[:2])
+    ix.store(("pool", 0), 3, prompt[2:3])
+    ref.held[("pool", 0)][3] |= set(prompt[2:3])
+    names.append(("pool", 0))
+    check()

@@ -160,6 +160,12 @@ def test_snapshot_beyond_the_limit_is_applied_up_to_it() -> None:
     assert state is not None and state.capped == 1 and state.repair.sync == "synced"
 
 
+def test_default_limits_admit_the_largest_measured_fleet() -> None:
+    """Dynamo's largest Mooncake run has 224,000 workers of one model, which the index was measured
+    at (benchmarks/README.md): no default refuses such a fleet (16,384 did)."""
+    assert IngestLimits().max_instances_per_model >= 224_000
+
+
 def test_new_instances_and_models_beyond_the_limits_are_refused_whole() -> None:
     c, log = make(max_instances_per_model=2, max_models=2)
     assert c.on_events("kvindex.events.a", batch(1, [stored(1)], worker="a"))

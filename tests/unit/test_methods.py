@@ -77,6 +77,9 @@ def test_call_reaches_any_unary_method_in_process() -> None:
         assert isinstance(stats, pb.StatsResponse) and stats.instances == 0
         listed = await client.call("ListInstances", pb.ListInstancesRequest(model="m"))
         assert list(listed.instances) == []
+        # Lookup's servicer answers with the response's bytes (kvindex/api/lookup.py): still a message here.
+        looked = await client.call("Lookup", pb.LookupRequest(model="m", block_keys=[1, 2]))
+        assert isinstance(looked, pb.LookupResponse) and list(looked.block_keys) == [1, 2]
         with pytest.raises(BadRequest, match="request_id is required"):
             await client.call("Release", phase="finished")
         with pytest.raises(ValueError, match="is a stream"):

@@ -243,14 +243,7 @@ class Ttft:
                     pick, reason = best, "overflow"
             else:
                 reason = "cache"
-        out = [Choice(pick, pick.est_ttft_ms, reason)]
-        picked = pick.state.key
-        for c in ordered:
-            if len(out) >= top_k:
-                break
-            if c.state.key != picked:
-                out.append(Choice(c, c.est_ttft_ms, ""))
-        return out
+        return _top(pick, reason, ordered, top_k)
 
     def _fold_pool(self, pool: CandidatePool, counted: tuple[float, int] | None, now: float) -> None:
         """Fold in what the pool's candidates show (``_fold_congestion``): the target is 0 when counts
@@ -476,3 +469,15 @@ def _first(order: list[Candidate], ok: Callable[[Candidate], bool], what: str) -
         if ok(c):
             return c, what if rank == 0 else f"{what}+{rank}"
     return order[0], what
+
+
+def _top(pick: Candidate, reason: str, ordered: list[Candidate], top_k: int) -> list[Choice]:
+    """The pick first (with why it was picked), then the others in order, ``top_k`` in all."""
+    out = [Choice(pick, pick.est_ttft_ms, reason)]
+    picked = pick.state.key
+    for c in ordered:
+        if len(out) >= top_k:
+            break
+        if c.state.key != picked:
+            out.append(Choice(c, c.est_ttft_ms, ""))
+    return out
