@@ -273,7 +273,10 @@ class Context:
 
 
 def answer(servicer: KvIndexServicer, method: str, request: Any) -> Any:
-    return asyncio.run(getattr(servicer, method)(request, Context()))
+    reply = asyncio.run(getattr(servicer, method)(request, Context()))
+    if isinstance(reply, bytes):  # Lookup answers with its encoded bytes (kvindex/api/lookup.py)
+        reply = pb.LookupResponse.FromString(reply)
+    return reply
 
 
 def test_seqs_at_the_ends_of_u64_leave_stats_and_list_instances_working() -> None:
