@@ -64,6 +64,7 @@ from _common import machine_info, markdown_table, quiet_logs, render_table, rss_
 from bench_index import code_version, pin_to_one_cpu, settle  # noqa: E402
 
 from kvindex.api.servicer import KvIndexServicer  # noqa: E402
+from kvindex.config.args import positive, positive_number  # noqa: E402
 from kvindex.core import Core, CoreConfig, build_core  # noqa: E402
 from kvindex.ingest.limits import IngestLimits  # noqa: E402
 from kvindex.keys import keys_from_le_bytes, model_seed  # noqa: E402
@@ -1120,26 +1121,6 @@ def write_readme(block: str, tag: str) -> None:
 # -- CLI ------------------------------------------------------------------------------------------
 
 
-def positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
-
-
-def positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-    if not value > 0 or not math.isfinite(value):
-        raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
-    return value
-
-
 def path_list(text: str) -> list[str]:
     paths = [p for p in text.split(",") if p]
     bad = [p for p in paths if p not in PATHS]
@@ -1152,13 +1133,11 @@ def path_list(text: str) -> list[str]:
 
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument(
-        "--workers", type=positive_int, default=1000, help="unique workers the trace is split over"
-    )
-    ap.add_argument("-d", "--dup", type=positive_int, default=7, help="copies of each worker (their own ids)")
+    ap.add_argument("--workers", type=positive, default=1000, help="unique workers the trace is split over")
+    ap.add_argument("-d", "--dup", type=positive, default=7, help="copies of each worker (their own ids)")
     ap.add_argument(
         "--trace-duplication-factor",
-        type=positive_int,
+        type=positive,
         default=1,
         help="copies of the trace, disjoint hash spaces",
     )
@@ -1169,29 +1148,27 @@ def parser() -> argparse.ArgumentParser:
         help="trace copies on their own workers (default) or over the same workers (Dynamo's code)",
     )
     ap.add_argument(
-        "--trace-seconds", type=positive_float, default=10.0, help="each worker's trace squeezed to this"
+        "--trace-seconds", type=positive_number, default=10.0, help="each worker's trace squeezed to this"
     )
-    ap.add_argument("--window-seconds", type=positive_float, default=30.0, help="the replay window")
-    ap.add_argument("--gpu-blocks", type=positive_int, default=16384, help="blocks per mock engine (LRU)")
-    ap.add_argument(
-        "--block-size", type=positive_int, default=128, help="tokens per block (generated blocks)"
-    )
-    ap.add_argument("--trace-length-factor", type=positive_int, default=1, help="blocks per trace hash id")
+    ap.add_argument("--window-seconds", type=positive_number, default=30.0, help="the replay window")
+    ap.add_argument("--gpu-blocks", type=positive, default=16384, help="blocks per mock engine (LRU)")
+    ap.add_argument("--block-size", type=positive, default=128, help="tokens per block (generated blocks)")
+    ap.add_argument("--trace-length-factor", type=positive, default=1, help="blocks per trace hash id")
     ap.add_argument("--seed", type=int, default=42, help="the worker partition's seed")
-    ap.add_argument("--limit", type=positive_int, help="the first rows of the trace only")
+    ap.add_argument("--limit", type=positive, help="the first rows of the trace only")
     ap.add_argument("--paths", type=path_list, default=list(PATHS), help="score,match,lookup (default: all)")
     ap.add_argument("--sweep", action="store_true", help="also the peak sweep (shrinking windows)")
     ap.add_argument(
         "--sweep-paths", type=path_list, default=["score", "match"], help="paths swept (default score,match)"
     )
-    ap.add_argument("--sweep-min-seconds", type=positive_float, default=1.0)
-    ap.add_argument("--sweep-max-seconds", type=positive_float, default=30.0)
-    ap.add_argument("--sweep-steps", type=positive_int, default=8)
+    ap.add_argument("--sweep-min-seconds", type=positive_number, default=1.0)
+    ap.add_argument("--sweep-max-seconds", type=positive_number, default=30.0)
+    ap.add_argument("--sweep-steps", type=positive, default=8)
     ap.add_argument(
         "--check-samples", type=int, default=400, help="answers checked against the set model (0: none)"
     )
     ap.add_argument(
-        "--check-workers", type=positive_int, default=8000, help="workers the set model follows at most"
+        "--check-workers", type=positive, default=8000, help="workers the set model follows at most"
     )
     ap.add_argument(
         "--default-limits",
@@ -1199,7 +1176,10 @@ def parser() -> argparse.ArgumentParser:
         help="keep the default ingest limits (max_instances_per_model 262,144) instead of sizing them",
     )
     ap.add_argument(
-        "--max-seconds", type=positive_float, default=300.0, help="stop a replay that falls behind after this"
+        "--max-seconds",
+        type=positive_number,
+        default=300.0,
+        help="stop a replay that falls behind after this",
     )
     ap.add_argument(
         "--final-samples",

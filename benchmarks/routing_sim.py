@@ -1015,10 +1015,9 @@ def preset_loadaware(args: argparse.Namespace) -> Experiment:
     )
 
 
-def preset_llmd(args: argparse.Namespace) -> Experiment:
-    # --limit: requests per level (a longer trace keeps an overload going longer).
-    n = args.limit or (800 if args.quick else 3000)
-    cluster = Cluster(8, {"profile": "llama3-8b-h100", "block_size": 16}, slo_s=args.slo or 2.0)
+def llmd_levels(args: argparse.Namespace, n: int, cluster: Cluster) -> list[Any]:
+    """llm-d's workload at its three rates (or --rates): 150 groups of 5 users sharing a 6,000-token
+    system prompt, 1,200-token questions, 256-token answers, ``n`` requests per level."""
     levels = []
     for qps in args.rates or (40, 80, 120):
         reqs = shared_prefix_groups(
@@ -1033,6 +1032,14 @@ def preset_llmd(args: argparse.Namespace) -> Experiment:
             seed=args.seed,
         )
         levels.append((f"{qps:g} req/s", reqs, cluster))
+    return levels
+
+
+def preset_llmd(args: argparse.Namespace) -> Experiment:
+    # --limit: requests per level (a longer trace keeps an overload going longer).
+    n = args.limit or (800 if args.quick else 3000)
+    cluster = Cluster(8, {"profile": "llama3-8b-h100", "block_size": 16}, slo_s=args.slo or 2.0)
+    levels = llmd_levels(args, n, cluster)
     return Experiment("llmd", levels, args.policies)
 
 
@@ -1137,20 +1144,7 @@ def preset_hybrid_llmd(args: argparse.Namespace) -> Experiment:
     n = args.limit or (800 if args.quick else 3000)
     engine = {"profile": "llama3-8b-h100", "block_size": 16, "kv_groups": args.kv_groups or "gemma3"}
     cluster = Cluster(8, engine, slo_s=args.slo or 2.0, loss=args.loss, delay_s=args.delay)
-    levels = []
-    for qps in args.rates or (40, 80, 120):
-        reqs = shared_prefix_groups(
-            groups=150,
-            prefix_tokens=6000 // 16 * 16,
-            users=5,
-            question_tokens=1200,
-            output_tokens=256,
-            qps=qps,
-            requests=n,
-            block_size=16,
-            seed=args.seed,
-        )
-        levels.append((f"{qps:g} req/s", reqs, cluster))
+    levels = llmd_levels(args, n, cluster)
     policies = ("ttft", "dynamo") if args.policies == DEFAULT_POLICIES else args.policies
     variants = ((" groups", {"index_groups": "all"}), (" full-attn", {"index_groups": "full"}))
     return Experiment("hybrid-llmd", levels, policies, variants=variants)

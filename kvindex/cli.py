@@ -22,9 +22,12 @@ from kvindex.config.args import (
     SUBJECT_PREFIX_HELP,
     PromptFileError,
     count,
+    non_negative,
     parse_ids,
     port,
     port_or_off,
+    positive,
+    positive_number,
     quiet_broken_pipe,
     read_prompts,
 )
@@ -117,14 +120,14 @@ def _add_serve_tokenize(p: Any) -> None:
     )
     t.add_argument(
         "--tokenize-cache-mb",
-        type=_non_negative,
+        type=non_negative,
         default=128.0,
         metavar="MIB",
         help="tokenization cache size",
     )
     t.add_argument(
         "--tokenize-call-mb",
-        type=_non_negative,
+        type=non_negative,
         default=16.0,
         metavar="MIB",
         help="the most one prompt adds to the tokenization cache (the rest of a longer one is encoded, "
@@ -132,7 +135,7 @@ def _add_serve_tokenize(p: Any) -> None:
     )
     t.add_argument(
         "--tokenize-max-chars",
-        type=_positive_int,
+        type=positive,
         default=8 << 20,
         metavar="N",
         help="prompt texts (and rendered chats) longer than N characters are refused: the bound on one "
@@ -162,14 +165,14 @@ def _add_serve_routing(p: Any) -> None:
     )
     k.add_argument(
         "--temperature",
-        type=_non_negative,
+        type=non_negative,
         default=0.05,
         help="softmax: the TTFT excess, in units of the request's own prefill, that costs a factor e "
         "in probability (0: best)",
     )
     k.add_argument(
         "--warmup",
-        type=_non_negative,
+        type=non_negative,
         default=0.0,
         metavar="SECONDS",
         help="a new instance's share of the requests it would get grows linearly over this long; 0: off",
@@ -267,7 +270,7 @@ def _add_serve_state(p: Any) -> None:
     )
     sh.add_argument(
         "--shard-timeout",
-        type=_positive,
+        type=positive_number,
         default=0.5,
         help="a front's wait for each shard's answer (s); a shard that misses it is not ranked",
     )
@@ -313,7 +316,7 @@ def _add_serve_repair(p: Any) -> None:
     )
     r.add_argument(
         "--snapshot-slot-hold",
-        type=_non_negative,
+        type=non_negative,
         default=1.0,
         help="a snapshot request not answered after this long gives its turn to the next (it goes on "
         "waiting for its answer until --snapshot-timeout), so that a worker that never answers "
@@ -338,13 +341,6 @@ def _shard_count(text: str) -> int:
     return int(text)
 
 
-def _positive(text: str) -> float:
-    value = _non_negative(text)
-    if value == 0:
-        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}")
-    return value
-
-
 def _shard_conflict(args: argparse.Namespace, nats: Any) -> str | None:
     """Why the shard flags cannot work together with the others (None: they can); ``nats``: the
     --nats servers (none: the embedded server)."""
@@ -362,26 +358,6 @@ def _shard_conflict(args: argparse.Namespace, nats: Any) -> str | None:
     if args.shards and (args.capture or args.instance):
         return "--shards with --capture or --instance: a front consumes no events, keeps no instances"
     return None
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a number >= 1, got {text!r}")
-    return value
-
-
-def _non_negative(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not (value >= 0 and value != float("inf")):
-        raise argparse.ArgumentTypeError(f"expected a finite number >= 0, got {text!r}")
-    return value
 
 
 def _listen(text: str) -> tuple[str, int]:

@@ -89,6 +89,25 @@ def positive(text: str) -> int:
     return _bounded(text, 1, (1 << 32) - 1)
 
 
+def non_negative(text: str) -> float:
+    """A finite number >= 0 (seconds, MiB, weights)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not (value >= 0 and value != float("inf")):
+        raise argparse.ArgumentTypeError(f"expected a finite number >= 0, got {text!r}")
+    return value
+
+
+def positive_number(text: str) -> float:
+    """A finite number > 0 (a timeout, a window)."""
+    value = non_negative(text)
+    if value == 0:
+        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}")
+    return value
+
+
 # -- token ids and block keys -----------------------------------------------------------------------
 
 # What the API's fields hold (proto/kvindex/v1/kvindex.proto): token ids are uint32, keys uint64.

@@ -706,17 +706,23 @@ class SimEngine:
 
     # -- blocks -------------------------------------------------------------------------------
 
-    def _alloc(self, n: int) -> None:
-        """Take ``n`` free blocks (callers checked they exist): blocks without a key first, then the
-        least recently used cached ones, which are evicted (and offloaded in "evict" mode)."""
+    def _take_anonymous(self, n: int) -> int:
+        """Take up to ``n`` free blocks that hold no key; how many more must be evicted."""
         if n <= 0:
-            return
+            return 0
         a = self._anon
         if n <= a:
             self._anon = a - n
-            return
+            return 0
         self._anon = 0
-        n -= a
+        return n - a
+
+    def _alloc(self, n: int) -> None:
+        """Take ``n`` free blocks (callers checked they exist): blocks without a key first, then the
+        least recently used cached ones, which are evicted (and offloaded in "evict" mode)."""
+        n = self._take_anonymous(n)
+        if n <= 0:
+            return
         free = self._free
         gpu = self._gpu
         evicted = [free.popitem(last=False)[0] for _ in range(n)]

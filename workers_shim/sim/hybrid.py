@@ -401,14 +401,9 @@ class HybridSimEngine(SimEngine):
     def _alloc(self, n: int) -> None:
         """Take ``n`` free pairs: those without a key first, then the least recently freed cached
         ones, evicted (announced per group, in eviction order)."""
+        n = self._take_anonymous(n)
         if n <= 0:
             return
-        a = self._anon
-        if n <= a:
-            self._anon = a - n
-            return
-        self._anon = 0
-        n -= a
         free = self._free
         hg = self._hg
         evicted = [free.popitem(last=False)[0] for _ in range(n)]
