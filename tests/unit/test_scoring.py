@@ -33,8 +33,15 @@ class Clock:
 
 
 def fleet(
-    n: int, clock: Clock | None = None, observer: Any = None
+    n: int,
+    clock: Clock | None = None,
+    observer: Any = None,
+    *,
+    layout: Any = None,
+    config: Any = None,
+    policy_options: Any = None,
 ) -> tuple[Ranker, InvertedIndex, Registry, Clock]:
+    """``n`` instances w0.. of MODEL, heard now, with room; ``layout``: a hybrid model's groups."""
     clock = clock or Clock()
     index = InvertedIndex()
     registry = Registry(clock=clock)
@@ -45,7 +52,17 @@ def fleet(
         state.last_heartbeat_at = clock.t
         state.capacity = {GPU: 10_000}
         state.local_blocks_seen = True
-    router = build_ranker(index, registry, Calibrator.of(CostConfig()), clock=clock, observer=observer)
+    if layout is not None:
+        index.set_layout(MODEL, layout)
+    router = build_ranker(
+        index,
+        registry,
+        Calibrator.of(CostConfig()),
+        config,
+        clock=clock,
+        observer=observer,
+        policy_options=policy_options,
+    )
     return router, index, registry, clock
 
 

@@ -12,12 +12,10 @@ from kvindex.index import InvertedIndex
 from kvindex.index.hybrid import GroupLayout, GroupSpec
 from kvindex.keys import group_key
 from kvindex.scoring.base import RouteRequest
-from kvindex.scoring.calibration import Calibrator
-from kvindex.scoring.costs import CostConfig
 from kvindex.scoring.ledger import SpeculativeKeys
-from kvindex.scoring.ranker import Ranker, RankerConfig, build_ranker
+from kvindex.scoring.ranker import Ranker, RankerConfig
 from kvindex.wire.schema import GPU, Load
-from tests.unit.test_scoring import Clock, prompt
+from tests.unit.test_scoring import Clock, fleet, prompt
 
 MODEL = "m"
 BS = 16
@@ -27,22 +25,8 @@ FULL = 3
 
 
 def hybrid_fleet(n: int, prune: bool, **ttft: object) -> tuple[Ranker, InvertedIndex, Registry, Clock]:
-    clock = Clock()
-    index = InvertedIndex()
-    registry = Registry(clock=clock)
-    for i in range(n):
-        key = (f"w{i}", 0)
-        index.add_instance(key, MODEL)
-        state = registry.add(key, MODEL, BS)
-        state.last_heartbeat_at = clock.t
-        state.capacity = {GPU: 10_000}
-        state.local_blocks_seen = True
-    index.set_layout(MODEL, LAYOUT)
     config = RankerConfig(prune_min_instances=0) if prune else None
-    router = build_ranker(
-        index, registry, Calibrator.of(CostConfig()), config, clock=clock, policy_options={"ttft": dict(ttft)}
-    )
-    return router, index, registry, clock
+    return fleet(n, layout=LAYOUT, config=config, policy_options={"ttft": dict(ttft)})
 
 
 def cache(index: InvertedIndex, worker: str, keys: list[int]) -> None:
