@@ -46,7 +46,9 @@ async def run_flood(nats_url: str, tmp: Path, run: str, *flags: str) -> dict:
         proc = subprocess.Popen(
             [*serve, "--metrics-port", "-1", "--log-format", "json", "--reconcile-interval", "0", *flags],
             stderr=log,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            # glibc's default trim threshold: `serve` otherwise keeps up to 64 MiB of freed heap
+            # (kvindex/service/malloc.py), which would blur what RSS growth says of the index's own.
+            env={**os.environ, "PYTHONUNBUFFERED": "1", "MALLOC_TRIM_THRESHOLD_": "131072"},
         )
     try:
         await wait_until(lambda: "kvindex_serving" in log_path.read_text(), 20, "kvindex serve up")
