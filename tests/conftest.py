@@ -2,6 +2,13 @@
 
 from __future__ import annotations
 
+import os
+
+# Before grpc is imported: grpcio's fork handlers can crash a subprocess.Popen child before it execs
+# (epoll_wait EBADF, SIGABRT; grpc/grpc#43055, open since 1.81). The tests start processes beside live
+# channels and never use gRPC in a forked child, so they need no fork support.
+os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
+
 import asyncio
 import time
 from collections.abc import Callable
