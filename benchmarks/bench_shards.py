@@ -26,6 +26,7 @@ import argparse
 import asyncio
 import os
 import random
+import signal
 import statistics
 import subprocess
 import tempfile
@@ -55,7 +56,11 @@ class MappedNats:
         self.url = f"nats://127.0.0.1:{self.port}"
         self.conf = tempfile.NamedTemporaryFile("w", suffix=".conf", delete=False)  # noqa: SIM115
         # Slow consumers are what the measurement provokes: let the server buffer a whole run.
-        self.conf.write("max_pending: 1GB\nmax_payload: 8MB\n" + nats_mappings(Subjects("kvindex"), shards))
+        # A stopped index (--preload) reads nothing until it is continued: no write deadline.
+        self.conf.write(
+            "max_pending: 1GB\nmax_payload: 8MB\nwrite_deadline: 600s\n"
+            + nats_mappings(Subjects("kvindex"), shards)
+        )
         self.conf.close()
         argv = [nats_server_binary(), "-a", "127.0.0.1", "-p", str(self.port), "-c", self.conf.name]
         self.proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -157,18 +162,38 @@ async def publish(url: str, messages: list[tuple[str, bytes]]) -> None:
 
 
 def ingest(
-    server: MappedNats, messages: list[tuple[str, bytes]], procs: list[ServerProcess], total: int
+    server: MappedNats,
+    messages: list[tuple[str, bytes]],
+    procs: list[ServerProcess],
+    total: int,
+    preload: bool = False,
 ) -> dict[str, Any]:
     """Publish ``messages`` and wait until ``procs`` applied ``total`` batches: the rate, and the CPU
-    seconds of each index process, of the nats-server and of this process (the publisher, polling)."""
+    seconds of each index process, of the nats-server and of this process (the publisher, polling).
+
+    ``preload``: the indexes are stopped (SIGSTOP) while the messages are published and the
+    nats-server holds them; the clock starts when they are continued. What is timed is then the
+    indexes draining, not the publisher (in a deployment the fleet publishes from other machines)
+    competing with them for this machine's cores."""
     url = server.url
     addresses = [p.address for p in procs]
     base = applied(addresses)
+    if preload:
+        for p in procs:
+            os.kill(p.pid, signal.SIGSTOP)
+        t = time.perf_counter()
+        asyncio.run(publish(url, messages))
+        published = time.perf_counter() - t
+        time.sleep(0.5)  # let the server write what the stopped processes' sockets take
     cpu0 = [cpu_seconds(p.pid) for p in procs]
     others0 = cpu_seconds(server.proc.pid), time.process_time()
     t0 = time.perf_counter()
-    asyncio.run(publish(url, messages))
-    published = time.perf_counter() - t0
+    if preload:
+        for p in procs:
+            os.kill(p.pid, signal.SIGCONT)
+    else:
+        asyncio.run(publish(url, messages))
+        published = time.perf_counter() - t0
     deadline = time.monotonic() + 300
     while (done := applied(addresses) - base) < total:
         if time.monotonic() > deadline:
@@ -288,12 +313,19 @@ def main() -> None:
     ap.add_argument("--keys", type=int, default=8, help="new keys per batch")
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--scores", type=int, default=200, help="Score requests to each (x2 prompts sets)")
+    ap.add_argument(
+        "--preload",
+        action="store_true",
+        help="publish each phase's batches while the indexes are stopped; time their drain only",
+    )
     ap.add_argument("--quick", action="store_true")
     args = ap.parse_args()
     if args.quick:
         args.workers, args.batches, args.reps, args.scores = 64, 200, 1, 50
     total = args.workers * args.batches
     print(f"kvindex {code_version()}; {args.workers} workers x {args.batches} batches x {args.keys} keys")
+    if args.preload:
+        print("preload: batches published while the indexes are stopped; their drain is timed")
     print(f"load average before: {os.getloadavg()}")
     server = MappedNats(2)
     procs: list[ServerProcess] = []
@@ -312,8 +344,8 @@ def main() -> None:
             seed, names = 1000 + rep, f"r{rep}w"
             plain = make_batches("plain", args.workers, args.batches, args.keys, seed, names)
             sharded = make_batches("kvindex", args.workers, args.batches, args.keys, seed, names)
-            one_runs.append(ingest(server, plain, [single], total))
-            two_runs.append(ingest(server, sharded, shards, total))
+            one_runs.append(ingest(server, plain, [single], total, args.preload))
+            two_runs.append(ingest(server, sharded, shards, total, args.preload))
             rates = one_runs[-1]["rate"], two_runs[-1]["rate"]
             print(f"rep {rep}: 1 process {rates[0]:,.0f} batches/s, 2 shards {rates[1]:,.0f}")
         one_rate = statistics.median(r["rate"] for r in one_runs)
