@@ -387,7 +387,7 @@ def main() -> None:
             " / ".join(f"{c * 1e6:.1f}" for c in two_cpu),
             0,
         ),
-        (f"Score p50, ms (256 blocks, {args.workers} instances)", *ms(single_t, front_t, 0.5)),
+        (f"Score p50, ms (256 blocks, {args.workers * args.reps} instances)", *ms(single_t, front_t, 0.5)),
         ("Score p99, ms", *ms(single_t, front_t, 0.99)),
         ("RSS after the runs, MB", f"{mem[0]:.0f}", f"{mem[1]:.0f} + {mem[2]:.0f} + front {mem[3]:.0f}", 0),
     ]
