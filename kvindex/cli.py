@@ -504,12 +504,19 @@ def _add_query(sub: Any, name: str, help_text: str, prompt: bool) -> None:
             p.add_argument(
                 "--top-k", type=count, default=0, help="return at most this many instances (0: all)"
             )
+        if name == "lookup":
+            p.add_argument(
+                "--max-instances", type=count, default=0, help="list at most this many, best first (0: all)"
+            )
         if name == "explain":
             p.add_argument("--policy", default="", help="rank with this policy (default: the index's)")
             p.add_argument("--json", action="store_true", help="print the ExplainResponse as JSON")
             p.add_argument("--plain", action="store_true", help="plain text even on a terminal")
     elif name == "instances":
         p.add_argument("--model", default="", help="only this model's instances (default: all)")
+        p.add_argument(
+            "--brief", action="store_true", help="identity and routing fields only (ListInstances view brief)"
+        )
 
 
 class UsageError(ValueError):
@@ -586,12 +593,26 @@ def _prompt_fields(args: argparse.Namespace) -> dict[str, Any]:
     return fields
 
 
+def _list_instances(stub: Any, model: str, timeout: float, view: str = "brief") -> Any:
+    """Every instance (of ``model``) in one ListInstancesResponse, asked page by page (a large
+    fleet's one answer would pass gRPC's 4 MB default; kvindex/api/listing.py)."""
+    from kvindex.client.aio import LIST_PAGE
+    from kvindex.v1 import kvindex_pb2 as pb
+
+    out, token = pb.ListInstancesResponse(), ""
+    while True:
+        request = pb.ListInstancesRequest(model=model, view=view, page_size=LIST_PAGE, page_token=token)
+        reply = stub.ListInstances(request, timeout=timeout)
+        out.instances.extend(reply.instances)
+        token = reply.next_page_token
+        if not token:
+            return out
+
+
 def _unknown_model(stub: Any, model: str, timeout: float) -> str:
     """The message for a model no instance of which the index knows (it answers such a query with
     an empty ranking, which reads like "nothing cached" when it means "nothing there")."""
-    from kvindex.v1 import kvindex_pb2 as pb
-
-    listed = stub.ListInstances(pb.ListInstancesRequest(), timeout=timeout)
+    listed = _list_instances(stub, "", timeout)
     known = sorted({i.model for i in listed.instances if i.model})
     return f"no instance of model {model!r} is known to the index (it knows: {', '.join(known) or 'none'})"
 
@@ -602,9 +623,7 @@ def _unknown_candidates(stub: Any, model: str, candidates: list[str], timeout: f
     The API restricts a ranking to the candidates it knows and ignores the others (a router's list
     may lag the index's by a heartbeat); on the command line an unknown one is a typo or a stale
     id, and an empty ranking would read as "nothing cached there"."""
-    from kvindex.v1 import kvindex_pb2 as pb
-
-    listed = stub.ListInstances(pb.ListInstancesRequest(model=model), timeout=timeout).instances
+    listed = _list_instances(stub, model, timeout).instances
     ids = {i.instance_id for i in listed}
     workers = {i.worker for i in listed}
     unknown = [c for c in candidates if c not in (ids if "/" in c else workers)]
@@ -650,7 +669,8 @@ def _query(args: argparse.Namespace) -> int:
                     request = pb.ScoreRequest(top_k=args.top_k, policy=args.policy, **fields)
                     reply = stub.Explain(request, timeout=args.timeout)
                 else:
-                    reply = stub.Lookup(pb.LookupRequest(**fields), timeout=args.timeout)
+                    request = pb.LookupRequest(max_instances=args.max_instances, **fields)
+                    reply = stub.Lookup(request, timeout=args.timeout)
                 ranking = reply.ranking if args.command == "explain" else reply
                 if not ranking.block_size:  # the index answers an unknown model with no block size
                     unknown = _unknown_model(stub, args.model, args.timeout)
@@ -667,7 +687,8 @@ def _query(args: argparse.Namespace) -> int:
             elif args.command == "stats":
                 reply = stub.Stats(pb.StatsRequest(), timeout=args.timeout)
             else:
-                reply = stub.ListInstances(pb.ListInstancesRequest(model=args.model), timeout=args.timeout)
+                view = "brief" if args.brief else "full"
+                reply = _list_instances(stub, args.model, args.timeout, view)
         except grpc.RpcError as exc:
             if args.command == "explain" and exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
                 # What the flags asked for makes no sense (an unknown --policy, a text prompt the

@@ -33,12 +33,13 @@ cdef inline char* _put_varint(char* p, uint64_t v) noexcept nogil:
 
 
 def encode_matches(bytes idents, const long long[::1] offsets, const long long[::1] slots,
-                   list answers, bytes none, bytes head=b"", bytes tail=b""):
+                   list answers, bytes none, bytes head=b"", bytes tail=b"", Py_ssize_t limit=-1):
     """``matches`` entries for the ``len(slots)`` instances (sorted by key): instance i's identity
     fields are ``idents[offsets[i]:offsets[i + 1]]`` and its index slot ``slots[i]`` (-1: none).
     ``answers``: (matched blocks, its fields' bytes, slot masks: one little-endian u64 per bank);
     an instance in no answer gets ``none``. Ordered by matched blocks, most first, then by key; between
-``head`` and ``tail`` (the response's other fields: one copy of the whole answer, not two)."""
+``head`` and ``tail`` (the response's other fields: one copy of the whole answer, not two). The
+first ``limit`` instances of that order only, when ``limit`` >= 0."""
     cdef Py_ssize_t n = slots.shape[0], i, a, b, nb, slot, n_ans = len(answers), width = 0
     cdef Py_ssize_t body, total = PyBytes_GET_SIZE(head) + PyBytes_GET_SIZE(tail), max_len = 0, pos
     cdef uint64_t m
@@ -92,8 +93,6 @@ def encode_matches(bytes idents, const long long[::1] offsets, const long long[:
             ans_of[i] = <int>a
             length = lengths[a] if a >= 0 else 0
             counts[max_len - length + 1] += 1
-            body = offsets[i + 1] - offsets[i] + (suffix_len[a] if a >= 0 else PyBytes_GET_SIZE(none))
-            total += 1 + _varint_size(body) + body
         for i in range(max_len + 1):
             counts[i + 1] += counts[i]
         for i in range(n):
@@ -102,6 +101,13 @@ def encode_matches(bytes idents, const long long[::1] offsets, const long long[:
             pos = counts[max_len - length]
             counts[max_len - length] += 1
             order[pos] = i
+        if 0 <= limit < n:
+            n = limit
+        for pos in range(n):
+            i = order[pos]
+            a = ans_of[i]
+            body = offsets[i + 1] - offsets[i] + (suffix_len[a] if a >= 0 else PyBytes_GET_SIZE(none))
+            total += 1 + _varint_size(body) + body
         out = PyBytes_FromStringAndSize(NULL, total)
         p = PyBytes_AS_STRING(out)
         memcpy(p, PyBytes_AS_STRING(head), PyBytes_GET_SIZE(head))

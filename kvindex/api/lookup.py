@@ -67,6 +67,7 @@ def _encode_matches(
     none: bytes,
     head: bytes = b"",
     tail: bytes = b"",
+    limit: int = -1,
 ) -> bytes:
     """The pure-Python twin of _lookup.encode_matches (see there)."""
     answer_of: dict[int, int] = {}
@@ -82,6 +83,8 @@ def _encode_matches(
         a = answer_of.get(int(slots[i]), -1)
         rows.append((-(answers[a][0] if a >= 0 else 0), i, answers[a][1] if a >= 0 else none))
     rows.sort(key=lambda r: (r[0], r[1]))  # most blocks first, then key order (the roster's)
+    if limit >= 0:
+        del rows[limit:]
     parts = [head]
     for _, i, fields in rows:
         body = idents[offsets[i] : offsets[i + 1]] + fields
@@ -139,10 +142,16 @@ class LookupEncoder:
         return roster
 
     def encode(
-        self, header: pb.LookupResponse, trailer: pb.LookupResponse, keys: list[int], limit: int | None
+        self,
+        header: pb.LookupResponse,
+        trailer: pb.LookupResponse,
+        keys: list[int],
+        limit: int | None,
+        max_instances: int = 0,
     ) -> bytes:
-        """``header`` (fields 1-4) + every instance of ``header.model`` with its match + ``trailer``
-        (fields 30-31), as the bytes of one LookupResponse."""
+        """``header`` (fields 1-4) + every instance of ``header.model`` with its match (the first
+        ``max_instances`` of them, 0: all) + ``trailer`` (fields 30-31), as the bytes of one
+        LookupResponse. ``limit``: the hit rule's (kvindex/index/hybrid.py)."""
         model = header.model
         roster = self._roster(model)
         answers: list[tuple[int, bytes, bytes]] = []
@@ -152,7 +161,16 @@ class LookupEncoder:
             if listed:  # a hybrid model answers per instance: its listed answers as masks too
                 answers.extend(self._masks(listed, roster.slot_of))
         head, tail = header.SerializeToString(), trailer.SerializeToString()
-        return encode_matches(roster.idents, roster.offsets, roster.slots, answers, _NONE_FIELDS, head, tail)
+        return encode_matches(
+            roster.idents,
+            roster.offsets,
+            roster.slots,
+            answers,
+            _NONE_FIELDS,
+            head,
+            tail,
+            max_instances or -1,
+        )
 
     @staticmethod
     def _masks(

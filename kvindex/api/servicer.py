@@ -15,6 +15,7 @@ import numpy as np
 
 from kvindex.api.errors import BadRequest
 from kvindex.api.handlers import Malformed
+from kvindex.api.listing import InstanceListing, add_rows, check_view, decode_token, encode_token
 from kvindex.api.lookup import LookupEncoder
 from kvindex.api.methods import (
     COMMIT_METHOD,
@@ -207,6 +208,7 @@ class KvIndexServicer(pb_grpc.KvIndexServicer):
         self._latency = {label: metrics.rpc_latency.labels(label) if metrics else None for label in LABELS}
         # Lookup answers encoded from the index's grouped answer (kvindex/api/lookup.py).
         self._lookups = LookupEncoder(registry, index) if isinstance(index, GroupedIndex) else None
+        self._listing = InstanceListing(registry)
 
     # -- request decoding ----------------------------------------------------------------------
 
@@ -610,6 +612,7 @@ class KvIndexServicer(pb_grpc.KvIndexServicer):
                 ),
                 keys,
                 limit,
+                request.max_instances,
             )
             self._done(LOOKUP, request, encoded, started)
             return encoded
@@ -628,7 +631,7 @@ class KvIndexServicer(pb_grpc.KvIndexServicer):
             states = [s for s in states if s.worker in wanted or s.instance_id in wanted]
         matches = self.index.match(request.model, keys, [s.key for s in states], limit) if keys else {}
         ordered = sorted(states, key=lambda s: (-matches.get(s.key, NO_MATCH).length, s.key))
-        for state in ordered:
+        for state in ordered[: request.max_instances or None]:
             match = matches.get(state.key, NO_MATCH)
             response.matches.add(
                 instance_id=state.instance_id,
@@ -643,56 +646,65 @@ class KvIndexServicer(pb_grpc.KvIndexServicer):
     async def ListInstances(
         self, request: pb.ListInstancesRequest, context: grpc.aio.ServicerContext
     ) -> pb.ListInstancesResponse:
+        """The instances (of a model, or all), in (model, key) order: all of them, or a page
+        (kvindex/api/listing.py), in the full view or the brief one."""
         started = time.perf_counter()
-        states = self.registry.of_model(request.model) if request.model else self.registry.all()
+        try:
+            view = check_view(request.view)
+            after = decode_token(request.page_token, request.model)
+        except BadRequest as exc:
+            await self._abort(context, exc)
+        states, last = self._listing.page(request.model, after, request.page_size)
+        response = pb.ListInstancesResponse(next_page_token=encode_token(last) if last is not None else "")
         now = self.registry.clock()
-        response = pb.ListInstancesResponse()
-        calibrator = self.ranker.calibrator
-        for state in sorted(states, key=lambda s: (s.model, s.key)):
-            cap = state.capacity
-            fit = calibrator.status(state.model, state.instance_id)
-            response.instances.add(
-                instance_id=state.instance_id,
-                worker=state.worker,
-                dp_rank=state.dp_rank,
-                model=state.model,
-                block_size=state.block_size,
-                epoch=_u64(state.epoch),
-                last_seq=_u64(state.last_seq),
-                load=_load(state, now),
-                blocks=_tier_blocks(self.index.block_counts(state.key)),
-                capacity=_tier_blocks([cap.get(t, 0) for t in range(4)]),
-                batches=_u64(state.batches),
-                gaps=_u64(state.gaps),
-                missing_batches=_u64(state.missing_batches),
-                restarts=_u64(state.restarts),
-                pool=state.is_pool,
-                stale=state.stale,
-                sync=state.repair.sync,
-                endpoint=state.endpoint or "",
-                approximate=state.approximate,
-                role=state.role,
-                pd_group=state.pd_group or "",
-                kv_groups=describe_groups(state.groups_announced) if state.groups_announced else "",
-                prefill=pb.PrefillFit(
-                    source=fit.source,
-                    a_ms=fit.model.a_ms,
-                    b_ms_per_token=fit.model.b_ms_per_token,
-                    c_ms_per_token2=fit.model.c_ms_per_token2,
-                    samples=fit.samples,
-                    error=fit.error or 0.0,
-                    has_error=fit.error is not None,
-                ),
-            )
-            info = response.instances[-1]
-            info.state, info.state_reason = self.ranker.state_of(state)
-            counts = self.ranker.outcomes.instances.get(state.key)
-            if counts is not None:
-                by = counts.by_outcome
-                info.outcomes_exact, info.outcomes_over = by["exact"], by["over"]
-                info.outcomes_under = by["under"]
+        add_rows(response, states, view, lambda r, state: self._full_row(r, state, now))
         self._done(LIST_INSTANCES, request, response, started)
         return response
+
+    def _full_row(self, response: pb.ListInstancesResponse, state: InstanceState, now: float) -> None:
+        calibrator = self.ranker.calibrator
+        cap = state.capacity
+        fit = calibrator.status(state.model, state.instance_id)
+        response.instances.add(
+            instance_id=state.instance_id,
+            worker=state.worker,
+            dp_rank=state.dp_rank,
+            model=state.model,
+            block_size=state.block_size,
+            epoch=_u64(state.epoch),
+            last_seq=_u64(state.last_seq),
+            load=_load(state, now),
+            blocks=_tier_blocks(self.index.block_counts(state.key)),
+            capacity=_tier_blocks([cap.get(t, 0) for t in range(4)]),
+            batches=_u64(state.batches),
+            gaps=_u64(state.gaps),
+            missing_batches=_u64(state.missing_batches),
+            restarts=_u64(state.restarts),
+            pool=state.is_pool,
+            stale=state.stale,
+            sync=state.repair.sync,
+            endpoint=state.endpoint or "",
+            approximate=state.approximate,
+            role=state.role,
+            pd_group=state.pd_group or "",
+            kv_groups=describe_groups(state.groups_announced) if state.groups_announced else "",
+            prefill=pb.PrefillFit(
+                source=fit.source,
+                a_ms=fit.model.a_ms,
+                b_ms_per_token=fit.model.b_ms_per_token,
+                c_ms_per_token2=fit.model.c_ms_per_token2,
+                samples=fit.samples,
+                error=fit.error or 0.0,
+                has_error=fit.error is not None,
+            ),
+        )
+        info = response.instances[-1]
+        info.state, info.state_reason = self.ranker.state_of(state)
+        counts = self.ranker.outcomes.instances.get(state.key)
+        if counts is not None:
+            by = counts.by_outcome
+            info.outcomes_exact, info.outcomes_over = by["exact"], by["over"]
+            info.outcomes_under = by["under"]
 
     async def Stats(self, request: pb.StatsRequest, context: grpc.aio.ServicerContext) -> pb.StatsResponse:
         started = time.perf_counter()

@@ -36,6 +36,10 @@ from kvindex.v1 import kvindex_pb2 as pb
 from kvindex.v1 import kvindex_pb2_grpc as pb_grpc
 
 DEFAULT_TIMEOUT = 0.5  # seconds; Score answers in about a millisecond when the index is healthy
+# ListInstances asked in pages of this many: ~0.5 MB and ~0.1 s of the index's loop a full page,
+# under every gRPC client's 4 MB default, and the index serves other calls between pages.
+LIST_PAGE = 4096
+REFRESH_SHARE = 20  # the fallback's refresh waits at least this many times what the last one took
 
 # Why a decision came from the fallback (a metric label).
 UNAVAILABLE = "unavailable"  # cannot connect / connection lost
@@ -273,7 +277,9 @@ class AsyncKvIndexClient:
     the channel; ``timeout`` is the default
     per-call deadline in seconds; ``fallback`` (None: off) decides when the index cannot;
     ``refresh_interval`` is how often the fallback's instance list is refreshed from ListInstances
-    (0: only from Score answers and explicit :meth:`refresh_instances`); a Score stream whose oldest
+    (brief pages; 0: only from Score answers and explicit :meth:`refresh_instances`), never more
+    often than 20 times what the last refresh took (a large fleet's list costs the index ~4 us an
+    instance); a Score stream whose oldest
     unanswered request is older than ``stall_after`` seconds is replaced. ``fallback_instances``
     (model -> ``["HOST:PORT" or "ID=HOST:PORT", ...]``, :func:`static_instances`) is the fallback's
     instance list for a model the index has not reported to this client yet, so that a client that
@@ -620,11 +626,24 @@ class AsyncKvIndexClient:
     async def lookup(self, model: str, *, timeout: float | None = None, **fields: Any) -> pb.LookupResponse:
         return await self.call("Lookup", model=model, timeout=timeout, **fields)
 
-    async def list_instances(self, model: str = "", *, timeout: float | None = None) -> list[pb.InstanceInfo]:
-        reply = await self.call("ListInstances", model=model, timeout=timeout)
+    async def list_instances(
+        self, model: str = "", *, timeout: float | None = None, view: str = "", page_size: int = LIST_PAGE
+    ) -> list[pb.InstanceInfo]:
+        """Every instance (of ``model``, or all), asked page by page (``page_size`` each, 0: in one
+        answer; an index that predates pages answers everything at once), in the ``view`` asked
+        ("full" or "brief": kvindex/api/listing.py). ``timeout`` is per page."""
+        out: list[pb.InstanceInfo] = []
+        token = ""
+        while True:
+            fields = {"model": model, "view": view, "page_size": page_size, "page_token": token}
+            reply = await self.call("ListInstances", timeout=timeout, **fields)
+            out.extend(reply.instances)
+            token = reply.next_page_token
+            if not token:
+                break
         if not model:
-            self.instances.replace(reply.instances)
-        return list(reply.instances)
+            self.instances.replace(out)
+        return out
 
     async def stats_rpc(self, *, timeout: float | None = None) -> pb.StatsResponse:
         return await self.call("Stats", timeout=timeout)
@@ -634,7 +653,7 @@ class AsyncKvIndexClient:
     async def refresh_instances(self, timeout: float | None = None) -> bool:
         """Reload every model's instances from ListInstances; False (counted) if the index is down."""
         try:
-            await self.list_instances(timeout=timeout)
+            await self.list_instances(timeout=timeout, view="brief")
         except IndexUnavailable as exc:
             self.stats.refresh_errors += 1
             self._unreachable(exc.reason, str(exc), exc.code)
@@ -678,5 +697,9 @@ class AsyncKvIndexClient:
 
     async def _refresh_loop(self) -> None:
         while True:
+            started = time.monotonic()
             await self.refresh_instances(timeout=max(self.timeout, 1.0))
-            await asyncio.sleep(self.refresh_interval)
+            # A large fleet's listing takes the index ~4 us an instance (~1 s at 224,000): each
+            # client spends at most ~1/REFRESH_SHARE of the index's time on it.
+            took = time.monotonic() - started
+            await asyncio.sleep(max(self.refresh_interval, REFRESH_SHARE * took))

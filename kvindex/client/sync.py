@@ -70,8 +70,9 @@ class KvIndexClient:
     def lookup(self, model: str, **kwargs: Any) -> pb.LookupResponse:
         return self._run(self._client.lookup(model, **kwargs))
 
-    def list_instances(self, model: str = "", *, timeout: float | None = None) -> list[pb.InstanceInfo]:
-        return self._run(self._client.list_instances(model, timeout=timeout))
+    def list_instances(self, model: str = "", **kwargs: Any) -> list[pb.InstanceInfo]:
+        """``AsyncKvIndexClient.list_instances``: timeout, view, page_size."""
+        return self._run(self._client.list_instances(model, **kwargs))
 
     def stats_rpc(self, *, timeout: float | None = None) -> pb.StatsResponse:
         return self._run(self._client.stats_rpc(timeout=timeout))

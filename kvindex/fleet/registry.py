@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from operator import attrgetter
@@ -167,6 +168,9 @@ class InstanceState:
         return None if self.last_heartbeat_at is None else max(0.0, now - self.last_heartbeat_at)
 
 
+JOURNAL = 4096  # joins and leaves remembered per model (Registry.model_changes)
+
+
 class Registry:
     """Instances by key and by model, and each model's block size (announced by its workers)."""
 
@@ -178,8 +182,12 @@ class Registry:
         self._by_endpoint: dict[str, dict[InstanceKey, InstanceState]] = {}
         self._watchers: tuple[set[InstanceKey], ...] = ()
         # Bumped whenever an instance is added or removed: views of the membership (the pick's
-        # fleet ages) recompute only when it moved.
+        # fleet ages) recompute only when it moved. Per model too (ListInstances' sorted keys).
         self.membership = 0
+        self._model_membership: dict[str, int] = {}
+        # Per model, the last joins and leaves (count after, key, joined): a sorted view follows
+        # them instead of comparing the whole membership (kvindex/api/listing.py).
+        self._journal: dict[str, deque[tuple[int, InstanceKey, bool]]] = {}
 
     def watch(self) -> set[InstanceKey]:
         """A set that receives the key of every instance added, removed or assigned a watched field
@@ -211,6 +219,7 @@ class Registry:
     def add(self, instance: InstanceKey, model: str, block_size: int) -> InstanceState:
         state = InstanceState(instance, model, block_size, first_seen=self.clock())
         self.membership += 1
+        self._bump(model, instance, True)
         state._watchers = self._watchers
         old = self._states.get(instance)
         if old is not None:
@@ -225,6 +234,7 @@ class Registry:
         state = self._states.pop(instance, None)
         if state is not None:
             self.membership += 1
+            self._bump(state.model, instance, False)
             state.removed = True
             self.set_endpoint(state, None)
             for changed in self._watchers:
@@ -235,6 +245,26 @@ class Registry:
             if not members:
                 del self._by_model[state.model]
         return state
+
+    def _bump(self, model: str, instance: InstanceKey, joined: bool) -> None:
+        # Never reset (a model that empties and comes back must not repeat a count a view saw).
+        count = self._model_membership[model] = self._model_membership.get(model, 0) + 1
+        journal = self._journal.get(model)
+        if journal is None:
+            journal = self._journal[model] = deque(maxlen=JOURNAL)
+        journal.append((count, instance, joined))
+
+    def model_membership(self, model: str) -> int:
+        """A count that moves whenever an instance of ``model`` is added or removed."""
+        return self._model_membership.get(model, 0)
+
+    def model_changes(self, model: str, since: int) -> list[tuple[InstanceKey, bool]] | None:
+        """The joins (True) and leaves of ``model``'s instances after count ``since``, oldest
+        first; None when the journal no longer reaches back that far."""
+        journal = self._journal.get(model)
+        if not journal or journal[0][0] > since + 1:
+            return None if self.model_membership(model) != since else []
+        return [(key, joined) for count, key, joined in journal if count > since]
 
     def members(self, model: str) -> dict[InstanceKey, InstanceState]:
         """The model's instances by key (a live view: do not modify)."""

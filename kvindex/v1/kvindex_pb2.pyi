@@ -267,13 +267,14 @@ class ReleaseResponse(_message.Message):
     def __init__(self, found: _Optional[bool] = ..., report: _Optional[str] = ...) -> None: ...
 
 class LookupRequest(_message.Message):
-    __slots__ = ("model", "lora", "salt", "token_ids", "block_keys", "candidates", "prompt", "messages", "prompt_options")
+    __slots__ = ("model", "lora", "salt", "token_ids", "block_keys", "candidates", "max_instances", "prompt", "messages", "prompt_options")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     LORA_FIELD_NUMBER: _ClassVar[int]
     SALT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_KEYS_FIELD_NUMBER: _ClassVar[int]
     CANDIDATES_FIELD_NUMBER: _ClassVar[int]
+    MAX_INSTANCES_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
     PROMPT_OPTIONS_FIELD_NUMBER: _ClassVar[int]
@@ -283,10 +284,11 @@ class LookupRequest(_message.Message):
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     block_keys: _containers.RepeatedScalarFieldContainer[int]
     candidates: _containers.RepeatedScalarFieldContainer[str]
+    max_instances: int
     prompt: str
     messages: str
     prompt_options: PromptOptions
-    def __init__(self, model: _Optional[str] = ..., lora: _Optional[str] = ..., salt: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., block_keys: _Optional[_Iterable[int]] = ..., candidates: _Optional[_Iterable[str]] = ..., prompt: _Optional[str] = ..., messages: _Optional[str] = ..., prompt_options: _Optional[_Union[PromptOptions, _Mapping]] = ...) -> None: ...
+    def __init__(self, model: _Optional[str] = ..., lora: _Optional[str] = ..., salt: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., block_keys: _Optional[_Iterable[int]] = ..., candidates: _Optional[_Iterable[str]] = ..., max_instances: _Optional[int] = ..., prompt: _Optional[str] = ..., messages: _Optional[str] = ..., prompt_options: _Optional[_Union[PromptOptions, _Mapping]] = ...) -> None: ...
 
 class InstanceMatch(_message.Message):
     __slots__ = ("instance_id", "worker", "dp_rank", "matched_blocks", "matched")
@@ -321,10 +323,16 @@ class LookupResponse(_message.Message):
     def __init__(self, model: _Optional[str] = ..., block_size: _Optional[int] = ..., total_blocks: _Optional[int] = ..., block_keys: _Optional[_Iterable[int]] = ..., matches: _Optional[_Iterable[_Union[InstanceMatch, _Mapping]]] = ..., token_ids: _Optional[_Iterable[int]] = ..., prompt_tokens: _Optional[int] = ...) -> None: ...
 
 class ListInstancesRequest(_message.Message):
-    __slots__ = ("model",)
+    __slots__ = ("model", "page_size", "page_token", "view")
     MODEL_FIELD_NUMBER: _ClassVar[int]
+    PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    VIEW_FIELD_NUMBER: _ClassVar[int]
     model: str
-    def __init__(self, model: _Optional[str] = ...) -> None: ...
+    page_size: int
+    page_token: str
+    view: str
+    def __init__(self, model: _Optional[str] = ..., page_size: _Optional[int] = ..., page_token: _Optional[str] = ..., view: _Optional[str] = ...) -> None: ...
 
 class InstanceInfo(_message.Message):
     __slots__ = ("instance_id", "worker", "dp_rank", "model", "block_size", "epoch", "last_seq", "load", "blocks", "capacity", "batches", "gaps", "missing_batches", "restarts", "pool", "stale", "sync", "endpoint", "approximate", "state", "state_reason", "outcomes_exact", "outcomes_over", "outcomes_under", "role", "pd_group", "kv_groups", "prefill")
@@ -405,10 +413,12 @@ class PrefillFit(_message.Message):
     def __init__(self, source: _Optional[str] = ..., a_ms: _Optional[float] = ..., b_ms_per_token: _Optional[float] = ..., c_ms_per_token2: _Optional[float] = ..., samples: _Optional[int] = ..., error: _Optional[float] = ..., has_error: _Optional[bool] = ...) -> None: ...
 
 class ListInstancesResponse(_message.Message):
-    __slots__ = ("instances",)
+    __slots__ = ("instances", "next_page_token")
     INSTANCES_FIELD_NUMBER: _ClassVar[int]
+    NEXT_PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
     instances: _containers.RepeatedCompositeFieldContainer[InstanceInfo]
-    def __init__(self, instances: _Optional[_Iterable[_Union[InstanceInfo, _Mapping]]] = ...) -> None: ...
+    next_page_token: str
+    def __init__(self, instances: _Optional[_Iterable[_Union[InstanceInfo, _Mapping]]] = ..., next_page_token: _Optional[str] = ...) -> None: ...
 
 class StatsRequest(_message.Message):
     __slots__ = ()

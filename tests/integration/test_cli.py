@@ -95,6 +95,13 @@ def test_serve_score_stats_and_clean_shutdown(served: tuple[subprocess.Popen[str
 
     look = run_cli("lookup", "--server", server, "--model", "demo", "--keys", ",".join(map(str, keys)))
     assert json.loads(look.stdout)["matches"][0]["matched"]["gpu"] == "3"
+    one = run_cli("lookup", "--server", server, "--model", "demo", "--keys", "1", "--max-instances", "1")
+    assert len(json.loads(one.stdout)["matches"]) == 1
+
+    listed = json.loads(run_cli("instances", "--server", server).stdout)["instances"]
+    brief = json.loads(run_cli("instances", "--server", server, "--brief").stdout)["instances"]
+    assert [i["instanceId"] for i in brief] == [i["instanceId"] for i in listed] == ["node-a/0"]
+    assert "load" in listed[0] and "load" not in brief[0]
 
     bad = run_cli("score", "--server", server, "--model", "demo", "--tokens", "1", "--candidates", "no such")
     assert bad.returncode == 1 and "INVALID_ARGUMENT" in bad.stderr

@@ -146,3 +146,23 @@ def test_raw_answers(encode) -> None:
         expected.append((-length, i, b"\x2a" + bytes([len(body)]) + body))
     got = encode(idents, offsets, slots, answers, b"\x2a\x00")
     assert got == b"".join(e[2] for e in sorted(expected))
+    # max_instances: the first n of the same order, however n falls against equal lengths.
+    for n in (0, 1, 63, 64, 65, 199, 200, 500):
+        assert (
+            encode(idents, offsets, slots, answers, b"\x2a\x00", b"H", b"T", n)
+            == b"H" + b"".join(e[2] for e in sorted(expected)[:n]) + b"T"
+        )
+
+
+@pytest.mark.parametrize("encode", ENCODERS)
+def test_max_instances_is_the_head_of_the_whole_answer(encode, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(lookup_mod, "encode_matches", encode)
+    rng = random.Random(11)
+    chain = [rng.getrandbits(64) for _ in range(12)]
+    index, registry = fleet(rng, 300, chain)
+    encoder = LookupEncoder(registry, index)
+    header = pb.LookupResponse(model="m", block_size=BS, total_blocks=len(chain), block_keys=chain)
+    whole = pb.LookupResponse.FromString(encoder.encode(header, pb.LookupResponse(), chain, None))
+    for n in (1, 5, 299, 300, 301):
+        head = pb.LookupResponse.FromString(encoder.encode(header, pb.LookupResponse(), chain, None, n))
+        assert list(head.matches) == list(whole.matches)[:n]
