@@ -54,6 +54,8 @@ class LocalKvIndexClient(AsyncKvIndexClient):
 
     async def _score(self, request: pb.ScoreRequest) -> pb.ScoreResponse:
         # As ScoreStream answers it: a bad request is an answer with ``error``, not an exception.
+        if request.prompt or request.messages:
+            await self.servicer.pretokenize(request)
         try:
             return self.servicer.score_request(request)
         except BadRequest as exc:

@@ -4,6 +4,7 @@ saying what is wrong; the tokenization cache's Prometheus counters move."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -315,3 +316,29 @@ def test_serve_with_tokenizer_flags(tok_dirs: dict[str, str], tmp_path: Path) ->
         [*argv, "--tokenizer", "llama"], capture_output=True, text=True, timeout=30, check=False
     )
     assert bad.returncode != 0 and "expected MODEL=DIR" in bad.stderr
+
+
+async def test_a_long_chat_is_tokenized_off_the_event_loop(
+    svc: IndexService,
+    kv: pb_grpc.KvIndexStub,
+    make_publisher: Callable[..., Awaitable[Publisher]],
+    tok_dirs: dict[str, str],
+) -> None:
+    """A chat past OFFLOAD_CHARS is tokenized in a worker thread first: Scores of token ids sent while
+    it is being tokenized are answered before it (before, the event loop was held until it was done),
+    and its answer is the one its token ids give."""
+    from kvindex.api.servicer import OFFLOAD_CHARS
+    from kvtools.testing.tokenizer_fixtures import corpus
+
+    await fleet(make_publisher, svc, "llama")
+    text = " ".join(corpus(6000, seed=3))
+    assert len(text) > 4 * OFFLOAD_CHARS
+    chat = json.dumps([{"role": "system", "content": text}, {"role": "user", "content": "Go on."}])
+    long_score = asyncio.ensure_future(kv.Score(pb.ScoreRequest(model="llama", messages=chat)))
+    await asyncio.sleep(0.05)  # sent, and being tokenized (~0.3-2 s cold on this machine)
+    await kv.Score(pb.ScoreRequest(model="llama", token_ids=list(range(64))))
+    assert not long_score.done()
+    reply = await long_score
+    ids = reference(tok_dirs).encode_chat("llama", json.loads(chat))
+    again = await kv.Score(pb.ScoreRequest(model="llama", token_ids=ids.tolist()))
+    assert reply.prompt_tokens == len(ids) and ranking(reply) == ranking(again)
