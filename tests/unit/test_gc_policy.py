@@ -56,3 +56,22 @@ def test_disabled_policy_leaves_the_collector_alone() -> None:
     policy = GcPolicy(GcConfig(enabled=False), Log())
     policy.stop()
     assert gc.get_freeze_count() == 0
+
+
+def test_serve_flags() -> None:
+    """``kvindex serve --gc-freeze-every/--gc-full-every`` set the policy (0: off); bad values exit 2."""
+    import pytest
+
+    from kvindex.cli import _service_config, build_parser
+
+    def config(*flags: str) -> GcConfig:
+        args = build_parser().parse_args(["serve", *flags])
+        return _service_config(args, None, None, None, None).gc
+
+    assert config() == GcConfig()
+    assert config("--gc-freeze-every", "5", "--gc-full-every", "600") == GcConfig(True, 5.0, 600.0)
+    assert not config("--gc-freeze-every", "0").enabled
+    for bad in (["--gc-freeze-every", "-1"], ["--gc-full-every", "0"]):
+        with pytest.raises(SystemExit) as exc:
+            build_parser().parse_args(["serve", *bad])
+        assert exc.value.code == 2
