@@ -30,6 +30,7 @@ class Applier:
     def __init__(self, shared: IngestState, limits: IngestLimits, rejects: Rejects, layouts: Layouts) -> None:
         self.index, self.counters, self.log = shared.index, shared.counters, shared.log
         self.ingest_limits, self.rejects, self.layouts = limits, rejects, layouts
+        self._apply_within = self.index.apply_within
 
     def apply(self, state: InstanceState, batch: EventBatch, bound: int = -1) -> None:
         """Apply a batch; ``bound`` is an upper bound of its keys when known (its payload's size:
@@ -38,7 +39,7 @@ class Applier:
         events = batch.events
         limit = state.block_limits or self.limits_of(state)
         # Fast check, in the index's call: even if every key were new, no tier would pass its limit.
-        applied = self.index.apply_within(state.key, events, bound, limit) if bound >= 0 else None
+        applied = self._apply_within(state.key, events, bound, limit) if bound >= 0 else None
         if applied is None:
             have = self.index.block_counts(state.key)
             room = min(limit[0] - have[0], limit[1] - have[1], limit[2] - have[2], limit[3] - have[3])

@@ -27,8 +27,9 @@ from kvindex.instance import InstanceKey
 from kvindex.repair.machine import REPLAY, SNAPSHOT, IngestState, RepairMachine
 from kvindex.sequencer.cursor import Verdict, decide
 from kvindex.wire import errors
-from kvindex.wire.codec import Limits, decode_batch
+from kvindex.wire.codec import Limits, batch_fast_path, decode_batch
 from kvindex.wire.errors import WireError
+from kvindex.wire.schema import WIRE_VERSION
 from kvindex.wire.subjects import EVENTS, Subjects, valid_worker_id
 
 
@@ -66,6 +67,8 @@ class Consumer:
         # The registry's and the sequencer's dicts' own lookups: no Python call in between.
         self._state_of = self.registry.getter()
         self._cursor_of = self.sequencer.cursors().get
+        self._decode, self._valid_workers = batch_fast_path()
+        self._max_events, self._max_keys = limits.max_events, limits.max_keys
 
     # -- event batches ---------------------------------------------------------------------------
 
@@ -80,7 +83,21 @@ class Consumer:
         try:
             if not worker:
                 raise WireError(errors.BAD_SUBJECT, f"subject {subject!r} is not under {head!r}")
-            batch = decode_batch(payload, worker, self.limits)
+            # decode_batch's common case inline (see batch_fast_path); anything else decoded again
+            # by decode_batch, which raises what is wrong.
+            try:
+                batch = self._decode(payload)
+            except Exception:
+                batch = None
+            if (
+                batch is None
+                or batch.worker != worker
+                or worker not in self._valid_workers
+                or batch.v != WIRE_VERSION
+                or len(batch.events) > self._max_events
+                or len(payload) > self._max_keys
+            ):
+                batch = decode_batch(payload, worker, self.limits)
             state = self._state_of((worker, batch.dp_rank))
             if state is None or state.model != batch.model or state.block_size != batch.block_size:
                 state = self.instances.state_for(

@@ -235,6 +235,15 @@ def decode_batch(
     return batch
 
 
+def batch_fast_path() -> tuple[Callable[[bytes], EventBatch], set[str]]:
+    """For a caller that inlines decode_batch's common case (kvindex/ingest/consumer.py): the
+    decoder without the worker id's pattern and the ids seen valid (read only). A batch it decodes
+    whose worker is in the set, of version WIRE_VERSION, equal to the subject's and within the
+    limits without counting keys (events <= max_events, payload <= max_keys bytes) is what
+    decode_batch returns; anything else must go through decode_batch."""
+    return _batch_decoder.decode, _valid_workers
+
+
 def _batch_rejection(payload: bytes, exc: BaseException) -> WireError:
     """Why a batch is rejected: the first error in the payload as the checked type finds it (a bad
     worker id may come before the error the unchecked type stopped at)."""

@@ -15,9 +15,10 @@ from kvindex.index import InvertedIndex
 from kvindex.ingest.consumer import Consumer
 from kvindex.observability.counters import IngestCounters
 from kvindex.sequencer.cursor import Sequencer, Verdict, decide
-from kvindex.wire import encode_batch, encode_heartbeat
+from kvindex.wire import WireError, codec, decode_batch, encode_batch, encode_heartbeat
 from kvindex.wire import errors as E
 from kvindex.wire.codec import Limits
+from tests.unit.test_wire import wire_batches
 
 
 def make() -> Consumer:
@@ -250,3 +251,32 @@ def test_a_batch_is_applied_at_once_exactly_when_the_sequencer_says_apply(
             assert not applied
         else:  # a new history: applied when it starts at 1
             assert applied == (seq == 1)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(st.tuples(wire_batches(), st.sampled_from(["w1", "w-2_X", "a b"]), st.booleans()), max_size=8)
+)
+def test_the_consumer_decodes_as_decode_batch(messages: list[tuple[bytes, str, bool]]) -> None:
+    # on_events decodes a batch of a worker id seen valid inline (codec.batch_fast_path): whatever the
+    # payload and subject, it rejects for the reason decode_batch gives, and accepts what it accepts.
+    c = make()
+    for payload, subject_worker, forget_ids in messages:
+        if forget_ids:
+            codec._valid_workers.clear()
+        try:
+            decode_batch(payload, subject_worker, c.limits)
+            expected = None
+        except WireError as exc:
+            expected = exc.reason
+        if forget_ids:  # the consumer then meets the id unseen
+            codec._valid_workers.clear()
+        before = dict(c.counters.rejects)
+        c.on_events(f"kvindex.events.{subject_worker}", payload)
+        delta = {r: n - before.get(r, 0) for r, n in c.counters.rejects.items() if n != before.get(r, 0)}
+        if expected is None:
+            assert delta == {}
+        elif expected == E.SUBJECT_MISMATCH and subject_worker == "a b":
+            assert delta == {E.BAD_SUBJECT: 1}
+        else:
+            assert delta == {expected: 1}

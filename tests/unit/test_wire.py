@@ -336,7 +336,7 @@ _ANY = st.one_of(st.integers(-3, 3), st.text(max_size=3), st.none(), st.floats(a
 
 
 @st.composite
-def _batches(draw: st.DrawFn) -> bytes:
+def wire_batches(draw: st.DrawFn) -> bytes:
     msg = batch(worker=draw(_WORKERS))
     for name in draw(st.lists(st.sampled_from(sorted(msg)), max_size=3)):  # some fields bad or gone
         msg[name] = draw(st.one_of(st.just(DROP), _ANY))
@@ -346,7 +346,7 @@ def _batches(draw: st.DrawFn) -> bytes:
 
 
 @settings(max_examples=400, deadline=None)
-@given(st.lists(_batches(), min_size=1, max_size=6), st.booleans())
+@given(st.lists(wire_batches(), min_size=1, max_size=6), st.booleans())
 def test_worker_ids_checked_once_decode_as_the_whole_schema(payloads: list[bytes], full: bool) -> None:
     if full:  # the set of ids seen valid emptied at each batch: every id checked again
         codec._valid_workers.clear()
