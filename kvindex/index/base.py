@@ -94,6 +94,13 @@ class KvBlockIndex(Protocol):
         """Apply a batch's decoded events in order (kvindex.wire.schema Stored / Removed / Cleared:
         ``op``, ``tier`` name, ``keys``): the same as store / remove / clear per event, in one call."""
 
+    def apply_within(
+        self, instance: InstanceKey, events: Sequence[Any], bound: int, limits: Sequence[int]
+    ) -> Applied | None:
+        """``apply``, when ``bound`` more blocks on every tier would leave the instance within
+        ``limits`` (per tier); None, and nothing applied, when they might not. The ingest's fast check
+        and its apply in one call (kvindex/ingest/applier.py)."""
+
     def match(
         self,
         model: str,

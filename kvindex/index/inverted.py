@@ -279,6 +279,32 @@ class InvertedIndex:
             GROUP_MASKS,
         )
 
+    def apply_within(
+        self, instance: InstanceKey, events: Sequence[Any], bound: int, limits: Sequence[int]
+    ) -> Applied | None:
+        holder = self._holders[instance]
+        c = holder.counts
+        if (
+            bound > limits[0] - c[0]
+            or bound > limits[1] - c[1]
+            or bound > limits[2] - c[2]
+            or bound > limits[3] - c[3]
+        ):
+            return None
+        self._version += 1
+        holder.version = self._version
+        return self.impl.apply_events(  # type: ignore[no-any-return]
+            events,
+            TIER_BY_NAME,
+            holder.bank.tiers,
+            holder.logs,
+            holder.bit,
+            c,
+            holder.xors,
+            Applied,
+            GROUP_MASKS,
+        )
+
     def _maybe_compact(self, holder: _Holder, tier: int) -> None:
         # Removals leave dead keys in the log; compact once they outnumber the live ones.
         log = holder.logs[tier]

@@ -8,6 +8,7 @@ machine never reaches back to the consumer that drives it.
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from time import time as _now
 
 from kvindex.fleet.registry import InstanceState
@@ -16,6 +17,7 @@ from kvindex.ingest.layouts import Layouts
 from kvindex.ingest.limits import BLOCK_LIMIT, IngestLimits
 from kvindex.ingest.rejects import Rejects
 from kvindex.keys import GROUP_MASKS
+from kvindex.observability.counters import LAG_BUCKETS
 from kvindex.repair.machine import IngestState
 from kvindex.wire.reconcile import Snapshot
 from kvindex.wire.schema import CLEARED, REMOVED, SHARED, STORED, TIER_NAMES, EventBatch
@@ -28,19 +30,23 @@ class Applier:
     def __init__(self, shared: IngestState, limits: IngestLimits, rejects: Rejects, layouts: Layouts) -> None:
         self.index, self.counters, self.log = shared.index, shared.counters, shared.log
         self.ingest_limits, self.rejects, self.layouts = limits, rejects, layouts
+        self._apply_within = self.index.apply_within
 
     def apply(self, state: InstanceState, batch: EventBatch, bound: int = -1) -> None:
         """Apply a batch; ``bound`` is an upper bound of its keys when known (its payload's size:
         a key takes at least one byte), which spares counting them."""
         c = self.counters
         events = batch.events
-        # Fast check: even if every key were new, no tier would pass its limit.
-        have = self.index.block_counts(state.key)
         limit = state.block_limits or self.limits_of(state)
-        room = min(limit[0] - have[0], limit[1] - have[1], limit[2] - have[2], limit[3] - have[3])
-        if bound > room or bound < 0:
-            bound = sum([len(ev.keys) for ev in events])
-        applied = self.index.apply(state.key, events) if bound <= room else self._apply_capped(state, batch)
+        # Fast check, in the index's call: even if every key were new, no tier would pass its limit.
+        applied = self._apply_within(state.key, events, bound, limit) if bound >= 0 else None
+        if applied is None:
+            have = self.index.block_counts(state.key)
+            room = min(limit[0] - have[0], limit[1] - have[1], limit[2] - have[2], limit[3] - have[3])
+            if sum([len(ev.keys) for ev in events]) <= room:
+                applied = self.index.apply(state.key, events)
+            else:
+                applied = self._apply_capped(state, batch)
         stored, removed, cleared, n_stored, n_removed, n_cleared, local, top_group = applied
         if top_group > state.top_group:
             self.layouts.events_named(state, top_group)
@@ -57,8 +63,12 @@ class Applier:
             state.local_blocks_seen = True
         state.epoch = batch.epoch
         state.last_seq = batch.seq
-        state.last_event_ts = batch.ts
-        c.lag.observe(_now() - batch.ts)
+        ts = state.last_event_ts = batch.ts
+        # LagHistogram.observe, inline (a call a batch)
+        lag, seconds = c.lag, _now() - ts
+        lag.counts[bisect_left(LAG_BUCKETS, seconds)] += 1
+        lag.count += 1
+        lag.sum += seconds
         state.batches += 1
         c.batches_applied += 1
 

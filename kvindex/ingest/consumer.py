@@ -27,8 +27,9 @@ from kvindex.instance import InstanceKey
 from kvindex.repair.machine import REPLAY, SNAPSHOT, IngestState, RepairMachine
 from kvindex.sequencer.cursor import Verdict, decide
 from kvindex.wire import errors
-from kvindex.wire.codec import Limits, decode_batch
+from kvindex.wire.codec import Limits, batch_fast_path, decode_batch
 from kvindex.wire.errors import WireError
+from kvindex.wire.schema import WIRE_VERSION
 from kvindex.wire.subjects import EVENTS, Subjects, valid_worker_id
 
 
@@ -63,6 +64,11 @@ class Consumer:
         # Told when an instance is forgotten (routing state about it can go too).
         self.on_forget = on_forget
         self._events_head = f"{self.subjects.prefix}.{EVENTS}."
+        # The registry's and the sequencer's dicts' own lookups: no Python call in between.
+        self._state_of = self.registry.getter()
+        self._cursor_of = self.sequencer.cursors().get
+        self._decode, self._valid_workers = batch_fast_path()
+        self._max_events, self._max_keys = limits.max_events, limits.max_keys
 
     # -- event batches ---------------------------------------------------------------------------
 
@@ -77,8 +83,22 @@ class Consumer:
         try:
             if not worker:
                 raise WireError(errors.BAD_SUBJECT, f"subject {subject!r} is not under {head!r}")
-            batch = decode_batch(payload, worker, self.limits)
-            state = self.registry.get((worker, batch.dp_rank))
+            # decode_batch's common case inline (see batch_fast_path); anything else decoded again
+            # by decode_batch, which raises what is wrong.
+            try:
+                batch = self._decode(payload)
+            except Exception:
+                batch = None
+            if (
+                batch is None
+                or batch.worker != worker
+                or worker not in self._valid_workers
+                or batch.v != WIRE_VERSION
+                or len(batch.events) > self._max_events
+                or len(payload) > self._max_keys
+            ):
+                batch = decode_batch(payload, worker, self.limits)
+            state = self._state_of((worker, batch.dp_rank))
             if state is None or state.model != batch.model or state.block_size != batch.block_size:
                 state = self.instances.state_for(
                     worker, batch.dp_rank, batch.model, batch.block_size, batch.epoch
@@ -89,8 +109,22 @@ class Consumer:
             self.rejects.reject(worker, subject, exc)
             return False
         key = state.key
-        cursor = self.sequencer.cursor(key)
-        verdict = decide(cursor, batch.epoch, batch.seq)
+        cursor = self._cursor_of(key)
+        seq = batch.seq
+        # The common case first: the next batch of the instance's history, nothing held or being
+        # repaired (decide's APPLY, tested in the same order; everything else goes on below).
+        if (
+            cursor is not None
+            and batch.epoch == cursor.epoch
+            and seq == cursor.applied + 1
+            and cursor.repairing is None
+            and not state.layout_conflict
+            and seq not in cursor.buffer
+        ):
+            self._apply(state, batch, len(payload))
+            cursor.applied = seq
+            return True
+        verdict = decide(cursor, batch.epoch, seq)
         if state.layout_conflict:
             # Its blocks would be read by another layout's rule (kvindex/ingest/layouts.py): refused,
             # but its seq is consumed, so that no repair brings them back.

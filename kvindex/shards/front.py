@@ -129,6 +129,11 @@ class MirrorIndex:
     def apply(self, instance: InstanceKey, events: Sequence[Any]) -> Applied:
         raise NotImplementedError("a shard front applies no batches (its shards do)")
 
+    def apply_within(
+        self, instance: InstanceKey, events: Sequence[Any], bound: int, limits: Sequence[int]
+    ) -> Applied | None:
+        return self.apply(instance, events)
+
     def set_layout(self, model: str, layout: GroupLayout) -> None:
         pass  # hybrid layouts live in the shards (docs/shards.md: not combined yet)
 

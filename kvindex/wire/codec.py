@@ -122,7 +122,20 @@ class HeartbeatPeek(Struct, gc=False):
     groups: Raw = _NOT_SENT
 
 
+class _CheckedBatch(EventBatch, gc=False):
+    """An EventBatch whose worker id is checked by the type, as every other field is: decodes the
+    batches of a worker id not seen valid yet, and names the first error of a malformed batch."""
+
+    worker: WorkerId
+
+
 _batch_decoder = msgspec.msgpack.Decoder(EventBatch)
+_checked_decoder = msgspec.msgpack.Decoder(_CheckedBatch)
+# Worker ids a batch of which the checked type accepted. Whether an id matches the pattern depends on
+# the string alone, so one check per distinct id is enough; the set is emptied when full (a fleet
+# larger than this only checks some ids again), which bounds it to ~20 MB of typical ids.
+_valid_workers: set[str] = set()
+VALID_WORKERS_MAX = 1 << 18
 _heartbeat_decoder = msgspec.msgpack.Decoder(_HeartbeatMsg)
 peek_decoder = msgspec.msgpack.Decoder(HeartbeatPeek)  # (peek_heartbeat without the checks; the consumer's)
 _load_decoder = msgspec.msgpack.Decoder(dict[str, int | float])
@@ -190,13 +203,23 @@ def decode_error(
 def decode_batch(
     payload: bytes, subject_worker: str | None = None, limits: Limits = DEFAULT_LIMITS
 ) -> EventBatch:
-    """Decode and validate one event batch. Raises WireError."""
+    """Decode and validate one event batch. Raises WireError.
+
+    Accepts and rejects exactly what decoding with the checked type alone would (with its error):
+    the batch is decoded without the worker id's pattern, which is checked by decoding with the
+    checked type when the id was not seen valid before, or when anything is wrong."""
     try:
         batch = _batch_decoder.decode(payload)
-    except msgspec.MsgspecError as exc:
-        raise _decode_error(exc, payload) from None
-    except RecursionError:
-        raise too_deep() from None
+    except (msgspec.MsgspecError, RecursionError) as exc:
+        raise _batch_rejection(payload, exc) from None
+    if batch.worker not in _valid_workers:
+        try:
+            _checked_decoder.decode(payload)
+        except (msgspec.MsgspecError, RecursionError) as exc:
+            raise _batch_rejection(payload, exc) from None
+        if len(_valid_workers) >= VALID_WORKERS_MAX:
+            _valid_workers.clear()
+        _valid_workers.add(batch.worker)
     if batch.v != WIRE_VERSION:
         raise _unsupported(batch.v)
     if subject_worker is not None and batch.worker != subject_worker:
@@ -210,6 +233,28 @@ def decode_batch(
         if total_keys > limits.max_keys:
             raise WireError(OVERSIZE, f"batch has {total_keys} keys, limit is {limits.max_keys}")
     return batch
+
+
+def batch_fast_path() -> tuple[Callable[[bytes], EventBatch], set[str]]:
+    """For a caller that inlines decode_batch's common case (kvindex/ingest/consumer.py): the
+    decoder without the worker id's pattern and the ids seen valid (read only). A batch it decodes
+    whose worker is in the set, of version WIRE_VERSION, equal to the subject's and within the
+    limits without counting keys (events <= max_events, payload <= max_keys bytes) is what
+    decode_batch returns; anything else must go through decode_batch."""
+    return _batch_decoder.decode, _valid_workers
+
+
+def _batch_rejection(payload: bytes, exc: BaseException) -> WireError:
+    """Why a batch is rejected: the first error in the payload as the checked type finds it (a bad
+    worker id may come before the error the unchecked type stopped at)."""
+    try:
+        _checked_decoder.decode(payload)
+    except (msgspec.MsgspecError, RecursionError) as checked:
+        exc = checked
+    if isinstance(exc, RecursionError):
+        return too_deep()
+    assert isinstance(exc, msgspec.MsgspecError)
+    return _decode_error(exc, payload)
 
 
 _LOAD_INTS = ("running", "waiting", "waiting_prefill_tokens")

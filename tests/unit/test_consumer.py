@@ -6,16 +6,19 @@ from typing import Any
 
 import msgpack
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvindex.core import build_consumer
 from kvindex.fleet.registry import Registry
 from kvindex.index import InvertedIndex
 from kvindex.ingest.consumer import Consumer
 from kvindex.observability.counters import IngestCounters
-from kvindex.sequencer.cursor import Sequencer
-from kvindex.wire import encode_batch, encode_heartbeat
+from kvindex.sequencer.cursor import Sequencer, Verdict, decide
+from kvindex.wire import WireError, codec, decode_batch, encode_batch, encode_heartbeat
 from kvindex.wire import errors as E
 from kvindex.wire.codec import Limits
+from tests.unit.test_wire import wire_batches
 
 
 def make() -> Consumer:
@@ -180,3 +183,100 @@ def test_mixed_event_order_within_a_batch_is_respected() -> None:
     events = [stored(9), {"type": "cleared", "tier": "gpu"}, stored(8), removed]
     assert c.on_events("kvindex.events.w1", ev_batch(2, events))
     assert sorted(c.index.keys_of(("w1", 0), 0)) == [8]
+
+
+class _Silent:
+    """A repair scheduler that is never answered: repairs stay in flight until given up."""
+
+    def __init__(self, machine: Any) -> None:
+        self.machine = machine
+
+    def request_replay(self, instance: Any, epoch: int, first: int, last: int) -> None:
+        pass
+
+    def request_snapshot(self, instance: Any, cause: str) -> None:
+        pass
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from(["w1", "w2"]),
+            st.integers(1, 3),
+            st.integers(1, 9),
+            st.sampled_from(["good", "good", "good", "bad", "give_up"]),
+        ),
+        min_size=1,
+        max_size=40,
+    ),
+    st.booleans(),
+)
+def test_a_batch_is_applied_at_once_exactly_when_the_sequencer_says_apply(
+    stream: list[tuple[str, int, int, str]], silent: bool
+) -> None:
+    # on_events applies a batch in order before asking decide() (the common case first): over random
+    # histories (duplicates, gaps and the repairs they start, held batches, restarts, stale epochs,
+    # rejects), what it does must be what decide() says of the cursor as it was.
+    c = build_consumer(
+        InvertedIndex(),
+        Registry(),
+        sequencer=Sequencer(),
+        counters=IngestCounters(),
+        repair=_Silent if silent else None,  # repairs in flight, or holes accepted at once
+    )
+    for worker, epoch, seq, what in stream:
+        key = (worker, 0)
+        if what == "give_up":
+            if c.sequencer.cursor(key) is not None:
+                c.repairs.give_up(key)
+            continue
+        cursor = c.sequencer.cursor(key)
+        verdict = decide(cursor, epoch, seq)
+        before = (c.counters.batches_applied, c.counters.duplicates, c.counters.stale_epochs)
+        good = what == "good"
+        payload = ev_batch(seq, [stored(seq, epoch)], worker=worker, epoch=epoch) if good else b"\xc1"
+        applied = c.on_events(f"kvindex.events.{worker}", payload)
+        after = (c.counters.batches_applied, c.counters.duplicates, c.counters.stale_epochs)
+        if not good:
+            assert not applied and after == before
+        elif verdict is Verdict.APPLY:
+            assert applied and after == (before[0] + 1, before[1], before[2])
+            assert cursor is not None and cursor.applied == seq
+        elif verdict is Verdict.DUPLICATE:
+            assert not applied and after == (before[0], before[1] + 1, before[2])
+        elif verdict is Verdict.STALE_EPOCH:
+            assert not applied and after == (before[0], before[1], before[2] + 1)
+        elif verdict in (Verdict.BUFFER, Verdict.GAP):  # held (the repair machine may apply it)
+            assert not applied
+        else:  # a new history: applied when it starts at 1
+            assert applied == (seq == 1)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(st.tuples(wire_batches(), st.sampled_from(["w1", "w-2_X", "a b"]), st.booleans()), max_size=8)
+)
+def test_the_consumer_decodes_as_decode_batch(messages: list[tuple[bytes, str, bool]]) -> None:
+    # on_events decodes a batch of a worker id seen valid inline (codec.batch_fast_path): whatever the
+    # payload and subject, it rejects for the reason decode_batch gives, and accepts what it accepts.
+    c = make()
+    for payload, subject_worker, forget_ids in messages:
+        if forget_ids:
+            codec._valid_workers.clear()
+        try:
+            decode_batch(payload, subject_worker, c.limits)
+            expected = None
+        except WireError as exc:
+            expected = exc.reason
+        if forget_ids:  # the consumer then meets the id unseen
+            codec._valid_workers.clear()
+        before = dict(c.counters.rejects)
+        c.on_events(f"kvindex.events.{subject_worker}", payload)
+        delta = {r: n - before.get(r, 0) for r, n in c.counters.rejects.items() if n != before.get(r, 0)}
+        if expected is None:
+            assert delta == {}
+        elif expected == E.SUBJECT_MISMATCH and subject_worker == "a b":
+            assert delta == {E.BAD_SUBJECT: 1}
+        else:
+            assert delta == {expected: 1}

@@ -503,3 +503,21 @@ def test_banks_past_the_fleet_wide_prefix(backend: str) -> None:
     ref.held[("pool", 0)][3] |= set(prompt[2:3])
     names.append(("pool", 0))
     check()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_apply_within_applies_only_what_fits(backend: str) -> None:
+    # The applier's fast check and apply in one call: None and nothing changed where ``bound`` more
+    # blocks could pass a tier's limit, else what apply does.
+    ix, twin = InvertedIndex(BACKENDS[backend]), InvertedIndex(BACKENDS[backend])
+    for index in (ix, twin):
+        index.add_instance(("a", 0), "m")
+    events = [Stored(tier="gpu", keys=[1, 2, 3]), Removed(tier="gpu", keys=[2])]
+    assert ix.apply_within(("a", 0), events, 3, (2, 9, 9, 9)) is None
+    assert ix.block_counts(("a", 0)) == (0, 0, 0, 0) and ix.digest_version(("a", 0)) == twin.digest_version(
+        ("a", 0)
+    )
+    assert ix.apply_within(("a", 0), events, 3, (3, 9, 9, 9)) == twin.apply(("a", 0), events)
+    assert ix.block_counts(("a", 0)) == twin.block_counts(("a", 0)) == (2, 0, 0, 0)
+    assert ix.digest(("a", 0), 0) == twin.digest(("a", 0), 0)
+    assert ix.apply_within(("a", 0), events, 2, (3, 9, 9, 9)) is None  # 2 held + 2 could pass 3

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Annotated, Any
 
 import msgpack
+import msgspec
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvindex.wire import (
     CLEARED,
@@ -17,12 +20,14 @@ from kvindex.wire import (
     Limits,
     Subjects,
     WireError,
+    codec,
     decode_batch,
     decode_heartbeat,
     encode_batch,
     encode_heartbeat,
 )
 from kvindex.wire import errors as E
+from kvindex.wire.schema import Cleared, Removed, Stored
 from tests.conftest import ROOT
 
 MESSAGES = json.loads((ROOT / "proto" / "vectors" / "messages.json").read_text())
@@ -290,3 +295,72 @@ def test_encode_heartbeat_round_trip() -> None:
     )
     s = decode_heartbeat(data, "w1")
     assert (s.dp_rank, s.seq, s.digest, s.capacity) == (2, 3, {CPU: (1, 99)}, {CPU: 10})
+
+
+# The worker id's pattern is checked once per distinct id (kvindex/wire/codec.py decode_batch): what a
+# batch decodes to, or why it is rejected, must be what decoding with the whole schema says, checked
+# here against that schema written out (the worker typed by its pattern, as before the cache).
+class _WholeSchema(msgspec.Struct, gc=False):
+    v: int
+    worker: Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9_-]{1,128}$")]
+    model: Annotated[str, msgspec.Meta(min_length=1, max_length=512)]
+    epoch: Annotated[int, msgspec.Meta(ge=0)]
+    seq: Annotated[int, msgspec.Meta(ge=1)]
+    ts: float
+    block_size: Annotated[int, msgspec.Meta(ge=1, le=1 << 20)]
+    events: list[Stored | Removed | Cleared]
+    dp_rank: Annotated[int, msgspec.Meta(ge=0, le=1 << 16)] = 0
+
+
+def _whole_schema(payload: bytes) -> Any:
+    """(fields) or (reason, message): decode_batch before the cache, for a batch of the subject's worker."""
+    try:
+        msg = msgspec.msgpack.Decoder(_WholeSchema).decode(payload)
+    except msgspec.MsgspecError as exc:
+        err = codec._decode_error(exc, payload)
+        return (err.reason, str(err))
+    if msg.v != 1:
+        return (E.UNSUPPORTED_VERSION, str(codec._unsupported(msg.v)))
+    return msgspec.structs.asdict(msg)
+
+
+def _decoded(payload: bytes) -> Any:
+    try:
+        return msgspec.structs.asdict(decode_batch(payload))
+    except WireError as err:
+        return (err.reason, str(err))
+
+
+_WORKERS = st.sampled_from(["w1", "w-2_X", "", "a b", "w1\n", "é", "x" * 128, "x" * 129, 7, None])
+_ANY = st.one_of(st.integers(-3, 3), st.text(max_size=3), st.none(), st.floats(allow_nan=False))
+
+
+@st.composite
+def wire_batches(draw: st.DrawFn) -> bytes:
+    msg = batch(worker=draw(_WORKERS))
+    for name in draw(st.lists(st.sampled_from(sorted(msg)), max_size=3)):  # some fields bad or gone
+        msg[name] = draw(st.one_of(st.just(DROP), _ANY))
+    msg = {k: v for k, v in msg.items() if v is not DROP}
+    order = draw(st.permutations(sorted(msg)))  # the first error in the payload's order is named
+    return pack({k: msg[k] for k in order})
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.lists(wire_batches(), min_size=1, max_size=6), st.booleans())
+def test_worker_ids_checked_once_decode_as_the_whole_schema(payloads: list[bytes], full: bool) -> None:
+    if full:  # the set of ids seen valid emptied at each batch: every id checked again
+        codec._valid_workers.clear()
+    for payload in payloads:
+        assert _decoded(payload) == _whole_schema(payload)
+        if full:
+            codec._valid_workers.clear()
+
+
+def test_the_ids_seen_valid_are_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(codec, "VALID_WORKERS_MAX", 2)
+    codec._valid_workers.clear()
+    for worker in ("a", "b", "c", "a"):
+        assert decode_batch(pack(batch(worker=worker))).worker == worker
+        assert len(codec._valid_workers) <= 2
+    with pytest.raises(WireError, match="matching regex"):  # a bad id after the set was emptied
+        decode_batch(pack(batch(worker="a b")))
