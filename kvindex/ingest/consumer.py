@@ -25,11 +25,11 @@ from kvindex.ingest.instances import Instances
 from kvindex.ingest.rejects import Rejects
 from kvindex.instance import InstanceKey
 from kvindex.repair.machine import REPLAY, SNAPSHOT, IngestState, RepairMachine
-from kvindex.sequencer.cursor import Verdict, decide
+from kvindex.sequencer.cursor import Cursor, Verdict, decide
 from kvindex.wire import errors
 from kvindex.wire.codec import Limits, batch_fast_path, decode_batch
 from kvindex.wire.errors import WireError
-from kvindex.wire.schema import WIRE_VERSION
+from kvindex.wire.schema import WIRE_VERSION, EventBatch
 from kvindex.wire.subjects import EVENTS, Subjects, valid_worker_id
 
 
@@ -124,7 +124,14 @@ class Consumer:
             self._apply(state, batch, len(payload))
             cursor.applied = seq
             return True
-        verdict = decide(cursor, batch.epoch, seq)
+        return self._sequence(state, cursor, batch, len(payload))
+
+    def _sequence(self, state: InstanceState, cursor: Cursor | None, batch: EventBatch, size: int) -> bool:
+        """A batch that is not simply the next one: what the sequencer's verdict says to do with it
+        (a duplicate, a gap, a restart, a batch held during a repair, ...); True when applied now."""
+        key = state.key
+        c = self.counters
+        verdict = decide(cursor, batch.epoch, batch.seq)
         if state.layout_conflict:
             # Its blocks would be read by another layout's rule (kvindex/ingest/layouts.py): refused,
             # but its seq is consumed, so that no repair brings them back.
@@ -137,7 +144,7 @@ class Consumer:
             state.epoch, state.last_seq = batch.epoch, cursor.applied
             return False
         if verdict is Verdict.APPLY:
-            self._apply(state, batch, len(payload))
+            self._apply(state, batch, size)
             cursor.applied = batch.seq  # type: ignore[union-attr]
             return True
         if verdict is Verdict.DUPLICATE:
@@ -150,7 +157,7 @@ class Consumer:
             assert cursor is not None
             if not self.repairs.jump(state, cursor, batch.seq, "batch"):
                 return False
-            self._apply(state, batch, len(payload))
+            self._apply(state, batch, size)
             cursor.applied = batch.seq
             return True
         # The rest is the repair machine's (kvindex/repair/machine.py).
@@ -169,7 +176,7 @@ class Consumer:
             repairs.restart(state, batch.epoch, "new epoch in event batch")
         cursor = self.sequencer.open(key, batch.epoch)
         if batch.seq == 1:
-            self._apply(state, batch, len(payload))
+            self._apply(state, batch, size)
             cursor.applied = 1
             return True
         # Joined mid-stream: what came before this batch is unknown here.
