@@ -167,7 +167,8 @@ class Workload:
     sched: list[float]  # per operation, its scheduled time in the window (s), in replay order
     ops: list[Any]  # per operation: a request index (a match) or (subject, payload) (an event)
     op_worker: np.ndarray  # per operation, the actual worker (unique * dup + copy)
-    op_event: np.ndarray  # per operation, the unique event (-1 for a match)
+    op_event: np.ndarray  # per operation, the unique batch of events (-1 for a match)
+    batches: list[list[int]]  # per unique batch, its unique events (several: a hybrid model's groups)
     ev_kind: list[int]  # per unique event, STORED or REMOVED
     ev_keys: list[list[int]]  # per unique event, its keys
     ev_group: list[int]  # per unique event, its KV-cache group (0 unless hybrid)
@@ -361,12 +362,20 @@ class FleetSim:
         self.ev_blocks: list[list[int]] = []
         self.ev_parent: list[int] = []  # -1: none
         self.ev_group: list[int] = []
+        self.batches: list[list[int]] = []  # per batch (one operation), its events
         self.stored_events = self.removed_events = self.stored_blocks = self.removed_blocks = 0
         self.final_blocks = 0  # blocks (hybrid: (block, group) pairs) the engines hold at the end
 
     def _events(self, timeline: list[tuple[float, int, int]], t: float, events: Events) -> None:
+        """One batch (operation) per kind: a hybrid engine's groups' stores of one step travel
+        together, as a bridge publishes an engine's step (one event per batch without groups)."""
+        last = -1
         for kind, group, blocks, parent in events:
-            timeline.append((t, EVENT, len(self.ev_kind)))
+            if kind != last:
+                timeline.append((t, EVENT, len(self.batches)))
+                self.batches.append([])
+                last = kind
+            self.batches[-1].append(len(self.ev_kind))
             self.ev_kind.append(kind)
             self.ev_blocks.append(blocks)
             self.ev_parent.append(parent)
@@ -477,7 +486,7 @@ def build_workload(cfg: Config, log: Callable[[str], None] = print) -> Workload:
     stored_events, removed_events = fleet.stored_events, fleet.removed_events
     stored_blocks, removed_blocks = fleet.stored_blocks, fleet.removed_blocks
     ev_kind, ev_blocks, ev_parent, parents = fleet.ev_kind, fleet.ev_blocks, fleet.ev_parent, fleet.parents
-    ev_group = fleet.ev_group
+    ev_group, batches = fleet.ev_group, fleet.batches
     next_decode, final_blocks = fleet.next_block, fleet.final_blocks
     log(
         f"[workload] {n_req:,} requests on {unique_workers:,} unique workers: {stored_events:,} stored "
@@ -535,7 +544,7 @@ def build_workload(cfg: Config, log: Callable[[str], None] = print) -> Workload:
     worker_names = [f"w{u:06d}-{r}" for u in range(unique_workers) for r in range(d)]
     subjects = [f"kvindex.events.{name}" for name in worker_names]
     # A hybrid engine's events name their group (docs/wire.md §8), as the bridges publish them.
-    wire = [
+    wire_events = [
         event_to_wire(kind, 0, k, p, g)
         for kind, k, p, g in zip(ev_kind, ev_keys, ev_parent_key, ev_group, strict=True)
     ]
@@ -548,8 +557,9 @@ def build_workload(cfg: Config, log: Callable[[str], None] = print) -> Workload:
             continue
         s = next_seq[w]
         next_seq[w] = s + 1
+        events = [wire_events[e] for e in batches[ref]]
         payload = encode_batch(
-            worker=worker_names[w], model=MODEL, epoch=1, seq=s, ts=0.0, block_size=bs, events=[wire[ref]]
+            worker=worker_names[w], model=MODEL, epoch=1, seq=s, ts=0.0, block_size=bs, events=events
         )
         append((subjects[w], payload))
     n_events = int((op_kind == EVENT).sum())
@@ -584,6 +594,7 @@ def build_workload(cfg: Config, log: Callable[[str], None] = print) -> Workload:
         ops=ops,
         op_worker=op_worker,
         op_event=op_event,
+        batches=batches,
         ev_kind=ev_kind,
         ev_keys=ev_keys,
         ev_group=ev_group,
@@ -998,11 +1009,12 @@ def check_answers(wl: Workload, path: str, recorded: dict[int, Any]) -> dict[str
         if ev >= 0:
             groups = model.get(w)
             if groups is not None:
-                held = groups[ev_group[ev]]
-                if ev_kind[ev] == STORED:
-                    held.update(ev_keys[ev])
-                else:
-                    held.difference_update(ev_keys[ev])
+                for e in wl.batches[ev]:
+                    held = groups[ev_group[e]]
+                    if ev_kind[e] == STORED:
+                        held.update(ev_keys[e])
+                    else:
+                        held.difference_update(ev_keys[e])
             continue
         if j in recorded:
             keys = wl.req_keys[op]
@@ -1245,8 +1257,9 @@ def facts_lines(wl: Workload, runs: list[Run], pinned: int | None, load: tuple[f
     if wl.layout is not None:
         lines.append(
             f"hybrid-attention model `{c.hybrid}`: KV-cache groups {wl.layout.describe()}, announced in "
-            "every worker's heartbeat; events per group, blocks and entries counted per (block, group) "
-            "pair, the engines' capacity in pairs; matches by vLLM's rule over the groups"
+            "every worker's heartbeat; events per group, a step's groups together in one batch "
+            f"({f['events']:,} batches, one operation each); blocks and entries counted per (block, "
+            "group) pair, the engines' capacity in pairs; matches by vLLM's rule over the groups"
         )
     if runs:
         r = max(runs, key=lambda run: run.done)  # the most complete replay
