@@ -4,6 +4,7 @@
     .venv/bin/python benchmarks/bench_mooncake.py --sweep               # + the peak sweep
     .venv/bin/python benchmarks/bench_mooncake.py --trace-duplication-factor 4   # 28,000 workers
     .venv/bin/python benchmarks/bench_mooncake.py --quick               # smoke run, a few seconds
+    .venv/bin/python benchmarks/bench_mooncake.py --preregister --hybrid gemma3   # a hybrid-attention model
 
 The workload is Dynamo's (benchmarks/README.md, "Dynamo's Mooncake indexer benchmark", lists every
 difference): the Mooncake FAST25 conversation trace (kvtools/data), its requests partitioned at random
@@ -29,6 +30,13 @@ batch); matches through one of three paths:
 
 A sample of the answers is checked afterwards against a plain set model of every worker (of a sample
 of workers beyond ``--check-workers``), replaying the same operations in the same order.
+
+``--hybrid LAYOUT`` (a preset of workers_shim/sim/hybrid.py: ``gemma3``, ``qwen3-next``, ...): the same
+trace, partition, duplication and window, but the model is hybrid. Each mock engine keeps per KV-cache
+group what vLLM 0.32 keeps (``HybridLruEngine``, with the simulated engine's rules), its groups' events
+of one step travel in one wire batch naming their groups (docs/wire.md §8), every worker announces the
+layout in its heartbeats (so ``--preregister`` is required), the index applies vLLM's rule, and the set
+model holds one set per group and computes the engine's hit by that rule.
 """
 
 from __future__ import annotations
