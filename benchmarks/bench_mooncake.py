@@ -4,6 +4,7 @@
     .venv/bin/python benchmarks/bench_mooncake.py --sweep               # + the peak sweep
     .venv/bin/python benchmarks/bench_mooncake.py --trace-duplication-factor 4   # 28,000 workers
     .venv/bin/python benchmarks/bench_mooncake.py --quick               # smoke run, a few seconds
+    .venv/bin/python benchmarks/bench_mooncake.py --preregister --hybrid gemma3   # a hybrid-attention model
 
 The workload is Dynamo's (benchmarks/README.md, "Dynamo's Mooncake indexer benchmark", lists every
 difference): the Mooncake FAST25 conversation trace (kvtools/data), its requests partitioned at random
@@ -29,6 +30,13 @@ batch); matches through one of three paths:
 
 A sample of the answers is checked afterwards against a plain set model of every worker (of a sample
 of workers beyond ``--check-workers``), replaying the same operations in the same order.
+
+``--hybrid LAYOUT`` (a preset of workers_shim/sim/hybrid.py: ``gemma3``, ``qwen3-next``, ...): the same
+trace, partition, duplication and window, but the model is hybrid. Each mock engine keeps per KV-cache
+group what vLLM 0.32 keeps (``HybridLruEngine``, with the simulated engine's rules), its groups' events
+of one step travel in one wire batch naming their groups (docs/wire.md §8), every worker announces the
+layout in its heartbeats (so ``--preregister`` is required), the index applies vLLM's rule, and the set
+model holds one set per group and computes the engine's hit by that rule.
 """
 
 from __future__ import annotations
@@ -66,6 +74,7 @@ from bench_index import code_version, pin_to_one_cpu, settle  # noqa: E402
 from kvindex.api.servicer import KvIndexServicer  # noqa: E402
 from kvindex.config.args import positive, positive_number  # noqa: E402
 from kvindex.core import Core, CoreConfig, build_core  # noqa: E402
+from kvindex.index.hybrid import GroupLayout, hit_limit, hit_tokens  # noqa: E402
 from kvindex.ingest.limits import IngestLimits  # noqa: E402
 from kvindex.keys import keys_from_le_bytes, model_seed  # noqa: E402
 from kvindex.scoring.base import RouteRequest  # noqa: E402
@@ -75,6 +84,14 @@ from kvindex.wire.codec import encode_batch, event_to_wire  # noqa: E402
 from kvindex.wire.schema import REMOVED, STORED  # noqa: E402
 from kvtools.data import mooncake_trace  # noqa: E402
 from workers_shim.publisher import WorkerLog  # noqa: E402
+from workers_shim.sim.hybrid import (  # noqa: E402
+    KV_GROUP_PRESETS,
+    engine_lookup,
+    kept_blocks,
+    kept_span,
+    parse_kv_groups,
+    referenced_from,
+)
 from workers_shim.sim.trace import mooncake_rows  # noqa: E402
 
 MODEL = "mooncake"
@@ -107,6 +124,7 @@ class Config:
     max_seconds: float = 300.0  # a replay that falls behind stops after this long
     final_samples: int = 2000  # matches timed one after the other on the final state
     final_also: tuple[str, ...] = ()  # paths also timed on each replay's final state
+    hybrid: str | None = None  # a hybrid-attention model's KV-cache groups (KV_GROUP_PRESETS name)
 
     @property
     def tag(self) -> str:
@@ -121,7 +139,15 @@ class Config:
             parts.append(f"{self.window_seconds:g}s")
         if self.preregister:
             parts.append("prereg")
+        if self.hybrid:
+            parts.append(f"hybrid-{self.hybrid}")
         return "-".join(parts)
+
+    def layout(self) -> GroupLayout | None:
+        """The hybrid model's KV-cache groups at this block size (None: full attention only)."""
+        if self.hybrid is None:
+            return None
+        return GroupLayout(parse_kv_groups(self.hybrid, self.block_size), self.block_size)
 
 
 QUICK = dict(
@@ -149,12 +175,15 @@ class Workload:
     sched: list[float]  # per operation, its scheduled time in the window (s), in replay order
     ops: list[Any]  # per operation: a request index (a match) or (subject, payload) (an event)
     op_worker: np.ndarray  # per operation, the actual worker (unique * dup + copy)
-    op_event: np.ndarray  # per operation, the unique event (-1 for a match)
+    op_event: np.ndarray  # per operation, the unique batch of events (-1 for a match)
+    batches: list[list[int]]  # per unique batch, its unique events (several: a hybrid model's groups)
     ev_kind: list[int]  # per unique event, STORED or REMOVED
     ev_keys: list[list[int]]  # per unique event, its keys
+    ev_group: list[int]  # per unique event, its KV-cache group (0 unless hybrid)
     worker_names: list[str]  # per actual worker
     final_entries: int  # (block, worker) entries the index holds after the whole replay
     facts: dict[str, Any] = field(default_factory=dict)
+    layout: GroupLayout | None = None  # a hybrid model's KV-cache groups (engines and index)
 
     @property
     def n_ops(self) -> int:
@@ -174,6 +203,10 @@ def read_trace(limit: int | None) -> tuple[np.ndarray, list[list[int]], np.ndarr
     return np.array(ts), ids, np.array(out, dtype=np.int64)
 
 
+# An engine's KV events: (STORED or REMOVED, group, blocks, parent block or -1).
+Events = list[tuple[int, int, list[int], int]]
+
+
 class LruEngine:
     """A worker's KV cache: ``capacity`` blocks, least recently used evicted first. A request's hit is
     the longest resident prefix of its blocks; its other blocks are stored (one event), evicting what
@@ -187,12 +220,15 @@ class LruEngine:
         self.capacity = capacity
         self.lru: OrderedDict[int, None] = OrderedDict()
 
+    def __len__(self) -> int:
+        return len(self.lru)
+
     def _evict(self, n: int) -> list[int]:
         lru = self.lru
         return [lru.popitem(last=False)[0] for _ in range(min(n, len(lru)))]
 
-    def request(self, blocks: list[int]) -> tuple[list[int], int | None, list[int]]:
-        """(evicted, parent of the first new block, new blocks) for a prompt of ``blocks``."""
+    def request(self, blocks: list[int]) -> Events:
+        """The events of a prompt of ``blocks``: evictions, then its new blocks parented on its hit."""
         lru = self.lru
         hit = 0
         for b in blocks:
@@ -211,12 +247,114 @@ class LruEngine:
         evicted = self._evict(len(lru) + len(new) - self.capacity)
         for b in reversed(new):
             lru[b] = None
-        return evicted, (blocks[hit - 1] if hit else None), new
+        events: Events = []
+        if evicted:
+            events.append((REMOVED, 0, evicted, -1))
+        if new:
+            events.append((STORED, 0, new, blocks[hit - 1] if hit else -1))
+        return events
 
-    def store(self, block: int) -> list[int]:
+    def store(self, block: int, parent: int) -> Events:
+        """The events of a generated block, complete."""
         evicted = self._evict(len(self.lru) + 1 - self.capacity)
         self.lru[block] = None
-        return evicted
+        return ([(REMOVED, 0, evicted, -1)] if evicted else []) + [(STORED, 0, [block], parent)]
+
+
+class HybridLruEngine:
+    """A hybrid-attention model's worker (``--hybrid``): ``capacity`` (block, group) pairs, least
+    recently used evicted first, keeping per KV-cache group what vLLM 0.32 keeps (retention interval
+    0; workers_shim/sim/hybrid.py has the rules, with the source references):
+
+    - a request's hit is the engine's (``engine_lookup``: vLLM's rule over every group); of it each
+      group references what its lookup returned (``referenced_from``: full attention every block, a
+      sliding window its window, a Mamba group the state block);
+    - its new blocks are cached in full-attention (and chunked-local) groups all of them, in a
+      sliding-window or Mamba group only the ``kept_span`` blocks ending at the replay boundary (the
+      prompt's last token, floored to a block) and at the shared-prefix junction (when full
+      attention alone hit further than all groups together); a block a group already holds beyond
+      the hit is computed again, an uncached duplicate;
+    - a generated block is cached by the groups that cache every block (full attention): vLLM's
+      sliding-window and Mamba groups store none of a request's decode blocks;
+    - stores and evictions are announced per group (parent: the request's previous block, whatever
+      the group holds, as vLLM does); a request's pairs are touched in group order, each tail first
+      (the order vLLM frees them in), so group 0 loses its blocks first under pressure.
+    """
+
+    __slots__ = ("capacity", "everyblock", "layout", "lru", "spans")
+
+    def __init__(self, capacity: int, layout: GroupLayout) -> None:
+        self.capacity = capacity
+        self.layout = layout
+        self.lru: OrderedDict[tuple[int, int], None] = OrderedDict()
+        self.spans = [kept_span(spec, layout.block_size) for spec in layout.groups]
+        self.everyblock = [g for g, span in enumerate(self.spans) if span is None]
+
+    def __len__(self) -> int:
+        return len(self.lru)
+
+    def _evict(self, n: int) -> Events:
+        """The ``n`` least recently used pairs, announced per group in eviction order."""
+        lru = self.lru
+        events: Events = []
+        for _ in range(min(n, len(lru))):
+            g, b = lru.popitem(last=False)[0]
+            if events and events[-1][1] == g:
+                events[-1][2].append(b)
+            else:
+                events.append((REMOVED, g, [b], -1))
+        return events
+
+    def request(self, blocks: list[int]) -> Events:
+        layout = self.layout
+        B = layout.block_size
+        lru = self.lru
+        n = len(blocks)
+        hit, first = engine_lookup(layout, lambda g, j: (g, blocks[j]) in lru, hit_limit(n * B))
+        replay = (n * B - 1) // B
+        bounds = (replay, first) if first > hit and first != replay else (replay,)
+        mine: list[list[int]] = []  # per group, the blocks the request holds (referenced or stored)
+        stores: Events = []
+        for g, (spec, span) in enumerate(zip(layout.groups, self.spans, strict=True)):
+            held = list(range(referenced_from(spec, B, hit), hit))
+            keep = None if span is None else kept_blocks(span, bounds, hit, n)
+            run: list[int] = []
+            parent = blocks[hit - 1] if hit else -1
+            for j in range(hit, n):
+                b = blocks[j]
+                if (keep is not None and j not in keep) or (g, b) in lru:
+                    if run:
+                        stores.append((STORED, g, run, parent))
+                        run = []
+                    parent = b
+                    continue
+                held.append(j)
+                run.append(b)
+            if run:
+                stores.append((STORED, g, run, parent))
+            mine.append(held)
+        referenced = sum(hit - referenced_from(spec, B, hit) for spec in layout.groups)
+        new = sum(len(js) for js in mine) - referenced
+        if new + referenced > self.capacity:
+            raise ValueError(f"a prompt of {n} blocks does not fit in {self.capacity} (block, group) pairs")
+        for g, js in enumerate(mine):  # the hit's pairs are not evicted for the new ones
+            for j in js:
+                if (g, blocks[j]) in lru:
+                    lru.move_to_end((g, blocks[j]))
+        events = self._evict(len(lru) + new - self.capacity)
+        for g, js in enumerate(mine):  # group order, tail first: vLLM's freeing order
+            for j in reversed(js):
+                lru[(g, blocks[j])] = None
+                lru.move_to_end((g, blocks[j]))
+        return events + stores
+
+    def store(self, block: int, parent: int) -> Events:
+        lru = self.lru
+        events = self._evict(len(lru) + len(self.everyblock) - self.capacity)
+        for g in self.everyblock:
+            lru[(g, block)] = None
+            events.append((STORED, g, [block], parent))
+        return events
 
 
 class FleetSim:
@@ -224,28 +362,38 @@ class FleetSim:
 
     def __init__(self, cfg: Config, first_decode_block: int) -> None:
         self.cfg = cfg
+        self.layout = cfg.layout()
         self.tpot = cfg.decode_ms_per_token / 1000.0
         self.next_block = first_decode_block  # generated blocks get ids from here
         self.parents: dict[int, int] = {}  # generated block -> its parent block
         self.ev_kind: list[int] = []
         self.ev_blocks: list[list[int]] = []
         self.ev_parent: list[int] = []  # -1: none
+        self.ev_group: list[int] = []
+        self.batches: list[list[int]] = []  # per batch (one operation), its events
         self.stored_events = self.removed_events = self.stored_blocks = self.removed_blocks = 0
-        self.final_blocks = 0  # blocks the engines hold at the end
+        self.final_blocks = 0  # blocks (hybrid: (block, group) pairs) the engines hold at the end
 
-    def _event(
-        self, timeline: list[tuple[float, int, int]], t: float, kind: int, blocks: list[int], parent: int
-    ) -> None:
-        timeline.append((t, EVENT, len(self.ev_kind)))
-        self.ev_kind.append(kind)
-        self.ev_blocks.append(blocks)
-        self.ev_parent.append(parent)
-        if kind == STORED:
-            self.stored_events += 1
-            self.stored_blocks += len(blocks)
-        else:
-            self.removed_events += 1
-            self.removed_blocks += len(blocks)
+    def _events(self, timeline: list[tuple[float, int, int]], t: float, events: Events) -> None:
+        """One batch (operation) per kind: a hybrid engine's groups' stores of one step travel
+        together, as a bridge publishes an engine's step (one event per batch without groups)."""
+        last = -1
+        for kind, group, blocks, parent in events:
+            if kind != last:
+                timeline.append((t, EVENT, len(self.batches)))
+                self.batches.append([])
+                last = kind
+            self.batches[-1].append(len(self.ev_kind))
+            self.ev_kind.append(kind)
+            self.ev_blocks.append(blocks)
+            self.ev_parent.append(parent)
+            self.ev_group.append(group)
+            if kind == STORED:
+                self.stored_events += 1
+                self.stored_blocks += len(blocks)
+            else:
+                self.removed_events += 1
+                self.removed_blocks += len(blocks)
 
     def worker(
         self, requests: list[int], times: list[float], req_ids: list[np.ndarray], req_out: np.ndarray
@@ -253,7 +401,9 @@ class FleetSim:
         """One worker's requests (indices, at their squeezed times): its timeline of (time, MATCH,
         request) and (time, EVENT, event), in the order the engine produced them."""
         bs = self.cfg.block_size
-        engine = LruEngine(self.cfg.gpu_blocks)
+        layout = self.layout
+        gpu = self.cfg.gpu_blocks
+        engine = LruEngine(gpu) if layout is None else HybridLruEngine(gpu, layout)
         timeline: list[tuple[float, int, int]] = []
         pending: list[tuple[float, int, int, int]] = []  # generated blocks: (done at, seq, block, parent)
         seq = 0
@@ -261,20 +411,13 @@ class FleetSim:
         def complete(until: float) -> None:
             while pending and pending[0][0] < until:
                 t, _, block, parent = heapq.heappop(pending)
-                evicted = engine.store(block)
-                if evicted:
-                    self._event(timeline, t, REMOVED, evicted, -1)
-                self._event(timeline, t, STORED, [block], parent)
+                self._events(timeline, t, engine.store(block, parent))
 
         for r, t in zip(requests, times, strict=True):
             complete(t)  # at the same instant the request comes first, as Dynamo merges them
             timeline.append((t, MATCH, r))
             blocks = req_ids[r].tolist()
-            evicted, parent, new = engine.request(blocks)
-            if evicted:
-                self._event(timeline, t, REMOVED, evicted, -1)
-            if new:
-                self._event(timeline, t, STORED, new, -1 if parent is None else parent)
+            self._events(timeline, t, engine.request(blocks))
             prev = blocks[-1]
             for i in range(int(req_out[r]) // bs):
                 block = self.next_block
@@ -284,7 +427,7 @@ class FleetSim:
                 seq += 1
                 prev = block
         complete(math.inf)
-        self.final_blocks += len(engine.lru)
+        self.final_blocks += len(engine)
         return timeline
 
 
@@ -351,6 +494,7 @@ def build_workload(cfg: Config, log: Callable[[str], None] = print) -> Workload:
     stored_events, removed_events = fleet.stored_events, fleet.removed_events
     stored_blocks, removed_blocks = fleet.stored_blocks, fleet.removed_blocks
     ev_kind, ev_blocks, ev_parent, parents = fleet.ev_kind, fleet.ev_blocks, fleet.ev_parent, fleet.parents
+    ev_group, batches = fleet.ev_group, fleet.batches
     next_decode, final_blocks = fleet.next_block, fleet.final_blocks
     log(
         f"[workload] {n_req:,} requests on {unique_workers:,} unique workers: {stored_events:,} stored "
@@ -407,7 +551,11 @@ def build_workload(cfg: Config, log: Callable[[str], None] = print) -> Workload:
     # Wire batches, one event each (Dynamo applies one event per call), seq per actual worker.
     worker_names = [f"w{u:06d}-{r}" for u in range(unique_workers) for r in range(d)]
     subjects = [f"kvindex.events.{name}" for name in worker_names]
-    wire = [event_to_wire(kind, 0, k, p) for kind, k, p in zip(ev_kind, ev_keys, ev_parent_key, strict=True)]
+    # A hybrid engine's events name their group (docs/wire.md §8), as the bridges publish them.
+    wire_events = [
+        event_to_wire(kind, 0, k, p, g)
+        for kind, k, p, g in zip(ev_kind, ev_keys, ev_parent_key, ev_group, strict=True)
+    ]
     next_seq = [1] * len(worker_names)
     ops: list[Any] = []
     append = ops.append
@@ -417,8 +565,9 @@ def build_workload(cfg: Config, log: Callable[[str], None] = print) -> Workload:
             continue
         s = next_seq[w]
         next_seq[w] = s + 1
+        events = [wire_events[e] for e in batches[ref]]
         payload = encode_batch(
-            worker=worker_names[w], model=MODEL, epoch=1, seq=s, ts=0.0, block_size=bs, events=[wire[ref]]
+            worker=worker_names[w], model=MODEL, epoch=1, seq=s, ts=0.0, block_size=bs, events=events
         )
         append((subjects[w], payload))
     n_events = int((op_kind == EVENT).sum())
@@ -453,11 +602,14 @@ def build_workload(cfg: Config, log: Callable[[str], None] = print) -> Workload:
         ops=ops,
         op_worker=op_worker,
         op_event=op_event,
+        batches=batches,
         ev_kind=ev_kind,
         ev_keys=ev_keys,
+        ev_group=ev_group,
         worker_names=worker_names,
         final_entries=final_blocks * d,
         facts=facts,
+        layout=fleet.layout,
     )
 
 
@@ -510,6 +662,11 @@ def new_core(limits: IngestLimits) -> Core:
     return build_core(CoreConfig(ingest_limits=limits))
 
 
+def announced_groups(layout: GroupLayout | None) -> list[dict[str, Any]] | None:
+    """What the workers announce in their heartbeats (docs/wire.md §8): the engines' own groups."""
+    return None if layout is None else layout.to_wire()
+
+
 def query_for(path: str, core: Core, wl: Workload) -> Callable[[int], Any]:
     """The match operation of ``path`` for request ``i`` (its arguments built beforehand)."""
     bs = wl.config.block_size
@@ -518,10 +675,13 @@ def query_for(path: str, core: Core, wl: Workload) -> Callable[[int], Any]:
         score = core.ranker.score
         return lambda i: score(reqs[i], top_k=TOP_K)
     if path == "match":
+        # The ranking's own query (kvindex/scoring/pool.py, ``_matches``): the last-token limit and
+        # a reach for a hybrid model's full-attention prefixes (untouched for any other model).
         groups = core.index.match_groups
         listed = core.ranker.config.group_min_instances
         keys = wl.req_keys
-        return lambda i: groups(MODEL, keys[i], None, listed)
+        limits = [hit_limit(t) for t in wl.req_tokens]
+        return lambda i: groups(MODEL, keys[i], None, listed, limits[i], {})
     if path == "lookup":
         servicer = KvIndexServicer(core.index, core.registry, core.counters, None, core.ranker, Tokenizers())
         lookups = [pb.LookupRequest(model=MODEL, block_keys=k) for k in wl.req_keys]
@@ -582,10 +742,12 @@ def replay(
         # sends first (with its capacity), and one match made so that the rankings' per-fleet tables
         # are built: what is timed is then the steady state.
         cfg = wl.config
+        groups = announced_groups(wl.layout)
         for name in wl.worker_names:
             log = WorkerLog(
                 worker=name, model=MODEL, block_size=cfg.block_size, epoch=1, capacity={"gpu": cfg.gpu_blocks}
             )
+            log.groups = groups  # a hybrid model's layout: the index learns it from the heartbeats
             for subject, data in log.heartbeat_messages():
                 core.consumer.on_heartbeat(subject, data)
         query(0)
@@ -776,6 +938,37 @@ def expected_overlaps(model: dict[int, set[int]], keys: list[int]) -> dict[int, 
     return out
 
 
+def expected_hits(
+    model: dict[int, list[set[int]]], keys: list[int], layout: GroupLayout, tokens: int, seen: list[int]
+) -> dict[int, int]:
+    """A hybrid model's answer: per worker, the blocks vLLM would reuse of a prompt of ``tokens``
+    (the last-token limit) by its rule over the worker's groups (``hit_tokens``, the plain Python
+    reference of kvindex/index/hybrid.py, not the index's native walk). ``seen`` counts the workers
+    holding a full-attention prefix, those to which an index of that group alone would promise more
+    than the rule gives, and those it would promise a hit that is cold (0)."""
+    B = layout.block_size
+    limit = hit_limit(tokens)
+    primary = layout.primary
+    out = {}
+    for w, held in model.items():
+        full = 0
+        if primary is not None:
+            group = held[primary]
+            cap = min(len(keys), limit // B)
+            while full < cap and keys[full] in group:
+                full += 1
+            if not full:
+                continue  # no full-attention prefix, no hit: spares the rule most workers
+        n = hit_tokens(layout, lambda g, j, held=held: keys[j] in held[g], limit) // B  # type: ignore[misc]
+        if n:
+            out[w] = n
+        if full:
+            seen[0] += 1
+            seen[1] += full > n
+            seen[2] += n == 0
+    return out
+
+
 def answer_overlaps(path: str, answer: Any, names: dict[str, int], audited: set[int]) -> Any:
     """The recorded answer as {worker: blocks} over the audited workers (score: the ranked list)."""
     if path == "match":
@@ -798,10 +991,11 @@ def answer_overlaps(path: str, answer: Any, names: dict[str, int], audited: set[
 
 
 def check_answers(wl: Workload, path: str, recorded: dict[int, Any]) -> dict[str, Any]:
-    """Replays the schedule's events into one set per audited worker and compares each recorded
-    answer with the model at that point. score: each ranked instance that is audited has the model's
-    overlap, and the first has the longest overlap of all audited workers (no load anywhere, so the
-    ttft policy ranks by matched blocks)."""
+    """Replays the schedule's events into one set per audited worker (a hybrid model: one per
+    KV-cache group) and compares each recorded answer with the model at that point: the leading run
+    of held blocks, or a hybrid model's hit by vLLM's rule (``expected_hits``). score: each ranked
+    instance that is audited has the model's answer, and the first has the longest of all audited
+    workers (no load anywhere, so the ttft policy ranks by matched blocks)."""
     cfg = wl.config
     n_workers = len(wl.worker_names)
     if n_workers <= cfg.check_workers:
@@ -811,23 +1005,31 @@ def check_answers(wl: Workload, path: str, recorded: dict[int, Any]) -> dict[str
             np.random.default_rng(cfg.seed + 1).choice(n_workers, cfg.check_workers, replace=False).tolist()
         )
     names = {name: i for i, name in enumerate(wl.worker_names)}
-    model: dict[int, set[int]] = {w: set() for w in audited}
-    ev_kind, ev_keys = wl.ev_kind, wl.ev_keys
+    layout = wl.layout
+    n_groups = 1 if layout is None else len(layout.groups)
+    model: dict[int, list[set[int]]] = {w: [set() for _ in range(n_groups)] for w in audited}
+    ev_kind, ev_keys, ev_group = wl.ev_kind, wl.ev_keys, wl.ev_group
     mismatches: list[str] = []
     checked = 0
+    seen = [0, 0, 0]  # hybrid: (worker, answer) pairs with a full-attention prefix, over-promised, cold
     j = 0
     for op, w, ev in zip(wl.ops, wl.op_worker.tolist(), wl.op_event.tolist(), strict=True):
         if ev >= 0:
-            held = model.get(w)
-            if held is not None:
-                if ev_kind[ev] == STORED:
-                    held.update(ev_keys[ev])
-                else:
-                    held.difference_update(ev_keys[ev])
+            groups = model.get(w)
+            if groups is not None:
+                for e in wl.batches[ev]:
+                    held = groups[ev_group[e]]
+                    if ev_kind[e] == STORED:
+                        held.update(ev_keys[e])
+                    else:
+                        held.difference_update(ev_keys[e])
             continue
         if j in recorded:
             keys = wl.req_keys[op]
-            want = expected_overlaps(model, keys)
+            if layout is None:
+                want = expected_overlaps({w: groups[0] for w, groups in model.items()}, keys)
+            else:
+                want = expected_hits(model, keys, layout, wl.req_tokens[op], seen)
             got = answer_overlaps(path, recorded[j], names, audited)
             checked += 1
             if path == "score":
@@ -849,6 +1051,9 @@ def check_answers(wl: Workload, path: str, recorded: dict[int, Any]) -> dict[str
         "mismatches": len(mismatches),
         "examples": mismatches[:5],
         "passed": checked > 0 and not mismatches,
+        "full_attention_holders": seen[0],
+        "full_attention_over": seen[1],
+        "full_attention_cold": seen[2],
     }
 
 
@@ -1057,11 +1262,19 @@ def facts_lines(wl: Workload, runs: list[Run], pinned: int | None, load: tuple[f
         f"window {c.window_seconds:g} s (trace squeezed to {c.trace_seconds:g} s); bursts: matches scheduled "
         f"in the first and last {STEADY_EDGE * 100:.0f} % of the window",
     ]
+    if wl.layout is not None:
+        lines.append(
+            f"hybrid-attention model `{c.hybrid}`: KV-cache groups {wl.layout.describe()}, announced in "
+            "every worker's heartbeat; events per group, a step's groups together in one batch "
+            f"({f['events']:,} batches, one operation each); blocks and entries counted per (block, "
+            "group) pair, the engines' capacity in pairs; matches by vLLM's rule over the groups"
+        )
     if runs:
         r = max(runs, key=lambda run: run.done)  # the most complete replay
         lines.append(
             f"index after the {r.path} replay{'' if r.done == f['operations'] else ' (stopped early)'}: "
-            f"{r.instances:,} instances, {r.entries:,} (block, worker) entries on "
+            f"{r.instances:,} instances, {r.entries:,} "
+            f"({'block, group, worker' if wl.layout is not None else 'block, worker'}) entries on "
             f"{r.distinct:,} distinct blocks; index tables and logs {r.nbytes / 1e6:,.0f} MB "
             f"({r.nbytes / max(r.entries, 1):.1f} B per entry)"
             + (
@@ -1083,7 +1296,18 @@ def facts_lines(wl: Workload, runs: list[Run], pinned: int | None, load: tuple[f
             if "checked" in ck:
                 lines.append(
                     f"check ({run.path}): {ck['checked']} sampled answers against a set model of "
-                    f"{ck['audited_workers']:,} workers: {ck['mismatches']} mismatches; ingest: "
+                    f"{ck['audited_workers']:,} workers"
+                    + (" (per KV-cache group, vLLM's rule)" if wl.layout is not None else "")
+                    + f": {ck['mismatches']} mismatches; "
+                    + (
+                        f"an index of the full-attention group alone would have promised more than "
+                        f"the rule to {ck['full_attention_over']:,} of the {ck['full_attention_holders']:,} "
+                        f"(answer, worker) pairs with a full-attention prefix "
+                        f"({ck['full_attention_cold']:,} of them cold); "
+                        if wl.layout is not None
+                        else ""
+                    )
+                    + "ingest: "
                     f"{ck['ingest']['batches_applied']:,} batches applied, {ck['ingest']['gaps']} gaps, "
                     f"{ck['ingest']['rejects']} rejects, entries {ck['ingest']['entries']:,} "
                     + (
@@ -1198,6 +1422,12 @@ def parser() -> argparse.ArgumentParser:
         action="store_true",
         help="register every worker before timing (the published runs did not; Dynamo's later replay does)",
     )
+    ap.add_argument(
+        "--hybrid",
+        choices=sorted(KV_GROUP_PRESETS),
+        help="a hybrid-attention model with these KV-cache groups (workers_shim/sim/hybrid.py presets): "
+        "the engines keep per group what vLLM keeps, the index applies vLLM's rule (needs --preregister)",
+    )
     ap.add_argument("--quick", action="store_true", help="a small configuration for a smoke run (seconds)")
     ap.add_argument("--no-pin", action="store_true", help="do not pin the process to one CPU")
     ap.add_argument(
@@ -1206,6 +1436,10 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--json", help="write the results to this file")
     ap.add_argument(
         "--write-readme", action="store_true", help=f"update this configuration's block in {README.name}"
+    )
+    ap.add_argument(
+        "--readme-label",
+        help="appended to the configuration's block label (a block of its own in the README)",
     )
     return ap
 
@@ -1229,6 +1463,7 @@ def config_from(args: argparse.Namespace) -> Config:
         max_seconds=args.max_seconds,
         final_samples=args.final_samples,
         final_also=tuple(args.final_also),
+        hybrid=args.hybrid,
     )
     return cfg
 
@@ -1240,6 +1475,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     if args.quick:
         ap.set_defaults(**QUICK)
         args = ap.parse_args(argv)
+    if args.hybrid and not args.preregister:
+        # The index learns a model's KV-cache groups from its workers' heartbeats: workers that join
+        # by their first batch would be read as full attention (and marked approximate).
+        ap.error("--hybrid needs --preregister (the workers announce their KV-cache groups in heartbeats)")
+    if args.readme_label is not None and not re.fullmatch(r"[A-Za-z0-9_.-]+", args.readme_label):
+        ap.error(f"--readme-label: letters, digits, '_', '.', '-' only, got {args.readme_label!r}")
     return args
 
 
@@ -1357,7 +1598,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 markdown_table(SWEEP_HEADER, sweep_rows(runs)),
             ]
         parts += ["", *[f"- {line}" for line in res.lines]]
-        write_readme("\n".join(parts), res.config.tag)
+        label = res.config.tag + (f"-{args.readme_label}" if args.readme_label else "")
+        write_readme("\n".join(parts), label)
         print(f"results written to {README}")
     return 0 if ok else 1
 

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import re
 from collections import OrderedDict
+from collections.abc import Callable
 from typing import Any
 
 from kvindex.index.hybrid import CHUNKED, MAMBA, SLIDING, GroupLayout, hit_limit, hit_tokens, rule_hit
@@ -44,9 +45,13 @@ __all__ = [
     "HybridSimEngine",
     "OneGroupSink",
     "check_layout",
+    "engine_lookup",
+    "kept_blocks",
+    "kept_span",
     "layout_wire",
     "new_engine",
     "parse_kv_groups",
+    "referenced_from",
 ]
 
 # Layouts by model family (``--kv-groups NAME``): the attention types in vLLM's group order, with
@@ -126,6 +131,55 @@ def new_engine(
     return SimEngine(name, cfg, sink, pool)
 
 
+def kept_span(spec: GroupSpec, block_size: int) -> int | None:
+    """The blocks a group caches ending at each boundary (retention interval 0): a sliding window's
+    ``ceil((window - 1) / B)``, a Mamba state's one; None: every full block (full attention, chunked
+    local attention)."""
+    if spec.rule == SLIDING:
+        return -(-(spec.window - 1) // block_size)
+    if spec.rule == MAMBA:
+        return 1
+    return None
+
+
+def kept_blocks(span: int, bounds: tuple[int, ...], lo: int, hi: int) -> set[int]:
+    """Of blocks lo..hi-1, those a group of ``span`` caches: the ``span`` blocks ending at each
+    boundary (a block count: the replay boundary, the shared-prefix junction)."""
+    return {j for b in bounds for j in range(max(lo, b - span), min(hi, b))}
+
+
+def referenced_from(spec: GroupSpec, block_size: int, hit: int) -> int:
+    """The first block of a hit of ``hit`` blocks that a group of ``spec`` references (what its
+    lookup returned: a window, a chunk, a state; the blocks before it are vLLM's null blocks)."""
+    span = kept_span(spec, block_size)
+    if span is not None:
+        return max(0, hit - span)
+    if spec.rule == CHUNKED:
+        return hit * block_size // spec.chunk * spec.chunk // block_size
+    return 0
+
+
+def engine_lookup(layout: GroupLayout, held: Callable[[int, int], bool], limit: int) -> tuple[int, int]:
+    """(blocks the engine reuses of a prompt whose hit may reach ``limit`` tokens, blocks of the first
+    group looked up's own hit: full attention's leading run, or the first rule's), ``held(group,
+    block)`` saying what each group holds. The second is the shared-prefix junction when longer."""
+    B = layout.block_size
+    if limit < B:
+        return 0, 0
+    hit = hit_tokens(layout, held, limit) // B
+    if layout.primary is None:
+        first_rule = layout.rules[0]
+        members = first_rule.members
+        first = rule_hit(first_rule, lambda j: all(held(g, j) for g in members), limit, B) // B
+    else:
+        primary = layout.primary
+        n = limit // B
+        first = 0
+        while first < n and held(primary, first):
+            first += 1
+    return hit, first
+
+
 class OneGroupSink:
     """Forwards one KV-cache group's events as group 0 and drops the others: what an index that
     follows a single group sees (``kvshim --kv-group N`` before hybrid support, e.g. only the
@@ -167,16 +221,7 @@ class HybridSimEngine(SimEngine):
         self._masks = [group_mask(g) for g in range(G)]
         # Per group: the blocks it keeps ending at each boundary (None: every block), and what it
         # references of a hit of h blocks: the blocks from ref_start(h).
-        spans: list[int | None] = []
-        for spec in layout.groups:
-            if spec.rule == SLIDING:
-                spans.append(-(-(spec.window - 1) // B))
-            elif spec.rule == MAMBA:
-                spans.append(1)
-            else:
-                spans.append(None)
-        self._span = tuple(spans)
-        self._rule = tuple((spec.rule, spec.chunk) for spec in layout.groups)
+        self._span = tuple(kept_span(spec, B) for spec in layout.groups)
         # Groups that free a running request's older blocks, with the blocks left behind once n
         # tokens are computed (vLLM's get_num_skipped_tokens; a Mamba state as a one-token window).
         skips: list[tuple[int, Any]] = []
@@ -188,9 +233,6 @@ class HybridSimEngine(SimEngine):
             elif spec.rule == CHUNKED:
                 skips.append((g, lambda n, c=spec.chunk: n // c * c // B))
         self._skips = tuple(skips)
-        # Without full attention, the lookup whose longer hit makes a junction (vLLM: the first
-        # group looked up; with full attention, that group).
-        self._first_rule = layout.rules[0] if layout.primary is None else None
 
     # -- hits ---------------------------------------------------------------------------------
 
@@ -204,39 +246,16 @@ class HybridSimEngine(SimEngine):
     def _hits(self, keys: list[int], n_tokens: int) -> tuple[int, int]:
         """(blocks the engine reuses of a prompt of ``n_tokens`` with these block keys, blocks of
         the first group's own hit)."""
-        B = self.block_size
-        limit = min(hit_limit(n_tokens), len(keys) * B)
-        if limit < B:
-            return 0, 0
+        limit = min(hit_limit(n_tokens), len(keys) * self.block_size)
         hg = self._hg
-        hit = hit_tokens(self.layout, lambda g, j: keys[j] in hg[g], limit)
-        first_rule = self._first_rule
-        if first_rule is None:
-            held = hg[self.layout.primary]  # type: ignore[index]
-            n = limit // B
-            first = 0
-            while first < n and keys[first] in held:
-                first += 1
-        else:
-            members = first_rule.members
-            first = rule_hit(first_rule, lambda j: all(keys[j] in hg[g] for g in members), limit, B) // B
-        return hit // B, first
-
-    def _ref_start(self, g: int, h: int) -> int:
-        """The first block of a hit of ``h`` blocks that group ``g`` references."""
-        span = self._span[g]
-        if span is not None:
-            return max(0, h - span)
-        rule, chunk = self._rule[g]
-        if rule == CHUNKED:
-            return h * self.block_size // chunk * chunk // self.block_size
-        return 0
+        return engine_lookup(self.layout, lambda g, j: keys[j] in hg[g], limit)
 
     def _hit(self, r: _Req) -> tuple[int, int, list[int], int]:
         """(hit blocks, junction blocks (0: none), each group's first referenced block, how many
         referenced pairs are free)."""
         h, first = self._match(r)
-        starts = [self._ref_start(g, h) for g in range(self._G)]
+        B = self.block_size
+        starts = [referenced_from(spec, B, h) for spec in self.layout.groups]
         touch = 0
         if h:
             keys = r.req.keys
@@ -327,7 +346,7 @@ class HybridSimEngine(SimEngine):
             if span is not None:
                 keep = kept.get(span)
                 if keep is None:
-                    keep = kept[span] = {j for b in r.bounds for j in range(max(lo, b - span), min(hi, b))}
+                    keep = kept[span] = kept_blocks(span, r.bounds, lo, hi)
                 if not keep:
                     continue
             run: list[int] = []
