@@ -119,3 +119,45 @@ def test_the_front_mirrors_states_and_matches_from_answers() -> None:
     sreg.remove(("a", 0))
     front._apply(front.shards[0], _ask(responder, answer.version, answer.replica), 0.0)
     assert front_core.registry.get(("a", 0)) is None and not mirror.has_instance(("a", 0))
+
+
+async def test_the_front_sends_many_reconcile_requests_in_one_query_per_shard() -> None:
+    """Issue 34: a front started with shards in a cold start found hundreds of instances degraded
+    (holes accepted) and sent one query per instance at once: 445 queries to each busy shard, each
+    answered with every state afresh, and the shards' starts collapsed. Reconciles asked while one
+    is on its way go with the next query."""
+    import asyncio
+
+    asked: list[tuple[str, list]] = []
+    release = asyncio.Event()
+
+    class Connection:
+        async def request(self, subject: str, payload: bytes, timeout: float) -> object:
+            asked.append((subject, query_decoder.decode(payload).reconcile))
+            await release.wait()
+            raise TimeoutError("nats: timeout")  # (the shard is busy: its answer comes too late)
+
+    mirror = MirrorIndex()
+    core = build_core(CoreConfig(index=mirror))
+    front = ShardFront(Subjects(), 2, mirror, core.registry, core.calibrator, core.rankers)
+    front.nc = Connection()
+    workers = [f"w{i}" for i in range(100)]
+    for w in workers[:50]:
+        front.request_reconcile((w, 0))
+    for _ in range(20):  # the first query to each shard is on its way
+        await asyncio.sleep(0)
+    for w in workers[50:]:
+        front.request_reconcile((w, 0))
+    for _ in range(20):
+        await asyncio.sleep(0)
+    assert len(asked) == 2  # one query to each shard, not one per instance
+    release.set()
+    for _ in range(20):
+        await asyncio.sleep(0)
+    assert len(asked) == 4  # then one more each, with the instances asked meanwhile
+    sent = {w for _, todo in asked for w, _ in todo}
+    assert sent == set(workers)
+    assert all(
+        partition_of(w, 2) == int(subject.rsplit(".", 1)[1]) for subject, todo in asked for w, _ in todo
+    )
+    await front.stop()
