@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import itertools
 import json
 import os
@@ -533,6 +534,7 @@ async def start_processes(
     from grpc_health.v1 import health_pb2
 
     from kvindex.shards.layout import partition_of
+    from kvindex.v1 import kvindex_pb2 as pb
     from kvindex.v1 import kvindex_pb2_grpc as pb_grpc
 
     digests = fleet.digests
@@ -587,6 +589,15 @@ async def start_processes(
             run.verified = sum(
                 proc_verify(stub, p, caches, index_of) for p, stub in zip(procs, stubs, strict=True)
             )
+        for p, stub in zip(procs, stubs, strict=True):
+            with contextlib.suppress(grpc.RpcError):
+                st = stub.Stats(pb.StatsRequest(), timeout=5)
+                p.counters = {
+                    "snapshots_requested": dict(st.snapshots_requested),
+                    "snapshots_applied": st.snapshots_applied,
+                    "drift": st.drift_detected,
+                    "rejects": dict(st.rejects_by_reason),
+                }
         run.nats = varz.peaks(t0, end)
     finally:
         for p in procs:
@@ -742,6 +753,8 @@ async def bench(args: argparse.Namespace) -> tuple[list[Run], list[ProcRun]]:
                                 pr = await start_processes(k, server.url, fleet, varz, caches, args.timeout)
                                 proc_runs.append(pr)
                                 render_table(f"cold start, {n:,} workers", PROC_HEADER, proc_rows([pr]))
+                                for ip in pr.indexes:
+                                    print(f"  {ip.name}: {ip.counters}", flush=True)
                             await asyncio.sleep(1.0)  # the fleet's answers to the stopped index drain
                 finally:
                     if fleet is not None:

@@ -239,6 +239,12 @@ class ShardFront:
     def request_reconcile(self, instance: InstanceKey) -> None:
         """The ranker found ``instance`` degraded: its shard asks the worker for a snapshot (sent at
         once, with a states-only query)."""
+        state = self.registry.get(instance)
+        if state is not None and state.repair.sync != "synced":
+            # Queued or under repair on its shard, which reconciles it anyway (the unsharded
+            # repairer drops these too). Asked anyway, it arrived after that snapshot had applied
+            # and took another: a cold start's queued instances, degraded, cost 10-40 % more snapshots.
+            return
         self._to_reconcile.setdefault(partition_of(instance[0], self.count), set()).add(instance)
         # One query on its way at a time: those asked meanwhile go with the next (a cold start
         # finds hundreds degraded at once, and a query per instance buried the busy shards).
