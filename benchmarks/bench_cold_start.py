@@ -507,13 +507,17 @@ def proc_exact(stub: Any, p: IndexProc, digests: dict[str, tuple[int, int]]) -> 
     return len(got) == len(p.owned) and all(got.get(w) == (digests[w][0], "synced") for w in p.owned)
 
 
-def proc_verify(stub: Any, p: IndexProc, caches: Caches, index_of: dict[str, int]) -> int:
-    """Each worker's keys looked up on its index: all of them held by the worker, none missing
-    (with the counts equal, its blocks in the index are the worker's)."""
+def proc_verify(stub: Any, p: IndexProc, caches: Caches, index_of: dict[str, int], sample: int) -> int:
+    """Each worker's keys looked up on its index (``sample`` workers of it, seeded; 0: all): all of
+    them held by the worker, none missing (with the counts equal, its blocks in the index are the
+    worker's)."""
+    import random
+
     from kvindex.v1 import kvindex_pb2 as pb
 
+    owned = p.owned if not sample or sample >= len(p.owned) else random.Random(1).sample(p.owned, sample)
     ok = 0
-    for w in p.owned:
+    for w in owned:
         keys = caches.of(index_of[w]).tolist()
         if not keys:
             ok += 1
@@ -525,7 +529,7 @@ def proc_verify(stub: Any, p: IndexProc, caches: Caches, index_of: dict[str, int
 
 
 async def start_processes(
-    shards: int, url: str, fleet: Fleet, varz: VarzPoller, caches: Caches, timeout: float
+    shards: int, url: str, fleet: Fleet, varz: VarzPoller, caches: Caches, timeout: float, verify: int = 0
 ) -> ProcRun:
     """Spawn the index processes into the running fleet (``shards`` 1: one ``kvindex serve``; K: K
     ``serve --shard I/K`` and a ``serve --shards K`` front), time each to ready and to exact."""
@@ -587,7 +591,7 @@ async def start_processes(
             for p, c in zip(procs, cpu1, strict=True):
                 p.steady_cpu = (cpu_seconds(p.server.pid) - c) / STEADY_S
             run.verified = sum(
-                proc_verify(stub, p, caches, index_of) for p, stub in zip(procs, stubs, strict=True)
+                proc_verify(stub, p, caches, index_of, verify) for p, stub in zip(procs, stubs, strict=True)
             )
         for p, stub in zip(procs, stubs, strict=True):
             with contextlib.suppress(grpc.RpcError):
@@ -748,11 +752,15 @@ async def bench(args: argparse.Namespace) -> tuple[list[Run], list[ProcRun]]:
                                     r.config = f"{args.label} {r.config}"
                                 runs.append(r)
                                 render_table(f"cold start, {n:,} workers", HEADER, rows([r]))
+                                print(markdown_table(HEADER, rows([r])), flush=True)
                                 print(f"  counters: {r.counters}", flush=True)
                             else:
-                                pr = await start_processes(k, server.url, fleet, varz, caches, args.timeout)
+                                pr = await start_processes(
+                                    k, server.url, fleet, varz, caches, args.timeout, args.verify
+                                )
                                 proc_runs.append(pr)
                                 render_table(f"cold start, {n:,} workers", PROC_HEADER, proc_rows([pr]))
+                                print(markdown_table(PROC_HEADER, proc_rows([pr])), flush=True)
                                 for ip in pr.indexes:
                                     print(f"  {ip.name}: {ip.counters}", flush=True)
                             await asyncio.sleep(1.0)  # the fleet's answers to the stopped index drain
@@ -785,6 +793,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         default=[],
         help="index processes instead of the index in this process: 1 is one `kvindex serve`, K >= 2 "
         "is K `serve --shard I/K` and their front on a nats-server partitioning the fleet; e.g. 1,2",
+    )
+    p.add_argument(
+        "--verify",
+        type=int,
+        default=1000,
+        help="with --shards: workers per index process whose keys are looked up once exact (0: all)",
     )
     p.add_argument(
         "--fleet-procs",
