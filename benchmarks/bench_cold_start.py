@@ -25,6 +25,12 @@ process: one core) on the running fleet and measures, from ``IndexService.start`
 
 Configurations: ``baseline`` is the repairer as configured before issue 34 (4 snapshot turns, 256
 pending repairs); ``paced`` is the default now (kvindex/repair/README.md, "Cold start").
+
+Beyond 7,000 workers the fleet is further copies of the trace on workers of their own, each copy's
+keys in a hash space of its own (bench_mooncake's ``--trace-duplication-factor``); ``--fleet-procs``
+spreads the fleet over child processes. ``--shards 1,2`` starts the index as child processes
+instead (1: one ``kvindex serve``; K: K ``serve --shard I/K`` and their front on a nats-server that
+partitions the fleet) and times each to ready and exact, the front to ready, and each process's CPU.
 """
 
 from __future__ import annotations
