@@ -103,6 +103,8 @@ class Heartbeats:
                         repeat.load_raw = load_raw
                     state.last_heartbeat_at = self.registry.clock()
                     state.heartbeat.ts = ts
+                    if repeat.waiting and state.repair.sync == QUEUED:
+                        self.repairs.start_queued()  # as the full path does for a queued instance
                     return True
             del self._repeats[subject]
         # Steady state: a known instance whose heartbeat repeats the previous one's maps (all but
@@ -276,9 +278,11 @@ class Heartbeats:
                 self.repairs.begin(state, cursor, SNAPSHOT, "start", upto=report.seq)
             return
         if cursor.repairing is not None:
+            self._remember_waiting(state, cursor, report, unchanged)
             return
         if state.repair.sync == QUEUED:  # its drift is known: its snapshot starts when there is room
             self.repairs.start_queued()
+            self._remember_waiting(state, cursor, report, unchanged)
             return
         if report.seq > cursor.applied:
             if not self.in_order and cursor.behind <= cursor.applied:
@@ -315,15 +319,37 @@ class Heartbeats:
         self.repairs.begin(state, cursor, SNAPSHOT, "drift")
 
     def _remember_repeat(
-        self, state: InstanceState, cursor: Cursor, report: HeartbeatReport, version: int
+        self,
+        state: InstanceState,
+        cursor: Cursor,
+        report: HeartbeatReport,
+        version: int,
+        waiting: bool = False,
     ) -> None:
         pending, self._pending_repeat = self._pending_repeat, None
         if pending is None or self.in_order is False or not self.drive_repairs:
             return
         payload, worker = pending
-        repeat = _Repeat.of(payload, report.ts, report.load, state, cursor, version)
+        repeat = _Repeat.of(payload, report.ts, report.load, state, cursor, version, waiting)
         if repeat is not None:
             self._repeats[self._head + worker] = repeat
+
+    def _remember_waiting(
+        self, state: InstanceState, cursor: Cursor, report: HeartbeatReport, unchanged: bool
+    ) -> None:
+        """An instance whose repair is pending or queued: its heartbeats change nothing but liveness
+        and load until the repair ends (a cold start's thousands of them took the full path)."""
+        memo = state.heartbeat.memo
+        if (
+            unchanged
+            and not report.prefill
+            and memo is not None
+            and memo.report is report
+            and not state.capped
+        ):
+            self._remember_repeat(state, cursor, report, -1, waiting=True)
+        else:
+            self._pending_repeat = None
 
     def _digest_matches(self, state: InstanceState, report: HeartbeatReport) -> bool:
         """Digests agree on every tier, except capped ones (the index keeps a subset there)."""
@@ -378,17 +404,34 @@ class _Repeat:
     check: 8,192 instances send 16.4 K heartbeats a second). Anything else, including a heartbeat
     encoded another way, takes the full path."""
 
-    __slots__ = ("applied", "cursor", "head", "load_raw", "state", "version")
+    __slots__ = ("applied", "cursor", "head", "load_raw", "state", "version", "waiting")
 
     def __init__(
-        self, head: bytes, load_raw: bytes, state: InstanceState, cursor: Cursor, version: int
+        self,
+        head: bytes,
+        load_raw: bytes,
+        state: InstanceState,
+        cursor: Cursor,
+        version: int,
+        waiting: bool = False,
     ) -> None:
         self.head, self.load_raw = head, load_raw
         self.state, self.cursor, self.applied, self.version = state, cursor, cursor.applied, version
+        # An instance waiting for its repair (pending or queued): the full path would only refresh
+        # its liveness and load (and start queued repairs) until the repair ends, whatever its seq
+        # and digest say; its next heartbeat after that is checked in full.
+        self.waiting = waiting
 
     @classmethod
     def of(
-        cls, payload: bytes, ts: float, load: Load, state: InstanceState, cursor: Cursor, version: int
+        cls,
+        payload: bytes,
+        ts: float,
+        load: Load,
+        state: InstanceState,
+        cursor: Cursor,
+        version: int,
+        waiting: bool = False,
     ) -> _Repeat | None:
         at = payload.rfind(_TS_KEY)
         if at < 0 or payload[at + 12 : at + 17] != _LOAD_KEY or _unpack_ts(payload, at + 4)[0] != ts:
@@ -406,7 +449,7 @@ class _Repeat:
             return None
         if load_of(load_raw) != load:
             return None
-        return cls(head, load_raw, state, cursor, version)
+        return cls(head, load_raw, state, cursor, version, waiting)
 
     def tail_of(self, payload: bytes) -> tuple[float, bytes] | None:
         """(ts, the load map's bytes) when the heartbeat equals this one up to them."""
@@ -417,8 +460,18 @@ class _Repeat:
         return None
 
     def still(self, heartbeats: Heartbeats) -> bool:
-        """Nothing it was checked against moved: same instance, cursor (seq, no repair), blocks."""
+        """Nothing it was checked against moved: same instance, cursor (seq, no repair), blocks; or,
+        for a waiting one, the instance still waits for its repair."""
         state, cursor = self.state, self.cursor
+        if self.waiting:
+            return (
+                not state.stale
+                and not state.capped
+                and not state.removed
+                and not cursor.closed
+                and (cursor.repairing is not None or state.repair.sync == QUEUED)
+                and heartbeats.drive_repairs
+            )
         return (
             not state.stale
             and not state.capped

@@ -351,3 +351,55 @@ def test_serve_limit_flags_from_the_command_line_and_the_environment() -> None:
     cli._add_serve(parser.add_subparsers(dest="command"))
     args = parse_layered(parser, ["serve", "--max-models", "7"], env={"KVINDEX_CAPACITY_SLACK": "2.0"})
     assert cli._limits(args) == IngestLimits(capacity_slack=2.0, max_models=7)
+
+
+def test_a_waiting_instance_s_repeated_heartbeats_take_the_short_path_until_its_repair_ends() -> None:
+    """Issue 34: during a cold start every heartbeat of an instance whose snapshot was pending or
+    queued was decoded and checked in full, though it could change nothing but liveness and load:
+    at 28,000 workers that was half the index's core. A heartbeat equal to the previous one but for
+    its ts and load now takes the short path while the instance waits, and the full path (digest
+    checked) once its repair ends."""
+    pending = Pending()
+    c, _ = make(repair=pending, max_pending_repairs=1)
+    a, b, d = ("a", 0), ("b", 0), ("d", 0)
+
+    def hb(worker: str, ts: float, running: int = 1, epoch: int = 1) -> bytes:
+        return encode_heartbeat(
+            worker=worker, model="m", epoch=epoch, seq=3, ts=ts, block_size=4,
+            load={"running": running}, capacity={"gpu": 8}, digest={"gpu": (2, 1 ^ 2)},
+        )  # fmt: skip
+
+    for ts in (1.0, 2.0):  # joined mid-stream (a: its snapshot pending; b and d: queued), then again
+        for w in ("a", "b", "d"):
+            assert c.on_heartbeat(f"kvindex.status.{w}", hb(w, ts))
+    assert pending.asked == [(a, "snapshot")] and list(c.repairs.queued) == [b, d]
+    repeats = c.heartbeats._repeats
+    assert {"kvindex.status.a", "kvindex.status.b", "kvindex.status.d"} <= set(repeats)
+    # The short path refreshes liveness and load, and nothing else moves.
+    state = c.registry.get(a)
+    assert state is not None
+    before = state.last_heartbeat_at
+    assert c.on_heartbeat("kvindex.status.a", hb("a", 3.0, running=7))
+    assert state.load.running == 7 and state.heartbeat.ts == 3.0 and state.last_heartbeat_at >= before
+    assert c.counters.rejects[REPAIR_LIMIT] == 2 and c.counters.drift_detected == 0
+    assert pending.asked == [(a, "snapshot")]
+    # a's snapshot applies (b's starts): a's next heartbeat is checked in full (its digest agrees).
+    c.repairs.on_snapshot(a, Snapshot(1, 3, {0: [1, 2]}))
+    assert pending.asked[-1] == (b, "snapshot")
+    assert c.on_heartbeat("kvindex.status.a", hb("a", 4.0, running=7))
+    assert c.counters.drift_detected == 0
+    # b's snapshot (d's starts) says otherwise than b's heartbeats: the short path does not hide
+    # the drift, and b waits again, behind d.
+    c.repairs.on_snapshot(b, Snapshot(1, 3, {0: [1]}))
+    assert pending.asked[-1] == (d, "snapshot")
+    assert c.on_heartbeat("kvindex.status.b", hb("b", 5.0))
+    assert c.counters.drift_detected == 1 and list(c.repairs.queued) == [b]
+    assert c.on_heartbeat("kvindex.status.b", hb("b", 6.0))
+    assert "kvindex.status.b" in repeats
+    # A repair that ends without a word (d forgotten): b's short path still starts its snapshot.
+    c.forget(d)
+    assert c.on_heartbeat("kvindex.status.b", hb("b", 7.0))
+    assert pending.asked[-1] == (b, "snapshot") and not c.repairs.queued
+    # A restart (another epoch) is never a repeat.
+    assert c.on_heartbeat("kvindex.status.b", hb("b", 8.0, epoch=2))
+    assert c.sequencer.cursor(b).epoch == 2  # type: ignore[union-attr]

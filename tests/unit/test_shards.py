@@ -4,6 +4,8 @@ tests/integration/test_shards.py, on a real nats-server)."""
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
 from kvindex.cli import main
@@ -119,3 +121,67 @@ def test_the_front_mirrors_states_and_matches_from_answers() -> None:
     sreg.remove(("a", 0))
     front._apply(front.shards[0], _ask(responder, answer.version, answer.replica), 0.0)
     assert front_core.registry.get(("a", 0)) is None and not mirror.has_instance(("a", 0))
+
+
+async def test_the_front_sends_many_reconcile_requests_in_one_query_per_shard() -> None:
+    """Issue 34: a front started with shards in a cold start found hundreds of instances degraded
+    (holes accepted) and sent one query per instance at once: 445 queries to each busy shard, each
+    answered with every state afresh, and the shards' starts collapsed. Reconciles asked while one
+    is on its way go with the next query."""
+    asked: list[tuple[str, list]] = []
+    release = asyncio.Event()
+
+    class Connection:
+        async def request(self, subject: str, payload: bytes, timeout: float) -> object:
+            asked.append((subject, query_decoder.decode(payload).reconcile))
+            await release.wait()
+            raise TimeoutError("nats: timeout")  # (the shard is busy: its answer comes too late)
+
+    mirror = MirrorIndex()
+    core = build_core(CoreConfig(index=mirror))
+    front = ShardFront(Subjects(), 2, mirror, core.registry, core.calibrator, core.rankers)
+    front.nc = Connection()
+    workers = [f"w{i}" for i in range(100)]
+    for w in workers[:50]:
+        front.request_reconcile((w, 0))
+    for _ in range(20):  # the first query to each shard is on its way
+        await asyncio.sleep(0)
+    for w in workers[50:]:
+        front.request_reconcile((w, 0))
+    for _ in range(20):
+        await asyncio.sleep(0)
+    assert len(asked) == 2  # one query to each shard, not one per instance
+    release.set()
+    for _ in range(20):
+        await asyncio.sleep(0)
+    assert len(asked) == 4  # then one more each, with the instances asked meanwhile
+    sent = {w for _, todo in asked for w, _ in todo}
+    assert sent == set(workers)
+    assert all(
+        partition_of(w, 2) == int(subject.rsplit(".", 1)[1]) for subject, todo in asked for w, _ in todo
+    )
+    await front.stop()
+
+
+async def test_the_front_asks_no_snapshot_of_an_instance_its_shard_is_repairing() -> None:
+    """Issue 34: queued instances (holes accepted, so degraded) were asked for a snapshot by the
+    front; the request reached the shard after the queued snapshot had applied and took another
+    one (10-40 % more snapshots in a cold start). The unsharded repairer drops these."""
+    asked: list[list] = []
+
+    class Connection:
+        async def request(self, subject: str, payload: bytes, timeout: float) -> object:
+            asked.append(query_decoder.decode(payload).reconcile)
+            raise TimeoutError("nats: timeout")
+
+    mirror = MirrorIndex()
+    core = build_core(CoreConfig(index=mirror))
+    front = ShardFront(Subjects(), 2, mirror, core.registry, core.calibrator, core.rankers)
+    front.nc = Connection()
+    for worker, sync in (("q", "queued"), ("s", "snapshot"), ("ok", "synced")):
+        core.registry.add((worker, 0), "m", 16).repair.sync = sync
+        front.request_reconcile((worker, 0))
+    for _ in range(20):
+        await asyncio.sleep(0)
+    assert [w for todo in asked for w, _ in todo] == ["ok"]
+    await front.stop()
