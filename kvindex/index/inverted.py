@@ -39,6 +39,11 @@ _N_TIERS = 4
 _SHARED = 3
 _COMPACT_SLACK = 1024  # mirrored in _native.pyx (COMPACT_SLACK) and _pytable.py
 _LAYOUTS = itertools.count(1)  # slot layouts, unique across models and their re-creation
+# GPU bank-range tables (_Shard.ranges) from this bank_shift on (more than 128 banks: 8,192
+# instances), up to 6 (64 banks a range, a bit each: 262,144 instances). Below, a range is one or
+# two banks and its table would cost memory for little: the banks are walked.
+RANGE_MIN_SHIFT = 2
+RANGE_MAX_SHIFT = 6
 
 
 def bank_shift(banks: int) -> int:
@@ -70,6 +75,7 @@ class _Shard:
         "impl",
         "layout",
         "next_slot",
+        "ranges",
         "slot_owner",
         "summaries",
     )
@@ -79,6 +85,11 @@ class _Shard:
         # With more than one bank, per tier: key -> banks holding it (bit bank >> bank_shift), kept by the
         # banks' tables themselves; a match then walks only the banks that hold the first block.
         self.summaries: list[Any] | None = None
+        # From RANGE_MIN_SHIFT on, per bank range (the banks of one summary bit), its GPU table: key
+        # -> banks of the range holding it (bit b - first bank), with holder counts and the banks
+        # whose every instance holds it. The banks report to it and it to the GPU summary. A match
+        # answers the banks whose every instance holds a block without walking them (_native._Planner).
+        self.ranges: list[Any] | None = None
         self.banks: list[_Bank] = []
         self.bank_tiers: list[list[Any]] = []  # per bank, its tables (banks[b].tiers), for the match
         self.bank_masks: list[int] = []  # occupied slots per bank
@@ -105,8 +116,14 @@ class _Shard:
         self.slot_owner[slot] = instance
         self.bank_owners[slot // BANK_SLOTS][slot % BANK_SLOTS] = instance
         self.bank_masks[slot // BANK_SLOTS] |= 1 << (slot % BANK_SLOTS)
+        self._occupancy(slot // BANK_SLOTS)
         self.layout = next(_LAYOUTS)
         return slot
+
+    def _occupancy(self, b: int) -> None:
+        # The bank's GPU table knows its instances' slots: its range table keeps per key the banks
+        # whose every instance holds it (a join makes none of them whole; a leave may make some).
+        self.banks[b].tiers[0].set_occupied(self.bank_masks[b])
 
     def _link_summaries(self) -> None:
         """Banks came into being: the model's second bank starts the summaries (from what bank 0
@@ -117,7 +134,9 @@ class _Shard:
         that a bit stands for a contiguous range of banks. Instances that joined together (one
         trace copy, one deployment) then share few bits, and a match walks their range, not one
         bank in 64 of the whole model. When the banks outgrow 64 << shift, the summaries are built
-        again over every bank (O(the model's keys), once per doubling of its banks)."""
+        again over every bank (O(the model's keys), once per doubling of its banks). From
+        RANGE_MIN_SHIFT on, the GPU tables report to their range's table (``ranges``), which reports
+        to the GPU summary."""
         n = len(self.banks)
         if n < 2:
             return
@@ -127,24 +146,40 @@ class _Shard:
             # The GPU summary also counts each key's holders: a match then skips the leading blocks
             # every instance holds (a fleet-wide system prompt) without walking each bank.
             self.summaries[0].enable_counts()
+            self.ranges = [] if RANGE_MIN_SHIFT <= shift <= RANGE_MAX_SHIFT else None
             linked = 0
         else:
             linked = n - 1
+        ranges = self.ranges
         for b in range(linked, n):
             for t, table in enumerate(self.banks[b].tiers):
-                table.link_summary(self.summaries[t], 1 << (b >> shift))
+                if t == 0 and ranges is not None:
+                    r = b >> shift
+                    while len(ranges) <= r:
+                        rt = self.impl.BlockTable()
+                        rt.enable_counts()
+                        rt.enable_full()
+                        rt.link_summary(self.summaries[0], 1 << len(ranges))
+                        ranges.append(rt)
+                    table.link_summary(ranges[r], 1 << (b - (r << shift)))
+                else:
+                    table.link_summary(self.summaries[t], 1 << (b >> shift))
         for b in range(linked, n):
             group = list(range((b >> shift) << shift, min(n, ((b >> shift) + 1) << shift)))
             if len(group) < 2:
                 continue
             for t in range(_N_TIERS):
                 for g in group:
-                    self.banks[g].tiers[t].set_siblings([self.banks[o].tiers[t] for o in group if o != g])
+                    # (a GPU table with a range table needs no siblings: the range table knows)
+                    ranged = t == 0 and ranges is not None
+                    sibs = [] if ranged else [self.banks[o].tiers[t] for o in group if o != g]
+                    self.banks[g].tiers[t].set_siblings(sibs)
 
     def release(self, slot: int) -> None:
         del self.slot_owner[slot]
         self.bank_owners[slot // BANK_SLOTS][slot % BANK_SLOTS] = None
         self.bank_masks[slot // BANK_SLOTS] &= ~(1 << (slot % BANK_SLOTS))
+        self._occupancy(slot // BANK_SLOTS)
         self.free_slots.append(slot)
         self.layout = next(_LAYOUTS)
 
@@ -357,6 +392,7 @@ class InvertedIndex:
             {},  # matches of one length are equal and immutable: each GPU-only one is built once
             InstanceMatch,
             len(shard.slot_owner),
+            shard.ranges,
         )
         return out
 
@@ -432,6 +468,7 @@ class InvertedIndex:
             InstanceMatch,
             len(shard.slot_owner),
             listed,
+            shard.ranges,
         )
         return out, [MatchGroup(m, count, masks) for m, count, masks in large]
 
@@ -505,6 +542,8 @@ class InvertedIndex:
                 for t, table in enumerate(shard.summaries):
                     distinct[t] += len(table)
                     nbytes += table.nbytes()
+            for table in shard.ranges or ():
+                nbytes += table.nbytes()
         entries = [0] * _N_TIERS
         for holder in self._holders.values():
             for t in range(_N_TIERS):
