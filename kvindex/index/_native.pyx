@@ -398,19 +398,23 @@ cdef class BlockTable:
             return 0
         return self.full[i]
 
-    def set_occupied(self, uint64_t occupied):
+    def set_occupied(self, uint64_t occupied, KeyLog log=None):
         """This bank's instances are now the slots of ``occupied`` (a join or a leave: the leaving
         instance's keys are already cleared). A range table above hears of each key whose holders
-        became or stopped being all of them: O(this table), once per join or leave."""
-        cdef uint64_t old = self.occupied, i, v, at
+        became or stopped being all of them. Such a key is held by every instance that stays, so
+        ``log``, the GPU key log of one of them (the caller picks the shortest), names them all:
+        O(that instance's keys) a join or leave, not O(the bank's). None: no instance stays."""
+        cdef uint64_t old = self.occupied, v, at, key
+        cdef Py_ssize_t n
         cdef BlockTable summary = self.summary
         self.occupied = occupied
-        if summary is None or summary.full == NULL or old == occupied:
+        if summary is None or summary.full == NULL or old == occupied or log is None:
             return
-        for i in range(self.mask + 1):
-            v = self.cells[i].val
+        for n in range(log.size):
+            key = log.data[n]
+            v = self.get(key)
             if v and (v == old) != (v == occupied):
-                at = summary._slot(self.cells[i].key)
+                at = summary._slot(key)
                 if summary.cells[at].val:
                     if v == occupied:
                         summary.full[at] |= self.group_bit

@@ -84,14 +84,15 @@ class BlockTable:
     def full_banks(self, key: int) -> int:
         return 0 if self.full is None else self.full.get(key, 0)
 
-    def set_occupied(self, occupied: int) -> None:
-        """See _native.BlockTable.set_occupied."""
+    def set_occupied(self, occupied: int, log: KeyLog | None = None) -> None:
+        """See _native.BlockTable.set_occupied (``log``: the GPU keys of an instance that stays)."""
         old, self.occupied = self.occupied, occupied
         summary = self.summary
-        if summary is None or summary.full is None or old == occupied:
+        if summary is None or summary.full is None or old == occupied or log is None:
             return
-        for key, held in self._d.items():
-            if (held == old) != (held == occupied) and key in summary._d:
+        for key in log.data:
+            held = self._d.get(key, 0)
+            if held and (held == old) != (held == occupied) and key in summary._d:
                 summary._set_full(key, self.group_bit, held == occupied)
 
     def _set_full(self, key: int, bit: int, on: bool) -> None:

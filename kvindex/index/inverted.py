@@ -116,14 +116,8 @@ class _Shard:
         self.slot_owner[slot] = instance
         self.bank_owners[slot // BANK_SLOTS][slot % BANK_SLOTS] = instance
         self.bank_masks[slot // BANK_SLOTS] |= 1 << (slot % BANK_SLOTS)
-        self._occupancy(slot // BANK_SLOTS)
         self.layout = next(_LAYOUTS)
         return slot
-
-    def _occupancy(self, b: int) -> None:
-        # The bank's GPU table knows its instances' slots: its range table keeps per key the banks
-        # whose every instance holds it (a join makes none of them whole; a leave may make some).
-        self.banks[b].tiers[0].set_occupied(self.bank_masks[b])
 
     def _link_summaries(self) -> None:
         """Banks came into being: the model's second bank starts the summaries (from what bank 0
@@ -179,7 +173,6 @@ class _Shard:
         del self.slot_owner[slot]
         self.bank_owners[slot // BANK_SLOTS][slot % BANK_SLOTS] = None
         self.bank_masks[slot // BANK_SLOTS] &= ~(1 << (slot % BANK_SLOTS))
-        self._occupancy(slot // BANK_SLOTS)
         self.free_slots.append(slot)
         self.layout = next(_LAYOUTS)
 
@@ -232,8 +225,26 @@ class InvertedIndex:
         if shard is None:
             shard = self._shards[model] = _Shard(self.impl)
         holder = self._holders[instance] = _Holder(model, shard, shard.allocate(instance))
+        self._occupancy(shard, holder.slot // BANK_SLOTS, instance)
         self._version += 1
         holder.version = self._version
+
+    def _occupancy(self, shard: _Shard, b: int, newcomer: InstanceKey | None = None) -> None:
+        """Bank b's instances changed (a join or a leave): its GPU table knows their slots, so that
+        its range table keeps per key the banks whose every instance holds it (a join makes none of
+        them whole, a leave may make some). Such keys are held by every instance of the bank that
+        stays: the shortest GPU key log among them names them all."""
+        table = shard.banks[b].tiers[0]
+        shortest = None
+        if shard.ranges is None or not len(table):  # (nothing to tell, or nothing held)
+            table.set_occupied(shard.bank_masks[b], None)
+            return
+        for owner in shard.bank_owners[b]:
+            if owner is not None and owner != newcomer:
+                log = self._holders[owner].logs[0]
+                if shortest is None or len(log) < len(shortest):
+                    shortest = log
+        table.set_occupied(shard.bank_masks[b], shortest)
 
     def drop_instance(self, instance: InstanceKey) -> int:
         holder = self._holders.get(instance)
@@ -242,6 +253,7 @@ class InvertedIndex:
         dropped = self.clear(instance)
         holder.shard.release(holder.slot)
         del self._holders[instance]
+        self._occupancy(holder.shard, holder.slot // BANK_SLOTS)
         if not holder.shard.slot_owner:
             del self._shards[holder.model]
             self._layouts.pop(holder.model, None)
