@@ -1004,9 +1004,22 @@ cdef class _Planner:
         """The ranges a match must look at: all after leading keys every instance holds, else those
         holding the first key (all when the pool holds it)."""
         cdef _Level* lv
+        cdef Py_ssize_t n_ranges = (self.nb + (1 << self.shift) - 1) >> self.shift
+        cdef uint64_t every = 0xFFFFFFFFFFFFFFFFULL if n_ranges >= 64 else ((<uint64_t>1) << n_ranges) - 1
         if start or self.keys.n == 0:
-            return 0xFFFFFFFFFFFFFFFFULL
+            return every
         lv = self.level(0)
+        if lv.pool:
+            return every
+        return lv.gpu | lv.local
+
+    cdef uint64_t walk_ranges(self, Py_ssize_t start) noexcept:
+        """Without range tables: the ranges walked from ``start``, those that may hold that key
+        (all when the pool holds it); every candidate of the others matched ``start`` keys."""
+        cdef _Level* lv
+        if start >= self.keys.n:
+            return 0
+        lv = self.level(start)
         if lv.pool:
             return 0xFFFFFFFFFFFFFFFFULL
         return lv.gpu | lv.local
@@ -1034,6 +1047,7 @@ cdef class _Planner:
         cdef uint64_t undecided, held, full, some, deeper, rb = (<uint64_t>1) << r, at
         cdef _Level* lv
         cdef BlockTable table = None
+        cdef char walk_it
         if m <= 0:
             return 0
         if m > 64:  # (beyond 4,096 banks: no range tables) one decision for the range, in depth[0]
@@ -1042,7 +1056,19 @@ cdef class _Planner:
             undecided = 0xFFFFFFFFFFFFFFFFULL if m == 64 else ((<uint64_t>1) << m) - 1
             if self.ranges is not None and r < len(self.ranges):
                 table = <BlockTable>self.ranges[r]
-        for i in range(min(m, 64)):
+        if table is None:  # one decision for every bank of the range
+            walk_it = WALK
+            if d == n:
+                walk_it = NO_WALK
+            else:
+                lv = self.level(d)
+                if not (lv.pool or lv.local & rb or lv.gpu & rb):
+                    walk_it = NO_WALK
+            for i in range(min(m, 64)):
+                depth[i] = d
+                walk[i] = walk_it
+            return m
+        for i in range(m):
             depth[i] = -1
             walk[i] = 0
         while undecided:
@@ -1055,9 +1081,6 @@ cdef class _Planner:
                 break
             if not lv.gpu & rb:
                 _decide(undecided, d, NO_WALK, depth, walk)
-                break
-            if table is None:
-                _decide(undecided, d, WALK, depth, walk)
                 break
             at = table._slot(self.keys.data[d])
             held = table.cells[at].val
@@ -1122,7 +1145,7 @@ def match_banks_into(list bank_tiers, list alive, list bank_owners, list summari
     per-bank walks cost more than the walks themselves."""
     cdef Py_ssize_t b, nb = len(bank_tiers), start, r, i, m, at, d
     cdef int shift = _bank_shift(nb)
-    cdef uint64_t mask, todo, held
+    cdef uint64_t mask, todo, held, uniform = 0
     cdef int slots[64]
     cdef Py_ssize_t lens[64]
     cdef long long counts[256]
@@ -1144,6 +1167,8 @@ def match_banks_into(list bank_tiers, list alive, list bank_owners, list summari
         start = _leading(summaries, keys, everyone)
         planner = _Planner(summaries, ranges, keys, nb)
         todo = planner.first_ranges(start)
+        if ranges is None:  # one decision per range: walk from ``start`` where it may hold the key
+            uniform = planner.walk_ranges(start)
     while todo:
         r = __builtin_ctzll(todo)
         todo &= todo - 1
@@ -1151,10 +1176,14 @@ def match_banks_into(list bank_tiers, list alive, list bank_owners, list summari
             m = 1
             depth[0] = 0
             walk[0] = WALK
+        elif ranges is None:
+            m = min(<Py_ssize_t>1 << shift, nb - (r << shift))
+            depth[0] = start
+            walk[0] = WALK if (uniform >> r) & 1 else NO_WALK
         else:
             m = planner.plan(r, start, depth, walk)
         for i in range(m):
-            at = i if m <= 64 else 0
+            at = i if m <= 64 and ranges is not None else 0
             if depth[at] < 0:
                 continue
             b = (r << shift) + i
@@ -1204,7 +1233,7 @@ def match_banks_grouped(list bank_tiers, list alive, list bank_owners, list summ
     length."""
     cdef Py_ssize_t b, nb = len(bank_tiers), j, start, r, i, m, at, d, count_all
     cdef int shift = _bank_shift(nb)
-    cdef uint64_t mask, todo, held
+    cdef uint64_t mask, todo, held, uniform = 0
     cdef uint64_t drops[64]
     cdef Py_ssize_t lens[64]
     cdef long long counts[256]
@@ -1232,6 +1261,8 @@ def match_banks_grouped(list bank_tiers, list alive, list bank_owners, list summ
         start = _leading(summaries, keys, everyone)
         planner = _Planner(summaries, ranges, keys, nb)
         todo = planner.first_ranges(start)
+        if ranges is None:  # one decision per range: walk from ``start`` where it may hold the key
+            uniform = planner.walk_ranges(start)
     try:
         while todo:
             r = __builtin_ctzll(todo)
@@ -1240,16 +1271,24 @@ def match_banks_grouped(list bank_tiers, list alive, list bank_owners, list summ
                 m = 1
                 depth[0] = 0
                 walk[0] = WALK
+            elif ranges is None:
+                m = min(<Py_ssize_t>1 << shift, nb - (r << shift))
+                depth[0] = start
+                walk[0] = WALK if (uniform >> r) & 1 else NO_WALK
             else:
                 m = planner.plan(r, start, depth, walk)
             for i in range(m):
-                at = i if m <= 64 else 0
+                at = i if m <= 64 and ranges is not None else 0
                 d = depth[at]
                 if d < 0 or (d == 0 and walk[at] == NO_WALK):
                     continue
                 b = (r << shift) + i
                 mask = alive[b]
                 if not mask:
+                    continue
+                if walk[at] == NO_WALK and bulk != NULL and bulk[d] != NULL:  # (the usual case, inline)
+                    bulk[d][b] |= mask
+                    bulk_count[d] += __builtin_popcountll(mask)
                     continue
                 if walk[at] != WALK:
                     if bulk == NULL:
