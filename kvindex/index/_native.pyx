@@ -961,14 +961,18 @@ cdef class _Planner:
     cdef list summaries, ranges
     cdef KeyArray keys
     cdef _Level* levels
+    cdef _Level small[32]  # (no allocation for prompts of up to 32 blocks)
     cdef Py_ssize_t known, nb
     cdef int shift
     cdef BlockTable gpu_s, cpu_s, disk_s, pool_s
 
     def __cinit__(self, list summaries, list ranges, KeyArray keys, Py_ssize_t nb):
-        self.levels = <_Level*>malloc((keys.n if keys.n else 1) * sizeof(_Level))
-        if self.levels == NULL:
-            raise MemoryError()
+        if keys.n <= 32:
+            self.levels = self.small
+        else:
+            self.levels = <_Level*>malloc(keys.n * sizeof(_Level))
+            if self.levels == NULL:
+                raise MemoryError()
         self.summaries = summaries
         self.ranges = ranges
         self.keys = keys
@@ -981,7 +985,8 @@ cdef class _Planner:
         self.pool_s = <BlockTable>summaries[3]
 
     def __dealloc__(self):
-        free(self.levels)
+        if self.levels != self.small:
+            free(self.levels)
 
     cdef _Level* level(self, Py_ssize_t d) noexcept:
         cdef uint64_t key, h
@@ -1246,6 +1251,8 @@ def match_banks_grouped(list bank_tiers, list alive, list bank_owners, list summ
     # Per length, the slots of the banks answered without a walk (NULL: none), and how many.
     cdef uint64_t** bulk = NULL
     cdef Py_ssize_t* bulk_count = NULL
+    cdef uint64_t* bulk_small[65]  # (no allocation for prompts of up to 64 blocks)
+    cdef Py_ssize_t count_small[65]
     cdef uint64_t* row
     cdef bint any_pool = len(pools) > 0
     cdef dict groups = {}
@@ -1292,10 +1299,18 @@ def match_banks_grouped(list bank_tiers, list alive, list bank_owners, list summ
                     continue
                 if walk[at] != WALK:
                     if bulk == NULL:
-                        bulk = <uint64_t**>calloc(keys.n + 1, sizeof(uint64_t*))
-                        bulk_count = <Py_ssize_t*>calloc(keys.n + 1, sizeof(Py_ssize_t))
-                        if bulk == NULL or bulk_count == NULL:
-                            raise MemoryError()
+                        if keys.n < 65:
+                            memset(bulk_small, 0, (keys.n + 1) * sizeof(uint64_t*))
+                            memset(count_small, 0, (keys.n + 1) * sizeof(Py_ssize_t))
+                            bulk, bulk_count = bulk_small, count_small
+                        else:
+                            bulk = <uint64_t**>calloc(keys.n + 1, sizeof(uint64_t*))
+                            bulk_count = <Py_ssize_t*>calloc(keys.n + 1, sizeof(Py_ssize_t))
+                            if bulk == NULL or bulk_count == NULL:
+                                free(bulk)
+                                free(bulk_count)
+                                bulk = NULL
+                                raise MemoryError()
                     if walk[at] == PROBE:  # the holders of key d matched d + 1 keys, the others d
                         held = mask & (<BlockTable>(<list>bank_tiers[b])[0]).get_mixed(keys.data[d], keys.mixed[d])
                         _bulk_add(bulk, bulk_count, d + 1, b, held, nb, by_length, groups, match_type)
@@ -1353,8 +1368,9 @@ def match_banks_grouped(list bank_tiers, list alive, list bank_owners, list summ
         if bulk != NULL:
             for d in range(keys.n + 1):
                 free(bulk[d])
-        free(bulk)
-        free(bulk_count)
+        if bulk != bulk_small:
+            free(bulk)
+            free(bulk_count)
     return large
 
 
