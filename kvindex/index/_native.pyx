@@ -175,15 +175,22 @@ cdef class BlockTable:
     # bank >> shift: inverted.bank_shift), kept here as keys appear and disappear, so that a match
     # walks only those banks. ``siblings`` are the other banks' tables of this tier sharing this
     # bank's bit (> 64 banks).
+    # A summary may report to one of its own (a GPU bank range's table to the model's GPU summary:
+    # inverted._Shard.ranges), the same way.
     cdef BlockTable summary
     cdef uint64_t group_bit
     cdef list siblings
-    # A GPU summary's holder counts: per cell, how many instances of the model hold the key on the
-    # GPU (NULL elsewhere). With it a match skips the leading blocks every instance holds instead of
-    # walking each bank through them (a fleet-wide system prompt). ``counted``: this bank table
-    # reports its holders to its summary's counts.
+    # A GPU summary's holder counts: per cell, how many instances of the model (or of its bank range)
+    # hold the key on the GPU (NULL elsewhere). With them a match skips the leading blocks every
+    # instance holds instead of walking each bank through them (a fleet-wide system prompt), and the
+    # banks of a range whose every instance holds a block (the prompts' first block of a deployment).
     cdef unsigned int* aux
-    cdef bint counted
+    # A GPU bank range's table (inverted._Shard.ranges): per cell, the banks of the range whose every
+    # instance holds the key (a subset of the cell's banks; NULL elsewhere). A bank's GPU table
+    # reporting to it knows its instances' slots (``occupied``, from inverted._Shard) and tells it
+    # whenever a key's holders become or stop being all of them.
+    cdef uint64_t* full
+    cdef uint64_t occupied
 
     def __cinit__(self, Py_ssize_t capacity=16):
         cdef uint64_t cap = 16
@@ -196,11 +203,13 @@ cdef class BlockTable:
         self.group_bit = 0
         self.siblings = []
         self.aux = NULL
-        self.counted = False
+        self.full = NULL
+        self.occupied = 0
 
     def __dealloc__(self):
         free(self.cells)
         free(self.aux)
+        free(self.full)
 
     # -- C level -------------------------------------------------------------------------------
 
@@ -230,10 +239,18 @@ cdef class BlockTable:
         cdef uint64_t i, j, m = cap - 1
         cdef unsigned int* old_aux = self.aux
         cdef unsigned int* aux = NULL
+        cdef uint64_t* old_full = self.full
+        cdef uint64_t* full = NULL
         if old_aux != NULL:
             aux = <unsigned int*>calloc(cap, sizeof(unsigned int))
             if aux == NULL:
                 free(cells)
+                raise MemoryError()
+        if old_full != NULL:
+            full = <uint64_t*>calloc(cap, sizeof(uint64_t))
+            if full == NULL:
+                free(cells)
+                free(aux)
                 raise MemoryError()
         for i in range(old_cap):
             if old[i].val != 0:
@@ -243,11 +260,15 @@ cdef class BlockTable:
                 cells[j] = old[i]
                 if aux != NULL:
                     aux[j] = old_aux[i]
+                if full != NULL:
+                    full[j] = old_full[i]
         self.cells = cells
         self.mask = m
         self.aux = aux
+        self.full = full
         free(old)
         free(old_aux)
+        free(old_full)
         return 0
 
     cdef int _rehash_for(self, Py_ssize_t n) except -1:
@@ -280,33 +301,79 @@ cdef class BlockTable:
                 cells[i] = cells[j]
                 if self.aux != NULL:
                     self.aux[i] = self.aux[j]
+                if self.full != NULL:
+                    self.full[i] = self.full[j]
                 i = j
         cells[i].val = 0
         cells[i].key = 0
         if self.aux != NULL:
             self.aux[i] = 0
+        if self.full != NULL:
+            self.full[i] = 0
         self.count -= 1
 
-    cdef Py_ssize_t _or_bits(self, uint64_t key, uint64_t bits) except -1:
-        """OR ``bits`` into key's cell (made if absent); returns the cell's index."""
+    cdef int _add_holder(self, uint64_t key, uint64_t bit, bint new_bit, unsigned int n,
+                         bint all_hold=False) except -1:
+        """This table is a summary: ``n`` more holders of ``key`` under ``bit`` (``new_bit``: the
+        reporting table did not hold the key before; ``all_hold``: now every instance of that bank
+        holds it, for a range table's ``full``). Passed on to this table's own summary."""
         cdef Cell* cell
         cdef uint64_t i
+        cdef bint fresh = False
+        if not new_bit and self.aux == NULL:
+            return 0  # nothing changes here: the bit is set and nothing is counted
         self._reserve_one()
         i = self._slot(key)
         cell = &self.cells[i]
         if cell.val == 0:
             cell.key = key
-            cell.val = bits
+            cell.val = bit
             self.count += 1
-        else:
-            cell.val |= bits
-        return <Py_ssize_t>i
+            fresh = True
+        elif not cell.val & bit:
+            cell.val |= bit
+            fresh = True
+        if self.aux != NULL:
+            self.aux[i] += n
+        if all_hold and self.full != NULL:
+            self.full[i] |= bit
+        if self.summary is not None:
+            self.summary._add_holder(key, self.group_bit, fresh, n)
+        return 0
 
-    cdef inline void _count(self, uint64_t key, int delta) noexcept nogil:
-        """Add ``delta`` to a present key's holder count (a counting summary)."""
-        cdef uint64_t i = self._slot(key)
-        if self.cells[i].val:
-            self.aux[i] += delta
+    cdef int _drop_holder(self, uint64_t key, uint64_t bit, bint gone) except -1:
+        """This table is a summary: one holder of ``key`` under ``bit`` fewer (``gone``: none is
+        left under ``bit``). Passed on to this table's own summary."""
+        cdef uint64_t i
+        cdef bint left = False
+        if not gone and self.aux == NULL:
+            return 0
+        i = self._slot(key)
+        if not self.cells[i].val:
+            return 0
+        if self.aux != NULL:
+            self.aux[i] -= 1
+        if self.full != NULL:  # (a holder left: not every instance of that bank holds it now)
+            self.full[i] &= ~bit
+        if gone:
+            self.cells[i].val &= ~bit
+            if self.cells[i].val == 0:
+                self._delete_at(i)
+                left = True
+        if self.summary is not None:
+            self.summary._drop_holder(key, self.group_bit, left)
+        return 0
+
+    cdef inline int _left(self, uint64_t key, bint gone) except -1:
+        """One holder of ``key`` left this table (``gone``: the last one): tell the summary, whose
+        bit stays while a sibling sharing it holds the key."""
+        cdef BlockTable sib
+        if gone:
+            for sib in self.siblings:
+                if sib.get(key):
+                    gone = False
+                    break
+        return self.summary._drop_holder(key, self.group_bit, gone)
 
     def enable_counts(self):
         """Keep a holder count per key (a model's GPU summary; see ``aux``), zero for now: the
@@ -316,6 +383,44 @@ cdef class BlockTable:
             if self.aux == NULL:
                 raise MemoryError()
 
+    def enable_full(self):
+        """Keep per key the banks whose every instance holds it (a GPU bank range's table; see
+        ``full``), none for now: the bank tables linked afterwards report them."""
+        if self.full == NULL:
+            self.full = <uint64_t*>calloc(self.mask + 1, sizeof(uint64_t))
+            if self.full == NULL:
+                raise MemoryError()
+
+    def full_banks(self, uint64_t key):
+        """A range table's banks whose every instance holds ``key`` (0 when absent)."""
+        cdef uint64_t i = self._slot(key)
+        if self.full == NULL or not self.cells[i].val:
+            return 0
+        return self.full[i]
+
+    def set_occupied(self, uint64_t occupied, KeyLog log=None):
+        """This bank's instances are now the slots of ``occupied`` (a join or a leave: the leaving
+        instance's keys are already cleared). A range table above hears of each key whose holders
+        became or stopped being all of them. Such a key is held by every instance that stays, so
+        ``log``, the GPU key log of one of them (the caller picks the shortest), names them all:
+        O(that instance's keys) a join or leave, not O(the bank's). None: no instance stays."""
+        cdef uint64_t old = self.occupied, v, at, key
+        cdef Py_ssize_t n
+        cdef BlockTable summary = self.summary
+        self.occupied = occupied
+        if summary is None or summary.full == NULL or old == occupied or log is None:
+            return
+        for n in range(log.size):
+            key = log.data[n]
+            v = self.get(key)
+            if v and (v == old) != (v == occupied):
+                at = summary._slot(key)
+                if summary.cells[at].val:
+                    if v == occupied:
+                        summary.full[at] |= self.group_bit
+                    else:
+                        summary.full[at] &= ~self.group_bit
+
     def holders(self, uint64_t key):
         """A counting summary's holder count of ``key`` (0 when absent)."""
         cdef uint64_t i = self._slot(key)
@@ -323,33 +428,19 @@ cdef class BlockTable:
             return 0
         return self.aux[i]
 
-    cdef int _gone(self, uint64_t key) except -1:
-        """``key`` left this table: drop this bank's bit from the summary unless a sibling holds it."""
-        cdef BlockTable sib
-        cdef uint64_t i
-        for sib in self.siblings:
-            if sib.get(key):
-                return 0
-        i = self.summary._slot(key)
-        if self.summary.cells[i].val:
-            self.summary.cells[i].val &= ~self.group_bit
-            if self.summary.cells[i].val == 0:
-                self.summary._delete_at(i)
-        return 0
-
     def link_summary(self, BlockTable summary, uint64_t group_bit):
-        """Report this table's keys to ``summary`` under ``group_bit`` from now on (and now)."""
+        """Report this table's keys to ``summary`` under ``group_bit`` from now on (and now: its
+        holders, or its own counts when it is a counting summary itself)."""
         cdef uint64_t i
-        cdef Py_ssize_t at
         self.summary = summary
         self.group_bit = group_bit
-        self.counted = summary.aux != NULL
         summary._rehash_for(self.count)
         for i in range(self.mask + 1):
             if self.cells[i].val:
-                at = summary._or_bits(self.cells[i].key, group_bit)
-                if self.counted:
-                    summary.aux[at] += __builtin_popcountll(self.cells[i].val)
+                summary._add_holder(
+                    self.cells[i].key, group_bit, True,
+                    self.aux[i] if self.aux != NULL else __builtin_popcountll(self.cells[i].val),
+                    self.cells[i].val == self.occupied)
 
     def set_siblings(self, list siblings):
         self.siblings = siblings
@@ -370,7 +461,6 @@ cdef class BlockTable:
     cdef inline int _set(self, uint64_t key, uint64_t bit, KeyLog log) except -1:
         """Set ``bit`` on ``key``; 1 when it was not set (the key is then logged), else 0."""
         cdef Cell* cell
-        cdef Py_ssize_t at
         self._reserve_one()
         cell = &self.cells[self._slot(key)]
         if cell.val == 0:
@@ -378,29 +468,27 @@ cdef class BlockTable:
             cell.val = bit
             self.count += 1
             if self.summary is not None:
-                at = self.summary._or_bits(key, self.group_bit)
-                if self.counted:
-                    self.summary.aux[at] += 1
+                self.summary._add_holder(key, self.group_bit, True, 1, bit == self.occupied)
         elif cell.val & bit:
             return 0
         else:
             cell.val |= bit
-            if self.counted:
-                self.summary._count(key, 1)
+            if self.summary is not None:
+                self.summary._add_holder(key, self.group_bit, False, 1, cell.val == self.occupied)
         log.push(key)
         return 1
 
     cdef inline int _unset(self, uint64_t key, uint64_t bit) except -1:
         """Clear ``bit`` on ``key``; 1 when it was set. The caller shrinks afterwards."""
         cdef uint64_t i = self._slot(key)
+        cdef bint gone
         if self.cells[i].val & bit:
             self.cells[i].val ^= bit
-            if self.counted:  # (before _gone, which may delete the summary's cell)
-                self.summary._count(key, -1)
-            if self.cells[i].val == 0:
+            gone = self.cells[i].val == 0
+            if gone:
                 self._delete_at(i)
-                if self.summary is not None:
-                    self._gone(key)
+            if self.summary is not None:
+                self._left(key, gone)
             return 1
         return 0
 
@@ -431,18 +519,8 @@ cdef class BlockTable:
     def clear_logged(self, KeyLog log, uint64_t bit):
         """Clear ``bit`` on every key in ``log``; returns how many had it."""
         cdef Py_ssize_t n, cleared = 0
-        cdef uint64_t i
         for n in range(log.size):
-            i = self._slot(log.data[n])
-            if self.cells[i].val & bit:
-                self.cells[i].val ^= bit
-                if self.counted:
-                    self.summary._count(log.data[n], -1)
-                if self.cells[i].val == 0:
-                    self._delete_at(i)
-                    if self.summary is not None:
-                        self._gone(log.data[n])
-                cleared += 1
+            cleared += self._unset(log.data[n], bit)
         self._maybe_shrink()
         return cleared
 
@@ -485,7 +563,8 @@ cdef class BlockTable:
         return self.mask + 1
 
     def nbytes(self):
-        return (self.mask + 1) * (sizeof(Cell) + (sizeof(unsigned int) if self.aux != NULL else 0))
+        return (self.mask + 1) * (sizeof(Cell) + (sizeof(unsigned int) if self.aux != NULL else 0)
+                                  + (sizeof(uint64_t) if self.full != NULL else 0))
 
     def items(self):
         cdef uint64_t i
@@ -793,68 +872,6 @@ def match_tiered(BlockTable gpu, BlockTable cpu, BlockTable disk, list pools, Ke
     return out
 
 
-def match_banks_into(list bank_tiers, list alive, list bank_owners, list summaries, list pools,
-                     KeyArray keys, dict out, dict same, object match_type, Py_ssize_t everyone=-1):
-    """A whole match over a model's banks in one call (inverted.InvertedIndex.match): which banks to
-    walk, each bank's walk, and the results stored into ``out`` (``owner -> match_type(n, (gpu, cpu,
-    disk, shared))``, equal GPU-only matches shared through ``same``).
-
-    ``bank_tiers[b]`` are bank b's four tables, ``alive[b]`` its candidate slots and
-    ``bank_owners[b]`` the instance in each slot. ``summaries`` (per tier, key -> banks holding it,
-    bit b >> shift, inverted.bank_shift; None with a single bank) narrow the walk to the banks holding the first block on a
-    local tier, or every bank with candidates when the pool holds it. ``pools`` are the shared-tier
-    tables to consult (the shared summary, or each bank's). Done natively because at thousands of
-    instances the Python loop around the per-bank walks cost more than the walks themselves.
-
-    ``everyone``: how many instances the model has (-1: unknown); the leading keys that many hold on
-    the GPU (the GPU summary's counts) are matched by every candidate without walking a bank."""
-    cdef Py_ssize_t b, nb = len(bank_tiers), j, start
-    cdef uint64_t mask, groups, walk
-    cdef int shift
-    cdef int slots[64]
-    cdef Py_ssize_t lens[64]
-    cdef long long counts[256]
-    cdef long long lengths[64]
-    cdef int count, slot
-    cdef BlockTable gpu, cpu, disk
-    cdef list tiers, owners
-    cdef bint any_pool = len(pools) > 0
-    if keys.n == 0:
-        return
-    groups, start = _banks_to_walk(summaries, keys, everyone, True)
-    shift = _bank_shift(nb)
-    for b in range(nb):
-        walk = (groups >> (b >> shift)) & 1
-        if not walk and not start:
-            continue
-        mask = alive[b]
-        if not mask:
-            continue
-        if not walk:
-            if start:  # every candidate of the bank holds the leading keys, none the next one
-                count = 0
-                while mask:
-                    slots[count] = __builtin_ctzll(mask)
-                    lens[count] = start
-                    count += 1
-                    mask &= mask - 1
-                _emit_gpu(count, slots, lens, <list>bank_owners[b], out, same, match_type)
-            continue
-        tiers = <list>bank_tiers[b]
-        owners = <list>bank_owners[b]
-        gpu = <BlockTable>tiers[0]
-        cpu = <BlockTable>tiers[1]
-        disk = <BlockTable>tiers[2]
-        if any_pool or cpu.count or disk.count:
-            _walk_tiered(gpu, cpu, disk, pools, keys, mask, counts, lengths, start)
-            for slot in range(64):
-                if lengths[slot]:
-                    out[owners[slot]] = _tiered_match(match_type, lengths, counts, slot)
-        else:
-            count = _walk_gpu(gpu, keys, mask, slots, lens, start)
-            _emit_gpu(count, slots, lens, owners, out, same, match_type)
-
-
 cdef inline int _bank_shift(Py_ssize_t nb) noexcept nogil:
     """A bank's summary bit is its number >> this (inverted.bank_shift: 64 << shift >= banks)."""
     cdef int shift = 0
@@ -910,97 +927,467 @@ cdef inline int _group_add(list g, Py_ssize_t b, uint64_t mask) except -1:
     return 0
 
 
-def match_banks_grouped(list bank_tiers, list alive, list bank_owners, list summaries, list pools,
-                        KeyArray keys, dict out, object match_type, Py_ssize_t everyone=-1,
-                        Py_ssize_t listed=-1):
-    """match_banks_into's match, grouped by its answer, so that a prompt every instance holds costs
-    per bank and per distinct answer, not per instance. Answers of at most ``listed`` instances are
-    stored into ``out`` per instance as match_banks_into does; returns ``[match, count, masks]`` for
-    each larger one (``masks``: bytes of one little-endian u64 per bank, the slots with that answer).
-    Equal answers are one group whether from a GPU-only or a tiered walk. The banks that need no
-    walk (_banks_to_walk, ``narrow``) join the group of the leading keys in one C array."""
-    cdef Py_ssize_t b, nb = len(bank_tiers), j, start, n, bulk_count = 0, count_all
-    cdef uint64_t mask, groups_mask, walk
+# _Planner.plan's decisions per bank.
+DEF NO_WALK = 0
+DEF WALK = 1
+DEF PROBE = 2
+
+
+cdef struct _Level:
+    uint64_t gpu  # bank ranges holding the key on the GPU (the model's GPU summary)
+    uint64_t local  # ... on the CPU or disk
+    bint pool  # the shared pool holds it: every instance of the model can load it
+
+
+cdef class _Planner:
+    """Which banks of a model a match walks, from which key, and which it answers without a walk
+    (match_banks_into, match_banks_grouped). Per bank range (a bit of the model's summaries), from
+    the leading keys every instance holds (``start``), key by key:
+
+    - a range the model's summaries say does not hold the key on any tier: every candidate of its
+      undecided banks matched exactly the keys before it, on the GPU (no walk);
+    - otherwise its range table (``ranges``: GPU key -> banks of the range holding it, and those
+      whose every instance holds it) splits them: the banks not holding the key matched the keys
+      before it, those where every instance holds it go on to the next key without a walk, and
+      the others (some instances hold it) are walked from it;
+    - without a range table (below inverted.RANGE_MIN_SHIFT), or with a CPU, disk or pool copy of
+      the key in the range, its undecided banks are walked from that key.
+
+    So a deployment's instances that all hold their prompts' first block (Mooncake: every request
+    starts with it) cost a range-table probe per range and key, not a walk of each of their banks:
+    the cost follows the ranges and the banks holding the next block, which alone are walked. The
+    summaries are probed once per key (cached across ranges)."""
+
+    cdef list summaries, ranges
+    cdef KeyArray keys
+    cdef _Level* levels
+    cdef _Level small[32]  # (no allocation for prompts of up to 32 blocks)
+    cdef Py_ssize_t known, nb
     cdef int shift
-    cdef uint64_t drops[64]
+    cdef BlockTable gpu_s, cpu_s, disk_s, pool_s
+
+    def __cinit__(self, list summaries, list ranges, KeyArray keys, Py_ssize_t nb):
+        if keys.n <= 32:
+            self.levels = self.small
+        else:
+            self.levels = <_Level*>malloc(keys.n * sizeof(_Level))
+            if self.levels == NULL:
+                raise MemoryError()
+        self.summaries = summaries
+        self.ranges = ranges
+        self.keys = keys
+        self.known = 0
+        self.nb = nb
+        self.shift = _bank_shift(nb)
+        self.gpu_s = <BlockTable>summaries[0]
+        self.cpu_s = <BlockTable>summaries[1]
+        self.disk_s = <BlockTable>summaries[2]
+        self.pool_s = <BlockTable>summaries[3]
+
+    def __dealloc__(self):
+        if self.levels != self.small:
+            free(self.levels)
+
+    cdef _Level* level(self, Py_ssize_t d) noexcept:
+        cdef uint64_t key, h
+        cdef _Level* lv
+        while self.known <= d:
+            key = self.keys.data[self.known]
+            h = self.keys.mixed[self.known]
+            lv = &self.levels[self.known]
+            lv.pool = self.pool_s.count and self.pool_s.get_mixed(key, h) != 0
+            lv.gpu = self.gpu_s.get_mixed(key, h)
+            lv.local = 0
+            if self.cpu_s.count:
+                lv.local = self.cpu_s.get_mixed(key, h)
+            if self.disk_s.count:
+                lv.local |= self.disk_s.get_mixed(key, h)
+            self.known += 1
+        return &self.levels[d]
+
+    cdef uint64_t first_ranges(self, Py_ssize_t start) noexcept:
+        """The ranges a match must look at: all after leading keys every instance holds, else those
+        holding the first key (all when the pool holds it)."""
+        cdef _Level* lv
+        cdef Py_ssize_t n_ranges = (self.nb + (1 << self.shift) - 1) >> self.shift
+        cdef uint64_t every = 0xFFFFFFFFFFFFFFFFULL if n_ranges >= 64 else ((<uint64_t>1) << n_ranges) - 1
+        if start or self.keys.n == 0:
+            return every
+        lv = self.level(0)
+        if lv.pool:
+            return every
+        return lv.gpu | lv.local
+
+    cdef uint64_t walk_ranges(self, Py_ssize_t start) noexcept:
+        """Without range tables: the ranges walked from ``start``, those that may hold that key
+        (all when the pool holds it); every candidate of the others matched ``start`` keys."""
+        cdef _Level* lv
+        if start >= self.keys.n:
+            return 0
+        lv = self.level(start)
+        if lv.pool:
+            return 0xFFFFFFFFFFFFFFFFULL
+        return lv.gpu | lv.local
+
+    cdef uint64_t may_hold(self, Py_ssize_t r, Py_ssize_t d, BlockTable table) noexcept:
+        """The banks of range r that may hold key d on some tier (range table and summaries)."""
+        cdef _Level* lv
+        if d >= self.keys.n:
+            return 0
+        lv = self.level(d)
+        if lv.pool or lv.local & ((<uint64_t>1) << r):
+            return 0xFFFFFFFFFFFFFFFFULL
+        if not lv.gpu & ((<uint64_t>1) << r):
+            return 0
+        return table.get(self.keys.data[d])
+
+    cdef int plan(self, Py_ssize_t r, Py_ssize_t start, Py_ssize_t* depth, char* walk) except -1:
+        """Range r's banks r << shift ...: per bank i of the range, ``depth[i]`` (-1: nothing to do)
+        and ``walk[i]``: NO_WALK, every candidate matched depth[i] keys on the GPU; WALK, walk from
+        key depth[i]; PROBE, the candidates holding key depth[i] on the GPU matched one more than
+        depth[i] keys (none holds the next key), the others depth[i]. Returns how many banks the
+        range has."""
+        cdef Py_ssize_t b0 = r << self.shift, m = min(<Py_ssize_t>1 << self.shift, self.nb - b0)
+        cdef Py_ssize_t d = start, n = self.keys.n, i
+        cdef uint64_t undecided, held, full, some, deeper, rb = (<uint64_t>1) << r, at
+        cdef _Level* lv
+        cdef BlockTable table = None
+        cdef char walk_it
+        if m <= 0:
+            return 0
+        if m > 64:  # (beyond 4,096 banks: no range tables) one decision for the range, in depth[0]
+            undecided = 1
+        else:
+            undecided = 0xFFFFFFFFFFFFFFFFULL if m == 64 else ((<uint64_t>1) << m) - 1
+            if self.ranges is not None and r < len(self.ranges):
+                table = <BlockTable>self.ranges[r]
+        if table is None:  # one decision for every bank of the range
+            walk_it = WALK
+            if d == n:
+                walk_it = NO_WALK
+            else:
+                lv = self.level(d)
+                if not (lv.pool or lv.local & rb or lv.gpu & rb):
+                    walk_it = NO_WALK
+            for i in range(min(m, 64)):
+                depth[i] = d
+                walk[i] = walk_it
+            return m
+        for i in range(m):
+            depth[i] = -1
+            walk[i] = 0
+        while undecided:
+            if d == n:
+                _decide(undecided, d, NO_WALK, depth, walk)
+                break
+            lv = self.level(d)
+            if lv.pool or lv.local & rb:
+                _decide(undecided, d, WALK, depth, walk)
+                break
+            if not lv.gpu & rb:
+                _decide(undecided, d, NO_WALK, depth, walk)
+                break
+            at = table._slot(self.keys.data[d])
+            held = table.cells[at].val
+            full = table.full[at] if table.full != NULL else 0
+            # Banks not holding the key: their candidates matched the keys before it. Banks all of
+            # whose instances hold it: on to the next key. Banks some of whose instances hold it:
+            # walked from it, or only probed for it when none of them holds the next key (a prompt's
+            # first block that most of a deployment holds, its second block elsewhere).
+            _decide(undecided & ~held, d, NO_WALK, depth, walk)
+            some = undecided & held & ~full
+            if some:
+                deeper = self.may_hold(r, d + 1, table)
+                _decide(some & deeper, d, WALK, depth, walk)
+                _decide(some & ~deeper, d, PROBE, depth, walk)
+            undecided &= full
+            d += 1
+        return m
+
+
+cdef inline void _decide(uint64_t banks, Py_ssize_t d, char walk_it, Py_ssize_t* depth, char* walk) noexcept:
+    cdef int i
+    while banks:
+        i = __builtin_ctzll(banks)
+        depth[i] = d
+        walk[i] = walk_it
+        banks &= banks - 1
+
+
+cdef inline Py_ssize_t _leading(list summaries, KeyArray keys, Py_ssize_t everyone) noexcept:
+    """How many leading keys the GPU summary counts ``everyone`` holders of (0 without counts)."""
+    cdef BlockTable gpu_summary
+    cdef Py_ssize_t start = 0
+    cdef uint64_t i
+    if summaries is None or everyone <= 0:
+        return 0
+    gpu_summary = <BlockTable>summaries[0]
+    if gpu_summary.aux == NULL:
+        return 0
+    while start < keys.n:
+        i = gpu_summary._slot(keys.data[start])
+        if not gpu_summary.cells[i].val or gpu_summary.aux[i] != <unsigned int>everyone:
+            break
+        start += 1
+    return start
+
+
+def match_banks_into(list bank_tiers, list alive, list bank_owners, list summaries, list pools,
+                     KeyArray keys, dict out, dict same, object match_type, Py_ssize_t everyone=-1,
+                     list ranges=None):
+    """A whole match over a model's banks in one call (inverted.InvertedIndex.match): which banks to
+    walk, each bank's walk, and the results stored into ``out`` (``owner -> match_type(n, (gpu, cpu,
+    disk, shared))``, equal GPU-only matches shared through ``same``).
+
+    ``bank_tiers[b]`` are bank b's four tables, ``alive[b]`` its candidate slots and
+    ``bank_owners[b]`` the instance in each slot. ``summaries`` (per tier, key ->
+    banks holding it, bit b >> shift, inverted.bank_shift; None with a single bank) and ``ranges``
+    (per bank range, its GPU table: None below inverted.RANGE_MIN_SHIFT) say which banks to walk
+    from which key (_Planner); ``pools`` are the shared-tier tables to consult (the shared summary,
+    or each bank's). ``everyone``: how many instances the model has (-1: unknown); the leading keys
+    that many hold on the GPU (the GPU summary's counts) are matched by every candidate without
+    walking a bank. Done natively because at thousands of instances the Python loop around the
+    per-bank walks cost more than the walks themselves."""
+    cdef Py_ssize_t b, nb = len(bank_tiers), start, r, i, m, at, d
+    cdef int shift = _bank_shift(nb)
+    cdef uint64_t mask, todo, held, uniform = 0
+    cdef int slots[64]
     cdef Py_ssize_t lens[64]
     cdef long long counts[256]
     cdef long long lengths[64]
+    cdef Py_ssize_t depth[64]
+    cdef char walk[64]
     cdef int count, slot
     cdef BlockTable gpu, cpu, disk
-    cdef list tiers, g, owners, large = []
-    cdef list g_start = None  # the leading keys' group, when some banks are not walked
-    cdef uint64_t* bulk = NULL  # its slots in those banks
+    cdef list tiers, owners
     cdef bint any_pool = len(pools) > 0
-    cdef dict groups = {}
-    cdef dict by_length = {}  # GPU-only answers: matched length -> its group
+    cdef _Planner planner
     if keys.n == 0:
-        return large
-    groups_mask, start = _banks_to_walk(summaries, keys, everyone, True)
-    shift = _bank_shift(nb)
-    try:
-        for b in range(nb):
-            walk = (groups_mask >> (b >> shift)) & 1
-            if not walk and not start:
+        return
+    if summaries is None:  # one bank: walk it
+        todo = 1
+        planner = None
+        start = 0
+    else:
+        start = _leading(summaries, keys, everyone)
+        planner = _Planner(summaries, ranges, keys, nb)
+        todo = planner.first_ranges(start)
+        if ranges is None:  # one decision per range: walk from ``start`` where it may hold the key
+            uniform = planner.walk_ranges(start)
+    while todo:
+        r = __builtin_ctzll(todo)
+        todo &= todo - 1
+        if planner is None:
+            m = 1
+            depth[0] = 0
+            walk[0] = WALK
+        elif ranges is None:
+            m = min(<Py_ssize_t>1 << shift, nb - (r << shift))
+            depth[0] = start
+            walk[0] = WALK if (uniform >> r) & 1 else NO_WALK
+        else:
+            m = planner.plan(r, start, depth, walk)
+        for i in range(m):
+            at = i if m <= 64 and ranges is not None else 0
+            if depth[at] < 0:
                 continue
+            b = (r << shift) + i
             mask = alive[b]
             if not mask:
                 continue
-            if not walk:
-                if g_start is None:
-                    g_start = _length_group(start, by_length, groups, match_type)
-                    bulk = <uint64_t*>calloc(nb, sizeof(uint64_t))
-                    if bulk == NULL:
-                        raise MemoryError()
-                bulk[b] = mask
-                bulk_count += __builtin_popcountll(mask)
+            if walk[at] != WALK:
+                # Every candidate of the bank matched depth[at] keys on the GPU (NO_WALK), or one more
+                # where it holds the next (PROBE).
+                held = 0
+                if walk[at] == PROBE:
+                    d = depth[at]
+                    held = mask & (<BlockTable>(<list>bank_tiers[b])[0]).get_mixed(keys.data[d], keys.mixed[d])
+                count = 0
+                while mask:
+                    slots[count] = __builtin_ctzll(mask)
+                    lens[count] = depth[at] + ((held >> slots[count]) & 1)
+                    if lens[count]:
+                        count += 1
+                    mask &= mask - 1
+                _emit_gpu(count, slots, lens, <list>bank_owners[b], out, same, match_type)
                 continue
             tiers = <list>bank_tiers[b]
+            owners = <list>bank_owners[b]
             gpu = <BlockTable>tiers[0]
             cpu = <BlockTable>tiers[1]
             disk = <BlockTable>tiers[2]
             if any_pool or cpu.count or disk.count:
-                _walk_tiered(gpu, cpu, disk, pools, keys, mask, counts, lengths, start)
+                _walk_tiered(gpu, cpu, disk, pools, keys, mask, counts, lengths, depth[at])
                 for slot in range(64):
                     if lengths[slot]:
-                        m = _tiered_match(match_type, lengths, counts, slot)
-                        g = groups.get(m)
-                        if g is None:
-                            g = groups[m] = [m, 0, []]
-                        _group_add(g, b, (<uint64_t>1) << slot)
+                        out[owners[slot]] = _tiered_match(match_type, lengths, counts, slot)
             else:
-                count = _walk_gpu_drops(gpu, keys, mask, drops, lens, start)
-                for j in range(count):
-                    _group_add(_length_group(lens[j], by_length, groups, match_type), b, drops[j])
-        for g in groups.values():
-            if g is g_start:  # its walked banks' slots join the others
-                for pair in <list>g[2]:
-                    bulk[<Py_ssize_t>(<list>pair)[0]] |= <uint64_t>(<list>pair)[1]
-                count_all = <Py_ssize_t>g[1] + bulk_count
-                if count_all > listed:
-                    large.append([g[0], count_all, (<char*>bulk)[:nb * 8]])
+                count = _walk_gpu(gpu, keys, mask, slots, lens, depth[at])
+                _emit_gpu(count, slots, lens, owners, out, same, match_type)
+
+
+def match_banks_grouped(list bank_tiers, list alive, list bank_owners, list summaries, list pools,
+                        KeyArray keys, dict out, object match_type, Py_ssize_t everyone=-1,
+                        Py_ssize_t listed=-1, list ranges=None):
+    """match_banks_into's match, grouped by its answer, so that a prompt every instance holds costs
+    per bank range and per distinct answer, not per instance. Answers of at most ``listed``
+    instances are stored into ``out`` per instance as match_banks_into does; returns ``[match,
+    count, masks]`` for each larger one (``masks``: bytes of one little-endian u64 per bank, the
+    slots with that answer). Equal answers are one group whether from a GPU-only or a tiered walk.
+    The banks that need no walk (_Planner) join the group of their length in one C array per
+    length."""
+    cdef Py_ssize_t b, nb = len(bank_tiers), j, start, r, i, m, at, d, count_all
+    cdef int shift = _bank_shift(nb)
+    cdef uint64_t mask, todo, held, uniform = 0
+    cdef uint64_t drops[64]
+    cdef Py_ssize_t lens[64]
+    cdef long long counts[256]
+    cdef long long lengths[64]
+    cdef Py_ssize_t depth[64]
+    cdef char walk[64]
+    cdef int count, slot
+    cdef BlockTable gpu, cpu, disk
+    cdef list tiers, g, owners, large = []
+    # Per length, the slots of the banks answered without a walk (NULL: none), and how many.
+    cdef uint64_t** bulk = NULL
+    cdef Py_ssize_t* bulk_count = NULL
+    cdef uint64_t* bulk_small[65]  # (no allocation for prompts of up to 64 blocks)
+    cdef Py_ssize_t count_small[65]
+    cdef uint64_t* row
+    cdef bint any_pool = len(pools) > 0
+    cdef dict groups = {}
+    cdef dict by_length = {}  # GPU-only answers: matched length -> its group
+    cdef _Planner planner
+    if keys.n == 0:
+        return large
+    if summaries is None:  # one bank: walk it
+        todo = 1
+        planner = None
+        start = 0
+    else:
+        start = _leading(summaries, keys, everyone)
+        planner = _Planner(summaries, ranges, keys, nb)
+        todo = planner.first_ranges(start)
+        if ranges is None:  # one decision per range: walk from ``start`` where it may hold the key
+            uniform = planner.walk_ranges(start)
+    try:
+        while todo:
+            r = __builtin_ctzll(todo)
+            todo &= todo - 1
+            if planner is None:
+                m = 1
+                depth[0] = 0
+                walk[0] = WALK
+            elif ranges is None:
+                m = min(<Py_ssize_t>1 << shift, nb - (r << shift))
+                depth[0] = start
+                walk[0] = WALK if (uniform >> r) & 1 else NO_WALK
+            else:
+                m = planner.plan(r, start, depth, walk)
+            for i in range(m):
+                at = i if m <= 64 and ranges is not None else 0
+                d = depth[at]
+                if d < 0 or (d == 0 and walk[at] == NO_WALK):
                     continue
-                m = g[0]
+                b = (r << shift) + i
+                mask = alive[b]
+                if not mask:
+                    continue
+                if walk[at] == NO_WALK and bulk != NULL and bulk[d] != NULL:  # (the usual case, inline)
+                    bulk[d][b] |= mask
+                    bulk_count[d] += __builtin_popcountll(mask)
+                    continue
+                if walk[at] != WALK:
+                    if bulk == NULL:
+                        if keys.n < 65:
+                            memset(bulk_small, 0, (keys.n + 1) * sizeof(uint64_t*))
+                            memset(count_small, 0, (keys.n + 1) * sizeof(Py_ssize_t))
+                            bulk, bulk_count = bulk_small, count_small
+                        else:
+                            bulk = <uint64_t**>calloc(keys.n + 1, sizeof(uint64_t*))
+                            bulk_count = <Py_ssize_t*>calloc(keys.n + 1, sizeof(Py_ssize_t))
+                            if bulk == NULL or bulk_count == NULL:
+                                free(bulk)
+                                free(bulk_count)
+                                bulk = NULL
+                                raise MemoryError()
+                    if walk[at] == PROBE:  # the holders of key d matched d + 1 keys, the others d
+                        held = mask & (<BlockTable>(<list>bank_tiers[b])[0]).get_mixed(keys.data[d], keys.mixed[d])
+                        _bulk_add(bulk, bulk_count, d + 1, b, held, nb, by_length, groups, match_type)
+                        mask &= ~held
+                    _bulk_add(bulk, bulk_count, d, b, mask, nb, by_length, groups, match_type)
+                    continue
+                tiers = <list>bank_tiers[b]
+                gpu = <BlockTable>tiers[0]
+                cpu = <BlockTable>tiers[1]
+                disk = <BlockTable>tiers[2]
+                if any_pool or cpu.count or disk.count:
+                    _walk_tiered(gpu, cpu, disk, pools, keys, mask, counts, lengths, d)
+                    for slot in range(64):
+                        if lengths[slot]:
+                            m_ = _tiered_match(match_type, lengths, counts, slot)
+                            g = groups.get(m_)
+                            if g is None:
+                                g = groups[m_] = [m_, 0, []]
+                            _group_add(g, b, (<uint64_t>1) << slot)
+                else:
+                    count = _walk_gpu_drops(gpu, keys, mask, drops, lens, d)
+                    for j in range(count):
+                        _group_add(_length_group(lens[j], by_length, groups, match_type), b, drops[j])
+        for g in groups.values():
+            row = NULL
+            d = (<tuple>g[0])[0]
+            if bulk != NULL and d <= keys.n and bulk[d] != NULL and by_length.get(d) is g:
+                row = bulk[d]
+            if row != NULL:  # its walked banks' slots join the others
+                for pair in <list>g[2]:
+                    row[<Py_ssize_t>(<list>pair)[0]] |= <uint64_t>(<list>pair)[1]
+                count_all = <Py_ssize_t>g[1] + bulk_count[d]
+                if count_all > listed:
+                    large.append([g[0], count_all, (<char*>row)[:nb * 8]])
+                    continue
+                m_ = g[0]
                 for b in range(nb):
-                    mask = bulk[b]
+                    mask = row[b]
                     owners = <list>bank_owners[b]
                     while mask:
-                        out[owners[__builtin_ctzll(mask)]] = m
+                        out[owners[__builtin_ctzll(mask)]] = m_
                         mask &= mask - 1
                 continue
             if <Py_ssize_t>g[1] > listed:
                 large.append([g[0], g[1], _pairs_bytes(<list>g[2], nb)])
                 continue
-            m = g[0]
+            m_ = g[0]
             for pair in <list>g[2]:
                 owners = <list>bank_owners[<Py_ssize_t>(<list>pair)[0]]
                 mask = (<list>pair)[1]
                 while mask:
-                    out[owners[__builtin_ctzll(mask)]] = m
+                    out[owners[__builtin_ctzll(mask)]] = m_
                     mask &= mask - 1
     finally:
-        free(bulk)
+        if bulk != NULL:
+            for d in range(keys.n + 1):
+                free(bulk[d])
+        if bulk != bulk_small:
+            free(bulk)
+            free(bulk_count)
     return large
+
+
+cdef inline int _bulk_add(uint64_t** bulk, Py_ssize_t* bulk_count, Py_ssize_t d, Py_ssize_t b, uint64_t mask,
+                          Py_ssize_t nb, dict by_length, dict groups, object match_type) except -1:
+    """Slots ``mask`` of bank b matched ``d`` keys on the GPU, answered without a walk: into the
+    length's C array (made with its group when new)."""
+    if not mask or not d:
+        return 0
+    if bulk[d] == NULL:
+        _length_group(d, by_length, groups, match_type)  # (groups in order of discovery)
+        bulk[d] = <uint64_t*>calloc(nb, sizeof(uint64_t))
+        if bulk[d] == NULL:
+            raise MemoryError()
+    bulk[d][b] |= mask
+    bulk_count[d] += __builtin_popcountll(mask)
+    return 0
 
 
 cdef inline list _length_group(Py_ssize_t n, dict by_length, dict groups, object match_type):

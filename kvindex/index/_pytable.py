@@ -62,7 +62,7 @@ class Differ:
 
 
 class BlockTable:
-    __slots__ = ("_d", "counts", "group_bit", "siblings", "summary")
+    __slots__ = ("_d", "counts", "full", "group_bit", "occupied", "siblings", "summary")
 
     def __init__(self, capacity: int = 16) -> None:
         self._d: dict[int, int] = {}
@@ -70,43 +70,97 @@ class BlockTable:
         self.group_bit = 0
         self.siblings: list[BlockTable] = []
         self.counts: dict[int, int] | None = None  # a GPU summary's holder counts (_native: aux)
+        self.full: dict[int, int] | None = None  # a range table's banks every instance of holds a key
+        self.occupied = 0  # a bank's instances' slots (its range table's ``full``)
 
     def enable_counts(self) -> None:
         if self.counts is None:
             self.counts = {}
 
+    def enable_full(self) -> None:
+        if self.full is None:
+            self.full = {}
+
+    def full_banks(self, key: int) -> int:
+        return 0 if self.full is None else self.full.get(key, 0)
+
+    def set_occupied(self, occupied: int, log: KeyLog | None = None) -> None:
+        """See _native.BlockTable.set_occupied (``log``: the GPU keys of an instance that stays)."""
+        old, self.occupied = self.occupied, occupied
+        summary = self.summary
+        if summary is None or summary.full is None or old == occupied or log is None:
+            return
+        for key in log.data:
+            held = self._d.get(key, 0)
+            if held and (held == old) != (held == occupied) and key in summary._d:
+                summary._set_full(key, self.group_bit, held == occupied)
+
+    def _set_full(self, key: int, bit: int, on: bool) -> None:
+        assert self.full is not None
+        full = (self.full.get(key, 0) | bit) if on else (self.full.get(key, 0) & ~bit)
+        if full:
+            self.full[key] = full
+        else:
+            self.full.pop(key, None)
+
     def holders(self, key: int) -> int:
         return 0 if self.counts is None else self.counts.get(key, 0)
 
-    def _count(self, key: int, delta: int) -> None:
-        summary = self.summary
-        if summary is not None and summary.counts is not None:
-            counts = summary.counts
-            left = counts.get(key, 0) + delta
+    def _add_holder(self, key: int, bit: int, new_bit: bool, n: int, all_hold: bool = False) -> None:
+        """See _native: this table is a summary, ``n`` more holders of ``key`` under ``bit``
+        (``all_hold``: every instance of that bank holds it now)."""
+        if not new_bit and self.counts is None:
+            return
+        held = self._d.get(key, 0)
+        self._d[key] = held | bit
+        if self.counts is not None:
+            self.counts[key] = self.counts.get(key, 0) + n
+        if all_hold and self.full is not None:
+            self._set_full(key, bit, True)
+        if self.summary is not None:
+            self.summary._add_holder(key, self.group_bit, not held & bit, n)
+
+    def _drop_holder(self, key: int, bit: int, gone: bool) -> None:
+        """See _native: one holder fewer (``gone``: none left under ``bit``)."""
+        if not gone and self.counts is None:
+            return
+        held = self._d.get(key, 0)
+        if not held:
+            return
+        if self.counts is not None:
+            left = self.counts.get(key, 0) - 1
             if left:
-                counts[key] = left
+                self.counts[key] = left
             else:
-                counts.pop(key, None)
+                self.counts.pop(key, None)
+        if self.full is not None:
+            self._set_full(key, bit, False)
+        emptied = False
+        if gone:
+            held &= ~bit
+            if held:
+                self._d[key] = held
+            else:
+                del self._d[key]
+                emptied = True
+        if self.summary is not None:
+            self.summary._drop_holder(key, self.group_bit, emptied)
+
+    def _left(self, key: int, gone: bool) -> None:
+        if gone and any(key in sib._d for sib in self.siblings):
+            gone = False
+        assert self.summary is not None
+        self.summary._drop_holder(key, self.group_bit, gone)
 
     def link_summary(self, summary: BlockTable, group_bit: int) -> None:
         self.summary = summary
         self.group_bit = group_bit
         for key, held in self._d.items():
-            summary._d[key] = summary._d.get(key, 0) | group_bit
-            self._count(key, held.bit_count())
+            n = self.counts.get(key, 0) if self.counts is not None else held.bit_count()
+            summary._add_holder(key, group_bit, True, n, held == self.occupied)
 
     def set_siblings(self, siblings: list[BlockTable]) -> None:
         self.siblings = siblings
-
-    def _gone(self, key: int) -> None:
-        summary = self.summary
-        if summary is None or any(key in sib._d for sib in self.siblings):
-            return
-        held = summary._d.get(key, 0) & ~self.group_bit
-        if held:
-            summary._d[key] = held
-        else:
-            summary._d.pop(key, None)
 
     def add_bit(self, keys: Iterable[int], bit: int, log: KeyLog) -> tuple[int, int]:
         d = self._d
@@ -121,10 +175,7 @@ class BlockTable:
                 continue
             d[key] = held | bit
             if self.summary is not None:
-                if not held:
-                    sd = self.summary._d
-                    sd[key] = sd.get(key, 0) | self.group_bit
-                self._count(key, 1)
+                self.summary._add_holder(key, self.group_bit, not held, 1, held | bit == self.occupied)
             added += 1
             x ^= key
             push(key)
@@ -137,12 +188,12 @@ class BlockTable:
         for key in keys:
             held = d.get(key, 0)
             if held & bit:
-                self._count(key, -1)
                 if held == bit:
                     del d[key]
-                    self._gone(key)
                 else:
                     d[key] = held ^ bit
+                if self.summary is not None:
+                    self._left(key, held == bit)
                 removed += 1
                 x ^= key
         return removed, x
@@ -305,8 +356,10 @@ def match_banks_into(
     same: dict[int, Any],
     match_type: Any,
     everyone: int = -1,
+    ranges: list[BlockTable] | None = None,
 ) -> None:
-    """See _native.match_banks_into: the banks holding the first block (summaries), each walked."""
+    """See _native.match_banks_into: the banks holding the first block (summaries), each walked (the
+    bank ranges' tables, which spare the native match walks, change no answer)."""
     if not keys:
         return
     walk = _walk_banks(bank_tiers, alive, summaries, pools, keys, everyone, bank_owners)
@@ -367,6 +420,7 @@ def match_banks_grouped(
     match_type: Any,
     everyone: int = -1,
     listed: int = -1,
+    ranges: list[BlockTable] | None = None,
 ) -> list[list[Any]]:
     """See _native.match_banks_grouped: small answers into ``out``, ``[match, count, masks]`` of
     the larger ones."""

@@ -39,6 +39,11 @@ _N_TIERS = 4
 _SHARED = 3
 _COMPACT_SLACK = 1024  # mirrored in _native.pyx (COMPACT_SLACK) and _pytable.py
 _LAYOUTS = itertools.count(1)  # slot layouts, unique across models and their re-creation
+# GPU bank-range tables (_Shard.ranges) from this bank_shift on (more than 128 banks: 8,192
+# instances), up to 6 (64 banks a range, a bit each: 262,144 instances). Below, a range is one or
+# two banks and its table would cost memory for little: the banks are walked.
+RANGE_MIN_SHIFT = 2
+RANGE_MAX_SHIFT = 6
 
 
 def bank_shift(banks: int) -> int:
@@ -70,6 +75,7 @@ class _Shard:
         "impl",
         "layout",
         "next_slot",
+        "ranges",
         "slot_owner",
         "summaries",
     )
@@ -79,6 +85,11 @@ class _Shard:
         # With more than one bank, per tier: key -> banks holding it (bit bank >> bank_shift), kept by the
         # banks' tables themselves; a match then walks only the banks that hold the first block.
         self.summaries: list[Any] | None = None
+        # From RANGE_MIN_SHIFT on, per bank range (the banks of one summary bit), its GPU table: key
+        # -> banks of the range holding it (bit b - first bank), with holder counts and the banks
+        # whose every instance holds it. The banks report to it and it to the GPU summary. A match
+        # answers the banks whose every instance holds a block without walking them (_native._Planner).
+        self.ranges: list[Any] | None = None
         self.banks: list[_Bank] = []
         self.bank_tiers: list[list[Any]] = []  # per bank, its tables (banks[b].tiers), for the match
         self.bank_masks: list[int] = []  # occupied slots per bank
@@ -117,7 +128,9 @@ class _Shard:
         that a bit stands for a contiguous range of banks. Instances that joined together (one
         trace copy, one deployment) then share few bits, and a match walks their range, not one
         bank in 64 of the whole model. When the banks outgrow 64 << shift, the summaries are built
-        again over every bank (O(the model's keys), once per doubling of its banks)."""
+        again over every bank (O(the model's keys), once per doubling of its banks). From
+        RANGE_MIN_SHIFT on, the GPU tables report to their range's table (``ranges``), which reports
+        to the GPU summary."""
         n = len(self.banks)
         if n < 2:
             return
@@ -127,19 +140,34 @@ class _Shard:
             # The GPU summary also counts each key's holders: a match then skips the leading blocks
             # every instance holds (a fleet-wide system prompt) without walking each bank.
             self.summaries[0].enable_counts()
+            self.ranges = [] if RANGE_MIN_SHIFT <= shift <= RANGE_MAX_SHIFT else None
             linked = 0
         else:
             linked = n - 1
+        ranges = self.ranges
         for b in range(linked, n):
             for t, table in enumerate(self.banks[b].tiers):
-                table.link_summary(self.summaries[t], 1 << (b >> shift))
+                if t == 0 and ranges is not None:
+                    r = b >> shift
+                    while len(ranges) <= r:
+                        rt = self.impl.BlockTable()
+                        rt.enable_counts()
+                        rt.enable_full()
+                        rt.link_summary(self.summaries[0], 1 << len(ranges))
+                        ranges.append(rt)
+                    table.link_summary(ranges[r], 1 << (b - (r << shift)))
+                else:
+                    table.link_summary(self.summaries[t], 1 << (b >> shift))
         for b in range(linked, n):
             group = list(range((b >> shift) << shift, min(n, ((b >> shift) + 1) << shift)))
             if len(group) < 2:
                 continue
             for t in range(_N_TIERS):
                 for g in group:
-                    self.banks[g].tiers[t].set_siblings([self.banks[o].tiers[t] for o in group if o != g])
+                    # (a GPU table with a range table needs no siblings: the range table knows)
+                    ranged = t == 0 and ranges is not None
+                    sibs = [] if ranged else [self.banks[o].tiers[t] for o in group if o != g]
+                    self.banks[g].tiers[t].set_siblings(sibs)
 
     def release(self, slot: int) -> None:
         del self.slot_owner[slot]
@@ -197,8 +225,26 @@ class InvertedIndex:
         if shard is None:
             shard = self._shards[model] = _Shard(self.impl)
         holder = self._holders[instance] = _Holder(model, shard, shard.allocate(instance))
+        self._occupancy(shard, holder.slot // BANK_SLOTS, instance)
         self._version += 1
         holder.version = self._version
+
+    def _occupancy(self, shard: _Shard, b: int, newcomer: InstanceKey | None = None) -> None:
+        """Bank b's instances changed (a join or a leave): its GPU table knows their slots, so that
+        its range table keeps per key the banks whose every instance holds it (a join makes none of
+        them whole, a leave may make some). Such keys are held by every instance of the bank that
+        stays: the shortest GPU key log among them names them all."""
+        table = shard.banks[b].tiers[0]
+        shortest = None
+        if shard.ranges is None or not len(table):  # (nothing to tell, or nothing held)
+            table.set_occupied(shard.bank_masks[b], None)
+            return
+        for owner in shard.bank_owners[b]:
+            if owner is not None and owner != newcomer:
+                log = self._holders[owner].logs[0]
+                if shortest is None or len(log) < len(shortest):
+                    shortest = log
+        table.set_occupied(shard.bank_masks[b], shortest)
 
     def drop_instance(self, instance: InstanceKey) -> int:
         holder = self._holders.get(instance)
@@ -207,6 +253,7 @@ class InvertedIndex:
         dropped = self.clear(instance)
         holder.shard.release(holder.slot)
         del self._holders[instance]
+        self._occupancy(holder.shard, holder.slot // BANK_SLOTS)
         if not holder.shard.slot_owner:
             del self._shards[holder.model]
             self._layouts.pop(holder.model, None)
@@ -383,6 +430,7 @@ class InvertedIndex:
             {},  # matches of one length are equal and immutable: each GPU-only one is built once
             InstanceMatch,
             len(shard.slot_owner),
+            shard.ranges,
         )
         return out
 
@@ -458,6 +506,7 @@ class InvertedIndex:
             InstanceMatch,
             len(shard.slot_owner),
             listed,
+            shard.ranges,
         )
         return out, [MatchGroup(m, count, masks) for m, count, masks in large]
 
@@ -531,6 +580,8 @@ class InvertedIndex:
                 for t, table in enumerate(shard.summaries):
                     distinct[t] += len(table)
                     nbytes += table.nbytes()
+            for table in shard.ranges or ():
+                nbytes += table.nbytes()
         entries = [0] * _N_TIERS
         for holder in self._holders.values():
             for t in range(_N_TIERS):

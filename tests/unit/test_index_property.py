@@ -521,3 +521,106 @@ def test_apply_within_applies_only_what_fits(backend: str) -> None:
     assert ix.block_counts(("a", 0)) == twin.block_counts(("a", 0)) == (2, 0, 0, 0)
     assert ix.digest(("a", 0), 0) == twin.digest(("a", 0), 0)
     assert ix.apply_within(("a", 0), events, 2, (3, 9, 9, 9)) is None  # 2 held + 2 could pass 3
+
+
+def _range_tables_exact(ix: InvertedIndex, model: str) -> None:
+    """Each GPU bank range's table (beyond 128 banks) holds, per key, the range's banks holding it,
+    their holder count and the banks whose every instance holds it: what the banks hold."""
+    shard = ix._shards[model]
+    assert shard.ranges is not None
+    shift = bank_shift(len(shard.banks))
+    assert len(shard.ranges) == (len(shard.banks) + (1 << shift) - 1) >> shift
+    for r, table in enumerate(shard.ranges):
+        held: dict[int, int] = {}
+        counts: dict[int, int] = {}
+        full: dict[int, int] = {}
+        for b in range(r << shift, min(len(shard.banks), (r + 1) << shift)):
+            bit = 1 << (b - (r << shift))
+            for key, mask in shard.banks[b].tiers[0].items():
+                held[key] = held.get(key, 0) | bit
+                counts[key] = counts.get(key, 0) + mask.bit_count()
+                if mask == shard.bank_masks[b]:
+                    full[key] = full.get(key, 0) | bit
+        assert dict(table.items()) == held
+        assert {k: table.holders(k) for k in held} == counts
+        assert {k: table.full_banks(k) for k in held if table.full_banks(k)} == full
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@settings(max_examples=4, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), subset=st.booleans())
+def test_bank_ranges_answer_like_sets(backend: str, seed: int, subset: bool) -> None:
+    """Deployments of 700 instances over 130+ banks (ranges of 4 banks: their tables), each holding
+    its prompts' first block but for a few, some a second or deeper block, on the GPU, CPU or in the
+    pool; instances leave (a bank whose every remaining instance holds a block) and join (one that
+    holds nothing). Matches and grouped matches equal the sets', and the range tables stay exact
+    (they are built when the 129th bank comes, over what the first 128 hold)."""
+    import random
+
+    rng = random.Random(seed)
+    ix = InvertedIndex(BACKENDS[backend])
+    deployments = 12  # 8,400 instances: 132 banks
+    size = 700
+    firsts = [rng.getrandbits(64) for _ in range(deployments)]
+    seconds = [[rng.getrandbits(64) for _ in range(3)] for _ in range(deployments)]
+    deep = rng.getrandbits(64)
+    names = [(f"d{i}", 0) for i in range(deployments * size)]
+    held: dict[tuple[str, int], list[set[int]]] = {}
+    for i, inst in enumerate(names):
+        ix.add_instance(inst, "m")
+        held[inst] = [set() for _ in range(N_TIERS)]
+        dep = i // size
+        if i % 97 == 5:  # (holds nothing: its bank is not whole for the first block)
+            continue
+        chain = [firsts[dep]]
+        u = rng.random()
+        if u < 0.02:
+            chain.append(seconds[dep][rng.randrange(3)])
+            if rng.random() < 0.5:
+                chain.append(deep)
+        tier = 1 if u < 0.005 else 0
+        ix.store(inst, 0, chain[:1])
+        held[inst][0].add(chain[0])
+        if len(chain) > 1:
+            ix.store(inst, tier, chain[1:])
+            held[inst][tier] |= set(chain[1:])
+    if rng.random() < 0.3:  # a pool copy of one deployment's second block
+        ix.store(names[3], SHARED, seconds[1][:1])
+        held[names[3]][SHARED].add(seconds[1][0])
+
+    def check() -> None:
+        live = list(held)
+        pooled = set().union(*(h[SHARED] for h in held.values()))
+        for _ in range(6):
+            dep = rng.randrange(deployments)
+            keys = [firsts[dep], seconds[dep][rng.randrange(3)], deep, rng.getrandbits(64)]
+            keys = keys[: rng.randint(1, 4)]
+            insts = rng.sample(live, rng.randint(1, len(live))) if subset else None
+            want = {}
+            for inst in live if insts is None else insts:
+                tiers, counts, n_held = held[inst], [0, 0, 0, 0], 0
+                for k in keys:
+                    t = next((t for t in range(3) if k in tiers[t]), SHARED if k in pooled else None)
+                    if t is None:
+                        break
+                    counts[t] += 1
+                    n_held += 1
+                if n_held:
+                    want[inst] = InstanceMatch(n_held, tuple(counts))
+            assert ix.match("m", keys, insts) == want
+            assert _flatten_groups(ix, "m", keys, insts, listed=16) == want
+        _range_tables_exact(ix, "m")
+
+    check()
+    for inst in rng.sample(list(held), 300):  # leaves: some banks become whole for a block
+        ix.drop_instance(inst)
+        del held[inst]
+    check()
+    for j in range(200):  # joins into the freed slots: their banks are whole for nothing
+        inst = (f"late{j}", 0)
+        ix.add_instance(inst, "m")
+        held[inst] = [set() for _ in range(N_TIERS)]
+        if j % 3:
+            ix.store(inst, 0, [firsts[j % deployments]])
+            held[inst][0].add(firsts[j % deployments])
+    check()
