@@ -32,10 +32,11 @@ MODEL = "m"
 BS = 16
 
 
-def join(core: Core, name: str, endpoint: str) -> None:
+def join(core: Core, name: str, endpoint: str, model: str = MODEL) -> None:
+    """``name`` joins ``model`` by a heartbeat (a load, a 16,384-block GPU, ``endpoint``)."""
     beat = encode_heartbeat(
         worker=name,
-        model=MODEL,
+        model=model,
         epoch=1,
         seq=0,
         ts=time.time(),

@@ -6,9 +6,10 @@ against in a worker thread first (``KvIndexServicer.pretokenize``), in the same 
 
 In process: the servicer with the test suite's Llama-3-style tokenizer and 64 instances; a chat of
 about ``--tokens`` tokens (benchmarks/bench_tokenize.py's), each round a new one with the
-tokenizer's caches emptied (a long new conversation: nothing of it cached). While its ``Score`` runs as a task, the loop runs a 1 ms ticker and a
-``Score`` of 1,024 token ids every 2 ms; reported: the longest gap between ticks (the stall) and the
-short Scores' p50 / max latency. Rounds alternate between the two modes; medians of the rounds.
+tokenizer's caches emptied (a long new conversation: nothing of it cached). While its ``Score``
+runs as a task, the loop runs a 1 ms ticker and a ``Score`` of 1,024 token ids every 2 ms;
+reported: the longest gap between ticks (the stall) and the short Scores' p50 / max latency.
+Rounds alternate between the two modes; medians of the rounds.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from bench_listings import join
 from bench_tokenize import build_chat
 
 from kvindex.api import servicer as servicer_module
@@ -32,7 +34,6 @@ from kvindex.api.servicer import KvIndexServicer
 from kvindex.core import build_core
 from kvindex.tokenize import Tokenizers
 from kvindex.v1 import kvindex_pb2 as pb
-from kvindex.wire.codec import encode_heartbeat
 from kvtools.testing.tokenizer_fixtures import make_tokenizer_dir
 
 MODEL = "bench"
@@ -41,19 +42,7 @@ MODEL = "bench"
 def make_servicer(toks: Tokenizers) -> KvIndexServicer:
     core = build_core()
     for w in range(64):
-        name = f"w{w:02d}"
-        beat = encode_heartbeat(
-            worker=name,
-            model=MODEL,
-            epoch=1,
-            seq=0,
-            ts=time.time(),
-            block_size=16,
-            load={},
-            capacity={"gpu": 100000},
-            digest={},
-        )
-        core.consumer.on_heartbeat(f"kvindex.status.{name}", beat)
+        join(core, f"w{w:02d}", "", MODEL)
     return KvIndexServicer(core.index, core.registry, core.counters, None, core.ranker, toks)
 
 

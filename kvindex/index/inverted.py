@@ -338,19 +338,7 @@ class InvertedIndex:
             or bound > limits[3] - c[3]
         ):
             return None
-        self._version += 1
-        holder.version = self._version
-        return self.impl.apply_events(  # type: ignore[no-any-return]
-            events,
-            TIER_BY_NAME,
-            holder.bank.tiers,
-            holder.logs,
-            holder.bit,
-            c,
-            holder.xors,
-            Applied,
-            GROUP_MASKS,
-        )
+        return self.apply(instance, events)
 
     def _maybe_compact(self, holder: _Holder, tier: int) -> None:
         # Removals leave dead keys in the log; compact once they outnumber the live ones.
