@@ -95,7 +95,9 @@ async def test_a_restarted_index_beyond_its_repair_limit_is_ready_only_when_exac
         # The snapshots beyond the limit waited in the queue, each counted once (before: refused at
         # every heartbeat of every waiting worker, and the refused ones looked in sync).
         refused = svc.counters.rejects[REPAIR_LIMIT]
-        assert 0 < refused <= WORKERS - LIMIT, refused
+        # (A periodic reconcile asked meanwhile may wait once too: seen in ~1 run in 7.)
+        later = sum(svc.counters.snapshots_requested.values()) - svc.counters.snapshots_requested["start"]
+        assert 0 < refused <= WORKERS - LIMIT + later, (refused, dict(svc.counters.snapshots_requested))
         assert not svc.consumer.repairs.queued
         assert svc.counters.snapshots_applied >= WORKERS
     finally:
