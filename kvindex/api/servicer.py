@@ -341,11 +341,11 @@ class KvIndexServicer(pb_grpc.KvIndexServicer):
             raise BadRequest("commit needs a request_id (Release refers to it)")
         return prompt, candidates, policy, role, self.pick_options(request)
 
-    def score_request(self, request: pb.ScoreRequest) -> pb.ScoreResponse:
-        """One Score, unary or streamed: check the arguments (BadRequest), rank, build the response."""
-        started = time.perf_counter()
+    def checked_score(self, request: pb.ScoreRequest, **extra: Any) -> pb.ScoreResponse:
+        """``score`` with the request's arguments checked (BadRequest) and resolved; ``extra``:
+        ``score``'s ``quiet`` and ``results`` (Explain)."""
         prompt, candidates, policy, role, pick = self.score_args(request)
-        response = self.score(
+        return self.score(
             request,
             prompt.block_size,
             prompt.keys,
@@ -354,7 +354,13 @@ class KvIndexServicer(pb_grpc.KvIndexServicer):
             role,
             prompt_tokens=prompt.tokens,
             pick=pick,
+            **extra,
         )
+
+    def score_request(self, request: pb.ScoreRequest) -> pb.ScoreResponse:
+        """One Score, unary or streamed: check the arguments (BadRequest), rank, build the response."""
+        started = time.perf_counter()
+        response = self.checked_score(request)
         if request.commit and response.committed_instance_id and self.metrics is not None:
             self.metrics.decisions[response.policy] += 1
         self._done(SCORE, request, response, started)
@@ -381,25 +387,13 @@ class KvIndexServicer(pb_grpc.KvIndexServicer):
             raise BadRequest(
                 "Explain never commits: commit must be false (Score with commit routes a request)"
             )
-        prompt, candidates, policy, role, pick = self.score_args(request)
         if not request.explain:
             explained = pb.ScoreRequest()
             explained.CopyFrom(request)
             explained.explain = True
             request = explained
         results: list[ScoreResult] = []
-        ranking = self.score(
-            request,
-            prompt.block_size,
-            prompt.keys,
-            candidates,
-            policy,
-            role,
-            prompt_tokens=prompt.tokens,
-            pick=pick,
-            quiet=quiet,
-            results=results,
-        )
+        ranking = self.checked_score(request, quiet=quiet, results=results)
         response = pb.ExplainResponse(ranking=ranking)
         ranker = self.ranker
         for choice in results[0].choices[: len(ranking.ranked)] if results else ():

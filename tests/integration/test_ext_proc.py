@@ -98,6 +98,25 @@ def body_chunks(body: bytes, n: int = 3) -> list[ep.ProcessingRequest]:
     ]
 
 
+def usage_of(prompt_tokens: int, cached_tokens: int, completion_tokens: int = 2) -> dict[str, Any]:
+    """An engine's OpenAI ``usage`` (what the picker reports to the index)."""
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
+    }
+
+
+def answer_with_usage(prompt_tokens: int, cached_tokens: int) -> list[bytes]:
+    """An engine's streamed completion whose last chunk carries its usage."""
+    usage = usage_of(prompt_tokens, cached_tokens)
+    return [
+        b'data: {"choices":[{"text":"a"}]}\n\n',
+        b'data: {"choices":[],"usage":' + json.dumps(usage).encode() + b"}\n\n",
+        b"data: [DONE]\n\n",
+    ]
+
+
 def destination(resp: ep.ProcessingResponse, phase: str) -> tuple[str, str]:
     """(header value, dynamic metadata value) of the pick in a headers or body answer."""
     common = getattr(resp, phase).response
@@ -336,16 +355,7 @@ async def test_a_request_served_on_a_fallback_is_no_evidence_against_where_it_ra
     seen: list[Any] = []
     svc.ranker.outcomes.subscribe(seen.append)
     prompt = tokens(6 * BS, 7)
-    usage = {
-        "prompt_tokens": len(prompt),
-        "completion_tokens": 2,
-        "prompt_tokens_details": {"cached_tokens": 0},
-    }
-    sse = [
-        b'data: {"choices":[{"text":"a"}]}\n\n',
-        b'data: {"choices":[],"usage":' + json.dumps(usage).encode() + b"}\n\n",
-        b"data: [DONE]\n\n",
-    ]
+    sse = answer_with_usage(len(prompt), 0)
     envoy = Envoy(picker)
     body = {"model": MODEL, "prompt": prompt, "stream": True, "stream_options": {"include_usage": True}}
     pick, _ = await envoy.request(body)
@@ -387,16 +397,7 @@ async def test_the_engine_usage_in_the_response_is_reported(
     seen: list[Any] = []
     svc.ranker.outcomes.subscribe(seen.append)
     full = prompt + tokens(3 * BS, seed=6)
-    usage = {
-        "prompt_tokens": len(full),
-        "completion_tokens": 2,
-        "prompt_tokens_details": {"cached_tokens": 320},
-    }
-    sse = [
-        b'data: {"choices":[{"text":"a"}]}\n\n',
-        b'data: {"choices":[],"usage":' + json.dumps(usage).encode() + b"}\n\n",
-        b"data: [DONE]\n\n",
-    ]
+    sse = answer_with_usage(len(full), 320)
     envoy = Envoy(picker)
     body = {"model": MODEL, "prompt": full, "stream": True, "stream_options": {"include_usage": True}}
     pick, _ = await envoy.request(body)
@@ -408,7 +409,7 @@ async def test_the_engine_usage_in_the_response_is_reported(
     # Buffered, not streamed: a one-token answer's time is its TTFT; the engine had nothing cached.
     envoy = Envoy(picker)
     pick, _ = await envoy.request({"model": MODEL, "prompt": full, "max_tokens": 1}, mode=BUFFERED)
-    one = dict(usage, completion_tokens=1, prompt_tokens_details={"cached_tokens": 0})
+    one = usage_of(len(full), 0, completion_tokens=1)
     answer = json.dumps({"choices": [{"text": "a"}], "usage": one}).encode()
     await envoy.response("10.0.0.3:8000", [answer[:10], answer[10:]], content_type="application/json")
     await envoy.close()

@@ -354,17 +354,7 @@ def test_bank_summaries_stay_exact(backend: str, ops: list, queries: list) -> No
     assert {k: shard.summaries[0].holders(k) for k, _m in shard.summaries[0].items()} == gpu_holders
     pooled = set().union(*(h[SHARED] for h in held.values()))
     for keys in queries:
-        expect = {}
-        for inst, tiers in held.items():
-            counts, n_held = [0, 0, 0, 0], 0
-            for k in keys:
-                t = next((t for t in range(3) if k in tiers[t]), SHARED if k in pooled else None)
-                if t is None:
-                    break
-                counts[t] += 1
-                n_held += 1
-            if n_held:
-                expect[inst] = InstanceMatch(n_held, tuple(counts))
+        expect = {inst: m for inst, tiers in held.items() if (m := _set_match(tiers, keys, pooled))}
         if keys and keys[0] in pooled:  # every instance of the model matches the pool's blocks
             got = {i: m for i, m in ix.match("m", keys).items() if i in held}
         else:
@@ -523,6 +513,19 @@ def test_apply_within_applies_only_what_fits(backend: str) -> None:
     assert ix.apply_within(("a", 0), events, 2, (3, 9, 9, 9)) is None  # 2 held + 2 could pass 3
 
 
+def _set_match(tiers: list[set[int]], keys: list[int], pooled: set[int]) -> InstanceMatch | None:
+    """What a set model says an instance holding ``tiers`` (GPU, CPU, disk) matches of ``keys``,
+    the shared pool's ``pooled`` blocks counting for every instance; None for nothing."""
+    counts, n_held = [0, 0, 0, 0], 0
+    for k in keys:
+        t = next((t for t in range(3) if k in tiers[t]), SHARED if k in pooled else None)
+        if t is None:
+            break
+        counts[t] += 1
+        n_held += 1
+    return InstanceMatch(n_held, tuple(counts)) if n_held else None
+
+
 def _range_tables_exact(ix: InvertedIndex, model: str) -> None:
     """Each GPU bank range's table (beyond 128 banks) holds, per key, the range's banks holding it,
     their holder count and the banks whose every instance holds it: what the banks hold."""
@@ -596,17 +599,11 @@ def test_bank_ranges_answer_like_sets(backend: str, seed: int, subset: bool) -> 
             keys = [firsts[dep], seconds[dep][rng.randrange(3)], deep, rng.getrandbits(64)]
             keys = keys[: rng.randint(1, 4)]
             insts = rng.sample(live, rng.randint(1, len(live))) if subset else None
-            want = {}
-            for inst in live if insts is None else insts:
-                tiers, counts, n_held = held[inst], [0, 0, 0, 0], 0
-                for k in keys:
-                    t = next((t for t in range(3) if k in tiers[t]), SHARED if k in pooled else None)
-                    if t is None:
-                        break
-                    counts[t] += 1
-                    n_held += 1
-                if n_held:
-                    want[inst] = InstanceMatch(n_held, tuple(counts))
+            want = {
+                inst: m
+                for inst in (live if insts is None else insts)
+                if (m := _set_match(held[inst], keys, pooled))
+            }
             assert ix.match("m", keys, insts) == want
             assert _flatten_groups(ix, "m", keys, insts, listed=16) == want
         _range_tables_exact(ix, "m")
