@@ -1132,6 +1132,25 @@ cdef inline Py_ssize_t _leading(list summaries, KeyArray keys, Py_ssize_t everyo
     return start
 
 
+cdef inline Py_ssize_t _plan_range(
+    _Planner planner, bint tables, Py_ssize_t r, Py_ssize_t start, int shift, Py_ssize_t nb,
+    uint64_t uniform, Py_ssize_t* depth, char* walk,
+) except -1:
+    """Range ``r``'s banks to look at (their count) and, in ``depth`` / ``walk``, from which key and
+    how (match_banks_into, match_banks_grouped): the one bank when there are no summaries
+    (``planner`` None); one decision for the whole range without range tables; else the planner's
+    per bank."""
+    if planner is None:
+        depth[0] = 0
+        walk[0] = WALK
+        return 1
+    if not tables:
+        depth[0] = start
+        walk[0] = WALK if (uniform >> r) & 1 else NO_WALK
+        return min(<Py_ssize_t>1 << shift, nb - (r << shift))
+    return planner.plan(r, start, depth, walk)
+
+
 def match_banks_into(list bank_tiers, list alive, list bank_owners, list summaries, list pools,
                      KeyArray keys, dict out, dict same, object match_type, Py_ssize_t everyone=-1,
                      list ranges=None):
@@ -1177,16 +1196,7 @@ def match_banks_into(list bank_tiers, list alive, list bank_owners, list summari
     while todo:
         r = __builtin_ctzll(todo)
         todo &= todo - 1
-        if planner is None:
-            m = 1
-            depth[0] = 0
-            walk[0] = WALK
-        elif ranges is None:
-            m = min(<Py_ssize_t>1 << shift, nb - (r << shift))
-            depth[0] = start
-            walk[0] = WALK if (uniform >> r) & 1 else NO_WALK
-        else:
-            m = planner.plan(r, start, depth, walk)
+        m = _plan_range(planner, ranges is not None, r, start, shift, nb, uniform, depth, walk)
         for i in range(m):
             at = i if m <= 64 and ranges is not None else 0
             if depth[at] < 0:
@@ -1274,16 +1284,7 @@ def match_banks_grouped(list bank_tiers, list alive, list bank_owners, list summ
         while todo:
             r = __builtin_ctzll(todo)
             todo &= todo - 1
-            if planner is None:
-                m = 1
-                depth[0] = 0
-                walk[0] = WALK
-            elif ranges is None:
-                m = min(<Py_ssize_t>1 << shift, nb - (r << shift))
-                depth[0] = start
-                walk[0] = WALK if (uniform >> r) & 1 else NO_WALK
-            else:
-                m = planner.plan(r, start, depth, walk)
+            m = _plan_range(planner, ranges is not None, r, start, shift, nb, uniform, depth, walk)
             for i in range(m):
                 at = i if m <= 64 and ranges is not None else 0
                 d = depth[at]
